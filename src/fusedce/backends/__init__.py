@@ -1,0 +1,45 @@
+"""Backend selection. Each backend package exposes the same small interface:
+
+- ``cross_entropy_rows(logits2d, target1d, weight, opts, inplace_backward)``
+  -> ``(loss_row, lse, predicted)``: per-row fp32 loss (differentiable w.r.t. ``logits2d``),
+  per-row fp32 lse and int64 argmax (-1 on ignored rows); no reduction.
+- ``linear_cross_entropy(...)``: the LM head fused with the loss (see ``functional``).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+_MODULES = {"torch": "fusedce.backends.reference", "triton": "fusedce.backends.triton"}
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve(name, device: torch.device) -> str:
+    """Map ``backend=`` (None -> ``$FUSEDCE_BACKEND`` or ``"auto"``) to a concrete backend name.
+
+    ``"auto"``: ``"triton"`` on CUDA tensors, ``"torch"`` otherwise. Raises ``ValueError`` for an unknown
+    name and ``RuntimeError`` for ``"triton"`` on CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    if name is None:
+        name = os.environ.get("FUSEDCE_BACKEND", "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; valid names are {BACKENDS}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda" and not interpreter_enabled():
+        raise RuntimeError(
+            "backend='triton' needs CUDA tensors; on CPU it runs only under the Triton interpreter "
+            "(set TRITON_INTERPRET=1 before importing triton), which is meant for tests"
+        )
+    return name
+
+
+def get(name, device: torch.device):
+    """The backend module for ``name`` (see ``resolve``)."""
+    return importlib.import_module(_MODULES[resolve(name, device)])

@@ -1,0 +1,62 @@
+"""Chunked cross-entropy in PyTorch: forward saves only the per-row lse, backward recomputes.
+
+Memory: the stock path keeps an fp32 softmax (BT x V) for backward and builds fp32 temporaries of the
+same size; this one holds fp32 temporaries of one chunk of rows (``tuning.chunk_rows``) at a time and
+writes the gradient straight into its output (or into ``logits`` with ``inplace_backward``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...types import LossOptions
+from .rows import rows_forward, rows_grad
+from .tuning import chunk_rows
+
+
+def _weights(weight: Optional[torch.Tensor]):
+    if weight is None:
+        return None, None
+    w = weight.float()
+    return w, w.sum()
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, weight, opts: LossOptions, inplace_backward: bool):
+        n_rows, n_classes = logits.shape
+        w, w_sum = _weights(weight)
+        loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(loss)
+        predicted = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
+        step = chunk_rows(n_classes)
+        for start in range(0, n_rows, step):
+            rows = slice(start, start + step)
+            loss[rows], lse[rows], predicted[rows] = rows_forward(
+                logits[rows].float(), target[rows], w, w_sum, opts)
+        ctx.save_for_backward(logits, target, lse, w, w_sum)
+        ctx.opts, ctx.inplace = opts, inplace_backward
+        ctx.mark_non_differentiable(lse, predicted)
+        return loss, lse, predicted
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse, _grad_pred):
+        logits, target, lse, w, w_sum = ctx.saved_tensors
+        grad = logits if ctx.inplace else torch.empty_like(logits)
+        step = chunk_rows(logits.shape[1])
+        for start in range(0, logits.shape[0], step):
+            rows = slice(start, start + step)
+            grad[rows] = rows_grad(logits[rows].float(), target[rows], w, w_sum, lse[rows],
+                                   grad_loss[rows], ctx.opts)
+        return grad, None, None, None, None
+
+
+def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                       opts: LossOptions, inplace_backward: bool = False):
+    """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against ``target`` ((BT,)).
+
+    Returns ``(loss (BT,) fp32 with grad, lse (BT,) fp32, predicted (BT,) int64)``. With
+    ``inplace_backward`` the backward pass overwrites ``logits`` with the gradient.
+    """
+    return _ChunkedCrossEntropy.apply(logits, target, weight, opts, inplace_backward)

@@ -1,0 +1,88 @@
+"""Per-row cross-entropy math on an fp32 block of rows, in plain PyTorch.
+
+Shared by the chunked CPU backend (cross-entropy and linear cross-entropy). Notation per row, on
+``z = softcap * tanh(x / softcap)`` (or ``z = x``), ``eps`` = label_smoothing, ``w`` = class weights
+(1 without), ``W = sum_c w_c``, ``t`` = target:
+
+    lse  = log sum_c exp(z_c)
+    loss = (1 - eps) * w_t * (lse - z_t) + eps / V * (W * lse - sum_c w_c z_c) + s_z * lse**2
+
+(``F.cross_entropy``'s smoothing formula; z-loss from PaLM, Chowdhery et al. 2022, sec. 5). Its gradient,
+with ``p = softmax(z)``:
+
+    dloss/dz_c = p_c * ((1 - eps) * w_t + eps / V * W + 2 s_z lse) - (1 - eps) * w_t [c == t] - eps / V * w_c
+
+and the softcap chain rule ``dz/dx = 1 - (z / softcap)**2``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...types import LossOptions
+
+
+def _cap(x: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+
+def _target_terms(z, target, weight, opts: LossOptions):
+    """(valid, in_range, safe target, z_t, w_t) for a block; never indexes with a bad target."""
+    n_classes = z.shape[1]
+    valid = target != opts.ignore_index
+    in_range = (target >= 0) & (target < n_classes)
+    safe = torch.where(in_range, target, torch.zeros_like(target)).long()
+    z_t = z.gather(1, safe[:, None])[:, 0]
+    w_t = torch.ones_like(z_t) if weight is None else weight[safe]
+    return valid, in_range, safe, z_t, w_t
+
+
+def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                 weight_sum: Optional[torch.Tensor], opts: LossOptions):
+    """Per-row loss, lse and argmax of ``x`` ((n, V) fp32; ``weight`` (V,) fp32 or None).
+
+    Returns ``(loss (n,) fp32, lse (n,) fp32, predicted (n,) int64)``: loss 0 and predicted -1 on ignored
+    rows, loss NaN on a row whose target is out of range (and not ignored).
+    """
+    n_classes = x.shape[1]
+    z = _cap(x, opts.softcap)
+    lse = torch.logsumexp(z, dim=1)
+    valid, in_range, _, z_t, w_t = _target_terms(z, target, weight, opts)
+    eps = opts.label_smoothing
+    loss = (1.0 - eps) * w_t * (lse - z_t)
+    if eps > 0.0:
+        if weight is None:
+            smooth = n_classes * lse - z.sum(dim=1)
+        else:
+            smooth = weight_sum * lse - z @ weight
+        loss = loss + (eps / n_classes) * smooth
+    if opts.lse_square_scale != 0.0:
+        loss = loss + opts.lse_square_scale * lse * lse
+    loss = torch.where(in_range, loss, torch.full_like(loss, float("nan")))
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    predicted = torch.where(valid, x.argmax(dim=1), torch.full_like(target, -1, dtype=torch.long))
+    return loss, lse, predicted
+
+
+def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+              weight_sum: Optional[torch.Tensor], lse: torch.Tensor, grad_row: torch.Tensor,
+              opts: LossOptions) -> torch.Tensor:
+    """Gradient of ``sum_i grad_row[i] * loss_i`` w.r.t. ``x`` ((n, V) fp32), fp32 (n, V).
+
+    Ignored rows get exactly 0. ``grad_row`` is the per-row upstream gradient (any strides).
+    """
+    n_classes = x.shape[1]
+    z = _cap(x, opts.softcap)
+    valid, _, safe, _, w_t = _target_terms(z, target, weight, opts)
+    eps = opts.label_smoothing
+    total_w = n_classes if weight is None else weight_sum
+    coef = (1.0 - eps) * w_t + (eps / n_classes) * total_w + 2.0 * opts.lse_square_scale * lse
+    grad = torch.exp(z - lse[:, None]) * coef[:, None]
+    grad.scatter_add_(1, safe[:, None], (-(1.0 - eps) * w_t)[:, None])
+    if eps > 0.0:
+        grad -= (eps / n_classes) if weight is None else (eps / n_classes) * weight
+    if opts.softcap is not None:
+        grad *= 1.0 - (z / opts.softcap) ** 2
+    grad *= grad_row[:, None].float()
+    return torch.where(valid[:, None], grad, torch.zeros_like(grad))

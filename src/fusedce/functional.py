@@ -1,0 +1,78 @@
+"""Public functions: normalize arguments, validate, pick the backend, apply the reduction."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from . import backends, reduction as red, validation as val
+from .types import CrossEntropyOutput
+
+
+def _rows_view(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (BT, V) with last-dim stride 1; copies once only when no such view exists."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return flat if flat.stride(-1) == 1 or flat.shape[-1] <= 1 else flat.contiguous()
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
+                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                  lse_square_scale: float = 0.0, softcap: Optional[float] = None,
+                  num_items_in_batch: Union[int, torch.Tensor, None] = None,
+                  inplace_backward: bool = False, return_stats: bool = False,
+                  backend: Optional[str] = None) -> Union[torch.Tensor, CrossEntropyOutput]:
+    """Cross-entropy over the LAST dimension of ``logits`` (the LLM layout), computed in fp32.
+
+    Args:
+        logits: ``(..., V)`` float32 / bfloat16 / float16. Any row stride; if the last dim is not
+            stride 1 it is copied once (so ``inplace_backward`` then writes into that copy).
+        target: ``(...)`` = ``logits.shape[:-1]``, int64 or int32, same device; ``ignore_index`` marks
+            rows that contribute nothing.
+        weight: optional ``(V,)`` float class weights (``F.cross_entropy`` semantics).
+        ignore_index: target value of ignored rows (default -100).
+        reduction: ``"mean"`` (sum / D), ``"sum"`` or ``"none"`` (fp32 tensor of ``target.shape``).
+            ``D = num_items_in_batch`` if given, else ``sum(w[t])`` over non-ignored rows; D == 0 gives
+            loss 0.0 and zero gradient.
+        label_smoothing: eps in [0, 1]; ``F.cross_entropy``'s formula (Szegedy et al. 2016).
+        lse_square_scale: z-loss coefficient, adds ``scale * lse**2`` per row (PaLM, Chowdhery et al.
+            2022), not class-weighted.
+        softcap: if set (> 0), the loss is taken on ``softcap * tanh(logits / softcap)`` (Gemma 2).
+        num_items_in_batch: int or 0-dim tensor, the mean's denominator under gradient accumulation.
+        inplace_backward: the backward pass writes the gradient into ``logits``' storage (destroys the
+            caller's logits after backward, saves one BT x V buffer). Default: nothing of the caller's
+            is ever modified.
+        return_stats: return ``CrossEntropyOutput(loss, z_loss, lse, token_accuracy, predicted_tokens)``.
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND`` (default auto).
+
+    Returns:
+        The fp32 loss (scalar, or ``target.shape`` for ``"none"``), or ``CrossEntropyOutput``.
+        The gradient w.r.t. ``logits`` has their dtype and shape; ignored rows get exactly 0.
+
+    Raises:
+        TypeError: non-float logits or non-integer target.
+        ValueError: shape mismatch, bad reduction, label_smoothing outside [0, 1], softcap <= 0,
+            weight not (V,), tensors on different devices, unknown backend.
+        IndexError: a target neither ``ignore_index`` nor in [0, V), naming the first bad position
+            (a host sync; skipped under torch.compile / CUDA-graph capture, where that row's loss is NaN).
+        RuntimeError: ``backend="triton"`` on CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    val.check_float("logits", logits)
+    if logits.dim() < 1:
+        raise ValueError("logits must have at least one dimension (the classes, last)")
+    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    shape, n_classes = logits.shape[:-1], logits.shape[-1]
+    val.check_target(target, shape, logits.device)
+    val.check_vector("weight", weight, n_classes, logits.device)
+    impl = backends.get(backend, logits.device)
+    val.check_target_range(target, n_classes, opts.ignore_index)
+
+    rows, flat_target = _rows_view(logits), target.reshape(-1)
+    loss_rows, lse, predicted = impl.cross_entropy_rows(rows, flat_target, weight, opts, inplace_backward)
+    scale = None
+    if reduction == "mean":
+        denominator = red.mean_denominator(flat_target, weight, opts.ignore_index, num_items_in_batch)
+        scale = red.mean_scale(denominator)
+    loss = red.reduce(loss_rows, reduction, scale, shape)
+    if not return_stats:
+        return loss
+    return red.stats(loss, lse, predicted, flat_target, opts, reduction, scale, shape)

@@ -1,0 +1,34 @@
+"""``nn.Module`` wrappers with the same argument order and semantics as the functions."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .functional import cross_entropy
+
+
+class CrossEntropyLoss(nn.Module):
+    """Module form of :func:`fusedce.cross_entropy`; ``weight`` is registered as a buffer.
+
+    ``forward(logits (..., V), target (...), num_items_in_batch=None)``; see ``cross_entropy`` for
+    shapes, dtypes, the in-place option and errors.
+    """
+
+    def __init__(self, weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                 softcap: Optional[float] = None, inplace_backward: bool = False,
+                 return_stats: bool = False, backend: Optional[str] = None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.lse_square_scale, self.softcap = label_smoothing, lse_square_scale, softcap
+        self.inplace_backward, self.return_stats, self.backend = inplace_backward, return_stats, backend
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None):
+        return cross_entropy(
+            logits, target, self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
+            label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
+            softcap=self.softcap, num_items_in_batch=num_items_in_batch,
+            inplace_backward=self.inplace_backward, return_stats=self.return_stats, backend=self.backend)
