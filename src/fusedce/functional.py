@@ -67,7 +67,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     val.check_target_range(target, n_classes, opts.ignore_index)
 
     rows, flat_target = _rows_view(logits), target.reshape(-1)
-    loss_rows, lse, predicted = impl.cross_entropy_rows(rows, flat_target, weight, opts, inplace_backward)
+    loss_rows, lse, predicted = impl.cross_entropy_rows(
+        rows, flat_target, weight, opts, inplace_backward, return_stats)
     scale = None
     if reduction == "mean":
         denominator = red.mean_denominator(flat_target, weight, opts.ignore_index, num_items_in_batch)

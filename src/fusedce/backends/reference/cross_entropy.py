@@ -53,10 +53,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
-                       opts: LossOptions, inplace_backward: bool = False):
+                       opts: LossOptions, inplace_backward: bool = False, stats: bool = True):
     """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against ``target`` ((BT,)).
 
     Returns ``(loss (BT,) fp32 with grad, lse (BT,) fp32, predicted (BT,) int64)``. With
-    ``inplace_backward`` the backward pass overwrites ``logits`` with the gradient.
+    ``inplace_backward`` the backward pass overwrites ``logits`` with the gradient. ``stats`` is accepted
+    for interface parity (lse and argmax cost nothing extra here).
     """
     return _ChunkedCrossEntropy.apply(logits, target, weight, opts, inplace_backward)

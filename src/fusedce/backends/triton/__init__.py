@@ -1,0 +1,4 @@
+"""Triton backend: fused cross-entropy kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
+from .ops import cross_entropy_rows
+
+__all__ = ["cross_entropy_rows"]

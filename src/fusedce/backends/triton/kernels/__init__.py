@@ -1,0 +1,1 @@
+"""@triton.jit kernels only; launchers live one level up (``launch.py``)."""

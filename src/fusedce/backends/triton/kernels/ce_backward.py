@@ -1,0 +1,69 @@
+"""Cross-entropy backward: 2-D grid (row, vocabulary block), recomputes softmax from the saved lse.
+
+dloss/dz_c = p_c * ((1 - eps) w_t + eps / V * W + 2 s_z lse) - (1 - eps) w_t [c == t] - eps / V * w_c,
+then the softcap chain rule dz/dx = 1 - (z / softcap)^2, times the row's upstream gradient
+(``grad_row``, which already carries the mean's 1/D). Ignored rows are written as exact zeros without
+reading their logits. Writing into ``logits``' own storage (in-place backward) is safe: each program
+reads its block before writing it and no other program touches that block.
+
+Bytes moved per token (row), V classes, s bytes per logit:
+    read  V * s (logits; skipped on ignored rows) + 4 (lse) + 4 (grad_row) + 4-8 (target)
+          [+ 4 V class weights, L2-resident]
+    write V * s (gradient)
+With the forward pass, fwd+bwd moves 3 * V * s per non-ignored token: the floor of an unfused
+two-kernel design that does not keep a row on chip between passes.
+"""
+import triton
+import triton.language as tl
+
+from .common import apply_softcap, softcap_slope, target_terms
+
+
+@triton.jit
+def ce_backward_kernel(
+    # pointers
+    logits_ptr,       # [n_rows, n_cols] fp32/bf16/fp16, last dim contiguous
+    grad_ptr,         # [n_rows, n_cols] out, logits' dtype; may equal logits_ptr (in-place)
+    target_ptr,       # [n_rows] int32/int64
+    weight_ptr,       # [n_cols] class weights (HAS_WEIGHT)
+    weight_sum_ptr,   # [1] fp32 sum of class weights (HAS_WEIGHT and HAS_SMOOTHING)
+    lse_ptr,          # [n_rows] fp32 from the forward
+    grad_row_ptr,     # [n_rows] upstream gradient per row (any float dtype, any stride, 0 allowed)
+    # sizes
+    n_cols,
+    # strides (elements)
+    stride_logits_row, stride_grad_row, stride_target, stride_grad_row_vec,
+    # runtime scalars (fp32)
+    ignore_index, label_smoothing, lse_square_scale, softcap,
+    # meta-parameters
+    BLOCK_V: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < n_cols
+    target = tl.load(target_ptr + row * stride_target).to(tl.int64)
+    is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, weight_ptr, HAS_WEIGHT)
+
+    live = cols < tl.where(is_valid, n_cols, 0)      # ignored rows read nothing
+    x = tl.load(logits_ptr + row * stride_logits_row + cols, mask=live, other=0.0)
+    z = apply_softcap(x.to(tl.float32), softcap, HAS_SOFTCAP)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(grad_row_ptr + row * stride_grad_row_vec).to(tl.float32)
+
+    p = tl.exp(z - lse)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            total_w = tl.load(weight_sum_ptr)
+            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            total_w = n_cols * 1.0
+            w = 1.0
+        coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_cols * total_w
+        dz = p * (coef + 2.0 * lse_square_scale * lse) - label_smoothing / n_cols * w
+    else:
+        dz = p * (w_t + 2.0 * lse_square_scale * lse)
+    dz -= tl.where(cols == target, (1.0 - label_smoothing) * w_t, 0.0)
+    dz *= softcap_slope(z, softcap, HAS_SOFTCAP) * g
+    dz = tl.where(is_valid, dz, 0.0)
+    tl.store(grad_ptr + row * stride_grad_row + cols, dz.to(grad_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,90 @@
+"""Cross-entropy forward: one program per row, online softmax over vocabulary blocks.
+
+Per row (see ``backends/reference/rows.py`` for the formula and its sources) it writes the fp32 loss,
+the fp32 lse (saved for backward) and, with COMPUTE_STATS, the argmax of the raw logits.
+
+Bytes moved per token (row), V classes, s bytes per logit:
+    read  V * s (logits, once; skipped entirely on ignored rows unless COMPUTE_STATS)
+          + 4-8 (target) + 4 (w_t) [+ 4 V class weights, L2-resident, when smoothing with weights]
+    write 4 (loss) + 4 (lse) [+ 8 (argmax) with stats]
+Nothing of size BT x V is written: a forward-only call reads the logits once.
+"""
+import triton
+import triton.language as tl
+
+from .common import apply_softcap, target_terms
+
+
+@triton.jit
+def ce_forward_kernel(
+    # pointers
+    logits_ptr,       # [n_rows, n_cols] fp32/bf16/fp16, last dim contiguous
+    target_ptr,       # [n_rows] int32/int64
+    weight_ptr,       # [n_cols] float class weights (read only if HAS_WEIGHT)
+    weight_sum_ptr,   # [1] fp32, sum of the class weights (read only if HAS_WEIGHT and HAS_SMOOTHING)
+    loss_ptr,         # [n_rows] fp32 out
+    lse_ptr,          # [n_rows] fp32 out
+    predicted_ptr,    # [n_rows] int64 out (written only if COMPUTE_STATS)
+    # sizes
+    n_cols,
+    # strides (elements)
+    stride_logits_row, stride_target,
+    # runtime scalars (fp32; changing them does not recompile)
+    ignore_index, label_smoothing, lse_square_scale, softcap,
+    # meta-parameters
+    BLOCK_V: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_STATS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_logits_row
+    target = tl.load(target_ptr + row * stride_target).to(tl.int64)
+    is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, weight_ptr, HAS_WEIGHT)
+
+    # Online softmax (Milakov & Gimelshein 2018): running max m and s = sum exp(z - m).
+    # Ignored rows run zero iterations unless the stats need their lse / argmax.
+    n_scan = tl.where(is_valid | COMPUTE_STATS, n_cols, 0)
+    m = -float("inf")
+    s = 0.0
+    zsum = 0.0                 # sum_c w_c z_c (w = 1 without weights), for smoothing only
+    best = -float("inf")       # running argmax of the raw logits (lowest index on ties)
+    best_idx = 0
+    for start in range(0, n_scan, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < n_cols
+        x = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        z = apply_softcap(x, softcap, HAS_SOFTCAP)
+        if HAS_SOFTCAP:
+            z = tl.where(mask, z, -float("inf"))
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                zsum += tl.sum(tl.where(mask, w * z, 0.0), axis=0)
+            else:
+                zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+        if COMPUTE_STATS:
+            bmax, bidx = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            take = bmax > best
+            best_idx = tl.where(take, start + bidx, best_idx)
+            best = tl.where(take, bmax, best)
+    lse = tl.where(n_scan > 0, m + tl.log(tl.where(n_scan > 0, s, 1.0)), 0.0)   # 0 on skipped rows
+
+    x_t = tl.load(row_ptr + safe).to(tl.float32)
+    z_t = apply_softcap(x_t, softcap, HAS_SOFTCAP)
+    loss = (1.0 - label_smoothing) * w_t * (lse - z_t)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            total_w = tl.load(weight_sum_ptr)
+        else:
+            total_w = n_cols * 1.0
+        loss += label_smoothing / n_cols * (total_w * lse - zsum)
+    loss += lse_square_scale * lse * lse
+    loss = tl.where(in_range, loss, float("nan"))
+    loss = tl.where(is_valid, loss, 0.0)
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+    if COMPUTE_STATS:
+        tl.store(predicted_ptr + row, tl.where(is_valid, best_idx.to(tl.int64), -1))
