@@ -59,7 +59,7 @@ def ce_forward_kernel(
         if HAS_SMOOTHING:
             if HAS_WEIGHT:
                 w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                zsum += tl.sum(tl.where(mask, w * z, 0.0), axis=0)
+                zsum += tl.sum(w * tl.where(mask, z, 0.0), axis=0)
             else:
                 zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         m_new = tl.maximum(m, tl.max(z, axis=0))
