@@ -77,3 +77,80 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     if not return_stats:
         return loss
     return red.stats(loss, lse, predicted, flat_target, opts, reduction, scale, shape)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, *, ce_weight: Optional[torch.Tensor] = None,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         lse_square_scale: float = 0.0, softcap: Optional[float] = None,
+                         num_items_in_batch: Union[int, torch.Tensor, None] = None,
+                         chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32,
+                         return_stats: bool = False,
+                         backend: Optional[str] = None) -> Union[torch.Tensor, CrossEntropyOutput]:
+    """The LM head fused with the loss: ``cross_entropy(hidden @ weight.T + bias, target)`` without
+    ever allocating the BT x V logits.
+
+    Args:
+        hidden: ``(..., H)`` float32 / bfloat16 / float16 (the last hidden states).
+        weight: ``(V, H)``, the LM head in ``nn.Linear`` layout, same dtype as ``hidden``.
+        target: ``(...)`` = ``hidden.shape[:-1]``, int64 or int32.
+        bias: optional ``(V,)``, same dtype as ``hidden``.
+        ce_weight: optional ``(V,)`` class weights of the loss.
+        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, num_items_in_batch:
+            as in :func:`cross_entropy`, on logits computed in ``hidden``'s dtype with fp32 accumulation
+            (as ``F.linear``); the loss math is fp32.
+        chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
+            None = automatic: ``max(1024, BT * H / V)`` rows, capped at BT (rule and its measurement in
+            ``backends/linear/tuning.py``).
+        accum_dtype: dtype in which the ``weight`` and ``bias`` gradients accumulate across chunks.
+        return_stats: return ``CrossEntropyOutput``; its ``lse`` is 0 on ignored rows (never computed).
+        backend: as in :func:`cross_entropy`.
+
+    Returns:
+        The fp32 loss, or ``CrossEntropyOutput``. Gradients of ``hidden``, ``weight``, ``bias`` have their
+        tensors' dtypes; every reduction supports backward ("none" recomputes each chunk's logits in
+        backward: +2 BT V H FLOPs). Nothing of the caller's is modified.
+
+    Ignored tokens cost no matmul FLOPs: the non-ignored rows are gathered first, which host-syncs once
+    per call (skipped under torch.compile and CUDA-graph capture, where every row is computed).
+
+    Raises:
+        The errors of :func:`cross_entropy`, plus ``ValueError`` when ``hidden.shape[-1] !=
+        weight.shape[1]``, ``weight`` is not 2-D or ``bias`` is not ``(V,)``, and ``TypeError`` when
+        ``hidden``, ``weight`` and ``bias`` dtypes differ.
+    """
+    val.check_float("hidden", hidden)
+    val.check_float("weight", weight)
+    if hidden.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"hidden must be (..., H) and weight (V, H); got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal weight.shape[1] = {weight.shape[1]}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    shape, n_classes = hidden.shape[:-1], weight.shape[0]
+    val.check_target(target, shape, hidden.device)
+    val.check_vector("bias", bias, n_classes, hidden.device)
+    val.check_vector("ce_weight", ce_weight, n_classes, hidden.device)
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise TypeError(f"hidden, weight and bias must share a dtype; got {hidden.dtype}, {weight.dtype}"
+                        f"{'' if bias is None else ', ' + str(bias.dtype)}")
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
+    impl = backends.get(backend, hidden.device)
+    val.check_target_range(target, n_classes, opts.ignore_index)
+
+    flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    scale = None
+    if reduction == "mean":
+        denominator = red.mean_denominator(flat_target, ce_weight, opts.ignore_index, num_items_in_batch)
+        scale = red.mean_scale(denominator)
+    loss, lse, predicted = impl.linear_cross_entropy(
+        flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scale,
+        None if chunk_size is None else int(chunk_size), accum_dtype, return_stats)
+    if reduction == "none":
+        loss = loss.reshape(shape)
+    if not return_stats:
+        return loss
+    return red.stats(loss, lse, predicted, flat_target, opts, reduction, scale, shape)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .functional import cross_entropy
+from .functional import cross_entropy, linear_cross_entropy
 
 
 class CrossEntropyLoss(nn.Module):
@@ -32,3 +32,31 @@ class CrossEntropyLoss(nn.Module):
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
             softcap=self.softcap, num_items_in_batch=num_items_in_batch,
             inplace_backward=self.inplace_backward, return_stats=self.return_stats, backend=self.backend)
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`fusedce.linear_cross_entropy` (the LM head's weight is passed to forward).
+
+    ``forward(hidden (..., H), weight (V, H), target (...), bias=None, num_items_in_batch=None)``; see
+    ``linear_cross_entropy`` for shapes, dtypes, chunking and errors. ``ce_weight`` is a buffer.
+    """
+
+    def __init__(self, ce_weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                 softcap: Optional[float] = None, return_stats: bool = False, backend: Optional[str] = None,
+                 chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.register_buffer("ce_weight", ce_weight)
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.lse_square_scale, self.softcap = label_smoothing, lse_square_scale, softcap
+        self.return_stats, self.backend = return_stats, backend
+        self.chunk_size, self.accum_dtype = chunk_size, accum_dtype
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, num_items_in_batch=None):
+        return linear_cross_entropy(
+            hidden, weight, target, bias, ce_weight=self.ce_weight, ignore_index=self.ignore_index,
+            reduction=self.reduction, label_smoothing=self.label_smoothing,
+            lse_square_scale=self.lse_square_scale, softcap=self.softcap,
+            num_items_in_batch=num_items_in_batch, chunk_size=self.chunk_size,
+            accum_dtype=self.accum_dtype, return_stats=self.return_stats, backend=self.backend)

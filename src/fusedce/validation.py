@@ -57,7 +57,7 @@ def check_vector(name: str, t: Optional[torch.Tensor], size: int, device: torch.
         raise ValueError(f"{name} is on {t.device} but the data is on {device}")
 
 
-def _sync_allowed() -> bool:
+def sync_allowed() -> bool:
     """The target-range check host-syncs; skip it under torch.compile and CUDA-graph capture."""
     if torch.compiler.is_compiling():
         return False
@@ -72,7 +72,7 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
     This is the contract's one documented host sync of ``cross_entropy``; skipped (a bad row then
     gives a NaN loss row, never an out-of-bounds read) while compiling or capturing a CUDA graph.
     """
-    if target.numel() == 0 or not _sync_allowed():
+    if target.numel() == 0 or not sync_allowed():
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
     if bool(bad.any()):

@@ -7,13 +7,11 @@
 """
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
-_MODULES = {"torch": "fusedce.backends.reference", "triton": "fusedce.backends.triton"}
 
 
 def interpreter_enabled() -> bool:
@@ -41,5 +39,14 @@ def resolve(name, device: torch.device) -> str:
 
 
 def get(name, device: torch.device):
-    """The backend module for ``name`` (see ``resolve``)."""
-    return importlib.import_module(_MODULES[resolve(name, device)])
+    """The backend module for ``name`` (see ``resolve``), imported on first use.
+
+    Plain ``import`` statements rather than ``importlib.import_module``: torch.compile (Dynamo) traces an
+    import statement but graph-breaks on ``importlib``, and this runs inside every compiled call.
+    """
+    resolved = resolve(name, device)
+    if resolved == "triton":
+        from . import triton as module
+    else:
+        from . import reference as module
+    return module

@@ -15,26 +15,43 @@ from .rows import rows_forward, rows_grad
 from .tuning import chunk_rows
 
 
-def _weights(weight: Optional[torch.Tensor]):
+def class_weights(weight: Optional[torch.Tensor]):
+    """(fp32 weights, their sum as a device tensor), or (None, None)."""
     if weight is None:
         return None, None
     w = weight.float()
     return w, w.sum()
 
 
+def chunk_loss(logits, target, w, w_sum, opts: LossOptions, stats: bool = True):
+    """Per-row ``(loss fp32, lse fp32, predicted int64)`` of ``logits`` ((n, V)), no gradient."""
+    n_rows, n_classes = logits.shape
+    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(loss)
+    predicted = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
+    step = chunk_rows(n_classes)
+    for start in range(0, n_rows, step):
+        rows = slice(start, start + step)
+        loss[rows], lse[rows], predicted[rows] = rows_forward(
+            logits[rows].float(), target[rows], w, w_sum, opts)
+    return loss, lse, predicted
+
+
+def chunk_grad_(logits, target, w, w_sum, lse, grad_row, opts: LossOptions, out=None) -> torch.Tensor:
+    """Write d(sum_i grad_row[i] * loss_i)/d logits into ``out`` (default: ``logits`` itself)."""
+    out = logits if out is None else out
+    step = chunk_rows(logits.shape[1])
+    for start in range(0, logits.shape[0], step):
+        rows = slice(start, start + step)
+        out[rows] = rows_grad(logits[rows].float(), target[rows], w, w_sum, lse[rows], grad_row[rows], opts)
+    return out
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, opts: LossOptions, inplace_backward: bool):
-        n_rows, n_classes = logits.shape
-        w, w_sum = _weights(weight)
-        loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(loss)
-        predicted = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
-        step = chunk_rows(n_classes)
-        for start in range(0, n_rows, step):
-            rows = slice(start, start + step)
-            loss[rows], lse[rows], predicted[rows] = rows_forward(
-                logits[rows].float(), target[rows], w, w_sum, opts)
+        w, w_sum = class_weights(weight)
+        loss, lse, predicted = chunk_loss(logits, target, w, w_sum, opts)
         ctx.save_for_backward(logits, target, lse, w, w_sum)
         ctx.opts, ctx.inplace = opts, inplace_backward
         ctx.mark_non_differentiable(lse, predicted)
@@ -43,12 +60,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse, _grad_pred):
         logits, target, lse, w, w_sum = ctx.saved_tensors
-        grad = logits if ctx.inplace else torch.empty_like(logits)
-        step = chunk_rows(logits.shape[1])
-        for start in range(0, logits.shape[0], step):
-            rows = slice(start, start + step)
-            grad[rows] = rows_grad(logits[rows].float(), target[rows], w, w_sum, lse[rows],
-                                   grad_loss[rows], ctx.opts)
+        out = None if ctx.inplace else torch.empty_like(logits)
+        grad = chunk_grad_(logits, target, w, w_sum, lse, grad_loss, ctx.opts, out=out)
         return grad, None, None, None, None
 
 

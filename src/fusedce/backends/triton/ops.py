@@ -1,4 +1,11 @@
-"""Autograd Function around the Triton launches (per-row loss; the reduction is applied outside)."""
+"""Autograd for the Triton cross-entropy custom ops, and the backend interface ``cross_entropy_rows``.
+
+Layering (quack style): kernels/*.py -> launch.py (launch into given buffers) -> custom_ops.py (torch
+custom ops: allocate + launch, fake impls) -> this file (autograd formula registered on the forward op;
+per-row loss only, the reduction is applied by ``functional``). Because every launch is a custom op with
+a fake impl and a registered autograd formula, ``torch.compile(fullgraph=True)`` traces
+``fusedce.cross_entropy`` forward and backward without a graph break.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -6,7 +13,38 @@ from typing import Optional
 import torch
 
 from ...types import LossOptions
-from .launch import ce_backward, ce_forward
+from . import custom_ops
+
+# Inputs of fusedce::ce_forward, in schema order (the autograd formula returns one gradient for each).
+_FORWARD_INPUTS = ("logits", "target", "weight", "weight_sum", "ignore_index", "label_smoothing",
+                   "lse_square_scale", "softcap", "has_softcap", "stats", "inplace_backward")
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, weight, weight_sum = inputs[:4]
+    _loss, lse, predicted = output
+    ctx.save_for_backward(logits, target, weight, weight_sum, lse)
+    ctx.options = tuple(inputs[4:9])      # ignore_index, label_smoothing, lse_square_scale, softcap, has_softcap
+    ctx.inplace = inputs[10]
+    ctx.mark_non_differentiable(lse, predicted)
+
+
+def _backward(ctx, grad_loss, _grad_lse, _grad_predicted):
+    """d loss / d logits for the upstream per-row gradient ``grad_loss`` (any strides, e.g. stride 0)."""
+    logits, target, weight, weight_sum, lse = ctx.saved_tensors
+    if ctx.inplace:
+        # A custom op may not return an alias of its input: the mutating op returns nothing and the
+        # gradient handed to autograd is ``logits`` itself, now holding d loss / d logits.
+        torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, grad_loss,
+                                              *ctx.options)
+        grad = logits
+    else:
+        grad = torch.ops.fusedce.ce_backward(logits, target, weight, weight_sum, lse, grad_loss,
+                                             *ctx.options)
+    return (grad,) + (None,) * (len(_FORWARD_INPUTS) - 1)
+
+
+torch.library.register_autograd("fusedce::ce_forward", _backward, setup_context=_setup_context)
 
 
 def _weights(weight: Optional[torch.Tensor]):
@@ -15,34 +53,13 @@ def _weights(weight: Optional[torch.Tensor]):
     return weight.contiguous(), weight.float().sum().reshape(1)
 
 
-class TritonCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, weight, opts: LossOptions, inplace_backward: bool, stats: bool):
-        n_rows = logits.shape[0]
-        w, w_sum = _weights(weight)
-        loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(loss)
-        predicted = torch.empty(n_rows, dtype=torch.int64, device=logits.device) if stats else None
-        ce_forward(logits, target, w, w_sum, opts, loss, lse, predicted)
-        ctx.save_for_backward(logits, target, w, w_sum, lse)
-        ctx.opts, ctx.inplace = opts, inplace_backward
-        if predicted is None:
-            predicted = torch.empty(0, dtype=torch.int64, device=logits.device)
-        ctx.mark_non_differentiable(lse, predicted)
-        return loss, lse, predicted
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_lse, _grad_predicted):
-        logits, target, w, w_sum, lse = ctx.saved_tensors
-        grad = logits if ctx.inplace else torch.empty_like(logits)
-        ce_backward(logits, target, w, w_sum, lse, grad_loss, ctx.opts, grad)
-        return grad, None, None, None, None, None
-
-
 def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                        opts: LossOptions, inplace_backward: bool = False, stats: bool = True):
     """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against ``target`` ((BT,)).
 
     Returns ``(loss (BT,) fp32 with grad, lse (BT,) fp32, predicted (BT,) int64 or empty if not stats)``.
+    With ``inplace_backward`` the backward pass writes the gradient into ``logits``' storage.
     """
-    return TritonCrossEntropy.apply(logits, target, weight, opts, inplace_backward, stats)
+    w, w_sum = _weights(weight)
+    return torch.ops.fusedce.ce_forward(logits, target, w, w_sum, *custom_ops.options_args(opts), stats,
+                                        inplace_backward)

@@ -1,0 +1,22 @@
+"""The PyTorch backend's per-chunk cross-entropy, plugged into the shared linear chunk loop."""
+from __future__ import annotations
+
+import functools
+
+from ..linear import linear_cross_entropy as _linear_cross_entropy
+from .cross_entropy import chunk_grad_, chunk_loss
+
+
+class TorchChunkCE:
+    """``ChunkCE`` in plain PyTorch (row sub-chunks keep the fp32 temporaries small)."""
+
+    @staticmethod
+    def loss(logits, target, w, w_sum, opts, stats):
+        return chunk_loss(logits, target, w, w_sum, opts, stats)
+
+    @staticmethod
+    def grad_(logits, target, w, w_sum, lse, grad_row, opts):
+        chunk_grad_(logits, target, w, w_sum, lse, grad_row, opts)
+
+
+linear_cross_entropy = functools.partial(_linear_cross_entropy, TorchChunkCE)

@@ -1,0 +1,126 @@
+"""The Triton launches as torch custom ops, so ``torch.compile(fullgraph=True)`` traces through them.
+
+Three ops in the ``fusedce`` namespace, each "allocate, then call a launcher" (``launch.py``) plus a fake
+(meta) implementation that gives the output shapes, dtypes and strides without touching data:
+
+- ``fusedce::ce_forward(logits, target, weight?, weight_sum?, <options>, stats, inplace_backward)
+  -> (loss, lse, predicted)``
+  ``loss``, ``lse``: (BT,) fp32; ``predicted``: (BT,) int64, or (0,) when ``stats`` is False.
+- ``fusedce::ce_backward(logits, target, weight?, weight_sum?, lse, grad_row, <options>) -> grad``
+  ``grad``: (BT, V) contiguous, logits' dtype; a new buffer.
+- ``fusedce::ce_backward_inplace(logits!, ...same...) -> ()`` writes the gradient into ``logits``.
+  A custom op may not return an alias of an input, so the in-place variant declares the mutation
+  (``mutates_args=("logits",)``, schema ``Tensor(a!)``) and returns nothing; the autograd formula
+  (``ops.py``) then hands ``logits`` itself back as the gradient. Under torch.compile, functionalization
+  turns the mutation into ``auto_functionalized`` and Inductor re-inplaces it into ``logits``' buffer
+  when that is safe (it is when nothing else reads the logits later), else it computes into a copy: the
+  in-place write is then a memory hint, never a change of results.
+
+``<options>`` are primitives because a custom op cannot take the ``LossOptions`` dataclass:
+``ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float, has_softcap: bool``
+(``softcap=None`` travels as ``has_softcap=False``). Python floats reach the kernels as fp32 scalars, in
+eager and compiled code alike, so e.g. softcap=30.0 is never promoted to fp64.
+
+Inputs may have any strides (Inductor may pass e.g. an expanded stride-0 upstream gradient): the
+kernels take row strides for logits, target and grad_row; ``lse`` and ``weight`` are made contiguous
+(BT or V elements, a no-op in practice); logits whose last dim is not stride 1 are copied once (the
+in-place op then writes through a contiguous temporary and copies back).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...types import LossOptions
+from .launch import ce_backward as launch_backward
+from .launch import ce_forward as launch_forward
+
+Opt = Optional[torch.Tensor]
+
+
+def _opts(ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float,
+          has_softcap: bool) -> LossOptions:
+    return LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap if has_softcap else None)
+
+
+def options_args(opts: LossOptions) -> tuple:
+    """``LossOptions`` -> the primitive ``<options>`` arguments of the ops (see the module docstring)."""
+    has_softcap = opts.softcap is not None
+    return (opts.ignore_index, opts.label_smoothing, opts.lse_square_scale,
+            opts.softcap if has_softcap else 1.0, has_softcap)
+
+
+def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
+    return logits if logits.stride(-1) == 1 or logits.shape[-1] <= 1 else logits.contiguous()
+
+
+def _opt_contiguous(t: Opt) -> Opt:
+    return None if t is None else t.contiguous()
+
+
+# ---------------------------------------------------------------- forward
+
+@torch.library.custom_op("fusedce::ce_forward", mutates_args=())
+def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
+               ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float,
+               has_softcap: bool, stats: bool, inplace_backward: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # ``inplace_backward`` does not change the forward; it is an input so that the autograd formula
+    # registered on this op (ops.py) can pick the backward variant.
+    n_rows = logits.shape[0]
+    loss = logits.new_empty(n_rows, dtype=torch.float32)
+    lse = logits.new_empty(n_rows, dtype=torch.float32)
+    predicted = logits.new_empty(n_rows if stats else 0, dtype=torch.int64)
+    launch_forward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
+                   _opts(ignore_index, label_smoothing, lse_square_scale, softcap, has_softcap),
+                   loss, lse, predicted if stats else None)
+    return loss, lse, predicted
+
+
+@ce_forward.register_fake
+def _(logits, target, weight, weight_sum, ignore_index, label_smoothing, lse_square_scale, softcap,
+      has_softcap, stats, inplace_backward):
+    n_rows = logits.shape[0]
+    return (logits.new_empty(n_rows, dtype=torch.float32), logits.new_empty(n_rows, dtype=torch.float32),
+            logits.new_empty(n_rows if stats else 0, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------- backward, into a new buffer
+
+@torch.library.custom_op("fusedce::ce_backward", mutates_args=())
+def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
+                lse: torch.Tensor, grad_row: torch.Tensor, ignore_index: int, label_smoothing: float,
+                lse_square_scale: float, softcap: float, has_softcap: bool) -> torch.Tensor:
+    grad = logits.new_empty(logits.shape)
+    launch_backward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
+                    lse.contiguous(), grad_row,
+                    _opts(ignore_index, label_smoothing, lse_square_scale, softcap, has_softcap), grad)
+    return grad
+
+
+@ce_backward.register_fake
+def _(logits, target, weight, weight_sum, lse, grad_row, ignore_index, label_smoothing,
+      lse_square_scale, softcap, has_softcap):
+    return logits.new_empty(logits.shape)
+
+
+# ---------------------------------------------------------------- backward, into logits' storage
+
+@torch.library.custom_op("fusedce::ce_backward_inplace", mutates_args=("logits",))
+def ce_backward_inplace(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
+                        lse: torch.Tensor, grad_row: torch.Tensor, ignore_index: int,
+                        label_smoothing: float, lse_square_scale: float, softcap: float,
+                        has_softcap: bool) -> None:
+    opts = _opts(ignore_index, label_smoothing, lse_square_scale, softcap, has_softcap)
+    rows = _unit_stride(logits)   # each program reads its block before writing it: aliasing is safe
+    launch_backward(rows, target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
+                    lse.contiguous(), grad_row, opts, rows)
+    if rows is not logits:
+        logits.copy_(rows)
+
+
+@ce_backward_inplace.register_fake
+def _(logits, target, weight, weight_sum, lse, grad_row, ignore_index, label_smoothing,
+      lse_square_scale, softcap, has_softcap):
+    return None
