@@ -70,7 +70,7 @@ def row_slice(n_rows: int, rows: Optional[int]) -> Optional[torch.Tensor]:
     return torch.linspace(0, n_rows - 1, rows).round().long().unique()
 
 
-def _synthetic(source: dict, needs: tuple, device: torch.device):
+def _synthetic(source: dict, needs: tuple) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(int(source.get("seed", 0)))
     n_rows, hidden_size, vocab = int(source["tokens"]), int(source["hidden"]), int(source["vocab"])
     seq_len = min(SEQ_LEN, n_rows)
@@ -96,7 +96,7 @@ def build(source: dict, needs: tuple, dtype: torch.dtype, device: str,
     if source["kind"] == "real":
         data = torch.load(source["file"], map_location="cpu", weights_only=True)
     elif source["kind"] == "synthetic":
-        data = _synthetic(source, needs, dev)
+        data = _synthetic(source, needs)
     else:
         raise ValueError(f"unknown input source {source['kind']!r}")
     keep = row_slice(data["target"].shape[0], rows)

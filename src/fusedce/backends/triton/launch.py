@@ -1,4 +1,9 @@
-"""Launchers: validate -> launch into caller-supplied buffers. No allocation of BT x V here, no sync."""
+"""Launchers: validate -> launch into caller-supplied buffers. No allocation of BT x V here, no sync.
+
+The grid, the argument list and the meta-parameters of each kernel are computed in one place,
+``forward_launch`` / ``backward_launch``; the launchers run them and ``fusedce.inspect`` compiles them
+for a GPU target offline (with meta tensors), so the report shows exactly what a real launch compiles.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -22,6 +27,48 @@ def _scalars(opts: LossOptions) -> tuple:
             1.0 if opts.softcap is None else opts.softcap)
 
 
+def _align(elem_size: int, *ints: int) -> int:
+    """The kernels' ``ALIGN``: the largest power of two, at most one 16-byte vector of elements, that
+    divides every int given (n_cols and the row strides). With 16-byte aligned base pointers it lets the
+    compiler emit 128-bit accesses whenever the rows allow it, not only when V % 16 == 0 (Triton's own
+    integer specialization); V odd gives 1 (scalar accesses, nothing to prove)."""
+    align = 16 // elem_size
+    while align > 1 and any(v % align for v in ints):
+        align //= 2
+    return align
+
+
+def forward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                   weight_sum: Optional[torch.Tensor], opts: LossOptions, loss: torch.Tensor,
+                   lse: torch.Tensor, predicted: Optional[torch.Tensor]):
+    """``(kernel, grid, args, meta)`` of the forward launch for these buffers (see ``ce_forward``)."""
+    n_rows, n_cols = logits.shape
+    dummy = loss  # any valid pointer for arguments a constexpr flag leaves unread
+    cfg = forward_config(n_cols)
+    args = (logits, target, dummy if weight is None else weight, dummy if weight_sum is None else weight_sum,
+            loss, lse, dummy if predicted is None else predicted,
+            n_cols, logits.stride(0), target.stride(0), *_scalars(opts))
+    meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
+                COMPUTE_STATS=predicted is not None, **_flags(weight, opts), num_warps=cfg["num_warps"])
+    return ce_forward_kernel, (n_rows,), args, meta
+
+
+def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                    weight_sum: Optional[torch.Tensor], lse: torch.Tensor, grad_row: torch.Tensor,
+                    opts: LossOptions, grad: torch.Tensor):
+    """``(kernel, grid, args, meta)`` of the backward launch for these buffers (see ``ce_backward``)."""
+    n_rows, n_cols = logits.shape
+    dummy = lse
+    cfg = backward_config(n_cols)
+    grid = (n_rows, triton.cdiv(n_cols, cfg["BLOCK_V"]))
+    args = (logits, grad, target, dummy if weight is None else weight,
+            dummy if weight_sum is None else weight_sum, lse, grad_row,
+            n_cols, logits.stride(0), grad.stride(0), target.stride(0), grad_row.stride(0), *_scalars(opts))
+    align = _align(min(logits.element_size(), grad.element_size()), n_cols, logits.stride(0), grad.stride(0))
+    meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=align, **_flags(weight, opts), num_warps=cfg["num_warps"])
+    return ce_backward_kernel, grid, args, meta
+
+
 def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                weight_sum: Optional[torch.Tensor], opts: LossOptions, loss: torch.Tensor,
                lse: torch.Tensor, predicted: Optional[torch.Tensor]) -> None:
@@ -30,18 +77,10 @@ def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torc
     ``loss``, ``lse``: (BT,) fp32 contiguous; ``predicted``: (BT,) int64 or None (no argmax computed).
     ``weight_sum``: 1-element fp32 tensor = weight.sum() when ``weight`` is given.
     """
-    n_rows, n_cols = logits.shape
-    if n_rows == 0:
+    if logits.shape[0] == 0:
         return
-    dummy = loss  # any valid pointer for arguments a constexpr flag leaves unread
-    cfg = forward_config(n_cols)
-    ce_forward_kernel[(n_rows,)](
-        logits, target, dummy if weight is None else weight,
-        dummy if weight_sum is None else weight_sum,
-        loss, lse, dummy if predicted is None else predicted,
-        n_cols, logits.stride(0), target.stride(0), *_scalars(opts),
-        BLOCK_V=cfg["BLOCK_V"], COMPUTE_STATS=predicted is not None, **_flags(weight, opts),
-        num_warps=cfg["num_warps"])
+    kernel, grid, args, meta = forward_launch(logits, target, weight, weight_sum, opts, loss, lse, predicted)
+    kernel[grid](*args, **meta)
 
 
 def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
@@ -49,16 +88,10 @@ def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[tor
                 opts: LossOptions, grad: torch.Tensor) -> None:
     """Write d(sum_i grad_row[i] * loss_i)/d logits into ``grad`` ((BT, V), may be ``logits`` itself).
 
-    ``grad_row``: (BT,) any float dtype and any stride (an expanded stride-0 scalar is fine).
+    ``lse``: (BT,) fp32 contiguous. ``grad_row``: (BT,) any float dtype and any stride (an expanded
+    stride-0 scalar is fine).
     """
-    n_rows, n_cols = logits.shape
-    if n_rows == 0:
+    if logits.shape[0] == 0:
         return
-    dummy = lse
-    cfg = backward_config(n_cols)
-    grid = (n_rows, triton.cdiv(n_cols, cfg["BLOCK_V"]))
-    ce_backward_kernel[grid](
-        logits, grad, target, dummy if weight is None else weight,
-        dummy if weight_sum is None else weight_sum, lse, grad_row,
-        n_cols, logits.stride(0), grad.stride(0), target.stride(0), grad_row.stride(0),
-        *_scalars(opts), BLOCK_V=cfg["BLOCK_V"], **_flags(weight, opts), num_warps=cfg["num_warps"])
+    kernel, grid, args, meta = backward_launch(logits, target, weight, weight_sum, lse, grad_row, opts, grad)
+    kernel[grid](*args, **meta)

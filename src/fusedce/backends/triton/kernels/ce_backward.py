@@ -16,7 +16,7 @@ two-kernel design that does not keep a row on chip between passes.
 import triton
 import triton.language as tl
 
-from .common import apply_softcap, softcap_slope, target_terms
+from .common import aligned, apply_softcap, softcap_slope, target_terms
 
 
 @triton.jit
@@ -37,8 +37,12 @@ def ce_backward_kernel(
     ignore_index, label_smoothing, lse_square_scale, softcap,
     # meta-parameters
     BLOCK_V: tl.constexpr,
+    ALIGN: tl.constexpr,  # n_cols and both row strides are multiples of ALIGN (see common.aligned)
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
+    n_cols = aligned(n_cols, ALIGN)
+    stride_logits_row = aligned(stride_logits_row, ALIGN)
+    stride_grad_row = aligned(stride_grad_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < n_cols

@@ -12,7 +12,7 @@ Nothing of size BT x V is written: a forward-only call reads the logits once.
 import triton
 import triton.language as tl
 
-from .common import apply_softcap, target_terms
+from .common import aligned, apply_softcap, target_terms
 
 
 @triton.jit
@@ -33,9 +33,12 @@ def ce_forward_kernel(
     ignore_index, label_smoothing, lse_square_scale, softcap,
     # meta-parameters
     BLOCK_V: tl.constexpr,
+    ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     COMPUTE_STATS: tl.constexpr,
 ):
+    n_cols = aligned(n_cols, ALIGN)
+    stride_logits_row = aligned(stride_logits_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_logits_row
     target = tl.load(target_ptr + row * stride_target).to(tl.int64)

@@ -4,6 +4,22 @@ import triton.language as tl
 
 
 @triton.jit
+def aligned(n, ALIGN: tl.constexpr):
+    """``n`` (a runtime int the launcher guarantees to be a multiple of ``ALIGN``), written so that the
+    compiler can prove it.
+
+    Triton specializes an int argument only on divisibility by 16. A bf16 row of V = 16k + 8 elements
+    (e.g. a vocabulary shard of 1000) is still 16-byte aligned, but without this the compiler assumes
+    divisibility 1 and emits one 16-bit load per element instead of 128-bit loads. ``n // A * A`` is a
+    shift pair the compiler folds into its alignment analysis (``tl.multiple_of`` on a scalar argument
+    is ignored).
+    """
+    if ALIGN > 1:
+        n = n // ALIGN * ALIGN
+    return n
+
+
+@triton.jit
 def apply_softcap(x, softcap, HAS_SOFTCAP: tl.constexpr):
     """``softcap * tanh(x / softcap)`` in fp32 (Gemma 2 logit soft-capping), or ``x``.
 
@@ -17,11 +33,17 @@ def apply_softcap(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def softcap_slope(z, softcap, HAS_SOFTCAP: tl.constexpr):
-    """dz/dx of ``z = softcap * tanh(x / softcap)``, written with z: ``1 - (z / softcap)**2``."""
+    """dz/dx of ``z = softcap * tanh(x / softcap)``, written with z: ``1 - (z / softcap)**2``.
+
+    One ``return``: Triton's code generator checks that every return statement of a function has the
+    same type, even one under a constexpr ``if`` (two returns, a block and a scalar, fail to compile for
+    a GPU although the interpreter runs them).
+    """
+    slope = 1.0
     if HAS_SOFTCAP:
         r = z / softcap
-        return 1.0 - r * r
-    return 1.0
+        slope = 1.0 - r * r
+    return slope
 
 
 @triton.jit

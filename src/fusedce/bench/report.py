@@ -1,0 +1,128 @@
+"""The bench's outputs: a rich table on the terminal, ``bench.json`` and ``bench.png``.
+
+Every saved result names its machine (``machine.describe``) and its method (per row and overall).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+INTERPRETER_NOTE = ("(interp.) rows: the Triton kernels under TRITON_INTERPRET=1 on a slice of rows, for "
+                    "parity only. The interpreter runs kernels in numpy on the CPU: its times mean "
+                    "nothing, so none are shown.")
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _shape_title(shape: str, rows: list[dict], inputs: dict) -> str:
+    if shape == "real" and "real" in inputs:
+        meta = inputs["real"]
+        return (f"real: SmolLM2-135M hidden states on KJV verses, {meta['tokens']} tokens "
+                f"({meta['scored_tokens']} scored), V={meta['vocab_size']}")
+    timed = [r for r in rows if r.get("inputs")]
+    size = timed[0]["inputs"] if timed else {}
+    return f"{shape}: synthetic, logits {size.get('logits_shape', '?')}"
+
+
+COLUMNS = (  # header, justify; the caption says what each error column means
+    ("path", "left"), ("dtype", "left"), ("rows", "right"), ("loss", "right"), ("Δloss", "right"),
+    ("max Δgrad", "right"), ("grad rel", "right"), ("ms", "right"), ("GB/s", "right"),
+    ("MiB", "right"), ("status", "left"))
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def table(report: dict, shape: str) -> Table:
+    """The rich table of one shape's rows; long reasons go to numbered notes in the caption."""
+    rows = [r for r in report["results"] if r["shape"] == shape]
+    machine = report["machine"]
+    out = Table(title=f"{_shape_title(shape, rows, report['inputs'])}\n{report['device']}: {machine['name']}",
+                title_justify="left", caption_justify="left")
+    for name, justify in COLUMNS:
+        out.add_column(name, justify=justify, no_wrap=name != "path")
+    reasons = []
+    for r in rows:
+        status = r["status"]
+        if r.get("reason"):
+            reasons.append(f"[{len(reasons) + 1}] {r['label']} {r['dtype']}: {r['reason']}")
+            status += f" [{len(reasons)}]"
+        peak = r.get("peak_bytes")
+        out.add_row(r["label"] + (" (interp.)" if r["mode"] == "parity" else ""),
+                    DTYPE_SHORT.get(r["dtype"], r["dtype"]),
+                    _num(r.get("inputs", {}).get("rows"), "d"), _num(r.get("loss"), ".6f"),
+                    _num(r.get("loss_abs_err"), ".1e"), _num(r.get("grad_max_abs_err"), ".1e"),
+                    _num(r.get("grad_rel_err"), ".1e"), _num(r.get("time_ms"), ".1f"),
+                    _num(r.get("floor_gbps"), ".2f"), _num(None if peak is None else peak / 2**20, ".0f"),
+                    status, style={"error": "red", "unavailable": "yellow"}.get(r["status"]))
+    methods = report["methods"]
+    notes = [f"Δloss, max Δgrad, grad rel: vs {methods['parity']}",
+             f"ms: {methods['time']}", f"MiB: {methods['memory']}", f"GB/s: {methods['floor']}"]
+    if any(r["mode"] == "parity" for r in rows):
+        notes.append(INTERPRETER_NOTE)
+    load, cores = machine.get("load_average_1min"), machine.get("cpu_cores")
+    if report["device"] == "cpu" and load and cores and load > cores:
+        notes.append(f"warning: the machine was busy (load average {load} on {cores} cores); times are noisy.")
+    out.caption = "\n".join(notes + reasons)
+    return out
+
+
+def print_report(report: dict, console: Console) -> None:
+    for shape in dict.fromkeys(r["shape"] for r in report["results"]):
+        console.print(table(report, shape))
+        console.print()
+    real = report["inputs"].get("real")
+    if real:
+        recheck = real.get("recheck_loss")
+        console.print(
+            f"SmolLM2-135M loss on this batch ({real['scored_tokens']} scored tokens):\n"
+            f"  model(input_ids, labels=...)                  {real['model_loss']:.6f}\n"
+            f"  F.cross_entropy(hidden @ W.T), float64        {real['reproduced_loss']:.6f}"
+            f"  (relative difference {real['loss_rel_diff']:.1e}, limit {real['loss_rtol']:g})"
+            + ("" if recheck is None else
+               f"\n  float64 reference of this run's fp32 logits    {recheck:.6f}"))
+
+
+def write_json(report: dict, out: Path) -> Path:
+    path = out / "bench.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
+def write_png(report: dict, out: Path) -> Path:
+    """Horizontal bars of time and peak memory per timed path, one row of panels per shape."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = out / "bench.png"
+    shapes = list(dict.fromkeys(r["shape"] for r in report["results"]))
+    fig, axes = plt.subplots(max(1, len(shapes)), 2, squeeze=False,
+                             figsize=(12, 1.2 + 0.55 * max(4, len(report["results"]))))
+    for row, shape in enumerate(shapes):
+        timed = [r for r in report["results"]
+                 if r["shape"] == shape and r["status"] == "ok" and r.get("time_ms") is not None]
+        labels = [f"{r['label']}\n{r['dtype']}" for r in timed]
+        for col, (key, scale, unit) in enumerate((("time_ms", 1.0, "fwd+bwd time (ms)"),
+                                                  ("peak_bytes", 2.0**-20, "peak memory (MiB)"))):
+            ax = axes[row][col]
+            values = [r[key] * scale for r in timed]
+            colors = ["tab:gray" if r["path"] == "torch" else "tab:blue" for r in timed]
+            ax.barh(range(len(values)), values, color=colors)
+            ax.set_yticks(range(len(values)), labels, fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlabel(unit)
+            ax.set_title(f"{shape}: {unit}", fontsize=9)
+            for i, v in enumerate(values):
+                ax.text(v, i, f" {v:.0f}", va="center", fontsize=8)
+            if not values:
+                ax.text(0.5, 0.5, "no timed rows", ha="center", transform=ax.transAxes)
+    fig.suptitle(f"fusedce bench, {report['device']}: {report['machine']['name']}\n"
+                 f"time: {report['methods']['time']}; memory: {report['methods']['memory']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

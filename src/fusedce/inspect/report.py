@@ -1,0 +1,291 @@
+"""``fusedce inspect``: what the Triton kernels compile to on Hopper / Blackwell, without a GPU.
+
+For each kernel at representative configurations (logits dtype x vocabulary x the constexpr flag
+combinations that change code) it builds the launch exactly as the launcher does
+(``backends/triton/launch.py``, which takes BLOCK_V / num_warps from ``tuning.py`` and ALIGN from the
+row strides), on meta tensors (a contiguous (BT, V) logits buffer, 16-byte aligned like any fresh CUDA
+allocation; the upstream gradient of a mean, an expanded stride-0 vector), compiles it for sm_90 (H100 /
+H200) and sm_100 (B200) when the installed Triton can, and prints registers, spills, shared memory and
+whether the streaming accesses are 128-bit.
+
+"128-bit" is checked by counting: one block of BLOCK_V logits over 32 * num_warps threads needs
+BLOCK_V * itemsize / (16 * threads) 128-bit loads per thread (plus the fp32 class-weight stream when
+smoothing with weights); the PTX must hold at least that many ``ld.global[.nc].v4.b32`` (``v4 got/need``
+below), and the backward the same count of ``st.global.v4``. ``narrow`` counts the other global loads
+(scalars: target, lse, the target logit, ...). Rows whose V is not a multiple of 16 bytes cannot be
+vectorized (row starts are unaligned) and are shown as such.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from ..types import LossOptions
+
+ROWS = 8192                 # BT: only the grid depends on it
+ARCHS = (90, 100)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# The vocabularies of the issue, then two that exercise the alignment rule.
+VOCABS = {
+    32000: "Llama-2, Mistral",
+    128256: "Llama-3",
+    262144: "2^18, Gemma-3 size",
+    1000: "TP shard of 32000 / 32: V % 16 == 8",
+    50257: "GPT-2: odd, unaligned rows",
+}
+DEFAULT_VOCABS = (32000, 128256, 262144, 1000, 50257)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Loss options that select the kernels' constexpr flags (HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+    COMPUTE_STATS); z-loss is a runtime scalar and rides along with "all"."""
+
+    weight: bool = False
+    smoothing: bool = False
+    softcap: bool = False
+    stats: bool = False
+    zloss: bool = False
+
+    def options(self) -> LossOptions:
+        return LossOptions(-100, 0.1 if self.smoothing else 0.0, 1e-4 if self.zloss else 0.0,
+                           30.0 if self.softcap else None)
+
+
+# The representative flag combinations shown by default (``--every-variant``: all of them).
+VARIANTS = {
+    "forward": {
+        "plain": Variant(),
+        "stats": Variant(stats=True),
+        "weight": Variant(weight=True),
+        "softcap": Variant(softcap=True),
+        "smooth": Variant(smoothing=True),
+        "smooth+weight": Variant(weight=True, smoothing=True),
+        "all": Variant(weight=True, smoothing=True, softcap=True, stats=True, zloss=True),
+    },
+    "backward": {
+        "plain": Variant(),
+        "softcap": Variant(softcap=True),
+        "smooth+weight": Variant(weight=True, smoothing=True),
+        "all": Variant(weight=True, smoothing=True, softcap=True, zloss=True),
+    },
+}
+_FLAGS = {"forward": ("weight", "smoothing", "softcap", "stats"), "backward": ("weight", "smoothing", "softcap")}
+
+
+def every_variant(kernel: str) -> dict:
+    """Every combination of the kernel's constexpr flags, named by its flags ("plain" for none)."""
+    flags = _FLAGS[kernel]
+    out = {}
+    for bits in range(1 << len(flags)):
+        on = [f for i, f in enumerate(flags) if bits >> i & 1]
+        out["+".join(on) or "plain"] = Variant(**{f: True for f in on})
+    return out
+
+
+def launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant, rows: int = ROWS):
+    """``(kernel, grid, args, meta)`` the launcher would use, on meta tensors."""
+    from ..backends.triton import launch as L
+
+    def meta(*shape, dt=torch.float32):
+        return torch.empty(*shape, dtype=dt, device="meta")
+
+    logits, target = meta(rows, vocab, dt=dtype), meta(rows, dt=torch.int64)
+    weight = meta(vocab) if variant.weight else None
+    weight_sum = meta(1) if variant.weight else None
+    opts = variant.options()
+    if kernel == "forward":
+        predicted = meta(rows, dt=torch.int64) if variant.stats else None
+        return L.forward_launch(logits, target, weight, weight_sum, opts, meta(rows), meta(rows), predicted)
+    grad_row = meta(()).expand(rows)                 # d(mean)/d(loss_row): a stride-0 scalar
+    return L.backward_launch(logits, target, weight, weight_sum, meta(rows), grad_row, opts,
+                             meta(rows, vocab, dt=dtype))
+
+
+@dataclass
+class Row:
+    arch: int
+    kernel: str
+    dtype: str
+    vocab: int
+    variant: str
+    block_v: int
+    num_warps: int
+    align: int
+    regs: Optional[int]
+    spill_bytes: Optional[int]
+    local: Optional[int]
+    smem: int
+    ld128: int
+    ld128_needed: int
+    narrow_loads: int
+    st128: int
+    st128_needed: int
+    aligned_rows: bool
+    ld_bits: dict              # {access width in bits: count} of the global loads in the PTX
+    error: str = ""
+
+    @property
+    def vectorized(self) -> bool:
+        return self.ld128 >= self.ld128_needed and self.st128 >= self.st128_needed
+
+    @property
+    def problem(self) -> str:
+        """What is wrong with this kernel config ("" if nothing)."""
+        if self.error:
+            return "compile failed"
+        issues = []
+        if self.spill_bytes or self.local:
+            issues.append("spills")
+        if self.aligned_rows and not self.vectorized:
+            issues.append("not 128-bit")
+        return ", ".join(issues)
+
+
+def _needed(kernel: str, itemsize: int, variant: Variant, meta: dict) -> tuple:
+    """128-bit accesses per thread per block: (loads, stores) of the streams that must be vectorized."""
+    threads = 32 * meta["num_warps"]
+    per_stream = lambda size: max(1, meta["BLOCK_V"] * size // (16 * threads))   # noqa: E731
+    loads = per_stream(itemsize)
+    if variant.weight and variant.smoothing:
+        loads += per_stream(4)                       # fp32 class weights, read blockwise
+    stores = per_stream(itemsize) if kernel == "backward" else 0
+    return loads, stores
+
+
+_CACHE: dict = {}
+
+
+def inspect_one(arch: int, kernel: str, dtype_name: str, vocab: int, variant_name: str,
+                variant: Optional[Variant] = None) -> Row:
+    """Compile one configuration (memoized on what the compiler sees) and summarize it."""
+    from .compile import compile_launch, resources
+
+    dtype, variant = DTYPES[dtype_name], variant or VARIANTS[kernel][variant_name]
+    fn, _grid, args, meta = launch(kernel, dtype, vocab, variant)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    ld_needed, st_needed = _needed(kernel, itemsize, variant, meta)
+    aligned = (vocab * itemsize) % 16 == 0
+    base = dict(arch=arch, kernel=kernel, dtype=dtype_name, vocab=vocab, variant=variant_name,
+                block_v=meta["BLOCK_V"], num_warps=meta["num_warps"], align=meta["ALIGN"],
+                ld128_needed=ld_needed, st128_needed=st_needed, aligned_rows=aligned)
+    # Same specialization for every V divisible by 16 with the same BLOCK_V: compile once.
+    key = (arch, kernel, dtype_name, variant, tuple(sorted(meta.items())), vocab % 16 == 0)
+    if key not in _CACHE:
+        try:
+            _CACHE[key] = resources(compile_launch(fn, args, meta, arch))
+        except Exception as exc:  # noqa: BLE001 - reported, e.g. an arch this Triton can't target
+            _CACHE[key] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]}"}
+    res = _CACHE[key]
+    if "error" in res:
+        return Row(**base, regs=None, spill_bytes=None, local=None, smem=0, ld128=0, narrow_loads=0,
+                   st128=0, ld_bits={}, error=res["error"])
+    ld, st = res["access_bits"]["ld"], res["access_bits"]["st"]
+    spills = None if res["spill_stores"] is None else res["spill_stores"] + res["spill_loads"]
+    return Row(**base, regs=res["regs"], spill_bytes=spills, local=res["local"], smem=res["smem_dynamic"],
+               ld128=ld.get(128, 0), narrow_loads=sum(n for b, n in ld.items() if b < 128),
+               st128=st.get(128, 0), ld_bits=dict(sorted(ld.items())))
+
+
+def arch_supported(arch: int) -> Optional[str]:
+    """None if the installed Triton compiles for ``sm_<arch>``, else why not."""
+    row = inspect_one(arch, "backward", "fp32", 4096, "plain")
+    return row.error or None
+
+
+def run(archs=ARCHS, dtypes=tuple(DTYPES), vocabs=DEFAULT_VOCABS, kernels=("forward", "backward"),
+        variants=None, every=False, progress=None) -> tuple:
+    """All rows for the requested configurations, and notes on targets that were skipped."""
+    rows, notes = [], []
+    for arch in archs:
+        why = arch_supported(arch)
+        if why:
+            notes.append(f"sm_{arch}: skipped, the installed Triton cannot compile for it ({why})")
+            continue
+        for kernel in kernels:
+            table = every_variant(kernel) if every else VARIANTS[kernel]
+            for name, variant in table.items():
+                if variants and name not in variants:
+                    continue
+                for dtype in dtypes:
+                    for vocab in vocabs:
+                        if progress:
+                            progress(f"sm_{arch} {kernel} {name} {dtype} V={vocab}")
+                        rows.append(inspect_one(arch, kernel, dtype, vocab, name, variant))
+    return rows, notes
+
+
+def _fmt(v) -> str:
+    return "?" if v is None else str(v)
+
+
+def format_table(rows) -> str:
+    head = ("arch", "kernel", "variant", "dtype", "V", "BLOCK_V", "warps", "ALIGN", "regs", "spill B",
+            "smem B", "ld v4 got/need", "narrow ld", "st v4 got/need", "check")
+    lines = [head]
+    for r in rows:
+        check = r.problem or ("ok" if r.aligned_rows else "ok (rows unaligned: scalar)")
+        lines.append((f"sm_{r.arch}", r.kernel, r.variant, r.dtype, str(r.vocab), str(r.block_v),
+                      str(r.num_warps), str(r.align), _fmt(r.regs), _fmt(r.spill_bytes), str(r.smem),
+                      f"{r.ld128}/{r.ld128_needed}", str(r.narrow_loads),
+                      f"{r.st128}/{r.st128_needed}" if r.kernel == "backward" else "-", check))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="fusedce inspect", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, action="append", help="compute capability (default: 90 and 100)")
+    p.add_argument("--dtype", action="append", choices=list(DTYPES), help="logits dtype (default: all)")
+    p.add_argument("--vocab", type=int, action="append", help=f"V (default: {list(DEFAULT_VOCABS)})")
+    p.add_argument("--kernel", action="append", choices=["forward", "backward"], help="default: both")
+    p.add_argument("--variant", action="append", help="flag combination, e.g. plain, all (default: all)")
+    p.add_argument("--every-variant", action="store_true",
+                   help="every combination of the constexpr flags instead of the representative ones")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 if any kernel spills or misses 128-bit accesses on aligned rows")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Entry point of ``fusedce inspect`` (also ``python -m fusedce.inspect``)."""
+    args = _parse(argv)
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from ..backends.triton.kernels.ce_forward import ce_forward_kernel
+
+    if not isinstance(ce_forward_kernel, JITFunction):
+        print("fusedce inspect compiles for a GPU target; unset TRITON_INTERPRET (the interpreter replaces "
+              "the kernels by Python functions)", file=sys.stderr)
+        return 2
+    rows, notes = run(archs=tuple(args.arch or ARCHS), dtypes=tuple(args.dtype or DTYPES),
+                      vocabs=tuple(args.vocab or DEFAULT_VOCABS),
+                      kernels=tuple(args.kernel or ("forward", "backward")), variants=args.variant,
+                      every=args.every_variant,
+                      progress=lambda msg: print(f"compiling {msg}", file=sys.stderr, flush=True))
+    print(f"Triton {triton.__version__}: kernels compiled offline (no GPU), BT = {ROWS}, "
+          f"launch configs from backends/triton/tuning.py")
+    print(format_table(rows))
+    for note in notes:
+        print(note)
+    vocab_notes = [f"  V={v}: {VOCABS[v]}" for v in (args.vocab or DEFAULT_VOCABS) if v in VOCABS]
+    if vocab_notes:
+        print("vocabularies:\n" + "\n".join(vocab_notes))
+    problems = [r for r in rows if r.problem]
+    print(f"{len(rows)} configs, {len(problems)} with problems"
+          + "".join(f"\n  PROBLEM sm_{r.arch} {r.kernel} {r.variant} {r.dtype} V={r.vocab}: {r.problem}"
+                    f"{' (' + r.error + ')' if r.error else ''}" for r in problems))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"triton": triton.__version__, "rows": [dict(asdict(r), problem=r.problem) for r in rows],
+                       "notes": notes}, f, indent=1)
+    return 1 if (args.strict and problems) else 0

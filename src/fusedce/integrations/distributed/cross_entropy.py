@@ -1,0 +1,123 @@
+"""Vocab-parallel cross-entropy on logits whose class dimension is split over the ranks of a group.
+
+Each rank holds ``logits[..., start:start + V_r]`` of the global ``(..., V)`` logits (e.g. the output of
+a column-parallel LM head) and the same global ``target`` on every rank. Forward: one pass over the
+local logits in row chunks (fp32 temporaries of ``tuning.chunk_rows`` rows) for the per-row partial
+statistics, then the two collectives of ``exchange.py``. Backward: no collective; each rank writes the
+gradient of its own slice from the saved global lse (``shard_rows.shard_grad``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from ... import validation as val
+from ...backends.reference.tuning import chunk_rows
+from ...types import CrossEntropyOutput, LossOptions
+from .exchange import Partials, exchange
+from .layout import VocabLayout, vocab_layout
+from .output import finish
+from .shard_rows import Columns, shard_forward, shard_grad
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """(BT, V_r) logits slice -> per-row global loss (BT,) fp32 (differentiable), lse, argmax, w_t."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, layout: VocabLayout, opts: LossOptions):
+        n = logits.shape[0]
+        w = None if weight is None else weight.float()
+        cols = Columns(w is not None, opts.label_smoothing > 0.0)
+        p = Partials.allocate(n, cols, w is not None, logits.device)
+        step = chunk_rows(layout.size)
+        for start in range(0, n, step):
+            rows = slice(start, start + step)
+            p.key[rows], p.zmax[rows], p.sums[rows] = shard_forward(
+                logits[rows].float(), target[rows], w, layout, opts, cols)
+        out = exchange(p, target, w, layout, opts, cols)
+        ctx.save_for_backward(logits, target, w, out.weight_sum, out.target_weight, out.lse)
+        ctx.layout, ctx.opts = layout, opts
+        w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
+        ctx.mark_non_differentiable(out.lse, out.predicted, w_t)
+        return out.loss, out.lse, out.predicted, w_t
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse, _grad_pred, _grad_wt):
+        logits, target, w, w_sum, w_t, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        step = chunk_rows(ctx.layout.size)
+        for start in range(0, logits.shape[0], step):
+            rows = slice(start, start + step)
+            grad[rows] = shard_grad(logits[rows].float(), target[rows], w, w_sum,
+                                    None if w_t is None else w_t[rows], lse[rows], grad_loss[rows],
+                                    ctx.layout, ctx.opts)
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, target: torch.Tensor, weight_shard: Optional[torch.Tensor] = None, *,
+    group=None, vocab_start_index: Optional[int] = None, ignore_index: int = -100,
+    reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+    softcap: Optional[float] = None, num_items_in_batch: Union[int, torch.Tensor, None] = None,
+    return_stats: bool = False,
+) -> Union[torch.Tensor, CrossEntropyOutput]:
+    """``fusedce.cross_entropy`` on logits split by vocabulary over the ranks of ``group``.
+
+    The result equals ``fusedce.cross_entropy`` on the logits concatenated over the vocabulary, for
+    every option (label smoothing divides by the GLOBAL ``V``; z-loss uses the global lse; class
+    weights are split like the vocabulary). Every rank gets the same (replicated) loss; backward gives
+    each rank the gradient of its own slice.
+
+    Args:
+        logits_shard: ``(..., V_r)`` float32 / bfloat16 / float16, this rank's contiguous vocabulary slice
+            (class dim last); ``V_r`` may differ between ranks (uneven split, even 0).
+        target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank.
+        weight_shard: optional ``(V_r,)`` class weights of this rank's slice.
+        group: the process group (None = default). gloo for CPU tensors, NCCL for CUDA tensors.
+        vocab_start_index: first global class id of this slice; None on every rank = rank order
+            (rank r's slice follows rank r-1's). Given, it must be given on every rank.
+        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, num_items_in_batch,
+            return_stats: as in ``fusedce.cross_entropy`` (mean denominator ``sum(w[t])`` uses the
+            weight held by the rank owning ``t``). ``return_stats``: ``lse`` global on every row,
+            ``predicted_tokens`` the global argmax (lowest global index on ties), -1 on ignored rows.
+
+    Returns:
+        The fp32 loss (scalar, or ``target.shape`` for ``"none"``) or ``CrossEntropyOutput``; the
+        gradient w.r.t. ``logits_shard`` has its dtype and shape (ignored rows exactly 0).
+
+    Collectives (all on ``group``, tensors on the logits' device; BT = number of rows, W = world size):
+        setup    ``all_gather`` of 3 int64 per rank (slice start and size): 24 W bytes, one host sync.
+        forward  ``all_reduce(MAX)`` of BT int64 (row max + argmax packed): 8 BT bytes;
+                 ``all_reduce(SUM)`` of BT x k fp32 (k = 3, +1 with class weights, +1 with label
+                 smoothing: sum-exp, target logit, owner flag, w_t, sum_c w_c z_c) plus 1 fp32
+                 (sum of class weights, with weights only): 4 (k BT + 1) bytes.
+        backward none.
+    Every rank must make the same calls with the same ``target`` (the collectives pair up by order).
+
+    Raises:
+        The errors of ``fusedce.cross_entropy`` (``weight_shard`` must be ``(V_r,)``; the target range
+        check is against the global ``V``: ``IndexError`` naming the position, value and V), plus
+        ``ValueError`` for slices that do not tile ``[0, V)`` and ``RuntimeError`` when
+        ``torch.distributed`` is not initialized. A shape/dtype error found on one rank only is raised
+        on that rank before any collective; the others then wait in the setup ``all_gather``.
+    """
+    val.check_float("logits_shard", logits_shard)
+    if logits_shard.dim() < 1:
+        raise ValueError("logits_shard must have at least one dimension (the classes, last)")
+    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
+    val.check_target(target, shape, device)
+    val.check_vector("weight_shard", weight_shard, n_local, device)
+    layout = vocab_layout(n_local, vocab_start_index, group, device)
+    val.check_target_range(target, layout.n_classes, opts.ignore_index)
+
+    rows = logits_shard.reshape(math.prod(shape), n_local)
+    if rows.stride(-1) != 1 and n_local > 1:
+        rows = rows.contiguous()  # one copy, only when the class dim is strided
+    flat_target = target.reshape(-1)
+    loss_rows, lse, predicted, w_t = _VocabParallelCrossEntropy.apply(
+        rows, flat_target, weight_shard, layout, opts)
+    return finish(loss_rows, lse, predicted, None if weight_shard is None else w_t, flat_target, opts,
+                  reduction, num_items_in_batch, return_stats, shape)

@@ -1,0 +1,102 @@
+"""The forward's communication: two ``all_reduce`` of per-row statistics, O(BT) bytes, never logits.
+
+For ``n`` rows (tokens) and ``k`` = 3 (+1 with class weights, +1 with label smoothing) columns:
+
+1. ``all_reduce(MAX)`` of ``key`` (n,) int64, 8n bytes: the global row max of the logits and the lowest
+   global argmax among ties, packed into one int64 (``argmax_key.py``).
+2. ``all_reduce(SUM)`` of ``(n, k)`` fp32 per-row sums (``shard_rows.Columns``) plus, with class
+   weights, one fp32 for ``W = sum_c w_c``: 4 (n k + 1) bytes. Before it, each rank rescales its
+   ``sumexp`` from its slice max to the global max: ``sumexp_r *= exp(m_r - M)``.
+
+After the two collectives every rank holds the same per-row loss, lse and argmax (the loss is
+replicated, not split). With ``n == 0`` rows no collective runs (every rank has the same ``n``, since
+``target`` is the same on every rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ...backends.reference.rows import _cap
+from ...types import LossOptions
+from .argmax_key import unpack_max_key
+from .layout import VocabLayout
+from .shard_rows import Columns
+
+
+@dataclass
+class Partials:
+    """This rank's per-row statistics before the exchange, filled block by block by ``shard_forward``:
+    ``key`` (n,) int64, ``zmax`` (n,) fp32, ``sums`` (n, k) fp32, a view of ``flat`` (n k [+ 1],) fp32,
+    whose last element holds this slice's ``sum_c w_c`` when there are class weights."""
+
+    key: torch.Tensor
+    zmax: torch.Tensor
+    flat: torch.Tensor
+    sums: torch.Tensor
+
+    @classmethod
+    def allocate(cls, n: int, cols: Columns, weighted: bool, device: torch.device) -> "Partials":
+        flat = torch.empty(n * cols.k + int(weighted), dtype=torch.float32, device=device)
+        return cls(key=torch.empty(n, dtype=torch.int64, device=device),
+                   zmax=torch.empty(n, dtype=torch.float32, device=device),
+                   flat=flat, sums=flat[: n * cols.k].view(n, cols.k))
+
+
+@dataclass
+class GlobalRows:
+    """Per-row results on the global vocabulary, identical on every rank: ``loss`` (n,) fp32 (0 on
+    ignored rows, NaN on a row whose target no rank holds), ``lse`` (n,) fp32, ``predicted`` (n,) int64
+    (-1 on ignored rows), ``target_weight`` (n,) fp32 global w_t and ``weight_sum`` 0-dim global W
+    (both None without class weights)."""
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    predicted: torch.Tensor
+    target_weight: Optional[torch.Tensor]
+    weight_sum: Optional[torch.Tensor]
+
+
+def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], layout: VocabLayout,
+             opts: LossOptions, cols: Columns) -> GlobalRows:
+    """Run the two collectives on ``p`` (modified in place) and finish the per-row loss.
+
+    ``target`` (n,) global class ids; ``weight`` this slice's class weights (V_r,) fp32 or None.
+    """
+    n, device = target.shape[0], target.device
+    weighted = weight is not None
+    if weighted:
+        p.flat[-1] = weight.sum()
+    if n > 0:
+        dist.all_reduce(p.key, op=dist.ReduceOp.MAX, group=layout.group)          # collective 1
+        xmax, index = unpack_max_key(p.key)
+        gmax = _cap(xmax, opts.softcap)
+        p.sums[:, Columns.SUMEXP] *= torch.exp(p.zmax - gmax)
+        dist.all_reduce(p.flat, op=dist.ReduceOp.SUM, group=layout.group)         # collective 2
+    else:
+        gmax = torch.zeros(0, device=device)
+        index = torch.zeros(0, dtype=torch.int64, device=device)
+
+    s = p.sums
+    lse = gmax + torch.log(s[:, Columns.SUMEXP])
+    w_t = s[:, cols.target_weight] if weighted else None
+    w_sum = p.flat[-1] if weighted else None
+    eps, n_classes = opts.label_smoothing, layout.n_classes
+    loss = (1.0 - eps) * (lse - s[:, Columns.TARGET_LOGIT])
+    if weighted:
+        loss = loss * w_t
+    if eps > 0.0:
+        total_w = w_sum if weighted else float(n_classes)
+        loss = loss + (eps / n_classes) * (total_w * lse - s[:, cols.smooth])
+    if opts.lse_square_scale != 0.0:
+        loss = loss + opts.lse_square_scale * lse * lse
+    valid = target != opts.ignore_index
+    loss = torch.where(s[:, Columns.OWNED] > 0, loss, float("nan"))
+    loss = torch.where(valid, loss, 0.0)
+    predicted = torch.where(valid, index, -1)
+    return GlobalRows(loss=loss, lse=lse, predicted=predicted,
+                      target_weight=None if w_t is None else w_t.clone(),
+                      weight_sum=None if w_sum is None else w_sum.clone())

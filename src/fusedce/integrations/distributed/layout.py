@@ -1,0 +1,78 @@
+"""Where each rank's vocabulary slice sits: one small ``all_gather`` per call.
+
+Every rank holds the contiguous global classes ``[start, start + size)``. The slices may be uneven
+(even empty) and in any order over the ranks, but together they must tile ``[0, V)`` exactly.
+
+Collective (setup, once per call): ``all_gather`` of 3 int64 per rank ``(has_start, start, size)``,
+i.e. 24 bytes sent and ``24 * world_size`` bytes received per rank, then one host sync to read them
+(the global ``V`` is needed on the host for the target range check and ``eps / V``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class VocabLayout:
+    """This rank's slice ``[start, start + size)`` of a global vocabulary of ``n_classes`` classes."""
+
+    start: int
+    size: int
+    n_classes: int
+    group: Any  # the process group (None = the default group)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+
+def _describe(pairs) -> str:
+    return ", ".join(f"rank {r}: [{s}, {s + n})" for r, (s, n) in enumerate(pairs))
+
+
+def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
+                 device: torch.device) -> VocabLayout:
+    """Gather every rank's ``(start, size)`` and check that the slices tile ``[0, V)``.
+
+    ``vocab_start_index=None`` on every rank: slices follow rank order (rank r starts where rank r-1
+    ends). Given on every rank: used as is (an empty slice's start is not checked). The tensors live
+    on ``device`` (CUDA for NCCL).
+
+    Raises (the same error on every rank, since all see the same gathered table):
+        RuntimeError: ``torch.distributed`` is not initialized.
+        ValueError: ``vocab_start_index`` given on some ranks only, or slices that overlap, leave a
+            gap or do not start at 0.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("torch.distributed is not initialized: call torch.distributed."
+                           "init_process_group first (gloo for CPU tensors, nccl for CUDA tensors)")
+    world = dist.get_world_size(group)
+    given = vocab_start_index is not None
+    mine = torch.tensor([int(given), int(vocab_start_index) if given else 0, int(shard_size)],
+                        dtype=torch.int64, device=device)
+    table = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(table, mine, group=group)
+    rows = torch.stack(table).tolist()  # the setup's one host sync
+    flags = {r[0] for r in rows}
+    if len(flags) != 1:
+        raise ValueError("vocab_start_index must be given on every rank or on none; given on ranks "
+                         f"{[i for i, r in enumerate(rows) if r[0]]} of {world}")
+    sizes = [r[2] for r in rows]
+    if given:
+        starts = [r[1] for r in rows]
+    else:
+        starts = [sum(sizes[:i]) for i in range(world)]
+    pairs = list(zip(starts, sizes))
+    n_classes = sum(sizes)
+    expected = 0
+    for start, size in sorted(p for p in pairs if p[1] > 0):  # an empty slice sits anywhere
+        if start != expected:
+            raise ValueError("the vocabulary slices must tile [0, V) without gaps or overlaps; got "
+                             + _describe(pairs))
+        expected = start + size
+    rank = dist.get_rank(group)
+    return VocabLayout(start=starts[rank], size=sizes[rank], n_classes=n_classes, group=group)

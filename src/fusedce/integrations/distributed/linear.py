@@ -1,0 +1,180 @@
+"""Vocab-parallel fused linear cross-entropy: the LM head split by vocabulary rows over the ranks.
+
+Each rank holds ``weight[start:start + V_r]`` (and the same slice of ``bias`` and class weights) and
+the full, identical ``hidden`` and ``target``. Logits exist one chunk of tokens at a time, ``rows x V_r``
+(never BT x V_r), through the chunk helpers of the single-process path (``backends/linear``):
+
+    forward   per chunk: logits_c = h_c @ W_r.T + b_r (hidden's dtype, fp32 accumulation);
+              per-row partial statistics (shard_rows.shard_forward); then exchange.py's 2 collectives
+    backward  per chunk, logits recomputed: g_c = dloss/dlogits_c (shard_rows.shard_grad, fp32, cast
+              to hidden's dtype); grad_h_c = g_c @ W_r; grad_W_r += g_c.T @ h_c; grad_b_r += sum g_c
+              (accum_dtype); then all_reduce(SUM) of grad_h over the ranks (each holds a partial sum)
+FLOPs per rank: 2 BT V_r H forward, 6 BT V_r H backward (the logits are recomputed, since the global lse
+is known only after the forward's collectives).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ... import validation as val
+from ...backends.linear.loop import accumulate_, logits_chunk
+from ...backends.linear.tuning import chunk_rows
+from ...types import CrossEntropyOutput, LossOptions
+from .exchange import Partials, exchange
+from .layout import VocabLayout, vocab_layout
+from .output import finish
+from .shard_rows import Columns, shard_forward, shard_grad
+
+
+class _VocabParallelLinearCE(torch.autograd.Function):
+    """hidden (n, H), weight slice (V_r, H), bias slice (V_r,) -> per-row global loss (n,) fp32 (with
+    gradient), lse, argmax, w_t (BT x V_r logits never exist: ``rows`` tokens at a time)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ce_weight, layout: VocabLayout, opts: LossOptions,
+                rows: int, accum_dtype):
+        n = hidden.shape[0]
+        w = None if ce_weight is None else ce_weight.float()
+        cols = Columns(w is not None, opts.label_smoothing > 0.0)
+        p = Partials.allocate(n, cols, w is not None, hidden.device)
+        for start in range(0, n, rows):
+            c = slice(start, start + rows)
+            x = logits_chunk(hidden[c], weight, bias).float()
+            p.key[c], p.zmax[c], p.sums[c] = shard_forward(x, target[c], w, layout, opts, cols)
+        out = exchange(p, target, w, layout, opts, cols)
+        ctx.save_for_backward(hidden, weight, bias, target, w, out.weight_sum, out.target_weight, out.lse)
+        ctx.layout, ctx.opts, ctx.rows, ctx.accum = layout, opts, rows, accum_dtype
+        w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
+        ctx.mark_non_differentiable(out.lse, out.predicted, w_t)
+        return out.loss, out.lse, out.predicted, w_t
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse, _grad_pred, _grad_wt):
+        hidden, weight, bias, target, w, w_sum, w_t, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n, rows = hidden.shape[0], ctx.rows
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=ctx.accum, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=ctx.accum, device=weight.device) if need_b else None
+        for start in range(0, n, rows):
+            c = slice(start, start + rows)
+            h_c = hidden[c]
+            x = logits_chunk(h_c, weight, bias).float()
+            g = shard_grad(x, target[c], w, w_sum, None if w_t is None else w_t[c], lse[c], grad_loss[c],
+                           ctx.layout, ctx.opts).to(hidden.dtype)  # the logits' gradient, their dtype
+            if need_h:
+                torch.mm(g, weight, out=grad_h[c])
+            if need_w:
+                accumulate_(grad_w, g, h_c)
+            if need_b:
+                grad_b += g.sum(dim=0, dtype=ctx.accum)
+        if need_h and n > 0:
+            # each rank holds sum over its own classes of g_c W_c: add the partial sums
+            dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return (grad_h, grad_w, grad_b) + (None,) * 6
+
+
+def _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size):
+    val.check_float("hidden", hidden)
+    val.check_float("weight_shard", weight_shard)
+    if hidden.dim() < 1 or weight_shard.dim() != 2:
+        raise ValueError(f"hidden must be (..., H) and weight_shard (V_r, H); got {tuple(hidden.shape)} "
+                         f"and {tuple(weight_shard.shape)}")
+    if hidden.shape[-1] != weight_shard.shape[1]:
+        raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal weight_shard.shape[1] = "
+                         f"{weight_shard.shape[1]}")
+    if weight_shard.device != hidden.device:
+        raise ValueError(f"weight_shard is on {weight_shard.device} but hidden is on {hidden.device}")
+    n_local = weight_shard.shape[0]
+    val.check_target(target, hidden.shape[:-1], hidden.device)
+    val.check_vector("bias_shard", bias_shard, n_local, hidden.device)
+    val.check_vector("ce_weight_shard", ce_weight_shard, n_local, hidden.device)
+    if weight_shard.dtype != hidden.dtype or (bias_shard is not None and bias_shard.dtype != hidden.dtype):
+        raise TypeError(f"hidden, weight_shard and bias_shard must share a dtype; got {hidden.dtype}, "
+                        f"{weight_shard.dtype}{'' if bias_shard is None else ', ' + str(bias_shard.dtype)}")
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
+
+
+def vocab_parallel_linear_cross_entropy(
+    hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
+    bias_shard: Optional[torch.Tensor] = None, *, group=None, vocab_start_index: Optional[int] = None,
+    ce_weight_shard: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
+    label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: Optional[float] = None,
+    num_items_in_batch: Union[int, torch.Tensor, None] = None, chunk_size: Optional[int] = None,
+    accum_dtype: torch.dtype = torch.float32, return_stats: bool = False,
+) -> Union[torch.Tensor, CrossEntropyOutput]:
+    """``fusedce.linear_cross_entropy`` with the LM head split by vocabulary over the ranks of ``group``.
+
+    Equals ``fusedce.linear_cross_entropy(hidden, weight, target, bias, ce_weight=...)`` with ``weight``,
+    ``bias`` and ``ce_weight`` the concatenation of the slices, for every option (label smoothing over
+    the GLOBAL ``V``, z-loss on the global lse). The loss is replicated on every rank.
+
+    Args:
+        hidden: ``(..., H)`` float32 / bfloat16 / float16, identical on every rank.
+        weight_shard: ``(V_r, H)``, this rank's contiguous rows of the LM head, ``hidden``'s dtype;
+            ``V_r`` may differ between ranks.
+        target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank.
+        bias_shard, ce_weight_shard: optional ``(V_r,)`` slices of the bias and of the class weights.
+        group, vocab_start_index: as in ``vocab_parallel_cross_entropy``.
+        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, num_items_in_batch:
+            as in ``fusedce.cross_entropy``, on logits computed in ``hidden``'s dtype (fp32 accumulation).
+        chunk_size: tokens per chunk (logits are ``chunk_size x V_r``). None = the single-process rule
+            (``backends/linear/tuning.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
+        accum_dtype: dtype of the ``weight_shard`` / ``bias_shard`` gradient accumulators.
+        return_stats: ``CrossEntropyOutput``; as in the single-process op, ``lse`` is 0 on ignored rows.
+
+    Returns:
+        The fp32 loss or ``CrossEntropyOutput``. Gradients of ``hidden`` (complete, the same on every
+        rank), ``weight_shard`` and ``bias_shard`` (this rank's slice) have their tensors' dtypes.
+
+    Ignored tokens cost no matmul FLOPs and no communication: non-ignored rows are gathered first (one
+    host sync; skipped under torch.compile / CUDA-graph capture, where every row is computed).
+
+    Collectives (on ``group``; BT' = non-ignored rows, W = world size):
+        setup    ``all_gather`` of 3 int64 per rank: 24 W bytes, one host sync.
+        forward  ``all_reduce(MAX)`` of BT' int64: 8 BT' bytes; ``all_reduce(SUM)`` of BT' x k fp32
+                 (+1 fp32 with class weights), k = 3..5 as in ``vocab_parallel_cross_entropy``.
+        backward ``all_reduce(SUM)`` of grad_hidden, BT' x H in hidden's dtype (only when ``hidden``
+                 requires grad). No collective for the weight / bias gradients.
+
+    Raises:
+        The errors of ``vocab_parallel_cross_entropy``, plus ``ValueError`` when ``hidden.shape[-1] !=
+        weight_shard.shape[1]``, ``weight_shard`` is not 2-D, a slice is not ``(V_r,)`` or ``chunk_size``
+        < 1, and ``TypeError`` when ``hidden``, ``weight_shard`` and ``bias_shard`` dtypes differ.
+    """
+    _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size)
+    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
+    val.check_target_range(target, layout.n_classes, opts.ignore_index)
+
+    shape, size = target.shape, hidden.shape[-1]
+    n = math.prod(shape)
+    flat_hidden, flat_target = hidden.reshape(n, size), target.reshape(-1)
+    valid = flat_target != opts.ignore_index
+    index = None
+    if n > 0 and val.sync_allowed():
+        index = valid.nonzero().squeeze(1)  # the documented host sync: the rows worth computing
+        if index.shape[0] == n:
+            index = None                     # nothing ignored: no gather, no copy
+        else:
+            flat_hidden, flat_target = flat_hidden.index_select(0, index), flat_target.index_select(0, index)
+    rows = int(chunk_size) if chunk_size is not None else chunk_rows(flat_hidden.shape[0], size, layout.size)
+    loss_rows, lse, predicted, w_t = _VocabParallelLinearCE.apply(
+        flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, rows, accum_dtype)
+    if index is not None:  # back to every row: ignored rows have loss 0, lse 0, argmax -1, w_t 0
+        loss_rows = loss_rows.new_zeros(n).index_copy(0, index, loss_rows)
+        lse = lse.new_zeros(n).index_copy(0, index, lse)
+        predicted = predicted.new_full((n,), -1).index_copy(0, index, predicted)
+        if ce_weight_shard is not None:
+            w_t = w_t.new_zeros(n).index_copy(0, index, w_t)
+    else:
+        lse = torch.where(valid, lse, 0.0)
+    return finish(loss_rows, lse, predicted, None if ce_weight_shard is None else w_t,
+                  target.reshape(-1), opts, reduction, num_items_in_batch, return_stats, shape)

@@ -1,0 +1,111 @@
+"""Per-row math of one vocabulary slice in fp32, with no communication.
+
+A rank holds the columns ``[s, s + V_r)`` of the (softcapped) logits ``z`` of every row. The
+single-process row (``backends/reference/rows.py``, ``eps`` = label_smoothing, ``w`` class weights,
+``W = sum_c w_c``, ``t`` target, ``V`` the GLOBAL vocabulary size):
+
+    lse  = log sum_c exp(z_c)
+    loss = (1 - eps) w_t (lse - z_t) + eps / V (W lse - sum_c w_c z_c) + s_z lse**2
+
+is made of sums over classes, so each slice contributes partial sums that add up over ranks:
+
+    sum_c exp(z_c - M) = sum_r exp(m_r - M) sum_{c in r} exp(z_c - m_r)   (m_r slice max, M global max)
+    z_t, w_t           = the owning rank's value (every other rank sends 0)
+    sum_c w_c z_c, W   = sums of per-slice sums
+
+The gradient is rows.py's formula with the global ``lse``, ``V``, ``W`` and ``w_t`` (all known locally
+after the forward), so the backward needs no collective:
+
+    dloss/dz_c = p_c ((1 - eps) w_t + eps / V W + 2 s_z lse) - (1 - eps) w_t [c == t] - eps / V w_c,
+    p_c = exp(z_c - lse);   softcap chain rule dz/dx = 1 - (z / softcap)**2.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...backends.reference.rows import _cap
+from ...types import LossOptions
+from .argmax_key import EMPTY_KEY, pack_max_key
+from .layout import VocabLayout
+
+
+class Columns:
+    """Columns of the per-row buffer that the forward all-reduces with SUM, ``(n, k)`` fp32:
+    ``sumexp`` (rescaled to the global max before the SUM), ``target_logit`` z_t, ``owned`` (1 on the
+    rank holding t: a row nobody owns has an out-of-range target), then ``target_weight`` w_t with
+    class weights and ``smooth`` (sum_c w_c z_c) with label smoothing."""
+
+    SUMEXP, TARGET_LOGIT, OWNED = 0, 1, 2
+
+    def __init__(self, weighted: bool, smoothing: bool):
+        self.target_weight = 3 if weighted else None
+        self.smooth = 3 + int(weighted) if smoothing else None
+        self.k = 3 + int(weighted) + int(smoothing)
+
+
+def target_columns(target: torch.Tensor, layout: VocabLayout):
+    """``(owned (n,) bool, col (n,) int64)``: whether this slice holds the row's target and its local
+    column (0 where not owned, so gathers never index out of bounds; ignored rows are never owned
+    unless ``ignore_index`` is itself a class of this slice, and those rows are zeroed by the caller)."""
+    owned = (target >= layout.start) & (target < layout.end)
+    col = torch.where(owned, target.long() - layout.start, 0)
+    return owned, col
+
+
+def shard_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                  layout: VocabLayout, opts: LossOptions, cols: Columns):
+    """Local statistics of a block ``x`` ((n, V_r) fp32 logits of this slice, before softcap).
+
+    ``weight``: this slice's class weights (V_r,) fp32 or None. Returns ``(key (n,) int64, zmax (n,)
+    fp32, sums (n, k) fp32)``: the packed (max, lowest global argmax) of ``x`` (``argmax_key``), the
+    slice max of ``z`` that ``sumexp`` is taken against, and the ``Columns`` of this slice.
+    """
+    n = x.shape[0]
+    sums = x.new_zeros(n, cols.k)
+    if layout.size == 0:  # nothing to contribute: every sum stays 0, the key loses the MAX
+        key = torch.full((n,), EMPTY_KEY, dtype=torch.int64, device=x.device)
+        return key, torch.full((n,), float("-inf"), device=x.device), sums
+    z = _cap(x, opts.softcap)
+    xmax, arg = x.max(dim=1)                 # first index among ties, like argmax
+    zmax = _cap(xmax, opts.softcap)          # = max_c z_c: softcap is monotone
+    key = pack_max_key(xmax, arg + layout.start)
+    owned, col = target_columns(target, layout)
+    sums[:, Columns.SUMEXP] = torch.exp(z - zmax[:, None]).sum(dim=1)
+    sums[:, Columns.TARGET_LOGIT] = torch.where(owned, z.gather(1, col[:, None])[:, 0], 0.0)
+    sums[:, Columns.OWNED] = owned.to(torch.float32)
+    if cols.target_weight is not None:
+        sums[:, cols.target_weight] = torch.where(owned, weight[col], 0.0)
+    if cols.smooth is not None:
+        sums[:, cols.smooth] = z.sum(dim=1) if weight is None else z @ weight
+    return key, zmax, sums
+
+
+def shard_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+               weight_sum: Optional[torch.Tensor], target_weight: Optional[torch.Tensor],
+               lse: torch.Tensor, grad_row: torch.Tensor, layout: VocabLayout,
+               opts: LossOptions) -> torch.Tensor:
+    """Gradient of ``sum_i grad_row[i] * loss_i`` w.r.t. this slice's block ``x`` ((n, V_r) fp32).
+
+    ``weight``: this slice's class weights (V_r,) fp32 or None; ``weight_sum``: the GLOBAL ``W`` (0-dim);
+    ``target_weight``: the global ``w_t`` per row (n,) from the forward (None without class weights);
+    ``lse``: the global per-row lse (n,). Returns (n, V_r) fp32; ignored rows are exactly 0.
+    """
+    n_classes = layout.n_classes
+    z = _cap(x, opts.softcap)
+    owned, col = target_columns(target, layout)
+    valid = target != opts.ignore_index
+    eps = opts.label_smoothing
+    w_t = torch.ones_like(lse) if target_weight is None else target_weight
+    total_w = n_classes if weight is None else weight_sum
+    coef = (1.0 - eps) * w_t + (eps / n_classes) * total_w + 2.0 * opts.lse_square_scale * lse
+    grad = torch.exp(z - lse[:, None]) * coef[:, None]
+    if layout.size:
+        grad.scatter_add_(1, col[:, None], torch.where(owned, -(1.0 - eps) * w_t, 0.0)[:, None])
+    if eps > 0.0:
+        grad -= (eps / n_classes) if weight is None else (eps / n_classes) * weight
+    if opts.softcap is not None:
+        grad *= 1.0 - (z / opts.softcap) ** 2
+    grad *= grad_row[:, None].float()
+    return torch.where(valid[:, None], grad, 0.0)
