@@ -57,12 +57,12 @@ class _LinearCE(torch.autograd.Function):
             *_, g_h, g_w, g_b = loop.grads(ctx.ce, hidden, weight, bias, target, w, w_sum, ctx.opts,
                                            ctx.rows, grad_out, ctx.needs, ctx.accum, lse=lse)
         else:
-            g_h, g_w, g_b = ctx.grads
-            del ctx.grads
-            g = grad_out.float()
-            g_h = None if g_h is None else (g_h * g).to(ctx.dtypes[0])
-            g_w = None if g_w is None else g_w * g
-            g_b = None if g_b is None else g_b * g
+            if ctx.grads is None:
+                raise RuntimeError("linear_cross_entropy's backward (mean/sum) can run once: its gradients "
+                                   "are computed in forward and scaled in place")
+            (g_h, g_w, g_b), ctx.grads = ctx.grads, None
+            g = grad_out.float()   # scale in place: no second V x H buffer
+            g_h, g_w, g_b = (None if t is None else t.mul_(g) for t in (g_h, g_w, g_b))
         g_w = None if g_w is None else g_w.to(ctx.dtypes[1])
         g_b = None if g_b is None else g_b.to(ctx.dtypes[2])
         return (g_h, g_w, g_b) + (None,) * 11
