@@ -32,12 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="BT, tokens per batch")
     parser.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs (CPU)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (CPU)")
-    parser.add_argument("--paths", default=None, help="comma list of bench paths to run; None: every registered path")
+    parser.add_argument("--paths", default=None,
+                        help="comma list of bench paths to run; None: every registered path")
     parser.add_argument("--interpret-rows", type=int, default=32,
                         help="rows of the Triton interpreter's parity check (CPU)")
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for bench.json/png")
     parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="real-input cache folder; None: $FUSEDCE_CACHE_DIR, else .cache/ in the checkout")
+                        help="real-input cache folder; None: $FUSEDCE_CACHE_DIR, else the checkout's .cache/")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per measurement")
 
 
@@ -78,8 +79,7 @@ def _measure_all(jobs, args, console) -> list[dict]:
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("measuring", total=len(jobs))
         for row, spec, env in jobs:
-            progress.update(task, description=f"{row['shape']} {row['dtype']} {row['label']}"
-                                              f"{' (interpreter)' if row['mode'] == 'parity' else ''}")
+            progress.update(task, description=f"{row['shape']} {row['dtype']} {row['label']}")
             row.update(harness.run_isolated(spec, env=env, timeout=args.timeout))
             rows.append(row)
             progress.advance(task)
@@ -98,11 +98,44 @@ def _recheck_real(rows, inputs_meta) -> None:
             return
 
 
+def _jobs(shapes, dtypes, plan, sources, args) -> list:
+    """(row, worker spec, extra env) per shape x dtype x path; rows are filled by the worker."""
+    jobs = []
+    for shape in shapes:
+        for dtype in dtypes:
+            for path, mode in plan:
+                spec = {"path": path.name, "mode": mode, "device": args.device, "dtype": dtype,
+                        "source": sources[shape.name], "repeats": args.repeats, "warmup": args.warmup,
+                        "rows": args.interpret_rows if mode == "parity" else None}
+                interpret = mode == "parity" and path.interpreter
+                env = {"TRITON_INTERPRET": "1"} if interpret else None
+                suffix = " (interp.)" if interpret else " (slice)" if mode == "parity" else ""
+                row = {"shape": shape.name, "dtype": dtype, "path": path.name, "label": path.label + suffix,
+                       "op": path.op.name, "mode": mode}
+                jobs.append((row, spec, env))
+    return jobs
+
+
+def _methods(rows, args) -> dict:
+    from . import harness
+    memory = next((r["method"]["memory"] for r in rows if r.get("method", {}).get("memory")),
+                  "not measured")
+    cuda = args.device == "cuda"
+    return {
+        "parity": "F.cross_entropy on the same logits in float64 (chunked autograd); "
+                  "grad rel = ||g - g_ref|| / ||g_ref||",
+        "time": harness.TIME_METHOD[args.device].format(repeats=args.repeats, warmup=args.warmup),
+        "memory": memory + ", fresh process per row",
+        "floor": "bytes a forward+backward must move at least (cross_entropy: 3 * BT * V * dtype_bytes)"
+                 " / median time" + ("; (%) = share of the datasheet memory bandwidth" if cuda else ""),
+    }
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.panel import Panel
     import torch
-    from . import harness, machine, paths, report, shapes as shape_table
+    from . import machine, paths, report, shapes as shape_table
     from .real_input import RealInputError
 
     err = Console(stderr=True)
@@ -124,42 +157,21 @@ def run(args) -> int:
     except RealInputError as exc:
         err.print(Panel(str(exc), title="real input FAILED", style="bold red"))
         return 1
-    jobs = []
-    for shape in shapes:
-        for dtype in dtypes:
-            for path, mode in plan:
-                spec = {"path": path.name, "mode": mode, "device": args.device, "dtype": dtype,
-                        "source": sources[shape.name], "repeats": args.repeats, "warmup": args.warmup,
-                        "rows": args.interpret_rows if mode == "parity" else None}
-                env = {"TRITON_INTERPRET": "1"} if mode == "parity" else None
-                row = {"shape": shape.name, "dtype": dtype, "path": path.name, "label": path.label,
-                       "op": path.op.name, "mode": mode}
-                jobs.append((row, spec, env))
-    rows = _measure_all(jobs, args, err)
+    load_before = machine.describe(args.device).get("load_average_1min")
+    rows = _measure_all(_jobs(shapes, dtypes, plan, sources, args), args, err)
     try:
         _recheck_real(rows, inputs_meta)
     except RealInputError as exc:
         failures.append(str(exc))
 
-    timed = [r for r in rows if r.get("method", {}).get("memory")]
     result = {
         "fusedce_bench": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": ["fusedce", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"] else sys.argv,
         "device": args.device,
-        "machine": machine.describe(args.device),
-        "settings": {"shapes": [s.name for s in shapes], "dtypes": dtypes, "tokens": args.tokens,
-                     "repeats": args.repeats, "warmup": args.warmup,
-                     "interpret_rows": args.interpret_rows},
-        "methods": {
-            "parity": "F.cross_entropy on the same logits in float64 (chunked autograd); "
-                      "grad rel = ||g - g_ref|| / ||g_ref||",
-            "time": harness.TIME_METHOD[args.device].format(repeats=args.repeats, warmup=args.warmup),
-            "memory": (timed[0]["method"]["memory"] if timed else "not measured")
-                      + ("" if args.device == "cuda" else ", fresh process per row"),
-            "floor": "bytes a forward+backward must move at least (cross_entropy: "
-                     "3 * BT * V * dtype_bytes) / median time",
-        },
+        "machine": {**machine.describe(args.device), "load_average_1min_before": load_before},
+        "settings": {key: str(value) if isinstance(value, Path) else value
+                     for key, value in vars(args).items() if key not in ("handler", "command")},
+        "methods": _methods(rows, args),
         "inputs": inputs_meta,
         "results": rows,
         "failures": failures,

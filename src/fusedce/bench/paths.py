@@ -74,16 +74,21 @@ def register(path: Path) -> Path:
     return path
 
 
+BASELINE = "torch"  # also run on the interpreter's slice of rows: its error is the yardstick there
+
+
 def plan(device: str, names=None) -> list[tuple[Path, str]]:
     """``(path, mode)`` for every registered path (or those in ``names``) that runs on ``device``;
-    mode is ``"timed"`` or ``"parity"`` (Triton interpreter on CPU)."""
+    mode is ``"timed"`` or ``"parity"`` (on CPU: Triton interpreter paths on a slice of rows, preceded
+    by ``BASELINE`` on the same slice)."""
     unknown = set(names or ()) - set(PATHS)
     if unknown:
         raise ValueError(f"unknown path(s) {sorted(unknown)}; registered: {', '.join(PATHS)}")
     chosen = [PATHS[name] for name in (names or PATHS)]
     runs = [(p, "timed") for p in chosen if device in p.devices]
-    if device == "cpu":
-        runs += [(p, "parity") for p in chosen if p.interpreter and "cpu" not in p.devices]
+    interpreted = [p for p in chosen if p.interpreter and "cpu" not in p.devices]
+    if device == "cpu" and interpreted:
+        runs += [(PATHS[BASELINE], "parity")] + [(p, "parity") for p in interpreted]
     return runs
 
 

@@ -11,12 +11,20 @@ from rich.console import Console
 from rich.table import Table
 
 INTERPRETER_NOTE = ("(interp.) rows: the Triton kernels under TRITON_INTERPRET=1 on a slice of rows, for "
-                    "parity only. The interpreter runs kernels in numpy on the CPU: its times mean "
-                    "nothing, so none are shown.")
+                    "parity only; (slice): stock torch on the same rows, the yardstick for their errors. "
+                    "The interpreter runs kernels in numpy on the CPU: its times mean nothing, so none "
+                    "are shown.")
 
 
 def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
+
+
+def _gbps(gbps, peak) -> str:
+    """Achieved GB/s over the byte floor, with the share of the datasheet bandwidth when known."""
+    if gbps is None:
+        return "-"
+    return f"{gbps:.2f}" if not peak else f"{gbps:.0f} ({100 * gbps / peak:.0f}%)"
 
 
 def _shape_title(shape: str, rows: list[dict], inputs: dict) -> str:
@@ -51,12 +59,13 @@ def table(report: dict, shape: str) -> Table:
             reasons.append(f"[{len(reasons) + 1}] {r['label']} {r['dtype']}: {r['reason']}")
             status += f" [{len(reasons)}]"
         peak = r.get("peak_bytes")
-        out.add_row(r["label"] + (" (interp.)" if r["mode"] == "parity" else ""),
+        out.add_row(r["label"],
                     DTYPE_SHORT.get(r["dtype"], r["dtype"]),
                     _num(r.get("inputs", {}).get("rows"), "d"), _num(r.get("loss"), ".6f"),
                     _num(r.get("loss_abs_err"), ".1e"), _num(r.get("grad_max_abs_err"), ".1e"),
                     _num(r.get("grad_rel_err"), ".1e"), _num(r.get("time_ms"), ".1f"),
-                    _num(r.get("floor_gbps"), ".2f"), _num(None if peak is None else peak / 2**20, ".0f"),
+                    _gbps(r.get("floor_gbps"), machine.get("peak_gbps")),
+                    _num(None if peak is None else peak / 2**20, ".0f"),
                     status, style={"error": "red", "unavailable": "yellow"}.get(r["status"]))
     methods = report["methods"]
     notes = [f"Δloss, max Δgrad, grad rel: vs {methods['parity']}",
@@ -65,7 +74,8 @@ def table(report: dict, shape: str) -> Table:
         notes.append(INTERPRETER_NOTE)
     load, cores = machine.get("load_average_1min"), machine.get("cpu_cores")
     if report["device"] == "cpu" and load and cores and load > cores:
-        notes.append(f"warning: the machine was busy (load average {load} on {cores} cores); times are noisy.")
+        notes.append(f"warning: the machine was busy (load average {load} on {cores} cores); "
+                     "times are noisy.")
     out.caption = "\n".join(notes + reasons)
     return out
 
@@ -83,7 +93,7 @@ def print_report(report: dict, console: Console) -> None:
             f"  F.cross_entropy(hidden @ W.T), float64        {real['reproduced_loss']:.6f}"
             f"  (relative difference {real['loss_rel_diff']:.1e}, limit {real['loss_rtol']:g})"
             + ("" if recheck is None else
-               f"\n  float64 reference of this run's fp32 logits    {recheck:.6f}"))
+               f"\n  float64 reference of this run's fp32 logits   {recheck:.6f}"))
 
 
 def write_json(report: dict, out: Path) -> Path:

@@ -23,7 +23,7 @@ import torch
 from ...types import LossOptions
 
 
-def _cap(x: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+def cap(x: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
     return x if softcap is None else torch.tanh(x / softcap) * softcap
 
 
@@ -57,7 +57,7 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.T
     Reads ``x`` about twice (logsumexp), once more for smoothing and once more for the argmax.
     """
     n_classes = x.shape[1]
-    z = _cap(x, opts.softcap)
+    z = cap(x, opts.softcap)
     lse = logsumexp_rows(z)
     valid, in_range, _, z_t, w_t = _target_terms(z, target, weight, opts)
     eps = opts.label_smoothing
@@ -80,16 +80,29 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.T
 
 def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
               weight_sum: Optional[torch.Tensor], lse: torch.Tensor, grad_row: torch.Tensor,
-              opts: LossOptions, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              opts: LossOptions, out: Optional[torch.Tensor] = None, *, n_classes: Optional[int] = None,
+              col_start: int = 0, target_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Gradient of ``sum_i grad_row[i] * loss_i`` w.r.t. ``x`` ((n, V) fp32), fp32 (n, V).
 
     Ignored rows get exactly 0. ``grad_row`` is the per-row upstream gradient (any strides). The result
     is computed in ``out`` ((n, V) fp32, may be ``x`` itself, which is then destroyed) or, without it, in
     one new (n, V) buffer. Without softcap no other temporary of that size is made: ~4 passes.
+
+    For a slice of a larger vocabulary (vocab parallelism), ``x`` holds the global columns
+    ``[col_start, col_start + x.shape[1])``, ``n_classes`` is the global V, ``weight`` the slice's class
+    weights, ``weight_sum`` their global sum and ``target_weight`` the per-row w_t (fp32 (n,), from the
+    rank that owns the target); ``lse`` is the global one.
     """
-    n_classes = x.shape[1]
-    z = _cap(x, opts.softcap)
-    valid, _, safe, _, w_t = _target_terms(z, target, weight, opts)
+    n_local = x.shape[1]
+    n_classes = n_local if n_classes is None else n_classes
+    z = cap(x, opts.softcap)
+    valid = target != opts.ignore_index
+    owned = (target >= col_start) & (target < col_start + n_local)
+    safe = torch.where(owned, target - col_start, torch.zeros_like(target)).long()
+    if target_weight is not None:
+        w_t = target_weight
+    else:
+        w_t = torch.ones_like(lse) if weight is None or n_local == 0 else weight[safe]
     eps = opts.label_smoothing
     g = torch.where(valid, grad_row.float(), 0.0)
     total_w = n_classes if weight is None else weight_sum
@@ -101,7 +114,8 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
         torch.sub(z, (lse - row_factor.log())[:, None], out=grad).exp_()
     else:
         torch.sub(z, lse[:, None], out=grad).exp_().mul_(row_factor[:, None])
-    grad.scatter_add_(1, safe[:, None], (-(1.0 - eps) * w_t * g)[:, None])
+    if n_local:
+        grad.scatter_add_(1, safe[:, None], torch.where(owned, -(1.0 - eps) * w_t * g, 0.0)[:, None])
     if eps > 0.0:
         if weight is None:
             grad.sub_(((eps / n_classes) * g)[:, None])

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...backends.reference.rows import _cap
+from ...backends.reference.rows import cap
 from ...types import LossOptions
 from .argmax_key import unpack_max_key
 from .layout import VocabLayout
@@ -73,7 +73,7 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
     if n > 0:
         dist.all_reduce(p.key, op=dist.ReduceOp.MAX, group=layout.group)          # collective 1
         xmax, index = unpack_max_key(p.key)
-        gmax = _cap(xmax, opts.softcap)
+        gmax = cap(xmax, opts.softcap)
         p.sums[:, Columns.SUMEXP] *= torch.exp(p.zmax - gmax)
         dist.all_reduce(p.flat, op=dist.ReduceOp.SUM, group=layout.group)         # collective 2
     else:

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ...backends.reference.rows import _cap
+from ...backends.reference.rows import cap, rows_grad
 from ...types import LossOptions
 from .argmax_key import EMPTY_KEY, pack_max_key
 from .layout import VocabLayout
@@ -67,9 +67,9 @@ def shard_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.
     if layout.size == 0:  # nothing to contribute: every sum stays 0, the key loses the MAX
         key = torch.full((n,), EMPTY_KEY, dtype=torch.int64, device=x.device)
         return key, torch.full((n,), float("-inf"), device=x.device), sums
-    z = _cap(x, opts.softcap)
+    z = cap(x, opts.softcap)
     xmax, arg = x.max(dim=1)                 # first index among ties, like argmax
-    zmax = _cap(xmax, opts.softcap)          # = max_c z_c: softcap is monotone
+    zmax = cap(xmax, opts.softcap)          # = max_c z_c: softcap is monotone
     key = pack_max_key(xmax, arg + layout.start)
     owned, col = target_columns(target, layout)
     sums[:, Columns.SUMEXP] = torch.exp(z - zmax[:, None]).sum(dim=1)
@@ -92,20 +92,5 @@ def shard_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Ten
     ``target_weight``: the global ``w_t`` per row (n,) from the forward (None without class weights);
     ``lse``: the global per-row lse (n,). Returns (n, V_r) fp32; ignored rows are exactly 0.
     """
-    n_classes = layout.n_classes
-    z = _cap(x, opts.softcap)
-    owned, col = target_columns(target, layout)
-    valid = target != opts.ignore_index
-    eps = opts.label_smoothing
-    w_t = torch.ones_like(lse) if target_weight is None else target_weight
-    total_w = n_classes if weight is None else weight_sum
-    coef = (1.0 - eps) * w_t + (eps / n_classes) * total_w + 2.0 * opts.lse_square_scale * lse
-    grad = torch.exp(z - lse[:, None]) * coef[:, None]
-    if layout.size:
-        grad.scatter_add_(1, col[:, None], torch.where(owned, -(1.0 - eps) * w_t, 0.0)[:, None])
-    if eps > 0.0:
-        grad -= (eps / n_classes) if weight is None else (eps / n_classes) * weight
-    if opts.softcap is not None:
-        grad *= 1.0 - (z / opts.softcap) ** 2
-    grad *= grad_row[:, None].float()
-    return torch.where(valid[:, None], grad, 0.0)
+    return rows_grad(x, target, weight, weight_sum, lse, grad_row, opts, n_classes=layout.n_classes,
+                     col_start=layout.start, target_weight=target_weight)
