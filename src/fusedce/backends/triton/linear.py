@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from ..linear import linear_cross_entropy as _linear_cross_entropy
-from .launch import ce_backward, ce_forward
+from . import custom_ops
 
 
 def _w(w, w_sum):
@@ -23,16 +21,11 @@ class TritonChunkCE:
 
     @staticmethod
     def loss(logits, target, w, w_sum, opts, stats):
-        n = logits.shape[0]
-        loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(loss)
-        predicted = torch.empty(n, dtype=torch.int64, device=logits.device) if stats else None
-        ce_forward(logits, target, *_w(w, w_sum), opts, loss, lse, predicted)
-        return loss, lse, predicted
+        return custom_ops.forward(logits, target, *_w(w, w_sum), opts, stats)
 
     @staticmethod
     def grad_(logits, target, w, w_sum, lse, grad_row, opts):
-        ce_backward(logits, target, *_w(w, w_sum), lse, grad_row, opts, logits)
+        custom_ops.backward_(logits, target, *_w(w, w_sum), lse, grad_row, opts)
 
 
 linear_cross_entropy = functools.partial(_linear_cross_entropy, TritonChunkCE)
