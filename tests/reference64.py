@@ -1,0 +1,134 @@
+"""The float64 oracle of the tests: ``torch.nn.functional.cross_entropy`` composed in float64 on CPU.
+
+Nothing here imports fusedce. The per-row math follows the contract (ARCHITECTURE.md):
+
+- softcap first, in float64: ``z = softcap * tanh(x / softcap)``;
+- ``F.cross_entropy(z, t, weight, ignore_index, reduction="none", label_smoothing)`` per row (its
+  smoothing formula with class weights is the contract's);
+- z-loss ``lse_square_scale * logsumexp(z)**2`` added on non-ignored rows only (not weighted);
+- ``"mean"`` divides the sum by ``D = num_items_in_batch`` (int or 0-dim tensor) if given, else by
+  ``sum(w[t])`` over non-ignored rows; ``D == 0`` gives loss 0.0 and an all-zero gradient.
+
+The gradient comes from float64 autograd through that composition, with the upstream gradient given
+(``None`` = ones, a float = that scalar, a tensor = per-token for ``"none"``).
+
+Besides the answers, ``Reference`` carries the *error scales* the tolerance table multiplies
+(tolerances.py): per row, ``M_r = 1 + max(|lse_r|, max_c |z_rc|)`` (the magnitude fp32 rounding acts on:
+an fp32 value of size M has an absolute error ~ 2^-24 M) and ``K_r = (1-eps)|w_t| + eps/V sum|w| +
+2|s| |lse_r|`` (= |d loss_r / d lse_r|, how an lse error reaches the loss). The loss error scale is
+``K_r M_r`` reduced like the loss; the gradient error scale of row r is ``|upstream_r| K_r M_r / D``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Reference:
+    loss: torch.Tensor             # float64, reduced like the call (shape target.shape for "none")
+    loss_rows: torch.Tensor        # float64 target.shape, per-row loss (0 on ignored rows)
+    grad: Optional[torch.Tensor]   # float64 logits.shape (None when no gradient was asked)
+    lse: torch.Tensor              # float64 target.shape, logsumexp of z, every row
+    z_loss: torch.Tensor           # float64, s * lse**2 on non-ignored rows, reduced like loss
+    predicted: torch.Tensor        # int64 target.shape, argmax of the logits (first on ties), -1 ignored
+    token_accuracy: torch.Tensor   # float64, fraction of counted rows correct (per-row 0/1 for "none")
+    denominator: float             # D of "mean" (nan for other reductions)
+    row_mag: torch.Tensor          # float64 target.shape, M_r = 1 + max(|lse_r|, max_c |z_rc|)
+    loss_err_scale: torch.Tensor   # float64, like loss: sum of K_r M_r (/ D for mean)
+    grad_err_scale: Optional[torch.Tensor]  # float64 (..., 1): |upstream_r| K_r M_r / D per row
+
+
+def _reduce(rows: torch.Tensor, reduction: str, scale: float) -> torch.Tensor:
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total * scale if reduction == "mean" else total
+
+
+def reference_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
+    ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0, softcap: Optional[float] = None,
+    num_items_in_batch: Union[int, torch.Tensor, None] = None,
+    upstream: Union[None, float, torch.Tensor] = None, with_grad: bool = True,
+) -> Reference:
+    """The contract's answer for ``cross_entropy(logits, target, weight, ...)`` in float64.
+
+    ``logits`` (..., V) of any float dtype (its exact values are used), ``target`` (...) int.
+    """
+    shape, n_classes = tuple(logits.shape[:-1]), logits.shape[-1]
+    x = logits.detach().to("cpu", torch.float64).clone().requires_grad_(with_grad)
+    t = target.detach().to("cpu", torch.int64).reshape(-1)
+    w = None if weight is None else weight.detach().to("cpu", torch.float64)
+
+    z = x if softcap is None else softcap * torch.tanh(x / softcap)
+    z2 = z.reshape(-1, n_classes)
+    valid = t != ignore_index
+    lse = torch.logsumexp(z2, dim=1) if z2.shape[0] else z2.new_zeros(0)
+    ce = F.cross_entropy(z2, t, weight=w, ignore_index=ignore_index, reduction="none",
+                         label_smoothing=label_smoothing)
+    z_rows = torch.where(valid, lse_square_scale * lse * lse, torch.zeros_like(lse))
+    rows = ce + z_rows
+
+    safe_t = torch.where(valid, t, torch.zeros_like(t))
+    w_t = torch.ones(t.shape, dtype=torch.float64) if w is None else w[safe_t]
+    w_t = torch.where(valid, w_t, torch.zeros_like(w_t))
+    if reduction == "mean":
+        if num_items_in_batch is not None:
+            denominator = float(torch.as_tensor(num_items_in_batch, dtype=torch.float64))
+        else:
+            denominator = float(w_t.sum())
+        scale = 0.0 if denominator == 0 else 1.0 / denominator
+    else:
+        denominator, scale = float("nan"), 1.0
+
+    loss = _reduce(rows, reduction, scale)
+    if reduction == "none":
+        loss = loss.reshape(shape)
+    grad = grad_err_scale = None
+    if with_grad:
+        if upstream is None:
+            up = torch.ones_like(loss)
+        elif isinstance(upstream, torch.Tensor):
+            up = upstream.detach().to("cpu", torch.float64).expand_as(loss)
+        else:
+            up = torch.full_like(loss, float(upstream))
+        (grad,) = torch.autograd.grad(loss, x, up, allow_unused=True)
+        if grad is None:  # empty input: nothing depends on x
+            grad = torch.zeros_like(x)
+        up_rows = up.reshape(-1) if reduction == "none" else up.reshape(()).expand(t.shape[0])
+
+    with torch.no_grad():
+        lse_d, z_d = lse.detach(), z2.detach()
+        zmax = z_d.abs().amax(dim=1) if n_classes and z_d.shape[0] else torch.zeros(z_d.shape[0], dtype=torch.float64)
+        m_r = 1.0 + torch.maximum(lse_d.abs(), zmax).nan_to_num(0.0, 0.0, 0.0)
+        w_abs_sum = float(n_classes) if w is None else float(w.abs().sum())
+        k_r = ((1.0 - label_smoothing) * w_t.abs() + label_smoothing / n_classes * w_abs_sum
+               + 2.0 * abs(lse_square_scale) * lse_d.abs().nan_to_num(0.0, 0.0, 0.0))
+        k_r = torch.where(valid, k_r, torch.zeros_like(k_r))
+        loss_err_scale = _reduce(k_r * m_r, reduction, scale)
+        if reduction == "none":
+            loss_err_scale = loss_err_scale.reshape(shape)
+        if with_grad:
+            grad_err_scale = (up_rows.abs() * k_r * m_r * (scale if reduction == "mean" else 1.0))
+            grad_err_scale = grad_err_scale.reshape(*shape, 1)
+
+        z_loss = _reduce(z_rows.detach(), reduction, scale)
+        predicted = x.detach().reshape(-1, n_classes).argmax(dim=1) if t.numel() else t.clone()
+        predicted = torch.where(valid, predicted, torch.full_like(predicted, -1))
+        correct = (valid & (predicted == t)).to(torch.float64)
+        if reduction == "none":
+            accuracy = correct.reshape(shape)
+            z_loss = z_loss.reshape(shape)
+        else:
+            n_valid = int(valid.sum())
+            accuracy = correct.sum() / n_valid if n_valid else torch.zeros((), dtype=torch.float64)
+
+    return Reference(loss=loss.detach(), loss_rows=rows.detach().reshape(shape), grad=grad,
+                     lse=lse_d.reshape(shape), z_loss=z_loss, predicted=predicted.reshape(shape),
+                     token_accuracy=accuracy, denominator=denominator, row_mag=m_r.reshape(shape),
+                     loss_err_scale=loss_err_scale, grad_err_scale=grad_err_scale)

@@ -1,0 +1,191 @@
+"""Every error of the contract for ``linear_cross_entropy`` (and its module), raised before anything is
+written: the caller's tensors are bit-identical afterwards and no gradient reached them."""
+import re
+
+import pytest
+import torch
+
+import fusedce
+from inputs import bit_identical, make_target, make_weight
+from reference64_linear import make_linear
+
+ROWS, H, V = 10, 8, 37   # V = 37: a small prime, so V appears in messages unambiguously
+
+
+def _good(dtype=torch.float32):
+    hidden, weight, bias = make_linear((ROWS,), H, V, dtype, bias=True)
+    return hidden, weight, bias, make_target((ROWS,), V, ignore_every=3)
+
+
+def _raises(exc, backend, hidden, weight, target, bias=None, match=None, **kw):
+    """Call, expect ``exc``; then check that no argument was modified (nor got a gradient)."""
+    args = (hidden, weight, target, bias, kw.get("ce_weight"))
+    saved = [t.detach().clone() if isinstance(t, torch.Tensor) and t.device.type != "meta" else None
+             for t in args]
+    with pytest.raises(exc, match=match) as info:
+        fusedce.linear_cross_entropy(hidden, weight, target, bias, backend=backend, **kw)
+    for before, after in zip(saved, args):
+        if before is not None:
+            assert bit_identical(after.detach(), before), "an argument was modified before the error"
+            assert not after.is_leaf or after.grad is None
+    return str(info.value)
+
+
+# --- TypeError ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.bool], ids=["int64", "float64", "bool"])
+def test_hidden_and_weight_dtype(backend, dtype):
+    hidden, weight, bias, target = _good()
+    _raises(TypeError, backend, hidden.detach().to(dtype), weight, target)
+    _raises(TypeError, backend, hidden, weight.detach().to(dtype), target)
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+@pytest.mark.parametrize("pair", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16),
+                                  (torch.float16, torch.float32)], ids=["fp32_bf16", "bf16_fp16", "fp16_fp32"])
+def test_dtype_mismatch(backend, pair, which):
+    """hidden, weight and bias must share a dtype (TypeError)."""
+    hidden, weight, bias, target = _good(pair[0])
+    if which == "weight":
+        weight = weight.detach().to(pair[1]).requires_grad_()
+        bias = None
+    else:
+        bias = bias.detach().to(pair[1]).requires_grad_()
+    _raises(TypeError, backend, hidden, weight, target, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8, torch.bool])
+def test_target_dtype(backend, dtype):
+    hidden, weight, bias, target = _good()
+    _raises(TypeError, backend, hidden, weight, target.clamp_min(0).to(dtype), bias)
+
+
+def test_non_tensor_arguments(backend):
+    hidden, weight, bias, target = _good()
+    _raises(TypeError, backend, hidden.detach().tolist(), weight, target)
+    _raises(TypeError, backend, hidden, weight.detach().tolist(), target)
+    _raises(TypeError, backend, hidden, weight, target.tolist())
+
+
+# --- ValueError -----------------------------------------------------------------------------------------
+def test_hidden_size_mismatch(backend):
+    hidden, weight, bias, target = _good()
+    msg = _raises(ValueError, backend, hidden, weight[:, :H - 1], target, bias)
+    assert str(H) in msg and str(H - 1) in msg, msg
+    _raises(ValueError, backend, hidden[:, :H - 1], weight, target, bias)
+    _raises(ValueError, backend, hidden, weight.t(), target)                # (H, V) instead of (V, H)
+
+
+@pytest.mark.parametrize("shape", [(V * H,), (1, V, H)], ids=["1d", "3d"])
+def test_weight_not_2d(backend, shape):
+    hidden, weight, _, target = _good()
+    _raises(ValueError, backend, hidden, weight.detach().reshape(shape), target)
+
+
+def test_zero_dim_hidden(backend):
+    _, weight, _, _ = _good()
+    _raises(ValueError, backend, torch.tensor(1.0), weight, torch.tensor(0))
+
+
+@pytest.mark.parametrize("shape", [(V + 1,), (V - 1,), (1, V), (V, 1), ()],
+                         ids=["V+1", "V-1", "row", "col", "scalar"])
+@pytest.mark.parametrize("which", ["bias", "ce_weight"])
+def test_bad_vector_shape(backend, which, shape):
+    """bias and ce_weight must be (V,)."""
+    hidden, weight, _, target = _good()
+    vec = torch.rand(shape)
+    if which == "bias":
+        _raises(ValueError, backend, hidden, weight, target, vec)
+    else:
+        _raises(ValueError, backend, hidden, weight, target, ce_weight=vec)
+
+
+@pytest.mark.parametrize("target_shape", [(ROWS + 1,), (ROWS, 1), (2, 5), ()],
+                         ids=["one_more", "extra_dim", "reshaped", "scalar"])
+def test_target_shape_mismatch(backend, target_shape):
+    hidden, weight, bias, _ = _good()
+    _raises(ValueError, backend, hidden, weight, torch.zeros(target_shape, dtype=torch.int64), bias)
+
+
+BAD_OPTIONS = {
+    "reduction_avg": {"reduction": "avg"}, "reduction_None": {"reduction": None},
+    "reduction_batchmean": {"reduction": "batchmean"},
+    "smoothing_-0.1": {"label_smoothing": -0.1}, "smoothing_1.01": {"label_smoothing": 1.01},
+    "smoothing_nan": {"label_smoothing": float("nan")},
+    "softcap_0": {"softcap": 0.0}, "softcap_-30": {"softcap": -30.0}, "softcap_nan": {"softcap": float("nan")},
+    "chunk_0": {"chunk_size": 0}, "chunk_-1": {"chunk_size": -1},
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_OPTIONS))
+def test_bad_options(backend, name):
+    hidden, weight, bias, target = _good()
+    _raises(ValueError, backend, hidden, weight, target, bias, **BAD_OPTIONS[name])
+
+
+def test_boundaries_accepted(backend):
+    """The closed ends are accepted: smoothing 0 and 1, a tiny softcap, chunk_size 1."""
+    hidden, weight, bias, target = _good()
+    for kw in ({"label_smoothing": 0.0}, {"label_smoothing": 1.0}, {"softcap": 1e-3}, {"chunk_size": 1}):
+        loss = fusedce.linear_cross_entropy(hidden, weight, target, bias, backend=backend, **kw)
+        assert bool(torch.isfinite(loss)), kw
+
+
+def test_different_devices(backend):
+    """weight / target / bias / ce_weight on another device ('meta' stands in for a second device)."""
+    hidden, weight, bias, target = _good()
+    _raises(ValueError, backend, hidden, weight.detach().to("meta"), target)
+    _raises(ValueError, backend, hidden, weight, target.to("meta"))
+    _raises(ValueError, backend, hidden, weight, target, bias.detach().to("meta"))
+    _raises(ValueError, backend, hidden, weight, target, ce_weight=make_weight(V).to("meta"))
+
+
+def test_backend_names(monkeypatch):
+    hidden, weight, bias, target = _good()
+    msg = _raises(ValueError, "cuda", hidden, weight, target)
+    assert "torch" in msg and "triton" in msg, "the error lists the valid names"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _raises(RuntimeError, "triton", hidden, weight, target, match="TRITON_INTERPRET")
+
+
+# --- IndexError ------------------------------------------------------------------------------------------
+def _names(msg: str, *numbers) -> bool:
+    return all(re.search(rf"(?<![\d.]){n}(?![\d.])", msg) for n in numbers)
+
+
+@pytest.mark.parametrize("bad", [V, V + 1000, -1, -101], ids=["V", "V+1000", "-1", "-101"])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+def test_target_out_of_range(backend, bad, index_dtype):
+    """C8 for the linear op: names the first bad position, its value and V."""
+    hidden, weight, bias, target = _good()
+    target = target.to(index_dtype)
+    target[7] = bad
+    msg = _raises(IndexError, backend, hidden, weight, target, bias)
+    assert _names(msg, 7, bad, V), msg
+
+
+def test_target_out_of_range_first_and_multi_dim(backend):
+    hidden, weight, _ = make_linear((3, 5), H, V)
+    target = make_target((3, 5), V, ignore_every=4)
+    target[2, 3], target[2, 4] = -7, V + 22
+    msg = _raises(IndexError, backend, hidden, weight, target)
+    assert re.search(r"[\[(]\s*2\s*,\s*3\s*[\])]", msg) and _names(msg, -7, V) and not _names(msg, V + 22), msg
+
+
+def test_ignore_index_is_not_a_class(backend):
+    """With ignore_index=-1, -100 is a bad target; -1 rows are fine."""
+    hidden, weight, bias, _ = _good()
+    target = make_target((ROWS,), V, ignore_every=3, ignore_index=-1)
+    target[5] = -100
+    msg = _raises(IndexError, backend, hidden, weight, target, bias, ignore_index=-1)
+    assert _names(msg, 5, -100, V), msg
+
+
+def test_module_raises_the_same(backend):
+    hidden, weight, bias, target = _good()
+    target[3] = V
+    with pytest.raises(IndexError):
+        fusedce.LinearCrossEntropyLoss(backend=backend)(hidden, weight, target, bias)
+    with pytest.raises(ValueError):
+        fusedce.LinearCrossEntropyLoss(chunk_size=0, backend=backend)(hidden, weight, target.clamp(max=V - 1))
+    with pytest.raises(TypeError):
+        fusedce.LinearCrossEntropyLoss(backend=backend)(hidden, weight.detach().half(), target.clamp(max=V - 1))
