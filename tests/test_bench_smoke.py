@@ -1,15 +1,21 @@
 """Smoke tests of ``fusedce bench`` on tiny synthetic shapes (never the real model: that needs a minute
 and the GGUF file). They check the plumbing: shapes parsing, SFT masking, the harness in-process, the
-fresh-process worker (including its failure modes) and the CLI writing table, JSON and PNG."""
+fresh-process worker (including its failure modes), the linear_cross_entropy op and its float64
+reference, the memory sweep (in-process and through the CLI, at a tiny shape) and the CLI writing
+tables, JSON and PNG."""
 import json
 
 import pytest
 import torch
 
 from fusedce import cli
-from fusedce.bench import harness, inputs, paths, shapes, worker
+from fusedce.bench import harness, inputs, parity, paths, report_sweep, shapes, sweep, worker
 
 TINY = {"kind": "synthetic", "hidden": 16, "vocab": 300, "tokens": 96, "seed": 0}  # V not a power of 2
+# The sweep's data at a tiny shape: half the targets ignored, as in the sweep's second setting.
+TINY_RANDOM = {"kind": "random", "hidden": 16, "vocab": 300, "tokens": 96, "ignore_fraction": 0.5,
+               "weight_std": 0.02, "seed": 0}
+TINY_SWEEP = sweep.SweepShape("tiny", 64, 16, 300)
 
 
 def test_parse_shapes_named_custom_and_bad():
@@ -64,18 +70,53 @@ def test_isolated_worker_crash_becomes_error_row():
     assert result["status"] == "error" and "KeyError" in result["reason"]
 
 
-def test_cli_bench_writes_table_json_png(tmp_path, capsys):
+def _sweep_in_process(monkeypatch):
+    """Sweep specs run in this process (``worker.run_spec``, the code a fresh worker runs) instead of
+    a fresh one each, to keep the test fast; bench rows still go through real worker processes."""
+    isolated = harness.run_isolated
+
+    def run(spec, env=None, timeout=None):
+        return worker.run_spec(spec) if spec.get("sweep") else isolated(spec, env=env, timeout=timeout)
+    monkeypatch.setattr(harness, "run_isolated", run)
+
+
+def test_cli_bench_writes_tables_json_png_and_the_sweep(tmp_path, capsys, monkeypatch):
+    # The sweep at a tiny shape and one ignored fraction: 2 measurements instead of 8 large ones.
+    monkeypatch.setattr(sweep, "SHAPES", (TINY_SWEEP,))
+    monkeypatch.setattr(sweep, "IGNORE_FRACTIONS", (0.5,))
+    _sweep_in_process(monkeypatch)
     code = cli.main(["bench", "--shapes", "16x300", "--tokens", "64", "--dtype", "float32",
-                     "--paths", "torch,fusedce-torch", "--repeats", "1", "--out", str(tmp_path)])
+                     "--paths", "torch,fusedce-torch,linear-fusedce-torch", "--repeats", "1",
+                     "--sweep-repeats", "1", "--out", str(tmp_path)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "fusedce torch" in printed and "16x300" in printed
+    assert "linear_cross_entropy" in printed and "memory sweep" in printed and "stock/fused" in printed
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["machine"]["name"] and report["machine"]["cpu"]
     assert {"parity", "time", "memory", "floor"} <= set(report["methods"])
-    assert [r["path"] for r in report["results"]] == ["torch", "fusedce-torch"]
+    assert "2 * BT * H + 2 * V * H" in report["methods"]["floor"]["linear_cross_entropy"]
+    assert [r["path"] for r in report["results"]] == ["torch", "fusedce-torch", "linear-fusedce-torch"]
     assert all(r["status"] == "ok" and r["time_ms"] > 0 for r in report["results"])
+    rows, summary = report["sweep"]["results"], report["sweep"]["summary"]
+    assert [(r["label"], r["ignore_fraction"]) for r in rows] == [("stock", 0.5), ("fused", 0.5)]
+    assert all(r["status"] == "ok" and r["grad_in_place"] and r["inputs"]["ignored_rows"] == 32
+               for r in rows)
+    assert len(summary) == 1 and summary[0]["memory_ratio"] > 0 and summary[0]["time_ratio"] > 0
+    assert summary[0]["loss_abs_diff"] < 1e-5
+    assert report["sweep"]["wall_seconds"] > 0 and report["wall_seconds"] >= report["sweep"]["wall_seconds"]
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_cli_no_sweep_and_bad_sweep_repeats(tmp_path, monkeypatch):
+    def fail(*_args, **_kwargs):
+        raise AssertionError("the sweep ran despite --no-sweep")
+    monkeypatch.setattr(sweep, "jobs", fail)
+    monkeypatch.setattr(harness, "run_isolated", lambda spec, env=None, timeout=None: worker.run_spec(spec))
+    code = cli.main(["bench", "--shapes", "8x40", "--tokens", "16", "--dtype", "float32", "--paths",
+                     "fusedce-torch", "--repeats", "1", "--no-sweep", "--out", str(tmp_path)])
+    assert code == 0 and json.loads((tmp_path / "bench.json").read_text())["sweep"] is None
+    assert cli.main(["bench", "--sweep-repeats", "0", "--shapes", "8x8"]) == 2
 
 
 def test_cli_rejects_bad_arguments(capsys):
@@ -99,11 +140,124 @@ def test_loss_mismatch_is_a_loud_failure():
         real_input.check_loss(meta, reproduced=1.6 * (1 + 2e-3))
 
 
-def test_plan_cpu_interprets_triton_next_to_a_torch_baseline_and_cuda_times_everything():
-    cpu = [(p.name, mode) for p, mode in paths.plan("cpu")]
-    assert ("torch", "timed") in cpu and ("fusedce-torch", "timed") in cpu
-    assert cpu[-2:] == [("torch", "parity"), ("fusedce-triton", "parity")]
+def test_plan_cpu_interprets_triton_next_to_its_ops_baseline_and_cuda_times_everything():
+    assert [(p.name, mode) for p, mode in paths.plan("cpu")] == [
+        ("torch", "timed"), ("fusedce-torch", "timed"), ("torch", "parity"), ("fusedce-triton", "parity"),
+        ("linear-torch", "timed"), ("linear-fusedce-torch", "timed"),
+        ("linear-torch", "parity"), ("linear-fusedce-triton", "parity")]
     assert [(p.name, mode) for p, mode in paths.plan("cuda")] == [
-        ("torch", "timed"), ("fusedce-torch", "timed"), ("fusedce-triton", "timed")]
+        ("torch", "timed"), ("fusedce-torch", "timed"), ("fusedce-triton", "timed"),
+        ("linear-torch", "timed"), ("linear-fusedce-torch", "timed"), ("linear-fusedce-triton", "timed")]
+    assert [(p.name, mode) for p, mode in paths.plan("cpu", ["linear-fusedce-triton"])] == [
+        ("linear-torch", "parity"), ("linear-fusedce-triton", "parity")]
     with pytest.raises(ValueError, match="registered"):
         paths.plan("cpu", ["nope"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["linear-torch", "linear-fusedce-torch"])
+def test_linear_measure_in_process(name, dtype):
+    data = inputs.build(TINY, paths.LINEAR_CROSS_ENTROPY.needs, dtype, "cpu")
+    assert data.logits is None and data.hidden.shape == (96, 16) and data.weight.shape == (300, 16)
+    result = harness.measure(paths.PATHS[name], data, "cpu", "timed", repeats=5, warmup=0)
+    assert result["status"] == "ok"
+    # bf16: the logits are rounded to bf16 (F.linear's output dtype) before the fp32 loss math
+    loss_tolerance, grad_tolerance = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    assert result["loss_abs_err"] < loss_tolerance and result["grad_rel_err"] < grad_tolerance
+    assert set(result["grads"]) == {"hidden", "weight"}
+    assert len(result["times_ms"]) == paths.LINEAR_CROSS_ENTROPY.max_cpu_repeats  # 5 capped on CPU
+    b = data.hidden.element_size()
+    assert result["floor_bytes"] == (2 * 96 * 16 + 2 * 300 * 16) * b
+
+
+def test_linear_triton_interpreter_parity_on_a_slice():
+    spec = {"path": "linear-fusedce-triton", "mode": "parity", "device": "cpu", "dtype": "float32",
+            "source": TINY, "rows": 16}
+    result = worker.run_spec(spec)
+    assert result["status"] == "ok", result
+    assert result["inputs"]["rows"] == 16 and result["inputs"]["weight_shape"] == [300, 16]
+    assert result["loss_abs_err"] < 1e-5 and result["grad_rel_err"] < 1e-5 and "time_ms" not in result
+
+
+def test_linear_reference_is_exact_and_sees_wrong_gradients():
+    data = inputs.build(TINY_RANDOM, ("hidden", "weight"), torch.float64, "cpu")
+    hidden, weight, target = data.hidden, data.weight, data.target
+    loss = torch.nn.functional.cross_entropy(hidden @ weight.T, target)  # unchunked, float64
+    grad_h, grad_w = torch.autograd.grad(loss, (hidden, weight))
+    loss = loss.detach()
+    exact = parity.linear_cross_entropy(hidden, weight, target, loss, {"hidden": grad_h, "weight": grad_w})
+    assert exact["loss_abs_err"] < 1e-12 and exact["grad_rel_err"] < 1e-12
+    assert exact["scored_rows"] == 48
+    wrong_w = parity.linear_cross_entropy(hidden, weight, target, loss,
+                                          {"hidden": grad_h, "weight": grad_w * 1.01})
+    assert wrong_w["grads"]["weight"]["rel_err"] == pytest.approx(0.01, rel=1e-6)
+    assert wrong_w["grads"]["hidden"]["rel_err"] < 1e-12
+    ignored_row = int((target == -100).nonzero()[0])
+    leaky = grad_h.clone()
+    leaky[ignored_row] = 1.0   # an ignored row must get exactly zero gradient
+    assert parity.linear_cross_entropy(hidden, weight, target, loss, {"hidden": leaky, "weight": grad_w}
+                                       )["grads"]["hidden"]["max_abs_err"] == 1.0
+
+
+def test_random_source_is_seeded_and_ignores_the_asked_fraction():
+    a = inputs.build(TINY_RANDOM, ("hidden", "weight"), torch.float32, "cpu")
+    b = inputs.build(TINY_RANDOM, ("hidden", "weight"), torch.float32, "cpu")
+    assert torch.equal(a.target, b.target) and torch.equal(a.weight, b.weight)
+    ignored = a.target == -100
+    assert int(ignored.sum()) == 48 and not torch.equal(ignored[:48], torch.ones(48, dtype=torch.bool))
+    assert bool((a.target[~ignored] >= 0).all() and (a.target[~ignored] < 300).all())
+    assert 0.015 < float(a.weight.detach().std()) < 0.025
+    none = inputs.build({**TINY_RANDOM, "ignore_fraction": 0.0}, ("hidden",), torch.float32, "cpu")
+    assert not bool((none.target == -100).any())
+
+
+@pytest.mark.parametrize("name", [sweep.STOCK, sweep.FUSED])
+def test_sweep_measure_accumulates_into_preallocated_grads(name):
+    data = inputs.build(TINY_RANDOM, ("hidden", "weight"), torch.float32, "cpu")
+    result = sweep.measure(paths.PATHS[name], data, repeats=2)
+    assert result["status"] == "ok" and result["grad_in_place"]
+    assert result["peak_rss_bytes"] >= result["base_rss_bytes"] > 0
+    assert result["peak_bytes"] == result["peak_rss_bytes"] - result["base_rss_bytes"]
+    assert len(result["times_ms"]) == 2 and all(t > 0 for t in result["times_ms"])
+    assert result["grad_norms"]["hidden"] > 0 and result["grad_norms"]["weight"] > 0
+    # after the timed runs .grad holds one fwd+bwd (zeroed in place before each): the float64 reference
+    ref = parity.linear_cross_entropy(data.hidden, data.weight, data.target, torch.tensor(result["loss"]),
+                                      {"hidden": data.hidden.grad, "weight": data.weight.grad})
+    assert ref["grad_rel_err"] < 1e-5
+
+
+def test_sweep_flags_a_replaced_grad_buffer(monkeypatch):
+    stock = paths.PATHS[sweep.STOCK]
+
+    def replaces_grads(data):
+        data.hidden.grad = None   # autograd then allocates a fresh buffer instead of adding in place
+        return stock.forward(data)
+    fake = paths.Path("replaces-grads", "x", paths.LINEAR_CROSS_ENTROPY, replaces_grads, "drops .grad")
+    data = inputs.build(TINY_RANDOM, ("hidden", "weight"), torch.float32, "cpu")
+    result = sweep.measure(fake, data, repeats=1)
+    assert result["status"] == "error" and not result["grad_in_place"] and ".grad" in result["reason"]
+
+
+def _sweep_row(shape, fraction, label, peak, ms, status="ok"):
+    return {"shape": shape, "tokens": 8, "hidden": 4, "vocab": 32, "ignore_fraction": fraction,
+            "label": label, "status": status, "peak_bytes": peak, "time_ms": ms, "loss": 1.0,
+            "base_rss_bytes": 1 << 20}
+
+
+def test_sweep_summary_ratios_and_targets_and_its_table():
+    rows = [_sweep_row("a", 0.0, "stock", 3000, 105.0), _sweep_row("a", 0.0, "fused", 1000, 115.0),
+            _sweep_row("a", 0.5, "stock", 3000, 100.0), _sweep_row("a", 0.5, "fused", 1001, 100.0),
+            _sweep_row("b", 0.0, "stock", 3000, 100.0), _sweep_row("b", 0.0, "fused", 0, 0.0, "error")]
+    first, second, failed = sweep.summarize(rows)
+    assert first["memory_ratio"] == 3.0 and first["time_ratio"] == pytest.approx(105 / 115)
+    assert first["targets"]["memory"]["met"] and first["targets"]["time"]["met"]     # 1.095x: within 1.10x
+    assert not second["targets"]["memory"]["met"] and not second["targets"]["time"]["met"]  # not faster
+    assert failed["memory_ratio"] is None and failed["targets"]["time"]["met"] is None
+    result = {"device": "cpu", "machine": {"name": "test machine"},
+              "sweep": {"results": rows, "summary": [first, second, failed],
+                        "method": {**sweep.METHOD, "time": sweep.METHOD["time"].format(repeats=3)}}}
+    from rich.console import Console
+    console = Console(width=200, record=True)
+    console.print(report_sweep.sweep_table(result))
+    text = console.export_text()
+    assert "3.0x" in text and "MISSED" in text and "n/a" in text and "b 0% fused: error" in text

@@ -1,4 +1,5 @@
-"""``fusedce bench``: stock PyTorch cross-entropy against every fusedce path on one device.
+"""``fusedce bench``: stock PyTorch cross-entropy (on logits, and fused with the LM head) against every
+fusedce path on one device, then (CPU) the memory sweep of the fused LM head (``sweep.py``).
 
 Imports only argparse at module level, so ``fusedce --help`` stays fast; the work happens in ``run``.
 """
@@ -7,15 +8,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+import time
 from pathlib import Path
 
 HELP = "compare fused and stock cross-entropy: parity vs float64, time, peak memory"
 DESCRIPTION = """\
-Compare the stock PyTorch cross-entropy with every fusedce path available on the device: loss and
+Compare the stock PyTorch cross-entropy with every fusedce path available on the device, for two ops:
+cross_entropy on logits, and linear_cross_entropy (the LM head fused with the loss): loss and
 gradient parity against float64, forward+backward time, peak memory and (timed rows) GB/s over the byte
 floor. By default on real input: SmolLM2-135M-Instruct's final hidden states on King James Bible
 verses (SFT-style masking; built once, then cached under .cache/). On CPU the Triton kernels run under
-the interpreter on a slice of rows, for parity only. Writes OUT/bench.json and OUT/bench.png."""
+the interpreter on a slice of rows, for parity only. On CPU a memory sweep follows (--no-sweep skips
+it): stock vs fused linear cross-entropy at SmolLM2's and Llama-3's vocabulary shapes, 0% and 50% of
+targets ignored, peak memory and time with their ratios. Writes OUT/bench.json and OUT/bench.png."""
 DTYPES = ("float32", "bfloat16")
 
 
@@ -40,14 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="real-input cache folder; None: $FUSEDCE_CACHE_DIR, else the checkout's .cache/")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per measurement")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="skip the memory sweep (runs by default with --device cpu; about 5-10 min)")
+    parser.add_argument("--sweep-repeats", type=int, default=3, help="timed fwd+bwd runs per sweep row")
 
 
 def _check_args(args) -> list[str]:
     bad = [d for d in _csv(args.dtype) if d not in DTYPES]
     if bad or not _csv(args.dtype):
         raise ValueError(f"--dtype: unknown {bad}; choose from {', '.join(DTYPES)}")
-    if args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.interpret_rows < 1:
-        raise ValueError("--tokens, --repeats and --interpret-rows must be >= 1, --warmup >= 0")
+    if args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.interpret_rows < 1 \
+            or args.sweep_repeats < 1:
+        raise ValueError("--tokens, --repeats, --sweep-repeats and --interpret-rows must be >= 1, "
+                         "--warmup >= 0")
     return _csv(args.dtype)
 
 
@@ -69,7 +79,7 @@ def _sources(shapes, args, console, inputs_meta) -> dict:
     return sources
 
 
-def _measure_all(jobs, args, console) -> list[dict]:
+def _measure_all(jobs, args, console, describe) -> list[dict]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
         TimeElapsedColumn
     from . import harness
@@ -79,23 +89,59 @@ def _measure_all(jobs, args, console) -> list[dict]:
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("measuring", total=len(jobs))
         for row, spec, env in jobs:
-            progress.update(task, description=f"{row['shape']} {row['dtype']} {row['label']}")
+            progress.update(task, description=describe(row))
             row.update(harness.run_isolated(spec, env=env, timeout=args.timeout))
             rows.append(row)
             progress.advance(task)
     return rows
 
 
-def _recheck_real(rows, inputs_meta) -> None:
-    """The float64 loss of this run's fp32 logits must still match the model's own loss."""
+def _recheck_real(rows, inputs_meta) -> list[str]:
+    """On the real input, the losses of this run must still match the model's own loss: the float64
+    reference of the fp32 logits (cross_entropy) and of the fp32 hidden states and LM head
+    (linear_cross_entropy), and every timed fp32 linear_cross_entropy path's own loss. Returns the
+    failures (``RealInputError`` messages)."""
     from . import real_input
-    meta = inputs_meta.get("real")
+    meta, failures = inputs_meta.get("real"), []
+    if not meta:
+        return failures
+    meta["recheck"] = []
     for row in rows:
-        if meta and row["shape"] == "real" and row["dtype"] == "float32" and row["mode"] == "timed" \
-                and row["status"] == "ok":
-            meta["recheck_loss"] = row["loss_ref"]
-            real_input.check_loss(meta, row["loss_ref"])
-            return
+        if row["shape"] != "real" or row["dtype"] != "float32" or row["mode"] != "timed" \
+                or row["status"] != "ok":
+            continue
+        checks = []
+        if not any(c["op"] == row["op"] and c["what"] == "float64 reference" for c in meta["recheck"]):
+            checks.append(("float64 reference", row["loss_ref"]))
+        if row["op"] == "linear_cross_entropy":
+            checks.append((f"{row['label']} (fp32)", row["loss"]))
+        for what, loss in checks:
+            try:
+                rel = real_input.check_loss(meta, loss)
+            except real_input.RealInputError as exc:
+                failures.append(f"{row['op']}, {what}: {exc}")
+                rel = abs(loss - meta["model_loss"]) / abs(meta["model_loss"])
+            meta["recheck"].append({"op": row["op"], "what": what, "loss": loss, "rel_diff": rel})
+    return failures
+
+
+def _describe_row(row) -> str:
+    return f"{row['shape']} {row['dtype']} {row['op']}: {row['label']}"
+
+
+def _describe_sweep_row(row) -> str:
+    return (f"sweep {row['shape']} (BT={row['tokens']}, H={row['hidden']}, V={row['vocab']}), "
+            f"{row['ignore_fraction']:.0%} ignored: {row['label']}")
+
+
+def _sweep(args, console) -> dict:
+    """The memory sweep (CPU): every configuration in a fresh process, then the stock/fused ratios."""
+    from . import sweep
+    began = time.perf_counter()
+    rows = _measure_all(sweep.jobs(args.sweep_repeats), args, console, _describe_sweep_row)
+    return {"method": {**sweep.METHOD, "time": sweep.METHOD["time"].format(repeats=args.sweep_repeats)},
+            "results": rows, "summary": sweep.summarize(rows),
+            "wall_seconds": round(time.perf_counter() - began, 1)}
 
 
 def _jobs(shapes, dtypes, plan, sources, args) -> list:
@@ -111,23 +157,29 @@ def _jobs(shapes, dtypes, plan, sources, args) -> list:
                 env = {"TRITON_INTERPRET": "1"} if interpret else None
                 suffix = " (interp.)" if interpret else " (slice)" if mode == "parity" else ""
                 row = {"shape": shape.name, "dtype": dtype, "path": path.name, "label": path.label + suffix,
-                       "op": path.op.name, "mode": mode}
+                       "op": path.op.name, "mode": mode, "baseline": path.name == path.op.baseline}
                 jobs.append((row, spec, env))
     return jobs
 
 
-def _methods(rows, args) -> dict:
+def _methods(rows, plan, args) -> dict:
+    """Overall methods; ``parity``, ``time`` and ``floor`` per op (keyed by op name)."""
     from . import harness
     memory = next((r["method"]["memory"] for r in rows if r.get("method", {}).get("memory")),
                   "not measured")
     cuda = args.device == "cuda"
+    ops = list(dict.fromkeys(path.op for path, _mode in plan))
+    repeats = {op.name: min(args.repeats, op.max_cpu_repeats) if not cuda and op.max_cpu_repeats
+               else args.repeats for op in ops}
     return {
-        "parity": "F.cross_entropy on the same logits in float64 (chunked autograd); "
-                  "grad rel = ||g - g_ref|| / ||g_ref||",
-        "time": harness.TIME_METHOD[args.device].format(repeats=args.repeats, warmup=args.warmup),
-        "memory": memory + ", fresh process per row",
-        "floor": "bytes a forward+backward must move at least (cross_entropy: 3 * BT * V * dtype_bytes)"
-                 " / median time" + ("; (%) = share of the datasheet memory bandwidth" if cuda else ""),
+        "parity": {op.name: f"{op.parity_method}; grad rel = ||g - g_ref|| / ||g_ref||"
+                            + (" (worst leaf)" if len(op.leaves) > 1 else "") for op in ops},
+        "time": {op.name: harness.TIME_METHOD[args.device].format(repeats=repeats[op.name],
+                                                                  warmup=args.warmup) for op in ops},
+        "memory": memory + ", fresh process per row; gradients included (none exist before the run)",
+        "floor": {op.name: f"bytes a forward+backward must move at least ({op.floor_formula}) / median "
+                           "time" + ("; (%) = share of the datasheet memory bandwidth" if cuda else "")
+                  for op in ops},
     }
 
 
@@ -138,6 +190,7 @@ def run(args) -> int:
     from . import machine, paths, report, shapes as shape_table
     from .real_input import RealInputError
 
+    began = time.perf_counter()
     err = Console(stderr=True)
     out = Console() if sys.stdout.isatty() else Console(width=130)  # logs and pipes: no wrapping
     try:
@@ -158,11 +211,9 @@ def run(args) -> int:
         err.print(Panel(str(exc), title="real input FAILED", style="bold red"))
         return 1
     load_before = machine.describe(args.device).get("load_average_1min")
-    rows = _measure_all(_jobs(shapes, dtypes, plan, sources, args), args, err)
-    try:
-        _recheck_real(rows, inputs_meta)
-    except RealInputError as exc:
-        failures.append(str(exc))
+    rows = _measure_all(_jobs(shapes, dtypes, plan, sources, args), args, err, _describe_row)
+    failures += _recheck_real(rows, inputs_meta)
+    sweep = _sweep(args, err) if args.device == "cpu" and not args.no_sweep else None
 
     result = {
         "fusedce_bench": 1,
@@ -171,10 +222,12 @@ def run(args) -> int:
         "machine": {**machine.describe(args.device), "load_average_1min_before": load_before},
         "settings": {key: str(value) if isinstance(value, Path) else value
                      for key, value in vars(args).items() if key not in ("handler", "command")},
-        "methods": _methods(rows, args),
+        "methods": _methods(rows, plan, args),
         "inputs": inputs_meta,
         "results": rows,
+        "sweep": sweep,
         "failures": failures,
+        "wall_seconds": round(time.perf_counter() - began, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     report.print_report(result, out)
@@ -182,7 +235,7 @@ def run(args) -> int:
     out.print(f"wrote {', '.join(str(p) for p in written)}")
     for failure in failures:
         err.print(Panel(failure, title="real input FAILED", style="bold red"))
-    errors = [r for r in rows if r["status"] == "error"]
+    errors = [r for r in rows + (sweep["results"] if sweep else []) if r["status"] == "error"]
     if errors:
         err.print(f"[red]{len(errors)} measurement(s) failed; see the status column")
     return 1 if failures or errors else 0

@@ -3,7 +3,8 @@
 Methods (each result records the one it used):
 
 - time, CPU: median of ``repeats`` forward+backward runs timed with ``time.perf_counter`` after
-  ``warmup`` runs; gradients are reset outside the timed region.
+  ``warmup`` runs; gradients are reset outside the timed region. An op with ``max_cpu_repeats`` (the
+  fused LM head: seconds per run on a CPU) caps ``repeats`` there; the result records what was used.
 - time, CUDA: ``triton.testing.do_bench`` (median; it flushes the L2 cache between runs and sets the
   gradients to None).
 - peak memory, CPU: run in a fresh process (``run_isolated``), the peak resident set size during the
@@ -48,7 +49,8 @@ def _status_kib(field: str) -> Optional[int]:
 
 
 class CpuPeakMemory:
-    """Context manager: ``self.bytes`` = peak RSS inside the block minus RSS at its start."""
+    """Context manager: ``self.bytes`` = peak RSS inside the block minus RSS at its start
+    (``self.base``); ``self.peak`` = that peak RSS itself."""
 
     def __enter__(self):
         import psutil
@@ -78,7 +80,8 @@ class CpuPeakMemory:
             peak = max(self._sampled, self._process.memory_info().rss)
         else:
             peak = _status_kib("VmHWM") * 1024
-        self.bytes = max(0, peak - self._base)
+        self.base, self.peak = self._base, max(peak, self._base)
+        self.bytes = self.peak - self._base
         return False
 
 
@@ -134,6 +137,8 @@ def measure(path: Path, inputs: Inputs, device: str, mode: str = "timed", repeat
     On CPU call it in a fresh process (``run_isolated``) for a meaningful peak memory.
     """
     op = path.op
+    if device == "cpu" and op.max_cpu_repeats:
+        repeats = min(repeats, op.max_cpu_repeats)
     leaves = {name: getattr(inputs, name) for name in op.leaves}
     result = {"status": "ok", "method": {"what": path.method}}
     run = lambda: forward_backward(path, inputs)  # noqa: E731

@@ -8,9 +8,13 @@ Sources (``source["kind"]``):
 - ``"synthetic"``: seeded random data of a named shape. Logits are drawn directly, N(0, 2^2) (the
   spread of a trained LM's logits; no BT x H x V matmul, so large vocabularies stay cheap on CPU);
   ``hidden``/``weight`` are drawn so that ``hidden @ weight.T`` has the same spread.
+- ``"random"`` (the memory sweep, ``sweep.py``): seeded ``hidden`` ~ N(0, 1), ``weight`` ~ N(0, 1) *
+  ``source["weight_std"]``, targets uniform in [0, V) with ``round(ignore_fraction * BT)`` positions,
+  drawn at random, set to ``IGNORE_INDEX``. No logits.
 
-Targets follow the SFT layout of ``sft_target`` in both cases: sequences of ``SEQ_LEN`` tokens whose first
-``PROMPT_FRACTION`` (the prompt) and last position (no next token) are ``IGNORE_INDEX``.
+Targets of ``"real"`` and ``"synthetic"`` follow the SFT layout of ``sft_target``: sequences of
+``SEQ_LEN`` tokens whose first ``PROMPT_FRACTION`` (the prompt) and last position (no next token) are
+``IGNORE_INDEX``.
 """
 from __future__ import annotations
 
@@ -86,6 +90,17 @@ def _synthetic(source: dict, needs: tuple) -> dict:
     return data
 
 
+def _random(source: dict) -> dict:
+    gen = torch.Generator(device="cpu").manual_seed(int(source.get("seed", 0)))
+    n_rows, hidden_size, vocab = int(source["tokens"]), int(source["hidden"]), int(source["vocab"])
+    hidden = torch.randn(n_rows, hidden_size, generator=gen)
+    weight = torch.randn(vocab, hidden_size, generator=gen).mul_(float(source["weight_std"]))
+    target = torch.randint(0, vocab, (n_rows,), generator=gen)
+    n_ignored = round(float(source.get("ignore_fraction", 0.0)) * n_rows)
+    target[torch.randperm(n_rows, generator=gen)[:n_ignored]] = IGNORE_INDEX
+    return {"target": target, "hidden": hidden, "weight": weight}
+
+
 def build(source: dict, needs: tuple, dtype: torch.dtype, device: str,
           rows: Optional[int] = None) -> Inputs:
     """Build the ``needs`` fields (names of ``Inputs`` fields) for ``source`` on ``device`` in ``dtype``.
@@ -97,6 +112,8 @@ def build(source: dict, needs: tuple, dtype: torch.dtype, device: str,
         data = torch.load(source["file"], map_location="cpu", weights_only=True)
     elif source["kind"] == "synthetic":
         data = _synthetic(source, needs)
+    elif source["kind"] == "random":
+        data = _random(source)
     else:
         raise ValueError(f"unknown input source {source['kind']!r}")
     keep = row_slice(data["target"].shape[0], rows)

@@ -1,6 +1,8 @@
-"""The bench's outputs: a rich table on the terminal, ``bench.json`` and ``bench.png``.
+"""The bench's outputs: rich tables on the terminal (one per shape and op, then the memory sweep),
+``bench.json`` and ``bench.png``.
 
 Every saved result names its machine (``machine.describe``) and its method (per row and overall).
+Everything here reads the result dict only, so a saved ``bench.json`` can be rendered again.
 """
 from __future__ import annotations
 
@@ -27,14 +29,32 @@ def _gbps(gbps, peak) -> str:
     return f"{gbps:.2f}" if not peak else f"{gbps:.0f} ({100 * gbps / peak:.0f}%)"
 
 
-def _shape_title(shape: str, rows: list[dict], inputs: dict) -> str:
+OP_TITLES = {
+    "cross_entropy": "cross_entropy on the logits (BT, V)",
+    "linear_cross_entropy": "linear_cross_entropy: LM head + loss, hidden (BT, H) and weight (V, H) in",
+}
+
+
+def _title(shape: str, op: str, rows: list[dict], inputs: dict) -> str:
     if shape == "real" and "real" in inputs:
         meta = inputs["real"]
-        return (f"real: SmolLM2-135M hidden states on KJV verses, {meta['tokens']} tokens "
-                f"({meta['scored_tokens']} scored), V={meta['vocab_size']}")
-    timed = [r for r in rows if r.get("inputs")]
-    size = timed[0]["inputs"] if timed else {}
-    return f"{shape}: synthetic, logits {size.get('logits_shape', '?')}"
+        data = (f"real: SmolLM2-135M hidden states on KJV verses, {meta['tokens']} tokens "
+                f"({meta['scored_tokens']} scored), H={meta['hidden_size']}, V={meta['vocab_size']}")
+    else:
+        timed = [r for r in rows if r.get("inputs")]
+        size = timed[0]["inputs"] if timed else {}
+        data = f"{shape}: synthetic, " + (", ".join(
+            f"{k[:-len('_shape')]} {v}" for k, v in size.items() if k.endswith("_shape")) or "?")
+    return f"{data}\n{OP_TITLES.get(op, op)}"
+
+
+def _groups(report: dict) -> list[tuple[str, str]]:
+    """(shape, op) in the order the rows ran."""
+    return list(dict.fromkeys((r["shape"], r.get("op", "cross_entropy")) for r in report["results"]))
+
+
+def _per_op(method, op: str) -> str:
+    return method.get(op, "-") if isinstance(method, dict) else method
 
 
 COLUMNS = (  # header, justify; the caption says what each error column means
@@ -44,11 +64,11 @@ COLUMNS = (  # header, justify; the caption says what each error column means
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def table(report: dict, shape: str) -> Table:
-    """The rich table of one shape's rows; long reasons go to numbered notes in the caption."""
-    rows = [r for r in report["results"] if r["shape"] == shape]
+def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
+    """The rich table of one shape's rows of one op; long reasons go to numbered notes in the caption."""
+    rows = [r for r in report["results"] if r["shape"] == shape and r.get("op", "cross_entropy") == op]
     machine = report["machine"]
-    out = Table(title=f"{_shape_title(shape, rows, report['inputs'])}\n{report['device']}: {machine['name']}",
+    out = Table(title=f"{_title(shape, op, rows, report['inputs'])}\n{report['device']}: {machine['name']}",
                 title_justify="left", caption_justify="left")
     for name, justify in COLUMNS:
         out.add_column(name, justify=justify, no_wrap=name != "path")
@@ -68,8 +88,9 @@ def table(report: dict, shape: str) -> Table:
                     _num(None if peak is None else peak / 2**20, ".0f"),
                     status, style={"error": "red", "unavailable": "yellow"}.get(r["status"]))
     methods = report["methods"]
-    notes = [f"Δloss, max Δgrad, grad rel: vs {methods['parity']}",
-             f"ms: {methods['time']}", f"MiB: {methods['memory']}", f"GB/s: {methods['floor']}"]
+    notes = [f"Δloss, max Δgrad, grad rel: vs {_per_op(methods['parity'], op)}",
+             f"ms: {_per_op(methods['time'], op)}", f"MiB: {methods['memory']}",
+             f"GB/s: {_per_op(methods['floor'], op)}"]
     if any(r["mode"] == "parity" for r in rows):
         notes.append(INTERPRETER_NOTE)
     load, cores = machine.get("load_average_1min"), machine.get("cpu_cores")
@@ -81,19 +102,32 @@ def table(report: dict, shape: str) -> Table:
 
 
 def print_report(report: dict, console: Console) -> None:
-    for shape in dict.fromkeys(r["shape"] for r in report["results"]):
-        console.print(table(report, shape))
+    for shape, op in _groups(report):
+        console.print(table(report, shape, op))
         console.print()
     real = report["inputs"].get("real")
     if real:
-        recheck = real.get("recheck_loss")
-        console.print(
-            f"SmolLM2-135M loss on this batch ({real['scored_tokens']} scored tokens):\n"
-            f"  model(input_ids, labels=...)                  {real['model_loss']:.6f}\n"
-            f"  F.cross_entropy(hidden @ W.T), float64        {real['reproduced_loss']:.6f}"
-            f"  (relative difference {real['loss_rel_diff']:.1e}, limit {real['loss_rtol']:g})"
-            + ("" if recheck is None else
-               f"\n  float64 reference of this run's fp32 logits   {recheck:.6f}"))
+        lines = [f"SmolLM2-135M loss on this batch ({real['scored_tokens']} scored tokens; relative "
+                 f"difference to the model's loss, limit {real['loss_rtol']:g}):",
+                 f"  {'model(input_ids, labels=...)':<58}{real['model_loss']:.6f}",
+                 f"  {'F.cross_entropy(hidden @ W.T), float64, at caching':<58}{real['reproduced_loss']:.6f}"
+                 f"  ({real['loss_rel_diff']:.1e})"]
+        for check in real.get("recheck", []):
+            what = f"this run, {check['op']}: {check['what']}"
+            lines.append(f"  {what:<58}{check['loss']:.6f}  ({check['rel_diff']:.1e})")
+        console.print("\n".join(lines))
+    if report.get("sweep"):
+        from .report_sweep import sweep_table
+        console.print()
+        console.print(sweep_table(report))
+    if report.get("wall_seconds") is not None:
+        sweep = report.get("sweep") or {}
+        cpu = [r["process_cpu_s"] for r in report["results"] + sweep.get("results", [])
+               if r.get("process_cpu_s") is not None]
+        console.print(f"bench wall time {report['wall_seconds']:.0f} s"
+                      + ("" if sweep.get("wall_seconds") is None else
+                         f" (memory sweep {sweep['wall_seconds']:.0f} s)")
+                      + (f"; the measuring processes used {sum(cpu):.0f} CPU seconds" if cpu else ""))
 
 
 def write_json(report: dict, out: Path) -> Path:
@@ -109,29 +143,36 @@ def write_png(report: dict, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     path = out / "bench.png"
-    shapes = list(dict.fromkeys(r["shape"] for r in report["results"]))
-    fig, axes = plt.subplots(max(1, len(shapes)), 2, squeeze=False,
-                             figsize=(12, 1.2 + 0.55 * max(4, len(report["results"]))))
-    for row, shape in enumerate(shapes):
-        timed = [r for r in report["results"]
-                 if r["shape"] == shape and r["status"] == "ok" and r.get("time_ms") is not None]
+    groups = _groups(report)
+    sweep = report.get("sweep")
+    n_panels = max(1, len(groups)) + (1 if sweep else 0)
+    fig, axes = plt.subplots(n_panels, 2, squeeze=False,
+                             figsize=(12, 1.2 + 0.55 * max(4, len(report["results"]))
+                                      + (3.0 if sweep else 0.0)))
+    for row, (shape, op) in enumerate(groups):
+        timed = [r for r in report["results"] if r["shape"] == shape and r.get("op", "cross_entropy") == op
+                 and r["status"] == "ok" and r.get("time_ms") is not None]
         labels = [f"{r['label']}\n{r['dtype']}" for r in timed]
         for col, (key, scale, unit) in enumerate((("time_ms", 1.0, "fwd+bwd time (ms)"),
                                                   ("peak_bytes", 2.0**-20, "peak memory (MiB)"))):
             ax = axes[row][col]
             values = [r[key] * scale for r in timed]
-            colors = ["tab:gray" if r["path"] == "torch" else "tab:blue" for r in timed]
+            colors = ["tab:gray" if r.get("baseline", r["path"] == "torch") else "tab:blue" for r in timed]
             ax.barh(range(len(values)), values, color=colors)
             ax.set_yticks(range(len(values)), labels, fontsize=8)
             ax.invert_yaxis()
             ax.set_xlabel(unit)
-            ax.set_title(f"{shape}: {unit}", fontsize=9)
+            ax.set_title(f"{shape}, {op}: {unit}", fontsize=9)
             for i, v in enumerate(values):
                 ax.text(v, i, f" {v:.0f}", va="center", fontsize=8)
             if not values:
                 ax.text(0.5, 0.5, "no timed rows", ha="center", transform=ax.transAxes)
-    fig.suptitle(f"fusedce bench, {report['device']}: {report['machine']['name']}\n"
-                 f"time: {report['methods']['time']}; memory: {report['methods']['memory']}", fontsize=9)
+    if sweep:
+        from .report_sweep import plot_sweep
+        plot_sweep(sweep, axes[-1])
+    fig.suptitle(f"fusedce bench, {report['device']}: {report['machine']['name']}; gray: stock PyTorch, "
+                 "blue: fusedce\ntime: median fwd+bwd; memory: peak beyond the inputs "
+                 "(methods in bench.json)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -2,19 +2,22 @@
 stdin and prints one ``harness.RESULT_PREFIX`` line with the JSON result.
 
 Spec: ``{"path": name, "mode": "timed" | "parity", "device": "cpu" | "cuda", "dtype": "float32" |
-"bfloat16", "source": inputs source, "rows": int | None, "repeats": int, "warmup": int}``.
+"bfloat16", "source": inputs source, "rows": int | None, "repeats": int, "warmup": int}``; with
+``"sweep": true`` the measurement is the memory sweep's (``sweep.measure``, CPU) instead of
+``harness.measure``.
 A path that cannot be imported (e.g. a backend not written yet) is ``"unavailable"`` with the reason;
 any other exception is ``"error"``.
 """
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import traceback
 
 import torch
 
-from . import harness, inputs, paths
+from . import harness, inputs, paths, sweep
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,10 +28,14 @@ def run_spec(spec: dict) -> dict:
     try:
         data = inputs.build(spec["source"], path.op.needs, DTYPES[spec["dtype"]], spec["device"],
                             spec.get("rows"))
-        shape = {"rows": int(data.target.shape[0]), **{
+        shape = {"rows": int(data.target.shape[0]),
+                 "ignored_rows": int((data.target == inputs.IGNORE_INDEX).sum()), **{
             f"{name}_shape": list(t.shape) for name, t in data.tensors().items() if name != "target"}}
-        result = harness.measure(path, data, spec["device"], spec["mode"], spec.get("repeats", 5),
-                                 spec.get("warmup", 1))
+        if spec.get("sweep"):
+            result = sweep.measure(path, data, spec.get("repeats", sweep.REPEATS), spec.get("warmup", 0))
+        else:
+            result = harness.measure(path, data, spec["device"], spec["mode"], spec.get("repeats", 5),
+                                     spec.get("warmup", 1))
         result["inputs"] = shape
         return result
     except ImportError as exc:
@@ -40,6 +47,8 @@ def run_spec(spec: dict) -> dict:
 
 def main() -> int:
     result = run_spec(json.loads(sys.stdin.read()))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["process_cpu_s"] = round(usage.ru_utime + usage.ru_stime, 2)  # contention shows as wall >> CPU
     print(harness.RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 

@@ -97,4 +97,5 @@ def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: i
             accumulate_(grad_w, logits, h_c)
         if grad_b is not None:
             grad_b += logits.sum(dim=0, dtype=accum_dtype)
+        del logits   # free this chunk before the next one is allocated: one chunk alive, not two
     return loss, lse, predicted, grad_h, grad_w, grad_b

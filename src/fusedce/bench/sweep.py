@@ -1,0 +1,161 @@
+"""The CPU memory sweep of ``fusedce bench``: the LM head + loss, stock against fused, at training
+shapes, each configuration measured in a fresh process (``harness.run_isolated``).
+
+- Configurations: ``SHAPES`` x ``IGNORE_FRACTIONS`` x (stock, fused), where stock is the
+  ``linear-torch`` path (``F.cross_entropy(F.linear(hidden, weight).float(), target)``) and fused the
+  ``linear-fusedce-torch`` path (``fusedce.linear_cross_entropy(..., backend="torch")``, chunk_size=None).
+  The two paths of one configuration run back to back, so their ratio is measured under the same load.
+- Data (``inputs`` source ``"random"``): fp32, seeded; hidden ~ N(0, 1), weight ~ N(0, 1) * 0.02,
+  targets uniform over the vocabulary with ``round(fraction * BT)`` random positions ignored.
+- Memory: after one forward+backward on a tiny problem (so the libraries' one-time set-up is not
+  counted), ``hidden.grad`` and ``weight.grad`` are preallocated as zeros, then the peak resident set
+  during one forward+backward minus the resident set once the inputs and those ``.grad`` buffers exist
+  (``harness.CpuPeakMemory``). Autograd adds into an existing ``.grad`` in place; the worker checks that
+  the buffers were not replaced (``grad_in_place``), else the row is an error: the baseline would be
+  wrong. What remains is the loss's own memory: logits (stock) or one chunk of them (fused), the
+  temporary gradients before they are added into ``.grad``, and workspaces.
+- Time: median of ``repeats`` forward+backward runs (``.grad`` zeroed in place outside the timing)
+  after the memory run, which is the warm-up (plus ``warmup`` more untimed runs).
+- Targets (issue 3; displayed, never enforced): ``TARGETS``.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from . import harness
+from .inputs import IGNORE_INDEX, Inputs
+from .paths import Path
+
+
+@dataclass(frozen=True)
+class SweepShape:
+    name: str
+    tokens: int   # BT
+    hidden: int   # H
+    vocab: int    # V
+
+
+SHAPES = (
+    SweepShape("smollm2", 4096, 576, 49152),         # SmolLM2-135M's LM head
+    SweepShape("llama3-vocab", 4096, 256, 128256),   # Llama-3's vocabulary, H cut to 256 to fit a CPU
+)
+IGNORE_FRACTIONS = (0.0, 0.5)
+STOCK, FUSED = "linear-torch", "linear-fusedce-torch"
+WEIGHT_STD = 0.02
+SEED = 0
+REPEATS = 3
+
+# (ignore fraction -> test on the ratios stock / fused, as text and as a predicate)
+MEMORY_TARGET = ("stock/fused >= 3", lambda ratio: ratio >= 3.0)
+TIME_TARGETS = {
+    0.0: ("stock/fused >= 1/1.10 (fused <= 1.10x stock)", lambda ratio: ratio >= 1 / 1.10),
+    0.5: ("stock/fused > 1 (fused faster)", lambda ratio: ratio > 1.0),
+}
+TARGETS = ("peak memory: fused at least 3x under stock at every shape; time: fused no worse than "
+           "1.10x stock at 0% ignored, faster than stock at 50% ignored")
+METHOD = {
+    "data": f"fp32, seeded: hidden ~ N(0, 1), weight ~ N(0, 1) * {WEIGHT_STD}, targets uniform, the "
+            "ignored fraction at random positions",
+    "memory": "peak RSS during one fwd+bwd minus RSS once the inputs and zero-filled hidden.grad / "
+              "weight.grad exist (autograd accumulates into them in place; checked), fresh process "
+              "per configuration",
+    "time": "median of {repeats} fwd+bwd, time.perf_counter, after the memory run as warm-up; "
+            ".grad zeroed in place outside the timing",
+    "targets": TARGETS,
+}
+
+
+def source(shape: SweepShape, ignore_fraction: float) -> dict:
+    """The ``inputs`` source of one configuration."""
+    return {"kind": "random", "tokens": shape.tokens, "hidden": shape.hidden, "vocab": shape.vocab,
+            "ignore_fraction": ignore_fraction, "weight_std": WEIGHT_STD, "seed": SEED}
+
+
+def jobs(repeats: int = REPEATS, shapes=None, fractions=None) -> list:
+    """(row, worker spec, extra env) per shape x ignored fraction x (stock, fused), in that order;
+    ``shapes`` / ``fractions`` default to ``SHAPES`` / ``IGNORE_FRACTIONS``."""
+    out = []
+    for shape in SHAPES if shapes is None else shapes:
+        for fraction in IGNORE_FRACTIONS if fractions is None else fractions:
+            for path, label in ((STOCK, "stock"), (FUSED, "fused")):
+                spec = {"sweep": True, "path": path, "mode": "timed", "device": "cpu", "dtype": "float32",
+                        "source": source(shape, fraction), "repeats": repeats, "warmup": 0}
+                row = {"shape": shape.name, "tokens": shape.tokens, "hidden": shape.hidden,
+                       "vocab": shape.vocab, "ignore_fraction": fraction, "path": path, "label": label}
+                out.append((row, spec, None))
+    return out
+
+
+def _tiny_run(path: Path, inputs: Inputs) -> None:
+    """One forward+backward of ``path`` on 16 rows x 32 classes of ``inputs``' dtype and hidden size,
+    half the targets ignored: loads and sets up what a first call needs, at no memory cost."""
+    gen = torch.Generator().manual_seed(SEED)
+    target = torch.randint(0, 32, (16,), generator=gen)
+    target[::2] = IGNORE_INDEX
+    size, dtype = inputs.hidden.shape[1], inputs.hidden.dtype
+    tiny = Inputs(target=target,
+                  hidden=torch.randn(16, size, generator=gen).to(dtype).requires_grad_(True),
+                  weight=torch.randn(32, size, generator=gen).to(dtype).requires_grad_(True))
+    harness.forward_backward(path, tiny)
+
+
+def measure(path: Path, inputs: Inputs, repeats: int = REPEATS, warmup: int = 0) -> dict:
+    """Peak memory (over inputs + preallocated ``.grad``) and fwd+bwd time of ``path`` on CPU.
+
+    Call it in a fresh process (``run_isolated`` with a spec from ``jobs``)."""
+    _tiny_run(path, inputs)
+    leaves = {name: getattr(inputs, name) for name in path.op.leaves}
+    for tensor in leaves.values():
+        tensor.grad = torch.zeros_like(tensor)
+    # Held (not just their addresses): a replaced buffer cannot then be freed and its address reused.
+    buffers = {name: tensor.grad for name, tensor in leaves.items()}
+    run = lambda: harness.forward_backward(path, inputs)  # noqa: E731
+    gc.collect()
+    with harness.CpuPeakMemory() as mem:
+        loss = run()
+    in_place = all(t.grad is not None and t.grad.data_ptr() == buffers[n].data_ptr()
+                   for n, t in leaves.items())
+    norms = {name: float(tensor.grad.norm()) for name, tensor in leaves.items()}
+    time_ms, times = harness.median_ms(run, lambda: [t.grad.zero_() for t in leaves.values()], "cpu",
+                                       repeats, warmup)
+    in_place = in_place and all(t.grad.data_ptr() == buffers[n].data_ptr() for n, t in leaves.items())
+    result = {"status": "ok", "loss": float(loss), "grad_norms": norms, "grad_in_place": in_place,
+              "peak_bytes": mem.bytes, "peak_rss_bytes": mem.peak, "base_rss_bytes": mem.base,
+              "time_ms": time_ms, "times_ms": times,
+              "method": {"what": path.method, "memory": mem.method,
+                         "time": METHOD["time"].format(repeats=repeats)}}
+    if not in_place:
+        result.update(status="error", reason="a .grad buffer was replaced instead of accumulated into: "
+                                             "the memory baseline does not hold")
+    return result
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per shape x ignored fraction: stock and fused side by side, ratios stock / fused and
+    whether each target is met (None when a row failed)."""
+    out = []
+    keys = dict.fromkeys((r["shape"], r["ignore_fraction"]) for r in rows)
+    for shape, fraction in keys:
+        pair = {r["label"]: r for r in rows if (r["shape"], r["ignore_fraction"]) == (shape, fraction)}
+        stock, fused = pair.get("stock", {}), pair.get("fused", {})
+        ok = stock.get("status") == "ok" and fused.get("status") == "ok"
+        entry = {"shape": shape, "ignore_fraction": fraction,
+                 **{k: stock.get(k, fused.get(k)) for k in ("tokens", "hidden", "vocab")},
+                 "stock_peak_bytes": stock.get("peak_bytes"), "fused_peak_bytes": fused.get("peak_bytes"),
+                 "stock_ms": stock.get("time_ms"), "fused_ms": fused.get("time_ms"),
+                 "memory_ratio": None, "time_ratio": None, "loss_abs_diff": None}
+        if ok:
+            entry["memory_ratio"] = stock["peak_bytes"] / max(fused["peak_bytes"], 1)
+            entry["time_ratio"] = stock["time_ms"] / fused["time_ms"]
+            entry["loss_abs_diff"] = abs(stock["loss"] - fused["loss"])
+        time_text, time_ok = TIME_TARGETS.get(fraction, ("none", lambda _r: True))
+        entry["targets"] = {
+            "memory": {"want": MEMORY_TARGET[0],
+                       "met": None if not ok else bool(MEMORY_TARGET[1](entry["memory_ratio"]))},
+            "time": {"want": time_text, "met": None if not ok else bool(time_ok(entry["time_ratio"]))},
+        }
+        out.append(entry)
+    return out
