@@ -11,6 +11,7 @@ import zlib  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401  (import before any test patches torch.empty; see test_compile.py)
 
 # Every backend of the contract that can run on this machine's CPU tensors. "triton" runs under the
 # interpreter; it is NOT skipped when its package is missing: that failure is real information.

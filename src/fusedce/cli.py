@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 COMMANDS = {
     "bench": "fusedce.bench.command",
+    "inspect": "fusedce.inspect.report",
 }
 
 

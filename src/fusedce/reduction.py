@@ -17,8 +17,13 @@ def mean_denominator(target: torch.Tensor, weight: Optional[torch.Tensor], ignor
     (their count without class weights). Never syncs with the host.
     """
     device = target.device
+    if isinstance(num_items_in_batch, torch.Tensor):
+        # A device tensor stays on the device (a CPU tensor with CUDA data is one small H2D copy).
+        return num_items_in_batch.to(device=device, dtype=torch.float32).reshape(())
     if num_items_in_batch is not None:
-        return torch.as_tensor(num_items_in_batch, dtype=torch.float32).to(device).reshape(())
+        # A Python number becomes a fill kernel, not an H2D copy of a CPU scalar (a pageable copy
+        # synchronizes the stream and cannot be captured in a CUDA graph).
+        return torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
     valid = target != ignore_index
     if weight is None:
         return valid.sum().to(torch.float32)

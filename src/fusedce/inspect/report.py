@@ -75,7 +75,8 @@ VARIANTS = {
         "all": Variant(weight=True, smoothing=True, softcap=True, zloss=True),
     },
 }
-_FLAGS = {"forward": ("weight", "smoothing", "softcap", "stats"), "backward": ("weight", "smoothing", "softcap")}
+_FLAGS = {"forward": ("weight", "smoothing", "softcap", "stats"),
+          "backward": ("weight", "smoothing", "softcap")}
 
 
 def every_variant(kernel: str) -> dict:
@@ -198,7 +199,7 @@ def arch_supported(arch: int) -> Optional[str]:
     return row.error or None
 
 
-def run(archs=ARCHS, dtypes=tuple(DTYPES), vocabs=DEFAULT_VOCABS, kernels=("forward", "backward"),
+def collect(archs=ARCHS, dtypes=tuple(DTYPES), vocabs=DEFAULT_VOCABS, kernels=("forward", "backward"),
         variants=None, every=False, progress=None) -> tuple:
     """All rows for the requested configurations, and notes on targets that were skipped."""
     rows, notes = [], []
@@ -240,8 +241,12 @@ def format_table(rows) -> str:
     return "\n".join(out)
 
 
-def _parse(argv):
-    p = argparse.ArgumentParser(prog="fusedce inspect", description=__doc__.split("\n\n")[0])
+HELP = "static GPU report of the Triton kernels (registers, spills, smem, 128-bit loads), no GPU needed"
+DESCRIPTION = __doc__
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``fusedce inspect`` (the ``fusedce`` CLI's subcommand interface)."""
     p.add_argument("--arch", type=int, action="append", help="compute capability (default: 90 and 100)")
     p.add_argument("--dtype", action="append", choices=list(DTYPES), help="logits dtype (default: all)")
     p.add_argument("--vocab", type=int, action="append", help=f"V (default: {list(DEFAULT_VOCABS)})")
@@ -252,12 +257,17 @@ def _parse(argv):
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 if any kernel spills or misses 128-bit accesses on aligned rows")
-    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    """Entry point of ``fusedce inspect`` (also ``python -m fusedce.inspect``)."""
-    args = _parse(argv)
+    """``python -m fusedce.inspect [options]`` (same options as ``fusedce inspect``)."""
+    parser = argparse.ArgumentParser(prog="fusedce inspect", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args) -> int:
+    """Compile, print the table (and JSON); the exit status (1 with ``--strict`` and a problem)."""
     import triton
     from triton.runtime.jit import JITFunction
 
@@ -267,11 +277,11 @@ def main(argv=None) -> int:
         print("fusedce inspect compiles for a GPU target; unset TRITON_INTERPRET (the interpreter replaces "
               "the kernels by Python functions)", file=sys.stderr)
         return 2
-    rows, notes = run(archs=tuple(args.arch or ARCHS), dtypes=tuple(args.dtype or DTYPES),
-                      vocabs=tuple(args.vocab or DEFAULT_VOCABS),
-                      kernels=tuple(args.kernel or ("forward", "backward")), variants=args.variant,
-                      every=args.every_variant,
-                      progress=lambda msg: print(f"compiling {msg}", file=sys.stderr, flush=True))
+    rows, notes = collect(archs=tuple(args.arch or ARCHS), dtypes=tuple(args.dtype or DTYPES),
+                          vocabs=tuple(args.vocab or DEFAULT_VOCABS),
+                          kernels=tuple(args.kernel or ("forward", "backward")), variants=args.variant,
+                          every=args.every_variant,
+                          progress=lambda msg: print(f"compiling {msg}", file=sys.stderr, flush=True))
     print(f"Triton {triton.__version__}: kernels compiled offline (no GPU), BT = {ROWS}, "
           f"launch configs from backends/triton/tuning.py")
     print(format_table(rows))
@@ -286,6 +296,6 @@ def main(argv=None) -> int:
                     f"{' (' + r.error + ')' if r.error else ''}" for r in problems))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"triton": triton.__version__, "rows": [dict(asdict(r), problem=r.problem) for r in rows],
-                       "notes": notes}, f, indent=1)
+            json.dump({"triton": triton.__version__, "notes": notes,
+                       "rows": [dict(asdict(r), problem=r.problem) for r in rows]}, f, indent=1)
     return 1 if (args.strict and problems) else 0

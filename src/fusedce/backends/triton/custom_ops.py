@@ -124,3 +124,20 @@ def ce_backward_inplace(logits: torch.Tensor, target: torch.Tensor, weight: Opt,
 def _(logits, target, weight, weight_sum, lse, grad_row, ignore_index, label_smoothing,
       lse_square_scale, softcap, has_softcap):
     return None
+
+
+# ---------------------------------------------------------------- typed entry points for this backend
+
+def forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt, opts: LossOptions,
+            stats: bool, inplace_backward: bool = False):
+    """``fusedce::ce_forward`` with ``LossOptions``: ``(loss, lse, predicted)``, predicted (0,) without
+    stats. Differentiable w.r.t. ``logits`` (autograd registered in ``ops.py``)."""
+    return torch.ops.fusedce.ce_forward(logits, target, weight, weight_sum, *options_args(opts), stats,
+                                        inplace_backward)
+
+
+def backward_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt, lse: torch.Tensor,
+              grad_row: torch.Tensor, opts: LossOptions) -> None:
+    """``fusedce::ce_backward_inplace`` with ``LossOptions``: overwrite ``logits`` with the gradient."""
+    torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, grad_row,
+                                          *options_args(opts))

@@ -24,7 +24,8 @@ def _setup_context(ctx, inputs, output):
     logits, target, weight, weight_sum = inputs[:4]
     _loss, lse, predicted = output
     ctx.save_for_backward(logits, target, weight, weight_sum, lse)
-    ctx.options = tuple(inputs[4:9])      # ignore_index, label_smoothing, lse_square_scale, softcap, has_softcap
+    # ignore_index, label_smoothing, lse_square_scale, softcap, has_softcap
+    ctx.options = tuple(inputs[4:9])
     ctx.inplace = inputs[10]
     ctx.mark_non_differentiable(lse, predicted)
 
@@ -61,5 +62,4 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optio
     With ``inplace_backward`` the backward pass writes the gradient into ``logits``' storage.
     """
     w, w_sum = _weights(weight)
-    return torch.ops.fusedce.ce_forward(logits, target, w, w_sum, *custom_ops.options_args(opts), stats,
-                                        inplace_backward)
+    return custom_ops.forward(logits, target, w, w_sum, opts, stats, inplace_backward)

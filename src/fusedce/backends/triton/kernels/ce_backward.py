@@ -16,7 +16,7 @@ two-kernel design that does not keep a row on chip between passes.
 import triton
 import triton.language as tl
 
-from .common import aligned, apply_softcap, softcap_slope, target_terms
+from .common import aligned, apply_softcap, softcap_slope, to_bf16_rne, target_terms
 
 
 @triton.jit
@@ -39,6 +39,7 @@ def ce_backward_kernel(
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and both row strides are multiples of ALIGN (see common.aligned)
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ROUND_BF16: tl.constexpr = False,  # interpreter only: round to nearest as GPUs do (common.to_bf16_rne)
 ):
     n_cols = aligned(n_cols, ALIGN)
     stride_logits_row = aligned(stride_logits_row, ALIGN)
@@ -70,4 +71,8 @@ def ce_backward_kernel(
     dz -= tl.where(cols == target, (1.0 - label_smoothing) * w_t, 0.0)
     dz *= softcap_slope(z, softcap, HAS_SOFTCAP) * g
     dz = tl.where(is_valid, dz, 0.0)
-    tl.store(grad_ptr + row * stride_grad_row + cols, dz.to(grad_ptr.dtype.element_ty), mask=mask)
+    if ROUND_BF16:
+        out = to_bf16_rne(dz)
+    else:
+        out = dz.to(grad_ptr.dtype.element_ty)
+    tl.store(grad_ptr + row * stride_grad_row + cols, out, mask=mask)

@@ -66,7 +66,10 @@ def ce_forward_kernel(
             else:
                 zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        # While every logit so far is -inf (a masked block), shift by 0 instead of m_new = -inf:
+        # exp(-inf - -inf) would be NaN; exp(-inf - 0) = 0 keeps s = 0.
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
         m = m_new
         if COMPUTE_STATS:
             bmax, bidx = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)

@@ -1,0 +1,347 @@
+"""One GPU check of fusedce (made for a lent H200; < 8 minutes). Run through ``benchmarks/gpu_check.sh``.
+
+Sections, each printed as it finishes; a short summary table comes last:
+
+1. copy bandwidth: a device-to-device copy of 2 GiB (bytes read + written / time), the ceiling for GB/s.
+2. per vocabulary (BT = 8192 bf16 logits ~ N(0, 2^2), V = 32000 / 128256 / 262144):
+   - parity: fusedce's mean loss vs fp32 torch on the whole batch; per-row loss and gradient vs float64
+     on a row subset (with ignored rows); the gradient error next to torch's own bf16 error (C6's rule:
+     no worse than 4x).
+   - forward+backward time, ``triton.testing.do_bench`` median, for torch eager (``F.cross_entropy`` on
+     the fp32-upcast logits, as Hugging Face does), torch.compile of that, fusedce, fusedce with
+     ``inplace_backward``, fusedce under torch.compile (its custom ops in Inductor's graph; the eager
+     call includes the contract's one host sync, the target range check, the compiled one skips it),
+     and Liger if importable; GB/s against the fused floor
+     3 * BT * V * itemsize (read logits twice, write the gradient once), and the peak memory each
+     path allocates beyond its inputs (``torch.cuda.max_memory_allocated``).
+3. CUDA graph: a training step (Linear -> fusedce.cross_entropy(return_stats, smoothing, softcap,
+   num_items_in_batch) -> backward) is captured once and replayed on new data; loss and weight
+   gradient must equal eager.
+4. sync-free hot path: ``torch.cuda.set_sync_debug_mode("error")`` around forward+backward with every
+   option. The contract allows exactly one host sync, the target range check (it raises IndexError with
+   the bad position, so it must read the targets). The check is therefore done in two steps: (a) with the
+   range check on, the sync detector must fire (proves the detector is live and that check is the sync);
+   (b) with that one check replaced by a no-op, the whole eager public path must run clean. Wrapping only
+   the kernels would miss syncs in the validation / reduction / stats glue, and running under
+   torch.compile would test Inductor's code instead of ours (the compiled path is covered by
+   tests/test_compile.py and by the CUDA-graph section, where the check is skipped by contract).
+
+``--dry-run``: small shapes on CPU with the Triton interpreter, so that the script is known to start
+(tests/test_gpu_check_dry_run.py); timings are then not measurements and CUDA-only sections are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from unittest import mock
+
+if "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"   # before anything imports triton
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fusedce  # noqa: E402
+from fusedce import validation  # noqa: E402
+
+IGNORE = -100
+FULL = dict(rows=8192, vocabs=(32000, 128256, 262144), subset=256)
+DRY = dict(rows=32, vocabs=(1000, 4112), subset=8)     # 1000: V % 16 == 8; 4112: two 4096-blocks
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def inputs(rows: int, vocab: int, dtype, device, ignore_fraction: float, seed: int):
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(rows, vocab, device=device, dtype=dtype, generator=g).mul_(2.0)
+    target = torch.randint(0, vocab, (rows,), device=device, generator=g)
+    if ignore_fraction:
+        drop = torch.rand(rows, device=device, generator=g) < ignore_fraction
+        target = torch.where(drop, torch.full_like(target, IGNORE), target)
+        target[0] = IGNORE                                  # at least one ignored row in any subset
+    return logits, target
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- 1. bandwidth
+
+def copy_bandwidth(device, dry: bool) -> float:
+    """GB/s of a device-to-device copy (read + write), the practical ceiling of a streaming kernel."""
+    if dry:
+        return float("nan")
+    import triton
+
+    src = torch.empty(1 << 30, dtype=torch.int16, device=device)     # 2 GiB, well past L2
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+# ---------------------------------------------------------------- 2a. parity
+
+def parity(logits, target, subset: int, backend: str) -> dict:
+    x = logits.detach().clone().requires_grad_()
+    rows = fusedce.cross_entropy(x, target, reduction="none", backend=backend)
+    rows.sum().backward()
+    mean = fusedce.cross_entropy(logits, target, backend=backend)
+    mean32 = F.cross_entropy(logits.float(), target, ignore_index=IGNORE)
+
+    ref_x = logits[:subset].detach().double().requires_grad_()
+    ref = F.cross_entropy(ref_x, target[:subset], reduction="none", ignore_index=IGNORE)
+    ref.sum().backward()
+    own_x = logits[:subset].detach().clone().requires_grad_()      # torch's own error in this dtype
+    F.cross_entropy(own_x, target[:subset], reduction="none", ignore_index=IGNORE).sum().backward()
+
+    loss_err = ((rows[:subset].double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    grad_err = (x.grad[:subset].double() - ref_x.grad).abs().max().item()
+    torch_err = (own_x.grad.double() - ref_x.grad).abs().max().item()
+    mean_err = ((mean - mean32).abs() / mean32.abs()).item()
+    ratio = grad_err / torch_err if torch_err > 0 else (0.0 if grad_err == 0 else float("inf"))
+    ok = mean_err < 2e-5 and loss_err < 2e-5 and ratio <= 4.0
+    return dict(mean_rel_err_vs_fp32=mean_err, loss_rel_err_vs_fp64=loss_err, grad_err_vs_fp64=grad_err,
+                torch_grad_err_vs_fp64=torch_err, grad_err_ratio=ratio, ok=ok)
+
+
+# ---------------------------------------------------------------- 2b. speed and memory
+
+def paths(backend: str, dry: bool) -> dict:
+    """name -> loss function of (logits, target); every path computes the same mean loss."""
+    def torch_eager(x, t):
+        return F.cross_entropy(x.float(), t, ignore_index=IGNORE)
+
+    out = {"torch eager": torch_eager}
+    if not dry:
+        out["torch.compile"] = torch.compile(torch_eager, fullgraph=True, dynamic=False)
+    out["fusedce"] = lambda x, t: fusedce.cross_entropy(x, t, backend=backend)
+    out["fusedce inplace"] = lambda x, t: fusedce.cross_entropy(x, t, inplace_backward=True, backend=backend)
+    if not dry:   # compiled: the custom ops inside Inductor's graph, no range-check sync
+        out["fusedce compiled"] = torch.compile(out["fusedce"], fullgraph=True, dynamic=False)
+    try:
+        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+        if not dry:
+            out["liger"] = LigerCrossEntropyLoss(ignore_index=IGNORE)
+    except ImportError:
+        pass
+    return out
+
+
+def measure(fn, logits, target, device, dry: bool) -> dict:
+    """Median fwd+bwd ms and the peak bytes allocated beyond the inputs. In-place paths overwrite
+    their own copy of the logits with gradients, which is fine for timing."""
+    x = logits.detach().clone().requires_grad_()
+
+    def step():
+        fn(x, target).backward()
+
+    step()                                              # warm-up: compile, autotune, allocator
+    x.grad = None
+    if dry:
+        t0 = time.perf_counter()
+        step()
+        return dict(ms=(time.perf_counter() - t0) * 1e3, peak_bytes=None)
+    import triton
+
+    sync(device)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    sync(device)
+    peak = torch.cuda.max_memory_allocated() - base
+    x.grad = None
+    ms = triton.testing.do_bench(step, grad_to_none=[x], return_mode="median")
+    return dict(ms=ms, peak_bytes=peak)
+
+
+# ---------------------------------------------------------------- 3. CUDA graph
+
+def step_loss(model, x, target, backend):
+    return fusedce.cross_entropy(model(x), target, label_smoothing=0.1, softcap=30.0,
+                                 num_items_in_batch=777, return_stats=True, backend=backend)
+
+
+def cuda_graph_check(device, dtype, backend: str, dry: bool) -> dict:
+    rows, hidden, vocab = (16, 32, 1000) if dry else (2048, 1024, 32000)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(hidden, vocab, bias=False, device=device, dtype=dtype)
+    x = torch.randn(rows, hidden, device=device, dtype=dtype)
+    _, t = inputs(rows, vocab, dtype, device, 0.1, seed=1)
+    if dry:                                              # no graphs on CPU: run the step once
+        step_loss(model, x, t, backend).loss.backward()
+        return dict(ok=True, note="dry run: step ran eagerly, nothing captured")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                        # warm-up off the capture stream
+        for _ in range(3):
+            model.weight.grad = None
+            step_loss(model, x, t, backend).loss.backward()
+    torch.cuda.current_stream().wait_stream(side)
+    model.weight.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step_loss(model, x, t, backend)
+        static.loss.backward()
+    static_grad = model.weight.grad                      # written by every replay
+    worst = 0.0
+    for seed in range(2, 5):                             # replay on new data, compare with eager
+        new_x = torch.randn(rows, hidden, device=device, dtype=dtype)
+        _, new_t = inputs(rows, vocab, dtype, device, 0.1, seed=seed)
+        x.copy_(new_x)
+        t.copy_(new_t)
+        graph.replay()
+        eager = step_loss(model, new_x, new_t, backend)
+        (eager_grad,) = torch.autograd.grad(eager.loss, model.weight)
+        grad_err = ((static_grad.float() - eager_grad.float()).abs().max()
+                    / eager_grad.float().abs().max()).item()
+        loss_err = abs(static.loss.item() - eager.loss.item()) / abs(eager.loss.item())
+        acc_err = abs(static.token_accuracy.item() - eager.token_accuracy.item())
+        worst = max(worst, loss_err, grad_err, acc_err)
+    return dict(ok=worst < 1e-2, worst_rel_diff=worst, note="loss, token accuracy, weight grad replayed x3")
+
+
+# ---------------------------------------------------------------- 4. sync-free hot path
+
+def sync_debug_check(device, dtype, backend: str, dry: bool) -> dict:
+    rows, vocab = (16, 1000) if dry else (4096, 32000)
+    logits, target = inputs(rows, vocab, dtype, device, 0.1, seed=5)
+    weight = torch.rand(vocab, device=device) + 0.5
+    n_items = torch.tensor(1234.0, device=device)
+
+    def hot(num_items):
+        x = logits.detach().clone().requires_grad_()
+        out = fusedce.cross_entropy(x, target, weight, label_smoothing=0.1, lse_square_scale=1e-4,
+                                    softcap=30.0, num_items_in_batch=num_items, return_stats=True,
+                                    backend=backend)
+        out.loss.backward()
+        return out
+
+    hot(n_items)                                       # warm-up: kernel compiles are not measured
+    no_range_check = mock.patch.object(validation, "check_target_range", lambda *a, **k: None)
+    if dry:
+        with no_range_check:
+            hot(1234)
+        return dict(ok=True, note="dry run: no CUDA sync detector on CPU, path ran")
+    result = dict(detector_fired_on_range_check=False, clean_with_tensor_items=False,
+                  clean_with_int_items=False)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        try:
+            hot(n_items)
+        except RuntimeError as exc:                    # (a) the documented sync is seen
+            result["detector_fired_on_range_check"] = "synchroniz" in str(exc).lower()
+        with no_range_check:                           # (b) nothing else syncs
+            for key, items in (("clean_with_tensor_items", n_items), ("clean_with_int_items", 1234)):
+                try:
+                    hot(items)
+                    result[key] = True
+                except RuntimeError as exc:
+                    result[key + "_error"] = str(exc).splitlines()[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    result["ok"] = all(result[k] for k in ("detector_fired_on_range_check", "clean_with_tensor_items",
+                                           "clean_with_int_items"))
+    return result
+
+
+# ---------------------------------------------------------------- driver
+
+def _guarded(check, *args) -> dict:
+    """Run one check section; an exception is a FAIL with its message, not the end of the script."""
+    try:
+        return check(*args)
+    except Exception as exc:  # noqa: BLE001
+        return dict(ok=False, error=f"{type(exc).__name__}: {str(exc)[:500]}")
+
+
+def _gib(b) -> str:
+    return "n/a" if b is None else f"{b / 2**30:.2f}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="small shapes on CPU (Triton interpreter)")
+    p.add_argument("--rows", type=int, help="BT (default 8192; dry run 32)")
+    p.add_argument("--vocab", type=int, action="append", help="V, repeatable (default 32000 128256 262144)")
+    p.add_argument("--out", help="write all results as JSON here")
+    args = p.parse_args(argv)
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        log("no CUDA device: run with --dry-run on CPU")
+        return 2
+    cfg = DRY if dry else FULL
+    rows, vocabs = args.rows or cfg["rows"], tuple(args.vocab or cfg["vocabs"])
+    device = torch.device("cpu" if dry else "cuda")
+    dtype, backend = torch.bfloat16, "triton"
+    import triton
+
+    name = "CPU (dry run, Triton interpreter: no timing claims)" if dry else torch.cuda.get_device_name()
+    log(f"== fusedce GPU check on {name}: torch {torch.__version__}, triton {triton.__version__}, "
+        f"BT={rows}, bf16 ==")
+    t_start = time.time()
+    bw = copy_bandwidth(device, dry)
+    log(f"[bandwidth] device-to-device copy: {bw:.0f} GB/s (read + write)")
+    results = dict(device=name, torch=torch.__version__, triton=triton.__version__, rows=rows,
+                   copy_gbps=bw, vocabs={})
+    perf_rows = []
+    for vocab in vocabs:
+        logits, target = inputs(rows, vocab, dtype, device, 0.0, seed=vocab)
+        _, target_par = inputs(rows, vocab, dtype, device, 0.1, seed=vocab)
+        par = parity(logits, target_par, cfg["subset"], backend)
+        log(f"[parity V={vocab}] mean vs fp32 {par['mean_rel_err_vs_fp32']:.1e}, rows vs fp64 "
+            f"{par['loss_rel_err_vs_fp64']:.1e}, grad err {par['grad_err_vs_fp64']:.2e} = "
+            f"{par['grad_err_ratio']:.2f}x torch bf16 -> {'OK' if par['ok'] else 'FAIL'}")
+        floor = 3 * rows * vocab * logits.element_size()
+        timings = {}
+        for path, fn in paths(backend, dry).items():
+            try:
+                m = measure(fn, logits, target, device, dry)
+            except Exception as exc:  # noqa: BLE001 - one failing path must not hide the others
+                log(f"[speed V={vocab}] {path:16s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+                timings[path] = dict(error=f"{type(exc).__name__}: {exc}")
+                continue
+            m["gbps"] = floor / (m["ms"] * 1e-3) / 1e9
+            timings[path] = m
+            perf_rows.append((vocab, path, m))
+            log(f"[speed V={vocab}] {path:16s} {m['ms']:9.3f} ms  {m['gbps']:7.0f} GB/s  "
+                f"peak +{_gib(m['peak_bytes'])} GiB")
+        results["vocabs"][vocab] = dict(parity=par, timings=timings, floor_bytes=floor)
+        del logits, target, target_par
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    graph = _guarded(cuda_graph_check, device, dtype, backend, dry)
+    log(f"[cuda graph] {'OK' if graph['ok'] else 'FAIL'}: {graph}")
+    sync_res = _guarded(sync_debug_check, device, dtype, backend, dry)
+    log(f"[sync debug] {'OK' if sync_res['ok'] else 'FAIL'}: {sync_res}")
+    results.update(cuda_graph=graph, sync_debug=sync_res, seconds=time.time() - t_start)
+
+    ok = all(v["parity"]["ok"] for v in results["vocabs"].values()) and graph["ok"] and sync_res["ok"]
+    log("")
+    log(f"== summary{' (DRY RUN: times are not measurements)' if dry else ''}: {name}, copy {bw:.0f} GB/s, "
+        f"fused floor = 3*BT*V*2 bytes ==")
+    log(f"{'V':>7}  {'path':16s} {'fwd+bwd ms':>10} {'GB/s':>7} {'%copy':>6} {'peak GiB':>8}  parity")
+    for vocab, path, m in perf_rows:
+        par = results["vocabs"][vocab]["parity"]
+        verdict = (f"{'OK' if par['ok'] else 'FAIL'} ({par['grad_err_ratio']:.2f}x torch bf16 grad err)"
+                   if path == "fusedce" else "")
+        log(f"{vocab:>7}  {path:16s} {m['ms']:10.3f} {m['gbps']:7.0f} {100 * m['gbps'] / bw:6.1f} "
+            f"{_gib(m['peak_bytes']):>8}  {verdict}")
+    log(f"CUDA graph capture+replay: {'OK' if graph['ok'] else 'FAIL'}; sync-free hot path: "
+        f"{'OK' if sync_res['ok'] else 'FAIL'}; total {results['seconds']:.0f} s; "
+        f"overall {'OK' if ok else 'FAIL'}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

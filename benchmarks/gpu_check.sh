@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# fusedce GPU check for a lent H200 (finishes in < 8 minutes; prints a short summary table last):
+#   offline compile report (registers / spills / 128-bit loads, `python -m fusedce.inspect`), then
+#   benchmarks/gpu_check.py: parity at LLM shapes, fwd+bwd speed and GB/s vs copy bandwidth, peak
+#   memory, CUDA-graph capture of a training step, sync-free hot path.
+#
+#   benchmarks/gpu_check.sh [--out results/gpu_check.json] [--vocab V ...] [--rows BT]
+#   benchmarks/gpu_check.sh --dry-run      # CPU, Triton interpreter, small shapes: proves it starts
+#
+# Python: $PYTHON if set; else .venv/bin/python when it sees a GPU (or for --dry-run); else python3
+# (the lent machine's image, which has CUDA torch + Triton). No install needed: src/ goes on PYTHONPATH.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dry=0
+for arg in "$@"; do [[ "$arg" == "--dry-run" ]] && dry=1; done
+
+PY="${PYTHON:-}"
+if [[ -z "$PY" ]]; then
+  if [[ -x .venv/bin/python ]] && { [[ $dry == 1 ]] || .venv/bin/python -c \
+      'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }; then
+    PY=.venv/bin/python
+  else
+    PY=python3
+  fi
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"   # Triton 3.9's default, stated
+
+if [[ $dry == 0 ]]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+  # Static report of what the kernels compile to for this GPU's arch (no timing; ~20 s). Not fatal:
+  # it uses Triton internals that may differ in the machine's Triton version.
+  env -u TRITON_INTERPRET "$PY" -m fusedce.inspect --arch 90 --dtype bf16 --variant plain --variant all \
+    --vocab 32000 --vocab 128256 --vocab 262144 2>/dev/null || echo "(fusedce inspect failed; continuing)"
+fi
+exec "$PY" benchmarks/gpu_check.py "$@"
