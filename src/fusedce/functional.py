@@ -119,25 +119,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         weight.shape[1]``, ``weight`` is not 2-D or ``bias`` is not ``(V,)``, and ``TypeError`` when
         ``hidden``, ``weight`` and ``bias`` dtypes differ.
     """
-    val.check_float("hidden", hidden)
-    val.check_float("weight", weight)
-    if hidden.dim() < 1 or weight.dim() != 2:
-        raise ValueError(f"hidden must be (..., H) and weight (V, H); got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal weight.shape[1] = {weight.shape[1]}")
-    if weight.device != hidden.device:
-        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
     opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size)
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
-    val.check_target(target, shape, hidden.device)
-    val.check_vector("bias", bias, n_classes, hidden.device)
-    val.check_vector("ce_weight", ce_weight, n_classes, hidden.device)
-    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
-        raise TypeError(f"hidden, weight and bias must share a dtype; got {hidden.dtype}, {weight.dtype}"
-                        f"{'' if bias is None else ', ' + str(bias.dtype)}")
-    if chunk_size is not None and int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
     impl = backends.get(backend, hidden.device)
     val.check_target_range(target, n_classes, opts.ignore_index)
 

@@ -83,3 +83,29 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
             f"target{list(pos)} = {value} is out of range: expected ignore_index={ignore_index} "
             f"or a class in [0, {n_classes}) (V = {n_classes})"
         )
+
+
+def check_linear(hidden, weight, target, bias, ce_weight, chunk_size,
+                 names=("weight", "bias", "ce_weight")) -> None:
+    """Checks of ``linear_cross_entropy`` (and its vocab-parallel form, whose tensors are ``names``):
+    float tensors, ``weight`` (V, H) with ``hidden`` (..., H) on one device, ``target`` (...), ``bias``
+    and class weights (V,), one dtype for hidden/weight/bias, a positive ``chunk_size`` or None."""
+    w_name, b_name, cw_name = names
+    check_float("hidden", hidden)
+    check_float(w_name, weight)
+    if hidden.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"hidden must be (..., H) and {w_name} (V, H); got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = "
+                         f"{weight.shape[1]}")
+    if weight.device != hidden.device:
+        raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
+    check_target(target, hidden.shape[:-1], hidden.device)
+    check_vector(b_name, bias, weight.shape[0], hidden.device)
+    check_vector(cw_name, ce_weight, weight.shape[0], hidden.device)
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise TypeError(f"hidden, {w_name} and {b_name} must share a dtype; got {hidden.dtype}, "
+                        f"{weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")

@@ -81,25 +81,8 @@ class _VocabParallelLinearCE(torch.autograd.Function):
 
 
 def _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size):
-    val.check_float("hidden", hidden)
-    val.check_float("weight_shard", weight_shard)
-    if hidden.dim() < 1 or weight_shard.dim() != 2:
-        raise ValueError(f"hidden must be (..., H) and weight_shard (V_r, H); got {tuple(hidden.shape)} "
-                         f"and {tuple(weight_shard.shape)}")
-    if hidden.shape[-1] != weight_shard.shape[1]:
-        raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal weight_shard.shape[1] = "
-                         f"{weight_shard.shape[1]}")
-    if weight_shard.device != hidden.device:
-        raise ValueError(f"weight_shard is on {weight_shard.device} but hidden is on {hidden.device}")
-    n_local = weight_shard.shape[0]
-    val.check_target(target, hidden.shape[:-1], hidden.device)
-    val.check_vector("bias_shard", bias_shard, n_local, hidden.device)
-    val.check_vector("ce_weight_shard", ce_weight_shard, n_local, hidden.device)
-    if weight_shard.dtype != hidden.dtype or (bias_shard is not None and bias_shard.dtype != hidden.dtype):
-        raise TypeError(f"hidden, weight_shard and bias_shard must share a dtype; got {hidden.dtype}, "
-                        f"{weight_shard.dtype}{'' if bias_shard is None else ', ' + str(bias_shard.dtype)}")
-    if chunk_size is not None and int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
+    val.check_linear(hidden, weight_shard, target, bias_shard, ce_weight_shard, chunk_size,
+                     names=("weight_shard", "bias_shard", "ce_weight_shard"))
 
 
 def vocab_parallel_linear_cross_entropy(

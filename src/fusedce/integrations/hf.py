@@ -1,0 +1,231 @@
+"""Hugging Face integration: one call makes a causal LM train through :func:`linear_cross_entropy`.
+
+``patch_causal_lm(model)`` replaces the forward of ONE model instance. With ``labels``, the family's own
+forward runs with the LM head captured (``hf_head.HeadCapture``): the head records the final hidden
+states and returns a tiny placeholder instead of the ``(B, T, V)`` logits, and the loss is
+``linear_cross_entropy(hidden, head.weight, shifted labels, head.bias)``. Without ``labels`` (evaluation,
+``generate``) the original forward runs untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..backends import BACKENDS
+from ..functional import linear_cross_entropy
+from ..validation import loss_options as _check_loss_values
+from .hf_head import HeadCapture, LogitTransform, base_model, logit_transform, output_head, verify_transform
+
+_STATE = "_fusedce_patch"
+# linear_cross_entropy's options a patch may set. num_items_in_batch comes with each call (the Trainer
+# passes it to forward); return_stats would change what `loss` is.
+LOSS_OPTIONS = tuple(name for name, p in inspect.signature(linear_cross_entropy).parameters.items()
+                     if p.kind is inspect.Parameter.KEYWORD_ONLY
+                     and name not in ("num_items_in_batch", "return_stats"))
+
+
+@dataclasses.dataclass
+class _Patch:
+    original: Optional[object]   # the instance-level forward before patching (None: the class's)
+    signature: inspect.Signature  # the original forward's, without self
+    loss_options: dict
+    keep_logits: bool
+    transform: LogitTransform
+    verified: bool = False       # the family's logit transform was checked (first labelled call)
+
+
+def _validate(model: nn.Module, options: dict, transform: LogitTransform) -> dict:
+    unknown = sorted(set(options) - set(LOSS_OPTIONS))
+    if unknown:
+        raise TypeError(f"patch_causal_lm got unknown loss option(s) {unknown}; valid: {list(LOSS_OPTIONS)}")
+    softcap = options.get("softcap")
+    if transform.softcap is not None and softcap is not None and float(softcap) != transform.softcap:
+        raise ValueError(f"softcap={softcap} contradicts {type(model).__name__}'s config "
+                         f"final_logit_softcapping={transform.softcap}")
+    _check_loss_values(options.get("ignore_index", -100), options.get("reduction", "mean"),
+                       options.get("label_smoothing", 0.0), options.get("lse_square_scale", 0.0), softcap)
+    chunk = options.get("chunk_size")
+    if chunk is not None and int(chunk) < 1:
+        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk}")
+    backend = options.get("backend")  # the name only: the device is known at the first call
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid names are {BACKENDS}")
+    return dict(options)
+
+
+def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_options) -> nn.Module:
+    """Make ``model`` (a Hugging Face ``*ForCausalLM``) compute its training loss with the fused
+    :func:`fusedce.linear_cross_entropy`. Patches this instance only, in place; returns it.
+
+    When ``forward`` receives ``labels``:
+
+    - the loss is ``linear_cross_entropy(hidden, W, target, b, ...)`` on the final hidden states (after the
+      family's ``logits_to_keep`` slicing) and the output embedding ``get_output_embeddings()`` (weight
+      ``W`` (V, H), bias ``b`` if any); the ``(B, T, V)`` logits are never made;
+    - Hugging Face's conventions: ``target`` = labels shifted by one (position t predicts labels[t + 1],
+      the last position predicts nothing), or the ``shift_labels`` kwarg as given; ``ignore_index=-100``;
+      ``num_items_in_batch`` (the Trainer's kwarg under gradient accumulation) is the mean's denominator;
+    - the family's logit transform, read from the config: ``final_logit_softcapping`` (Gemma 2/3) becomes
+      ``softcap``; a logit scale (Cohere ``logit_scale``: ``logits * s``; Granite ``logits_scaling``:
+      ``logits / s``) is applied to the hidden states and bias instead (``(s h) W^T + s b = s (h W^T +
+      b)``; in bf16 this rounds differently from scaling the logits, within bf16 noise). The first
+      labelled call checks, with a probe through the family's forward (one host sync), that this is all
+      the family does to its logits, and raises ``ValueError`` otherwise;
+    - MoE models: a returned ``aux_loss`` is added times ``router_aux_loss_coef``, as the families do;
+    - under autocast, hidden states and head are cast to the autocast dtype first (as ``F.linear`` is);
+    - the output is the family's usual class (e.g. ``CausalLMOutputWithPast``) with ``loss`` set and
+      **``logits=None``** (with ``keep_logits=True`` the logits are computed the normal way and returned;
+      that brings back the ``(B, T, V)`` tensor, but the loss is still the fused one).
+
+    Without ``labels`` the original forward runs unchanged (``generate``, evaluation). Note that the
+    Trainer's evaluation passes labels: use ``keep_logits=True`` if ``compute_metrics`` needs logits.
+
+    Args:
+        model: a Hugging Face causal LM: ``get_output_embeddings()`` returns a linear head, a base model
+            (``.model`` / ``.transformer`` / ``.base_model``) returns the last hidden state, and its
+            forward calls the head once on it (every ``*ForCausalLM`` of transformers does).
+        keep_logits: also return the logits (computed by the original head).
+        **loss_options: passed to ``linear_cross_entropy``: ``ignore_index``, ``reduction``,
+            ``label_smoothing``, ``lse_square_scale``, ``softcap``, ``ce_weight``, ``chunk_size``,
+            ``accum_dtype``, ``backend``. Validated here.
+
+    Patching again replaces the options (never wraps twice). Undo with :func:`unpatch_causal_lm`.
+
+    Raises:
+        TypeError: unknown loss option; the model has no linear output embedding or no base model.
+        ValueError: a bad option value (as ``linear_cross_entropy``), or ``softcap`` contradicting the
+            config. At call time: labels that do not match the kept positions, or (first call) a family
+            whose logits go through a transform its config does not declare.
+    """
+    output_head(model)
+    base_model(model)
+    transform = logit_transform(getattr(model, "config", None))
+    options = _validate(model, loss_options, transform)
+    if transform.softcap is not None:
+        options["softcap"] = transform.softcap
+    state = getattr(model, _STATE, None)
+    if state is not None:  # idempotent: new options, same single wrapper
+        state.loss_options, state.keep_logits, state.transform = options, bool(keep_logits), transform
+        state.verified = False
+        return model
+    original = model.__dict__.get("forward")
+    signature = inspect.signature(model.forward)
+
+    def forward(self, *args, **kwargs):
+        return _forward(self, *args, **kwargs)
+
+    # Bound method (not a closure): accelerate re-binds ``model.forward.__func__``, deepcopy re-binds to
+    # the copy. The original's signature keeps Trainer's column filter and generate's introspection right.
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
+    forward.__doc__ = f"{type(model).__name__}.forward, patched by fusedce.patch_causal_lm."
+    object.__setattr__(model, _STATE, _Patch(original, signature, options, bool(keep_logits), transform))
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+def unpatch_causal_lm(model: nn.Module) -> nn.Module:
+    """Restore the forward ``model`` had before :func:`patch_causal_lm` (no-op if not patched)."""
+    state = model.__dict__.pop(_STATE, None)
+    if state is None:
+        return model
+    if state.original is None:
+        model.__dict__.pop("forward", None)
+    else:
+        model.forward = state.original
+    return model
+
+
+def _call_original(model, state: _Patch, args, kwargs):
+    if state.original is not None:
+        return state.original(*args, **kwargs)
+    return type(model).forward(model, *args, **kwargs)
+
+
+def _as_kwargs(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """Positional arguments named by the original signature, so ``labels`` can be found and removed."""
+    if not args:
+        return dict(kwargs)
+    merged = {}
+    for name, value in signature.bind_partial(*args, **kwargs).arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            raise TypeError("patch_causal_lm: extra positional arguments are not supported; pass keywords")
+        merged.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+    return merged
+
+
+def _forward(model, *args, **kwargs):
+    state: _Patch = model.__dict__[_STATE]
+    kwargs = _as_kwargs(state.signature, args, kwargs)
+    labels = kwargs.pop("labels", None)
+    if labels is None:
+        return _call_original(model, state, (), kwargs)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    config = getattr(model, "config", None)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:  # transformers' can_return_tuple rule
+        return_dict = getattr(config, "return_dict", True)
+    name = type(model).__name__
+    with HeadCapture(output_head(model), state.keep_logits) as capture:
+        out = _call_original(model, state, (), {**kwargs, "return_dict": True})
+    if not hasattr(out, "logits"):
+        raise TypeError(f"{name}.forward(return_dict=True) returned {type(out).__name__}, not a model "
+                        "output with `logits`")
+    hidden = capture.hidden(name)
+    if not state.keep_logits and not state.verified and not torch.compiler.is_compiling():
+        verify_transform(capture, getattr(out, "logits", None), state.transform, name)
+        state.verified = True
+    loss = _loss(model, state, hidden, labels, shift_labels, num_items)
+    aux, coef = getattr(out, "aux_loss", None), getattr(config, "router_aux_loss_coef", None)
+    if aux is not None and coef:
+        loss = loss + coef * aux.to(loss.device)
+    out = _replace(out, loss=loss, logits=out.logits if state.keep_logits else None)
+    return out if return_dict else out.to_tuple()
+
+
+def _loss(model, state: _Patch, hidden, labels, shift_labels, num_items) -> torch.Tensor:
+    options = state.loss_options
+    ignore_index = options.get("ignore_index", -100)
+    if shift_labels is None:  # Hugging Face's ForCausalLMLoss: pad one ignored label, drop the first
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    head = output_head(model)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    hidden = hidden.to(weight.device)
+    target = shift_labels.to(weight.device).reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if hidden.shape[0] != target.shape[0]:
+        raise ValueError(f"{type(model).__name__}: the labels give {target.shape[0]} targets after the "
+                         f"shift but the model kept {hidden.shape[0]} positions (logits_to_keep?); pass "
+                         "labels (or shift_labels) for exactly the kept positions")
+    scale = state.transform.scale
+    if scale != 1.0:  # s (h W^T + b) = (s h) W^T + s b: scale the (BT, H) side, never the (V, H) one
+        hidden = hidden * scale
+        bias = None if bias is None else bias * scale
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    if isinstance(num_items, torch.Tensor):
+        num_items = num_items.to(hidden.device)
+    with torch.autocast(device_type, enabled=False):
+        return linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items, **options)
+
+
+def _replace(out, **changes):
+    """A new output of the same class with ``changes`` (ModelOutput keeps a dict and attributes in sync
+    only through its constructor; setting a field to None would leave the dict entry behind)."""
+    if dataclasses.is_dataclass(out):
+        values = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+        return type(out)(**{**values, **changes})
+    for key, value in changes.items():
+        out[key] = value
+    return out
