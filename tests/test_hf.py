@@ -1,0 +1,281 @@
+"""fusedce.patch_causal_lm on tiny random Hugging Face models (CPU, fp32, no downloads).
+
+Each family is built from a config in code: hidden 32, 2 layers, 4 heads, vocabulary 211 (a prime, so
+no power-of-two alignment hides an indexing bug), sequences of 12 tokens. The batch has right padding
+(attention_mask 0, labels -100) on one row and a masked prompt (labels -100) on every row, as in SFT.
+
+Tolerance: both paths compute in fp32; they differ only in summation order (a chunked matmul and an
+online log-sum-exp against one matmul and torch's log_softmax), then backpropagate through two layers.
+That is a few ulps per value, amplified by the depth; ``RTOL = 2e-5`` (~170 fp32 ulps) of each value
+plus ``ATOL_SCALE = 1e-6`` of the tensor's largest magnitude (for entries near zero) covers it with a
+margin; measured worst case over the families here: about 1e-7 relative to the largest gradient.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fusedce.integrations.hf import LOSS_OPTIONS, patch_causal_lm, unpatch_causal_lm  # noqa: E402
+
+VOCAB, HIDDEN, SEQ, BATCH, PROMPT = 211, 32, 12, 3, 4
+RTOL, ATOL_SCALE = 2e-5, 1e-6
+COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+GEMMA = dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=8)
+
+# name -> (model class, config class, config kwargs). Softcaps of 2.0 and scales of 0.25 / 1/4 are far
+# from the defaults on purpose: on a tiny random model the logits are O(1), where a softcap of 30 (the
+# Gemma 2 default) would be the identity to within tolerance and test nothing.
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {}),
+    "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": 8}),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 8}),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", {"head_dim": 8}),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {**GEMMA, "final_logit_softcapping": 2.0}),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", {**GEMMA, "final_logit_softcapping": 2.0}),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", {}),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config",
+             dict(n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                  attn_pdrop=0.0)),
+    # beyond the named families: a logit scale (multiply, divide), MoE aux loss, the generic path
+    "cohere": ("CohereForCausalLM", "CohereConfig", {"logit_scale": 0.25}),
+    "granite": ("GraniteForCausalLM", "GraniteConfig", {"logits_scaling": 4.0}),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                     router_aux_loss_coef=0.5)),
+    "gpt_neox (generic)": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {}),
+}
+NAMED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "gpt2"]
+
+
+def build(family: str, tied=None) -> torch.nn.Module:
+    model_cls, config_cls, extra = FAMILIES[family]
+    kwargs = dict(extra) if family == "gpt2" else {**COMMON, **extra}
+    if family == "gpt2":
+        kwargs["vocab_size"] = VOCAB
+    if tied is not None:
+        kwargs["tie_word_embeddings"] = tied
+    config = getattr(transformers, config_cls)(**kwargs)
+    model = getattr(transformers, model_cls)(config)
+    if tied is not None:  # the flag must really have (un)tied the head, else the case tests nothing
+        same = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert same == tied, f"{family}: tie_word_embeddings={tied}, head tied: {same}"
+    return model.eval()  # dropout off; gradients still flow
+
+
+def batch(generator=None):
+    """input_ids, attention_mask and labels (BATCH, SEQ): row 1 right-padded by 5, every prompt masked."""
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, SEQ - 5:] = 0
+    ids[1, SEQ - 5:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :PROMPT] = -100
+    return ids, mask, labels
+
+
+def assert_close(actual, expected, name):
+    scale = float(expected.detach().abs().max())
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL_SCALE * scale + 1e-12, msg=name)
+
+
+def loss_and_grads(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_parity(stock_model, fused_model, **inputs):
+    ref, ref_grads = loss_and_grads(stock_model, **inputs)
+    out, grads = loss_and_grads(fused_model, **inputs)
+    assert out.loss.dtype == torch.float32
+    assert_close(out.loss, ref.loss, "loss")
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], name)
+    return out, ref
+
+
+@pytest.mark.parametrize("family,tied", [(f, None) for f in FAMILIES] + [("llama", True), ("qwen3", True),
+                                                                          ("gemma", False), ("gpt2", False)])
+def test_loss_and_every_gradient_match_stock(family, tied):
+    stock = build(family, tied)
+    fused = patch_causal_lm(copy.deepcopy(stock))
+    ids, mask, labels = batch()
+    out, ref = assert_parity(stock, fused, input_ids=ids, attention_mask=mask, labels=labels)
+    assert type(out) is type(ref) and out.logits is None
+    if family == "mixtral":  # the aux loss is part of the loss, as in the family's forward
+        assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_hf_loss_kwargs_match_stock(family):
+    """num_items_in_batch (the Trainer's kwarg), shift_labels, logits_to_keep, return_dict=False."""
+    stock = build(family)
+    fused = patch_causal_lm(copy.deepcopy(stock))
+    ids, mask, labels = batch()
+    assert_parity(stock, fused, input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=40)
+    shifted = torch.randint(0, VOCAB, labels.shape).masked_fill(torch.rand(labels.shape) < 0.3, -100)
+    assert_parity(stock, fused, input_ids=ids, labels=labels, shift_labels=shifted)
+    assert_parity(stock, fused, input_ids=ids, labels=labels[:, -5:], logits_to_keep=5)
+    as_tuple = fused(ids, labels=labels, return_dict=False)  # positional input_ids, tuple output
+    assert isinstance(as_tuple, tuple)
+    assert_close(as_tuple[0], stock(ids, labels=labels).loss, "tuple loss")
+    with pytest.raises(ValueError, match="kept 15 positions"):
+        fused(input_ids=ids, labels=labels, logits_to_keep=5)
+
+
+def test_keep_logits_returns_the_stock_logits():
+    stock = build("gemma2")
+    fused = patch_causal_lm(copy.deepcopy(stock), keep_logits=True)
+    ids, mask, labels = batch()
+    out, ref = assert_parity(stock, fused, input_ids=ids, attention_mask=mask, labels=labels)
+    assert_close(out.logits, ref.logits, "logits")
+
+
+def test_bf16_autocast_error_no_worse_than_stock():
+    """Under CPU bf16 autocast both paths compute the logits in bf16 (the patch casts hidden and head,
+    as F.linear does under autocast); judged against the fp32 loss, the fused error may not exceed
+    twice the stock bf16 error plus one bf16 ulp of the loss (2^-8 relative)."""
+    stock = build("llama")
+    fused = patch_causal_lm(copy.deepcopy(stock))
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        exact = stock(input_ids=ids, attention_mask=mask, labels=labels).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            stock_bf16 = stock(input_ids=ids, attention_mask=mask, labels=labels).loss
+            fused_bf16 = fused(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert fused_bf16.dtype == torch.float32
+    bound = 2 * abs(float(stock_bf16 - exact)) + 2.0 ** -8 * float(exact)
+    assert abs(float(fused_bf16 - exact)) <= bound
+
+
+def test_loss_options_reach_linear_cross_entropy():
+    """label_smoothing and z-loss against F.cross_entropy on the model's own logits (+ lse^2 term)."""
+    model = patch_causal_lm(build("llama"), label_smoothing=0.1, lse_square_scale=1e-2, chunk_size=7)
+    ids, mask, labels = batch()
+    logits = unpatch_causal_lm(copy.deepcopy(model))(input_ids=ids, attention_mask=mask).logits
+    target = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)
+    rows = logits.reshape(-1, VOCAB)[target != -100]
+    expected = torch.nn.functional.cross_entropy(rows, target[target != -100], label_smoothing=0.1)
+    expected = expected + 1e-2 * (torch.logsumexp(rows, -1) ** 2).mean()
+    assert_close(model(input_ids=ids, attention_mask=mask, labels=labels).loss, expected, "loss")
+
+
+def test_trainer_gradient_accumulation_matches_stock(tmp_path):
+    """Trainer, 2 micro-batches of 2 sequences, one SGD step (SGD: the update is lr * gradient, so a
+    wrong num_items_in_batch scaling shows; Adam's first step would hide it). Micro-batches hold
+    different numbers of label tokens, so per-micro-batch means would give a different step."""
+    from transformers import Trainer, TrainingArguments
+
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(4):
+        ids = torch.randint(1, VOCAB, (SEQ,), generator=generator)
+        labels = ids.clone()
+        labels[: 2 + 2 * i] = -100  # 10, 8, 6, 4 label tokens
+        rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+
+    def train(model):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, max_steps=1, learning_rate=0.5, optim="sgd",
+                                 lr_scheduler_type="constant", save_strategy="no", report_to=[], use_cpu=True,
+                                 logging_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0)
+        Trainer(model=model, args=args, train_dataset=rows).train()
+        return dict(model.named_parameters())
+
+    stock = build("llama")
+    start = {n: p.detach().clone() for n, p in stock.named_parameters()}
+    fused = patch_causal_lm(copy.deepcopy(stock))
+    after_stock, after_fused = train(stock), train(fused)
+    moved = max(float((after_stock[n].detach() - start[n]).abs().max()) for n in start)
+    assert moved > 1e-3, "the step did not change the parameters: the test would prove nothing"
+    for name, value in after_fused.items():  # the updates agree, up to rounding p + update in fp32
+        rounding = 2.0 ** -23 * float(start[name].abs().max())
+        delta, expected = value.detach() - start[name], after_stock[name].detach() - start[name]
+        torch.testing.assert_close(delta, expected, rtol=RTOL, msg=name,
+                                   atol=ATOL_SCALE * float(expected.abs().max()) + 2 * rounding)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3"])
+def test_generate_and_unpatch_restore_stock_behavior(family):
+    stock = build(family)
+    model = patch_causal_lm(copy.deepcopy(stock))
+    prompt = torch.randint(1, VOCAB, (2, 5))
+    greedy = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **greedy), stock.generate(prompt, **greedy))
+    ids, mask, labels = batch()
+    assert_close(model(input_ids=ids).logits, stock(input_ids=ids).logits, "logits without labels")
+    assert "forward" in model.__dict__
+    assert unpatch_causal_lm(model) is model and "forward" not in model.__dict__
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None and out.loss.grad_fn.name() != "_LinearCEBackward"
+    assert unpatch_causal_lm(model) is model  # unpatching an unpatched model is a no-op
+
+
+def test_patch_is_idempotent_and_replaces_options():
+    model = build("llama")
+    assert patch_causal_lm(model) is model
+    forward = model.forward.__func__
+    patch_causal_lm(model, label_smoothing=0.5)
+    assert model.forward.__func__ is forward  # not wrapped twice
+    clone = copy.deepcopy(model)  # a copy is patched too, and its forward runs the copy
+    assert clone.forward.__self__ is clone and clone._fusedce_patch is not model._fusedce_patch
+    ids, _, labels = batch()
+    with torch.no_grad():
+        smoothed = float(model(input_ids=ids, labels=labels).loss)
+        stock = float(unpatch_causal_lm(model)(input_ids=ids, labels=labels).loss)
+    assert smoothed != pytest.approx(stock, rel=1e-3)  # the second call's options are in force
+    assert "forward" not in model.__dict__
+
+
+def test_option_and_model_errors():
+    model = build("llama")
+    with pytest.raises(TypeError, match="unknown loss option.*smoothing"):
+        patch_causal_lm(model, smoothing=0.1)
+    for bad in (dict(label_smoothing=2.0), dict(reduction="avg"), dict(chunk_size=0), dict(backend="cuda")):
+        with pytest.raises(ValueError):
+            patch_causal_lm(model, **bad)
+    with pytest.raises(ValueError, match="contradicts"):
+        patch_causal_lm(build("gemma2"), softcap=30.0)
+    assert "forward" not in model.__dict__  # a failed patch leaves the model alone
+    assert "num_items_in_batch" not in LOSS_OPTIONS and "label_smoothing" in LOSS_OPTIONS
+    with pytest.raises(TypeError, match="get_output_embeddings"):
+        patch_causal_lm(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="not a module"):
+        patch_causal_lm(transformers.LlamaModel(model.config))  # a base model: no LM head
+    with pytest.raises(TypeError, match="no base model"):
+        patch_causal_lm(_HeadOnly())
+
+
+class _HeadOnly(torch.nn.Module):
+    """An LM head without a decoder: what the generic path cannot patch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+class _Doubled(transformers.LlamaForCausalLM):
+    """A family that does something to its logits that its config does not say."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+def test_undeclared_logit_transform_is_refused():
+    model = patch_causal_lm(_Doubled(build("llama").config))
+    ids, _, labels = batch()
+    with pytest.raises(ValueError, match="does not declare"):
+        model(input_ids=ids, labels=labels)
