@@ -9,10 +9,14 @@ from . import backends, reduction as red, validation as val
 from .types import CrossEntropyOutput
 
 
-def _rows_view(logits: torch.Tensor) -> torch.Tensor:
-    """(..., V) -> (BT, V) with last-dim stride 1; copies once only when no such view exists."""
+def _rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
+    """(..., V) -> (BT, V) with last-dim stride 1; copies once only when no such view exists, or when
+    an in-place backward would write several rows into one memory location (expanded logits)."""
     flat = logits.reshape(-1, logits.shape[-1])
-    return flat if flat.stride(-1) == 1 or flat.shape[-1] <= 1 else flat.contiguous()
+    overlapping = inplace_backward and flat.shape[0] > 1 and flat.stride(0) == 0
+    if overlapping or (flat.stride(-1) != 1 and flat.shape[-1] > 1):
+        return flat.contiguous()
+    return flat
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
@@ -25,10 +29,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
 
     Args:
         logits: ``(..., V)`` float32 / bfloat16 / float16. Any row stride; if the last dim is not
-            stride 1 it is copied once (so ``inplace_backward`` then writes into that copy).
+            stride 1, or rows overlap in memory (expanded) with ``inplace_backward``, it is copied once
+            (``inplace_backward`` then writes into that copy).
         target: ``(...)`` = ``logits.shape[:-1]``, int64 or int32, same device; ``ignore_index`` marks
             rows that contribute nothing.
-        weight: optional ``(V,)`` float class weights (``F.cross_entropy`` semantics).
+        weight: optional ``(V,)`` float class weights (``F.cross_entropy`` semantics); constants: they
+            get no gradient.
         ignore_index: target value of ignored rows (default -100).
         reduction: ``"mean"`` (sum / D), ``"sum"`` or ``"none"`` (fp32 tensor of ``target.shape``).
             ``D = num_items_in_batch`` if given, else ``sum(w[t])`` over non-ignored rows; D == 0 gives
@@ -63,10 +69,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
     val.check_target(target, shape, logits.device)
     val.check_vector("weight", weight, n_classes, logits.device)
+    val.check_num_items(num_items_in_batch, logits.device)
+    weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
     impl = backends.get(backend, logits.device)
     val.check_target_range(target, n_classes, opts.ignore_index)
 
-    rows, flat_target = _rows_view(logits), target.reshape(-1)
+    rows, flat_target = _rows_view(logits, inplace_backward), target.reshape(-1)
     loss_rows, lse, predicted = impl.cross_entropy_rows(
         rows, flat_target, weight, opts, inplace_backward, return_stats)
     scale = None
@@ -121,6 +129,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     """
     opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
     val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size)
+    val.check_num_items(num_items_in_batch, hidden.device)
+    ce_weight = None if ce_weight is None else ce_weight.detach()   # class weights are constants
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
     impl = backends.get(backend, hidden.device)
     val.check_target_range(target, n_classes, opts.ignore_index)

@@ -1,6 +1,7 @@
 """Argument checks of the public contract. Every check runs before any kernel writes anything."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -21,8 +22,8 @@ def loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, sof
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if softcap is not None:
         softcap = float(softcap)
-        if not softcap > 0.0:
-            raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
+        if not (softcap > 0.0 and math.isfinite(softcap)):
+            raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap}")
     return LossOptions(int(ignore_index), label_smoothing, float(lse_square_scale), softcap)
 
 
@@ -109,3 +110,13 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size,
                         f"{weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
+
+
+def check_num_items(num_items_in_batch, device: torch.device) -> None:
+    """``num_items_in_batch``: None, a number, or a one-element tensor on ``device`` or the CPU."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch must be a number or a one-element tensor, got shape "
+                             f"{tuple(num_items_in_batch.shape)}")
+        if num_items_in_batch.device not in (device, torch.device("cpu")):
+            raise ValueError(f"num_items_in_batch is on {num_items_in_batch.device} but the data is on {device}")
