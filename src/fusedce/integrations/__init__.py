@@ -1,2 +1,2 @@
 """Integrations with the rest of a training stack: ``distributed`` (vocab-parallel loss over
-``torch.distributed``). Import the submodule you need; nothing is imported here."""
+``torch.distributed``) and ``hf`` (Hugging Face causal-LM patch). Import the submodule you need."""
