@@ -6,8 +6,11 @@ Nothing here imports fusedce. The per-row math follows the contract (ARCHITECTUR
 - ``F.cross_entropy(z, t, weight, ignore_index, reduction="none", label_smoothing)`` per row (its
   smoothing formula with class weights is the contract's);
 - z-loss ``lse_square_scale * logsumexp(z)**2`` added on non-ignored rows only (not weighted);
-- ``"mean"`` divides the sum by ``D = num_items_in_batch`` (int or 0-dim tensor) if given, else by
-  ``sum(w[t])`` over non-ignored rows; ``D == 0`` gives loss 0.0 and an all-zero gradient.
+- ``"mean"`` is ``sum(ce_row) / D + sum(z_row) / N``: ``D = num_items_in_batch`` (int or 0-dim tensor)
+  if given, else ``sum(w[t])`` over non-ignored rows; ``N = num_items_in_batch`` if given, else the
+  count of non-ignored rows (the z-loss is not class-weighted); a zero denominator gives 0.0 for its
+  part and zero gradient.
+- ``lse`` (the stat) is 0 on ignored rows.
 
 The gradient comes from float64 autograd through that composition, with the upstream gradient given
 (``None`` = ones, a float = that scalar, a tensor = per-token for ``"none"``).
@@ -32,11 +35,12 @@ class Reference:
     loss: torch.Tensor             # float64, reduced like the call (shape target.shape for "none")
     loss_rows: torch.Tensor        # float64 target.shape, per-row loss (0 on ignored rows)
     grad: Optional[torch.Tensor]   # float64 logits.shape (None when no gradient was asked)
-    lse: torch.Tensor              # float64 target.shape, logsumexp of z, every row
+    lse: torch.Tensor              # float64 target.shape, logsumexp of z (0 on ignored rows)
     z_loss: torch.Tensor           # float64, s * lse**2 on non-ignored rows, reduced like loss
     predicted: torch.Tensor        # int64 target.shape, argmax of the logits (first on ties), -1 ignored
     token_accuracy: torch.Tensor   # float64, fraction of counted rows correct (per-row 0/1 for "none")
     denominator: float             # D of "mean" (nan for other reductions)
+    z_denominator: float           # N of "mean", the z-loss's (nan for other reductions)
     row_mag: torch.Tensor          # float64 target.shape, M_r = 1 + max(|lse_r|, max_c |z_rc|)
     loss_err_scale: torch.Tensor   # float64, like loss: sum of K_r M_r (/ D for mean)
     grad_err_scale: Optional[torch.Tensor]  # float64 (..., 1): |upstream_r| K_r M_r / D per row
@@ -79,14 +83,19 @@ def reference_cross_entropy(
     w_t = torch.where(valid, w_t, torch.zeros_like(w_t))
     if reduction == "mean":
         if num_items_in_batch is not None:
-            denominator = float(torch.as_tensor(num_items_in_batch, dtype=torch.float64))
+            denominator = z_denominator = float(torch.as_tensor(num_items_in_batch, dtype=torch.float64))
         else:
-            denominator = float(w_t.sum())
+            denominator, z_denominator = float(w_t.sum()), float(valid.sum())
         scale = 0.0 if denominator == 0 else 1.0 / denominator
+        z_scale = 0.0 if z_denominator == 0 else 1.0 / z_denominator
     else:
-        denominator, scale = float("nan"), 1.0
+        denominator = z_denominator = float("nan")
+        scale = z_scale = 1.0
 
-    loss = _reduce(rows, reduction, scale)
+    if reduction == "none":
+        loss = rows
+    else:
+        loss = _reduce(ce, reduction, scale) + _reduce(z_rows, reduction, z_scale)
     if reduction == "none":
         loss = loss.reshape(shape)
     grad = grad_err_scale = None
@@ -107,17 +116,19 @@ def reference_cross_entropy(
         zmax = z_d.abs().amax(dim=1) if n_classes and z_d.shape[0] else torch.zeros(z_d.shape[0], dtype=torch.float64)
         m_r = 1.0 + torch.maximum(lse_d.abs(), zmax).nan_to_num(0.0, 0.0, 0.0)
         w_abs_sum = float(n_classes) if w is None else float(w.abs().sum())
-        k_r = ((1.0 - label_smoothing) * w_t.abs() + label_smoothing / n_classes * w_abs_sum
-               + 2.0 * abs(lse_square_scale) * lse_d.abs().nan_to_num(0.0, 0.0, 0.0))
-        k_r = torch.where(valid, k_r, torch.zeros_like(k_r))
-        loss_err_scale = _reduce(k_r * m_r, reduction, scale)
+        k_ce = (1.0 - label_smoothing) * w_t.abs() + label_smoothing / n_classes * w_abs_sum
+        k_z = 2.0 * abs(lse_square_scale) * lse_d.abs().nan_to_num(0.0, 0.0, 0.0)
+        k_ce = torch.where(valid, k_ce, torch.zeros_like(k_ce))
+        k_z = torch.where(valid, k_z, torch.zeros_like(k_z))
+        loss_err_scale = _reduce(k_ce * m_r, reduction, scale) + _reduce(k_z * m_r, reduction, z_scale)
         if reduction == "none":
             loss_err_scale = loss_err_scale.reshape(shape)
         if with_grad:
-            grad_err_scale = (up_rows.abs() * k_r * m_r * (scale if reduction == "mean" else 1.0))
+            s_ce, s_z = (scale, z_scale) if reduction == "mean" else (1.0, 1.0)
+            grad_err_scale = up_rows.abs() * (k_ce * s_ce + k_z * s_z) * m_r
             grad_err_scale = grad_err_scale.reshape(*shape, 1)
 
-        z_loss = _reduce(z_rows.detach(), reduction, scale)
+        z_loss = _reduce(z_rows.detach(), reduction, z_scale)
         predicted = x.detach().reshape(-1, n_classes).argmax(dim=1) if t.numel() else t.clone()
         predicted = torch.where(valid, predicted, torch.full_like(predicted, -1))
         correct = (valid & (predicted == t)).to(torch.float64)
@@ -128,7 +139,9 @@ def reference_cross_entropy(
             n_valid = int(valid.sum())
             accuracy = correct.sum() / n_valid if n_valid else torch.zeros((), dtype=torch.float64)
 
+    lse_stat = torch.where(valid, lse_d, torch.zeros_like(lse_d))
     return Reference(loss=loss.detach(), loss_rows=rows.detach().reshape(shape), grad=grad,
-                     lse=lse_d.reshape(shape), z_loss=z_loss, predicted=predicted.reshape(shape),
-                     token_accuracy=accuracy, denominator=denominator, row_mag=m_r.reshape(shape),
+                     lse=lse_stat.reshape(shape), z_loss=z_loss, predicted=predicted.reshape(shape),
+                     token_accuracy=accuracy, denominator=denominator, z_denominator=z_denominator,
+                     row_mag=m_r.reshape(shape),
                      loss_err_scale=loss_err_scale, grad_err_scale=grad_err_scale)

@@ -84,8 +84,8 @@ def reference_linear_cross_entropy(hidden, weight, target, bias=None, *, ce_weig
         extra = extra_rows.reshape(ce.loss.shape)
     else:
         scale = 1.0
-        if reduction == "mean":
-            scale = 0.0 if ce.denominator == 0 else 1.0 / ce.denominator
+        if reduction == "mean":   # ce rows are divided by D, z-loss rows by N: the larger scale bounds both
+            scale = max(0.0 if d == 0 else 1.0 / d for d in (ce.denominator, ce.z_denominator))
         extra = extra_rows.sum() * scale
     tol = TOLERANCES[torch.float32]
     loss_bound = tol.loss_rtol * ce.loss.abs() + FP32_UNITS * U32 * ce.loss_err_scale + extra
@@ -122,18 +122,19 @@ def stock_linear_cross_entropy(hidden, weight, target, bias=None, *, ce_weight=N
     cw = None if ce_weight is None else ce_weight.float()
     rows = F.cross_entropy(z, t, weight=cw, ignore_index=ignore_index, reduction="none",
                            label_smoothing=opts.get("label_smoothing", 0.0))
-    rows = rows + torch.where(valid, opts.get("lse_square_scale", 0.0) * lse * lse, 0.0)
+    z_rows = torch.where(valid, opts.get("lse_square_scale", 0.0) * lse * lse, 0.0)
     if reduction == "none":
-        loss = rows.reshape(target.shape)
+        loss = (rows + z_rows).reshape(target.shape)
     elif reduction == "sum":
-        loss = rows.sum()
-    else:
-        d = opts.get("num_items_in_batch")
+        loss = rows.sum() + z_rows.sum()
+    else:   # the contract's mean: sum(ce) / D + sum(z) / N
+        d = n = opts.get("num_items_in_batch")
         if d is None:
             wt = torch.ones_like(rows) if cw is None else cw[torch.where(valid, t, 0)]
-            d = torch.where(valid, wt, 0.0).sum()
-        d = torch.as_tensor(d, dtype=torch.float32)
-        loss = torch.where(d != 0, rows.sum() / torch.where(d != 0, d, 1.0), 0.0)
+            d, n = torch.where(valid, wt, 0.0).sum(), valid.sum()
+        d, n = torch.as_tensor(d, dtype=torch.float32), torch.as_tensor(n, dtype=torch.float32)
+        loss = (torch.where(d != 0, rows.sum() / torch.where(d != 0, d, 1.0), 0.0)
+                + torch.where(n != 0, z_rows.sum() / torch.where(n != 0, n, 1.0), 0.0))
     up = torch.ones_like(loss) if upstream is None else (
         upstream if isinstance(upstream, torch.Tensor) else torch.full_like(loss, float(upstream)))
     grads = torch.autograd.grad(loss, list(leaves.values()), up.to(loss.dtype))
@@ -267,7 +268,7 @@ def check_stats(out, ref: LinearReference, target, dtype, stock_lse=None, **opts
     if reduction == "sum":
         z_rows = z_rows.sum()
     elif reduction == "mean":
-        z_rows = z_rows.sum() * (1.0 / ref.ce.denominator if ref.ce.denominator else 0.0)
+        z_rows = z_rows.sum() * (1.0 / ref.ce.z_denominator if ref.ce.z_denominator else 0.0)
     _assert_within("z_loss", out.z_loss, ref.ce.z_loss, z_rows + 2.0 ** -22 * ref.ce.z_loss.abs())
     if bool(clear[valid].all()):
         _assert_within("token_accuracy", out.token_accuracy, ref.ce.token_accuracy, 1e-6)

@@ -44,6 +44,8 @@ def _run(**kw):
     ("triton", "torch", "torch"),     # an explicit argument wins over the environment
     ("torch", "triton", "triton"),
     (None, "auto", "torch"),
+    ("", None, "torch"),              # an empty $FUSEDCE_BACKEND means auto
+    ("", "triton", "triton"),
 ])
 def test_selection(spies, monkeypatch, env, arg, expected):
     if env is not None:
@@ -107,3 +109,17 @@ def test_auto_on_cpu_without_interpreter_is_torch(spies, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _run(backend="auto")
     assert (len(spies["torch"]), len(spies["triton"])) == (1, 0)
+
+
+def test_empty_env_is_auto_for_every_entry_point(spies, monkeypatch):
+    """FUSEDCE_BACKEND="" is "auto" (not an unknown name) for the functions and the modules; an empty
+    backend= ARGUMENT stays an unknown name (test_unknown_backend_argument)."""
+    monkeypatch.setenv("FUSEDCE_BACKEND", "")
+    x, t = make_logits((4, 50), torch.float32), make_target((4,), 50)
+    fusedce.cross_entropy(x, t)
+    fusedce.CrossEntropyLoss()(x, t)
+    assert (len(spies["torch"]), len(spies["triton"])) == (2, 0)
+    hidden, weight = torch.randn(4, 8), torch.randn(50, 8)
+    a = fusedce.linear_cross_entropy(hidden, weight, t)
+    b = fusedce.linear_cross_entropy(hidden, weight, t, backend="torch")
+    assert bit_identical(a, b)

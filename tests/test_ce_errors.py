@@ -2,9 +2,11 @@
 afterwards (inplace_backward=True is passed so that an early write would have a place to land)."""
 import re
 
+import numpy as np
 import pytest
 import torch
 
+import fusedce
 from inputs import bit_identical, call, make_logits, make_target, make_weight
 
 ROWS, V = 10, 37  # V = 37: a small prime, so V appears in messages unambiguously
@@ -153,3 +155,179 @@ def test_error_order_before_any_work_with_module(backend):
         fusedce.CrossEntropyLoss(backend=backend)(x, t)
     with pytest.raises(ValueError):
         fusedce.CrossEntropyLoss(reduction="avg", backend=backend)(x, t)
+
+
+# --- issue 9.7: int32 target vs a wide ignore_index, strict scalar options, V = 0, module checks -------
+def _equal_outputs(a, b):
+    """Two CrossEntropyOutput (or two tensors) bit for bit."""
+    pairs = zip(a, b) if isinstance(a, fusedce.CrossEntropyOutput) else [(a, b)]
+    return all(bit_identical(x.detach(), y.detach()) for x, y in pairs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_int32_target_ignore_index_beyond_int32(backend, reduction):
+    """ignore_index = 2**40 wraps to 0 in int32: class 0 (row 0) must not be ignored. The result equals
+    the int64 target's, bit for bit, and the caller's int32 target is left as it is."""
+    x = make_logits((ROWS, V), torch.float32)
+    t64 = make_target((ROWS,), V)                  # no ignored row; t64[0] == 0
+    t32 = t64.to(torch.int32)
+    assert int(t64[0]) == 0
+    kw = dict(reduction=reduction, return_stats=True, backend=backend)
+    wide = fusedce.cross_entropy(x, t32, ignore_index=2 ** 40, **kw)
+    plain = fusedce.cross_entropy(x, t64, ignore_index=2 ** 40, **kw)
+    assert _equal_outputs(wide, plain)
+    assert bool((wide.predicted_tokens >= 0).all()), "a row was treated as ignored"
+    assert t32.dtype == torch.int32
+    # -2**40 (wraps to 0 as well), and the int64 extremes
+    for ignore in (-(2 ** 40), 2 ** 63 - 1, -(2 ** 63)):
+        assert _equal_outputs(fusedce.cross_entropy(x, t32, ignore_index=ignore, **kw),
+                              fusedce.cross_entropy(x, t64, ignore_index=ignore, **kw)), ignore
+
+
+def test_int32_target_default_ignore_index(backend):
+    """An ignore_index inside int32 (-100) keeps working on int32 targets: equal to int64."""
+    x = make_logits((ROWS, V), torch.float32)
+    t64 = make_target((ROWS,), V, ignore_every=3)
+    for reduction in ("mean", "sum", "none"):
+        a = call(x, t64.to(torch.int32), backend=backend, reduction=reduction, return_stats=True)
+        b = call(x, t64, backend=backend, reduction=reduction, return_stats=True)
+        assert _equal_outputs(a, b), reduction
+        assert bool((a.predicted_tokens.reshape(-1)[1::3] == -1).all())
+
+
+@pytest.mark.parametrize("ignore_index", [2 ** 63, -(2 ** 63) - 1, 2 ** 100])
+def test_ignore_index_outside_int64(backend, ignore_index):
+    x, t = _good()
+    msg = _raises(ValueError, backend, x, t, ignore_index=ignore_index)
+    assert "ignore_index" in msg and "int64" in msg, msg
+
+
+NOT_INTEGERS = {"1.5": 1.5, "2.0": 2.0, "True": True, "str": "3", "float_tensor": torch.tensor(1.0),
+                "bool_tensor": torch.tensor(False), "None": None, "np_float": np.float64(-100.0)}
+
+
+@pytest.mark.parametrize("name", list(NOT_INTEGERS))
+def test_ignore_index_not_an_integer(backend, name):
+    """A float (even integral), a bool, a string: TypeError naming the option and the value, never a
+    silent int()."""
+    x, t = _good()
+    value = NOT_INTEGERS[name]
+    msg = _raises(TypeError, backend, x, t, ignore_index=value)
+    assert "ignore_index" in msg and repr(value) in msg, msg
+
+
+@pytest.mark.parametrize("value", [np.int64(-1), np.int32(-1), torch.tensor(-1), torch.tensor(-1, dtype=torch.int32)],
+                         ids=["np_int64", "np_int32", "tensor_int64", "tensor_int32"])
+def test_ignore_index_integer_like_accepted(backend, value):
+    """Anything operator.index takes (NumPy integers, one-element integer tensors) is the int."""
+    x = make_logits((ROWS, V), torch.float32)
+    t = make_target((ROWS,), V, ignore_every=3, ignore_index=-1)
+    assert _equal_outputs(call(x, t, backend=backend, ignore_index=value, return_stats=True),
+                          call(x, t, backend=backend, ignore_index=-1, return_stats=True))
+
+
+NON_FINITE = [float("nan"), float("inf"), -float("inf")]
+
+
+@pytest.mark.parametrize("option", ["label_smoothing", "lse_square_scale", "softcap"])
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
+def test_real_options_non_finite(backend, option, value):
+    x, t = _good()
+    msg = _raises(ValueError, backend, x, t, **{option: value})
+    assert option in msg, msg
+
+
+@pytest.mark.parametrize("option", ["label_smoothing", "lse_square_scale", "softcap"])
+@pytest.mark.parametrize("value", ["0.1", True, [0.1], torch.tensor([0.1, 0.2]), 1j],
+                         ids=["str", "bool", "list", "2_elem_tensor", "complex"])
+def test_real_options_not_numbers(backend, option, value):
+    x, t = _good()
+    msg = _raises(TypeError, backend, x, t, **{option: value})
+    assert option in msg, msg
+
+
+def test_real_options_numpy_and_tensor_accepted(backend):
+    """NumPy floats and one-element float tensors are numbers: the same result as Python floats."""
+    x, t = _good()
+    ref = call(x, t, backend=backend, label_smoothing=0.25, lse_square_scale=0.5, softcap=4.0)
+    for kind in (np.float32, np.float64, torch.tensor):
+        got = call(x, t, backend=backend, label_smoothing=kind(0.25), lse_square_scale=kind(0.5),
+                   softcap=kind(4.0))
+        assert bit_identical(got.detach(), ref.detach()), kind
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, float("nan"), float("inf"), -float("inf")],
+                         ids=["-1", "-0.5", "nan", "inf", "-inf"])
+def test_num_items_bad_value(backend, value):
+    x, t = _good()
+    msg = _raises(ValueError, backend, x, t, num_items_in_batch=value)
+    assert "num_items_in_batch" in msg, msg
+
+
+@pytest.mark.parametrize("value", [True, False, "3", [3], torch.tensor(True)],
+                         ids=["True", "False", "str", "list", "bool_tensor"])
+def test_num_items_not_a_number(backend, value):
+    x, t = _good()
+    msg = _raises(TypeError, backend, x, t, num_items_in_batch=value)
+    assert "num_items_in_batch" in msg, msg
+
+
+def test_num_items_numbers_accepted(backend):
+    """0 (loss 0.0), a float, a NumPy integer and a tensor are all valid denominators."""
+    x, t = _good()
+    assert float(call(x, t, backend=backend, num_items_in_batch=0).detach()) == 0.0
+    ref = call(x, t, backend=backend, num_items_in_batch=4)
+    for value in (4.0, np.int64(4), torch.tensor(4)):
+        assert bit_identical(call(x, t, backend=backend, num_items_in_batch=value).detach(), ref.detach())
+
+
+@pytest.mark.parametrize("shape", [(ROWS, 0), (2, 5, 0), (0, 0)], ids=["2d", "3d", "no_rows"])
+def test_zero_classes(backend, shape):
+    """V = 0: ValueError naming V, whatever the targets (all ignored, or class 0)."""
+    x = torch.zeros(shape, requires_grad=True)
+    for fill in (-100, 0):
+        msg = _raises(ValueError, backend, x, torch.full(shape[:-1], fill, dtype=torch.int64))
+        assert "V = 0" in msg, msg
+
+
+# --- CrossEntropyLoss checks its options at construction, with the function's errors -------------------
+MODULE_BAD = {
+    "reduction": ({"reduction": "avg"}, ValueError),
+    "smoothing_range": ({"label_smoothing": 1.5}, ValueError),
+    "smoothing_nan": ({"label_smoothing": float("nan")}, ValueError),
+    "smoothing_str": ({"label_smoothing": "0.1"}, TypeError),
+    "zloss_inf": ({"lse_square_scale": float("inf")}, ValueError),
+    "softcap_0": ({"softcap": 0.0}, ValueError),
+    "softcap_inf": ({"softcap": float("inf")}, ValueError),
+    "ignore_float": ({"ignore_index": 1.5}, TypeError),
+    "ignore_bool": ({"ignore_index": True}, TypeError),
+    "ignore_wide": ({"ignore_index": 2 ** 64}, ValueError),
+    "backend": ({"backend": "cuda"}, ValueError),
+    "weight_2d": ({"weight": torch.ones(V, 1)}, ValueError),
+    "weight_int": ({"weight": torch.ones(V, dtype=torch.int64)}, TypeError),
+    "weight_list": ({"weight": [1.0] * V}, TypeError),
+}
+
+
+@pytest.mark.parametrize("name", list(MODULE_BAD))
+def test_module_checks_options_at_construction(name):
+    """The constructor raises what the function raises for the same option (type and message)."""
+    kw, exc = MODULE_BAD[name]
+    with pytest.raises(exc) as at_init:
+        fusedce.CrossEntropyLoss(**kw)
+    x, t = _good()
+    weight = kw.get("weight")
+    options = {k: v for k, v in kw.items() if k != "weight"}
+    with pytest.raises(exc) as at_call:
+        fusedce.cross_entropy(x, t, weight, **{"backend": "torch", **options})
+    if name != "weight_2d":   # the function names V in its message, the constructor cannot know it
+        assert str(at_init.value) == str(at_call.value)
+    else:
+        assert "weight must have shape" in str(at_init.value) and "weight must have shape" in str(at_call.value)
+
+
+def test_module_valid_options_accepted():
+    """Valid options construct (None backend: $FUSEDCE_BACKEND is read at each call)."""
+    for kw in ({}, {"backend": "triton"}, {"backend": "auto"}, {"weight": make_weight(V)},
+               {"ignore_index": np.int64(-1), "label_smoothing": 1.0, "softcap": 1e-3}):
+        fusedce.CrossEntropyLoss(**kw)

@@ -11,21 +11,23 @@ from reference64 import reference_cross_entropy
 
 
 def _contract_rows(x, t, w, ignore_index, eps, s, softcap):
-    """The contract's per-row formula, literally, one row at a time in float64."""
+    """The contract's per-row formula, literally, one row at a time in float64: (ce rows, z-loss rows)."""
     x = x.detach().double()
     n_classes = x.shape[-1]
     z = x if softcap is None else softcap * torch.tanh(x / softcap)
     w = torch.ones(n_classes, dtype=torch.float64) if w is None else w.double()
-    out = []
+    ce, zl = [], []
     for zr, tr in zip(z.reshape(-1, n_classes), t.reshape(-1).tolist()):
         if tr == ignore_index:
-            out.append(0.0)
+            ce.append(0.0)
+            zl.append(0.0)
             continue
         lse = float(torch.logsumexp(zr, 0))
         nll = lse - float(zr[tr])
         smooth = float((w * (lse - zr)).sum())
-        out.append((1 - eps) * float(w[tr]) * nll + eps / n_classes * smooth + s * lse * lse)
-    return torch.tensor(out, dtype=torch.float64)
+        ce.append((1 - eps) * float(w[tr]) * nll + eps / n_classes * smooth)
+        zl.append(s * lse * lse)
+    return torch.tensor(ce, dtype=torch.float64), torch.tensor(zl, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -35,11 +37,13 @@ def test_rows_match_contract_formula(weighted):
     w = make_weight(40) if weighted else None
     kw = dict(ignore_index=-1, label_smoothing=0.3, lse_square_scale=0.05, softcap=20.0)
     ref = reference_cross_entropy(x, t, w, reduction="none", **kw)
-    expected = _contract_rows(x, t, w, -1, 0.3, 0.05, 20.0)
-    assert torch.allclose(ref.loss, expected, rtol=1e-12, atol=1e-12)
+    ce, zl = _contract_rows(x, t, w, -1, 0.3, 0.05, 20.0)
+    assert torch.allclose(ref.loss, ce + zl, rtol=1e-12, atol=1e-12)
     d = float((w[t[t != -1]] if weighted else (t != -1)).double().sum())
+    n = float((t != -1).sum())
     mean = reference_cross_entropy(x, t, w, reduction="mean", **kw).loss
-    assert math.isclose(float(mean), float(expected.sum()) / d, rel_tol=1e-12)
+    # the contract's mean: sum(ce_row) / D + sum(z_row) / N (the z-loss is not class-weighted)
+    assert math.isclose(float(mean), float(ce.sum()) / d + float(zl.sum()) / n, rel_tol=1e-12)
 
 
 @pytest.mark.parametrize("weighted", [False, True])

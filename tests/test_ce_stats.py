@@ -48,7 +48,7 @@ def test_stats_values(backend, options, dtype, reduction):
     valid = (t != kw.get("ignore_index", -100)).double()
     z_bound = z_bound * valid.reshape(shape)
     if reduction != "none":
-        z_bound = z_bound.sum() * (1.0 / ref.denominator if reduction == "mean" else 1.0)
+        z_bound = z_bound.sum() * (1.0 / ref.z_denominator if reduction == "mean" else 1.0)
     assert out.z_loss.dtype == torch.float32 and tuple(out.z_loss.shape) == out_shape
     assert bool(((out.z_loss.double() - ref.z_loss).abs() <= z_bound + 1e-300).all()), (out.z_loss, ref.z_loss)
     if kw.get("lse_square_scale", 0.0) == 0.0:
@@ -88,15 +88,18 @@ def test_only_loss_carries_gradient(backend):
 
 
 def test_lse_on_ignored_rows_and_softcap(backend):
-    """lse is of the softcapped logits, for every row, ignored ones included."""
+    """lse is of the softcapped logits on counted rows and exactly 0 on ignored rows (never computed;
+    the same rule as linear_cross_entropy's stats)."""
     x = make_logits((ROWS, V), torch.float32, scale=40.0)
     t = torch.full((ROWS,), -100)
-    t[0] = 3
+    t[0], t[3] = 3, V - 1
     out = call(x, t, backend=backend, return_stats=True, softcap=30.0)
     ref = reference_cross_entropy(x, t, softcap=30.0, with_grad=False)
     assert_lse_close(out.lse, ref, torch.float32)
+    ignored = t == -100
+    assert bool((out.lse[ignored] == 0).all()), out.lse[ignored]
     uncapped = torch.logsumexp(x.detach().double(), -1)
-    assert bool(((out.lse.double() - uncapped).abs() > 1.0).all()), "premise: the softcap changes lse"
+    assert bool(((out.lse.double() - uncapped).abs()[~ignored] > 1.0).all()), "premise: the softcap changes lse"
 
 
 def test_argmax_ties_lowest_index(backend):

@@ -165,17 +165,19 @@ def test_custom_ops_opcheck():
     weight = torch.rand(n_cols) + 0.5
     weight_sum = weight.sum().reshape(1)
     lse = torch.logsumexp(logits.detach(), dim=1)
+    lse_lo = torch.zeros(n_rows)
     grad_row = torch.randn(1).expand(n_rows)          # stride 0, as the gradient of loss.sum()
-    softcap_opts = (IGNORE, 0.1, 1e-3, 30.0, True)
-    plain_opts = (IGNORE, 0.0, 0.0, 1.0, False)
+    grad_lse = torch.randn(n_rows * 2)[::2]            # stride 2: the z-loss's upstream through lse
+    softcap_opts = (IGNORE, 0.1, 30.0, True)
+    plain_opts = (IGNORE, 0.0, 1.0, False)
     ops = torch.ops.fusedce
     checks = [
         (ops.ce_forward.default, (logits, target, None, None, *softcap_opts, True, False)),
         (ops.ce_forward.default, (logits, target, weight, weight_sum, *plain_opts, False, True)),
-        (ops.ce_backward.default, (logits.detach(), target, weight, weight_sum, lse, grad_row,
-                                   *softcap_opts)),
-        (ops.ce_backward_inplace.default, (logits.detach().clone(), target, None, None, lse, grad_row,
-                                           *plain_opts)),
+        (ops.ce_backward.default, (logits.detach(), target, weight, weight_sum, lse, lse_lo, grad_row,
+                                   grad_lse, *softcap_opts)),
+        (ops.ce_backward_inplace.default, (logits.detach().clone(), target, None, None, lse, lse_lo, grad_row,
+                                           None, *plain_opts)),
     ]
     for op, args in checks:
         result = torch.library.opcheck(op, args)

@@ -408,6 +408,66 @@ def linear_errors(rank, world):
     _raises(IndexError, lambda: lce(h, ws, torch.tensor([0, V, 1, 2])), f"V = {V}")
 
 
+@check
+def zero_sizes_and_wide_ignore_index(rank, world):
+    """A global V = 0 (every slice empty) and H = 0 are ValueErrors on every rank (one rank's empty
+    slice is fine: ce_layouts); an int32 target with ignore_index = 2**40 (0 in int32) ignores no row."""
+    t = torch.tensor([0, 1, -100, 2])
+    _raises(ValueError, lambda: fd.vocab_parallel_cross_entropy(torch.randn(4, 0), t), "V = 0")
+    lce = fd.vocab_parallel_linear_cross_entropy
+    _raises(ValueError, lambda: lce(torch.randn(4, H), torch.randn(0, H), t), "V = 0")
+    _raises(ValueError, lambda: lce(torch.randn(4, 0), torch.randn(SIZES[world][rank], 0), t), "H = 0")
+    _raises(ValueError, lambda: lce(torch.randn(4, H), torch.randn(SIZES[world][rank], 0), t), "H = 0")
+    x, t = _ce_inputs()
+    t = t.clamp_min(0)                             # no ignored row; row 0 is class 0
+    run_ce(rank, x, t.to(torch.int32), None, SIZES[world], ignore_index=2 ** 40, reduction="none")
+    xs = x[..., _slice(rank, SIZES[world])]
+    wide = fd.vocab_parallel_cross_entropy(xs, t.to(torch.int32), ignore_index=2 ** 40, return_stats=True)
+    assert bool((wide.predicted_tokens >= 0).all()), "a row was treated as ignored"
+    h, W, _, _ = _linear_inputs()
+    ws = W[_slice(rank, SIZES[world])]
+    a = lce(h, ws, t.to(torch.int32), ignore_index=2 ** 40, reduction="none")
+    assert torch.equal(a, lce(h, ws, t, ignore_index=2 ** 40, reduction="none"))
+
+
+@check
+def autocast_bf16(rank, world):
+    """Under CPU bf16 autocast (issue 9): the linear op with fp32 leaves is EXACTLY the op on the
+    bf16-cast inputs without autocast (loss bit for bit, gradients those bf16 gradients upcast to the
+    fp32 leaves), as stock ``F.linear`` under autocast; the cross-entropy op (fp32 logits, class weights
+    and smoothing: the smoothing matmul must not be downcast) is exactly the op without autocast."""
+    cols = _slice(rank, SIZES[world])
+    h, W, b, t = _linear_inputs()
+    x, _ = _ce_inputs()
+    cw = make_weight(V)
+    for reduction in REDUCTIONS:
+        up = _upstream(reduction)
+        results = []
+        for amp in (True, False):
+            dtype = torch.float32 if amp else torch.bfloat16   # no autocast: hand it the cast tensors
+            leaves = [h.to(dtype).requires_grad_(), W[cols].to(dtype).requires_grad_(),
+                      b[cols].to(dtype).requires_grad_()]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = fd.vocab_parallel_linear_cross_entropy(leaves[0], leaves[1], t, leaves[2],
+                                                              label_smoothing=0.1, reduction=reduction)
+            grads = torch.autograd.grad(loss, leaves, _upstream_for(loss, up))
+            assert all(g.dtype == dtype for g in grads)
+            results.append([loss, *(g.float() for g in grads)])
+        for name, a, e in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), *results):
+            assert torch.equal(a, e), f"linear {reduction} {name}: autocast differs from the cast inputs"
+        results = []
+        for amp in (True, False):
+            xs = x[..., cols].clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = fd.vocab_parallel_cross_entropy(xs, t, cw[cols], label_smoothing=0.1,
+                                                       reduction=reduction)
+            (grad,) = torch.autograd.grad(loss, xs, _upstream_for(loss, up))
+            assert loss.dtype == grad.dtype == torch.float32
+            results.append((loss, grad))
+        for name, a, e in zip(("loss", "grad"), *results):
+            assert torch.equal(a, e), f"cross_entropy {reduction} {name}: autocast changed the fp32 op"
+
+
 # ---------------------------------------------------------------------------------------- harness
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -2,6 +2,7 @@
 written: the caller's tensors are bit-identical afterwards and no gradient reached them."""
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,3 +190,104 @@ def test_module_raises_the_same(backend):
         fusedce.LinearCrossEntropyLoss(chunk_size=0, backend=backend)(hidden, weight, target.clamp(max=V - 1))
     with pytest.raises(TypeError):
         fusedce.LinearCrossEntropyLoss(backend=backend)(hidden, weight.detach().half(), target.clamp(max=V - 1))
+
+
+# --- issue 9.7: int32 target vs a wide ignore_index, strict scalar options, V = 0 and H = 0 ------------
+def _equal_outputs(a, b):
+    pairs = zip(a, b) if isinstance(a, fusedce.CrossEntropyOutput) else [(a, b)]
+    return all(bit_identical(x.detach(), y.detach()) for x, y in pairs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_int32_target_ignore_index_beyond_int32(backend, reduction):
+    """ignore_index = 2**40 wraps to 0 in int32: class 0 (row 0) must be computed, not dropped; the
+    result equals the int64 target's. ignore_index=-100 on an int32 target keeps working."""
+    hidden, weight, bias, _ = _good()
+    t64 = make_target((ROWS,), V)                   # no ignored row; t64[0] == 0
+    kw = dict(reduction=reduction, return_stats=True, backend=backend)
+    wide = fusedce.linear_cross_entropy(hidden, weight, t64.to(torch.int32), bias, ignore_index=2 ** 40, **kw)
+    plain = fusedce.linear_cross_entropy(hidden, weight, t64, bias, ignore_index=2 ** 40, **kw)
+    assert _equal_outputs(wide, plain)
+    assert bool((wide.predicted_tokens >= 0).all()), "a row was treated as ignored"
+    t64 = make_target((ROWS,), V, ignore_every=3)
+    a = fusedce.linear_cross_entropy(hidden, weight, t64.to(torch.int32), bias, **kw)
+    b = fusedce.linear_cross_entropy(hidden, weight, t64, bias, **kw)
+    assert _equal_outputs(a, b)
+
+
+@pytest.mark.parametrize("value", [2.7, 2.0, True, "4", torch.tensor(2.0)],
+                         ids=["2.7", "2.0", "True", "str", "float_tensor"])
+def test_chunk_size_not_an_integer(backend, value):
+    """chunk_size=2.7 is a TypeError naming it, not a silent int() to 2."""
+    hidden, weight, bias, target = _good()
+    msg = _raises(TypeError, backend, hidden, weight, target, bias, chunk_size=value)
+    assert "chunk_size" in msg and repr(value) in msg, msg
+
+
+def test_chunk_size_integer_like_accepted(backend):
+    hidden, weight, bias, target = _good()
+    def run(c):
+        return fusedce.linear_cross_entropy(hidden, weight, target, bias, chunk_size=c, backend=backend).detach()
+
+    ref = run(3)
+    for value in (np.int64(3), np.int32(3), torch.tensor(3)):
+        assert bit_identical(run(value), ref), value
+
+
+@pytest.mark.parametrize("value", [1.5, True, "0"], ids=["1.5", "True", "str"])
+def test_ignore_index_not_an_integer(backend, value):
+    hidden, weight, bias, target = _good()
+    msg = _raises(TypeError, backend, hidden, weight, target, bias, ignore_index=value)
+    assert "ignore_index" in msg and repr(value) in msg, msg
+
+
+def test_ignore_index_outside_int64(backend):
+    hidden, weight, bias, target = _good()
+    msg = _raises(ValueError, backend, hidden, weight, target, bias, ignore_index=-(2 ** 63) - 1)
+    assert "ignore_index" in msg and "int64" in msg, msg
+
+
+@pytest.mark.parametrize("option", ["label_smoothing", "lse_square_scale", "softcap"])
+def test_real_options_non_finite_or_not_numbers(backend, option):
+    hidden, weight, bias, target = _good()
+    for value in (float("nan"), float("inf"), -float("inf")):
+        assert option in _raises(ValueError, backend, hidden, weight, target, bias, **{option: value})
+    for value in ("0.1", True, None if option != "softcap" else [1.0]):
+        assert option in _raises(TypeError, backend, hidden, weight, target, bias, **{option: value})
+
+
+def test_num_items(backend):
+    hidden, weight, bias, target = _good()
+    for value in (-1, float("nan"), float("inf")):
+        assert "num_items_in_batch" in _raises(ValueError, backend, hidden, weight, target, bias,
+                                               num_items_in_batch=value)
+    for value in (True, "3", torch.tensor(True)):
+        assert "num_items_in_batch" in _raises(TypeError, backend, hidden, weight, target, bias,
+                                               num_items_in_batch=value)
+
+
+@pytest.mark.parametrize("value", [torch.int32, torch.bool, "float32", None, torch.complex64],
+                         ids=["int32", "bool", "str", "None", "complex64"])
+def test_accum_dtype_not_floating(backend, value):
+    hidden, weight, bias, target = _good()
+    msg = _raises(TypeError, backend, hidden, weight, target, bias, accum_dtype=value)
+    assert "accum_dtype" in msg, msg
+
+
+def test_zero_vocabulary(backend):
+    """V = 0: weight (0, H) (with a (0,) bias / class weights, or none) -> ValueError naming V."""
+    hidden, _, _, _ = _good()
+    for target in (torch.full((ROWS,), -100), torch.zeros(ROWS, dtype=torch.int64)):
+        weight = torch.zeros(0, H, requires_grad=True)
+        assert "V = 0" in _raises(ValueError, backend, hidden, weight, target)
+        assert "V = 0" in _raises(ValueError, backend, hidden, weight, target, torch.zeros(0),
+                                  ce_weight=torch.ones(0))
+
+
+def test_zero_hidden_size(backend):
+    """H = 0: hidden (..., 0) with weight (V, 0), or either alone -> ValueError naming H."""
+    hidden, weight, bias, target = _good()
+    h0, w0 = torch.zeros(ROWS, 0, requires_grad=True), torch.zeros(V, 0, requires_grad=True)
+    for h, w in ((h0, w0), (h0, weight), (hidden, w0), (torch.zeros(2, 5, 0), w0)):
+        msg = _raises(ValueError, backend, h, w, target.reshape(h.shape[:-1]), bias)
+        assert "H = 0" in msg, msg

@@ -3,6 +3,7 @@ and gradients) and the same argument order: data first, then target, then option
 options (ARCHITECTURE.md, Modules)."""
 import inspect
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,3 +90,47 @@ def test_argument_order():
     ce_init = [n for n in inspect.signature(fusedce.CrossEntropyLoss.__init__).parameters
                if n not in ("self", "weight", "inplace_backward")]
     assert [n for n in names if n in ce_init] == ce_init
+
+
+# The constructor checks every option, with the errors linear_cross_entropy raises for it.
+BAD_OPTIONS = {
+    "reduction": ({"reduction": "batchmean"}, ValueError),
+    "smoothing_range": ({"label_smoothing": -0.1}, ValueError),
+    "smoothing_str": ({"label_smoothing": "0.1"}, TypeError),
+    "zloss_nan": ({"lse_square_scale": float("nan")}, ValueError),
+    "softcap_neg": ({"softcap": -30.0}, ValueError),
+    "softcap_inf": ({"softcap": float("inf")}, ValueError),
+    "ignore_float": ({"ignore_index": -100.0}, TypeError),
+    "ignore_wide": ({"ignore_index": -(2 ** 64)}, ValueError),
+    "chunk_0": ({"chunk_size": 0}, ValueError),
+    "chunk_float": ({"chunk_size": 2.7}, TypeError),
+    "chunk_bool": ({"chunk_size": True}, TypeError),
+    "accum_int": ({"accum_dtype": torch.int64}, TypeError),
+    "accum_str": ({"accum_dtype": "float32"}, TypeError),
+    "backend": ({"backend": "Triton"}, ValueError),
+    "ce_weight_2d": ({"ce_weight": torch.ones(1, V)}, ValueError),
+    "ce_weight_int": ({"ce_weight": torch.ones(V, dtype=torch.int32)}, TypeError),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_OPTIONS))
+def test_module_checks_options_at_construction(name):
+    kw, exc = BAD_OPTIONS[name]
+    with pytest.raises(exc) as at_init:
+        fusedce.LinearCrossEntropyLoss(**kw)
+    hidden, weight, _ = make_linear((4,), H, V)
+    target = make_target((4,), V)
+    options = {k: v for k, v in kw.items() if k != "ce_weight"}
+    with pytest.raises(exc) as at_call:
+        fusedce.linear_cross_entropy(hidden, weight, target, ce_weight=kw.get("ce_weight"),
+                                     **{"backend": "torch", **options})
+    if name != "ce_weight_2d":   # the function names V in its message, the constructor cannot know it
+        assert str(at_init.value) == str(at_call.value)
+    else:
+        assert all("ce_weight must have shape" in str(e.value) for e in (at_init, at_call))
+
+
+def test_module_valid_options_accepted():
+    for kw in ({}, {"backend": "triton"}, {"chunk_size": np.int64(4), "accum_dtype": torch.float64},
+               {"ce_weight": make_weight(V), "ignore_index": torch.tensor(-1), "label_smoothing": 1.0}):
+        fusedce.LinearCrossEntropyLoss(**kw)

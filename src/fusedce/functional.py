@@ -7,6 +7,7 @@ import torch
 
 from . import backends, reduction as red, validation as val
 from .types import CrossEntropyOutput
+from .autocast import fp32_op, linear_op
 
 
 def _rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
@@ -19,6 +20,7 @@ def _rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
     return flat
 
 
+@fp32_op   # under autocast: as stock F.cross_entropy (fp32), see autocast.py
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
                   ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                   lse_square_scale: float = 0.0, softcap: Optional[float] = None,
@@ -36,9 +38,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
         weight: optional ``(V,)`` float class weights (``F.cross_entropy`` semantics); constants: they
             get no gradient.
         ignore_index: target value of ignored rows (default -100).
-        reduction: ``"mean"`` (sum / D), ``"sum"`` or ``"none"`` (fp32 tensor of ``target.shape``).
-            ``D = num_items_in_batch`` if given, else ``sum(w[t])`` over non-ignored rows; D == 0 gives
-            loss 0.0 and zero gradient.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (fp32 tensor of ``target.shape``). The mean is
+            ``sum(ce_row) / D + sum(z_row) / N`` (``z_row`` the z-loss): ``D = num_items_in_batch`` if
+            given, else ``sum(w[t])`` over non-ignored rows; ``N = num_items_in_batch`` if given, else
+            their count (so the z-loss is not class-weighted); a zero denominator gives 0.0 for its part
+            and zero gradient.
         label_smoothing: eps in [0, 1]; ``F.cross_entropy``'s formula (Szegedy et al. 2016).
         lse_square_scale: z-loss coefficient, adds ``scale * lse**2`` per row (PaLM, Chowdhery et al.
             2022), not class-weighted.
@@ -47,17 +51,25 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
         inplace_backward: the backward pass writes the gradient into ``logits``' storage (destroys the
             caller's logits after backward, saves one BT x V buffer). Default: nothing of the caller's
             is ever modified.
-        return_stats: return ``CrossEntropyOutput(loss, z_loss, lse, token_accuracy, predicted_tokens)``.
-        backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND`` (default auto).
+        return_stats: return ``CrossEntropyOutput(loss, z_loss, lse, token_accuracy, predicted_tokens)``;
+            ``lse`` is 0 on ignored rows (as in :func:`linear_cross_entropy`, which never computes them).
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND`` (unset or
+            empty: auto).
 
     Returns:
         The fp32 loss (scalar, or ``target.shape`` for ``"none"``), or ``CrossEntropyOutput``.
         The gradient w.r.t. ``logits`` has their dtype and shape; ignored rows get exactly 0.
 
     Raises:
-        TypeError: non-float logits or non-integer target.
-        ValueError: shape mismatch, bad reduction, label_smoothing outside [0, 1], softcap <= 0,
-            weight not (V,), tensors on different devices, unknown backend.
+        TypeError: non-float logits or non-integer target; ``ignore_index`` not an integer (a float or
+            a bool: nothing is rounded); ``label_smoothing`` / ``lse_square_scale`` / ``softcap`` not a
+            real number (e.g. a string); ``num_items_in_batch`` a bool or neither a number nor a tensor.
+        ValueError: shape mismatch, V = 0 (``logits`` of shape ``(..., 0)``), bad reduction,
+            label_smoothing outside [0, 1], softcap <= 0, a NaN or infinite ``label_smoothing`` /
+            ``lse_square_scale`` / ``softcap``, ``ignore_index`` outside int64, ``num_items_in_batch``
+            negative or non-finite, weight not (V,), tensors on different devices, unknown backend.
+            (An int32 ``target`` with an ``ignore_index`` outside int32 is fine: it is converted to
+            int64 once, a BT-element copy.)
         IndexError: a target neither ``ignore_index`` nor in [0, V), naming the first bad position
             (a host sync; skipped under torch.compile / CUDA-graph capture, where that row's loss is NaN).
         RuntimeError: ``backend="triton"`` on CPU tensors without ``TRITON_INTERPRET=1``.
@@ -65,9 +77,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     val.check_float("logits", logits)
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (the classes, last)")
+    val.check_nonzero("logits", logits.shape, -1, "V")
     opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
     val.check_target(target, shape, logits.device)
+    target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight", weight, n_classes, logits.device)
     val.check_num_items(num_items_in_batch, logits.device)
     weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
@@ -75,18 +89,17 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     val.check_target_range(target, n_classes, opts.ignore_index)
 
     rows, flat_target = _rows_view(logits, inplace_backward), target.reshape(-1)
-    loss_rows, lse, predicted = impl.cross_entropy_rows(
+    ce_rows, lse, predicted = impl.cross_entropy_rows(
         rows, flat_target, weight, opts, inplace_backward, return_stats)
-    scale = None
+    scales = None
     if reduction == "mean":
-        denominator = red.mean_denominator(flat_target, weight, opts.ignore_index, num_items_in_batch)
-        scale = red.mean_scale(denominator)
-    loss = red.reduce(loss_rows, reduction, scale, shape)
-    if not return_stats:
-        return loss
-    return red.stats(loss, lse, predicted, flat_target, opts, reduction, scale, shape)
+        scales = red.mean_scales(flat_target, red.target_weights(flat_target, weight, opts.ignore_index),
+                                 opts.ignore_index, num_items_in_batch)
+    return red.loss_and_stats(ce_rows, lse, predicted, flat_target, opts, reduction, scales, shape,
+                              return_stats)
 
 
+@linear_op   # under autocast: matmul in the autocast dtype as F.linear, loss fp32 (autocast.py)
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: Optional[torch.Tensor] = None, *, ce_weight: Optional[torch.Tensor] = None,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
@@ -111,7 +124,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             None = automatic: ``max(1024, BT * H / V)`` rows, capped at BT (rule and its measurement in
             ``backends/linear/tuning.py``).
         accum_dtype: dtype in which the ``weight`` and ``bias`` gradients accumulate across chunks.
-        return_stats: return ``CrossEntropyOutput``; its ``lse`` is 0 on ignored rows (never computed).
+        return_stats: return ``CrossEntropyOutput``; its ``lse`` is 0 on ignored rows (never computed),
+            as in :func:`cross_entropy`.
         backend: as in :func:`cross_entropy`.
 
     Returns:
@@ -123,12 +137,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     per call (skipped under torch.compile and CUDA-graph capture, where every row is computed).
 
     Raises:
-        The errors of :func:`cross_entropy`, plus ``ValueError`` when ``hidden.shape[-1] !=
-        weight.shape[1]``, ``weight`` is not 2-D or ``bias`` is not ``(V,)``, and ``TypeError`` when
-        ``hidden``, ``weight`` and ``bias`` dtypes differ.
+        The errors of :func:`cross_entropy` (V = 0 here is ``weight`` of shape ``(0, H)``), plus
+        ``ValueError`` when H = 0 (``hidden`` ``(..., 0)`` or ``weight`` ``(V, 0)``), ``hidden.shape[-1]
+        != weight.shape[1]``, ``weight`` is not 2-D, ``bias`` is not ``(V,)`` or ``chunk_size`` < 1, and
+        ``TypeError`` when ``hidden``, ``weight`` and ``bias`` dtypes differ, ``chunk_size`` is not an
+        integer (a float or a bool) or ``accum_dtype`` is not a floating-point ``torch.dtype``.
     """
     opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
-    val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size)
+    val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype)
+    target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     ce_weight = None if ce_weight is None else ce_weight.detach()   # class weights are constants
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
@@ -136,15 +153,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     val.check_target_range(target, n_classes, opts.ignore_index)
 
     flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-    scale = None
+    scales = None
     if reduction == "mean":
-        denominator = red.mean_denominator(flat_target, ce_weight, opts.ignore_index, num_items_in_batch)
-        scale = red.mean_scale(denominator)
+        scales = red.mean_scales(flat_target, red.target_weights(flat_target, ce_weight, opts.ignore_index),
+                                 opts.ignore_index, num_items_in_batch)
     loss, lse, predicted = impl.linear_cross_entropy(
-        flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scale,
+        flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scales,
         None if chunk_size is None else int(chunk_size), accum_dtype, return_stats)
     if reduction == "none":
         loss = loss.reshape(shape)
     if not return_stats:
         return loss
-    return red.stats(loss, lse, predicted, flat_target, opts, reduction, scale, shape)
+    return red.stats(loss, lse, predicted, flat_target, opts, reduction, scales, shape)

@@ -6,7 +6,17 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import backends, validation as val
 from .functional import cross_entropy, linear_cross_entropy
+
+
+def _check_options(name, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                   backend):
+    """The construction-time checks shared by both modules: the same errors as the functions raise."""
+    val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    val.check_class_weights(name, weight)
+    if backend is not None:   # None reads $FUSEDCE_BACKEND at each call
+        backends.check_name(backend)
 
 
 class CrossEntropyLoss(nn.Module):
@@ -14,12 +24,21 @@ class CrossEntropyLoss(nn.Module):
 
     ``forward(logits (..., V), target (...), num_items_in_batch=None)``; see ``cross_entropy`` for
     shapes, dtypes, the in-place option and errors.
+
+    The options are checked at construction, with the errors of ``cross_entropy``: ``ValueError`` for
+    a bad ``reduction``, ``label_smoothing`` outside [0, 1], ``softcap <= 0``, a non-finite number, an
+    ``ignore_index`` outside int64, a ``weight`` that is not 1-D or an unknown ``backend`` name;
+    ``TypeError`` for a non-integer ``ignore_index`` (a float, a bool), a non-number option or a
+    ``weight`` that is not a floating-point tensor. Shapes, devices and ``"triton"`` without CUDA or
+    the interpreter are checked at each call.
     """
 
     def __init__(self, weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, inplace_backward: bool = False,
                  return_stats: bool = False, backend: Optional[str] = None):
+        _check_options("weight", weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                       backend)
         super().__init__()
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction = ignore_index, reduction
@@ -39,12 +58,20 @@ class LinearCrossEntropyLoss(nn.Module):
 
     ``forward(hidden (..., H), weight (V, H), target (...), bias=None, num_items_in_batch=None)``; see
     ``linear_cross_entropy`` for shapes, dtypes, chunking and errors. ``ce_weight`` is a buffer.
+
+    The options are checked at construction, as in :class:`CrossEntropyLoss` (``ce_weight`` for
+    ``weight``), plus ``chunk_size`` (``TypeError`` unless an integer or None, ``ValueError`` when < 1)
+    and ``accum_dtype`` (``TypeError`` unless a floating-point ``torch.dtype``).
     """
 
     def __init__(self, ce_weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, return_stats: bool = False, backend: Optional[str] = None,
                  chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32):
+        _check_options("ce_weight", ce_weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                       softcap, backend)
+        val.check_chunk_size(chunk_size)
+        val.check_accum_dtype(accum_dtype)
         super().__init__()
         self.register_buffer("ce_weight", ce_weight)
         self.ignore_index, self.reduction = ignore_index, reduction

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from typing import Optional
 
 import torch
@@ -11,20 +13,76 @@ from .types import LossOptions
 REDUCTIONS = ("mean", "sum", "none")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
+INT32_RANGE = (-2 ** 31, 2 ** 31 - 1)
+INT64_RANGE = (-2 ** 63, 2 ** 63 - 1)
+_SYMBOLIC = (torch.SymInt, torch.SymFloat)   # Python scalars traced by torch.compile
+
+
+def _finite(value) -> bool:
+    """``math.isfinite`` written as comparisons, which torch.compile traces on symbolic floats too."""
+    return -math.inf < value < math.inf
+
+
+def integer_option(name: str, value) -> int:
+    """An integer option (``ignore_index``, ``chunk_size``): a Python / NumPy integer or a one-element
+    integer tensor (anything ``operator.index`` accepts), never a bool or a float: ``TypeError``."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
+
+
+def real_option(name: str, value) -> float:
+    """A finite real option (``label_smoothing``, ``lse_square_scale``, ``softcap``): a Python / NumPy
+    number or a one-element real tensor. ``TypeError`` for anything else (a string, a bool),
+    ``ValueError`` for NaN or an infinity."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be a real number, got a tensor of shape {tuple(value.shape)} "
+                            f"and dtype {value.dtype}")
+    elif isinstance(value, bool) or not isinstance(value, (numbers.Real,) + _SYMBOLIC):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = value if isinstance(value, _SYMBOLIC) else float(value)
+    if not _finite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
 
 
 def loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap) -> LossOptions:
-    """Check the scalar options; raise ``ValueError`` on a bad reduction, smoothing or softcap."""
+    """Check the scalar options: ``TypeError`` for a non-integer ``ignore_index`` or a non-number
+    smoothing / z-loss scale / softcap; ``ValueError`` for a bad reduction, an ``ignore_index`` outside
+    int64, a non-finite number, smoothing outside [0, 1] or ``softcap <= 0``."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    label_smoothing = float(label_smoothing)
+    ignore_index = integer_option("ignore_index", ignore_index)
+    if not INT64_RANGE[0] <= ignore_index <= INT64_RANGE[1]:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
+    label_smoothing = real_option("label_smoothing", label_smoothing)
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    lse_square_scale = real_option("lse_square_scale", lse_square_scale)
     if softcap is not None:
-        softcap = float(softcap)
-        if not (softcap > 0.0 and math.isfinite(softcap)):
+        softcap = real_option("softcap", softcap)
+        if not softcap > 0.0:
             raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap}")
-    return LossOptions(int(ignore_index), label_smoothing, float(lse_square_scale), softcap)
+    return LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
+
+
+def widen_target(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """An int32 ``target`` compared with an ``ignore_index`` outside int32 would wrap around: such a
+    target is converted to int64 once (a BT-element copy); otherwise it is returned as is."""
+    if target.dtype == torch.int32 and not INT32_RANGE[0] <= ignore_index <= INT32_RANGE[1]:
+        return target.long()
+    return target
+
+
+def check_nonzero(name: str, shape, dim: int, what: str) -> None:
+    """``ValueError`` when ``shape[dim]`` (``what``: "V", the classes, or "H", the hidden size) is 0."""
+    if shape[dim] == 0:
+        raise ValueError(f"{what} = 0: {name} has shape {tuple(shape)}; "
+                         f"{'the number of classes' if what == 'V' else 'the hidden size'} must be > 0")
 
 
 def check_target(target: torch.Tensor, expected_shape, device: torch.device) -> None:
@@ -58,6 +116,17 @@ def check_vector(name: str, t: Optional[torch.Tensor], size: int, device: torch.
         raise ValueError(f"{name} is on {t.device} but the data is on {device}")
 
 
+def check_class_weights(name: str, t: Optional[torch.Tensor]) -> None:
+    """An optional 1-D float tensor whose length is not known yet (a module's class weights, checked
+    again against V at each call): ``TypeError`` unless a floating-point tensor, ``ValueError`` unless 1-D."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must have shape (V,), got {tuple(t.shape)}")
+
+
 def sync_allowed() -> bool:
     """The target-range check host-syncs; skip it under torch.compile and CUDA-graph capture."""
     if torch.compiler.is_compiling():
@@ -86,17 +155,23 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
         )
 
 
-def check_linear(hidden, weight, target, bias, ce_weight, chunk_size,
-                 names=("weight", "bias", "ce_weight")) -> None:
+def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype=torch.float32,
+                 names=("weight", "bias", "ce_weight"), sharded=False) -> None:
     """Checks of ``linear_cross_entropy`` (and its vocab-parallel form, whose tensors are ``names``):
-    float tensors, ``weight`` (V, H) with ``hidden`` (..., H) on one device, ``target`` (...), ``bias``
-    and class weights (V,), one dtype for hidden/weight/bias, a positive ``chunk_size`` or None."""
+    float tensors, ``weight`` (V, H) with ``hidden`` (..., H) on one device, ``H > 0`` and ``V > 0``
+    (``sharded``: this rank's ``V_r`` may be 0; the global V is checked by ``vocab_layout``),
+    ``target`` (...), ``bias`` and class weights (V,), one dtype for hidden/weight/bias, a positive
+    integer ``chunk_size`` or None, a floating ``accum_dtype``."""
     w_name, b_name, cw_name = names
     check_float("hidden", hidden)
     check_float(w_name, weight)
     if hidden.dim() < 1 or weight.dim() != 2:
         raise ValueError(f"hidden must be (..., H) and {w_name} (V, H); got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
+    check_nonzero("hidden", hidden.shape, -1, "H")
+    check_nonzero(w_name, weight.shape, 1, "H")
+    if not sharded:
+        check_nonzero(w_name, weight.shape, 0, "V")
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = "
                          f"{weight.shape[1]}")
@@ -108,15 +183,41 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size,
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
         raise TypeError(f"hidden, {w_name} and {b_name} must share a dtype; got {hidden.dtype}, "
                         f"{weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")
-    if chunk_size is not None and int(chunk_size) < 1:
+    check_chunk_size(chunk_size)
+    check_accum_dtype(accum_dtype)
+
+
+def check_chunk_size(chunk_size) -> None:
+    """None or a positive integer (``TypeError`` for a float or a bool, ``ValueError`` for < 1)."""
+    if chunk_size is not None and integer_option("chunk_size", chunk_size) < 1:
         raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
 
 
+def check_accum_dtype(accum_dtype) -> None:
+    """``accum_dtype`` must be a floating-point ``torch.dtype`` (``TypeError``)."""
+    if not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
+        raise TypeError(f"accum_dtype must be a floating-point torch.dtype, got {accum_dtype!r}")
+
+
 def check_num_items(num_items_in_batch, device: torch.device) -> None:
-    """``num_items_in_batch``: None, a number, or a one-element tensor on ``device`` or the CPU."""
+    """``num_items_in_batch``: None, a finite number >= 0, or a one-element real tensor on ``device`` or
+    the CPU (its value is not read: that would sync). ``TypeError`` for a bool, a bool tensor or a
+    non-number; ``ValueError`` for a negative or non-finite number or a tensor of another size / device."""
+    if num_items_in_batch is None:
+        return
     if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.is_complex():
+            raise TypeError(f"num_items_in_batch must be a real number or tensor, got a tensor of dtype "
+                            f"{num_items_in_batch.dtype}")
         if num_items_in_batch.numel() != 1:
             raise ValueError(f"num_items_in_batch must be a number or a one-element tensor, got shape "
                              f"{tuple(num_items_in_batch.shape)}")
         if num_items_in_batch.device not in (device, torch.device("cpu")):
             raise ValueError(f"num_items_in_batch is on {num_items_in_batch.device} but the data is on {device}")
+        return
+    number = isinstance(num_items_in_batch, (numbers.Real,) + _SYMBOLIC)
+    if isinstance(num_items_in_batch, bool) or not number:
+        raise TypeError(f"num_items_in_batch must be a number, a one-element tensor or None, got "
+                        f"{num_items_in_batch!r} ({type(num_items_in_batch).__name__})")
+    if not (_finite(num_items_in_batch) and num_items_in_batch >= 0):
+        raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {num_items_in_batch}")

@@ -18,16 +18,23 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def check_name(name) -> None:
+    """``ValueError`` listing the valid names unless ``name`` is one of ``BACKENDS`` (device-independent:
+    the modules call it at construction; ``resolve`` also checks the device)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; valid names are {BACKENDS}")
+
+
 def resolve(name, device: torch.device) -> str:
-    """Map ``backend=`` (None -> ``$FUSEDCE_BACKEND`` or ``"auto"``) to a concrete backend name.
+    """Map ``backend=`` (None -> ``$FUSEDCE_BACKEND`` or ``"auto"``; an empty ``$FUSEDCE_BACKEND`` is
+    ``"auto"`` too) to a concrete backend name.
 
     ``"auto"``: ``"triton"`` on CUDA tensors, ``"torch"`` otherwise. Raises ``ValueError`` for an unknown
     name and ``RuntimeError`` for ``"triton"`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     if name is None:
-        name = os.environ.get("FUSEDCE_BACKEND", "auto")
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; valid names are {BACKENDS}")
+        name = os.environ.get("FUSEDCE_BACKEND") or "auto"   # unset or empty: auto
+    check_name(name)
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if name == "triton" and device.type != "cuda" and not interpreter_enabled():

@@ -44,7 +44,7 @@ DEFAULT_VOCABS = (32000, 128256, 262144, 1000, 50257)
 @dataclass(frozen=True)
 class Variant:
     """Loss options that select the kernels' constexpr flags (HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-    COMPUTE_STATS); z-loss is a runtime scalar and rides along with "all"."""
+    COMPUTE_STATS; z-loss selects the backward's HAS_GRAD_LSE: its gradient arrives through the lse)."""
 
     weight: bool = False
     smoothing: bool = False
@@ -66,7 +66,7 @@ VARIANTS = {
         "softcap": Variant(softcap=True),
         "smooth": Variant(smoothing=True),
         "smooth+weight": Variant(weight=True, smoothing=True),
-        "all": Variant(weight=True, smoothing=True, softcap=True, stats=True, zloss=True),
+        "all": Variant(weight=True, smoothing=True, softcap=True, stats=True),
     },
     "backward": {
         "plain": Variant(),
@@ -76,7 +76,7 @@ VARIANTS = {
     },
 }
 _FLAGS = {"forward": ("weight", "smoothing", "softcap", "stats"),
-          "backward": ("weight", "smoothing", "softcap")}
+          "backward": ("weight", "smoothing", "softcap", "zloss")}
 
 
 def every_variant(kernel: str) -> dict:
@@ -102,10 +102,12 @@ def launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant, rows: 
     opts = variant.options()
     if kernel == "forward":
         predicted = meta(rows, dt=torch.int64) if variant.stats else None
-        return L.forward_launch(logits, target, weight, weight_sum, opts, meta(rows), meta(rows), predicted)
+        return L.forward_launch(logits, target, weight, weight_sum, opts, meta(rows), meta(rows), meta(rows),
+                                predicted)
     grad_row = meta(()).expand(rows)                 # d(mean)/d(loss_row): a stride-0 scalar
-    return L.backward_launch(logits, target, weight, weight_sum, meta(rows), grad_row, opts,
-                             meta(rows, vocab, dt=dtype))
+    grad_lse = meta(rows) if variant.zloss else None  # 2 s lse / N per row with z-loss
+    return L.backward_launch(logits, target, weight, weight_sum, meta(rows), meta(rows), grad_row, grad_lse,
+                             opts, meta(rows, vocab, dt=dtype))
 
 
 @dataclass

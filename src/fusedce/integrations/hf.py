@@ -78,7 +78,8 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
       labelled call checks, with a probe through the family's forward (one host sync), that this is all
       the family does to its logits, and raises ``ValueError`` otherwise;
     - MoE models: a returned ``aux_loss`` is added times ``router_aux_loss_coef``, as the families do;
-    - under autocast, hidden states and head are cast to the autocast dtype first (as ``F.linear`` is);
+    - under autocast, hidden states and head are cast to the autocast dtype first (as ``F.linear`` is;
+      ``linear_cross_entropy`` does it, see ``fusedce/autocast.py``);
     - the output is the family's usual class (e.g. ``CausalLMOutputWithPast``) with ``loss`` set and
       **``logits=None``** (with ``keep_logits=True`` the logits are computed the normal way and returned;
       that brings back the ``(B, T, V)`` tensor, but the loss is still the fused one).
@@ -209,15 +210,10 @@ def _loss(model, state: _Patch, hidden, labels, shift_labels, num_items) -> torc
     if scale != 1.0:  # s (h W^T + b) = (s h) W^T + s b: scale the (BT, H) side, never the (V, H) one
         hidden = hidden * scale
         bias = None if bias is None else bias * scale
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
     if isinstance(num_items, torch.Tensor):
         num_items = num_items.to(hidden.device)
-    with torch.autocast(device_type, enabled=False):
-        return linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items, **options)
+    # under autocast, linear_cross_entropy casts hidden / head to the autocast dtype as F.linear would
+    return linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items, **options)
 
 
 def _replace(out, **changes):

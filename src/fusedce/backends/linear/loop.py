@@ -6,6 +6,16 @@ Per chunk c (hidden rows h_c, n_c x H):
     g_c = dloss/dlogits_c, written over logits_c      (backend kernel, in place, times grad_row)
     grad_h_c = g_c @ W;  grad_W += g_c.T @ h_c;  grad_b += sum_rows g_c   (accum_dtype accumulators)
 FLOPs: 2 n_c V H for the logits and 2 n_c V H for each of grad_h and grad_W, as the unfused path.
+
+``grad_W += g_c.T @ h_c`` with a ``grad_W`` wider than the chunk (fp32 accumulator, bf16/fp16 chunk):
+eager calls use ``torch.addmm(..., out_dtype=fp32, out=grad_W)`` where the build has it (CUDA; a one-time
+probe per device type, cached for the process), so no fp32 copy of the chunk is made; elsewhere (CPU
+kernels) the chunk operands are upcast to fp32 (n_c x V and n_c x H, never V x H). Traced or captured
+code (``torch.compile`` / ``torch.export``, CUDA-graph capture, fake tensors) always takes the upcast path
+and never probes nor fills the cache: Inductor cannot lower an ``out_dtype`` addmm, fake tensors would
+accept it on any device, and a graph must not depend on which call came first. So on CUDA,
+``addmm(out_dtype)`` runs only in eager; compiled graphs and captured CUDA graphs use the upcast path
+(the same fp32 sums of exact products; only the summation order may differ).
 """
 from __future__ import annotations
 
@@ -14,8 +24,9 @@ from typing import Optional
 import torch
 
 from ...types import LossOptions
+from ...validation import sync_allowed
 
-_OUT_DTYPE_MM: dict = {}
+_OUT_DTYPE_MM: dict = {}   # device type -> bool; filled only by eager calls on real tensors
 
 
 def logits_chunk(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -23,14 +34,20 @@ def logits_chunk(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return torch.nn.functional.linear(h, weight, bias)
 
 
-def _mm_out_dtype_ok(device: torch.device) -> bool:
-    """Whether ``torch.addmm(..., out_dtype=)`` runs here (CUDA builds; not the CPU kernels)."""
-    key = device.type
+def _mm_out_dtype_ok(acc: torch.Tensor) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=)`` may write into ``acc`` (eager CUDA builds; not the CPU
+    kernels). False, without probing or caching, while tracing (torch.compile / export), capturing a
+    CUDA graph or on non-plain tensors (fake / functional / subclass): see the module docstring."""
+    if not sync_allowed() or type(acc) is not torch.Tensor:
+        return False
+    key = acc.device.type
     if key not in _OUT_DTYPE_MM:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=acc.device)
+        if type(a) is not torch.Tensor:   # a fake / proxy mode is active: not the real kernels
+            return False
         try:
-            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-            acc = torch.zeros(2, 2, dtype=torch.float32, device=device)
-            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            out = torch.zeros(2, 2, dtype=torch.float32, device=a.device)
+            torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
             _OUT_DTYPE_MM[key] = True
         except (RuntimeError, TypeError, NotImplementedError):
             _OUT_DTYPE_MM[key] = False
@@ -41,44 +58,56 @@ def accumulate_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
     """``acc += g.T @ h`` with ``acc`` in its own (accumulation) dtype, no fresh V x H temporary."""
     if acc.dtype == g.dtype:
         acc.addmm_(g.t(), h)
-    elif _mm_out_dtype_ok(acc.device):
+    elif _mm_out_dtype_ok(acc):
         torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
     else:  # upcast the chunk operands (n_c x V and n_c x H), never the V x H result
         acc.addmm_(g.t().to(acc.dtype), h.to(acc.dtype))
 
 
 def loss_only(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: int, stats: bool):
-    """Per-row ``(loss, lse, predicted)`` for every token; no gradient buffers at all."""
+    """Per-row ``(loss, lse, lse_lo, predicted)`` for every token (cross-entropy without z-loss, fp32;
+    predicted int64, -1 where not computed); no gradient buffers at all."""
     n = hidden.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    lse = torch.empty_like(loss)
+    lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
     predicted = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
     for s in range(0, n, rows):
         c = slice(s, s + rows)
-        loss_c, lse_c, pred_c = ce.loss(logits_chunk(hidden[c], weight, bias), target[c], w, w_sum, opts, stats)
-        loss[c], lse[c] = loss_c, lse_c
+        loss[c], lse[c], lse_lo[c], pred_c = ce.loss(logits_chunk(hidden[c], weight, bias), target[c], w, w_sum,
+                                                     opts, stats)
         if stats:
             predicted[c] = pred_c
-    return loss, lse, predicted
+    return loss, lse, lse_lo, predicted
 
 
-def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: int, grad_row,
-          needs, accum_dtype, lse=None, stats: bool = False):
-    """Gradients of ``sum_i grad_row[i] * loss_i`` (and, when ``lse`` is None, the forward too).
+def _grad_lse(lse: torch.Tensor, z_grad_row: torch.Tensor, opts: LossOptions) -> Optional[torch.Tensor]:
+    """Upstream gradient of a chunk's lse from the z-loss ``s lse**2``: ``2 s lse`` times the z-loss's
+    own per-row upstream gradient; None without z-loss."""
+    if opts.lse_square_scale == 0.0:
+        return None
+    return (2.0 * opts.lse_square_scale) * lse * z_grad_row
 
-    ``grad_row``: (n,) per-row upstream gradient (any strides). ``needs``: which of (hidden, weight,
-    bias) need a gradient. ``lse`` given: the forward is not recomputed (the backward of "none").
-    Returns ``(loss, lse, predicted, grad_hidden, grad_weight, grad_bias)``; loss/predicted are None when
-    ``lse`` was given; grad_weight / grad_bias are in ``accum_dtype``.
+
+def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: int, grad_row, z_grad_row,
+          needs, accum_dtype, saved=None, stats: bool = False):
+    """Gradients of ``sum_i grad_row[i] ce_i + z_grad_row[i] z_i`` (``ce_i`` the cross-entropy of row
+    i, ``z_i = s lse_i**2`` its z-loss) and, when ``saved`` is None, the forward too.
+
+    ``grad_row``, ``z_grad_row``: (n,) per-row upstream gradients (any strides). ``needs``: which of
+    (hidden, weight, bias) need a gradient. ``saved = (lse, lse_lo)`` from an earlier forward: the
+    forward is not recomputed (a backward that recomputes). Returns ``(loss, lse, lse_lo, predicted,
+    grad_hidden, grad_weight, grad_bias)``; loss/predicted are None when ``saved`` was given;
+    grad_weight / grad_bias are in ``accum_dtype``.
     """
     n = hidden.shape[0]
-    forward = lse is None
+    forward = saved is None
     if forward:
         loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(loss)
+        lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
         predicted = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
     else:
         loss = predicted = None
+        lse, lse_lo = saved
     grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if needs[0] else None
     grad_w = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device) if needs[1] else None
     grad_b = torch.zeros(weight.shape[0], dtype=accum_dtype, device=weight.device) if needs[2] else None
@@ -87,10 +116,11 @@ def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: i
         h_c = hidden[c]
         logits = logits_chunk(h_c, weight, bias)
         if forward:
-            loss[c], lse[c], pred_c = ce.loss(logits, target[c], w, w_sum, opts, stats)
+            loss[c], lse[c], lse_lo[c], pred_c = ce.loss(logits, target[c], w, w_sum, opts, stats)
             if stats:
                 predicted[c] = pred_c
-        ce.grad_(logits, target[c], w, w_sum, lse[c], grad_row[c], opts)
+        ce.grad_(logits, target[c], w, w_sum, lse[c], lse_lo[c], grad_row[c],
+                 _grad_lse(lse[c], z_grad_row[c], opts), opts)
         if grad_h is not None:
             torch.mm(logits, weight, out=grad_h[c])
         if grad_w is not None:
@@ -98,4 +128,4 @@ def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: i
         if grad_b is not None:
             grad_b += logits.sum(dim=0, dtype=accum_dtype)
         del logits   # free this chunk before the next one is allocated: one chunk alive, not two
-    return loss, lse, predicted, grad_h, grad_w, grad_b
+    return loss, lse, lse_lo, predicted, grad_h, grad_w, grad_b

@@ -15,8 +15,8 @@ class TorchChunkCE:
         return chunk_loss(logits, target, w, w_sum, opts, stats)
 
     @staticmethod
-    def grad_(logits, target, w, w_sum, lse, grad_row, opts):
-        chunk_grad_(logits, target, w, w_sum, lse, grad_row, opts)
+    def grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts):
+        chunk_grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts)
 
 
 linear_cross_entropy = functools.partial(_linear_cross_entropy, TorchChunkCE)

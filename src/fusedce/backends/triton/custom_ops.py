@@ -4,9 +4,11 @@ Three ops in the ``fusedce`` namespace, each "allocate, then call a launcher" (`
 (meta) implementation that gives the output shapes, dtypes and strides without touching data:
 
 - ``fusedce::ce_forward(logits, target, weight?, weight_sum?, <options>, stats, inplace_backward)
-  -> (loss, lse, predicted)``
-  ``loss``, ``lse``: (BT,) fp32; ``predicted``: (BT,) int64, or (0,) when ``stats`` is False.
-- ``fusedce::ce_backward(logits, target, weight?, weight_sum?, lse, grad_row, <options>) -> grad``
+  -> (loss, lse, lse_lo, predicted)``
+  ``loss`` (cross-entropy without z-loss), ``lse``, ``lse_lo`` (lse's rounding error): (BT,) fp32;
+  ``predicted``: (BT,) int64, or (0,) when ``stats`` is False. Differentiable outputs: loss and lse.
+- ``fusedce::ce_backward(logits, target, weight?, weight_sum?, lse, lse_lo, grad_row, grad_lse?,
+  <options>) -> grad``
   ``grad``: (BT, V) contiguous, logits' dtype; a new buffer.
 - ``fusedce::ce_backward_inplace(logits!, ...same...) -> ()`` writes the gradient into ``logits``.
   A custom op may not return an alias of an input, so the in-place variant declares the mutation
@@ -17,12 +19,12 @@ Three ops in the ``fusedce`` namespace, each "allocate, then call a launcher" (`
   in-place write is then a memory hint, never a change of results.
 
 ``<options>`` are primitives because a custom op cannot take the ``LossOptions`` dataclass:
-``ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float, has_softcap: bool``
-(``softcap=None`` travels as ``has_softcap=False``). Python floats reach the kernels as fp32 scalars, in
+``ignore_index: int, label_smoothing: float, softcap: float, has_softcap: bool`` (``softcap=None``
+travels as ``has_softcap=False``; the z-loss is added by the caller from the lse, see ``launch.py``). Python floats reach the kernels as fp32 scalars, in
 eager and compiled code alike, so e.g. softcap=30.0 is never promoted to fp64.
 
 Inputs may have any strides (Inductor may pass e.g. an expanded stride-0 upstream gradient): the
-kernels take row strides for logits, target and grad_row; ``lse`` and ``weight`` are made contiguous
+kernels take row strides for logits, target, grad_row and grad_lse; ``lse`` and ``weight`` are made contiguous
 (BT or V elements, a no-op in practice); logits whose last dim is not stride 1 are copied once (the
 in-place op then writes through a contiguous temporary and copies back).
 """
@@ -39,16 +41,14 @@ from .launch import ce_forward as launch_forward
 Opt = Optional[torch.Tensor]
 
 
-def _opts(ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float,
-          has_softcap: bool) -> LossOptions:
-    return LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap if has_softcap else None)
+def _opts(ignore_index: int, label_smoothing: float, softcap: float, has_softcap: bool) -> LossOptions:
+    return LossOptions(ignore_index, label_smoothing, 0.0, softcap if has_softcap else None)
 
 
 def options_args(opts: LossOptions) -> tuple:
     """``LossOptions`` -> the primitive ``<options>`` arguments of the ops (see the module docstring)."""
     has_softcap = opts.softcap is not None
-    return (opts.ignore_index, opts.label_smoothing, opts.lse_square_scale,
-            opts.softcap if has_softcap else 1.0, has_softcap)
+    return (opts.ignore_index, opts.label_smoothing, opts.softcap if has_softcap else 1.0, has_softcap)
 
 
 def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
@@ -63,45 +63,48 @@ def _opt_contiguous(t: Opt) -> Opt:
 
 @torch.library.custom_op("fusedce::ce_forward", mutates_args=())
 def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
-               ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float,
-               has_softcap: bool, stats: bool, inplace_backward: bool
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ignore_index: int, label_smoothing: float, softcap: float, has_softcap: bool,
+               stats: bool, inplace_backward: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # ``inplace_backward`` does not change the forward; it is an input so that the autograd formula
     # registered on this op (ops.py) can pick the backward variant.
-    n_rows = logits.shape[0]
-    loss = logits.new_empty(n_rows, dtype=torch.float32)
-    lse = logits.new_empty(n_rows, dtype=torch.float32)
-    predicted = logits.new_empty(n_rows if stats else 0, dtype=torch.int64)
+    loss, lse, lse_lo, predicted = _forward_buffers(logits, stats)
     launch_forward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
-                   _opts(ignore_index, label_smoothing, lse_square_scale, softcap, has_softcap),
-                   loss, lse, predicted if stats else None)
-    return loss, lse, predicted
+                   _opts(ignore_index, label_smoothing, softcap, has_softcap),
+                   loss, lse, lse_lo, predicted if stats else None)
+    return loss, lse, lse_lo, predicted
+
+
+def _forward_buffers(logits: torch.Tensor, stats: bool):
+    n_rows = logits.shape[0]
+    return (logits.new_empty(n_rows, dtype=torch.float32), logits.new_empty(n_rows, dtype=torch.float32),
+            logits.new_empty(n_rows, dtype=torch.float32),
+            logits.new_empty(n_rows if stats else 0, dtype=torch.int64))
 
 
 @ce_forward.register_fake
-def _(logits, target, weight, weight_sum, ignore_index, label_smoothing, lse_square_scale, softcap,
-      has_softcap, stats, inplace_backward):
-    n_rows = logits.shape[0]
-    return (logits.new_empty(n_rows, dtype=torch.float32), logits.new_empty(n_rows, dtype=torch.float32),
-            logits.new_empty(n_rows if stats else 0, dtype=torch.int64))
+def _(logits, target, weight, weight_sum, ignore_index, label_smoothing, softcap, has_softcap, stats,
+      inplace_backward):
+    return _forward_buffers(logits, stats)
 
 
 # ---------------------------------------------------------------- backward, into a new buffer
 
 @torch.library.custom_op("fusedce::ce_backward", mutates_args=())
 def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
-                lse: torch.Tensor, grad_row: torch.Tensor, ignore_index: int, label_smoothing: float,
-                lse_square_scale: float, softcap: float, has_softcap: bool) -> torch.Tensor:
+                lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt,
+                ignore_index: int, label_smoothing: float, softcap: float,
+                has_softcap: bool) -> torch.Tensor:
     grad = logits.new_empty(logits.shape)
     launch_backward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
-                    lse.contiguous(), grad_row,
-                    _opts(ignore_index, label_smoothing, lse_square_scale, softcap, has_softcap), grad)
+                    lse.contiguous(), lse_lo.contiguous(), grad_row, grad_lse,
+                    _opts(ignore_index, label_smoothing, softcap, has_softcap), grad)
     return grad
 
 
 @ce_backward.register_fake
-def _(logits, target, weight, weight_sum, lse, grad_row, ignore_index, label_smoothing,
-      lse_square_scale, softcap, has_softcap):
+def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, label_smoothing,
+      softcap, has_softcap):
     return logits.new_empty(logits.shape)
 
 
@@ -109,20 +112,20 @@ def _(logits, target, weight, weight_sum, lse, grad_row, ignore_index, label_smo
 
 @torch.library.custom_op("fusedce::ce_backward_inplace", mutates_args=("logits",))
 def ce_backward_inplace(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
-                        lse: torch.Tensor, grad_row: torch.Tensor, ignore_index: int,
-                        label_smoothing: float, lse_square_scale: float, softcap: float,
+                        lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt,
+                        ignore_index: int, label_smoothing: float, softcap: float,
                         has_softcap: bool) -> None:
-    opts = _opts(ignore_index, label_smoothing, lse_square_scale, softcap, has_softcap)
+    opts = _opts(ignore_index, label_smoothing, softcap, has_softcap)
     rows = _unit_stride(logits)   # each program reads its block before writing it: aliasing is safe
     launch_backward(rows, target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
-                    lse.contiguous(), grad_row, opts, rows)
+                    lse.contiguous(), lse_lo.contiguous(), grad_row, grad_lse, opts, rows)
     if rows is not logits:
         logits.copy_(rows)
 
 
 @ce_backward_inplace.register_fake
-def _(logits, target, weight, weight_sum, lse, grad_row, ignore_index, label_smoothing,
-      lse_square_scale, softcap, has_softcap):
+def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, label_smoothing,
+      softcap, has_softcap):
     return None
 
 
@@ -130,14 +133,16 @@ def _(logits, target, weight, weight_sum, lse, grad_row, ignore_index, label_smo
 
 def forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt, opts: LossOptions,
             stats: bool, inplace_backward: bool = False):
-    """``fusedce::ce_forward`` with ``LossOptions``: ``(loss, lse, predicted)``, predicted (0,) without
-    stats. Differentiable w.r.t. ``logits`` (autograd registered in ``ops.py``)."""
+    """``fusedce::ce_forward`` with ``LossOptions``: ``(loss, lse, lse_lo, predicted)``, predicted (0,)
+    without stats. loss and lse are differentiable w.r.t. ``logits`` (autograd registered in
+    ``ops.py``)."""
     return torch.ops.fusedce.ce_forward(logits, target, weight, weight_sum, *options_args(opts), stats,
                                         inplace_backward)
 
 
 def backward_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt, lse: torch.Tensor,
-              grad_row: torch.Tensor, opts: LossOptions) -> None:
-    """``fusedce::ce_backward_inplace`` with ``LossOptions``: overwrite ``logits`` with the gradient."""
-    torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, grad_row,
+              lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt, opts: LossOptions) -> None:
+    """``fusedce::ce_backward_inplace`` with ``LossOptions``: overwrite ``logits`` with the gradient of
+    ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i``."""
+    torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse,
                                           *options_args(opts))

@@ -27,8 +27,9 @@ def _flags(weight, opts: LossOptions) -> dict:
 
 
 def _scalars(opts: LossOptions) -> tuple:
-    return (opts.ignore_index, opts.label_smoothing, opts.lse_square_scale,
-            1.0 if opts.softcap is None else opts.softcap)
+    """The kernels' runtime scalars. The z-loss is not among them: it is a function of the lse that
+    the caller adds (its gradient reaches the backward kernel as ``grad_lse``)."""
+    return (opts.ignore_index, opts.label_smoothing, 1.0 if opts.softcap is None else opts.softcap)
 
 
 def _align(elem_size: int, *ints: int) -> int:
@@ -44,13 +45,13 @@ def _align(elem_size: int, *ints: int) -> int:
 
 def forward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                    weight_sum: Optional[torch.Tensor], opts: LossOptions, loss: torch.Tensor,
-                   lse: torch.Tensor, predicted: Optional[torch.Tensor]):
+                   lse: torch.Tensor, lse_lo: torch.Tensor, predicted: Optional[torch.Tensor]):
     """``(kernel, grid, args, meta)`` of the forward launch for these buffers (see ``ce_forward``)."""
     n_rows, n_cols = logits.shape
     dummy = loss  # any valid pointer for arguments a constexpr flag leaves unread
     cfg = forward_config(n_cols)
     args = (logits, target, dummy if weight is None else weight, dummy if weight_sum is None else weight_sum,
-            loss, lse, dummy if predicted is None else predicted,
+            loss, lse, lse_lo, dummy if predicted is None else predicted,
             n_cols, logits.stride(0), target.stride(0), *_scalars(opts))
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
                 COMPUTE_STATS=predicted is not None, **_flags(weight, opts), num_warps=cfg["num_warps"])
@@ -58,18 +59,23 @@ def forward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[
 
 
 def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
-                    weight_sum: Optional[torch.Tensor], lse: torch.Tensor, grad_row: torch.Tensor,
-                    opts: LossOptions, grad: torch.Tensor):
+                    weight_sum: Optional[torch.Tensor], lse: torch.Tensor, lse_lo: torch.Tensor,
+                    grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor], opts: LossOptions,
+                    grad: torch.Tensor):
     """``(kernel, grid, args, meta)`` of the backward launch for these buffers (see ``ce_backward``)."""
     n_rows, n_cols = logits.shape
     dummy = lse
     cfg = backward_config(n_cols)
     grid = (n_rows, triton.cdiv(n_cols, cfg["BLOCK_V"]))
+    has_grad_lse = grad_lse is not None
+    grad_lse = grad_row if grad_lse is None else grad_lse
     args = (logits, grad, target, dummy if weight is None else weight,
-            dummy if weight_sum is None else weight_sum, lse, grad_row,
-            n_cols, logits.stride(0), grad.stride(0), target.stride(0), grad_row.stride(0), *_scalars(opts))
+            dummy if weight_sum is None else weight_sum, lse, lse_lo, grad_row, grad_lse,
+            n_cols, logits.stride(0), grad.stride(0), target.stride(0), grad_row.stride(0), grad_lse.stride(0),
+            *_scalars(opts))
     align = _align(min(logits.element_size(), grad.element_size()), n_cols, logits.stride(0), grad.stride(0))
-    meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=align, **_flags(weight, opts), num_warps=cfg["num_warps"])
+    meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=align, **_flags(weight, opts), HAS_GRAD_LSE=has_grad_lse,
+                num_warps=cfg["num_warps"])
     if _INTERPRETED and grad.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True
     return ce_backward_kernel, grid, args, meta
@@ -77,27 +83,33 @@ def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional
 
 def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                weight_sum: Optional[torch.Tensor], opts: LossOptions, loss: torch.Tensor,
-               lse: torch.Tensor, predicted: Optional[torch.Tensor]) -> None:
-    """Fill ``loss``/``lse`` (and ``predicted`` when given) for ``logits`` ((BT, V), last dim stride 1).
+               lse: torch.Tensor, lse_lo: torch.Tensor, predicted: Optional[torch.Tensor]) -> None:
+    """Fill ``loss``/``lse``/``lse_lo`` (and ``predicted`` when given) for ``logits`` ((BT, V), last
+    dim stride 1).
 
-    ``loss``, ``lse``: (BT,) fp32 contiguous; ``predicted``: (BT,) int64 or None (no argmax computed).
+    ``loss`` (cross-entropy without z-loss), ``lse``, ``lse_lo``: (BT,) fp32 contiguous, all 0 on
+    ignored rows; ``predicted``: (BT,) int64 or None (no argmax computed).
     ``weight_sum``: 1-element fp32 tensor = weight.sum() when ``weight`` is given.
     """
     if logits.shape[0] == 0:
         return
-    kernel, grid, args, meta = forward_launch(logits, target, weight, weight_sum, opts, loss, lse, predicted)
+    kernel, grid, args, meta = forward_launch(logits, target, weight, weight_sum, opts, loss, lse, lse_lo,
+                                              predicted)
     kernel[grid](*args, **meta)
 
 
 def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
-                weight_sum: Optional[torch.Tensor], lse: torch.Tensor, grad_row: torch.Tensor,
-                opts: LossOptions, grad: torch.Tensor) -> None:
-    """Write d(sum_i grad_row[i] * loss_i)/d logits into ``grad`` ((BT, V), may be ``logits`` itself).
+                weight_sum: Optional[torch.Tensor], lse: torch.Tensor, lse_lo: torch.Tensor,
+                grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor], opts: LossOptions,
+                grad: torch.Tensor) -> None:
+    """Write d(sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i)/d logits into ``grad`` ((BT, V), may
+    be ``logits`` itself).
 
-    ``lse``: (BT,) fp32 contiguous. ``grad_row``: (BT,) any float dtype and any stride (an expanded
-    stride-0 scalar is fine).
+    ``lse``, ``lse_lo``: (BT,) fp32 contiguous, from the forward. ``grad_row`` and ``grad_lse`` (None:
+    zero): (BT,) any float dtype and any stride (an expanded stride-0 scalar is fine).
     """
     if logits.shape[0] == 0:
         return
-    kernel, grid, args, meta = backward_launch(logits, target, weight, weight_sum, lse, grad_row, opts, grad)
+    kernel, grid, args, meta = backward_launch(logits, target, weight, weight_sum, lse, lse_lo, grad_row,
+                                               grad_lse, opts, grad)
     kernel[grid](*args, **meta)

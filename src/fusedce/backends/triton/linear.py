@@ -1,8 +1,8 @@
 """The Triton backend's per-chunk cross-entropy, plugged into the shared linear chunk loop.
 
-Per chunk the forward kernel writes loss/lse (reading the chunk's logits once) and the backward kernel
-overwrites the chunk's logits with their gradient (one more read, one write): the logits buffer of a
-chunk is the only n_c x V memory the loss ever holds.
+Per chunk the forward kernel writes loss/lse/lse_lo (reading the chunk's logits once) and the backward
+kernel overwrites the chunk's logits with their gradient (one more read, one write): the logits buffer
+of a chunk is the only n_c x V memory the loss ever holds.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ class TritonChunkCE:
         return custom_ops.forward(logits, target, *_w(w, w_sum), opts, stats)
 
     @staticmethod
-    def grad_(logits, target, w, w_sum, lse, grad_row, opts):
-        custom_ops.backward_(logits, target, *_w(w, w_sum), lse, grad_row, opts)
+    def grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts):
+        custom_ops.backward_(logits, target, *_w(w, w_sum), lse, lse_lo, grad_row, grad_lse, opts)
 
 
 linear_cross_entropy = functools.partial(_linear_cross_entropy, TritonChunkCE)

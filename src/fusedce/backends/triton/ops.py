@@ -12,36 +12,42 @@ from typing import Optional
 
 import torch
 
+from ...autograd_checks import check_backward_allowed
 from ...types import LossOptions
 from . import custom_ops
 
 # Inputs of fusedce::ce_forward, in schema order (the autograd formula returns one gradient for each).
 _FORWARD_INPUTS = ("logits", "target", "weight", "weight_sum", "ignore_index", "label_smoothing",
-                   "lse_square_scale", "softcap", "has_softcap", "stats", "inplace_backward")
+                   "softcap", "has_softcap", "stats", "inplace_backward")
 
 
 def _setup_context(ctx, inputs, output):
     logits, target, weight, weight_sum = inputs[:4]
-    _loss, lse, predicted = output
-    ctx.save_for_backward(logits, target, weight, weight_sum, lse)
-    # ignore_index, label_smoothing, lse_square_scale, softcap, has_softcap
-    ctx.options = tuple(inputs[4:9])
-    ctx.inplace = inputs[10]
-    ctx.mark_non_differentiable(lse, predicted)
+    _loss, lse, lse_lo, predicted = output
+    ctx.save_for_backward(logits, target, weight, weight_sum, lse, lse_lo)
+    ctx.options = tuple(inputs[4:8])   # ignore_index, label_smoothing, softcap, has_softcap
+    ctx.inplace = inputs[9]
+    ctx.consumed = False
+    ctx.mark_non_differentiable(lse_lo, predicted)
 
 
-def _backward(ctx, grad_loss, _grad_lse, _grad_predicted):
-    """d loss / d logits for the upstream per-row gradient ``grad_loss`` (any strides, e.g. stride 0)."""
-    logits, target, weight, weight_sum, lse = ctx.saved_tensors
+def _backward(ctx, grad_loss, grad_lse, _grad_lse_lo, _grad_predicted):
+    """d loss / d logits for the upstream per-row gradients of ``loss`` and ``lse`` (any strides, e.g.
+    stride 0; either may be None when that output took no part in the graph)."""
+    check_backward_allowed(ctx, "fusedce.cross_entropy")
+    logits, target, weight, weight_sum, lse, lse_lo = ctx.saved_tensors
+    if grad_loss is None:
+        grad_loss = lse.new_zeros(()).expand(lse.shape)
     if ctx.inplace:
         # A custom op may not return an alias of its input: the mutating op returns nothing and the
         # gradient handed to autograd is ``logits`` itself, now holding d loss / d logits.
-        torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, grad_loss,
-                                              *ctx.options)
+        torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, lse_lo, grad_loss,
+                                              grad_lse, *ctx.options)
+        ctx.consumed = True
         grad = logits
     else:
-        grad = torch.ops.fusedce.ce_backward(logits, target, weight, weight_sum, lse, grad_loss,
-                                             *ctx.options)
+        grad = torch.ops.fusedce.ce_backward(logits, target, weight, weight_sum, lse, lse_lo, grad_loss,
+                                             grad_lse, *ctx.options)
     return (grad,) + (None,) * (len(_FORWARD_INPUTS) - 1)
 
 
@@ -58,8 +64,11 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optio
                        opts: LossOptions, inplace_backward: bool = False, stats: bool = True):
     """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against ``target`` ((BT,)).
 
-    Returns ``(loss (BT,) fp32 with grad, lse (BT,) fp32, predicted (BT,) int64 or empty if not stats)``.
-    With ``inplace_backward`` the backward pass writes the gradient into ``logits``' storage.
+    Returns ``(loss (BT,) fp32, lse (BT,) fp32, predicted (BT,) int64 or empty if not stats)``: the
+    cross-entropy without z-loss and the lse (0 on ignored rows), both differentiable w.r.t. ``logits``.
+    With ``inplace_backward`` the backward pass writes the gradient into ``logits``' storage (a second
+    backward then raises ``RuntimeError``).
     """
     w, w_sum = _weights(weight)
-    return custom_ops.forward(logits, target, w, w_sum, opts, stats, inplace_backward)
+    loss, lse, _lse_lo, predicted = custom_ops.forward(logits, target, w, w_sum, opts, stats, inplace_backward)
+    return loss, lse, predicted

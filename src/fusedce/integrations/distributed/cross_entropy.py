@@ -14,6 +14,8 @@ from typing import Optional, Union
 import torch
 
 from ... import validation as val
+from ...autocast import fp32_op
+from ...autograd_checks import check_backward_allowed
 from ...backends.reference.tuning import chunk_rows
 from ...types import CrossEntropyOutput, LossOptions
 from .exchange import Partials, exchange
@@ -23,7 +25,8 @@ from .shard_rows import Columns, shard_forward, shard_grad
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """(BT, V_r) logits slice -> per-row global loss (BT,) fp32 (differentiable), lse, argmax, w_t."""
+    """(BT, V_r) logits slice -> per-row global cross-entropy (BT,) fp32 and lse (both differentiable),
+    argmax, w_t."""
 
     @staticmethod
     def forward(ctx, logits, target, weight, layout: VocabLayout, opts: LossOptions):
@@ -37,25 +40,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             p.key[rows], p.zmax[rows], p.sums[rows] = shard_forward(
                 logits[rows].float(), target[rows], w, layout, opts, cols)
         out = exchange(p, target, w, layout, opts, cols)
-        ctx.save_for_backward(logits, target, w, out.weight_sum, out.target_weight, out.lse)
+        ctx.save_for_backward(logits, target, w, out.weight_sum, out.target_weight, out.lse, out.lse_lo)
         ctx.layout, ctx.opts = layout, opts
         w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
-        ctx.mark_non_differentiable(out.lse, out.predicted, w_t)
+        ctx.mark_non_differentiable(out.predicted, w_t)
         return out.loss, out.lse, out.predicted, w_t
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_lse, _grad_pred, _grad_wt):
-        logits, target, w, w_sum, w_t, lse = ctx.saved_tensors
+    def backward(ctx, grad_loss, grad_lse, _grad_pred, _grad_wt):
+        check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_cross_entropy")
+        logits, target, w, w_sum, w_t, lse, lse_lo = ctx.saved_tensors
+        if grad_loss is None:
+            grad_loss = lse.new_zeros(()).expand(lse.shape)
         grad = torch.empty_like(logits)
         step = chunk_rows(ctx.layout.size)
         for start in range(0, logits.shape[0], step):
             rows = slice(start, start + step)
             grad[rows] = shard_grad(logits[rows].float(), target[rows], w, w_sum,
-                                    None if w_t is None else w_t[rows], lse[rows], grad_loss[rows],
+                                    None if w_t is None else w_t[rows], lse[rows], lse_lo[rows],
+                                    grad_loss[rows], None if grad_lse is None else grad_lse[rows],
                                     ctx.layout, ctx.opts)
         return grad, None, None, None, None
 
 
+@fp32_op   # under autocast: as stock F.cross_entropy (fp32), see fusedce/autocast.py
 def vocab_parallel_cross_entropy(
     logits_shard: torch.Tensor, target: torch.Tensor, weight_shard: Optional[torch.Tensor] = None, *,
     group=None, vocab_start_index: Optional[int] = None, ignore_index: int = -100,
@@ -98,10 +106,13 @@ def vocab_parallel_cross_entropy(
 
     Raises:
         The errors of ``fusedce.cross_entropy`` (``weight_shard`` must be ``(V_r,)``; the target range
-        check is against the global ``V``: ``IndexError`` naming the position, value and V), plus
-        ``ValueError`` for slices that do not tile ``[0, V)`` and ``RuntimeError`` when
-        ``torch.distributed`` is not initialized. A shape/dtype error found on one rank only is raised
-        on that rank before any collective; the others then wait in the setup ``all_gather``.
+        check is against the global ``V``: ``IndexError`` naming the position, value and V; an int32
+        ``target`` with an ``ignore_index`` outside int32 is converted to int64 once), plus
+        ``ValueError`` for slices that do not tile ``[0, V)`` or a global V = 0 (every rank's slice
+        empty, raised on every rank after the setup ``all_gather``; one rank's ``V_r = 0`` is fine) and
+        ``RuntimeError`` when ``torch.distributed`` is not initialized. A shape/dtype error found on one
+        rank only is raised on that rank before any collective; the others then wait in the setup
+        ``all_gather``.
     """
     val.check_float("logits_shard", logits_shard)
     if logits_shard.dim() < 1:
@@ -109,7 +120,9 @@ def vocab_parallel_cross_entropy(
     opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
     shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
     val.check_target(target, shape, device)
+    target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight_shard", weight_shard, n_local, device)
+    val.check_num_items(num_items_in_batch, device)
     layout = vocab_layout(n_local, vocab_start_index, group, device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)
 

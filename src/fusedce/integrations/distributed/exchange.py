@@ -6,7 +6,9 @@ For ``n`` rows (tokens) and ``k`` = 3 (+1 with class weights, +1 with label smoo
    global argmax among ties, packed into one int64 (``argmax_key.py``).
 2. ``all_reduce(SUM)`` of ``(n, k)`` fp32 per-row sums (``shard_rows.Columns``) plus, with class
    weights, one fp32 for ``W = sum_c w_c``: 4 (n k + 1) bytes. Before it, each rank rescales its
-   ``sumexp`` from its slice max to the global max: ``sumexp_r *= exp(m_r - M)``.
+   ``sumexp`` from its slice max to the global max: ``sumexp_r *= exp(m_r - M)``, and a slice whose
+   logits are all -inf in a row (masked or padded classes; an empty slice) contributes exactly 0 there
+   (never ``0 * exp(-inf - -inf)`` = NaN).
 
 After the two collectives every rank holds the same per-row loss, lse and argmax (the loss is
 replicated, not split). With ``n == 0`` rows no collective runs (every rank has the same ``n``, since
@@ -20,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...backends.reference.rows import cap
+from ...backends.reference.rows import cap, two_sum
 from ...types import LossOptions
 from .argmax_key import unpack_max_key
 from .layout import VocabLayout
@@ -48,13 +50,15 @@ class Partials:
 
 @dataclass
 class GlobalRows:
-    """Per-row results on the global vocabulary, identical on every rank: ``loss`` (n,) fp32 (0 on
-    ignored rows, NaN on a row whose target no rank holds), ``lse`` (n,) fp32, ``predicted`` (n,) int64
-    (-1 on ignored rows), ``target_weight`` (n,) fp32 global w_t and ``weight_sum`` 0-dim global W
-    (both None without class weights)."""
+    """Per-row results on the global vocabulary, identical on every rank: ``loss`` (n,) fp32, the
+    cross-entropy without z-loss (0 on ignored rows, NaN on a row whose target no rank holds), ``lse``
+    and ``lse_lo`` (n,) fp32 (lse as an exact pair, see ``backends/reference/rows.py``; 0 on ignored
+    rows), ``predicted`` (n,) int64 (-1 on ignored rows), ``target_weight`` (n,) fp32 global w_t and
+    ``weight_sum`` 0-dim global W (both None without class weights)."""
 
     loss: torch.Tensor
     lse: torch.Tensor
+    lse_lo: torch.Tensor
     predicted: torch.Tensor
     target_weight: Optional[torch.Tensor]
     weight_sum: Optional[torch.Tensor]
@@ -74,29 +78,30 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
         dist.all_reduce(p.key, op=dist.ReduceOp.MAX, group=layout.group)          # collective 1
         xmax, index = unpack_max_key(p.key)
         gmax = cap(xmax, opts.softcap)
-        p.sums[:, Columns.SUMEXP] *= torch.exp(p.zmax - gmax)
+        gmax = torch.where(gmax == float("-inf"), 0.0, gmax)   # a row -inf on every rank: lse = -inf
+        # p.zmax = -inf: this slice's logits are all -inf in that row (sumexp = 0): it adds exactly 0
+        p.sums[:, Columns.SUMEXP] *= torch.where(p.zmax == float("-inf"), 0.0, torch.exp(p.zmax - gmax))
         dist.all_reduce(p.flat, op=dist.ReduceOp.SUM, group=layout.group)         # collective 2
     else:
         gmax = torch.zeros(0, device=device)
         index = torch.zeros(0, dtype=torch.int64, device=device)
 
     s = p.sums
-    lse = gmax + torch.log(s[:, Columns.SUMEXP])
+    lse, lse_lo = two_sum(gmax, torch.log(s[:, Columns.SUMEXP]))
     w_t = s[:, cols.target_weight] if weighted else None
     w_sum = p.flat[-1] if weighted else None
     eps, n_classes = opts.label_smoothing, layout.n_classes
-    loss = (1.0 - eps) * (lse - s[:, Columns.TARGET_LOGIT])
+    loss = (1.0 - eps) * ((lse - s[:, Columns.TARGET_LOGIT]) + lse_lo)
     if weighted:
         loss = loss * w_t
     if eps > 0.0:
         total_w = w_sum if weighted else float(n_classes)
-        loss = loss + (eps / n_classes) * (total_w * lse - s[:, cols.smooth])
-    if opts.lse_square_scale != 0.0:
-        loss = loss + opts.lse_square_scale * lse * lse
+        loss = loss + (eps / n_classes) * ((total_w * lse - s[:, cols.smooth]) + total_w * lse_lo)
     valid = target != opts.ignore_index
     loss = torch.where(s[:, Columns.OWNED] > 0, loss, float("nan"))
     loss = torch.where(valid, loss, 0.0)
+    lse, lse_lo = torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)
     predicted = torch.where(valid, index, -1)
-    return GlobalRows(loss=loss, lse=lse, predicted=predicted,
+    return GlobalRows(loss=loss, lse=lse, lse_lo=lse_lo, predicted=predicted,
                       target_weight=None if w_t is None else w_t.clone(),
                       weight_sum=None if w_sum is None else w_sum.clone())

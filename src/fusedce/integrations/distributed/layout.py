@@ -44,8 +44,8 @@ def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
 
     Raises (the same error on every rank, since all see the same gathered table):
         RuntimeError: ``torch.distributed`` is not initialized.
-        ValueError: ``vocab_start_index`` given on some ranks only, or slices that overlap, leave a
-            gap or do not start at 0.
+        ValueError: ``vocab_start_index`` given on some ranks only, slices that overlap, leave a gap
+            or do not start at 0, or a global vocabulary of 0 classes (every slice empty).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("torch.distributed is not initialized: call torch.distributed."
@@ -68,6 +68,9 @@ def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
         starts = [sum(sizes[:i]) for i in range(world)]
     pairs = list(zip(starts, sizes))
     n_classes = sum(sizes)
+    if n_classes == 0:
+        raise ValueError(f"V = 0: every rank's vocabulary slice is empty ({world} ranks); the global "
+                         "number of classes must be > 0 (one rank's slice may be empty)")
     expected = 0
     for start, size in sorted(p for p in pairs if p[1] > 0):  # an empty slice sits anywhere
         if start != expected:

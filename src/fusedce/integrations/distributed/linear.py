@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ... import validation as val
+from ...autocast import linear_op
+from ...autograd_checks import check_backward_allowed
+from ...backends.linear.api import compact_rows
 from ...backends.linear.loop import accumulate_, logits_chunk
 from ...backends.linear.tuning import chunk_rows
 from ...types import CrossEntropyOutput, LossOptions
@@ -31,8 +34,9 @@ from .shard_rows import Columns, shard_forward, shard_grad
 
 
 class _VocabParallelLinearCE(torch.autograd.Function):
-    """hidden (n, H), weight slice (V_r, H), bias slice (V_r,) -> per-row global loss (n,) fp32 (with
-    gradient), lse, argmax, w_t (BT x V_r logits never exist: ``rows`` tokens at a time)."""
+    """hidden (n, H), weight slice (V_r, H), bias slice (V_r,) -> per-row global cross-entropy (n,)
+    fp32 and lse (both with gradient), argmax, w_t (BT x V_r logits never exist: ``rows`` tokens at a
+    time)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ce_weight, layout: VocabLayout, opts: LossOptions,
@@ -46,15 +50,19 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             x = logits_chunk(hidden[c], weight, bias).float()
             p.key[c], p.zmax[c], p.sums[c] = shard_forward(x, target[c], w, layout, opts, cols)
         out = exchange(p, target, w, layout, opts, cols)
-        ctx.save_for_backward(hidden, weight, bias, target, w, out.weight_sum, out.target_weight, out.lse)
+        ctx.save_for_backward(hidden, weight, bias, target, w, out.weight_sum, out.target_weight, out.lse,
+                              out.lse_lo)
         ctx.layout, ctx.opts, ctx.rows, ctx.accum = layout, opts, rows, accum_dtype
         w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
-        ctx.mark_non_differentiable(out.lse, out.predicted, w_t)
+        ctx.mark_non_differentiable(out.predicted, w_t)
         return out.loss, out.lse, out.predicted, w_t
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_lse, _grad_pred, _grad_wt):
-        hidden, weight, bias, target, w, w_sum, w_t, lse = ctx.saved_tensors
+    def backward(ctx, grad_loss, grad_lse, _grad_pred, _grad_wt):
+        check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_linear_cross_entropy")
+        hidden, weight, bias, target, w, w_sum, w_t, lse, lse_lo = ctx.saved_tensors
+        if grad_loss is None:
+            grad_loss = lse.new_zeros(()).expand(lse.shape)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, rows = hidden.shape[0], ctx.rows
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -64,8 +72,9 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             c = slice(start, start + rows)
             h_c = hidden[c]
             x = logits_chunk(h_c, weight, bias).float()
-            g = shard_grad(x, target[c], w, w_sum, None if w_t is None else w_t[c], lse[c], grad_loss[c],
-                           ctx.layout, ctx.opts).to(hidden.dtype)  # the logits' gradient, their dtype
+            g = shard_grad(x, target[c], w, w_sum, None if w_t is None else w_t[c], lse[c], lse_lo[c],
+                           grad_loss[c], None if grad_lse is None else grad_lse[c], ctx.layout,
+                           ctx.opts).to(hidden.dtype)  # the logits' gradient, their dtype
             if need_h:
                 torch.mm(g, weight, out=grad_h[c])
             if need_w:
@@ -80,11 +89,12 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         return (grad_h, grad_w, grad_b) + (None,) * 6
 
 
-def _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size):
-    val.check_linear(hidden, weight_shard, target, bias_shard, ce_weight_shard, chunk_size,
-                     names=("weight_shard", "bias_shard", "ce_weight_shard"))
+def _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype):
+    val.check_linear(hidden, weight_shard, target, bias_shard, ce_weight_shard, chunk_size, accum_dtype,
+                     names=("weight_shard", "bias_shard", "ce_weight_shard"), sharded=True)
 
 
+@linear_op   # under autocast: matmul in the autocast dtype as F.linear, loss fp32 (fusedce/autocast.py)
 def vocab_parallel_linear_cross_entropy(
     hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
     bias_shard: Optional[torch.Tensor] = None, *, group=None, vocab_start_index: Optional[int] = None,
@@ -128,26 +138,24 @@ def vocab_parallel_linear_cross_entropy(
                  requires grad). No collective for the weight / bias gradients.
 
     Raises:
-        The errors of ``vocab_parallel_cross_entropy``, plus ``ValueError`` when ``hidden.shape[-1] !=
-        weight_shard.shape[1]``, ``weight_shard`` is not 2-D, a slice is not ``(V_r,)`` or ``chunk_size``
-        < 1, and ``TypeError`` when ``hidden``, ``weight_shard`` and ``bias_shard`` dtypes differ.
+        The errors of ``vocab_parallel_cross_entropy`` (a global V = 0 included; ``weight_shard`` of
+        shape ``(0, H)`` on some ranks is fine), plus ``ValueError`` when H = 0 (``hidden`` ``(..., 0)``
+        or ``weight_shard`` ``(V_r, 0)``), ``hidden.shape[-1] != weight_shard.shape[1]``,
+        ``weight_shard`` is not 2-D, a slice is not ``(V_r,)`` or ``chunk_size`` < 1, and ``TypeError``
+        when ``hidden``, ``weight_shard`` and ``bias_shard`` dtypes differ, ``chunk_size`` is not an
+        integer or ``accum_dtype`` is not a floating-point ``torch.dtype``.
     """
-    _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size)
+    _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype)
     opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
+    val.check_num_items(num_items_in_batch, hidden.device)
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)
 
     shape, size = target.shape, hidden.shape[-1]
     n = math.prod(shape)
-    flat_hidden, flat_target = hidden.reshape(n, size), target.reshape(-1)
-    valid = flat_target != opts.ignore_index
-    index = None
-    if n > 0 and val.sync_allowed():
-        index = valid.nonzero().squeeze(1)  # the documented host sync: the rows worth computing
-        if index.shape[0] == n:
-            index = None                     # nothing ignored: no gather, no copy
-        else:
-            flat_hidden, flat_target = flat_hidden.index_select(0, index), flat_target.index_select(0, index)
+    flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1),
+                                                   opts.ignore_index)
     rows = int(chunk_size) if chunk_size is not None else chunk_rows(flat_hidden.shape[0], size, layout.size)
     loss_rows, lse, predicted, w_t = _VocabParallelLinearCE.apply(
         flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, rows, accum_dtype)
@@ -157,7 +165,5 @@ def vocab_parallel_linear_cross_entropy(
         predicted = predicted.new_full((n,), -1).index_copy(0, index, predicted)
         if ce_weight_shard is not None:
             w_t = w_t.new_zeros(n).index_copy(0, index, w_t)
-    else:
-        lse = torch.where(valid, lse, 0.0)
     return finish(loss_rows, lse, predicted, None if ce_weight_shard is None else w_t,
                   target.reshape(-1), opts, reduction, num_items_in_batch, return_stats, shape)

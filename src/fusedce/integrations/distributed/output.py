@@ -14,20 +14,16 @@ from ...types import LossOptions
 def finish(loss_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor,
            target_weight: Optional[torch.Tensor], target: torch.Tensor, opts: LossOptions,
            reduction: str, num_items_in_batch, return_stats: bool, shape):
-    """Reduce the (n,) per-row loss like ``fusedce.cross_entropy`` does.
+    """Reduce the (n,) per-row cross-entropy and lse like ``fusedce.cross_entropy`` does (the z-loss
+    from the global lse, the mean ``sum(ce_row) / D + sum(z_row) / N``).
 
     ``D`` of ``"mean"``: ``num_items_in_batch`` if given, else ``sum(w_t)`` over non-ignored rows with
-    ``w_t`` the global target weight from the exchange (the count of non-ignored rows without class
-    weights); ``D == 0`` gives loss 0.0 and a zero gradient.
+    ``w_t`` the global target weight from the exchange (None without class weights: the count of
+    non-ignored rows, which is ``N``); a zero denominator gives 0.0 for its part and a zero gradient.
     """
-    scale = None
+    scales = None
     if reduction == "mean":
-        if target_weight is None or num_items_in_batch is not None:
-            denominator = red.mean_denominator(target, None, opts.ignore_index, num_items_in_batch)
-        else:
-            denominator = torch.where(target != opts.ignore_index, target_weight, 0.0).sum()
-        scale = red.mean_scale(denominator)
-    loss = red.reduce(loss_rows, reduction, scale, shape)
-    if not return_stats:
-        return loss
-    return red.stats(loss, lse, predicted, target, opts, reduction, scale, shape)
+        if target_weight is not None:
+            target_weight = torch.where(target != opts.ignore_index, target_weight, 0.0)
+        scales = red.mean_scales(target, target_weight, opts.ignore_index, num_items_in_batch)
+    return red.loss_and_stats(loss_rows, lse, predicted, target, opts, reduction, scales, shape, return_stats)

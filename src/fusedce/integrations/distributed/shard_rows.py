@@ -13,11 +13,17 @@ is made of sums over classes, so each slice contributes partial sums that add up
     z_t, w_t           = the owning rank's value (every other rank sends 0)
     sum_c w_c z_c, W   = sums of per-slice sums
 
-The gradient is rows.py's formula with the global ``lse``, ``V``, ``W`` and ``w_t`` (all known locally
-after the forward), so the backward needs no collective:
+(the z-loss ``s_z lse**2`` is added by the reduction, from the global lse). A slice whose logits are all
+-inf in a row (a masked or padded part of the vocabulary) takes its sum-exp against 0, not its max
+-inf, so it contributes exactly 0 (``exchange.py`` rescales it by 0 too).
 
-    dloss/dz_c = p_c ((1 - eps) w_t + eps / V W + 2 s_z lse) - (1 - eps) w_t [c == t] - eps / V w_c,
-    p_c = exp(z_c - lse);   softcap chain rule dz/dx = 1 - (z / softcap)**2.
+The gradient is rows.py's formula with the global ``lse`` (and ``lse_lo``), ``V``, ``W`` and ``w_t``
+(all known locally after the forward), so the backward needs no collective:
+
+    dL/dz_c = g ((1 - eps) w_t (p_c - [c == t]) + eps / V (W p_c - w_c)) + h p_c,
+    p_c = exp(z_c - lse) exp(-lse_lo);   softcap chain rule dz/dx = 1 - (z / softcap)**2,
+
+with ``g`` and ``h`` the upstream gradients of the row's cross-entropy and of its lse.
 """
 from __future__ import annotations
 
@@ -60,7 +66,8 @@ def shard_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.
 
     ``weight``: this slice's class weights (V_r,) fp32 or None. Returns ``(key (n,) int64, zmax (n,)
     fp32, sums (n, k) fp32)``: the packed (max, lowest global argmax) of ``x`` (``argmax_key``), the
-    slice max of ``z`` that ``sumexp`` is taken against, and the ``Columns`` of this slice.
+    slice max of ``z`` (``sumexp`` is taken against it, or against 0 where it is -inf), and the
+    ``Columns`` of this slice.
     """
     n = x.shape[0]
     sums = x.new_zeros(n, cols.k)
@@ -72,7 +79,8 @@ def shard_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.
     zmax = cap(xmax, opts.softcap)          # = max_c z_c: softcap is monotone
     key = pack_max_key(xmax, arg + layout.start)
     owned, col = target_columns(target, layout)
-    sums[:, Columns.SUMEXP] = torch.exp(z - zmax[:, None]).sum(dim=1)
+    shift = torch.where(zmax == float("-inf"), 0.0, zmax)   # an all -inf row: sum 0, not NaN
+    sums[:, Columns.SUMEXP] = torch.exp(z - shift[:, None]).sum(dim=1)
     sums[:, Columns.TARGET_LOGIT] = torch.where(owned, z.gather(1, col[:, None])[:, 0], 0.0)
     sums[:, Columns.OWNED] = owned.to(torch.float32)
     if cols.target_weight is not None:
@@ -84,13 +92,15 @@ def shard_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.
 
 def shard_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                weight_sum: Optional[torch.Tensor], target_weight: Optional[torch.Tensor],
-               lse: torch.Tensor, grad_row: torch.Tensor, layout: VocabLayout,
-               opts: LossOptions) -> torch.Tensor:
-    """Gradient of ``sum_i grad_row[i] * loss_i`` w.r.t. this slice's block ``x`` ((n, V_r) fp32).
+               lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor,
+               grad_lse: Optional[torch.Tensor], layout: VocabLayout, opts: LossOptions) -> torch.Tensor:
+    """Gradient of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i`` w.r.t. this slice's block ``x``
+    ((n, V_r) fp32).
 
     ``weight``: this slice's class weights (V_r,) fp32 or None; ``weight_sum``: the GLOBAL ``W`` (0-dim);
     ``target_weight``: the global ``w_t`` per row (n,) from the forward (None without class weights);
-    ``lse``: the global per-row lse (n,). Returns (n, V_r) fp32; ignored rows are exactly 0.
+    ``lse``, ``lse_lo``: the global per-row lse pair (n,); ``grad_lse`` None means 0. Returns (n, V_r)
+    fp32; ignored rows are exactly 0.
     """
-    return rows_grad(x, target, weight, weight_sum, lse, grad_row, opts, n_classes=layout.n_classes,
-                     col_start=layout.start, target_weight=target_weight)
+    return rows_grad(x, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, opts,
+                     n_classes=layout.n_classes, col_start=layout.start, target_weight=target_weight)

@@ -1,14 +1,21 @@
 """Cross-entropy backward: 2-D grid (row, vocabulary block), recomputes softmax from the saved lse.
 
-dloss/dz_c = p_c * ((1 - eps) w_t + eps / V * W + 2 s_z lse) - (1 - eps) w_t [c == t] - eps / V * w_c,
-then the softcap chain rule dz/dx = 1 - (z / softcap)^2, times the row's upstream gradient
-(``grad_row``, which already carries the mean's 1/D). Ignored rows are written as exact zeros without
-reading their logits. Writing into ``logits``' own storage (in-place backward) is safe: each program
-reads its block before writing it and no other program touches that block.
+With ``g`` the upstream gradient of the row's cross-entropy loss (``grad_row``, which already carries
+the mean's 1/D), ``h`` that of the row's lse (``grad_lse``: the z-loss ``s lse**2`` reaches the kernel
+as ``h = 2 s lse`` times its own upstream), ``a = (1 - eps) w_t``, ``b = eps / V``, ``W = sum_c w_c``:
+
+    dloss/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c,   p_c = exp((z_c - lse) - lse_lo)
+
+then the softcap chain rule dz/dx = 1 - (z / softcap)^2. The differences ``p_c - [c == t]`` and
+``W p_c - w_c`` are formed before scaling, so the gradient is exactly 0 wherever the math says so (V = 1,
+or a saturated softmax with p_t = 1), and ``lse_lo`` (lse's rounding error) keeps p as accurate as
+PyTorch's softmax for any logit magnitude. Ignored rows are written as exact zeros without reading
+their logits. Writing into ``logits``' own storage (in-place backward) is safe: each program reads its
+block before writing it and no other program touches that block.
 
 Bytes moved per token (row), V classes, s bytes per logit:
-    read  V * s (logits; skipped on ignored rows) + 4 (lse) + 4 (grad_row) + 4-8 (target)
-          [+ 4 V class weights, L2-resident]
+    read  V * s (logits; skipped on ignored rows) + 4 (lse) + 4 (lse_lo) + 4 (grad_row)
+          [+ 4 (grad_lse)] + 4-8 (target) [+ 4 V class weights, L2-resident]
     write V * s (gradient)
 With the forward pass, fwd+bwd moves 3 * V * s per non-ignored token: the floor of an unfused
 two-kernel design that does not keep a row on chip between passes.
@@ -28,17 +35,20 @@ def ce_backward_kernel(
     weight_ptr,       # [n_cols] class weights (HAS_WEIGHT)
     weight_sum_ptr,   # [1] fp32 sum of class weights (HAS_WEIGHT and HAS_SMOOTHING)
     lse_ptr,          # [n_rows] fp32 from the forward
-    grad_row_ptr,     # [n_rows] upstream gradient per row (any float dtype, any stride, 0 allowed)
+    lse_lo_ptr,       # [n_rows] fp32 from the forward: lse's rounding error
+    grad_row_ptr,     # [n_rows] upstream gradient of the loss (any float dtype, any stride, 0 allowed)
+    grad_lse_ptr,     # [n_rows] upstream gradient of the lse (HAS_GRAD_LSE; any float dtype and stride)
     # sizes
     n_cols,
     # strides (elements)
-    stride_logits_row, stride_grad_row, stride_target, stride_grad_row_vec,
+    stride_logits_row, stride_grad_row, stride_target, stride_grad_row_vec, stride_grad_lse,
     # runtime scalars (fp32)
-    ignore_index, label_smoothing, lse_square_scale, softcap,
+    ignore_index, label_smoothing, softcap,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and both row strides are multiples of ALIGN (see common.aligned)
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr,
     ROUND_BF16: tl.constexpr = False,  # interpreter only: round to nearest as GPUs do (common.to_bf16_rne)
 ):
     n_cols = aligned(n_cols, ALIGN)
@@ -54,9 +64,12 @@ def ce_backward_kernel(
     x = tl.load(logits_ptr + row * stride_logits_row + cols, mask=live, other=0.0)
     z = apply_softcap(x.to(tl.float32), softcap, HAS_SOFTCAP)
     lse = tl.load(lse_ptr + row)
+    lse_lo = tl.load(lse_lo_ptr + row)
     g = tl.load(grad_row_ptr + row * stride_grad_row_vec).to(tl.float32)
 
-    p = tl.exp(z - lse)
+    p = tl.exp((z - lse) - lse_lo)   # z - lse is exact near the max (Sterbenz); lse_lo adds lse's error back
+    p_minus_onehot = p - tl.where(cols == target, 1.0, 0.0)
+    a = (1.0 - label_smoothing) * w_t
     if HAS_SMOOTHING:
         if HAS_WEIGHT:
             total_w = tl.load(weight_sum_ptr)
@@ -64,12 +77,12 @@ def ce_backward_kernel(
         else:
             total_w = n_cols * 1.0
             w = 1.0
-        coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_cols * total_w
-        dz = p * (coef + 2.0 * lse_square_scale * lse) - label_smoothing / n_cols * w
+        dz = g * (a * p_minus_onehot + label_smoothing / n_cols * (total_w * p - w))
     else:
-        dz = p * (w_t + 2.0 * lse_square_scale * lse)
-    dz -= tl.where(cols == target, (1.0 - label_smoothing) * w_t, 0.0)
-    dz *= softcap_slope(z, softcap, HAS_SOFTCAP) * g
+        dz = (g * a) * p_minus_onehot
+    if HAS_GRAD_LSE:
+        dz += tl.load(grad_lse_ptr + row * stride_grad_lse).to(tl.float32) * p
+    dz *= softcap_slope(z, softcap, HAS_SOFTCAP)
     dz = tl.where(is_valid, dz, 0.0)
     if ROUND_BF16:
         out = to_bf16_rne(dz)

@@ -1,18 +1,21 @@
 """Cross-entropy forward: one program per row, online softmax over vocabulary blocks.
 
-Per row (see ``backends/reference/rows.py`` for the formula and its sources) it writes the fp32 loss,
-the fp32 lse (saved for backward) and, with COMPUTE_STATS, the argmax of the raw logits.
+Per row (see ``backends/reference/rows.py`` for the formula and its sources) it writes the fp32
+cross-entropy loss (without the z-loss, which the caller adds from ``lse``), the fp32 lse as a pair
+``lse + lse_lo`` (``lse_lo`` is the rounding error of ``lse = max + log(sum)``, kept so that the
+backward's softmax is as accurate as PyTorch's ``exp((z - max) - log(sum))``) and, with COMPUTE_STATS,
+the argmax of the raw logits. Ignored rows are not read at all: loss, lse and lse_lo 0, argmax -1.
 
 Bytes moved per token (row), V classes, s bytes per logit:
-    read  V * s (logits, once; skipped entirely on ignored rows unless COMPUTE_STATS)
+    read  V * s (logits, once; skipped entirely on ignored rows)
           + 4-8 (target) + 4 (w_t) [+ 4 V class weights, L2-resident, when smoothing with weights]
-    write 4 (loss) + 4 (lse) [+ 8 (argmax) with stats]
+    write 4 (loss) + 4 (lse) + 4 (lse_lo) [+ 8 (argmax) with stats]
 Nothing of size BT x V is written: a forward-only call reads the logits once.
 """
 import triton
 import triton.language as tl
 
-from .common import aligned, apply_softcap, target_terms
+from .common import aligned, apply_softcap, target_terms, two_sum
 
 
 @triton.jit
@@ -24,13 +27,14 @@ def ce_forward_kernel(
     weight_sum_ptr,   # [1] fp32, sum of the class weights (read only if HAS_WEIGHT and HAS_SMOOTHING)
     loss_ptr,         # [n_rows] fp32 out
     lse_ptr,          # [n_rows] fp32 out
+    lse_lo_ptr,       # [n_rows] fp32 out: lse's rounding error (lse + lse_lo = max + log(sum) exactly)
     predicted_ptr,    # [n_rows] int64 out (written only if COMPUTE_STATS)
     # sizes
     n_cols,
     # strides (elements)
     stride_logits_row, stride_target,
     # runtime scalars (fp32; changing them does not recompile)
-    ignore_index, label_smoothing, lse_square_scale, softcap,
+    ignore_index, label_smoothing, softcap,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
@@ -45,8 +49,8 @@ def ce_forward_kernel(
     is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, weight_ptr, HAS_WEIGHT)
 
     # Online softmax (Milakov & Gimelshein 2018): running max m and s = sum exp(z - m).
-    # Ignored rows run zero iterations unless the stats need their lse / argmax.
-    n_scan = tl.where(is_valid | COMPUTE_STATS, n_cols, 0)
+    # Ignored rows run zero iterations.
+    n_scan = tl.where(is_valid, n_cols, 0)
     m = -float("inf")
     s = 0.0
     zsum = 0.0                 # sum_c w_c z_c (w = 1 without weights), for smoothing only
@@ -76,21 +80,23 @@ def ce_forward_kernel(
             take = bmax > best
             best_idx = tl.where(take, start + bidx, best_idx)
             best = tl.where(take, bmax, best)
-    lse = tl.where(n_scan > 0, m + tl.log(tl.where(n_scan > 0, s, 1.0)), 0.0)   # 0 on skipped rows
+    # skipped (ignored) rows have m = -inf, s = 0: give them lse = lse_lo = 0 without forming -inf - -inf
+    lse, lse_lo = two_sum(tl.where(is_valid, m, 0.0), tl.log(tl.where(is_valid, s, 1.0)))
 
     x_t = tl.load(row_ptr + safe).to(tl.float32)
     z_t = apply_softcap(x_t, softcap, HAS_SOFTCAP)
-    loss = (1.0 - label_smoothing) * w_t * (lse - z_t)
+    # nll = lse - z_t with lse's rounding error added back (as accurate as -log_softmax[t])
+    loss = (1.0 - label_smoothing) * w_t * ((lse - z_t) + lse_lo)
     if HAS_SMOOTHING:
         if HAS_WEIGHT:
             total_w = tl.load(weight_sum_ptr)
         else:
             total_w = n_cols * 1.0
-        loss += label_smoothing / n_cols * (total_w * lse - zsum)
-    loss += lse_square_scale * lse * lse
+        loss += label_smoothing / n_cols * ((total_w * lse - zsum) + total_w * lse_lo)
     loss = tl.where(in_range, loss, float("nan"))
     loss = tl.where(is_valid, loss, 0.0)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
+    tl.store(lse_lo_ptr + row, lse_lo)
     if COMPUTE_STATS:
         tl.store(predicted_ptr + row, tl.where(is_valid, best_idx.to(tl.int64), -1))
