@@ -40,6 +40,7 @@ from reference64 import reference_cross_entropy
 from tolerances import FP32_UNITS, TOLERANCES, U32
 
 V, SHAPE, H = 17, (3, 5), 12
+INF = float("inf")
 SIZES = {2: (7, 10), 3: (5, 1, 11)}
 REDUCTIONS = ("mean", "sum", "none")
 LINEAR_RTOL = 2.0 ** -16   # fp32 linear path, relative to each tensor's largest element (see _near)
@@ -466,6 +467,77 @@ def autocast_bf16(rank, world):
             results.append((loss, grad))
         for name, a, e in zip(("loss", "grad"), *results):
             assert torch.equal(a, e), f"cross_entropy {reduction} {name}: autocast changed the fp32 op"
+
+
+MASKED_SIZES = {2: (4, 4), 3: (4, 2, 2)}   # C13: V = 8, the last 4 classes masked in row 0
+
+
+def _masked_inputs():
+    """(6, 8) logits with -inf on: row 0 C13's last four classes (the other ranks' whole slices), row 1
+    the first four (rank 0's whole slice), row 2 every other class; rows 3-4 plain, row 5 ignored."""
+    x = torch.randn(6, 8) * 2
+    x[0] = torch.tensor([1.0, 2.0, 3.0, 4.0, -INF, -INF, -INF, -INF])
+    x[1, :4] = -INF
+    x[2, ::2] = -INF
+    return x, torch.tensor([2, 5, 3, 0, 7, -100])
+
+
+@check
+def masked_shards(rank, world):
+    """C13 and its kind (issue 9): a slice whose logits are all -inf in a row contributes exactly 0 to
+    the merged (max, sum-exp); with softcap, class weights and z-loss; and a -inf bias shard in the
+    linear form. Compared with the float64 oracle and the single-process op by ``run_ce``."""
+    x, t = _masked_inputs()
+    sizes = MASKED_SIZES[world]
+    loss, _, _ = run_ce(rank, x, t, None, sizes, upstream=torch.randn(6), reduction="none")
+    assert abs(float(loss[0]) - 1.4401897) <= 1e-6, f"C13: {float(loss[0])} on rank {rank}"
+    for kw in ({"softcap": 30.0}, {"lse_square_scale": 1e-3}, {"return_stats": True}):
+        run_ce(rank, x, t, None, sizes, reduction="mean", **kw)
+    run_ce(rank, x, t, make_weight(8), sizes, reduction="sum", lse_square_scale=1e-3)
+    # an ignored row that is -inf everywhere: loss 0, gradient exactly 0, nothing NaN
+    cols = _slice(rank, sizes)
+    xs = x.clone()
+    xs[5] = -INF
+    xs = xs[:, cols].clone().requires_grad_()
+    out = fd.vocab_parallel_cross_entropy(xs, t, lse_square_scale=1e-3, return_stats=True)
+    out.loss.backward()
+    assert bool(torch.isfinite(out.loss)) and bool(torch.isfinite(xs.grad).all()) and bool((xs.grad[5] == 0).all())
+    # the linear form: classes 4..7 masked by a -inf bias (targets avoid them)
+    h, W = torch.randn(6, H), torch.randn(8, H) * 0.3
+    b = torch.randn(8)
+    b[4:] = -INF
+    tl = torch.tensor([0, 1, 2, 3, -100, 1])
+    for reduction in ("mean", "none"):
+        run_linear(rank, h, W, tl, b, None, sizes, upstream=torch.randn(6) if reduction == "none" else None,
+                   reduction=reduction, lse_square_scale=1e-3)
+
+
+@check
+def precision_and_exact_zeros(rank, world):
+    """Kind 2 of issue 9 on the vocab-parallel path (it shares rows.py's gradient): fp32 logits x1e3 and
+    x1e4, whole gradient (gathered from the ranks) within 2x the Frobenius error of stock fp32
+    F.cross_entropy vs float64 (see test_gradient_precision.py); V = 1 on one rank (the others hold
+    empty slices): loss and gradient exactly 0."""
+    cols = _slice(rank, SIZES[world])
+    for scale in (1e3, 1e4):
+        x = make_logits((*SHAPE, V), torch.float32, scale, requires_grad=False)
+        t = _target()
+        xs = x[..., cols].clone().requires_grad_()
+        fd.vocab_parallel_cross_entropy(xs, t).backward()
+        parts = [None] * world
+        dist.all_gather_object(parts, xs.grad)
+        ours = torch.cat(parts, dim=-1).double()
+        stock, exact = x.clone().requires_grad_(), x.double().requires_grad_()
+        F.cross_entropy(stock.reshape(-1, V), t.reshape(-1)).backward()
+        F.cross_entropy(exact.reshape(-1, V), t.reshape(-1)).backward()
+        err, stock_err = float((ours - exact.grad).norm()), float((stock.grad.double() - exact.grad).norm())
+        assert err <= 2.0 * stock_err, f"x{scale:g}: |grad - fp64| {err:.3e}, stock fp32 {stock_err:.3e}"
+    one = (torch.randn(5, 1) * 30) if rank == 0 else torch.empty(5, 0)
+    one.requires_grad_()
+    t1 = torch.tensor([0, 0, -100, 0, 0])
+    loss = fd.vocab_parallel_cross_entropy(one, t1, label_smoothing=0.1, reduction="sum")
+    loss.backward()
+    assert float(loss) == 0.0 and bool((one.grad == 0).all()), (float(loss), one.grad)
 
 
 # ---------------------------------------------------------------------------------------- harness
