@@ -19,6 +19,7 @@ from torch import nn
 
 from ..backends import BACKENDS
 from ..functional import linear_cross_entropy
+from .. import validation as val
 from ..validation import loss_options as _check_loss_values
 from .hf_head import HeadCapture, LogitTransform, base_model, logit_transform, output_head, verify_transform
 
@@ -50,9 +51,7 @@ def _validate(model: nn.Module, options: dict, transform: LogitTransform) -> dic
                          f"final_logit_softcapping={transform.softcap}")
     _check_loss_values(options.get("ignore_index", -100), options.get("reduction", "mean"),
                        options.get("label_smoothing", 0.0), options.get("lse_square_scale", 0.0), softcap)
-    chunk = options.get("chunk_size")
-    if chunk is not None and int(chunk) < 1:
-        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk}")
+    val.check_chunk_size(options.get("chunk_size"))
     backend = options.get("backend")  # the name only: the device is known at the first call
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid names are {BACKENDS}")
