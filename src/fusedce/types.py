@@ -11,9 +11,10 @@ class CrossEntropyOutput(NamedTuple):
     """What ``cross_entropy(..., return_stats=True)`` and ``linear_cross_entropy`` return.
 
     - ``loss``: float32, reduced as asked (``"none"``: shape ``target.shape``); the only field with a gradient.
-    - ``z_loss``: float32, the ``lse_square_scale * lse**2`` part of ``loss`` alone, same reduction.
-    - ``lse``: float32 ``target.shape``, per-row log-sum-exp of the (softcapped) logits, every row
-      (ignored rows included).
+    - ``z_loss``: float32, the ``lse_square_scale * lse**2`` part of ``loss`` alone, same reduction
+      (``"mean"``: divided by N, the count of non-ignored rows or ``num_items_in_batch``).
+    - ``lse``: float32 ``target.shape``, per-row log-sum-exp of the (softcapped) logits; 0 on ignored
+      rows (never computed), in every op.
     - ``token_accuracy``: float32; fraction of non-ignored rows whose argmax (lowest index on ties)
       equals the target, 0.0 when no row counts; per-row 0/1 for ``reduction="none"`` (0 on ignored rows).
     - ``predicted_tokens``: int64 ``target.shape``, argmax of the logits per row, -1 on ignored rows.
