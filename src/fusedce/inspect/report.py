@@ -97,13 +97,11 @@ def launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant, rows: 
         return torch.empty(*shape, dtype=dt, device="meta")
 
     logits, target = meta(rows, vocab, dt=dtype), meta(rows, dt=torch.int64)
-    weight = meta(vocab) if variant.weight else None
-    weight_sum = meta(1) if variant.weight else None
+    weight, weight_sum = (meta(vocab), meta(1)) if variant.weight else (None, None)
     opts = variant.options()
-    if kernel == "forward":
+    if kernel == "forward":   # loss, lse, lse_lo, predicted
         predicted = meta(rows, dt=torch.int64) if variant.stats else None
-        return L.forward_launch(logits, target, weight, weight_sum, opts, meta(rows), meta(rows), meta(rows),
-                                predicted)
+        return L.forward_launch(logits, target, weight, weight_sum, opts, *(meta(rows),) * 3, predicted)
     grad_row = meta(()).expand(rows)                 # d(mean)/d(loss_row): a stride-0 scalar
     grad_lse = meta(rows) if variant.zloss else None  # 2 s lse / N per row with z-loss
     return L.backward_launch(logits, target, weight, weight_sum, meta(rows), meta(rows), grad_row, grad_lse,
