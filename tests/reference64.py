@@ -56,8 +56,8 @@ def _reduce(rows: torch.Tensor, reduction: str, scale: float) -> torch.Tensor:
 def reference_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
     ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-    lse_square_scale: float = 0.0, softcap: Optional[float] = None,
-    num_items_in_batch: Union[int, torch.Tensor, None] = None,
+    lse_square_scale: float = 0.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
+    use_token_scaling: bool = False, num_items_in_batch: Union[int, torch.Tensor, None] = None,
     upstream: Union[None, float, torch.Tensor] = None, with_grad: bool = True,
 ) -> Reference:
     """The contract's answer for ``cross_entropy(logits, target, weight, ...)`` in float64.
@@ -69,13 +69,18 @@ def reference_cross_entropy(
     t = target.detach().to("cpu", torch.int64).reshape(-1)
     w = None if weight is None else weight.detach().to("cpu", torch.float64)
 
-    z = x if softcap is None else softcap * torch.tanh(x / softcap)
+    z = x * logit_scale
+    z = z if softcap is None else softcap * torch.tanh(z / softcap)
     z2 = z.reshape(-1, n_classes)
     valid = t != ignore_index
     lse = torch.logsumexp(z2, dim=1) if z2.shape[0] else z2.new_zeros(0)
     ce = F.cross_entropy(z2, t, weight=w, ignore_index=ignore_index, reduction="none",
                          label_smoothing=label_smoothing)
     z_rows = torch.where(valid, lse_square_scale * lse * lse, torch.zeros_like(lse))
+    if use_token_scaling:   # each row's loss times p_t = softmax(z)[t], detached (DFT)
+        safe = torch.where(valid, t, torch.zeros_like(t))
+        p_t = torch.where(valid, torch.exp(z2.detach().gather(1, safe[:, None])[:, 0] - lse.detach()), 0.0)
+        ce, z_rows = ce * p_t, z_rows * p_t
     rows = ce + z_rows
 
     safe_t = torch.where(valid, t, torch.zeros_like(t))
@@ -125,7 +130,7 @@ def reference_cross_entropy(
             loss_err_scale = loss_err_scale.reshape(shape)
         if with_grad:
             s_ce, s_z = (scale, z_scale) if reduction == "mean" else (1.0, 1.0)
-            grad_err_scale = up_rows.abs() * (k_ce * s_ce + k_z * s_z) * m_r
+            grad_err_scale = up_rows.abs() * (k_ce * s_ce + k_z * s_z) * m_r * logit_scale   # dz/dx
             grad_err_scale = grad_err_scale.reshape(*shape, 1)
 
         z_loss = _reduce(z_rows.detach(), reduction, z_scale)

@@ -42,7 +42,7 @@ from tolerances import FP32_UNITS, TOLERANCES, TORCH_LOW_PRECISION_FACTOR, U32
 LINEAR_FACTOR = {torch.float32: TORCH_LOW_PRECISION_FACTOR, torch.bfloat16: TORCH_LOW_PRECISION_FACTOR,
                  torch.float16: TORCH_LOW_PRECISION_FACTOR}
 LOSS_OPTIONS = ("ignore_index", "reduction", "label_smoothing", "lse_square_scale", "softcap",
-                "num_items_in_batch")
+                "logit_scale", "use_token_scaling", "num_items_in_batch")
 
 
 @dataclass
@@ -115,6 +115,7 @@ def stock_linear_cross_entropy(hidden, weight, target, bias=None, *, ce_weight=N
     n_classes = weight.shape[0]
     x = F.linear(leaves["grad_hidden"], leaves["grad_weight"], leaves.get("grad_bias")).float()
     softcap = opts.get("softcap")
+    x = x * opts.get("logit_scale", 1.0)
     z = (x if softcap is None else softcap * torch.tanh(x / softcap)).reshape(-1, n_classes)
     t = target.reshape(-1).long()
     valid = t != ignore_index
@@ -123,6 +124,10 @@ def stock_linear_cross_entropy(hidden, weight, target, bias=None, *, ce_weight=N
     rows = F.cross_entropy(z, t, weight=cw, ignore_index=ignore_index, reduction="none",
                            label_smoothing=opts.get("label_smoothing", 0.0))
     z_rows = torch.where(valid, opts.get("lse_square_scale", 0.0) * lse * lse, 0.0)
+    if opts.get("use_token_scaling", False):   # DFT: each row times p_t, detached
+        p_t = torch.where(valid, torch.exp(z.detach().gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
+                                           - lse.detach()), 0.0)
+        rows, z_rows = rows * p_t, z_rows * p_t
     if reduction == "none":
         loss = (rows + z_rows).reshape(target.shape)
     elif reduction == "sum":

@@ -540,6 +540,21 @@ def precision_and_exact_zeros(rank, world):
     assert float(loss) == 0.0 and bool((one.grad == 0).all()), (float(loss), one.grad)
 
 
+@check
+def logit_scale_and_token_scaling(rank, world):
+    """The contract's ``logit_scale`` and ``use_token_scaling`` (issue 11) on both vocab-parallel ops,
+    with class weights, smoothing and z-loss, against the float64 oracle and the single-process op."""
+    x, t = _ce_inputs()
+    h, W, b, _ = _linear_inputs()
+    cw = make_weight(V)
+    for kw in ({"logit_scale": 0.5, "softcap": 4.0}, {"use_token_scaling": True, "logit_scale": 2.0},
+               {"use_token_scaling": True, "label_smoothing": 0.1, "lse_square_scale": 1e-3}):
+        for reduction in ("mean", "none"):
+            run_ce(rank, x, t, cw, SIZES[world], upstream=_upstream(reduction), reduction=reduction, **kw)
+            run_linear(rank, h, W, t, b, cw, SIZES[world], upstream=_upstream(reduction), reduction=reduction,
+                       **kw)
+
+
 # ---------------------------------------------------------------------------------------- harness
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

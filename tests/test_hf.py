@@ -168,6 +168,29 @@ def test_loss_options_reach_linear_cross_entropy():
     assert_close(model(input_ids=ids, attention_mask=mask, labels=labels).loss, expected, "loss")
 
 
+@pytest.mark.parametrize("family", ["llama", "cohere"])
+def test_use_token_scaling_forward_keyword(family):
+    """DFT (issue 11): ``use_token_scaling`` as a forward keyword (as Liger-patched models take it; TRL's
+    ``loss_type="dft"``), or as a patch option: the loss is mean_t(p_t * nll_t) with p_t detached, on
+    the model's own logits (Cohere's logit_scale included); gradients flow through nll only."""
+    model = patch_causal_lm(build(family))
+    ids, mask, labels = batch()
+    plain = copy.deepcopy(model)
+    unpatch_causal_lm(plain)
+    logits = plain(input_ids=ids, attention_mask=mask).logits
+    target = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)
+    keep = target != -100
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB)[keep], target[keep], reduction="none")
+    expected = (nll * torch.exp(-nll).detach()).mean()
+    got = model(input_ids=ids, attention_mask=mask, labels=labels, use_token_scaling=True).loss
+    assert_close(got, expected, "dft loss (forward keyword)")
+    plain_loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert abs(float(plain_loss) - float(nll.mean())) <= 1e-5 * float(nll.mean()), "the keyword is per call"
+    patched = patch_causal_lm(build(family), use_token_scaling=True)
+    patched.load_state_dict(model.state_dict())
+    assert_close(patched(input_ids=ids, attention_mask=mask, labels=labels).loss, expected, "dft (option)")
+
+
 def test_trainer_gradient_accumulation_matches_stock(tmp_path):
     """Trainer, 2 micro-batches of 2 sequences, one SGD step (SGD: the update is lr * gradient, so a
     wrong num_items_in_batch scaling shows; Adam's first step would hide it). Micro-batches hold

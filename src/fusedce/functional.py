@@ -6,6 +6,7 @@ from typing import Optional, Union
 import torch
 
 from . import backends, reduction as red, validation as val
+from .backends.reference.rows import target_probability
 from .types import CrossEntropyOutput
 from .autocast import fp32_op, linear_op
 
@@ -23,7 +24,8 @@ def _rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
 @fp32_op   # under autocast: as stock F.cross_entropy (fp32), see autocast.py
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
                   ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                  lse_square_scale: float = 0.0, softcap: Optional[float] = None,
+                  lse_square_scale: float = 0.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
+                  use_token_scaling: bool = False,
                   num_items_in_batch: Union[int, torch.Tensor, None] = None,
                   inplace_backward: bool = False, return_stats: bool = False,
                   backend: Optional[str] = None) -> Union[torch.Tensor, CrossEntropyOutput]:
@@ -47,6 +49,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
         lse_square_scale: z-loss coefficient, adds ``scale * lse**2`` per row (PaLM, Chowdhery et al.
             2022), not class-weighted.
         softcap: if set (> 0), the loss is taken on ``softcap * tanh(logits / softcap)`` (Gemma 2).
+        logit_scale: (> 0) the logits are first multiplied by it, before softcap (Cohere's
+            ``logit_scale``; Granite divides by ``logits_scaling``: pass ``1 / logits_scaling``).
+        use_token_scaling: each non-ignored row's loss (and its z-loss stat) is multiplied by
+            ``p_t = softmax(z)[t]``, detached (Dynamic Fine-Tuning, Wu et al. 2025; Liger's flag, TRL's
+            ``loss_type="dft"``); the denominators are unchanged.
         num_items_in_batch: int or 0-dim tensor, the mean's denominator under gradient accumulation.
         inplace_backward: the backward pass writes the gradient into ``logits``' storage (destroys the
             caller's logits after backward, saves one BT x V buffer). Default: nothing of the caller's
@@ -78,7 +85,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (the classes, last)")
     val.check_nonzero("logits", logits.shape, -1, "V")
-    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
+                            use_token_scaling)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
     val.check_target(target, shape, logits.device)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
@@ -95,8 +103,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     if reduction == "mean":
         scales = red.mean_scales(flat_target, red.target_weights(flat_target, weight, opts.ignore_index),
                                  opts.ignore_index, num_items_in_batch)
+    token_weight = target_probability(rows, flat_target, lse.detach(), opts) if opts.use_token_scaling else None
     return red.loss_and_stats(ce_rows, lse, predicted, flat_target, opts, reduction, scales, shape,
-                              return_stats)
+                              return_stats, token_weight)
 
 
 @linear_op   # under autocast: matmul in the autocast dtype as F.linear, loss fp32 (autocast.py)
@@ -104,6 +113,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          bias: Optional[torch.Tensor] = None, *, ce_weight: Optional[torch.Tensor] = None,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          lse_square_scale: float = 0.0, softcap: Optional[float] = None,
+                         logit_scale: float = 1.0, use_token_scaling: bool = False,
                          num_items_in_batch: Union[int, torch.Tensor, None] = None,
                          chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32,
                          return_stats: bool = False,
@@ -117,8 +127,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         target: ``(...)`` = ``hidden.shape[:-1]``, int64 or int32.
         bias: optional ``(V,)``, same dtype as ``hidden``.
         ce_weight: optional ``(V,)`` class weights of the loss.
-        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, num_items_in_batch:
-            as in :func:`cross_entropy`, on logits computed in ``hidden``'s dtype with fp32 accumulation
+        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
+            use_token_scaling, num_items_in_batch: as in :func:`cross_entropy`, on logits computed in ``hidden``'s dtype with fp32 accumulation
             (as ``F.linear``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
             None = automatic: ``max(1024, BT * H / V)`` rows, capped at BT (rule and its measurement in
@@ -143,7 +153,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         ``TypeError`` when ``hidden``, ``weight`` and ``bias`` dtypes differ, ``chunk_size`` is not an
         integer (a float or a bool) or ``accum_dtype`` is not a floating-point ``torch.dtype``.
     """
-    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
+                            use_token_scaling)
     val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
@@ -157,11 +168,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if reduction == "mean":
         scales = red.mean_scales(flat_target, red.target_weights(flat_target, ce_weight, opts.ignore_index),
                                  opts.ignore_index, num_items_in_batch)
-    loss, lse, predicted = impl.linear_cross_entropy(
+    loss, lse, predicted, token_weight = impl.linear_cross_entropy(
         flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scales,
         None if chunk_size is None else int(chunk_size), accum_dtype, return_stats)
     if reduction == "none":
         loss = loss.reshape(shape)
     if not return_stats:
         return loss
-    return red.stats(loss, lse, predicted, flat_target, opts, reduction, scales, shape)
+    return red.stats(loss, lse, predicted, flat_target, opts, reduction, scales, shape, token_weight)

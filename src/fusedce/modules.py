@@ -11,9 +11,10 @@ from .functional import cross_entropy, linear_cross_entropy
 
 
 def _check_options(name, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                   backend):
+                   backend, logit_scale, use_token_scaling):
     """The construction-time checks shared by both modules: the same errors as the functions raise."""
-    val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
+                     use_token_scaling)
     val.check_class_weights(name, weight)
     if backend is not None:   # None reads $FUSEDCE_BACKEND at each call
         backends.check_name(backend)
@@ -36,20 +37,23 @@ class CrossEntropyLoss(nn.Module):
     def __init__(self, weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, inplace_backward: bool = False,
-                 return_stats: bool = False, backend: Optional[str] = None):
+                 return_stats: bool = False, backend: Optional[str] = None, *, logit_scale: float = 1.0,
+                 use_token_scaling: bool = False):
         _check_options("weight", weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                       backend)
+                       backend, logit_scale, use_token_scaling)
         super().__init__()
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction = ignore_index, reduction
         self.label_smoothing, self.lse_square_scale, self.softcap = label_smoothing, lse_square_scale, softcap
         self.inplace_backward, self.return_stats, self.backend = inplace_backward, return_stats, backend
+        self.logit_scale, self.use_token_scaling = logit_scale, use_token_scaling
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None):
         return cross_entropy(
             logits, target, self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
-            softcap=self.softcap, num_items_in_batch=num_items_in_batch,
+            softcap=self.softcap, logit_scale=self.logit_scale, use_token_scaling=self.use_token_scaling,
+            num_items_in_batch=num_items_in_batch,
             inplace_backward=self.inplace_backward, return_stats=self.return_stats, backend=self.backend)
 
 
@@ -67,9 +71,10 @@ class LinearCrossEntropyLoss(nn.Module):
     def __init__(self, ce_weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, return_stats: bool = False, backend: Optional[str] = None,
-                 chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32):
+                 chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32, *,
+                 logit_scale: float = 1.0, use_token_scaling: bool = False):
         _check_options("ce_weight", ce_weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-                       softcap, backend)
+                       softcap, backend, logit_scale, use_token_scaling)
         val.check_chunk_size(chunk_size)
         val.check_accum_dtype(accum_dtype)
         super().__init__()
@@ -78,12 +83,14 @@ class LinearCrossEntropyLoss(nn.Module):
         self.label_smoothing, self.lse_square_scale, self.softcap = label_smoothing, lse_square_scale, softcap
         self.return_stats, self.backend = return_stats, backend
         self.chunk_size, self.accum_dtype = chunk_size, accum_dtype
+        self.logit_scale, self.use_token_scaling = logit_scale, use_token_scaling
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, num_items_in_batch=None):
         return linear_cross_entropy(
             hidden, weight, target, bias, ce_weight=self.ce_weight, ignore_index=self.ignore_index,
             reduction=self.reduction, label_smoothing=self.label_smoothing,
-            lse_square_scale=self.lse_square_scale, softcap=self.softcap,
-            num_items_in_batch=num_items_in_batch, chunk_size=self.chunk_size,
+            lse_square_scale=self.lse_square_scale, softcap=self.softcap, logit_scale=self.logit_scale,
+            use_token_scaling=self.use_token_scaling, num_items_in_batch=num_items_in_batch,
+            chunk_size=self.chunk_size,
             accum_dtype=self.accum_dtype, return_stats=self.return_stats, backend=self.backend)

@@ -85,23 +85,36 @@ def reduce(ce_rows: torch.Tensor, z: Optional[torch.Tensor], reduction: str,
     return total if z is None else total + z.sum() * scales.z
 
 
+def token_scaled(ce_rows: torch.Tensor, z: Optional[torch.Tensor], token_weight: Optional[torch.Tensor]):
+    """``use_token_scaling`` (Dynamic Fine-Tuning; Liger's flag, TRL's ``loss_type="dft"``): each row's
+    cross-entropy and z-loss times ``token_weight`` = ``p_t`` (detached, so the gradient is ``p_t``
+    times the row's gradient); unchanged when ``token_weight`` is None."""
+    if token_weight is None:
+        return ce_rows, z
+    token_weight = token_weight.detach()
+    return ce_rows * token_weight, None if z is None else z * token_weight
+
+
 def loss_and_stats(ce_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor,
                    target: torch.Tensor, opts: LossOptions, reduction: str, scales: Optional[MeanScales],
-                   shape, return_stats: bool):
+                   shape, return_stats: bool, token_weight: Optional[torch.Tensor] = None):
     """The public result of an op from its per-row cross-entropy and lse (both (BT,) fp32, lse 0 on
-    ignored rows): the reduced loss, or ``CrossEntropyOutput`` with ``return_stats``."""
-    loss = reduce(ce_rows, z_rows(lse, opts), reduction, scales, shape)
+    ignored rows) and, with ``use_token_scaling``, the per-row ``p_t``: the reduced loss, or
+    ``CrossEntropyOutput`` with ``return_stats``."""
+    loss = reduce(*token_scaled(ce_rows, z_rows(lse, opts), token_weight), reduction, scales, shape)
     if not return_stats:
         return loss
-    return stats(loss, lse, predicted, target, opts, reduction, scales, shape)
+    return stats(loss, lse, predicted, target, opts, reduction, scales, shape, token_weight)
 
 
 def stats(loss: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor,
-          opts: LossOptions, reduction: str, scales: Optional[MeanScales], shape) -> CrossEntropyOutput:
-    """Build ``CrossEntropyOutput`` from the per-row lse and argmax (BT,) and the reduced ``loss``."""
+          opts: LossOptions, reduction: str, scales: Optional[MeanScales], shape,
+          token_weight: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
+    """Build ``CrossEntropyOutput`` from the per-row lse and argmax (BT,) and the reduced ``loss``
+    (``token_weight``: the z-loss rows are scaled like the loss)."""
     valid = target != opts.ignore_index
     lse = lse.detach()
-    z = z_rows(lse, opts)
+    z = token_scaled(lse, z_rows(lse, opts), token_weight)[1]
     z_loss = reduce(torch.zeros_like(lse) if z is None else z, None, reduction,
                     None if scales is None else MeanScales(scales.z, scales.z), shape)
     correct = (valid & (predicted == target)).to(torch.float32)

@@ -1,8 +1,8 @@
 """Plain data types shared by every layer: the loss options and the stats output."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from dataclasses import dataclass, fields
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -29,9 +29,49 @@ class CrossEntropyOutput(NamedTuple):
 
 @dataclass(frozen=True)
 class LossOptions:
-    """Per-row loss hyper-parameters, already validated. Scalars are Python floats (fp32 in kernels)."""
+    """The per-row loss options, already validated (``validation.loss_options``): the one description
+    of them. Every form the layers below need is made here, and only here:
+
+    - ``op_args()`` / ``from_op_args()``: the torch custom ops' arguments, ``(ignore_index: int,
+      scalars: list[float])``, and back (a custom op cannot take this dataclass; a list keeps the ops'
+      schemas unchanged when an option is added);
+    - ``kernel_scalars()``: the Triton kernels' runtime scalars (fp32; changing them does not
+      recompile), in the kernels' argument order after the pointers, sizes and strides;
+    - ``kernel_flags()``: the constexpr flags that select code paths.
+
+    Semantics (per row, in fp32): ``x`` the logits, ``z = softcap * tanh(logit_scale * x / softcap)``
+    (``z = logit_scale * x`` without softcap), then the cross-entropy of ``z`` with ``label_smoothing``,
+    plus the z-loss ``lse_square_scale * lse(z)**2``; with ``use_token_scaling`` the row's whole loss is
+    multiplied by ``p_t = softmax(z)[t]``, detached.
+    """
 
     ignore_index: int = -100
     label_smoothing: float = 0.0
     lse_square_scale: float = 0.0
     softcap: Optional[float] = None
+    logit_scale: float = 1.0
+    use_token_scaling: bool = False
+
+    def op_args(self) -> Tuple[int, List[float]]:
+        """``(ignore_index, scalars)``: every other field as a float, in field order (``softcap=None``
+        travels as 0.0, which no valid softcap is; booleans as 0.0 / 1.0)."""
+        return self.ignore_index, [float(getattr(self, f.name) or 0.0) for f in fields(self)[1:]]
+
+    @classmethod
+    def from_op_args(cls, ignore_index: int, scalars: List[float]) -> "LossOptions":
+        """Inverse of ``op_args``."""
+        values = dict(zip((f.name for f in fields(cls)[1:]), scalars))
+        values["softcap"] = values["softcap"] or None
+        values["use_token_scaling"] = bool(values["use_token_scaling"])
+        return cls(ignore_index=ignore_index, **values)
+
+    def kernel_scalars(self) -> tuple:
+        """``(ignore_index, label_smoothing, softcap, logit_scale)``: softcap 1.0 when unused. The
+        z-loss and token scaling are not among them: both act on the per-row results (the lse and the
+        loss), outside the kernels."""
+        return (self.ignore_index, self.label_smoothing, 1.0 if self.softcap is None else self.softcap,
+                self.logit_scale)
+
+    def kernel_flags(self) -> dict:
+        """The constexpr flags the options select (class weights add ``HAS_WEIGHT`` at launch)."""
+        return {"HAS_SMOOTHING": self.label_smoothing > 0.0, "HAS_SOFTCAP": self.softcap is not None}

@@ -50,10 +50,12 @@ def real_option(name: str, value) -> float:
     return value
 
 
-def loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap) -> LossOptions:
-    """Check the scalar options: ``TypeError`` for a non-integer ``ignore_index`` or a non-number
-    smoothing / z-loss scale / softcap; ``ValueError`` for a bad reduction, an ``ignore_index`` outside
-    int64, a non-finite number, smoothing outside [0, 1] or ``softcap <= 0``."""
+def loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale=1.0,
+                 use_token_scaling=False) -> LossOptions:
+    """Check the scalar options: ``TypeError`` for a non-integer ``ignore_index``, a non-number
+    smoothing / z-loss scale / softcap / logit scale or a non-bool ``use_token_scaling``; ``ValueError``
+    for a bad reduction, an ``ignore_index`` outside int64, a non-finite number, smoothing outside
+    [0, 1], ``softcap <= 0`` or ``logit_scale <= 0``."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     ignore_index = integer_option("ignore_index", ignore_index)
@@ -67,7 +69,12 @@ def loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, sof
         softcap = real_option("softcap", softcap)
         if not softcap > 0.0:
             raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap}")
-    return LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap)
+    logit_scale = real_option("logit_scale", logit_scale)
+    if not logit_scale > 0.0:
+        raise ValueError(f"logit_scale must be a finite number > 0, got {logit_scale}")
+    if not isinstance(use_token_scaling, bool):
+        raise TypeError(f"use_token_scaling must be a bool, got {use_token_scaling!r}")
+    return LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap, logit_scale, use_token_scaling)
 
 
 def widen_target(target: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -49,8 +49,13 @@ def _validate(model: nn.Module, options: dict, transform: LogitTransform) -> dic
     if transform.softcap is not None and softcap is not None and float(softcap) != transform.softcap:
         raise ValueError(f"softcap={softcap} contradicts {type(model).__name__}'s config "
                          f"final_logit_softcapping={transform.softcap}")
+    logit_scale = options.get("logit_scale")
+    if transform.scale != 1.0 and logit_scale is not None and float(logit_scale) != transform.scale:
+        raise ValueError(f"logit_scale={logit_scale} contradicts {type(model).__name__}'s config (logit scale "
+                         f"{transform.scale})")
     _check_loss_values(options.get("ignore_index", -100), options.get("reduction", "mean"),
-                       options.get("label_smoothing", 0.0), options.get("lse_square_scale", 0.0), softcap)
+                       options.get("label_smoothing", 0.0), options.get("lse_square_scale", 0.0), softcap,
+                       1.0 if logit_scale is None else logit_scale, options.get("use_token_scaling", False))
     val.check_chunk_size(options.get("chunk_size"))
     backend = options.get("backend")  # the name only: the device is known at the first call
     if backend is not None and backend not in BACKENDS:
@@ -72,11 +77,12 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
       ``num_items_in_batch`` (the Trainer's kwarg under gradient accumulation) is the mean's denominator;
     - the family's logit transform, read from the config: ``final_logit_softcapping`` (Gemma 2/3) becomes
       ``softcap``; a logit scale (Cohere ``logit_scale``: ``logits * s``; Granite ``logits_scaling``:
-      ``logits / s``) is applied to the hidden states and bias instead (``(s h) W^T + s b = s (h W^T +
-      b)``; in bf16 this rounds differently from scaling the logits, within bf16 noise). The first
+      ``logits / s``) becomes ``logit_scale`` (applied to the logits inside the loss, in fp32). The first
       labelled call checks, with a probe through the family's forward (one host sync), that this is all
       the family does to its logits, and raises ``ValueError`` otherwise;
     - MoE models: a returned ``aux_loss`` is added times ``router_aux_loss_coef``, as the families do;
+    - ``use_token_scaling`` is also accepted as a forward keyword (as Liger-patched models accept it; TRL
+      passes it for ``loss_type="dft"``): it overrides the patch-time option for that call;
     - under autocast, hidden states and head are cast to the autocast dtype first (as ``F.linear`` is;
       ``linear_cross_entropy`` does it, see ``fusedce/autocast.py``);
     - the output is the family's usual class (e.g. ``CausalLMOutputWithPast``) with ``loss`` set and
@@ -92,8 +98,9 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
             forward calls the head once on it (every ``*ForCausalLM`` of transformers does).
         keep_logits: also return the logits (computed by the original head).
         **loss_options: passed to ``linear_cross_entropy``: ``ignore_index``, ``reduction``,
-            ``label_smoothing``, ``lse_square_scale``, ``softcap``, ``ce_weight``, ``chunk_size``,
-            ``accum_dtype``, ``backend``. Validated here.
+            ``label_smoothing``, ``lse_square_scale``, ``softcap``, ``logit_scale``,
+            ``use_token_scaling``, ``ce_weight``, ``chunk_size``, ``accum_dtype``, ``backend``. Validated
+            here.
 
     Patching again replaces the options (never wraps twice). Undo with :func:`unpatch_causal_lm`.
 
@@ -109,6 +116,8 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
     options = _validate(model, loss_options, transform)
     if transform.softcap is not None:
         options["softcap"] = transform.softcap
+    if transform.scale != 1.0:
+        options["logit_scale"] = transform.scale
     state = getattr(model, _STATE, None)
     if state is not None:  # idempotent: new options, same single wrapper
         state.loss_options, state.keep_logits, state.transform = options, bool(keep_logits), transform
@@ -164,6 +173,7 @@ def _as_kwargs(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
 def _forward(model, *args, **kwargs):
     state: _Patch = model.__dict__[_STATE]
     kwargs = _as_kwargs(state.signature, args, kwargs)
+    token_scaling = kwargs.pop("use_token_scaling", None)   # Liger's forward keyword (TRL's "dft")
     labels = kwargs.pop("labels", None)
     if labels is None:
         return _call_original(model, state, (), kwargs)
@@ -183,7 +193,7 @@ def _forward(model, *args, **kwargs):
     if not state.keep_logits and not state.verified and not torch.compiler.is_compiling():
         verify_transform(capture, getattr(out, "logits", None), state.transform, name)
         state.verified = True
-    loss = _loss(model, state, hidden, labels, shift_labels, num_items)
+    loss = _loss(model, state, hidden, labels, shift_labels, num_items, token_scaling)
     aux, coef = getattr(out, "aux_loss", None), getattr(config, "router_aux_loss_coef", None)
     if aux is not None and coef:
         loss = loss + coef * aux.to(loss.device)
@@ -191,8 +201,10 @@ def _forward(model, *args, **kwargs):
     return out if return_dict else out.to_tuple()
 
 
-def _loss(model, state: _Patch, hidden, labels, shift_labels, num_items) -> torch.Tensor:
+def _loss(model, state: _Patch, hidden, labels, shift_labels, num_items, token_scaling) -> torch.Tensor:
     options = state.loss_options
+    if token_scaling is not None:
+        options = {**options, "use_token_scaling": bool(token_scaling)}
     ignore_index = options.get("ignore_index", -100)
     if shift_labels is None:  # Hugging Face's ForCausalLMLoss: pad one ignored label, drop the first
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -205,10 +217,6 @@ def _loss(model, state: _Patch, hidden, labels, shift_labels, num_items) -> torc
         raise ValueError(f"{type(model).__name__}: the labels give {target.shape[0]} targets after the "
                          f"shift but the model kept {hidden.shape[0]} positions (logits_to_keep?); pass "
                          "labels (or shift_labels) for exactly the kept positions")
-    scale = state.transform.scale
-    if scale != 1.0:  # s (h W^T + b) = (s h) W^T + s b: scale the (BT, H) side, never the (V, H) one
-        hidden = hidden * scale
-        bias = None if bias is None else bias * scale
     if isinstance(num_items, torch.Tensor):
         num_items = num_items.to(hidden.device)
     # under autocast, linear_cross_entropy casts hidden / head to the autocast dtype as F.linear would

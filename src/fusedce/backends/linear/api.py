@@ -21,7 +21,7 @@ from typing import Optional, Protocol
 import torch
 
 from ...autograd_checks import check_backward_allowed
-from ...reduction import MeanScales, reduce, z_rows
+from ...reduction import MeanScales, reduce, token_scaled, z_rows
 from ...types import LossOptions
 from ...validation import sync_allowed
 from . import loop
@@ -48,22 +48,24 @@ class _LinearCE(torch.autograd.Function):
         ce_scale, z_scale = scale_pair[0], scale_pair[1]
         scales = MeanScales(ce_scale, z_scale)
         if reduction == "none":
-            loss, lse, lse_lo, predicted = loop.loss_only(ce, hidden, weight, bias, target, w, w_sum, opts, rows,
-                                                          stats)
+            loss, lse, lse_lo, predicted, token_weight = loop.loss_only(ce, hidden, weight, bias, target, w,
+                                                                        w_sum, opts, rows, stats)
         else:
             n = hidden.shape[0]
-            loss, lse, lse_lo, predicted, *ctx.grads = loop.grads(
+            loss, lse, lse_lo, predicted, token_weight, *ctx.grads = loop.grads(
                 ce, hidden, weight, bias, target, w, w_sum, opts, rows, scales.ce.expand(n),
                 scales.z.expand(n), needs, accum_dtype, stats=stats)
-        out = reduce(loss, z_rows(lse, opts), reduction, scales, loss.shape)
+        out = reduce(*token_scaled(loss, z_rows(lse, opts), token_weight), reduction, scales, loss.shape)
+        if token_weight is None:
+            token_weight = lse.new_empty(0)
         ctx.save_for_backward(hidden, weight, bias, target, w, w_sum, lse, lse_lo, scale_pair)
         ctx.ce, ctx.opts, ctx.rows, ctx.accum, ctx.needs, ctx.reduction = ce, opts, rows, accum_dtype, needs, reduction
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.mark_non_differentiable(lse, predicted)
-        return out, lse, predicted
+        ctx.mark_non_differentiable(lse, predicted, token_weight)
+        return out, lse, predicted, token_weight
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_lse, _grad_pred):
+    def backward(ctx, grad_out, _grad_lse, _grad_pred, _grad_token_weight):
         check_backward_allowed(ctx, "fusedce.linear_cross_entropy")
         if ctx.grads is not None:   # the first backward of mean / sum: scale what the forward made
             (g_h, g_w, g_b), ctx.grads = ctx.grads, None
@@ -106,11 +108,13 @@ def compact_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int):
 
 def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, opts: LossOptions,
                          reduction: str, scales: Optional[MeanScales], chunk_size, accum_dtype, stats: bool):
-    """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> (loss, lse, predicted).
+    """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> (loss, lse, predicted,
+    token_weight).
 
     ``loss`` is the reduced scalar (``scales`` = the mean's 1/D and 1/N for "mean", None otherwise) or
     (BT,) per-row for "none"; lse (BT,) fp32 is 0 on ignored rows (their logits are never computed);
-    predicted (BT,) int64, -1 on ignored rows.
+    predicted (BT,) int64, -1 on ignored rows; token_weight (BT,) fp32 ``p_t`` with
+    ``use_token_scaling`` (0 on ignored rows), else None.
     """
     n = hidden.shape[0]
     w, w_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
@@ -121,13 +125,17 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
         scales = MeanScales(one, one)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and any(needs):
-        out, lse, predicted = _LinearCE.apply(hidden, weight, bias, target, ce, w, w_sum, opts, reduction,
-                                              torch.stack(scales), rows, accum_dtype, stats, needs)
+        out, lse, predicted, token_weight = _LinearCE.apply(hidden, weight, bias, target, ce, w, w_sum, opts,
+                                                            reduction, torch.stack(scales), rows, accum_dtype,
+                                                            stats, needs)
+        token_weight = token_weight if opts.use_token_scaling else None
     else:
         with torch.no_grad():
-            loss, lse, _lse_lo, predicted = loop.loss_only(ce, hidden, weight, bias, target, w, w_sum, opts,
-                                                           rows, stats)
-        out = reduce(loss, z_rows(lse, opts), reduction, scales, loss.shape)
+            loss, lse, _lse_lo, predicted, token_weight = loop.loss_only(ce, hidden, weight, bias, target, w,
+                                                                         w_sum, opts, rows, stats)
+        out = reduce(*token_scaled(loss, z_rows(lse, opts), token_weight), reduction, scales, loss.shape)
     if reduction == "none":
         out = _scatter(out, index, n, 0.0)
-    return out, _scatter(lse, index, n, 0.0), _scatter(predicted, index, n, -1)
+    if token_weight is not None:
+        token_weight = _scatter(token_weight, index, n, 0.0)
+    return out, _scatter(lse, index, n, 0.0), _scatter(predicted, index, n, -1), token_weight

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from ...types import LossOptions
+from ..reference.rows import target_probability
 from ...validation import sync_allowed
 
 _OUT_DTYPE_MM: dict = {}   # device type -> bool; filled only by eager calls on real tensors
@@ -65,19 +66,23 @@ def accumulate_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
 
 
 def loss_only(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: int, stats: bool):
-    """Per-row ``(loss, lse, lse_lo, predicted)`` for every token (cross-entropy without z-loss, fp32;
-    predicted int64, -1 where not computed); no gradient buffers at all."""
+    """Per-row ``(loss, lse, lse_lo, predicted, token_weight)`` for every token (cross-entropy without
+    z-loss, fp32; predicted int64, -1 where not computed; ``token_weight`` the detached ``p_t`` with
+    ``use_token_scaling``, else None); no gradient buffers at all."""
     n = hidden.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
     predicted = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
+    token_weight = torch.empty_like(loss) if opts.use_token_scaling else None
     for s in range(0, n, rows):
         c = slice(s, s + rows)
-        loss[c], lse[c], lse_lo[c], pred_c = ce.loss(logits_chunk(hidden[c], weight, bias), target[c], w, w_sum,
-                                                     opts, stats)
+        logits = logits_chunk(hidden[c], weight, bias)
+        loss[c], lse[c], lse_lo[c], pred_c = ce.loss(logits, target[c], w, w_sum, opts, stats)
         if stats:
             predicted[c] = pred_c
-    return loss, lse, lse_lo, predicted
+        if token_weight is not None:
+            token_weight[c] = target_probability(logits, target[c], lse[c], opts)
+    return loss, lse, lse_lo, predicted, token_weight
 
 
 def _grad_lse(lse: torch.Tensor, z_grad_row: torch.Tensor, opts: LossOptions) -> Optional[torch.Tensor]:
@@ -93,11 +98,13 @@ def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: i
     """Gradients of ``sum_i grad_row[i] ce_i + z_grad_row[i] z_i`` (``ce_i`` the cross-entropy of row
     i, ``z_i = s lse_i**2`` its z-loss) and, when ``saved`` is None, the forward too.
 
-    ``grad_row``, ``z_grad_row``: (n,) per-row upstream gradients (any strides). ``needs``: which of
-    (hidden, weight, bias) need a gradient. ``saved = (lse, lse_lo)`` from an earlier forward: the
-    forward is not recomputed (a backward that recomputes). Returns ``(loss, lse, lse_lo, predicted,
-    grad_hidden, grad_weight, grad_bias)``; loss/predicted are None when ``saved`` was given;
-    grad_weight / grad_bias are in ``accum_dtype``.
+    ``grad_row``, ``z_grad_row``: (n,) per-row upstream gradients (any strides); with
+    ``use_token_scaling`` both are multiplied by each row's ``p_t`` (read from the chunk's logits
+    before they are overwritten). ``needs``: which of (hidden, weight, bias) need a gradient.
+    ``saved = (lse, lse_lo)`` from an earlier forward: the forward is not recomputed (a backward that
+    recomputes). Returns ``(loss, lse, lse_lo, predicted, token_weight, grad_hidden, grad_weight,
+    grad_bias)``; loss/predicted are None when ``saved`` was given; token_weight None without token
+    scaling; grad_weight / grad_bias are in ``accum_dtype``.
     """
     n = hidden.shape[0]
     forward = saved is None
@@ -108,6 +115,7 @@ def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: i
     else:
         loss = predicted = None
         lse, lse_lo = saved
+    token_weight = torch.empty(n, dtype=torch.float32, device=hidden.device) if opts.use_token_scaling else None
     grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if needs[0] else None
     grad_w = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device) if needs[1] else None
     grad_b = torch.zeros(weight.shape[0], dtype=accum_dtype, device=weight.device) if needs[2] else None
@@ -119,8 +127,11 @@ def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: i
             loss[c], lse[c], lse_lo[c], pred_c = ce.loss(logits, target[c], w, w_sum, opts, stats)
             if stats:
                 predicted[c] = pred_c
-        ce.grad_(logits, target[c], w, w_sum, lse[c], lse_lo[c], grad_row[c],
-                 _grad_lse(lse[c], z_grad_row[c], opts), opts)
+        g_c, zg_c = grad_row[c], z_grad_row[c]
+        if token_weight is not None:
+            token_weight[c] = target_probability(logits, target[c], lse[c], opts)
+            g_c, zg_c = g_c * token_weight[c], zg_c * token_weight[c]
+        ce.grad_(logits, target[c], w, w_sum, lse[c], lse_lo[c], g_c, _grad_lse(lse[c], zg_c, opts), opts)
         if grad_h is not None:
             torch.mm(logits, weight, out=grad_h[c])
         if grad_w is not None:
@@ -128,4 +139,4 @@ def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: i
         if grad_b is not None:
             grad_b += logits.sum(dim=0, dtype=accum_dtype)
         del logits   # free this chunk before the next one is allocated: one chunk alive, not two
-    return loss, lse, lse_lo, predicted, grad_h, grad_w, grad_b
+    return loss, lse, lse_lo, predicted, token_weight, grad_h, grad_w, grad_b

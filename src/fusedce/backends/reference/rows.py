@@ -1,7 +1,8 @@
 """Per-row cross-entropy math on an fp32 block of rows, in plain PyTorch.
 
 Shared by the chunked CPU backend (cross-entropy and linear cross-entropy) and the vocab-parallel path.
-Notation per row, on ``z = softcap * tanh(x / softcap)`` (or ``z = x``), ``eps`` = label_smoothing,
+Notation per row, on ``z = softcap * tanh(s x / softcap)`` (or ``z = s x``; ``s`` = logit_scale),
+``eps`` = label_smoothing,
 ``w`` = class weights (1 without), ``W = sum_c w_c``, ``t`` = target, ``a = (1 - eps) w_t``,
 ``b = eps / V``:
 
@@ -14,7 +15,7 @@ upstream gradient ``h`` of ``lse``. With ``g`` the upstream gradient of ``loss``
 
     dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c
 
-and the softcap chain rule ``dz/dx = 1 - (z / softcap)**2``.
+and the chain rule ``dz/dx = s (1 - (z / softcap)**2)`` (``s`` without softcap).
 
 Precision. ``lse`` is kept as an fp32 pair ``lse + lse_lo`` = ``max + log(sum)`` exactly (TwoSum), so
 ``p_c = exp((z_c - lse) - lse_lo)`` and ``lse - z_t + lse_lo`` are as accurate as PyTorch's
@@ -32,8 +33,22 @@ import torch
 from ...types import LossOptions
 
 
-def cap(x: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
-    return x if softcap is None else torch.tanh(x / softcap) * softcap
+def transform(x: torch.Tensor, opts: LossOptions) -> torch.Tensor:
+    """``z`` of fp32 logits ``x``: ``softcap * tanh(logit_scale * x / softcap)``, or ``logit_scale * x``.
+    Returns ``x`` itself when there is nothing to do (callers that write into ``x`` rely on that)."""
+    if opts.logit_scale != 1.0:
+        x = x * opts.logit_scale
+    return x if opts.softcap is None else torch.tanh(x / opts.softcap) * opts.softcap
+
+
+def target_probability(x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, opts: LossOptions):
+    """``p_t = softmax(z)[t]`` per row of logits ``x`` ((n, V) any float dtype; ``lse`` (n,) of ``z``),
+    fp32, 0 on ignored rows and rows whose target is out of range; the factor of
+    ``use_token_scaling``. Gathers one logit per row: O(n) work."""
+    valid = (target != opts.ignore_index) & (target >= 0) & (target < x.shape[1])
+    safe = torch.where(valid, target, 0).long()
+    z_t = transform(x.gather(1, safe[:, None])[:, 0].float(), opts)
+    return torch.where(valid, torch.exp(z_t - lse), 0.0)
 
 
 def two_sum(a: torch.Tensor, b: torch.Tensor):
@@ -77,7 +92,7 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.T
     without stats. Reads ``x`` about twice (max, exp), once more for smoothing and for the argmax.
     """
     n_classes = x.shape[1]
-    z = cap(x, opts.softcap)
+    z = transform(x, opts)
     lse, lse_lo = logsumexp_rows(z)
     valid, in_range, _, z_t, w_t = _target_terms(z, target, weight, opts)
     eps = opts.label_smoothing
@@ -116,7 +131,7 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
     """
     n_local = x.shape[1]
     n_classes = n_local if n_classes is None else n_classes
-    z = cap(x, opts.softcap)
+    z = transform(x, opts)
     valid = target != opts.ignore_index
     owned = (target >= col_start) & (target < col_start + n_local)
     safe = torch.where(owned, target - col_start, torch.zeros_like(target)).long()
@@ -149,6 +164,8 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
         grad.scatter_(1, safe[:, None], torch.where(owned, at_target, current)[:, None])
     if opts.softcap is not None:
         grad.mul_(z.div_(opts.softcap).square_().neg_().add_(1.0))   # z is a fresh tensor here
+    if opts.logit_scale != 1.0:
+        grad.mul_(opts.logit_scale)
     if grad.device.type == "cpu" and not torch.compiler.is_compiling():
         # a CPU tensor (no device sync): touch only the ignored rows (exact zeros even over inf/NaN)
         return grad.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)

@@ -18,10 +18,10 @@ Three ops in the ``fusedce`` namespace, each "allocate, then call a launcher" (`
   when that is safe (it is when nothing else reads the logits later), else it computes into a copy: the
   in-place write is then a memory hint, never a change of results.
 
-``<options>`` are primitives because a custom op cannot take the ``LossOptions`` dataclass:
-``ignore_index: int, label_smoothing: float, softcap: float, has_softcap: bool`` (``softcap=None``
-travels as ``has_softcap=False``; the z-loss is added by the caller from the lse, see ``launch.py``). Python floats reach the kernels as fp32 scalars, in
-eager and compiled code alike, so e.g. softcap=30.0 is never promoted to fp64.
+``<options>`` are ``ignore_index: int, scalars: float[]``, made by ``LossOptions.op_args`` and read back
+by ``LossOptions.from_op_args`` (a custom op cannot take the dataclass; the list keeps these schemas
+unchanged when a loss option is added). Python floats reach the kernels as fp32 scalars, in eager and
+compiled code alike, so e.g. softcap=30.0 is never promoted to fp64.
 
 Inputs may have any strides (Inductor may pass e.g. an expanded stride-0 upstream gradient): the
 kernels take row strides for logits, target, grad_row and grad_lse; ``lse`` and ``weight`` are made contiguous
@@ -41,16 +41,6 @@ from .launch import ce_forward as launch_forward
 Opt = Optional[torch.Tensor]
 
 
-def _opts(ignore_index: int, label_smoothing: float, softcap: float, has_softcap: bool) -> LossOptions:
-    return LossOptions(ignore_index, label_smoothing, 0.0, softcap if has_softcap else None)
-
-
-def options_args(opts: LossOptions) -> tuple:
-    """``LossOptions`` -> the primitive ``<options>`` arguments of the ops (see the module docstring)."""
-    has_softcap = opts.softcap is not None
-    return (opts.ignore_index, opts.label_smoothing, opts.softcap if has_softcap else 1.0, has_softcap)
-
-
 def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(-1) == 1 or logits.shape[-1] <= 1 else logits.contiguous()
 
@@ -63,14 +53,13 @@ def _opt_contiguous(t: Opt) -> Opt:
 
 @torch.library.custom_op("fusedce::ce_forward", mutates_args=())
 def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
-               ignore_index: int, label_smoothing: float, softcap: float, has_softcap: bool,
-               stats: bool, inplace_backward: bool
+               ignore_index: int, scalars: list[float], stats: bool, inplace_backward: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # ``inplace_backward`` does not change the forward; it is an input so that the autograd formula
     # registered on this op (ops.py) can pick the backward variant.
     loss, lse, lse_lo, predicted = _forward_buffers(logits, stats)
     launch_forward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
-                   _opts(ignore_index, label_smoothing, softcap, has_softcap),
+                   LossOptions.from_op_args(ignore_index, scalars),
                    loss, lse, lse_lo, predicted if stats else None)
     return loss, lse, lse_lo, predicted
 
@@ -83,8 +72,7 @@ def _forward_buffers(logits: torch.Tensor, stats: bool):
 
 
 @ce_forward.register_fake
-def _(logits, target, weight, weight_sum, ignore_index, label_smoothing, softcap, has_softcap, stats,
-      inplace_backward):
+def _(logits, target, weight, weight_sum, ignore_index, scalars, stats, inplace_backward):
     return _forward_buffers(logits, stats)
 
 
@@ -93,18 +81,16 @@ def _(logits, target, weight, weight_sum, ignore_index, label_smoothing, softcap
 @torch.library.custom_op("fusedce::ce_backward", mutates_args=())
 def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
                 lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt,
-                ignore_index: int, label_smoothing: float, softcap: float,
-                has_softcap: bool) -> torch.Tensor:
+                ignore_index: int, scalars: list[float]) -> torch.Tensor:
     grad = logits.new_empty(logits.shape)
     launch_backward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
                     lse.contiguous(), lse_lo.contiguous(), grad_row, grad_lse,
-                    _opts(ignore_index, label_smoothing, softcap, has_softcap), grad)
+                    LossOptions.from_op_args(ignore_index, scalars), grad)
     return grad
 
 
 @ce_backward.register_fake
-def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, label_smoothing,
-      softcap, has_softcap):
+def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars):
     return logits.new_empty(logits.shape)
 
 
@@ -113,9 +99,8 @@ def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignor
 @torch.library.custom_op("fusedce::ce_backward_inplace", mutates_args=("logits",))
 def ce_backward_inplace(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
                         lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt,
-                        ignore_index: int, label_smoothing: float, softcap: float,
-                        has_softcap: bool) -> None:
-    opts = _opts(ignore_index, label_smoothing, softcap, has_softcap)
+                        ignore_index: int, scalars: list[float]) -> None:
+    opts = LossOptions.from_op_args(ignore_index, scalars)
     rows = _unit_stride(logits)   # each program reads its block before writing it: aliasing is safe
     launch_backward(rows, target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
                     lse.contiguous(), lse_lo.contiguous(), grad_row, grad_lse, opts, rows)
@@ -124,8 +109,7 @@ def ce_backward_inplace(logits: torch.Tensor, target: torch.Tensor, weight: Opt,
 
 
 @ce_backward_inplace.register_fake
-def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, label_smoothing,
-      softcap, has_softcap):
+def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars):
     return None
 
 
@@ -136,7 +120,7 @@ def forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum:
     """``fusedce::ce_forward`` with ``LossOptions``: ``(loss, lse, lse_lo, predicted)``, predicted (0,)
     without stats. loss and lse are differentiable w.r.t. ``logits`` (autograd registered in
     ``ops.py``)."""
-    return torch.ops.fusedce.ce_forward(logits, target, weight, weight_sum, *options_args(opts), stats,
+    return torch.ops.fusedce.ce_forward(logits, target, weight, weight_sum, *opts.op_args(), stats,
                                         inplace_backward)
 
 
@@ -145,4 +129,4 @@ def backward_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_su
     """``fusedce::ce_backward_inplace`` with ``LossOptions``: overwrite ``logits`` with the gradient of
     ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i``."""
     torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse,
-                                          *options_args(opts))
+                                          *opts.op_args())

@@ -22,14 +22,7 @@ _INTERPRETED = not isinstance(ce_backward_kernel, triton.runtime.jit.JITFunction
 
 
 def _flags(weight, opts: LossOptions) -> dict:
-    return {"HAS_WEIGHT": weight is not None, "HAS_SMOOTHING": opts.label_smoothing > 0.0,
-            "HAS_SOFTCAP": opts.softcap is not None}
-
-
-def _scalars(opts: LossOptions) -> tuple:
-    """The kernels' runtime scalars. The z-loss is not among them: it is a function of the lse that
-    the caller adds (its gradient reaches the backward kernel as ``grad_lse``)."""
-    return (opts.ignore_index, opts.label_smoothing, 1.0 if opts.softcap is None else opts.softcap)
+    return {"HAS_WEIGHT": weight is not None, **opts.kernel_flags()}
 
 
 def _align(elem_size: int, *ints: int) -> int:
@@ -52,7 +45,7 @@ def forward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[
     cfg = forward_config(n_cols)
     args = (logits, target, dummy if weight is None else weight, dummy if weight_sum is None else weight_sum,
             loss, lse, lse_lo, dummy if predicted is None else predicted,
-            n_cols, logits.stride(0), target.stride(0), *_scalars(opts))
+            n_cols, logits.stride(0), target.stride(0), *opts.kernel_scalars())
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
                 COMPUTE_STATS=predicted is not None, **_flags(weight, opts), num_warps=cfg["num_warps"])
     return ce_forward_kernel, (n_rows,), args, meta
@@ -72,7 +65,7 @@ def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional
     args = (logits, grad, target, dummy if weight is None else weight,
             dummy if weight_sum is None else weight_sum, lse, lse_lo, grad_row, grad_lse,
             n_cols, logits.stride(0), grad.stride(0), target.stride(0), grad_row.stride(0), grad_lse.stride(0),
-            *_scalars(opts))
+            *opts.kernel_scalars())
     align = _align(min(logits.element_size(), grad.element_size()), n_cols, logits.stride(0), grad.stride(0))
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=align, **_flags(weight, opts), HAS_GRAD_LSE=has_grad_lse,
                 num_warps=cfg["num_warps"])

@@ -17,16 +17,16 @@ from ...types import LossOptions
 from . import custom_ops
 
 # Inputs of fusedce::ce_forward, in schema order (the autograd formula returns one gradient for each).
-_FORWARD_INPUTS = ("logits", "target", "weight", "weight_sum", "ignore_index", "label_smoothing",
-                   "softcap", "has_softcap", "stats", "inplace_backward")
+_FORWARD_INPUTS = ("logits", "target", "weight", "weight_sum", "ignore_index", "scalars", "stats",
+                   "inplace_backward")
 
 
 def _setup_context(ctx, inputs, output):
     logits, target, weight, weight_sum = inputs[:4]
     _loss, lse, lse_lo, predicted = output
     ctx.save_for_backward(logits, target, weight, weight_sum, lse, lse_lo)
-    ctx.options = tuple(inputs[4:8])   # ignore_index, label_smoothing, softcap, has_softcap
-    ctx.inplace = inputs[9]
+    ctx.options = tuple(inputs[4:6])   # ignore_index, scalars: LossOptions.op_args()
+    ctx.inplace = inputs[7]
     ctx.consumed = False
     ctx.mark_non_differentiable(lse_lo, predicted)
 

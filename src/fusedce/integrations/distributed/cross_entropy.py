@@ -43,11 +43,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(logits, target, w, out.weight_sum, out.target_weight, out.lse, out.lse_lo)
         ctx.layout, ctx.opts = layout, opts
         w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
-        ctx.mark_non_differentiable(out.predicted, w_t)
-        return out.loss, out.lse, out.predicted, w_t
+        ctx.mark_non_differentiable(out.predicted, w_t, out.target_prob)
+        return out.loss, out.lse, out.predicted, w_t, out.target_prob
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse, _grad_pred, _grad_wt):
+    def backward(ctx, grad_loss, grad_lse, _grad_pred, _grad_wt, _grad_target_prob):
         check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_cross_entropy")
         logits, target, w, w_sum, w_t, lse, lse_lo = ctx.saved_tensors
         if grad_loss is None:
@@ -68,7 +68,8 @@ def vocab_parallel_cross_entropy(
     logits_shard: torch.Tensor, target: torch.Tensor, weight_shard: Optional[torch.Tensor] = None, *,
     group=None, vocab_start_index: Optional[int] = None, ignore_index: int = -100,
     reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
-    softcap: Optional[float] = None, num_items_in_batch: Union[int, torch.Tensor, None] = None,
+    softcap: Optional[float] = None, logit_scale: float = 1.0,
+    use_token_scaling: bool = False, num_items_in_batch: Union[int, torch.Tensor, None] = None,
     return_stats: bool = False,
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """``fusedce.cross_entropy`` on logits split by vocabulary over the ranks of ``group``.
@@ -86,7 +87,8 @@ def vocab_parallel_cross_entropy(
         group: the process group (None = default). gloo for CPU tensors, NCCL for CUDA tensors.
         vocab_start_index: first global class id of this slice; None on every rank = rank order
             (rank r's slice follows rank r-1's). Given, it must be given on every rank.
-        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, num_items_in_batch,
+        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
+            use_token_scaling, num_items_in_batch,
             return_stats: as in ``fusedce.cross_entropy`` (mean denominator ``sum(w[t])`` uses the
             weight held by the rank owning ``t``). ``return_stats``: ``lse`` global on every row,
             ``predicted_tokens`` the global argmax (lowest global index on ties), -1 on ignored rows.
@@ -117,7 +119,8 @@ def vocab_parallel_cross_entropy(
     val.check_float("logits_shard", logits_shard)
     if logits_shard.dim() < 1:
         raise ValueError("logits_shard must have at least one dimension (the classes, last)")
-    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
+                            use_token_scaling)
     shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
     val.check_target(target, shape, device)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
@@ -130,7 +133,8 @@ def vocab_parallel_cross_entropy(
     if rows.stride(-1) != 1 and n_local > 1:
         rows = rows.contiguous()  # one copy, only when the class dim is strided
     flat_target = target.reshape(-1)
-    loss_rows, lse, predicted, w_t = _VocabParallelCrossEntropy.apply(
+    loss_rows, lse, predicted, w_t, target_prob = _VocabParallelCrossEntropy.apply(
         rows, flat_target, weight_shard, layout, opts)
     return finish(loss_rows, lse, predicted, None if weight_shard is None else w_t, flat_target, opts,
-                  reduction, num_items_in_batch, return_stats, shape)
+                  reduction, num_items_in_batch, return_stats, shape,
+                  target_prob if opts.use_token_scaling else None)

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...backends.reference.rows import cap, two_sum
+from ...backends.reference.rows import transform, two_sum
 from ...types import LossOptions
 from .argmax_key import unpack_max_key
 from .layout import VocabLayout
@@ -54,11 +54,13 @@ class GlobalRows:
     cross-entropy without z-loss (0 on ignored rows, NaN on a row whose target no rank holds), ``lse``
     and ``lse_lo`` (n,) fp32 (lse as an exact pair, see ``backends/reference/rows.py``; 0 on ignored
     rows), ``predicted`` (n,) int64 (-1 on ignored rows), ``target_weight`` (n,) fp32 global w_t and
-    ``weight_sum`` 0-dim global W (both None without class weights)."""
+    ``weight_sum`` 0-dim global W (both None without class weights), ``target_prob`` (n,) fp32
+    ``p_t = softmax(z)[t]`` (0 on ignored rows; the factor of ``use_token_scaling``)."""
 
     loss: torch.Tensor
     lse: torch.Tensor
     lse_lo: torch.Tensor
+    target_prob: torch.Tensor
     predicted: torch.Tensor
     target_weight: Optional[torch.Tensor]
     weight_sum: Optional[torch.Tensor]
@@ -77,7 +79,7 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
     if n > 0:
         dist.all_reduce(p.key, op=dist.ReduceOp.MAX, group=layout.group)          # collective 1
         xmax, index = unpack_max_key(p.key)
-        gmax = cap(xmax, opts.softcap)
+        gmax = transform(xmax, opts)
         gmax = torch.where(gmax == float("-inf"), 0.0, gmax)   # a row -inf on every rank: lse = -inf
         # p.zmax = -inf: this slice's logits are all -inf in that row (sumexp = 0): it adds exactly 0
         p.sums[:, Columns.SUMEXP] *= torch.where(p.zmax == float("-inf"), 0.0, torch.exp(p.zmax - gmax))
@@ -100,8 +102,10 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
     valid = target != opts.ignore_index
     loss = torch.where(s[:, Columns.OWNED] > 0, loss, float("nan"))
     loss = torch.where(valid, loss, 0.0)
+    target_prob = torch.where(valid & (s[:, Columns.OWNED] > 0),
+                              torch.exp((s[:, Columns.TARGET_LOGIT] - lse) - lse_lo), 0.0)
     lse, lse_lo = torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)
     predicted = torch.where(valid, index, -1)
-    return GlobalRows(loss=loss, lse=lse, lse_lo=lse_lo, predicted=predicted,
+    return GlobalRows(loss=loss, lse=lse, lse_lo=lse_lo, target_prob=target_prob, predicted=predicted,
                       target_weight=None if w_t is None else w_t.clone(),
                       weight_sum=None if w_sum is None else w_sum.clone())

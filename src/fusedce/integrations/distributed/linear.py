@@ -54,11 +54,11 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                               out.lse_lo)
         ctx.layout, ctx.opts, ctx.rows, ctx.accum = layout, opts, rows, accum_dtype
         w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
-        ctx.mark_non_differentiable(out.predicted, w_t)
-        return out.loss, out.lse, out.predicted, w_t
+        ctx.mark_non_differentiable(out.predicted, w_t, out.target_prob)
+        return out.loss, out.lse, out.predicted, w_t, out.target_prob
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse, _grad_pred, _grad_wt):
+    def backward(ctx, grad_loss, grad_lse, _grad_pred, _grad_wt, _grad_target_prob):
         check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_linear_cross_entropy")
         hidden, weight, bias, target, w, w_sum, w_t, lse, lse_lo = ctx.saved_tensors
         if grad_loss is None:
@@ -100,6 +100,7 @@ def vocab_parallel_linear_cross_entropy(
     bias_shard: Optional[torch.Tensor] = None, *, group=None, vocab_start_index: Optional[int] = None,
     ce_weight_shard: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
     label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: Optional[float] = None,
+    logit_scale: float = 1.0, use_token_scaling: bool = False,
     num_items_in_batch: Union[int, torch.Tensor, None] = None, chunk_size: Optional[int] = None,
     accum_dtype: torch.dtype = torch.float32, return_stats: bool = False,
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
@@ -116,7 +117,8 @@ def vocab_parallel_linear_cross_entropy(
         target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank.
         bias_shard, ce_weight_shard: optional ``(V_r,)`` slices of the bias and of the class weights.
         group, vocab_start_index: as in ``vocab_parallel_cross_entropy``.
-        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, num_items_in_batch:
+        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
+            use_token_scaling, num_items_in_batch:
             as in ``fusedce.cross_entropy``, on logits computed in ``hidden``'s dtype (fp32 accumulation).
         chunk_size: tokens per chunk (logits are ``chunk_size x V_r``). None = the single-process rule
             (``backends/linear/tuning.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
@@ -146,7 +148,8 @@ def vocab_parallel_linear_cross_entropy(
         integer or ``accum_dtype`` is not a floating-point ``torch.dtype``.
     """
     _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype)
-    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
+                            use_token_scaling)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
@@ -157,13 +160,15 @@ def vocab_parallel_linear_cross_entropy(
     flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1),
                                                    opts.ignore_index)
     rows = int(chunk_size) if chunk_size is not None else chunk_rows(flat_hidden.shape[0], size, layout.size)
-    loss_rows, lse, predicted, w_t = _VocabParallelLinearCE.apply(
+    loss_rows, lse, predicted, w_t, target_prob = _VocabParallelLinearCE.apply(
         flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, rows, accum_dtype)
     if index is not None:  # back to every row: ignored rows have loss 0, lse 0, argmax -1, w_t 0
         loss_rows = loss_rows.new_zeros(n).index_copy(0, index, loss_rows)
         lse = lse.new_zeros(n).index_copy(0, index, lse)
         predicted = predicted.new_full((n,), -1).index_copy(0, index, predicted)
+        target_prob = target_prob.new_zeros(n).index_copy(0, index, target_prob)
         if ce_weight_shard is not None:
             w_t = w_t.new_zeros(n).index_copy(0, index, w_t)
     return finish(loss_rows, lse, predicted, None if ce_weight_shard is None else w_t,
-                  target.reshape(-1), opts, reduction, num_items_in_batch, return_stats, shape)
+                  target.reshape(-1), opts, reduction, num_items_in_batch, return_stats, shape,
+                  target_prob if opts.use_token_scaling else None)

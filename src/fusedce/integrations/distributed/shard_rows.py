@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ...backends.reference.rows import cap, rows_grad
+from ...backends.reference.rows import rows_grad, transform
 from ...types import LossOptions
 from .argmax_key import EMPTY_KEY, pack_max_key
 from .layout import VocabLayout
@@ -74,9 +74,9 @@ def shard_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.
     if layout.size == 0:  # nothing to contribute: every sum stays 0, the key loses the MAX
         key = torch.full((n,), EMPTY_KEY, dtype=torch.int64, device=x.device)
         return key, torch.full((n,), float("-inf"), device=x.device), sums
-    z = cap(x, opts.softcap)
+    z = transform(x, opts)
     xmax, arg = x.max(dim=1)                 # first index among ties, like argmax
-    zmax = cap(xmax, opts.softcap)          # = max_c z_c: softcap is monotone
+    zmax = transform(xmax, opts)            # = max_c z_c: the transform is increasing
     key = pack_max_key(xmax, arg + layout.start)
     owned, col = target_columns(target, layout)
     shift = torch.where(zmax == float("-inf"), 0.0, zmax)   # an all -inf row: sum 0, not NaN

@@ -6,8 +6,8 @@ as ``h = 2 s lse`` times its own upstream), ``a = (1 - eps) w_t``, ``b = eps / V
 
     dloss/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c,   p_c = exp((z_c - lse) - lse_lo)
 
-then the softcap chain rule dz/dx = 1 - (z / softcap)^2. The differences ``p_c - [c == t]`` and
-``W p_c - w_c`` are formed before scaling, so the gradient is exactly 0 wherever the math says so (V = 1,
+then the chain rule of ``z = softcap tanh(s x / softcap)`` (s = logit_scale): dz/dx = s (1 - (z /
+softcap)^2). The differences ``p_c - [c == t]`` and ``W p_c - w_c`` are formed before scaling, so the gradient is exactly 0 wherever the math says so (V = 1,
 or a saturated softmax with p_t = 1), and ``lse_lo`` (lse's rounding error) keeps p as accurate as
 PyTorch's softmax for any logit magnitude. Ignored rows are written as exact zeros without reading
 their logits. Writing into ``logits``' own storage (in-place backward) is safe: each program reads its
@@ -23,7 +23,7 @@ two-kernel design that does not keep a row on chip between passes.
 import triton
 import triton.language as tl
 
-from .common import aligned, apply_softcap, softcap_slope, to_bf16_rne, target_terms
+from .common import aligned, logit_transform, logit_slope, to_bf16_rne, target_terms
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def ce_backward_kernel(
     # strides (elements)
     stride_logits_row, stride_grad_row, stride_target, stride_grad_row_vec, stride_grad_lse,
     # runtime scalars (fp32)
-    ignore_index, label_smoothing, softcap,
+    ignore_index, label_smoothing, softcap, logit_scale,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and both row strides are multiples of ALIGN (see common.aligned)
@@ -62,7 +62,7 @@ def ce_backward_kernel(
 
     live = cols < tl.where(is_valid, n_cols, 0)      # ignored rows read nothing
     x = tl.load(logits_ptr + row * stride_logits_row + cols, mask=live, other=0.0)
-    z = apply_softcap(x.to(tl.float32), softcap, HAS_SOFTCAP)
+    z = logit_transform(x.to(tl.float32), logit_scale, softcap, HAS_SOFTCAP)
     lse = tl.load(lse_ptr + row)
     lse_lo = tl.load(lse_lo_ptr + row)
     g = tl.load(grad_row_ptr + row * stride_grad_row_vec).to(tl.float32)
@@ -82,7 +82,7 @@ def ce_backward_kernel(
         dz = (g * a) * p_minus_onehot
     if HAS_GRAD_LSE:
         dz += tl.load(grad_lse_ptr + row * stride_grad_lse).to(tl.float32) * p
-    dz *= softcap_slope(z, softcap, HAS_SOFTCAP)
+    dz *= logit_slope(z, logit_scale, softcap, HAS_SOFTCAP)
     dz = tl.where(is_valid, dz, 0.0)
     if ROUND_BF16:
         out = to_bf16_rne(dz)

@@ -15,7 +15,7 @@ Nothing of size BT x V is written: a forward-only call reads the logits once.
 import triton
 import triton.language as tl
 
-from .common import aligned, apply_softcap, target_terms, two_sum
+from .common import aligned, logit_transform, target_terms, two_sum
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def ce_forward_kernel(
     # strides (elements)
     stride_logits_row, stride_target,
     # runtime scalars (fp32; changing them does not recompile)
-    ignore_index, label_smoothing, softcap,
+    ignore_index, label_smoothing, softcap, logit_scale,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
@@ -60,7 +60,7 @@ def ce_forward_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
         x = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        z = apply_softcap(x, softcap, HAS_SOFTCAP)
+        z = logit_transform(x, logit_scale, softcap, HAS_SOFTCAP)
         if HAS_SOFTCAP:
             z = tl.where(mask, z, -float("inf"))
         if HAS_SMOOTHING:
@@ -84,7 +84,7 @@ def ce_forward_kernel(
     lse, lse_lo = two_sum(tl.where(is_valid, m, 0.0), tl.log(tl.where(is_valid, s, 1.0)))
 
     x_t = tl.load(row_ptr + safe).to(tl.float32)
-    z_t = apply_softcap(x_t, softcap, HAS_SOFTCAP)
+    z_t = logit_transform(x_t, logit_scale, softcap, HAS_SOFTCAP)
     # nll = lse - z_t with lse's rounding error added back (as accurate as -log_softmax[t])
     loss = (1.0 - label_smoothing) * w_t * ((lse - z_t) + lse_lo)
     if HAS_SMOOTHING:

@@ -65,9 +65,11 @@ def tanh_fp32(y):
 
 
 @triton.jit
-def apply_softcap(x, softcap, HAS_SOFTCAP: tl.constexpr):
-    """``softcap * tanh(x / softcap)`` in fp32 (Gemma 2 logit soft-capping), or ``x``; a few ulp of
-    relative error for every finite softcap and logit (``tanh_fp32``)."""
+def logit_transform(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """``z`` of fp32 logits ``x``: ``softcap * tanh(logit_scale * x / softcap)`` (Gemma 2 soft-capping
+    after Cohere's ``logit_scale``), or ``logit_scale * x`` without softcap; a few ulp of relative error
+    for every finite softcap and logit (``tanh_fp32``). Multiplying by a scale of 1.0 is exact."""
+    x = x * logit_scale
     if HAS_SOFTCAP:
         x = softcap * tanh_fp32(x / softcap)
     return x
@@ -84,17 +86,18 @@ def two_sum(a, b):
 
 
 @triton.jit
-def softcap_slope(z, softcap, HAS_SOFTCAP: tl.constexpr):
-    """dz/dx of ``z = softcap * tanh(x / softcap)``, written with z: ``1 - (z / softcap)**2``.
+def logit_slope(z, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """dz/dx of ``logit_transform``, written with z: ``logit_scale * (1 - (z / softcap)**2)``, or
+    ``logit_scale``.
 
     One ``return``: Triton's code generator checks that every return statement of a function has the
     same type, even one under a constexpr ``if`` (two returns, a block and a scalar, fail to compile for
     a GPU although the interpreter runs them).
     """
-    slope = 1.0
+    slope = logit_scale
     if HAS_SOFTCAP:
         r = z / softcap
-        slope = 1.0 - r * r
+        slope = logit_scale * (1.0 - r * r)
     return slope
 
 
