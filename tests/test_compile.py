@@ -168,8 +168,10 @@ def test_custom_ops_opcheck():
     lse_lo = torch.zeros(n_rows)
     grad_row = torch.randn(1).expand(n_rows)          # stride 0, as the gradient of loss.sum()
     grad_lse = torch.randn(n_rows * 2)[::2]            # stride 2: the z-loss's upstream through lse
-    softcap_opts = (IGNORE, 0.1, 30.0, True)
-    plain_opts = (IGNORE, 0.0, 1.0, False)
+    from fusedce.types import LossOptions
+    softcap_opts = LossOptions(IGNORE, 0.1, 1e-3, 30.0).op_args()
+    plain_opts = LossOptions(IGNORE).op_args()
+    dft_opts = LossOptions(IGNORE, 0.0, 1e-3, None, 0.5, True).op_args()
     ops = torch.ops.fusedce
     checks = [
         (ops.ce_forward.default, (logits, target, None, None, *softcap_opts, True, False)),
@@ -178,6 +180,10 @@ def test_custom_ops_opcheck():
                                    grad_lse, *softcap_opts)),
         (ops.ce_backward_inplace.default, (logits.detach().clone(), target, None, None, lse, lse_lo, grad_row,
                                            None, *plain_opts)),
+        (ops.ce_chunk_.default, (logits.detach().clone(), target, weight, weight_sum, grad_row, grad_lse,
+                                 *softcap_opts, True)),
+        (ops.ce_chunk_.default, (logits.detach().clone(), target, None, None, grad_row, grad_row,
+                                 *dft_opts, False)),
     ]
     for op, args in checks:
         result = torch.library.opcheck(op, args)

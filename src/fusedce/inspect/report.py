@@ -25,88 +25,8 @@ from typing import Optional
 
 import torch
 
-from ..types import LossOptions
-
-ROWS = 8192                 # BT: only the grid depends on it
-ARCHS = (90, 100)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# The vocabularies of the issue, then two that exercise the alignment rule.
-VOCABS = {
-    32000: "Llama-2, Mistral",
-    128256: "Llama-3",
-    262144: "2^18, Gemma-3 size",
-    1000: "TP shard of 32000 / 32: V % 16 == 8",
-    50257: "GPT-2: odd, unaligned rows",
-}
-DEFAULT_VOCABS = (32000, 128256, 262144, 1000, 50257)
-
-
-@dataclass(frozen=True)
-class Variant:
-    """Loss options that select the kernels' constexpr flags (HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-    COMPUTE_STATS; z-loss selects the backward's HAS_GRAD_LSE: its gradient arrives through the lse)."""
-
-    weight: bool = False
-    smoothing: bool = False
-    softcap: bool = False
-    stats: bool = False
-    zloss: bool = False
-
-    def options(self) -> LossOptions:
-        return LossOptions(-100, 0.1 if self.smoothing else 0.0, 1e-4 if self.zloss else 0.0,
-                           30.0 if self.softcap else None)
-
-
-# The representative flag combinations shown by default (``--every-variant``: all of them).
-VARIANTS = {
-    "forward": {
-        "plain": Variant(),
-        "stats": Variant(stats=True),
-        "weight": Variant(weight=True),
-        "softcap": Variant(softcap=True),
-        "smooth": Variant(smoothing=True),
-        "smooth+weight": Variant(weight=True, smoothing=True),
-        "all": Variant(weight=True, smoothing=True, softcap=True, stats=True),
-    },
-    "backward": {
-        "plain": Variant(),
-        "softcap": Variant(softcap=True),
-        "smooth+weight": Variant(weight=True, smoothing=True),
-        "all": Variant(weight=True, smoothing=True, softcap=True, zloss=True),
-    },
-}
-_FLAGS = {"forward": ("weight", "smoothing", "softcap", "stats"),
-          "backward": ("weight", "smoothing", "softcap", "zloss")}
-
-
-def every_variant(kernel: str) -> dict:
-    """Every combination of the kernel's constexpr flags, named by its flags ("plain" for none)."""
-    flags = _FLAGS[kernel]
-    out = {}
-    for bits in range(1 << len(flags)):
-        on = [f for i, f in enumerate(flags) if bits >> i & 1]
-        out["+".join(on) or "plain"] = Variant(**{f: True for f in on})
-    return out
-
-
-def launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant, rows: int = ROWS):
-    """``(kernel, grid, args, meta)`` the launcher would use, on meta tensors."""
-    from ..backends.triton import launch as L
-
-    def meta(*shape, dt=torch.float32):
-        return torch.empty(*shape, dtype=dt, device="meta")
-
-    logits, target = meta(rows, vocab, dt=dtype), meta(rows, dt=torch.int64)
-    weight, weight_sum = (meta(vocab), meta(1)) if variant.weight else (None, None)
-    opts = variant.options()
-    if kernel == "forward":   # loss, lse, lse_lo, predicted
-        predicted = meta(rows, dt=torch.int64) if variant.stats else None
-        return L.forward_launch(logits, target, weight, weight_sum, opts, *(meta(rows),) * 3, predicted)
-    grad_row = meta(()).expand(rows)                 # d(mean)/d(loss_row): a stride-0 scalar
-    grad_lse = meta(rows) if variant.zloss else None  # 2 s lse / N per row with z-loss
-    return L.backward_launch(logits, target, weight, weight_sum, meta(rows), meta(rows), grad_row, grad_lse,
-                             opts, meta(rows, vocab, dt=dtype))
-
+from .variants import (ARCHS, DEFAULT_VOCABS, DTYPES, KERNELS, ROWS, VARIANTS, VOCABS, Variant, every_variant,
+                       launch)
 
 @dataclass
 class Row:
@@ -155,7 +75,7 @@ def _needed(kernel: str, itemsize: int, variant: Variant, meta: dict) -> tuple:
     loads = per_stream(itemsize)
     if variant.weight and variant.smoothing:
         loads += per_stream(4)                       # fp32 class weights, read blockwise
-    stores = per_stream(itemsize) if kernel == "backward" else 0
+    stores = per_stream(itemsize) if kernel != "forward" else 0
     return loads, stores
 
 
@@ -199,7 +119,7 @@ def arch_supported(arch: int) -> Optional[str]:
     return row.error or None
 
 
-def collect(archs=ARCHS, dtypes=tuple(DTYPES), vocabs=DEFAULT_VOCABS, kernels=("forward", "backward"),
+def collect(archs=ARCHS, dtypes=tuple(DTYPES), vocabs=DEFAULT_VOCABS, kernels=KERNELS,
         variants=None, every=False, progress=None) -> tuple:
     """All rows for the requested configurations, and notes on targets that were skipped."""
     rows, notes = [], []
@@ -234,7 +154,7 @@ def format_table(rows) -> str:
         lines.append((f"sm_{r.arch}", r.kernel, r.variant, r.dtype, str(r.vocab), str(r.block_v),
                       str(r.num_warps), str(r.align), _fmt(r.regs), _fmt(r.spill_bytes), str(r.smem),
                       f"{r.ld128}/{r.ld128_needed}", str(r.narrow_loads),
-                      f"{r.st128}/{r.st128_needed}" if r.kernel == "backward" else "-", check))
+                      f"{r.st128}/{r.st128_needed}" if r.kernel != "forward" else "-", check))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
@@ -250,7 +170,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", type=int, action="append", help="compute capability (default: 90 and 100)")
     p.add_argument("--dtype", action="append", choices=list(DTYPES), help="logits dtype (default: all)")
     p.add_argument("--vocab", type=int, action="append", help=f"V (default: {list(DEFAULT_VOCABS)})")
-    p.add_argument("--kernel", action="append", choices=["forward", "backward"], help="default: both")
+    p.add_argument("--kernel", action="append", choices=list(KERNELS), help="default: all")
     p.add_argument("--variant", action="append", help="flag combination, e.g. plain, all (default: all)")
     p.add_argument("--every-variant", action="store_true",
                    help="every combination of the constexpr flags instead of the representative ones")
@@ -279,7 +199,7 @@ def run(args) -> int:
         return 2
     rows, notes = collect(archs=tuple(args.arch or ARCHS), dtypes=tuple(args.dtype or DTYPES),
                           vocabs=tuple(args.vocab or DEFAULT_VOCABS),
-                          kernels=tuple(args.kernel or ("forward", "backward")), variants=args.variant,
+                          kernels=tuple(args.kernel or KERNELS), variants=args.variant,
                           every=args.every_variant,
                           progress=lambda msg: print(f"compiling {msg}", file=sys.stderr, flush=True))
     print(f"Triton {triton.__version__}: kernels compiled offline (no GPU), BT = {ROWS}, "

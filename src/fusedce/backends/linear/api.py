@@ -37,6 +37,11 @@ class ChunkCE(Protocol):
     def grad_(self, logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions) -> None:
         """Overwrite ``logits`` with d(sum grad_row * loss + grad_lse * lse)/d logits."""
 
+    def loss_and_grad_(self, logits, target, w, w_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
+        """``loss`` then ``grad_`` in one call (``loop.loss_then_grad_`` composes them; a backend may fuse
+        them in one kernel): ``(loss, lse, lse_lo, predicted, token_weight)``, the z-loss's upstream
+        ``z_grad_row`` and token scaling applied."""
+
 
 class _LinearCE(torch.autograd.Function):
     @staticmethod

@@ -1,11 +1,14 @@
 """The chunk loop: logits of ``rows`` tokens at a time, never BT x V.
 
 Per chunk c (hidden rows h_c, n_c x H):
-    logits_c = h_c @ W.T (+ b)                       n_c x V, hidden's dtype, fp32 accumulation
-    loss_c, lse_c = CE forward(logits_c)              (backend kernel)
-    g_c = dloss/dlogits_c, written over logits_c      (backend kernel, in place, times grad_row)
+    logits_c = h_c @ W.T (+ b)                       n_c x V, hidden's dtype, fp32 accumulation, written
+                                                     into one chunk buffer reused by every chunk
+    loss_c, lse_c, g_c = dloss/dlogits_c              one backend call, ``ChunkCE.loss_and_grad_``: the
+                                                     gradient written over logits_c (Triton: one fused
+                                                     kernel, the chunk read once and written once)
     grad_h_c = g_c @ W;  grad_W += g_c.T @ h_c;  grad_b += sum_rows g_c   (accum_dtype accumulators)
 FLOPs: 2 n_c V H for the logits and 2 n_c V H for each of grad_h and grad_W, as the unfused path.
+Launches per chunk (Triton, mean / sum): 1 matmul + 1 cross-entropy kernel + the gradient matmuls.
 
 ``grad_W += g_c.T @ h_c`` with a ``grad_W`` wider than the chunk (fp32 accumulator, bf16/fp16 chunk):
 eager calls use ``torch.addmm(..., out_dtype=fp32, out=grad_W)`` where the build has it (CUDA; a one-time
@@ -30,9 +33,25 @@ from ...validation import sync_allowed
 _OUT_DTYPE_MM: dict = {}   # device type -> bool; filled only by eager calls on real tensors
 
 
-def logits_chunk(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``h @ weight.T (+ bias)`` in ``h``'s dtype (as ``F.linear`` on that device)."""
-    return torch.nn.functional.linear(h, weight, bias)
+def logits_chunk(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 buffer: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``h @ weight.T (+ bias)`` in ``h``'s dtype, written into ``buffer[:n]`` when one is given (the same
+    ``addmm`` / ``mm`` that ``F.linear`` runs, so the same values)."""
+    if buffer is None:
+        return torch.nn.functional.linear(h, weight, bias)
+    out = buffer[: h.shape[0]]
+    if bias is None:
+        return torch.mm(h, weight.t(), out=out)
+    return torch.addmm(bias, h, weight.t(), out=out)
+
+
+def chunk_buffer(n_rows: int, rows: int, weight: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """One ``rows x V`` logits buffer for the whole loop (None under torch.compile / CUDA-graph
+    capture, where each chunk gets its own tensor: ``out=`` into a reused buffer is an eager-only
+    allocation saving)."""
+    if not sync_allowed():
+        return None
+    return torch.empty(min(rows, n_rows), weight.shape[0], dtype=dtype, device=weight.device)
 
 
 def _mm_out_dtype_ok(acc: torch.Tensor) -> bool:
@@ -74,14 +93,28 @@ def loss_only(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, row
     lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
     predicted = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
     token_weight = torch.empty_like(loss) if opts.use_token_scaling else None
+    buffer = chunk_buffer(n, rows, weight, hidden.dtype)
     for s in range(0, n, rows):
         c = slice(s, s + rows)
-        logits = logits_chunk(hidden[c], weight, bias)
+        logits = logits_chunk(hidden[c], weight, bias, buffer)
         loss[c], lse[c], lse_lo[c], pred_c = ce.loss(logits, target[c], w, w_sum, opts, stats)
         if stats:
             predicted[c] = pred_c
         if token_weight is not None:
             token_weight[c] = target_probability(logits, target[c], lse[c], opts)
+    return loss, lse, lse_lo, predicted, token_weight
+
+
+def loss_then_grad_(ce, logits, target, w, w_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
+    """``ChunkCE.loss_and_grad_`` composed from ``ce.loss`` and ``ce.grad_`` (for a backend without a
+    fused kernel): ``(loss, lse, lse_lo, predicted, token_weight)``, ``logits`` overwritten with
+    d(sum_i grad_row[i] ce_i + z_grad_row[i] z_i)/d logits (both upstreams times ``p_t`` with token
+    scaling; ``token_weight`` is ``p_t``, or None)."""
+    loss, lse, lse_lo, predicted = ce.loss(logits, target, w, w_sum, opts, stats)
+    token_weight = target_probability(logits, target, lse, opts) if opts.use_token_scaling else None
+    if token_weight is not None:
+        grad_row, z_grad_row = grad_row * token_weight, z_grad_row * token_weight
+    ce.grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, _grad_lse(lse, z_grad_row, opts), opts)
     return loss, lse, lse_lo, predicted, token_weight
 
 
@@ -119,24 +152,29 @@ def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: i
     grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if needs[0] else None
     grad_w = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device) if needs[1] else None
     grad_b = torch.zeros(weight.shape[0], dtype=accum_dtype, device=weight.device) if needs[2] else None
+    buffer = chunk_buffer(n, rows, weight, hidden.dtype)
     for s in range(0, n, rows):
         c = slice(s, s + rows)
         h_c = hidden[c]
-        logits = logits_chunk(h_c, weight, bias)
+        logits = logits_chunk(h_c, weight, bias, buffer)
         if forward:
-            loss[c], lse[c], lse_lo[c], pred_c = ce.loss(logits, target[c], w, w_sum, opts, stats)
+            loss[c], lse[c], lse_lo[c], pred_c, tw_c = ce.loss_and_grad_(logits, target[c], w, w_sum, grad_row[c],
+                                                                         z_grad_row[c], opts, stats)
             if stats:
                 predicted[c] = pred_c
-        g_c, zg_c = grad_row[c], z_grad_row[c]
-        if token_weight is not None:
-            token_weight[c] = target_probability(logits, target[c], lse[c], opts)
-            g_c, zg_c = g_c * token_weight[c], zg_c * token_weight[c]
-        ce.grad_(logits, target[c], w, w_sum, lse[c], lse_lo[c], g_c, _grad_lse(lse[c], zg_c, opts), opts)
+            if token_weight is not None:
+                token_weight[c] = tw_c
+        else:
+            g_c, zg_c = grad_row[c], z_grad_row[c]
+            if token_weight is not None:
+                token_weight[c] = target_probability(logits, target[c], lse[c], opts)
+                g_c, zg_c = g_c * token_weight[c], zg_c * token_weight[c]
+            ce.grad_(logits, target[c], w, w_sum, lse[c], lse_lo[c], g_c, _grad_lse(lse[c], zg_c, opts), opts)
         if grad_h is not None:
             torch.mm(logits, weight, out=grad_h[c])
         if grad_w is not None:
             accumulate_(grad_w, logits, h_c)
         if grad_b is not None:
             grad_b += logits.sum(dim=0, dtype=accum_dtype)
-        del logits   # free this chunk before the next one is allocated: one chunk alive, not two
+        del logits   # without a buffer: free this chunk before the next is allocated (one alive, not two)
     return loss, lse, lse_lo, predicted, token_weight, grad_h, grad_w, grad_b

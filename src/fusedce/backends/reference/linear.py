@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 
 from ..linear import linear_cross_entropy as _linear_cross_entropy
+from ..linear.loop import loss_then_grad_
 from .cross_entropy import chunk_grad_, chunk_loss
 
 
@@ -17,6 +18,10 @@ class TorchChunkCE:
     @staticmethod
     def grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts):
         chunk_grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts)
+
+    @classmethod
+    def loss_and_grad_(cls, logits, target, w, w_sum, grad_row, z_grad_row, opts, stats):
+        return loss_then_grad_(cls, logits, target, w, w_sum, grad_row, z_grad_row, opts, stats)
 
 
 linear_cross_entropy = functools.partial(_linear_cross_entropy, TorchChunkCE)

@@ -1,6 +1,6 @@
 """The Triton launches as torch custom ops, so ``torch.compile(fullgraph=True)`` traces through them.
 
-Three ops in the ``fusedce`` namespace, each "allocate, then call a launcher" (``launch.py``) plus a fake
+Four ops in the ``fusedce`` namespace, each "allocate, then call a launcher" (``launch.py``) plus a fake
 (meta) implementation that gives the output shapes, dtypes and strides without touching data:
 
 - ``fusedce::ce_forward(logits, target, weight?, weight_sum?, <options>, stats, inplace_backward)
@@ -17,6 +17,11 @@ Three ops in the ``fusedce`` namespace, each "allocate, then call a launcher" (`
   turns the mutation into ``auto_functionalized`` and Inductor re-inplaces it into ``logits``' buffer
   when that is safe (it is when nothing else reads the logits later), else it computes into a copy: the
   in-place write is then a memory hint, never a change of results.
+- ``fusedce::ce_chunk_(logits!, target, weight?, weight_sum?, grad_row, z_grad_row, <options>, stats)
+  -> (loss, lse, lse_lo, predicted, token_weight)``: the fused forward + gradient of one chunk of
+  ``linear_cross_entropy`` (``kernels/ce_chunk.py``), the gradient written over ``logits``;
+  ``token_weight`` (BT,) with ``use_token_scaling``, else (0,). No autograd: the chunk loop calls it
+  inside its own autograd Function.
 
 ``<options>`` are ``ignore_index: int, scalars: float[]``, made by ``LossOptions.op_args`` and read back
 by ``LossOptions.from_op_args`` (a custom op cannot take the dataclass; the list keeps these schemas
@@ -36,6 +41,7 @@ import torch
 
 from ...types import LossOptions
 from .launch import ce_backward as launch_backward
+from .launch import ce_chunk_ as launch_chunk
 from .launch import ce_forward as launch_forward
 
 Opt = Optional[torch.Tensor]
@@ -113,6 +119,33 @@ def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignor
     return None
 
 
+# ---------------------------------------------------------------- fused chunk: loss + gradient over the logits
+
+@torch.library.custom_op("fusedce::ce_chunk_", mutates_args=("logits",))
+def ce_chunk_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
+              grad_row: torch.Tensor, z_grad_row: torch.Tensor, ignore_index: int, scalars: list[float],
+              stats: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    opts = LossOptions.from_op_args(ignore_index, scalars)
+    loss, lse, lse_lo, predicted, token_weight = _chunk_buffers(logits, stats, opts.use_token_scaling)
+    rows = _unit_stride(logits)
+    launch_chunk(rows, target, _opt_contiguous(weight), _opt_contiguous(weight_sum), grad_row, z_grad_row, opts,
+                 loss, lse, lse_lo, predicted if stats else None,
+                 token_weight if opts.use_token_scaling else None)
+    if rows is not logits:
+        logits.copy_(rows)
+    return loss, lse, lse_lo, predicted, token_weight
+
+
+def _chunk_buffers(logits: torch.Tensor, stats: bool, token_scaling: bool):
+    n_rows = logits.shape[0]
+    return (*_forward_buffers(logits, stats), logits.new_empty(n_rows if token_scaling else 0, dtype=torch.float32))
+
+
+@ce_chunk_.register_fake
+def _(logits, target, weight, weight_sum, grad_row, z_grad_row, ignore_index, scalars, stats):
+    return _chunk_buffers(logits, stats, LossOptions.from_op_args(ignore_index, scalars).use_token_scaling)
+
+
 # ---------------------------------------------------------------- typed entry points for this backend
 
 def forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt, opts: LossOptions,
@@ -130,3 +163,13 @@ def backward_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_su
     ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i``."""
     torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse,
                                           *opts.op_args())
+
+
+def loss_and_grad_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
+                   grad_row: torch.Tensor, z_grad_row: torch.Tensor, opts: LossOptions, stats: bool):
+    """``fusedce::ce_chunk_`` with ``LossOptions``: ``(loss, lse, lse_lo, predicted, token_weight)``
+    (predicted (0,) without stats, token_weight None without token scaling); ``logits`` is overwritten
+    with its gradient."""
+    loss, lse, lse_lo, predicted, token_weight = torch.ops.fusedce.ce_chunk_(
+        logits, target, weight, weight_sum, grad_row, z_grad_row, *opts.op_args(), stats)
+    return loss, lse, lse_lo, predicted, token_weight if opts.use_token_scaling else None

@@ -13,6 +13,7 @@ import triton
 
 from ...types import LossOptions
 from .kernels.ce_backward import ce_backward_kernel
+from .kernels.ce_chunk import ce_chunk_kernel
 from .kernels.ce_forward import ce_forward_kernel
 from .tuning import backward_config, forward_config
 
@@ -72,6 +73,43 @@ def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional
     if _INTERPRETED and grad.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True
     return ce_backward_kernel, grid, args, meta
+
+
+def chunk_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                 weight_sum: Optional[torch.Tensor], grad_row: torch.Tensor, z_grad_row: torch.Tensor,
+                 opts: LossOptions, loss: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
+                 predicted: Optional[torch.Tensor], token_weight: Optional[torch.Tensor]):
+    """``(kernel, grid, args, meta)`` of the fused chunk launch (see ``ce_chunk``): one program per row,
+    the forward's block configuration (it streams whole rows)."""
+    n_rows, n_cols = logits.shape
+    dummy = loss
+    cfg = forward_config(n_cols)
+    args = (logits, target, dummy if weight is None else weight, dummy if weight_sum is None else weight_sum,
+            grad_row, z_grad_row, loss, lse, lse_lo, dummy if predicted is None else predicted,
+            dummy if token_weight is None else token_weight,
+            n_cols, logits.stride(0), target.stride(0), grad_row.stride(0), z_grad_row.stride(0),
+            *opts.kernel_scalars(), opts.lse_square_scale)
+    meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
+                COMPUTE_STATS=predicted is not None, HAS_ZLOSS=opts.lse_square_scale != 0.0,
+                TOKEN_SCALING=opts.use_token_scaling, **_flags(weight, opts), num_warps=cfg["num_warps"])
+    if _INTERPRETED and logits.dtype == torch.bfloat16:
+        meta["ROUND_BF16"] = True
+    return ce_chunk_kernel, (n_rows,), args, meta
+
+
+def ce_chunk_(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+              weight_sum: Optional[torch.Tensor], grad_row: torch.Tensor, z_grad_row: torch.Tensor,
+              opts: LossOptions, loss: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
+              predicted: Optional[torch.Tensor], token_weight: Optional[torch.Tensor]) -> None:
+    """Fill ``loss``/``lse``/``lse_lo`` (and ``predicted``, ``token_weight`` when given) for the chunk
+    ``logits`` ((n, V), last dim stride 1) and overwrite ``logits`` with d(sum_i grad_row[i] loss_i +
+    z_grad_row[i] z_i)/d logits (``z_i = s lse_i**2``; both upstreams times ``p_t`` with token scaling).
+    ``grad_row``, ``z_grad_row``: (n,) any float dtype and stride."""
+    if logits.shape[0] == 0:
+        return
+    kernel, grid, args, meta = chunk_launch(logits, target, weight, weight_sum, grad_row, z_grad_row, opts,
+                                            loss, lse, lse_lo, predicted, token_weight)
+    kernel[grid](*args, **meta)
 
 
 def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],

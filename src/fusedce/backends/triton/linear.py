@@ -1,8 +1,10 @@
 """The Triton backend's per-chunk cross-entropy, plugged into the shared linear chunk loop.
 
-Per chunk the forward kernel writes loss/lse/lse_lo (reading the chunk's logits once) and the backward
-kernel overwrites the chunk's logits with their gradient (one more read, one write): the logits buffer
-of a chunk is the only n_c x V memory the loss ever holds.
+Per chunk, one fused kernel (``kernels/ce_chunk.py``) writes loss/lse/lse_lo and overwrites the chunk's
+logits with their gradient: one launch, the chunk read once from HBM (the second read of each row hits
+L2) and written once. A backward that recomputes (reduction "none", or a second backward) runs the
+backward kernel alone on logits whose lse is known. The logits buffer of a chunk is the only n_c x V
+memory the loss ever holds.
 """
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ class TritonChunkCE:
     @staticmethod
     def loss(logits, target, w, w_sum, opts, stats):
         return custom_ops.forward(logits, target, *_w(w, w_sum), opts, stats)
+
+    @staticmethod
+    def loss_and_grad_(logits, target, w, w_sum, grad_row, z_grad_row, opts, stats):
+        return custom_ops.loss_and_grad_(logits, target, *_w(w, w_sum), grad_row, z_grad_row, opts, stats)
 
     @staticmethod
     def grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts):

@@ -1,17 +1,11 @@
 """Cross-entropy backward: 2-D grid (row, vocabulary block), recomputes softmax from the saved lse.
 
-With ``g`` the upstream gradient of the row's cross-entropy loss (``grad_row``, which already carries
-the mean's 1/D), ``h`` that of the row's lse (``grad_lse``: the z-loss ``s lse**2`` reaches the kernel
-as ``h = 2 s lse`` times its own upstream), ``a = (1 - eps) w_t``, ``b = eps / V``, ``W = sum_c w_c``:
-
-    dloss/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c,   p_c = exp((z_c - lse) - lse_lo)
-
-then the chain rule of ``z = softcap tanh(s x / softcap)`` (s = logit_scale): dz/dx = s (1 - (z /
-softcap)^2). The differences ``p_c - [c == t]`` and ``W p_c - w_c`` are formed before scaling, so the gradient is exactly 0 wherever the math says so (V = 1,
-or a saturated softmax with p_t = 1), and ``lse_lo`` (lse's rounding error) keeps p as accurate as
-PyTorch's softmax for any logit magnitude. Ignored rows are written as exact zeros without reading
-their logits. Writing into ``logits``' own storage (in-place backward) is safe: each program reads its
-block before writing it and no other program touches that block.
+Each program computes one block of ``dL/dx`` (``row_math.grad_block``: the formula, its exactness and
+its precision are documented there) for the upstream gradients ``g`` of the row's loss (``grad_row``,
+which already carries the mean's 1/D) and ``h`` of its lse (``grad_lse``: the z-loss ``s lse**2``
+reaches the kernel as ``h = 2 s lse`` times its own upstream). Ignored rows are written as exact zeros
+without reading their logits. Writing into ``logits``' own storage (in-place backward) is safe: each
+program reads its block before writing it and no other program touches that block.
 
 Bytes moved per token (row), V classes, s bytes per logit:
     read  V * s (logits; skipped on ignored rows) + 4 (lse) + 4 (lse_lo) + 4 (grad_row)
@@ -23,7 +17,8 @@ two-kernel design that does not keep a row on chip between passes.
 import triton
 import triton.language as tl
 
-from .common import aligned, logit_transform, logit_slope, to_bf16_rne, target_terms
+from .common import aligned, target_terms
+from .row_math import grad_block, store_grad
 
 
 @triton.jit
@@ -61,31 +56,12 @@ def ce_backward_kernel(
     is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, weight_ptr, HAS_WEIGHT)
 
     live = cols < tl.where(is_valid, n_cols, 0)      # ignored rows read nothing
-    x = tl.load(logits_ptr + row * stride_logits_row + cols, mask=live, other=0.0)
-    z = logit_transform(x.to(tl.float32), logit_scale, softcap, HAS_SOFTCAP)
-    lse = tl.load(lse_ptr + row)
-    lse_lo = tl.load(lse_lo_ptr + row)
+    x = tl.load(logits_ptr + row * stride_logits_row + cols, mask=live, other=0.0).to(tl.float32)
     g = tl.load(grad_row_ptr + row * stride_grad_row_vec).to(tl.float32)
-
-    p = tl.exp((z - lse) - lse_lo)   # z - lse is exact near the max (Sterbenz); lse_lo adds lse's error back
-    p_minus_onehot = p - tl.where(cols == target, 1.0, 0.0)
-    a = (1.0 - label_smoothing) * w_t
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            total_w = tl.load(weight_sum_ptr)
-            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        else:
-            total_w = n_cols * 1.0
-            w = 1.0
-        dz = g * (a * p_minus_onehot + label_smoothing / n_cols * (total_w * p - w))
-    else:
-        dz = (g * a) * p_minus_onehot
+    h = 0.0
     if HAS_GRAD_LSE:
-        dz += tl.load(grad_lse_ptr + row * stride_grad_lse).to(tl.float32) * p
-    dz *= logit_slope(z, logit_scale, softcap, HAS_SOFTCAP)
-    dz = tl.where(is_valid, dz, 0.0)
-    if ROUND_BF16:
-        out = to_bf16_rne(dz)
-    else:
-        out = dz.to(grad_ptr.dtype.element_ty)
-    tl.store(grad_ptr + row * stride_grad_row + cols, out, mask=mask)
+        h = tl.load(grad_lse_ptr + row * stride_grad_lse).to(tl.float32)
+    dz = grad_block(x, cols, mask, target, w_t, tl.load(lse_ptr + row), tl.load(lse_lo_ptr + row), g, h,
+                    weight_ptr, weight_sum_ptr, n_cols, label_smoothing, softcap, logit_scale,
+                    HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_GRAD_LSE)
+    store_grad(grad_ptr + row * stride_grad_row + cols, tl.where(is_valid, dz, 0.0), mask, ROUND_BF16)

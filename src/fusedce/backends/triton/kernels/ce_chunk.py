@@ -1,0 +1,84 @@
+"""Fused cross-entropy forward + gradient of one chunk of logits, written over the logits: the hot path
+of ``linear_cross_entropy`` (mean / sum), where the upstream gradient of every row is known in forward.
+
+One program per row: ``row_math.row_forward`` streams the row once for the loss, the lse pair and the
+argmax; the row's gradient factors follow (the upstream gradient ``g`` of its loss, ``h = 2 s lse zg`` of
+its z-loss, both times ``p_t`` with token scaling); a second pass over the same row writes ``dL/dx``
+(``row_math.grad_block``) into the logits' storage. The second read of a row comes right after the
+first, while the row is still in L2 (a 128256-class bf16 row is 250 KiB; the rows in flight on an H100
+or H200 take well under its 50 MiB), so from HBM the chunk is read once and written once.
+
+Bytes moved per token (row), V classes, s bytes per logit (HBM; the second read hits L2):
+    read  V * s (logits) + 4 (grad_row) [+ 4 (z_grad_row)] + 4-8 (target) [+ 4 V class weights, L2]
+    write V * s (gradient, in place) + 12 (loss, lse, lse_lo) [+ 8 argmax] [+ 4 token weight]
+against 3 V s for the two-kernel path (forward read; backward read + write), i.e. a third less.
+Ignored rows read nothing and write zeros.
+"""
+import triton
+import triton.language as tl
+
+from .common import aligned, target_terms
+from .row_math import grad_block, row_forward, store_grad
+
+
+@triton.jit
+def ce_chunk_kernel(
+    # pointers
+    logits_ptr,          # [n_rows, n_cols] fp32/bf16/fp16 in: logits; out: dL/dlogits (same storage)
+    target_ptr,          # [n_rows] int32/int64
+    weight_ptr,          # [n_cols] class weights (HAS_WEIGHT)
+    weight_sum_ptr,      # [1] fp32 sum of class weights (HAS_WEIGHT and HAS_SMOOTHING)
+    grad_row_ptr,        # [n_rows] upstream gradient of each row's loss (any float dtype and stride)
+    z_grad_row_ptr,      # [n_rows] upstream gradient of each row's z-loss (HAS_ZLOSS)
+    loss_ptr,            # [n_rows] fp32 out: cross-entropy without z-loss, not token-scaled
+    lse_ptr,             # [n_rows] fp32 out
+    lse_lo_ptr,          # [n_rows] fp32 out: lse's rounding error
+    predicted_ptr,       # [n_rows] int64 out (COMPUTE_STATS)
+    token_weight_ptr,    # [n_rows] fp32 out: p_t (TOKEN_SCALING)
+    # sizes
+    n_cols,
+    # strides (elements)
+    stride_logits_row, stride_target, stride_grad_row, stride_z_grad_row,
+    # runtime scalars (fp32)
+    ignore_index, label_smoothing, softcap, logit_scale, lse_square_scale,
+    # meta-parameters
+    BLOCK_V: tl.constexpr,
+    ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_STATS: tl.constexpr, HAS_ZLOSS: tl.constexpr, TOKEN_SCALING: tl.constexpr,
+    ROUND_BF16: tl.constexpr = False,  # interpreter only: round to nearest as GPUs do (common.to_bf16_rne)
+):
+    n_cols = aligned(n_cols, ALIGN)
+    stride_logits_row = aligned(stride_logits_row, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_logits_row
+    target = tl.load(target_ptr + row * stride_target).to(tl.int64)
+    is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, weight_ptr, HAS_WEIGHT)
+    loss, lse, lse_lo, best_idx, z_t = row_forward(
+        row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weight_sum_ptr,
+        label_smoothing, softcap, logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS)
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+    tl.store(lse_lo_ptr + row, lse_lo)
+    if COMPUTE_STATS:
+        tl.store(predicted_ptr + row, tl.where(is_valid, best_idx.to(tl.int64), -1))
+
+    g = tl.load(grad_row_ptr + row * stride_grad_row).to(tl.float32)
+    z_grad = 0.0
+    if HAS_ZLOSS:
+        z_grad = tl.load(z_grad_row_ptr + row * stride_z_grad_row).to(tl.float32)
+    if TOKEN_SCALING:   # Dynamic Fine-Tuning: the row's loss times p_t, detached
+        p_t = tl.where(is_valid & in_range, tl.exp((z_t - lse) - lse_lo), 0.0)
+        tl.store(token_weight_ptr + row, p_t)
+        g = g * p_t
+        z_grad = z_grad * p_t
+    h = 2.0 * lse_square_scale * lse * z_grad   # d(s lse^2)/d lse times its upstream
+
+    n_live = tl.where(is_valid, n_cols, 0)      # ignored rows read nothing (and get zeros)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < n_cols
+        x = tl.load(row_ptr + cols, mask=cols < n_live, other=0.0).to(tl.float32)
+        dz = grad_block(x, cols, mask, target, w_t, lse, lse_lo, g, h, weight_ptr, weight_sum_ptr, n_cols,
+                        label_smoothing, softcap, logit_scale, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_ZLOSS)
+        store_grad(row_ptr + cols, tl.where(is_valid, dz, 0.0), mask, ROUND_BF16)
