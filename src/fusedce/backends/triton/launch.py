@@ -48,7 +48,7 @@ def forward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[
             loss, lse, lse_lo, dummy if predicted is None else predicted,
             n_cols, logits.stride(0), target.stride(0), *opts.kernel_scalars())
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
-                COMPUTE_STATS=predicted is not None, **_flags(weight, opts), num_warps=cfg["num_warps"])
+                COMPUTE_STATS=predicted is not None, **_flags(weight, opts), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     return ce_forward_kernel, (n_rows,), args, meta
 
 
@@ -69,7 +69,7 @@ def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional
             *opts.kernel_scalars())
     align = _align(min(logits.element_size(), grad.element_size()), n_cols, logits.stride(0), grad.stride(0))
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=align, **_flags(weight, opts), HAS_GRAD_LSE=has_grad_lse,
-                num_warps=cfg["num_warps"])
+                num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     if _INTERPRETED and grad.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True
     return ce_backward_kernel, grid, args, meta
@@ -91,7 +91,7 @@ def chunk_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[to
             *opts.kernel_scalars(), opts.lse_square_scale)
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
                 COMPUTE_STATS=predicted is not None, HAS_ZLOSS=opts.lse_square_scale != 0.0,
-                TOKEN_SCALING=opts.use_token_scaling, **_flags(weight, opts), num_warps=cfg["num_warps"])
+                TOKEN_SCALING=opts.use_token_scaling, **_flags(weight, opts), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     if _INTERPRETED and logits.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True
     return ce_chunk_kernel, (n_rows,), args, meta

@@ -69,9 +69,10 @@ def logit_transform(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """``z`` of fp32 logits ``x``: ``softcap * tanh(logit_scale * x / softcap)`` (Gemma 2 soft-capping
     after Cohere's ``logit_scale``), or ``logit_scale * x`` without softcap; a few ulp of relative error
     for every finite softcap and logit (``tanh_fp32``). Multiplying by a scale of 1.0 is exact."""
-    x = x * logit_scale
     if HAS_SOFTCAP:
-        x = softcap * tanh_fp32(x / softcap)
+        x = softcap * tanh_fp32(x * (logit_scale / softcap))   # one multiply per logit
+    else:
+        x = x * logit_scale
     return x
 
 

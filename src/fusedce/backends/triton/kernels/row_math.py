@@ -65,8 +65,8 @@ def row_forward(row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weig
     # nll = lse - z_t with lse's rounding error added back (as accurate as -log_softmax[t])
     loss = (1.0 - label_smoothing) * w_t * ((lse - z_t) + lse_lo)
     if HAS_SMOOTHING:
-        loss += label_smoothing / n_cols * ((total_weight(weight_sum_ptr, n_cols, HAS_WEIGHT) * lse - zsum)
-                                            + total_weight(weight_sum_ptr, n_cols, HAS_WEIGHT) * lse_lo)
+        total_w = total_weight(weight_sum_ptr, n_cols, HAS_WEIGHT)
+        loss += label_smoothing / n_cols * ((total_w * lse - zsum) + total_w * lse_lo)
     loss = tl.where(in_range, loss, float("nan"))
     loss = tl.where(is_valid, loss, 0.0)
     return loss, lse, lse_lo, best_idx, z_t
