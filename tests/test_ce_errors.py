@@ -331,3 +331,32 @@ def test_module_valid_options_accepted():
     for kw in ({}, {"backend": "triton"}, {"backend": "auto"}, {"weight": make_weight(V)},
                {"ignore_index": np.int64(-1), "label_smoothing": 1.0, "softcap": 1e-3}):
         fusedce.CrossEntropyLoss(**kw)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("-inf")])
+def test_num_items_cpu_tensor_value_checked(backend, bad):
+    """A CPU tensor's value is read without any device sync: the same ValueError as a number."""
+    x, t = torch.randn(4, 6), torch.tensor([1, 2, -100, 3])
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        fusedce.cross_entropy(x, t, num_items_in_batch=torch.tensor(bad), backend=backend)
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        fusedce.linear_cross_entropy(torch.randn(4, 3), torch.randn(6, 3), t, num_items_in_batch=torch.tensor(bad),
+                                     backend=backend)
+
+
+@pytest.mark.parametrize("name", ["return_stats", "inplace_backward"])
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_flags_must_be_bools(backend, name, bad):
+    """A string flag would count as True on one backend and break the other's op schema: TypeError."""
+    x, t = torch.randn(4, 6), torch.tensor([1, 2, -100, 3])
+    with pytest.raises(TypeError, match=name):
+        fusedce.cross_entropy(x, t, backend=backend, **{name: bad})
+    with pytest.raises(TypeError, match=name):
+        fusedce.CrossEntropyLoss(**{name: bad})
+
+
+def test_cute_backend_is_named_but_not_available():
+    """The contract names backend="cute"; this version raises RuntimeError saying it is missing."""
+    x, t = torch.randn(4, 6), torch.tensor([1, 2, -100, 3])
+    with pytest.raises(RuntimeError, match="cute"):
+        fusedce.cross_entropy(x, t, backend="cute")

@@ -92,6 +92,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight", weight, n_classes, logits.device)
     val.check_num_items(num_items_in_batch, logits.device)
+    val.check_flag("inplace_backward", inplace_backward)
+    val.check_flag("return_stats", return_stats)
     weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
     impl = backends.get(backend, logits.device)
     val.check_target_range(target, n_classes, opts.ignore_index)
@@ -158,6 +160,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
+    val.check_flag("return_stats", return_stats)
     ce_weight = None if ce_weight is None else ce_weight.detach()   # class weights are constants
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
     impl = backends.get(backend, hidden.device)

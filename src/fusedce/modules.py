@@ -36,11 +36,12 @@ class CrossEntropyLoss(nn.Module):
 
     def __init__(self, weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
-                 softcap: Optional[float] = None, inplace_backward: bool = False,
-                 return_stats: bool = False, backend: Optional[str] = None, *, logit_scale: float = 1.0,
-                 use_token_scaling: bool = False):
+                 softcap: Optional[float] = None, logit_scale: float = 1.0, use_token_scaling: bool = False,
+                 inplace_backward: bool = False, return_stats: bool = False, backend: Optional[str] = None):
         _check_options("weight", weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
                        backend, logit_scale, use_token_scaling)
+        val.check_flag("inplace_backward", inplace_backward)
+        val.check_flag("return_stats", return_stats)
         super().__init__()
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction = ignore_index, reduction
@@ -70,12 +71,13 @@ class LinearCrossEntropyLoss(nn.Module):
 
     def __init__(self, ce_weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
-                 softcap: Optional[float] = None, return_stats: bool = False, backend: Optional[str] = None,
-                 chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32, *,
-                 logit_scale: float = 1.0, use_token_scaling: bool = False):
+                 softcap: Optional[float] = None, logit_scale: float = 1.0, use_token_scaling: bool = False,
+                 return_stats: bool = False, backend: Optional[str] = None,
+                 chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32):
         _check_options("ce_weight", ce_weight, ignore_index, reduction, label_smoothing, lse_square_scale,
                        softcap, backend, logit_scale, use_token_scaling)
         val.check_chunk_size(chunk_size)
+        val.check_flag("return_stats", return_stats)
         val.check_accum_dtype(accum_dtype)
         super().__init__()
         self.register_buffer("ce_weight", ce_weight)

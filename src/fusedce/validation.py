@@ -77,6 +77,13 @@ def loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, sof
     return LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap, logit_scale, use_token_scaling)
 
 
+def check_flag(name: str, value) -> None:
+    """A boolean option (``return_stats``, ``inplace_backward``): ``TypeError`` unless a bool (a string
+    such as ``"no"`` would otherwise count as True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
 def widen_target(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """An int32 ``target`` compared with an ``ignore_index`` outside int32 would wrap around: such a
     target is converted to int64 once (a BT-element copy); otherwise it is returned as is."""
@@ -208,8 +215,10 @@ def check_accum_dtype(accum_dtype) -> None:
 
 def check_num_items(num_items_in_batch, device: torch.device) -> None:
     """``num_items_in_batch``: None, a finite number >= 0, or a one-element real tensor on ``device`` or
-    the CPU (its value is not read: that would sync). ``TypeError`` for a bool, a bool tensor or a
-    non-number; ``ValueError`` for a negative or non-finite number or a tensor of another size / device."""
+    the CPU. A CPU tensor's value is checked like a number (no device is involved); a CUDA tensor's is
+    not (reading it would sync the stream): a negative or non-finite one gives that loss. ``TypeError``
+    for a bool, a bool tensor or a non-number; ``ValueError`` for a negative or non-finite number or CPU
+    tensor, or a tensor of another size / device."""
     if num_items_in_batch is None:
         return
     if isinstance(num_items_in_batch, torch.Tensor):
@@ -221,6 +230,10 @@ def check_num_items(num_items_in_batch, device: torch.device) -> None:
                              f"{tuple(num_items_in_batch.shape)}")
         if num_items_in_batch.device not in (device, torch.device("cpu")):
             raise ValueError(f"num_items_in_batch is on {num_items_in_batch.device} but the data is on {device}")
+        if num_items_in_batch.device.type == "cpu" and sync_allowed():
+            value = float(num_items_in_batch)   # a CPU tensor: reading it syncs with no device
+            if not (_finite(value) and value >= 0):
+                raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {value}")
         return
     number = isinstance(num_items_in_batch, (numbers.Real,) + _SYMBOLIC)
     if isinstance(num_items_in_batch, bool) or not number:

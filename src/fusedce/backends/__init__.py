@@ -21,11 +21,26 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+PLANNED = ("cute",)   # named by the contract, not in this version (the CuTe DSL backend, issue 13)
+
+
 def check_name(name) -> None:
     """``ValueError`` listing the valid names unless ``name`` is one of ``BACKENDS`` (device-independent:
-    the modules call it at construction; ``resolve`` also checks the device)."""
+    the modules call it at construction; ``resolve`` also checks the device); ``RuntimeError`` for a
+    backend the contract names that this version does not have."""
+    if name in PLANNED:
+        raise RuntimeError(f"backend={name!r} (the CuTe DSL backend) is not available in fusedce "
+                           f"{_version()}: it is planned; valid names now are {BACKENDS}")
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; valid names are {BACKENDS}")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("fusedce")
+    except PackageNotFoundError:
+        return "(source tree)"
 
 
 def resolve(name, device: torch.device) -> str:

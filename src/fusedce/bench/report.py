@@ -31,7 +31,7 @@ def _gbps(gbps, peak) -> str:
 
 OP_TITLES = {
     "cross_entropy": "cross_entropy on the logits (BT, V)",
-    "linear_cross_entropy": "linear_cross_entropy: LM head + loss, hidden (BT, H) and weight (V, H) in",
+    "linear_cross_entropy": "linear_cross_entropy: LM head + loss from hidden (BT, H) and weight (V, H)",
 }
 
 

@@ -126,6 +126,7 @@ def vocab_parallel_cross_entropy(
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight_shard", weight_shard, n_local, device)
     val.check_num_items(num_items_in_batch, device)
+    val.check_flag("return_stats", return_stats)
     layout = vocab_layout(n_local, vocab_start_index, group, device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)
 

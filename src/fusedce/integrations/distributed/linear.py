@@ -152,6 +152,7 @@ def vocab_parallel_linear_cross_entropy(
                             use_token_scaling)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
+    val.check_flag("return_stats", return_stats)
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)
 
