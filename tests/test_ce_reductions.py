@@ -233,17 +233,20 @@ def test_module_signature_order():
     """Argument order of the contract: data, target, optional tensors, then options."""
     params = list(inspect.signature(fusedce.CrossEntropyLoss.__init__).parameters)[1:]
     assert params == ["weight", "ignore_index", "reduction", "label_smoothing", "lse_square_scale", "softcap",
-                      "inplace_backward", "return_stats", "backend"]
+                      "inplace_backward", "return_stats", "backend",
+                      "logit_scale", "use_token_scaling"]   # added by the one-path redesign, after the rest
     assert list(inspect.signature(fusedce.CrossEntropyLoss.forward).parameters)[1:] == [
         "logits", "target", "num_items_in_batch"]
     sig = inspect.signature(fusedce.cross_entropy)
     assert list(sig.parameters)[:3] == ["logits", "target", "weight"]
     keyword_only = [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert keyword_only == ["ignore_index", "reduction", "label_smoothing", "lse_square_scale", "softcap",
+                            "logit_scale", "use_token_scaling",
                             "num_items_in_batch", "inplace_backward", "return_stats", "backend"]
     defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
     assert defaults == {"weight": None, "ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0,
-                        "lse_square_scale": 0.0, "softcap": None, "num_items_in_batch": None,
+                        "lse_square_scale": 0.0, "softcap": None, "logit_scale": 1.0,
+                        "use_token_scaling": False, "num_items_in_batch": None,
                         "inplace_backward": False, "return_stats": False, "backend": None}
 
 
