@@ -69,21 +69,22 @@ def _target_terms(z, target, weight, opts: LossOptions):
     return valid, in_range, safe, z_t, w_t
 
 
-def logsumexp_rows(z: torch.Tensor):
+def logsumexp_rows(z: torch.Tensor, scratch: Optional[torch.Tensor] = None):
     """``(lse, lse_lo)`` per row, fp32, with ``lse + lse_lo = max + log(sum_c exp(z_c - max))`` exactly.
 
-    One max pass, one fused sub/exp pass and a sum. A row whose logits are all -inf (a masked block)
-    is shifted by 0 instead of -inf, so its sum is 0 and its lse -inf (never NaN from -inf - -inf);
-    a NaN anywhere in a row makes its lse NaN.
+    One max pass, one fused sub/exp pass (into ``scratch``, an fp32 buffer of ``z``'s shape, when given)
+    and a sum. A row whose logits are all -inf (a masked block) is shifted by 0 instead of -inf, so its
+    sum is 0 and its lse -inf (never NaN from -inf - -inf); a NaN anywhere in a row makes its lse NaN.
     """
     m = z.amax(dim=1)
     shift = torch.where(m == float("-inf"), 0.0, m)
-    d = torch.sub(z, shift[:, None]).exp_().sum(dim=1).log_()
+    d = torch.sub(z, shift[:, None], out=scratch).exp_().sum(dim=1).log_()
     return two_sum(shift, d)
 
 
 def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
-                 weight_sum: Optional[torch.Tensor], opts: LossOptions, stats: bool = True):
+                 weight_sum: Optional[torch.Tensor], opts: LossOptions, stats: bool = True,
+                 scratch: Optional[torch.Tensor] = None):
     """Per-row cross-entropy (without z-loss), lse and argmax of ``x`` ((n, V) fp32; ``weight`` (V,)
     fp32 or None).
 
@@ -93,7 +94,7 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.T
     """
     n_classes = x.shape[1]
     z = transform(x, opts)
-    lse, lse_lo = logsumexp_rows(z)
+    lse, lse_lo = logsumexp_rows(z, scratch)
     valid, in_range, _, z_t, w_t = _target_terms(z, target, weight, opts)
     eps = opts.label_smoothing
     loss = (1.0 - eps) * w_t * ((lse - z_t) + lse_lo)
