@@ -1,4 +1,4 @@
-"""Backward more than once (issue 9, kind 4; case C16): every op and reduction gives torch's result for
+"""Backward more than once (case C16, docs/cases.md): every op and reduction gives torch's result for
 a second backward through a retained graph (``retain_graph=True`` then ``backward``; or
 ``torch.autograd.grad(..., retain_graph=True)`` then ``backward``), as auxiliary losses, gradient
 penalties and grad-norm probes do. A double backward (``create_graph=True``) raises a RuntimeError that

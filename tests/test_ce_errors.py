@@ -157,7 +157,7 @@ def test_error_order_before_any_work_with_module(backend):
         fusedce.CrossEntropyLoss(reduction="avg", backend=backend)(x, t)
 
 
-# --- issue 9.7: int32 target vs a wide ignore_index, strict scalar options, V = 0, module checks -------
+# --- int32 target vs a wide ignore_index, strict scalar options, V = 0, module checks -------
 def _equal_outputs(a, b):
     """Two CrossEntropyOutput (or two tensors) bit for bit."""
     pairs = zip(a, b) if isinstance(a, fusedce.CrossEntropyOutput) else [(a, b)]

@@ -433,7 +433,7 @@ def zero_sizes_and_wide_ignore_index(rank, world):
 
 @check
 def autocast_bf16(rank, world):
-    """Under CPU bf16 autocast (issue 9): the linear op with fp32 leaves is EXACTLY the op on the
+    """Under CPU bf16 autocast: the linear op with fp32 leaves is EXACTLY the op on the
     bf16-cast inputs without autocast (loss bit for bit, gradients those bf16 gradients upcast to the
     fp32 leaves), as stock ``F.linear`` under autocast; the cross-entropy op (fp32 logits, class weights
     and smoothing: the smoothing matmul must not be downcast) is exactly the op without autocast."""
@@ -484,7 +484,7 @@ def _masked_inputs():
 
 @check
 def masked_shards(rank, world):
-    """C13 and its kind (issue 9): a slice whose logits are all -inf in a row contributes exactly 0 to
+    """C13 (docs/cases.md) and its kind: a slice whose logits are all -inf in a row contributes exactly 0 to
     the merged (max, sum-exp); with softcap, class weights and z-loss; and a -inf bias shard in the
     linear form. Compared with the float64 oracle and the single-process op by ``run_ce``."""
     x, t = _masked_inputs()
@@ -514,7 +514,7 @@ def masked_shards(rank, world):
 
 @check
 def precision_and_exact_zeros(rank, world):
-    """Kind 2 of issue 9 on the vocab-parallel path (it shares rows.py's gradient): fp32 logits x1e3 and
+    """Gradient precision (C14) on the vocab-parallel path (it shares rows.py's gradient): fp32 logits x1e3 and
     x1e4, whole gradient (gathered from the ranks) within 2x the Frobenius error of stock fp32
     F.cross_entropy vs float64 (see test_gradient_precision.py); V = 1 on one rank (the others hold
     empty slices): loss and gradient exactly 0."""
@@ -542,7 +542,7 @@ def precision_and_exact_zeros(rank, world):
 
 @check
 def logit_scale_and_token_scaling(rank, world):
-    """The contract's ``logit_scale`` and ``use_token_scaling`` (issue 11) on both vocab-parallel ops,
+    """The contract's ``logit_scale`` and ``use_token_scaling`` on both vocab-parallel ops,
     with class weights, smoothing and z-loss, against the float64 oracle and the single-process op."""
     x, t = _ce_inputs()
     h, W, b, _ = _linear_inputs()

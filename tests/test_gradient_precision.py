@@ -1,4 +1,4 @@
-"""Gradient precision (issue 9, kind 2; case C14): every gradient is as accurate as PyTorch's own fp32
+"""Gradient precision (case C14, docs/cases.md): every gradient is as accurate as PyTorch's own fp32
 ``F.cross_entropy`` on the same input, and exact where the math is exact.
 
 How "as accurate" is judged: the Frobenius norm of (gradient - float64 gradient) is at most twice that of

@@ -170,7 +170,7 @@ def test_loss_options_reach_linear_cross_entropy():
 
 @pytest.mark.parametrize("family", ["llama", "cohere"])
 def test_use_token_scaling_forward_keyword(family):
-    """DFT (issue 11): ``use_token_scaling`` as a forward keyword (as Liger-patched models take it; TRL's
+    """DFT: ``use_token_scaling`` as a forward keyword (as Liger-patched models take it; TRL's
     ``loss_type="dft"``), or as a patch option: the loss is mean_t(p_t * nll_t) with p_t detached, on
     the model's own logits (Cohere's logit_scale included); gradients flow through nll only."""
     model = patch_causal_lm(build(family))

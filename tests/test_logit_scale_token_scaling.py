@@ -1,4 +1,4 @@
-"""Two loss options of the contract (issue 11): ``logit_scale`` (Cohere's ``logit_scale``, Granite's
+"""Two loss options of the contract (docs/contract.md): ``logit_scale`` (Cohere's ``logit_scale``, Granite's
 ``1 / logits_scaling``: the logits are multiplied by it before anything else) and ``use_token_scaling``
 (Dynamic Fine-Tuning, Liger's flag, TRL's ``loss_type="dft"``: each row's loss times its detached
 ``p_t``), on every op, reduction, backend and dtype, against the float64 oracle (reference64.py) under

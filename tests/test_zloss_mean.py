@@ -1,4 +1,4 @@
-"""The contract's mean with a z-loss (issue 9, kind 6): ``sum(ce_row) / D + sum(z_row) / N``, where D is
+"""The contract's mean with a z-loss (docs/contract.md): ``sum(ce_row) / D + sum(z_row) / N``, where D is
 the class-weighted count and N the plain count of non-ignored rows. Scaling the class weights by c then
 leaves the mean (and the ``z_loss`` stat) unchanged, as ``F.cross_entropy``'s mean is, and the z-loss
 part equals Liger's and flash-attn's (divided by the count of non-ignored rows).

@@ -21,7 +21,7 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-PLANNED = ("cute",)   # named by the contract, not in this version (the CuTe DSL backend, issue 13)
+PLANNED = ("cute",)   # named by docs/contract.md, not in this version (the CuTe DSL backend)
 
 
 def check_name(name) -> None:

@@ -48,7 +48,7 @@ def sweep_table(report: dict) -> Table:
     sizes = dict.fromkeys(f"{s['shape']}: BT={s['tokens']}, H={s['hidden']}, V={s['vocab']}"
                           for s in sweep["summary"])
     notes = ["; ".join(sizes),
-             f"targets (issue 3; shown, not enforced): {method['targets']}",
+             f"targets (of the memory sweep; shown, not enforced): {method['targets']}",
              f"data: {method['data']}",
              f"stock/fused MiB: {method['memory']}; base MiB: RSS with inputs and .grad buffers",
              f"ms: {method['time']}",
