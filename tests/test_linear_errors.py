@@ -192,7 +192,7 @@ def test_module_raises_the_same(backend):
         fusedce.LinearCrossEntropyLoss(backend=backend)(hidden, weight.detach().half(), target.clamp(max=V - 1))
 
 
-# --- issue 9.7: int32 target vs a wide ignore_index, strict scalar options, V = 0 and H = 0 ------------
+# --- int32 target vs a wide ignore_index, strict scalar options, V = 0 and H = 0 ----------------------
 def _equal_outputs(a, b):
     pairs = zip(a, b) if isinstance(a, fusedce.CrossEntropyOutput) else [(a, b)]
     return all(bit_identical(x.detach(), y.detach()) for x, y in pairs)

@@ -1,4 +1,4 @@
-"""Masked or padded vocabulary: logits of -inf (issue 9, kind 1, single-process side; the vocab-parallel
+"""Masked or padded vocabulary: logits of -inf (single-process side; the vocab-parallel
 side, case C13, is in test_distributed.py). Every place that merges per-block (max, sum-exp) pairs must
 treat a block whose logits are all -inf as contributing exactly 0: the Triton forward's online softmax
 over BLOCK_V = 4096 columns, and the torch backend's row chunks.
