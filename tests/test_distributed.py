@@ -196,6 +196,8 @@ def ce_reductions(rank, world):
     """Every reduction, "none" with a per-token upstream gradient, targets 0 and V-1, ignored rows."""
     x, t = _ce_inputs()
     assert int(t.reshape(-1)[2]) == V - 1   # owned by the last rank's last column
+    # premise: the vocab-parallel ops really run on the backend under test
+    assert fusedce.backends.resolve(None, x.device) == os.environ["FUSEDCE_BACKEND"]
     for reduction in REDUCTIONS:
         run_ce(rank, x, t, None, SIZES[world], upstream=_upstream(reduction), reduction=reduction)
 
@@ -562,8 +564,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, out_dir):
-    """One rank: join the gloo group, run every check, write {check: traceback or None} as JSON."""
+def _worker(rank, world, port, out_dir, backend):
+    """One rank: join the gloo group, run every check with the vocab-parallel ops on ``backend`` (through
+    ``$FUSEDCE_BACKEND``; the single-process comparisons name theirs), write {check: traceback or None}."""
+    os.environ["FUSEDCE_BACKEND"] = backend
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -583,10 +587,10 @@ def _worker(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
-def _spawn(world, out_dir):
+def _spawn(world, backend, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     try:
-        mp.spawn(_worker, args=(world, _free_port(), out_dir), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), out_dir, backend), nprocs=world, join=True)
     except Exception:  # noqa: BLE001 - a crashed rank fails every check once, with its traceback
         return {name: {"spawn": traceback.format_exc()} for name in CHECKS}
     merged = {name: {} for name in CHECKS}
@@ -600,27 +604,30 @@ def _spawn(world, out_dir):
 _CACHE = {}
 
 
-def _results(world, request, tmp_path_factory):
-    """Outcomes of every check for ``world`` ranks: spawned once per session (once across xdist
-    workers: the first to take the lock runs it, the others read its JSON)."""
-    if world in _CACHE:
-        return _CACHE[world]
+def _results(world, backend, request, tmp_path_factory):
+    """Outcomes of every check for ``world`` ranks on ``backend``: spawned once per session (once across
+    xdist workers: the first to take the lock runs it, the others read its JSON)."""
+    key = f"{world}-{backend}"
+    if key in _CACHE:
+        return _CACHE[key]
     root = tmp_path_factory.getbasetemp()
     if hasattr(request.config, "workerinput"):   # an xdist worker: share with the other workers
         root = root.parent
-    out_dir, done = root / f"fusedce-dist-{world}", root / f"fusedce-dist-{world}.json"
-    with open(root / f"fusedce-dist-{world}.lock", "w") as lock:
+    out_dir, done = root / f"fusedce-dist-{key}", root / f"fusedce-dist-{key}.json"
+    with open(root / f"fusedce-dist-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            done.write_text(json.dumps(_spawn(world, str(out_dir))))
-        _CACHE[world] = json.loads(done.read_text())
-    return _CACHE[world]
+            done.write_text(json.dumps(_spawn(world, backend, str(out_dir))))
+        _CACHE[key] = json.loads(done.read_text())
+    return _CACHE[key]
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", sorted(SIZES), ids=lambda w: f"world{w}")
-def test_vocab_parallel(world, name, request, tmp_path_factory):
-    outcome = _results(world, request, tmp_path_factory)[name]
+def test_vocab_parallel(world, backend, name, request, tmp_path_factory):
+    """Every check on 2 and 3 gloo ranks, the vocab-parallel ops on each backend (``backend`` fixture:
+    torch, and triton under the interpreter)."""
+    outcome = _results(world, backend, request, tmp_path_factory)[name]
     failed = {rank: err for rank, err in outcome.items() if err is not None}
     assert not failed.get("spawn"), failed.get("spawn")
     assert len(outcome) == world, f"only ranks {sorted(outcome)} reported"

@@ -75,3 +75,18 @@ class LossOptions:
     def kernel_flags(self) -> dict:
         """The constexpr flags the options select (class weights add ``HAS_WEIGHT`` at launch)."""
         return {"HAS_SMOOTHING": self.label_smoothing > 0.0, "HAS_SOFTCAP": self.softcap is not None}
+
+
+class SliceStats(NamedTuple):
+    """Partial row statistics of a vocabulary slice (the backends' ``slice_stats``). Per row (n,):
+    ``xmax`` fp32 raw max, ``argmax`` int64 global index (lowest on ties), ``zmax`` fp32 max of z (-inf
+    where the slice is all -inf), ``sumexp`` fp32 ``sum exp(z - zmax)`` (0 there), ``target_logit`` fp32
+    z_t where this slice holds the target (else 0), ``zsum`` fp32 ``sum w_c z_c`` (None without
+    smoothing)."""
+
+    xmax: torch.Tensor
+    argmax: torch.Tensor
+    zmax: torch.Tensor
+    sumexp: torch.Tensor
+    target_logit: torch.Tensor
+    zsum: Optional[torch.Tensor]

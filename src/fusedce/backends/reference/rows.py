@@ -82,6 +82,21 @@ def logsumexp_rows(z: torch.Tensor, scratch: Optional[torch.Tensor] = None):
     return two_sum(shift, d)
 
 
+def row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes: int, opts: LossOptions) -> torch.Tensor:
+    """The row's cross-entropy (without z-loss) from its statistics, (n,) fp32: the one place of the
+    loss formula for the PyTorch backend and the vocab-parallel exchange (the kernels have theirs in
+    ``kernels/row_math.py``). ``lse_lo`` is added back to ``lse - z_t`` (as accurate as
+    ``-log_softmax[t]``); ``w_t`` None means 1; ``zsum = sum_c w_c z_c`` and ``total_w = W`` are read
+    only with smoothing."""
+    eps = opts.label_smoothing
+    loss = (1.0 - eps) * ((lse - z_t) + lse_lo)
+    if w_t is not None:
+        loss = loss * w_t
+    if eps > 0.0:
+        loss = loss + (eps / n_classes) * ((total_w * lse - zsum) + total_w * lse_lo)
+    return loss
+
+
 def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                  weight_sum: Optional[torch.Tensor], opts: LossOptions, stats: bool = True,
                  scratch: Optional[torch.Tensor] = None):
@@ -96,14 +111,11 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.T
     z = transform(x, opts)
     lse, lse_lo = logsumexp_rows(z, scratch)
     valid, in_range, _, z_t, w_t = _target_terms(z, target, weight, opts)
-    eps = opts.label_smoothing
-    loss = (1.0 - eps) * w_t * ((lse - z_t) + lse_lo)
-    if eps > 0.0:
-        if weight is None:
-            smooth = (n_classes * lse - z.sum(dim=1)) + n_classes * lse_lo
-        else:
-            smooth = (weight_sum * lse - z @ weight) + weight_sum * lse_lo
-        loss = loss + (eps / n_classes) * smooth
+    zsum = None
+    if opts.label_smoothing > 0.0:
+        zsum = z.sum(dim=1) if weight is None else z @ weight
+    total_w = n_classes if weight is None else weight_sum
+    loss = row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes, opts)
     loss = torch.where(in_range, loss, torch.full_like(loss, float("nan")))
     loss = torch.where(valid, loss, 0.0)
     lse, lse_lo = torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)

@@ -6,7 +6,7 @@ for a GPU target offline (with meta tensors), so the report shows exactly what a
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -14,6 +14,7 @@ import triton
 from ...types import LossOptions
 from .kernels.ce_backward import ce_backward_kernel
 from .kernels.ce_chunk import ce_chunk_kernel
+from .kernels.ce_slice import ce_slice_stats_kernel
 from .kernels.ce_forward import ce_forward_kernel
 from .tuning import backward_config, forward_config
 
@@ -55,9 +56,11 @@ def forward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[
 def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                     weight_sum: Optional[torch.Tensor], lse: torch.Tensor, lse_lo: torch.Tensor,
                     grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor], opts: LossOptions,
-                    grad: torch.Tensor):
-    """``(kernel, grid, args, meta)`` of the backward launch for these buffers (see ``ce_backward``)."""
+                    grad: torch.Tensor, vocab: Optional["VocabSlice"] = None):
+    """``(kernel, grid, args, meta)`` of the backward launch for these buffers (see ``ce_backward``);
+    ``vocab``: the columns are a slice of a larger vocabulary (None: the whole of it)."""
     n_rows, n_cols = logits.shape
+    vocab = VocabSlice(0, n_cols) if vocab is None else vocab
     dummy = lse
     cfg = backward_config(n_cols)
     grid = (n_rows, triton.cdiv(n_cols, cfg["BLOCK_V"]))
@@ -65,14 +68,49 @@ def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional
     grad_lse = grad_row if grad_lse is None else grad_lse
     args = (logits, grad, target, dummy if weight is None else weight,
             dummy if weight_sum is None else weight_sum, lse, lse_lo, grad_row, grad_lse,
-            n_cols, logits.stride(0), grad.stride(0), target.stride(0), grad_row.stride(0), grad_lse.stride(0),
+            dummy if vocab.target_weight is None else vocab.target_weight,
+            n_cols, vocab.col_start, vocab.n_total,
+            logits.stride(0), grad.stride(0), target.stride(0), grad_row.stride(0), grad_lse.stride(0),
             *opts.kernel_scalars())
     align = _align(min(logits.element_size(), grad.element_size()), n_cols, logits.stride(0), grad.stride(0))
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=align, **_flags(weight, opts), HAS_GRAD_LSE=has_grad_lse,
-                num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+                HAS_TARGET_WEIGHT=vocab.target_weight is not None, num_warps=cfg["num_warps"],
+                maxnreg=cfg["maxnreg"])
     if _INTERPRETED and grad.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True
     return ce_backward_kernel, grid, args, meta
+
+
+class VocabSlice(NamedTuple):
+    """Columns ``[col_start, col_start + V_r)`` of a vocabulary of ``n_total`` classes; ``target_weight``
+    (n,) fp32, the global w_t of each row when there are class weights (None otherwise)."""
+
+    col_start: int
+    n_total: int
+    target_weight: Optional[torch.Tensor] = None
+
+
+def slice_stats_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                       opts: LossOptions, col_start: int, out: tuple):
+    """``(kernel, grid, args, meta)`` of the slice-statistics launch (see ``ce_slice``); ``out`` =
+    (xmax, argmax, zmax, sumexp, target_logit, zsum) buffers of (n,) (zsum read only with smoothing)."""
+    n_rows, n_cols = logits.shape
+    cfg = forward_config(n_cols)
+    ignore_index, _eps, softcap, logit_scale = opts.kernel_scalars()
+    args = (logits, target, out[0] if weight is None else weight, *out, n_cols, col_start,
+            logits.stride(0), target.stride(0), ignore_index, softcap, logit_scale)
+    meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
+                **_flags(weight, opts), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+    return ce_slice_stats_kernel, (n_rows,), args, meta
+
+
+def ce_slice_stats(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                   opts: LossOptions, col_start: int, out: tuple) -> None:
+    """Fill ``out`` with the partial row statistics of a vocabulary slice (``kernels/ce_slice.py``)."""
+    if logits.shape[0] == 0 or logits.shape[1] == 0:
+        return
+    kernel, grid, args, meta = slice_stats_launch(logits, target, weight, opts, col_start, out)
+    kernel[grid](*args, **meta)
 
 
 def chunk_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
@@ -132,7 +170,7 @@ def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torc
 def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                 weight_sum: Optional[torch.Tensor], lse: torch.Tensor, lse_lo: torch.Tensor,
                 grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor], opts: LossOptions,
-                grad: torch.Tensor) -> None:
+                grad: torch.Tensor, vocab: Optional["VocabSlice"] = None) -> None:
     """Write d(sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i)/d logits into ``grad`` ((BT, V), may
     be ``logits`` itself).
 
@@ -142,5 +180,5 @@ def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[tor
     if logits.shape[0] == 0:
         return
     kernel, grid, args, meta = backward_launch(logits, target, weight, weight_sum, lse, lse_lo, grad_row,
-                                               grad_lse, opts, grad)
+                                               grad_lse, opts, grad, vocab)
     kernel[grid](*args, **meta)

@@ -1,10 +1,11 @@
 """Vocab-parallel cross-entropy on logits whose class dimension is split over the ranks of a group.
 
 Each rank holds ``logits[..., start:start + V_r]`` of the global ``(..., V)`` logits (e.g. the output of
-a column-parallel LM head) and the same global ``target`` on every rank. Forward: one pass over the
-local logits in row chunks (fp32 temporaries of ``tuning.chunk_rows`` rows) for the per-row partial
-statistics, then the two collectives of ``exchange.py``. Backward: no collective; each rank writes the
-gradient of its own slice from the saved global lse (``shard_rows.shard_grad``).
+a column-parallel LM head) and the same global ``target`` on every rank. Forward: the chosen backend's
+partial statistics of the local logits (``slice_stats``: one Triton kernel launch, or PyTorch in row
+chunks), then the two collectives of ``exchange.py``. Backward: no collective; the backend writes the
+gradient of the rank's slice from the saved global statistics (``slice_grad``: the single-process
+backward kernel with a column offset).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from ... import validation as val
 from ...autocast import fp32_op
 from ...autograd_checks import check_backward_allowed
-from ...backends.reference.tuning import chunk_rows
+from ... import backends
 from ...types import CrossEntropyOutput, LossOptions
 from .exchange import Partials, exchange
 from .layout import VocabLayout, vocab_layout
@@ -29,19 +30,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     argmax, w_t."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, layout: VocabLayout, opts: LossOptions):
+    def forward(ctx, logits, target, weight, layout: VocabLayout, opts: LossOptions, impl):
         n = logits.shape[0]
         w = None if weight is None else weight.float()
         cols = Columns(w is not None, opts.label_smoothing > 0.0)
         p = Partials.allocate(n, cols, w is not None, logits.device)
-        step = chunk_rows(layout.size)
-        for start in range(0, n, step):
-            rows = slice(start, start + step)
-            p.key[rows], p.zmax[rows], p.sums[rows] = shard_forward(
-                logits[rows].float(), target[rows], w, layout, opts, cols)
+        p.key, p.zmax, p.sums[:] = shard_forward(impl, logits, target, w, layout, opts, cols)
         out = exchange(p, target, w, layout, opts, cols)
         ctx.save_for_backward(logits, target, w, out.weight_sum, out.target_weight, out.lse, out.lse_lo)
-        ctx.layout, ctx.opts = layout, opts
+        ctx.layout, ctx.opts, ctx.impl = layout, opts, impl
         w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
         ctx.mark_non_differentiable(out.predicted, w_t, out.target_prob)
         return out.loss, out.lse, out.predicted, w_t, out.target_prob
@@ -52,15 +49,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits, target, w, w_sum, w_t, lse, lse_lo = ctx.saved_tensors
         if grad_loss is None:
             grad_loss = lse.new_zeros(()).expand(lse.shape)
-        grad = torch.empty_like(logits)
-        step = chunk_rows(ctx.layout.size)
-        for start in range(0, logits.shape[0], step):
-            rows = slice(start, start + step)
-            grad[rows] = shard_grad(logits[rows].float(), target[rows], w, w_sum,
-                                    None if w_t is None else w_t[rows], lse[rows], lse_lo[rows],
-                                    grad_loss[rows], None if grad_lse is None else grad_lse[rows],
-                                    ctx.layout, ctx.opts)
-        return grad, None, None, None, None
+        grad = shard_grad(ctx.impl, logits, target, w, w_sum, w_t, lse, lse_lo, grad_loss, grad_lse, ctx.layout,
+                          ctx.opts)
+        return grad, None, None, None, None, None
 
 
 @fp32_op   # under autocast: as stock F.cross_entropy (fp32), see fusedce/autocast.py
@@ -70,7 +61,7 @@ def vocab_parallel_cross_entropy(
     reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
     softcap: Optional[float] = None, logit_scale: float = 1.0,
     use_token_scaling: bool = False, num_items_in_batch: Union[int, torch.Tensor, None] = None,
-    return_stats: bool = False,
+    return_stats: bool = False, backend: Optional[str] = None,
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """``fusedce.cross_entropy`` on logits split by vocabulary over the ranks of ``group``.
 
@@ -90,8 +81,10 @@ def vocab_parallel_cross_entropy(
         ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
             use_token_scaling, num_items_in_batch,
             return_stats: as in ``fusedce.cross_entropy`` (mean denominator ``sum(w[t])`` uses the
-            weight held by the rank owning ``t``). ``return_stats``: ``lse`` global on every row,
+            weight held by the rank owning ``t``). ``return_stats``: ``lse`` global (0 on ignored rows),
             ``predicted_tokens`` the global argmax (lowest global index on ties), -1 on ignored rows.
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"`` as in ``fusedce.cross_entropy``: the kernels that
+            compute this rank's statistics and gradient.
 
     Returns:
         The fp32 loss (scalar, or ``target.shape`` for ``"none"``) or ``CrossEntropyOutput``; the
@@ -127,6 +120,7 @@ def vocab_parallel_cross_entropy(
     val.check_vector("weight_shard", weight_shard, n_local, device)
     val.check_num_items(num_items_in_batch, device)
     val.check_flag("return_stats", return_stats)
+    impl = backends.get(backend, device)
     layout = vocab_layout(n_local, vocab_start_index, group, device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)
 
@@ -135,7 +129,7 @@ def vocab_parallel_cross_entropy(
         rows = rows.contiguous()  # one copy, only when the class dim is strided
     flat_target = target.reshape(-1)
     loss_rows, lse, predicted, w_t, target_prob = _VocabParallelCrossEntropy.apply(
-        rows, flat_target, weight_shard, layout, opts)
+        rows, flat_target, weight_shard, layout, opts, impl)
     return finish(loss_rows, lse, predicted, None if weight_shard is None else w_t, flat_target, opts,
                   reduction, num_items_in_batch, return_stats, shape,
                   target_prob if opts.use_token_scaling else None)

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...backends.reference.rows import transform, two_sum
+from ...backends.reference.rows import row_loss, transform, two_sum
 from ...types import LossOptions
 from .argmax_key import unpack_max_key
 from .layout import VocabLayout
@@ -92,13 +92,8 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
     lse, lse_lo = two_sum(gmax, torch.log(s[:, Columns.SUMEXP]))
     w_t = s[:, cols.target_weight] if weighted else None
     w_sum = p.flat[-1] if weighted else None
-    eps, n_classes = opts.label_smoothing, layout.n_classes
-    loss = (1.0 - eps) * ((lse - s[:, Columns.TARGET_LOGIT]) + lse_lo)
-    if weighted:
-        loss = loss * w_t
-    if eps > 0.0:
-        total_w = w_sum if weighted else float(n_classes)
-        loss = loss + (eps / n_classes) * ((total_w * lse - s[:, cols.smooth]) + total_w * lse_lo)
+    loss = row_loss(lse, lse_lo, s[:, Columns.TARGET_LOGIT], w_t, None if cols.smooth is None else s[:, cols.smooth],
+                    w_sum if weighted else float(layout.n_classes), layout.n_classes, opts)
     valid = target != opts.ignore_index
     loss = torch.where(s[:, Columns.OWNED] > 0, loss, float("nan"))
     loss = torch.where(valid, loss, 0.0)

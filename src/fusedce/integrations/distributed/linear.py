@@ -4,10 +4,11 @@ Each rank holds ``weight[start:start + V_r]`` (and the same slice of ``bias`` an
 the full, identical ``hidden`` and ``target``. Logits exist one chunk of tokens at a time, ``rows x V_r``
 (never BT x V_r), through the chunk helpers of the single-process path (``backends/linear``):
 
-    forward   per chunk: logits_c = h_c @ W_r.T + b_r (hidden's dtype, fp32 accumulation);
-              per-row partial statistics (shard_rows.shard_forward); then exchange.py's 2 collectives
-    backward  per chunk, logits recomputed: g_c = dloss/dlogits_c (shard_rows.shard_grad, fp32, cast
-              to hidden's dtype); grad_h_c = g_c @ W_r; grad_W_r += g_c.T @ h_c; grad_b_r += sum g_c
+    forward   per chunk: logits_c = h_c @ W_r.T + b_r (hidden's dtype, fp32 accumulation, one reused
+              chunk buffer); per-row partial statistics by the backend (``slice_stats``); then
+              exchange.py's 2 collectives
+    backward  per chunk, logits recomputed: g_c = dloss/dlogits_c by the backend (``slice_grad``, in
+              hidden's dtype); grad_h_c = g_c @ W_r; grad_W_r += g_c.T @ h_c; grad_b_r += sum g_c
               (accum_dtype); then all_reduce(SUM) of grad_h over the ranks (each holds a partial sum)
 FLOPs per rank: 2 BT V_r H forward, 6 BT V_r H backward (the logits are recomputed, since the global lse
 is known only after the forward's collectives).
@@ -24,7 +25,8 @@ from ... import validation as val
 from ...autocast import linear_op
 from ...autograd_checks import check_backward_allowed
 from ...backends.linear.api import compact_rows
-from ...backends.linear.loop import accumulate_, logits_chunk
+from ... import backends
+from ...backends.linear.loop import accumulate_, chunk_buffer, logits_chunk
 from ...backends.linear.tuning import chunk_rows
 from ...types import CrossEntropyOutput, LossOptions
 from .exchange import Partials, exchange
@@ -40,19 +42,20 @@ class _VocabParallelLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ce_weight, layout: VocabLayout, opts: LossOptions,
-                rows: int, accum_dtype):
+                rows: int, accum_dtype, impl):
         n = hidden.shape[0]
         w = None if ce_weight is None else ce_weight.float()
         cols = Columns(w is not None, opts.label_smoothing > 0.0)
         p = Partials.allocate(n, cols, w is not None, hidden.device)
+        buffer = chunk_buffer(n, rows, weight, hidden.dtype)
         for start in range(0, n, rows):
             c = slice(start, start + rows)
-            x = logits_chunk(hidden[c], weight, bias).float()
-            p.key[c], p.zmax[c], p.sums[c] = shard_forward(x, target[c], w, layout, opts, cols)
+            x = logits_chunk(hidden[c], weight, bias, buffer)   # hidden's dtype; the backend reads it as is
+            p.key[c], p.zmax[c], p.sums[c] = shard_forward(impl, x, target[c], w, layout, opts, cols)
         out = exchange(p, target, w, layout, opts, cols)
         ctx.save_for_backward(hidden, weight, bias, target, w, out.weight_sum, out.target_weight, out.lse,
                               out.lse_lo)
-        ctx.layout, ctx.opts, ctx.rows, ctx.accum = layout, opts, rows, accum_dtype
+        ctx.layout, ctx.opts, ctx.rows, ctx.accum, ctx.impl = layout, opts, rows, accum_dtype, impl
         w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
         ctx.mark_non_differentiable(out.predicted, w_t, out.target_prob)
         return out.loss, out.lse, out.predicted, w_t, out.target_prob
@@ -68,13 +71,14 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=ctx.accum, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=ctx.accum, device=weight.device) if need_b else None
+        buffer = chunk_buffer(n, rows, weight, hidden.dtype)
         for start in range(0, n, rows):
             c = slice(start, start + rows)
             h_c = hidden[c]
-            x = logits_chunk(h_c, weight, bias).float()
-            g = shard_grad(x, target[c], w, w_sum, None if w_t is None else w_t[c], lse[c], lse_lo[c],
+            x = logits_chunk(h_c, weight, bias, buffer)
+            g = shard_grad(ctx.impl, x, target[c], w, w_sum, None if w_t is None else w_t[c], lse[c], lse_lo[c],
                            grad_loss[c], None if grad_lse is None else grad_lse[c], ctx.layout,
-                           ctx.opts).to(hidden.dtype)  # the logits' gradient, their dtype
+                           ctx.opts)  # the logits' gradient, in their (hidden's) dtype
             if need_h:
                 torch.mm(g, weight, out=grad_h[c])
             if need_w:
@@ -86,7 +90,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return (grad_h, grad_w, grad_b) + (None,) * 6
+        return (grad_h, grad_w, grad_b) + (None,) * 7
 
 
 def _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype):
@@ -102,7 +106,7 @@ def vocab_parallel_linear_cross_entropy(
     label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: Optional[float] = None,
     logit_scale: float = 1.0, use_token_scaling: bool = False,
     num_items_in_batch: Union[int, torch.Tensor, None] = None, chunk_size: Optional[int] = None,
-    accum_dtype: torch.dtype = torch.float32, return_stats: bool = False,
+    accum_dtype: torch.dtype = torch.float32, return_stats: bool = False, backend: Optional[str] = None,
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """``fusedce.linear_cross_entropy`` with the LM head split by vocabulary over the ranks of ``group``.
 
@@ -124,6 +128,8 @@ def vocab_parallel_linear_cross_entropy(
             (``backends/linear/tuning.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
         accum_dtype: dtype of the ``weight_shard`` / ``bias_shard`` gradient accumulators.
         return_stats: ``CrossEntropyOutput``; as in the single-process op, ``lse`` is 0 on ignored rows.
+        backend: as in ``fusedce.linear_cross_entropy``: the kernels of this rank's statistics and
+            gradients (Triton on CUDA by default; the matmuls are torch's).
 
     Returns:
         The fp32 loss or ``CrossEntropyOutput``. Gradients of ``hidden`` (complete, the same on every
@@ -153,6 +159,7 @@ def vocab_parallel_linear_cross_entropy(
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     val.check_flag("return_stats", return_stats)
+    impl = backends.get(backend, hidden.device)
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)
 
@@ -162,7 +169,8 @@ def vocab_parallel_linear_cross_entropy(
                                                    opts.ignore_index)
     rows = int(chunk_size) if chunk_size is not None else chunk_rows(flat_hidden.shape[0], size, layout.size)
     loss_rows, lse, predicted, w_t, target_prob = _VocabParallelLinearCE.apply(
-        flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, rows, accum_dtype)
+        flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, rows, accum_dtype,
+        impl)
     if index is not None:  # back to every row: ignored rows have loss 0, lse 0, argmax -1, w_t 0
         loss_rows = loss_rows.new_zeros(n).index_copy(0, index, loss_rows)
         lse = lse.new_zeros(n).index_copy(0, index, lse)

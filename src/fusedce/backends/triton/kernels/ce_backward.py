@@ -33,8 +33,9 @@ def ce_backward_kernel(
     lse_lo_ptr,       # [n_rows] fp32 from the forward: lse's rounding error
     grad_row_ptr,     # [n_rows] upstream gradient of the loss (any float dtype, any stride, 0 allowed)
     grad_lse_ptr,     # [n_rows] upstream gradient of the lse (HAS_GRAD_LSE; any float dtype and stride)
-    # sizes
-    n_cols,
+    target_weight_ptr,  # [n_rows] fp32 w_t per row (HAS_TARGET_WEIGHT: a vocabulary slice with weights)
+    # sizes: this block of columns is [col_start, col_start + n_cols) of a vocabulary of n_total classes
+    n_cols, col_start, n_total,
     # strides (elements)
     stride_logits_row, stride_grad_row, stride_target, stride_grad_row_vec, stride_grad_lse,
     # runtime scalars (fp32)
@@ -43,7 +44,7 @@ def ce_backward_kernel(
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and both row strides are multiples of ALIGN (see common.aligned)
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_GRAD_LSE: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr, HAS_TARGET_WEIGHT: tl.constexpr,
     ROUND_BF16: tl.constexpr = False,  # interpreter only: round to nearest as GPUs do (common.to_bf16_rne)
 ):
     n_cols = aligned(n_cols, ALIGN)
@@ -53,7 +54,12 @@ def ce_backward_kernel(
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < n_cols
     target = tl.load(target_ptr + row * stride_target).to(tl.int64)
-    is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, weight_ptr, HAS_WEIGHT)
+    # the target's column in this block (outside [0, n_cols) when another slice holds it); with class
+    # weights, w_t comes from the rank that holds the target (HAS_TARGET_WEIGHT) or from weight[t]
+    is_valid, _owned, _safe, w_t = target_terms(target - col_start, n_cols, ignore_index - col_start,
+                                                weight_ptr, HAS_WEIGHT and not HAS_TARGET_WEIGHT)
+    if HAS_TARGET_WEIGHT:
+        w_t = tl.load(target_weight_ptr + row)
 
     live = cols < tl.where(is_valid, n_cols, 0)      # ignored rows read nothing
     x = tl.load(logits_ptr + row * stride_logits_row + cols, mask=live, other=0.0).to(tl.float32)
@@ -61,7 +67,7 @@ def ce_backward_kernel(
     h = 0.0
     if HAS_GRAD_LSE:
         h = tl.load(grad_lse_ptr + row * stride_grad_lse).to(tl.float32)
-    dz = grad_block(x, cols, mask, target, w_t, tl.load(lse_ptr + row), tl.load(lse_lo_ptr + row), g, h,
-                    weight_ptr, weight_sum_ptr, n_cols, label_smoothing, softcap, logit_scale,
+    dz = grad_block(x, cols, mask, target - col_start, w_t, tl.load(lse_ptr + row), tl.load(lse_lo_ptr + row),
+                    g, h, weight_ptr, weight_sum_ptr, n_total, label_smoothing, softcap, logit_scale,
                     HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_GRAD_LSE)
     store_grad(grad_ptr + row * stride_grad_row + cols, tl.where(is_valid, dz, 0.0), mask, ROUND_BF16)

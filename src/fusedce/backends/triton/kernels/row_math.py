@@ -2,9 +2,11 @@
 ``ce_backward`` and the fused ``ce_chunk`` kernel (see ``backends/reference/rows.py`` for the formulas
 and their sources; the PyTorch backend computes the same ones).
 
-- ``row_forward``: one pass over a row in ``BLOCK_V`` blocks, online softmax (Milakov & Gimelshein
-  2018): the loss (cross-entropy without the z-loss), lse as an exact pair ``lse + lse_lo`` (TwoSum),
-  the argmax of the raw logits and the target's ``z_t``.
+- ``row_stats``: one pass over a row (or a vocabulary slice of it) in ``BLOCK_V`` blocks, online
+  softmax (Milakov & Gimelshein 2018): max, sum-exp, the smoothing sum and the argmax; a block of -inf
+  logits adds exactly 0;
+- ``row_forward``: ``row_stats`` then the loss (cross-entropy without the z-loss), lse as an exact pair
+  ``lse + lse_lo`` (TwoSum), the argmax of the raw logits and the target's ``z_t``.
 - ``grad_block``: ``dL/dx`` of one block of a row from the saved lse pair, with ``g`` the upstream
   gradient of the row's loss and ``h`` that of its lse (the z-loss arrives that way):
 
@@ -21,18 +23,16 @@ from .common import logit_slope, logit_transform, to_bf16_rne, two_sum
 
 
 @triton.jit
-def row_forward(row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weight_sum_ptr,
-                label_smoothing, softcap, logit_scale,
-                BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr):
-    """``(loss, lse, lse_lo, argmax, z_t)`` of one row (fp32 scalars; argmax int). Ignored rows run zero
-    iterations and give 0 for loss, lse and lse_lo; a non-ignored row whose target is out of range
-    gets a NaN loss."""
-    n_scan = tl.where(is_valid, n_cols, 0)
-    m = -float("inf")          # running max of z
-    s = 0.0                    # sum exp(z - m)
-    zsum = 0.0                 # sum_c w_c z_c (w = 1 without weights), for smoothing only
-    best = -float("inf")       # running argmax of the raw logits (lowest index on ties)
+def row_stats(row_ptr, n_cols, n_scan, weight_ptr, softcap, logit_scale,
+              BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr):
+    """One pass over the first ``n_scan`` (0 or ``n_cols``) logits of a row: ``(m, s, zsum, best,
+    best_idx)``, the running max of z and ``s = sum exp(z - m)`` (online softmax, Milakov & Gimelshein
+    2018), ``sum_c w_c z_c`` (smoothing only), and the max of the raw logits with its lowest index."""
+    m = -float("inf")
+    s = 0.0
+    zsum = 0.0
+    best = -float("inf")
     best_idx = 0
     for start in range(0, n_scan, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
@@ -58,6 +58,20 @@ def row_forward(row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weig
             take = bmax > best
             best_idx = tl.where(take, start + bidx, best_idx)
             best = tl.where(take, bmax, best)
+    return m, s, zsum, best, best_idx
+
+
+@triton.jit
+def row_forward(row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weight_sum_ptr,
+                label_smoothing, softcap, logit_scale,
+                BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr):
+    """``(loss, lse, lse_lo, argmax, z_t)`` of one row (fp32 scalars; argmax int). Ignored rows run zero
+    iterations and give 0 for loss, lse and lse_lo; a non-ignored row whose target is out of range
+    gets a NaN loss."""
+    m, s, zsum, best, best_idx = row_stats(row_ptr, n_cols, tl.where(is_valid, n_cols, 0), weight_ptr, softcap,
+                                           logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                                           COMPUTE_STATS)
     # skipped (ignored) rows have m = -inf, s = 0: give them lse = lse_lo = 0 without forming -inf - -inf
     lse, lse_lo = two_sum(tl.where(is_valid, m, 0.0), tl.log(tl.where(is_valid, s, 1.0)))
 
@@ -87,7 +101,9 @@ def grad_block(x, cols, mask, target, w_t, lse, lse_lo, g, h, weight_ptr, weight
                HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_GRAD_LSE: tl.constexpr):
     """fp32 ``dL/dx`` of a block ``x`` (fp32 logits at columns ``cols``) of one row; ``h`` is read only
-    with HAS_GRAD_LSE. The caller zeroes ignored rows."""
+    with HAS_GRAD_LSE. ``target`` is the target's column in this row's columns (outside [0, n) for a
+    vocabulary slice that does not hold it) and ``n_cols`` the GLOBAL V of the smoothing term and of W
+    without weights. The caller zeroes ignored rows."""
     z = logit_transform(x, logit_scale, softcap, HAS_SOFTCAP)
     p = tl.exp((z - lse) - lse_lo)   # z - lse is exact near the max (Sterbenz); lse_lo adds lse's error back
     p_minus_onehot = p - tl.where(cols == target, 1.0, 0.0)

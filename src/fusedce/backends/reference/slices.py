@@ -1,0 +1,59 @@
+"""The PyTorch backend on a vocabulary slice (vocab parallelism), the same interface as
+``backends/triton/slices.py``: partial row statistics out, the slice's gradient from the global
+statistics in, in row chunks of fp32 temporaries (``tuning.chunk_rows``); the math is ``rows.py``'s."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...types import LossOptions, SliceStats
+from .rows import rows_grad, transform
+from .tuning import chunk_rows
+
+
+def slice_stats(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], opts: LossOptions,
+                col_start: int) -> SliceStats:
+    """Partial statistics of ``logits`` ((n, V_r); global columns from ``col_start``), see ``SliceStats``."""
+    n, n_local = logits.shape
+    dev = logits.device
+    xmax, zmax = torch.full((n,), float("-inf"), device=dev), torch.full((n,), float("-inf"), device=dev)
+    argmax = torch.full((n,), col_start, dtype=torch.int64, device=dev)
+    sumexp, target_logit = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+    zsum = torch.zeros(n, device=dev) if opts.label_smoothing > 0.0 else None
+    if n_local == 0:
+        return SliceStats(xmax, argmax, zmax, sumexp, target_logit, zsum)
+    w = None if weight is None else weight.float()
+    valid = target != opts.ignore_index
+    owned = valid & (target >= col_start) & (target < col_start + n_local)
+    col = torch.where(owned, target.long() - col_start, 0)
+    step = chunk_rows(n_local)
+    for start in range(0, n, step):
+        r = slice(start, start + step)
+        x = logits[r].float()
+        z = transform(x, opts)
+        xmax[r], arg = x.max(dim=1)                 # first index among ties, like argmax
+        argmax[r] = arg + col_start
+        zmax[r] = m = transform(xmax[r], opts)     # = max_c z_c: the transform is increasing
+        shift = torch.where(m == float("-inf"), 0.0, m)   # an all -inf row: sum 0, not NaN
+        sumexp[r] = torch.exp(z - shift[:, None]).sum(dim=1)
+        target_logit[r] = torch.where(owned[r], z.gather(1, col[r, None])[:, 0], 0.0)
+        if zsum is not None:
+            zsum[r] = z.sum(dim=1) if w is None else z @ w
+    return SliceStats(xmax, argmax, zmax, sumexp, target_logit, zsum)
+
+
+def slice_grad(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+               weight_sum: Optional[torch.Tensor], target_weight: Optional[torch.Tensor], lse: torch.Tensor,
+               lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor],
+               opts: LossOptions, col_start: int, n_total: int) -> torch.Tensor:
+    """The slice's gradient in the logits' dtype, from the GLOBAL statistics (see the Triton twin)."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    w = None if weight is None else weight.float()
+    step = chunk_rows(max(logits.shape[1], 1))
+    for start in range(0, logits.shape[0], step):
+        r = slice(start, start + step)
+        grad[r] = rows_grad(logits[r].float(), target[r], w, weight_sum, lse[r], lse_lo[r], grad_row[r],
+                            None if grad_lse is None else grad_lse[r], opts, n_classes=n_total,
+                            col_start=col_start, target_weight=None if target_weight is None else target_weight[r])
+    return grad
