@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Protocol
 
 import torch
@@ -31,13 +32,13 @@ from .tuning import chunk_rows
 class ChunkCE(Protocol):
     """A backend's cross-entropy on one chunk of logits ((n, V), contiguous, owned by the loop)."""
 
-    def loss(self, logits, target, w, w_sum, opts: LossOptions, stats: bool):
+    def loss(self, logits, target, w, weight_sum, opts: LossOptions, stats: bool):
         """-> ``(loss, lse, lse_lo, predicted)``, (n,) each: cross-entropy without z-loss, the lse pair."""
 
-    def grad_(self, logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions) -> None:
+    def grad_(self, logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions) -> None:
         """Overwrite ``logits`` with d(sum grad_row * loss + grad_lse * lse)/d logits."""
 
-    def loss_and_grad_(self, logits, target, w, w_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
+    def loss_and_grad_(self, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
         """``loss`` then ``grad_`` in one call (``loop.loss_then_grad_`` composes them; a backend may fuse
         them in one kernel): ``(loss, lse, lse_lo, predicted, token_weight)``, the z-loss's upstream
         ``z_grad_row`` and token scaling applied."""
@@ -45,7 +46,7 @@ class ChunkCE(Protocol):
 
 class _LinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ce, w, w_sum, opts, reduction, scale_pair, rows,
+    def forward(ctx, hidden, weight, bias, target, ce, w, weight_sum, opts, reduction, scale_pair, rows,
                 accum_dtype, stats, needs):
         # scale_pair (2,) = (1/D, 1/N): one tensor, since the two are often the same tensor and an
         # autograd.Function may not take one tensor twice under torch.compile
@@ -54,16 +55,16 @@ class _LinearCE(torch.autograd.Function):
         scales = MeanScales(ce_scale, z_scale)
         if reduction == "none":
             loss, lse, lse_lo, predicted, token_weight = loop.loss_only(ce, hidden, weight, bias, target, w,
-                                                                        w_sum, opts, rows, stats)
+                                                                        weight_sum, opts, rows, stats)
         else:
             n = hidden.shape[0]
             loss, lse, lse_lo, predicted, token_weight, *ctx.grads = loop.grads(
-                ce, hidden, weight, bias, target, w, w_sum, opts, rows, scales.ce.expand(n),
+                ce, hidden, weight, bias, target, w, weight_sum, opts, rows, scales.ce.expand(n),
                 scales.z.expand(n), needs, accum_dtype, stats=stats)
         out = reduce(*token_scaled(loss, z_rows(lse, opts), token_weight), reduction, scales, loss.shape)
         if token_weight is None:
             token_weight = lse.new_empty(0)
-        ctx.save_for_backward(hidden, weight, bias, target, w, w_sum, lse, lse_lo, scale_pair)
+        ctx.save_for_backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair)
         ctx.ce, ctx.opts, ctx.rows, ctx.accum, ctx.needs, ctx.reduction = ce, opts, rows, accum_dtype, needs, reduction
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(lse, predicted, token_weight)
@@ -77,7 +78,7 @@ class _LinearCE(torch.autograd.Function):
             g = grad_out.float()    # scale in place: no second V x H buffer
             g_h, g_w, g_b = (None if t is None else t.mul_(g) for t in (g_h, g_w, g_b))
         else:                       # "none", or a second backward: recompute from the saved inputs
-            hidden, weight, bias, target, w, w_sum, lse, lse_lo, scale_pair = ctx.saved_tensors
+            hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair = ctx.saved_tensors
             ce_scale, z_scale = scale_pair[0], scale_pair[1]
             n = hidden.shape[0]
             if ctx.reduction == "none":
@@ -85,11 +86,14 @@ class _LinearCE(torch.autograd.Function):
             else:
                 g = grad_out.float()
                 grad_row, z_grad_row = (ce_scale * g).expand(n), (z_scale * g).expand(n)
-            *_, g_h, g_w, g_b = loop.grads(ctx.ce, hidden, weight, bias, target, w, w_sum, ctx.opts, ctx.rows,
+            *_, g_h, g_w, g_b = loop.grads(ctx.ce, hidden, weight, bias, target, w, weight_sum, ctx.opts, ctx.rows,
                                            grad_row, z_grad_row, ctx.needs, ctx.accum, saved=(lse, lse_lo))
         g_w = None if g_w is None else g_w.to(ctx.dtypes[1])
         g_b = None if g_b is None else g_b.to(ctx.dtypes[2])
-        return (g_h, g_w, g_b) + (None,) * 11
+        return (g_h, g_w, g_b) + (None,) * (_N_INPUTS - 3)
+
+
+_N_INPUTS = len(inspect.signature(_LinearCE.forward).parameters) - 1   # forward's inputs, ctx excluded
 
 
 def _scatter(values: torch.Tensor, index: Optional[torch.Tensor], n: int, fill) -> torch.Tensor:
@@ -122,7 +126,7 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
     ``use_token_scaling`` (0 on ignored rows), else None.
     """
     n = hidden.shape[0]
-    w, w_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
+    w, weight_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
     rows = chunk_size or chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
     if scales is None:
@@ -130,14 +134,14 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
         scales = MeanScales(one, one)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and any(needs):
-        out, lse, predicted, token_weight = _LinearCE.apply(hidden, weight, bias, target, ce, w, w_sum, opts,
+        out, lse, predicted, token_weight = _LinearCE.apply(hidden, weight, bias, target, ce, w, weight_sum, opts,
                                                             reduction, torch.stack(scales), rows, accum_dtype,
                                                             stats, needs)
         token_weight = token_weight if opts.use_token_scaling else None
     else:
         with torch.no_grad():
             loss, lse, _lse_lo, predicted, token_weight = loop.loss_only(ce, hidden, weight, bias, target, w,
-                                                                         w_sum, opts, rows, stats)
+                                                                         weight_sum, opts, rows, stats)
         out = reduce(*token_scaled(loss, z_rows(lse, opts), token_weight), reduction, scales, loss.shape)
     if reduction == "none":
         out = _scatter(out, index, n, 0.0)

@@ -84,7 +84,7 @@ def accumulate_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
         acc.addmm_(g.t().to(acc.dtype), h.to(acc.dtype))
 
 
-def loss_only(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: int, stats: bool):
+def loss_only(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, stats: bool):
     """Per-row ``(loss, lse, lse_lo, predicted, token_weight)`` for every token (cross-entropy without
     z-loss, fp32; predicted int64, -1 where not computed; ``token_weight`` the detached ``p_t`` with
     ``use_token_scaling``, else None); no gradient buffers at all."""
@@ -97,7 +97,7 @@ def loss_only(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, row
     for s in range(0, n, rows):
         c = slice(s, s + rows)
         logits = logits_chunk(hidden[c], weight, bias, buffer)
-        loss[c], lse[c], lse_lo[c], pred_c = ce.loss(logits, target[c], w, w_sum, opts, stats)
+        loss[c], lse[c], lse_lo[c], pred_c = ce.loss(logits, target[c], w, weight_sum, opts, stats)
         if stats:
             predicted[c] = pred_c
         if token_weight is not None:
@@ -105,16 +105,16 @@ def loss_only(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, row
     return loss, lse, lse_lo, predicted, token_weight
 
 
-def loss_then_grad_(ce, logits, target, w, w_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
+def loss_then_grad_(ce, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
     """``ChunkCE.loss_and_grad_`` composed from ``ce.loss`` and ``ce.grad_`` (for a backend without a
     fused kernel): ``(loss, lse, lse_lo, predicted, token_weight)``, ``logits`` overwritten with
     d(sum_i grad_row[i] ce_i + z_grad_row[i] z_i)/d logits (both upstreams times ``p_t`` with token
     scaling; ``token_weight`` is ``p_t``, or None)."""
-    loss, lse, lse_lo, predicted = ce.loss(logits, target, w, w_sum, opts, stats)
+    loss, lse, lse_lo, predicted = ce.loss(logits, target, w, weight_sum, opts, stats)
     token_weight = target_probability(logits, target, lse, opts) if opts.use_token_scaling else None
     if token_weight is not None:
         grad_row, z_grad_row = grad_row * token_weight, z_grad_row * token_weight
-    ce.grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, _grad_lse(lse, z_grad_row, opts), opts)
+    ce.grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, _grad_lse(lse, z_grad_row, opts), opts)
     return loss, lse, lse_lo, predicted, token_weight
 
 
@@ -126,7 +126,7 @@ def _grad_lse(lse: torch.Tensor, z_grad_row: torch.Tensor, opts: LossOptions) ->
     return (2.0 * opts.lse_square_scale) * lse * z_grad_row
 
 
-def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: int, grad_row, z_grad_row,
+def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, grad_row, z_grad_row,
           needs, accum_dtype, saved=None, stats: bool = False):
     """Gradients of ``sum_i grad_row[i] ce_i + z_grad_row[i] z_i`` (``ce_i`` the cross-entropy of row
     i, ``z_i = s lse_i**2`` its z-loss) and, when ``saved`` is None, the forward too.
@@ -158,7 +158,7 @@ def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: i
         h_c = hidden[c]
         logits = logits_chunk(h_c, weight, bias, buffer)
         if forward:
-            loss[c], lse[c], lse_lo[c], pred_c, tw_c = ce.loss_and_grad_(logits, target[c], w, w_sum, grad_row[c],
+            loss[c], lse[c], lse_lo[c], pred_c, tw_c = ce.loss_and_grad_(logits, target[c], w, weight_sum, grad_row[c],
                                                                          z_grad_row[c], opts, stats)
             if stats:
                 predicted[c] = pred_c
@@ -169,7 +169,7 @@ def grads(ce, hidden, weight, bias, target, w, w_sum, opts: LossOptions, rows: i
             if token_weight is not None:
                 token_weight[c] = target_probability(logits, target[c], lse[c], opts)
                 g_c, zg_c = g_c * token_weight[c], zg_c * token_weight[c]
-            ce.grad_(logits, target[c], w, w_sum, lse[c], lse_lo[c], g_c, _grad_lse(lse[c], zg_c, opts), opts)
+            ce.grad_(logits, target[c], w, weight_sum, lse[c], lse_lo[c], g_c, _grad_lse(lse[c], zg_c, opts), opts)
         if grad_h is not None:
             torch.mm(logits, weight, out=grad_h[c])
         if grad_w is not None:

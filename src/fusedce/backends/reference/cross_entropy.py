@@ -43,7 +43,7 @@ class Scratch:
         return self._work[:n]
 
 
-def chunk_loss(logits, target, w, w_sum, opts: LossOptions, stats: bool = True):
+def chunk_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = True):
     """Per-row ``(loss, lse, lse_lo, predicted)`` of ``logits`` ((n, V)), no gradient: fp32 (n,) each
     (cross-entropy without z-loss; lse as the pair lse + lse_lo, see ``rows.py``), predicted (n,) int64
     or None without stats."""
@@ -56,14 +56,14 @@ def chunk_loss(logits, target, w, w_sum, opts: LossOptions, stats: bool = True):
     for start in range(0, n_rows, step):
         rows = slice(start, start + step)
         block = scratch.upcast(logits[rows])
-        loss[rows], lse[rows], lse_lo[rows], pred = rows_forward(block, target[rows], w, w_sum, opts, stats,
+        loss[rows], lse[rows], lse_lo[rows], pred = rows_forward(block, target[rows], w, weight_sum, opts, stats,
                                                                  scratch.work(block.shape[0]))
         if stats:
             predicted[rows] = pred
     return loss, lse, lse_lo, predicted
 
 
-def chunk_grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
+def chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
                 out=None) -> torch.Tensor:
     """Write d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i)/d logits into ``out`` (default:
     ``logits`` itself). ``grad_lse`` None means 0.
@@ -79,7 +79,7 @@ def chunk_grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts:
         rows = slice(start, start + step)
         dst = out[rows]
         block = logits[rows] if scratch is None else scratch.upcast(logits[rows])
-        grad = rows_grad(block, target[rows], w, w_sum, lse[rows], lse_lo[rows], grad_row[rows],
+        grad = rows_grad(block, target[rows], w, weight_sum, lse[rows], lse_lo[rows], grad_row[rows],
                          None if grad_lse is None else grad_lse[rows], opts,
                          out=dst if scratch is None else scratch.work(dst.shape[0]))
         if scratch is not None:
@@ -90,23 +90,23 @@ def chunk_grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts:
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, opts: LossOptions, inplace_backward: bool, stats: bool):
-        w, w_sum = class_weights(weight)
-        loss, lse, lse_lo, predicted = chunk_loss(logits, target, w, w_sum, opts, stats)
+        w, weight_sum = class_weights(weight)
+        loss, lse, lse_lo, predicted = chunk_loss(logits, target, w, weight_sum, opts, stats)
         if predicted is None:
             predicted = torch.empty(0, dtype=torch.int64, device=logits.device)
-        ctx.save_for_backward(logits, target, lse, lse_lo, w, w_sum)
+        ctx.save_for_backward(logits, target, lse, lse_lo, w, weight_sum)
         ctx.opts, ctx.inplace, ctx.consumed = opts, inplace_backward, False
         ctx.mark_non_differentiable(predicted)
         return loss, lse, predicted
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse, _grad_pred):
+    def backward(ctx, grad_row, grad_lse, _grad_pred):
         check_backward_allowed(ctx, "fusedce.cross_entropy")
-        logits, target, lse, lse_lo, w, w_sum = ctx.saved_tensors
-        if grad_loss is None:
-            grad_loss = lse.new_zeros(()).expand(lse.shape)
+        logits, target, lse, lse_lo, w, weight_sum = ctx.saved_tensors
+        if grad_row is None:
+            grad_row = lse.new_zeros(()).expand(lse.shape)
         out = None if ctx.inplace else torch.empty_like(logits)
-        grad = chunk_grad_(logits, target, w, w_sum, lse, lse_lo, grad_loss, grad_lse, ctx.opts, out=out)
+        grad = chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, ctx.opts, out=out)
         ctx.consumed = ctx.inplace
         return grad, None, None, None, None, None
 

@@ -12,16 +12,16 @@ class TorchChunkCE:
     """``ChunkCE`` in plain PyTorch (row sub-chunks keep the fp32 temporaries small)."""
 
     @staticmethod
-    def loss(logits, target, w, w_sum, opts, stats):
-        return chunk_loss(logits, target, w, w_sum, opts, stats)
+    def loss(logits, target, w, weight_sum, opts, stats):
+        return chunk_loss(logits, target, w, weight_sum, opts, stats)
 
     @staticmethod
-    def grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts):
-        chunk_grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts)
+    def grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts):
+        chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts)
 
     @classmethod
-    def loss_and_grad_(cls, logits, target, w, w_sum, grad_row, z_grad_row, opts, stats):
-        return loss_then_grad_(cls, logits, target, w, w_sum, grad_row, z_grad_row, opts, stats)
+    def loss_and_grad_(cls, logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats):
+        return loss_then_grad_(cls, logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats)
 
 
 linear_cross_entropy = functools.partial(_linear_cross_entropy, TorchChunkCE)

@@ -14,24 +14,24 @@ from ..linear import linear_cross_entropy as _linear_cross_entropy
 from . import custom_ops
 
 
-def _w(w, w_sum):
-    return (None, None) if w is None else (w.contiguous(), w_sum.reshape(1))
+def _w(w, weight_sum):
+    return (None, None) if w is None else (w.contiguous(), weight_sum.reshape(1))
 
 
 class TritonChunkCE:
     """``ChunkCE`` with the Triton kernels (CUDA, or the interpreter in tests)."""
 
     @staticmethod
-    def loss(logits, target, w, w_sum, opts, stats):
-        return custom_ops.forward(logits, target, *_w(w, w_sum), opts, stats)
+    def loss(logits, target, w, weight_sum, opts, stats):
+        return custom_ops.forward(logits, target, *_w(w, weight_sum), opts, stats)
 
     @staticmethod
-    def loss_and_grad_(logits, target, w, w_sum, grad_row, z_grad_row, opts, stats):
-        return custom_ops.loss_and_grad_(logits, target, *_w(w, w_sum), grad_row, z_grad_row, opts, stats)
+    def loss_and_grad_(logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats):
+        return custom_ops.loss_and_grad_(logits, target, *_w(w, weight_sum), grad_row, z_grad_row, opts, stats)
 
     @staticmethod
-    def grad_(logits, target, w, w_sum, lse, lse_lo, grad_row, grad_lse, opts):
-        custom_ops.backward_(logits, target, *_w(w, w_sum), lse, lse_lo, grad_row, grad_lse, opts)
+    def grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts):
+        custom_ops.backward_(logits, target, *_w(w, weight_sum), lse, lse_lo, grad_row, grad_lse, opts)
 
 
 linear_cross_entropy = functools.partial(_linear_cross_entropy, TritonChunkCE)

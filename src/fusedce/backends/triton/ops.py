@@ -25,28 +25,29 @@ def _setup_context(ctx, inputs, output):
     logits, target, weight, weight_sum = inputs[:4]
     _loss, lse, lse_lo, predicted = output
     ctx.save_for_backward(logits, target, weight, weight_sum, lse, lse_lo)
-    ctx.options = tuple(inputs[4:6])   # ignore_index, scalars: LossOptions.op_args()
-    ctx.inplace = inputs[7]
+    named = dict(zip(_FORWARD_INPUTS, inputs))
+    ctx.options = (named["ignore_index"], named["scalars"])   # LossOptions.op_args()
+    ctx.inplace = named["inplace_backward"]
     ctx.consumed = False
     ctx.mark_non_differentiable(lse_lo, predicted)
 
 
-def _backward(ctx, grad_loss, grad_lse, _grad_lse_lo, _grad_predicted):
+def _backward(ctx, grad_row, grad_lse, _grad_lse_lo, _grad_predicted):
     """d loss / d logits for the upstream per-row gradients of ``loss`` and ``lse`` (any strides, e.g.
     stride 0; either may be None when that output took no part in the graph)."""
     check_backward_allowed(ctx, "fusedce.cross_entropy")
     logits, target, weight, weight_sum, lse, lse_lo = ctx.saved_tensors
-    if grad_loss is None:
-        grad_loss = lse.new_zeros(()).expand(lse.shape)
+    if grad_row is None:
+        grad_row = lse.new_zeros(()).expand(lse.shape)
     if ctx.inplace:
         # A custom op may not return an alias of its input: the mutating op returns nothing and the
         # gradient handed to autograd is ``logits`` itself, now holding d loss / d logits.
-        torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, lse_lo, grad_loss,
+        torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, lse_lo, grad_row,
                                               grad_lse, *ctx.options)
         ctx.consumed = True
         grad = logits
     else:
-        grad = torch.ops.fusedce.ce_backward(logits, target, weight, weight_sum, lse, lse_lo, grad_loss,
+        grad = torch.ops.fusedce.ce_backward(logits, target, weight, weight_sum, lse, lse_lo, grad_row,
                                              grad_lse, *ctx.options)
     return (grad,) + (None,) * (len(_FORWARD_INPUTS) - 1)
 
@@ -69,6 +70,6 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optio
     With ``inplace_backward`` the backward pass writes the gradient into ``logits``' storage (a second
     backward then raises ``RuntimeError``).
     """
-    w, w_sum = _weights(weight)
-    loss, lse, _lse_lo, predicted = custom_ops.forward(logits, target, w, w_sum, opts, stats, inplace_backward)
+    w, weight_sum = _weights(weight)
+    loss, lse, _lse_lo, predicted = custom_ops.forward(logits, target, w, weight_sum, opts, stats, inplace_backward)
     return loss, lse, predicted

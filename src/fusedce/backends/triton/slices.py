@@ -37,8 +37,8 @@ def slice_grad(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torc
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if logits.shape[1] == 0:
         return grad
-    w_sum = None if weight_sum is None else weight_sum.reshape(1).float()
+    weight_sum = None if weight_sum is None else weight_sum.reshape(1).float()
     tw = None if target_weight is None else target_weight.float().contiguous()
-    ce_backward(logits, target, None if weight is None else weight.contiguous(), w_sum, lse.contiguous(),
+    ce_backward(logits, target, None if weight is None else weight.contiguous(), weight_sum, lse.contiguous(),
                 lse_lo.contiguous(), grad_row, grad_lse, opts, grad, VocabSlice(col_start, n_total, tw))
     return grad

@@ -44,12 +44,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return out.loss, out.lse, out.predicted, w_t, out.target_prob
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse, _grad_pred, _grad_wt, _grad_target_prob):
+    def backward(ctx, grad_row, grad_lse, _grad_pred, _grad_wt, _grad_target_prob):
         check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_cross_entropy")
-        logits, target, w, w_sum, w_t, lse, lse_lo = ctx.saved_tensors
-        if grad_loss is None:
-            grad_loss = lse.new_zeros(()).expand(lse.shape)
-        grad = shard_grad(ctx.impl, logits, target, w, w_sum, w_t, lse, lse_lo, grad_loss, grad_lse, ctx.layout,
+        logits, target, w, weight_sum, w_t, lse, lse_lo = ctx.saved_tensors
+        if grad_row is None:
+            grad_row = lse.new_zeros(()).expand(lse.shape)
+        grad = shard_grad(ctx.impl, logits, target, w, weight_sum, w_t, lse, lse_lo, grad_row, grad_lse, ctx.layout,
                           ctx.opts)
         return grad, None, None, None, None, None
 

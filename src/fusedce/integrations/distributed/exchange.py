@@ -91,9 +91,9 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
     s = p.sums
     lse, lse_lo = two_sum(gmax, torch.log(s[:, Columns.SUMEXP]))
     w_t = s[:, cols.target_weight] if weighted else None
-    w_sum = p.flat[-1] if weighted else None
+    weight_sum = p.flat[-1] if weighted else None
     loss = row_loss(lse, lse_lo, s[:, Columns.TARGET_LOGIT], w_t, None if cols.smooth is None else s[:, cols.smooth],
-                    w_sum if weighted else float(layout.n_classes), layout.n_classes, opts)
+                    weight_sum if weighted else float(layout.n_classes), layout.n_classes, opts)
     valid = target != opts.ignore_index
     loss = torch.where(s[:, Columns.OWNED] > 0, loss, float("nan"))
     loss = torch.where(valid, loss, 0.0)
@@ -103,4 +103,4 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
     predicted = torch.where(valid, index, -1)
     return GlobalRows(loss=loss, lse=lse, lse_lo=lse_lo, target_prob=target_prob, predicted=predicted,
                       target_weight=None if w_t is None else w_t.clone(),
-                      weight_sum=None if w_sum is None else w_sum.clone())
+                      weight_sum=None if weight_sum is None else weight_sum.clone())

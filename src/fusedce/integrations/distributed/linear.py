@@ -61,11 +61,11 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         return out.loss, out.lse, out.predicted, w_t, out.target_prob
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse, _grad_pred, _grad_wt, _grad_target_prob):
+    def backward(ctx, grad_row, grad_lse, _grad_pred, _grad_wt, _grad_target_prob):
         check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_linear_cross_entropy")
-        hidden, weight, bias, target, w, w_sum, w_t, lse, lse_lo = ctx.saved_tensors
-        if grad_loss is None:
-            grad_loss = lse.new_zeros(()).expand(lse.shape)
+        hidden, weight, bias, target, w, weight_sum, w_t, lse, lse_lo = ctx.saved_tensors
+        if grad_row is None:
+            grad_row = lse.new_zeros(()).expand(lse.shape)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, rows = hidden.shape[0], ctx.rows
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -76,8 +76,8 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             c = slice(start, start + rows)
             h_c = hidden[c]
             x = logits_chunk(h_c, weight, bias, buffer)
-            g = shard_grad(ctx.impl, x, target[c], w, w_sum, None if w_t is None else w_t[c], lse[c], lse_lo[c],
-                           grad_loss[c], None if grad_lse is None else grad_lse[c], ctx.layout,
+            g = shard_grad(ctx.impl, x, target[c], w, weight_sum, None if w_t is None else w_t[c], lse[c], lse_lo[c],
+                           grad_row[c], None if grad_lse is None else grad_lse[c], ctx.layout,
                            ctx.opts)  # the logits' gradient, in their (hidden's) dtype
             if need_h:
                 torch.mm(g, weight, out=grad_h[c])

@@ -19,7 +19,8 @@ and their sources; the PyTorch backend computes the same ones).
 import triton
 import triton.language as tl
 
-from .common import logit_slope, logit_transform, to_bf16_rne, two_sum
+from .common import logit_slope, logit_transform, two_sum
+from .interpreter import to_bf16_rne
 
 
 @triton.jit
