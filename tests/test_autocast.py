@@ -1,6 +1,6 @@
 """Every public op under ``torch.autocast`` behaves as the stock composition under the same autocast.
 
-Issue 9 (part 5). Stock compositions, run under the same ``torch.autocast("cpu", dtype)``:
+Stock compositions, run under the same ``torch.autocast("cpu", dtype)``:
 - ``cross_entropy`` / ``CrossEntropyLoss``: ``F.cross_entropy(logits, t, weight, ...)`` (on autocast's
   fp32 list: fp32 math on the logits whatever their dtype); fusedce runs with autocast disabled inside,
   so that no internal matmul (the smoothing term ``z @ weight``) is downcast.

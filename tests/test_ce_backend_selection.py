@@ -10,7 +10,7 @@ import torch
 import fusedce
 from inputs import bit_identical, call, make_logits, make_target
 
-MODULES = {"torch": "fusedce.backends.reference", "triton": "fusedce.backends.triton"}
+MODULES = {"torch": "fusedce.backends.pytorch", "triton": "fusedce.backends.triton"}
 
 
 @pytest.fixture

@@ -557,6 +557,37 @@ def logit_scale_and_token_scaling(rank, world):
                        **kw)
 
 
+@check
+def backward_twice(rank, world):
+    """A second backward through a retained graph (docs/cases.md C16) on both vocab-parallel ops: twice
+    the gradients of one backward (the backward recomputes; the linear one all-reduces each time);
+    create_graph raises."""
+    cols = _slice(rank, SIZES[world])
+    x, t = _ce_inputs()
+    h, W, b, _ = _linear_inputs()
+    for reduction in REDUCTIONS:
+        up = _upstream_for(torch.zeros(SHAPE) if reduction == "none" else torch.zeros(()), _upstream(reduction))
+        xs = x[..., cols].clone().requires_grad_()
+        loss = fd.vocab_parallel_cross_entropy(xs, t, reduction=reduction, lse_square_scale=1e-3)
+        (once,) = torch.autograd.grad(loss, xs, up, retain_graph=True)
+        loss.backward(up, retain_graph=True)
+        loss.backward(up)
+        assert torch.allclose(xs.grad, 2 * once, rtol=1e-6, atol=1e-7), "vocab_parallel_cross_entropy"
+        leaves = [h.clone().requires_grad_(), W[cols].clone().requires_grad_()]
+        loss = fd.vocab_parallel_linear_cross_entropy(*leaves, t, reduction=reduction)
+        once = torch.autograd.grad(loss, leaves, up, retain_graph=True)
+        loss.backward(up)
+        for leaf, g in zip(leaves, once):
+            assert torch.allclose(leaf.grad, g, rtol=1e-5, atol=1e-6), "vocab_parallel_linear_cross_entropy"
+    xs = x[..., cols].clone().requires_grad_()
+    try:
+        torch.autograd.grad(fd.vocab_parallel_cross_entropy(xs, t), xs, create_graph=True)
+    except RuntimeError as e:
+        assert "create_graph" in str(e)
+    else:
+        raise AssertionError("create_graph=True must raise")
+
+
 # ---------------------------------------------------------------------------------------- harness
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -2,7 +2,7 @@
 forward and backward:
 
 - no BT x V tensor, ever: every tensor an op allocates holds at most one chunk of logits (``chunk_size x V``
-  elements), for a given chunk size and for the automatic one (backends/linear/tuning.py's rule);
+  elements), for a given chunk size and for the automatic one (backends/chunk_loop/tuning.py's rule);
 - no gradient buffers under ``torch.no_grad()`` (nothing of the weight's V x H size), same loss;
 - ignored tokens cost no matmul FLOPs: counted from every mm / addmm's operand shapes.
 """
@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedce
-from fusedce.backends.linear.tuning import MIN_ROWS
+from fusedce.backends.chunk_loop.tuning import MIN_ROWS
 from inputs import make_target
 from reference64_linear import make_linear
 

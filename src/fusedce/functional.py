@@ -6,7 +6,7 @@ from typing import Optional, Union
 import torch
 
 from . import backends, reduction as red, validation as val
-from .backends.reference.rows import target_probability
+from .backends.pytorch.rows import target_probability
 from .types import CrossEntropyOutput
 from .autocast import fp32_op, linear_op
 
@@ -134,7 +134,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             (as ``F.linear``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
             None = automatic: ``max(1024, BT * H / V)`` rows, capped at BT (rule and its measurement in
-            ``backends/linear/tuning.py``).
+            ``backends/chunk_loop/tuning.py``).
         accum_dtype: dtype in which the ``weight`` and ``bias`` gradients accumulate across chunks.
         return_stats: return ``CrossEntropyOutput``; its ``lse`` is 0 on ignored rows (never computed),
             as in :func:`cross_entropy`.

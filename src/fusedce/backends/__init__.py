@@ -6,7 +6,13 @@
   reduction. The z-loss is built from ``lse`` by ``reduction.py``, so its gradient reaches the backend
   as the upstream gradient of ``lse``.
 - ``linear_cross_entropy(..., reduction, scales, ...)``: the LM head fused with the loss, reduced
-  (``scales`` = the mean's 1/D and 1/N), see ``backends/linear/api.py``.
+  (``scales`` = the mean's 1/D and 1/N), see ``backends/chunk_loop/api.py``.
+- ``slice_stats`` / ``slice_grad``: the same math on a vocabulary slice (partial row statistics out,
+  the slice's gradient from the global statistics in), for ``integrations/distributed``.
+
+Packages: ``pytorch/`` is the backend named ``"torch"`` (the CPU path), ``triton/`` the backend named
+``"triton"``; ``chunk_loop/`` is not a backend but what both share: the backend-agnostic LM-head chunk
+loop of ``linear_cross_entropy``, into which each backend plugs its per-chunk cross-entropy.
 """
 from __future__ import annotations
 
@@ -73,5 +79,5 @@ def get(name, device: torch.device):
     if resolved == "triton":
         from . import triton as module
     else:
-        from . import reference as module
+        from . import pytorch as module
     return module

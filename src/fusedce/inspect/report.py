@@ -75,7 +75,7 @@ def _needed(kernel: str, itemsize: int, variant: Variant, meta: dict) -> tuple:
     loads = per_stream(itemsize)
     if variant.weight and variant.smoothing:
         loads += per_stream(4)                       # fp32 class weights, read blockwise
-    stores = per_stream(itemsize) if kernel != "forward" else 0
+    stores = per_stream(itemsize) if kernel in ("backward", "chunk") else 0
     return loads, stores
 
 
@@ -154,7 +154,7 @@ def format_table(rows) -> str:
         lines.append((f"sm_{r.arch}", r.kernel, r.variant, r.dtype, str(r.vocab), str(r.block_v),
                       str(r.num_warps), str(r.align), _fmt(r.regs), _fmt(r.spill_bytes), str(r.smem),
                       f"{r.ld128}/{r.ld128_needed}", str(r.narrow_loads),
-                      f"{r.st128}/{r.st128_needed}" if r.kernel != "forward" else "-", check))
+                      f"{r.st128}/{r.st128_needed}" if r.kernel in ("backward", "chunk") else "-", check))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))

@@ -8,7 +8,9 @@ import torch
 
 from ..types import LossOptions
 
-KERNELS = ("forward", "backward", "chunk")   # chunk: the fused loss + gradient of linear_cross_entropy
+# chunk: the fused loss + gradient of linear_cross_entropy; slice: the partial statistics of a vocabulary
+# slice (vocab parallelism; its gradient is the backward kernel with a column offset)
+KERNELS = ("forward", "backward", "chunk", "slice")
 ROWS = 8192                 # BT: only the grid depends on it
 ARCHS = (90, 100)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -57,6 +59,10 @@ VARIANTS = {
         "smooth+weight": Variant(weight=True, smoothing=True),
         "all": Variant(weight=True, smoothing=True, softcap=True, zloss=True),
     },
+    "slice": {
+        "plain": Variant(),
+        "all": Variant(weight=True, smoothing=True, softcap=True),
+    },
     "chunk": {
         "plain": Variant(),
         "softcap": Variant(softcap=True),
@@ -66,7 +72,8 @@ VARIANTS = {
 }
 _FLAGS = {"forward": ("weight", "smoothing", "softcap", "stats"),
           "backward": ("weight", "smoothing", "softcap", "zloss"),
-          "chunk": ("weight", "smoothing", "softcap", "stats", "zloss", "dft")}
+          "chunk": ("weight", "smoothing", "softcap", "stats", "zloss", "dft"),
+          "slice": ("weight", "smoothing", "softcap")}
 
 
 def every_variant(kernel: str) -> dict:
@@ -92,6 +99,9 @@ def launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant, rows: 
     predicted = meta(rows, dt=torch.int64) if variant.stats else None
     if kernel == "forward":   # loss, lse, lse_lo, predicted
         return L.forward_launch(logits, target, weight, weight_sum, opts, *(meta(rows),) * 3, predicted)
+    if kernel == "slice":     # xmax, argmax, zmax, sumexp, target_logit, zsum; a slice from column 4096
+        out = (meta(rows), meta(rows, dt=torch.int64), *(meta(rows),) * 4)
+        return L.slice_stats_launch(logits, target, weight, opts, 4096, out)
     if kernel == "chunk":     # grad_row, z_grad_row, loss, lse, lse_lo, predicted, token_weight
         return L.chunk_launch(logits, target, weight, weight_sum, meta(()).expand(rows), meta(rows), opts,
                               *(meta(rows),) * 3, predicted, meta(rows) if variant.dft else None)

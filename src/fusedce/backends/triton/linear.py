@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from ..linear import linear_cross_entropy as _linear_cross_entropy
+from ..chunk_loop import linear_cross_entropy as _linear_cross_entropy
 from . import custom_ops
 
 

@@ -2,7 +2,7 @@
 
 Each rank holds ``weight[start:start + V_r]`` (and the same slice of ``bias`` and class weights) and
 the full, identical ``hidden`` and ``target``. Logits exist one chunk of tokens at a time, ``rows x V_r``
-(never BT x V_r), through the chunk helpers of the single-process path (``backends/linear``):
+(never BT x V_r), through the chunk helpers of the single-process path (``backends/chunk_loop``):
 
     forward   per chunk: logits_c = h_c @ W_r.T + b_r (hidden's dtype, fp32 accumulation, one reused
               chunk buffer); per-row partial statistics by the backend (``slice_stats``); then
@@ -24,10 +24,10 @@ import torch.distributed as dist
 from ... import validation as val
 from ...autocast import linear_op
 from ...autograd_checks import check_backward_allowed
-from ...backends.linear.api import compact_rows
+from ...backends.chunk_loop.api import compact_rows
 from ... import backends
-from ...backends.linear.loop import accumulate_, chunk_buffer, logits_chunk
-from ...backends.linear.tuning import chunk_rows
+from ...backends.chunk_loop.loop import accumulate_, chunk_buffer, logits_chunk
+from ...backends.chunk_loop.tuning import chunk_rows
 from ...types import CrossEntropyOutput, LossOptions
 from .exchange import Partials, exchange
 from .layout import VocabLayout, vocab_layout
@@ -125,7 +125,7 @@ def vocab_parallel_linear_cross_entropy(
             use_token_scaling, num_items_in_batch:
             as in ``fusedce.cross_entropy``, on logits computed in ``hidden``'s dtype (fp32 accumulation).
         chunk_size: tokens per chunk (logits are ``chunk_size x V_r``). None = the single-process rule
-            (``backends/linear/tuning.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
+            (``backends/chunk_loop/tuning.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
         accum_dtype: dtype of the ``weight_shard`` / ``bias_shard`` gradient accumulators.
         return_stats: ``CrossEntropyOutput``; as in the single-process op, ``lse`` is 0 on ignored rows.
         backend: as in ``fusedce.linear_cross_entropy``: the kernels of this rank's statistics and

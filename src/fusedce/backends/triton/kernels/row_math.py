@@ -1,5 +1,5 @@
 """The per-row cross-entropy math of the kernels, written once and shared by ``ce_forward``,
-``ce_backward`` and the fused ``ce_chunk`` kernel (see ``backends/reference/rows.py`` for the formulas
+``ce_backward`` and the fused ``ce_chunk`` kernel (see ``backends/pytorch/rows.py`` for the formulas
 and their sources; the PyTorch backend computes the same ones).
 
 - ``row_stats``: one pass over a row (or a vocabulary slice of it) in ``BLOCK_V`` blocks, online

@@ -1,4 +1,5 @@
-"""Pure-PyTorch backend: the CPU path and the tests' oracle besides the float64 composition."""
+"""The backend named ``"torch"``: pure PyTorch, the CPU path (the tests' oracle is the float64 composition
+in ``tests/reference64.py``)."""
 from .cross_entropy import cross_entropy_rows
 from .linear import linear_cross_entropy
 from .slices import slice_grad, slice_stats

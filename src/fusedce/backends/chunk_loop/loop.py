@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ...types import LossOptions
-from ..reference.rows import target_probability
+from ..pytorch.rows import target_probability
 from ...validation import sync_allowed
 
 _OUT_DTYPE_MM: dict = {}   # device type -> bool; filled only by eager calls on real tensors

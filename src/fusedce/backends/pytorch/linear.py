@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import functools
 
-from ..linear import linear_cross_entropy as _linear_cross_entropy
-from ..linear.loop import loss_then_grad_
+from ..chunk_loop import linear_cross_entropy as _linear_cross_entropy
+from ..chunk_loop.loop import loss_then_grad_
 from .cross_entropy import chunk_grad_, chunk_loss
 
 
