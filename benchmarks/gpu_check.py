@@ -46,6 +46,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import fusedce  # noqa: E402
 from fusedce import validation  # noqa: E402
+from fusedce.bench import harness  # noqa: E402
+from fusedce.bench.paths import ce_floor_bytes  # noqa: E402
 
 IGNORE = -100
 FULL = dict(rows=8192, vocabs=(32000, 128256, 262144), subset=256)
@@ -135,29 +137,25 @@ def paths(backend: str, dry: bool) -> dict:
 
 
 def measure(fn, logits, target, device, dry: bool) -> dict:
-    """Median fwd+bwd ms and the peak bytes allocated beyond the inputs. In-place paths overwrite
-    their own copy of the logits with gradients, which is fine for timing."""
+    """Median fwd+bwd ms and the peak bytes allocated beyond the inputs, by the bench's own methods
+    (``fusedce.bench.harness``: ``triton.testing.do_bench`` median, ``torch.cuda.max_memory_allocated``
+    minus what exists at the start). In-place paths overwrite their own copy of the logits with
+    gradients, which is fine for timing."""
     x = logits.detach().clone().requires_grad_()
 
     def step():
         fn(x, target).backward()
 
-    step()                                              # warm-up: compile, autotune, allocator
-    x.grad = None
-    if dry:
-        t0 = time.perf_counter()
-        step()
-        return dict(ms=(time.perf_counter() - t0) * 1e3, peak_bytes=None)
-    import triton
+    def reset():
+        x.grad = None
 
-    sync(device)
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    sync(device)
-    peak = torch.cuda.max_memory_allocated() - base
-    x.grad = None
-    ms = triton.testing.do_bench(step, grad_to_none=[x], return_mode="median")
+    step()                                              # warm-up: compile, autotune, allocator
+    reset()
+    if dry:   # CPU: one timed call of the interpreter, not a measurement; no peak memory
+        return dict(ms=harness.median_ms(step, reset, "cpu", repeats=1, warmup=0)[0], peak_bytes=None)
+    peak, _method = harness.peak_memory(step, "cuda")
+    reset()
+    ms, _ = harness.median_ms(step, reset, "cuda", repeats=1, grad_to_none=[x])
     return dict(ms=ms, peak_bytes=peak)
 
 
@@ -298,7 +296,7 @@ def main(argv=None) -> int:
         log(f"[parity V={vocab}] mean vs fp32 {par['mean_rel_err_vs_fp32']:.1e}, rows vs fp64 "
             f"{par['loss_rel_err_vs_fp64']:.1e}, grad err {par['grad_err_vs_fp64']:.2e} = "
             f"{par['grad_err_ratio']:.2f}x torch bf16 -> {'OK' if par['ok'] else 'FAIL'}")
-        floor = 3 * rows * vocab * logits.element_size()
+        floor = ce_floor_bytes(rows, vocab, logits.element_size())
         timings = {}
         for path, fn in paths(backend, dry).items():
             try:

@@ -36,6 +36,12 @@ class Op:
     max_cpu_repeats: Optional[int] = None  # caps --repeats on CPU for ops whose one run takes seconds
 
 
+def ce_floor_bytes(rows: int, vocab: int, itemsize: int) -> int:
+    """The bytes cross-entropy forward + backward must move on (BT, V) logits of ``itemsize`` bytes (the
+    formula's one place; ``benchmarks/gpu_check.py`` uses it too, see ``_ce_floor_bytes``)."""
+    return 3 * rows * vocab * itemsize
+
+
 def _ce_floor_bytes(inputs: Inputs) -> int:
     # Cross-entropy forward + backward on (BT, V) logits moves at least
     #   forward  : read the logits once (online logsumexp and z[target] in one pass)   BT * V * b
@@ -45,7 +51,7 @@ def _ce_floor_bytes(inputs: Inputs) -> int:
     # per-row lse are O(BT) and left out. (A single kernel that writes the gradient during the forward
     # could reach 2 * BT * V * b; the contract's separate forward/backward cannot.)
     rows, vocab = inputs.logits.shape
-    return 3 * rows * vocab * inputs.logits.element_size()
+    return ce_floor_bytes(rows, vocab, inputs.logits.element_size())
 
 
 def _ce_parity(inputs: Inputs, loss: torch.Tensor, grads: dict) -> dict:
