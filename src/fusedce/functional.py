@@ -130,8 +130,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         bias: optional ``(V,)``, same dtype as ``hidden``.
         ce_weight: optional ``(V,)`` class weights of the loss.
         ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
-            use_token_scaling, num_items_in_batch: as in :func:`cross_entropy`, on logits computed in ``hidden``'s dtype with fp32 accumulation
-            (as ``F.linear``); the loss math is fp32.
+            use_token_scaling, num_items_in_batch: as in :func:`cross_entropy`, on logits computed in
+            ``hidden``'s dtype with fp32 accumulation (as ``F.linear``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
             None = automatic: ``max(1024, BT * H / V)`` rows, capped at BT (rule and its measurement in
             ``backends/chunk_loop/tuning.py``).

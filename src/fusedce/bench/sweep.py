@@ -16,7 +16,8 @@ shapes, each configuration measured in a fresh process (``harness.run_isolated``
   temporary gradients before they are added into ``.grad``, and workspaces.
 - Time: median of ``repeats`` forward+backward runs (``.grad`` zeroed in place outside the timing)
   after the memory run, which is the warm-up (plus ``warmup`` more untimed runs).
-- Targets (of the memory sweep: >= 3x less memory, time within 1.10x at 0% ignored; displayed, never enforced): ``TARGETS``.
+- Targets (of the memory sweep: >= 3x less memory, time within 1.10x at 0% ignored; displayed, never
+  enforced): ``TARGETS``.
 """
 from __future__ import annotations
 

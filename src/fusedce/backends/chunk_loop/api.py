@@ -38,7 +38,8 @@ class ChunkCE(Protocol):
     def grad_(self, logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions) -> None:
         """Overwrite ``logits`` with d(sum grad_row * loss + grad_lse * lse)/d logits."""
 
-    def loss_and_grad_(self, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
+    def loss_and_grad_(self, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions,
+                       stats: bool):
         """``loss`` then ``grad_`` in one call (``loop.loss_then_grad_`` composes them; a backend may fuse
         them in one kernel): ``(loss, lse, lse_lo, predicted, token_weight)``, the z-loss's upstream
         ``z_grad_row`` and token scaling applied."""
@@ -65,7 +66,8 @@ class _LinearCE(torch.autograd.Function):
         if token_weight is None:
             token_weight = lse.new_empty(0)
         ctx.save_for_backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair)
-        ctx.ce, ctx.opts, ctx.rows, ctx.accum, ctx.needs, ctx.reduction = ce, opts, rows, accum_dtype, needs, reduction
+        ctx.ce, ctx.opts, ctx.rows, ctx.accum = ce, opts, rows, accum_dtype
+        ctx.needs, ctx.reduction = needs, reduction
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(lse, predicted, token_weight)
         return out, lse, predicted, token_weight
@@ -86,7 +88,8 @@ class _LinearCE(torch.autograd.Function):
             else:
                 g = grad_out.float()
                 grad_row, z_grad_row = (ce_scale * g).expand(n), (z_scale * g).expand(n)
-            *_, g_h, g_w, g_b = loop.grads(ctx.ce, hidden, weight, bias, target, w, weight_sum, ctx.opts, ctx.rows,
+            *_, g_h, g_w, g_b = loop.grads(ctx.ce, hidden, weight, bias, target, w, weight_sum, ctx.opts,
+                                           ctx.rows,
                                            grad_row, z_grad_row, ctx.needs, ctx.accum, saved=(lse, lse_lo))
         g_w = None if g_w is None else g_w.to(ctx.dtypes[1])
         g_b = None if g_b is None else g_b.to(ctx.dtypes[2])
@@ -134,7 +137,8 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
         scales = MeanScales(one, one)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and any(needs):
-        out, lse, predicted, token_weight = _LinearCE.apply(hidden, weight, bias, target, ce, w, weight_sum, opts,
+        out, lse, predicted, token_weight = _LinearCE.apply(hidden, weight, bias, target, ce, w, weight_sum,
+                                                            opts,
                                                             reduction, torch.stack(scales), rows, accum_dtype,
                                                             stats, needs)
         token_weight = token_weight if opts.use_token_scaling else None

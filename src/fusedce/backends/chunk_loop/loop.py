@@ -158,8 +158,8 @@ def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, ro
         h_c = hidden[c]
         logits = logits_chunk(h_c, weight, bias, buffer)
         if forward:
-            loss[c], lse[c], lse_lo[c], pred_c, tw_c = ce.loss_and_grad_(logits, target[c], w, weight_sum, grad_row[c],
-                                                                         z_grad_row[c], opts, stats)
+            loss[c], lse[c], lse_lo[c], pred_c, tw_c = ce.loss_and_grad_(
+                logits, target[c], w, weight_sum, grad_row[c], z_grad_row[c], opts, stats)
             if stats:
                 predicted[c] = pred_c
             if token_weight is not None:
@@ -169,7 +169,8 @@ def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, ro
             if token_weight is not None:
                 token_weight[c] = target_probability(logits, target[c], lse[c], opts)
                 g_c, zg_c = g_c * token_weight[c], zg_c * token_weight[c]
-            ce.grad_(logits, target[c], w, weight_sum, lse[c], lse_lo[c], g_c, _grad_lse(lse[c], zg_c, opts), opts)
+            ce.grad_(logits, target[c], w, weight_sum, lse[c], lse_lo[c], g_c, _grad_lse(lse[c], zg_c, opts),
+                     opts)
         if grad_h is not None:
             torch.mm(logits, weight, out=grad_h[c])
         if grad_w is not None:

@@ -55,5 +55,6 @@ def slice_grad(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torc
         r = slice(start, start + step)
         grad[r] = rows_grad(logits[r].float(), target[r], w, weight_sum, lse[r], lse_lo[r], grad_row[r],
                             None if grad_lse is None else grad_lse[r], opts, n_classes=n_total,
-                            col_start=col_start, target_weight=None if target_weight is None else target_weight[r])
+                            col_start=col_start,
+                            target_weight=None if target_weight is None else target_weight[r])
     return grad

@@ -138,7 +138,8 @@ def ce_chunk_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_su
 
 def _chunk_buffers(logits: torch.Tensor, stats: bool, token_scaling: bool):
     n_rows = logits.shape[0]
-    return (*_forward_buffers(logits, stats), logits.new_empty(n_rows if token_scaling else 0, dtype=torch.float32))
+    token_weight = logits.new_empty(n_rows if token_scaling else 0, dtype=torch.float32)
+    return (*_forward_buffers(logits, stats), token_weight)
 
 
 @ce_chunk_.register_fake

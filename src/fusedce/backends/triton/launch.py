@@ -49,7 +49,8 @@ def forward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[
             loss, lse, lse_lo, dummy if predicted is None else predicted,
             n_cols, logits.stride(0), target.stride(0), *opts.kernel_scalars())
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
-                COMPUTE_STATS=predicted is not None, **_flags(weight, opts), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+                COMPUTE_STATS=predicted is not None, **_flags(weight, opts), num_warps=cfg["num_warps"],
+                maxnreg=cfg["maxnreg"])
     return ce_forward_kernel, (n_rows,), args, meta
 
 
@@ -129,7 +130,8 @@ def chunk_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[to
             *opts.kernel_scalars(), opts.lse_square_scale)
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
                 COMPUTE_STATS=predicted is not None, HAS_ZLOSS=opts.lse_square_scale != 0.0,
-                TOKEN_SCALING=opts.use_token_scaling, **_flags(weight, opts), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+                TOKEN_SCALING=opts.use_token_scaling, **_flags(weight, opts), num_warps=cfg["num_warps"],
+                maxnreg=cfg["maxnreg"])
     if _INTERPRETED and logits.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True
     return ce_chunk_kernel, (n_rows,), args, meta

@@ -71,5 +71,6 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optio
     backward then raises ``RuntimeError``).
     """
     w, weight_sum = _weights(weight)
-    loss, lse, _lse_lo, predicted = custom_ops.forward(logits, target, w, weight_sum, opts, stats, inplace_backward)
+    loss, lse, _lse_lo, predicted = custom_ops.forward(logits, target, w, weight_sum, opts, stats,
+                                                       inplace_backward)
     return loss, lse, predicted

@@ -49,8 +49,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits, target, w, weight_sum, w_t, lse, lse_lo = ctx.saved_tensors
         if grad_row is None:
             grad_row = lse.new_zeros(()).expand(lse.shape)
-        grad = shard_grad(ctx.impl, logits, target, w, weight_sum, w_t, lse, lse_lo, grad_row, grad_lse, ctx.layout,
-                          ctx.opts)
+        grad = shard_grad(ctx.impl, logits, target, w, weight_sum, w_t, lse, lse_lo, grad_row, grad_lse,
+                          ctx.layout, ctx.opts)
         return grad, None, None, None, None, None
 
 

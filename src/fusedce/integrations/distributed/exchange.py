@@ -92,7 +92,8 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
     lse, lse_lo = two_sum(gmax, torch.log(s[:, Columns.SUMEXP]))
     w_t = s[:, cols.target_weight] if weighted else None
     weight_sum = p.flat[-1] if weighted else None
-    loss = row_loss(lse, lse_lo, s[:, Columns.TARGET_LOGIT], w_t, None if cols.smooth is None else s[:, cols.smooth],
+    zsum = None if cols.smooth is None else s[:, cols.smooth]
+    loss = row_loss(lse, lse_lo, s[:, Columns.TARGET_LOGIT], w_t, zsum,
                     weight_sum if weighted else float(layout.n_classes), layout.n_classes, opts)
     valid = target != opts.ignore_index
     loss = torch.where(s[:, Columns.OWNED] > 0, loss, float("nan"))

@@ -76,8 +76,8 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             c = slice(start, start + rows)
             h_c = hidden[c]
             x = logits_chunk(h_c, weight, bias, buffer)
-            g = shard_grad(ctx.impl, x, target[c], w, weight_sum, None if w_t is None else w_t[c], lse[c], lse_lo[c],
-                           grad_row[c], None if grad_lse is None else grad_lse[c], ctx.layout,
+            g = shard_grad(ctx.impl, x, target[c], w, weight_sum, None if w_t is None else w_t[c], lse[c],
+                           lse_lo[c], grad_row[c], None if grad_lse is None else grad_lse[c], ctx.layout,
                            ctx.opts)  # the logits' gradient, in their (hidden's) dtype
             if need_h:
                 torch.mm(g, weight, out=grad_h[c])

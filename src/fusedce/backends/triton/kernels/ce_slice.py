@@ -5,8 +5,9 @@ is then ``ce_backward`` with the slice's ``col_start``, the global V and the glo
 
 Per row it writes (fp32 unless noted): ``xmax`` the max of the raw logits and ``argmax`` (int64, global
 index, lowest on ties), ``zmax`` the max of z (-inf where the slice is all -inf in that row, which then
-adds exactly 0), ``sumexp = sum exp(z - zmax)`` (taken against 0 where ``zmax`` is -inf: 0), ``target_logit`` z_t when this slice holds the target
-(else 0) and, with smoothing, ``zsum = sum_c w_c z_c``. Ignored rows are not read (all zeros, argmax at
+adds exactly 0), ``sumexp = sum exp(z - zmax)`` (taken against 0 where ``zmax`` is -inf: 0),
+``target_logit`` z_t when this slice holds the target (else 0) and, with smoothing,
+``zsum = sum_c w_c z_c``. Ignored rows are not read (all zeros, argmax at
 ``col_start``).
 
 Bytes moved per token (row): read V_r * s (+ 4 V_r class weights with smoothing, L2-resident) + target;
