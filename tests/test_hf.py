@@ -189,6 +189,8 @@ def test_use_token_scaling_forward_keyword(family):
     patched = patch_causal_lm(build(family), use_token_scaling=True)
     patched.load_state_dict(model.state_dict())
     assert_close(patched(input_ids=ids, attention_mask=mask, labels=labels).loss, expected, "dft (option)")
+    with pytest.raises(TypeError, match="use_token_scaling"):
+        model(input_ids=ids, attention_mask=mask, labels=labels, use_token_scaling="no")
 
 
 def test_trainer_gradient_accumulation_matches_stock(tmp_path):

@@ -80,7 +80,12 @@ def test_argument_order():
 
     init = inspect.signature(fusedce.LinearCrossEntropyLoss.__init__).parameters
     names = [n for n in init if n != "self"]
-    assert names[0] == "ce_weight" and names[-2:] == ["chunk_size", "accum_dtype"]
+    positional = [n for n in names if init[n].kind == init[n].POSITIONAL_OR_KEYWORD]
+    assert positional[0] == "ce_weight" and positional[-2:] == ["chunk_size", "accum_dtype"]
+    # options added after the contract's positional ones are keyword-only: old positional calls keep
+    # their meaning
+    assert [n for n in names if n not in positional] == ["logit_scale", "use_token_scaling"]
+    assert all(init[n].kind == init[n].KEYWORD_ONLY for n in ("logit_scale", "use_token_scaling"))
     for n in names:
         assert n in fn, f"constructor option {n!r} is not an option of linear_cross_entropy"
         assert init[n].default == fn[n].default, n

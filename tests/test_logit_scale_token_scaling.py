@@ -68,7 +68,8 @@ def test_modules_pass_the_options(backend):
 
 
 @pytest.mark.parametrize("bad, exc", [(0.0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
-                                      ("2", TypeError)])
+                                      (1e39, ValueError), (1e-45, ValueError), ("2", TypeError),
+                                      (torch.tensor(2.0, requires_grad=True), TypeError)])
 def test_logit_scale_errors(bad, exc):
     x, t = torch.randn(2, 5), torch.tensor([0, 1])
     with pytest.raises(exc, match="logit_scale"):
@@ -80,3 +81,38 @@ def test_logit_scale_errors(bad, exc):
 def test_use_token_scaling_must_be_a_bool():
     with pytest.raises(TypeError, match="use_token_scaling"):
         fusedce.cross_entropy(torch.randn(2, 5), torch.tensor([0, 1]), use_token_scaling=1)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e3, 1e4])
+def test_token_scaling_precise_at_large_logits(backend, offset):
+    """p_t = exp((z_t - lse) - lse_lo) with lse's rounding error: the DFT loss and gradient stay as
+    accurate as stock fp32's ``nll * exp(-nll).detach()`` when every logit is shifted by ``offset``
+    (lse ~ offset: a single fp32 lse alone would cost |lse| 2^-24 on every p_t)."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    x = (offset + torch.randn(64, 50, dtype=torch.float64)).float()
+    t = torch.randint(0, 50, (64,))
+
+    def dft(logits):
+        nll = F.cross_entropy(logits, t, reduction="none")
+        return (nll * torch.exp(-nll).detach()).sum()
+
+    x64 = x.double().requires_grad_()
+    exact = dft(x64)
+    exact.backward()
+    x32 = x.clone().requires_grad_()
+    stock = dft(x32)
+    stock.backward()
+    xf = x.clone().requires_grad_()
+    ours = fusedce.cross_entropy(xf, t, reduction="sum", use_token_scaling=True, backend=backend)
+    ours.backward()
+    assert abs(float(ours) - float(exact)) <= 2 * abs(float(stock) - float(exact)) + 2.0 ** -22 * float(exact)
+    err, stock_err = float((xf.grad.double() - x64.grad).norm()), float((x32.grad.double() - x64.grad).norm())
+    assert err <= 2 * stock_err + 1e-12, (err, stock_err)
+    h = torch.eye(50)[:, :50]           # identity head: the linear op sees the same logits
+    hl = x.clone().requires_grad_()
+    lin = fusedce.linear_cross_entropy(hl, h, t, reduction="sum", use_token_scaling=True, backend=backend)
+    lin.backward(retain_graph=True)
+    first = hl.grad.clone()
+    lin.backward()                       # the recomputing second backward: the same p_t
+    assert float((hl.grad - 2 * first).abs().max()) <= 2.0 ** -18 * float(first.abs().max())

@@ -99,13 +99,15 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     val.check_target_range(target, n_classes, opts.ignore_index)
 
     rows, flat_target = _rows_view(logits, inplace_backward), target.reshape(-1)
-    ce_rows, lse, predicted = impl.cross_entropy_rows(
+    ce_rows, lse, lse_lo, predicted = impl.cross_entropy_rows(
         rows, flat_target, weight, opts, inplace_backward, return_stats)
     scales = None
     if reduction == "mean":
         scales = red.mean_scales(flat_target, red.target_weights(flat_target, weight, opts.ignore_index),
                                  opts.ignore_index, num_items_in_batch)
-    token_weight = target_probability(rows, flat_target, lse.detach(), opts) if opts.use_token_scaling else None
+    token_weight = None
+    if opts.use_token_scaling:
+        token_weight = target_probability(rows, flat_target, lse.detach(), lse_lo, opts)
     return red.loss_and_stats(ce_rows, lse, predicted, flat_target, opts, reduction, scales, shape,
                               return_stats, token_weight)
 

@@ -37,7 +37,7 @@ class CrossEntropyLoss(nn.Module):
     def __init__(self, weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, inplace_backward: bool = False, return_stats: bool = False,
-                 backend: Optional[str] = None, logit_scale: float = 1.0, use_token_scaling: bool = False):
+                 backend: Optional[str] = None, *, logit_scale: float = 1.0, use_token_scaling: bool = False):
         _check_options("weight", weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
                        backend, logit_scale, use_token_scaling)
         val.check_flag("inplace_backward", inplace_backward)
@@ -72,8 +72,8 @@ class LinearCrossEntropyLoss(nn.Module):
     def __init__(self, ce_weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, return_stats: bool = False, backend: Optional[str] = None,
-                 logit_scale: float = 1.0, use_token_scaling: bool = False,
-                 chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32):
+                 chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32, *,
+                 logit_scale: float = 1.0, use_token_scaling: bool = False):
         _check_options("ce_weight", ce_weight, ignore_index, reduction, label_smoothing, lse_square_scale,
                        softcap, backend, logit_scale, use_token_scaling)
         val.check_chunk_size(chunk_size)

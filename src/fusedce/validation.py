@@ -15,6 +15,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
 INT32_RANGE = (-2 ** 31, 2 ** 31 - 1)
 INT64_RANGE = (-2 ** 63, 2 ** 63 - 1)
+FP32_NORMAL = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)   # positive normal fp32
 _SYMBOLIC = (torch.SymInt, torch.SymFloat)   # Python scalars traced by torch.compile
 
 
@@ -42,6 +43,8 @@ def real_option(name: str, value) -> float:
         if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"{name} must be a real number, got a tensor of shape {tuple(value.shape)} "
                             f"and dtype {value.dtype}")
+        if value.requires_grad:   # it would silently become a constant
+            raise TypeError(f"{name} is a constant of the loss: a tensor that requires grad is not supported")
     elif isinstance(value, bool) or not isinstance(value, (numbers.Real,) + _SYMBOLIC):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     value = value if isinstance(value, _SYMBOLIC) else float(value)
@@ -70,8 +73,9 @@ def loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, sof
         if not softcap > 0.0:
             raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap}")
     logit_scale = real_option("logit_scale", logit_scale)
-    if not logit_scale > 0.0:
-        raise ValueError(f"logit_scale must be a finite number > 0, got {logit_scale}")
+    if not FP32_NORMAL[0] <= logit_scale <= FP32_NORMAL[1]:   # the kernels multiply in fp32
+        raise ValueError(f"logit_scale must be a finite fp32 number > 0 (in [{FP32_NORMAL[0]:.3g}, "
+                         f"{FP32_NORMAL[1]:.3g}]), got {logit_scale}")
     if not isinstance(use_token_scaling, bool):
         raise TypeError(f"use_token_scaling must be a bool, got {use_token_scaling!r}")
     return LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap, logit_scale, use_token_scaling)

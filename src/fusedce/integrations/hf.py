@@ -204,7 +204,8 @@ def _forward(model, *args, **kwargs):
 def _loss(model, state: _Patch, hidden, labels, shift_labels, num_items, token_scaling) -> torch.Tensor:
     options = state.loss_options
     if token_scaling is not None:
-        options = {**options, "use_token_scaling": bool(token_scaling)}
+        val.check_flag("use_token_scaling", token_scaling)
+        options = {**options, "use_token_scaling": token_scaling}
     ignore_index = options.get("ignore_index", -100)
     if shift_labels is None:  # Hugging Face's ForCausalLMLoss: pad one ignored label, drop the first
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]

@@ -101,7 +101,7 @@ def loss_only(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions
         if stats:
             predicted[c] = pred_c
         if token_weight is not None:
-            token_weight[c] = target_probability(logits, target[c], lse[c], opts)
+            token_weight[c] = target_probability(logits, target[c], lse[c], lse_lo[c], opts)
     return loss, lse, lse_lo, predicted, token_weight
 
 
@@ -111,7 +111,7 @@ def loss_then_grad_(ce, logits, target, w, weight_sum, grad_row, z_grad_row, opt
     d(sum_i grad_row[i] ce_i + z_grad_row[i] z_i)/d logits (both upstreams times ``p_t`` with token
     scaling; ``token_weight`` is ``p_t``, or None)."""
     loss, lse, lse_lo, predicted = ce.loss(logits, target, w, weight_sum, opts, stats)
-    token_weight = target_probability(logits, target, lse, opts) if opts.use_token_scaling else None
+    token_weight = target_probability(logits, target, lse, lse_lo, opts) if opts.use_token_scaling else None
     if token_weight is not None:
         grad_row, z_grad_row = grad_row * token_weight, z_grad_row * token_weight
     ce.grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, _grad_lse(lse, z_grad_row, opts), opts)
@@ -167,7 +167,7 @@ def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, ro
         else:
             g_c, zg_c = grad_row[c], z_grad_row[c]
             if token_weight is not None:
-                token_weight[c] = target_probability(logits, target[c], lse[c], opts)
+                token_weight[c] = target_probability(logits, target[c], lse[c], lse_lo[c], opts)
                 g_c, zg_c = g_c * token_weight[c], zg_c * token_weight[c]
             ce.grad_(logits, target[c], w, weight_sum, lse[c], lse_lo[c], g_c, _grad_lse(lse[c], zg_c, opts),
                      opts)

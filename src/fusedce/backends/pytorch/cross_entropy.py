@@ -96,11 +96,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             predicted = torch.empty(0, dtype=torch.int64, device=logits.device)
         ctx.save_for_backward(logits, target, lse, lse_lo, w, weight_sum)
         ctx.opts, ctx.inplace, ctx.consumed = opts, inplace_backward, False
-        ctx.mark_non_differentiable(predicted)
-        return loss, lse, predicted
+        ctx.mark_non_differentiable(lse_lo, predicted)
+        return loss, lse, lse_lo, predicted
 
     @staticmethod
-    def backward(ctx, grad_row, grad_lse, _grad_pred):
+    def backward(ctx, grad_row, grad_lse, _grad_lse_lo, _grad_pred):
         check_backward_allowed(ctx, "fusedce.cross_entropy")
         logits, target, lse, lse_lo, w, weight_sum = ctx.saved_tensors
         if grad_row is None:
@@ -115,8 +115,9 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optio
                        opts: LossOptions, inplace_backward: bool = False, stats: bool = True):
     """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against ``target`` ((BT,)).
 
-    Returns ``(loss (BT,) fp32, lse (BT,) fp32, predicted (BT,) int64)``: the cross-entropy without
-    z-loss and the lse (0 on ignored rows), both differentiable w.r.t. ``logits``. With
+    Returns ``(loss (BT,) fp32, lse (BT,) fp32, lse_lo (BT,) fp32, predicted (BT,) int64)``: the
+    cross-entropy without z-loss and the lse (0 on ignored rows), both differentiable w.r.t. ``logits``,
+    and lse's rounding error (``rows.py``; no gradient). With
     ``inplace_backward`` the backward pass overwrites ``logits`` with the gradient (a second backward
     then raises ``RuntimeError``). Without ``stats`` no argmax is computed and ``predicted`` is empty.
     """

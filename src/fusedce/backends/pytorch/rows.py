@@ -41,14 +41,16 @@ def transform(x: torch.Tensor, opts: LossOptions) -> torch.Tensor:
     return x if opts.softcap is None else torch.tanh(x / opts.softcap) * opts.softcap
 
 
-def target_probability(x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, opts: LossOptions):
-    """``p_t = softmax(z)[t]`` per row of logits ``x`` ((n, V) any float dtype; ``lse`` (n,) of ``z``),
-    fp32, 0 on ignored rows and rows whose target is out of range; the factor of
-    ``use_token_scaling``. Gathers one logit per row: O(n) work."""
+def target_probability(x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
+                       opts: LossOptions):
+    """``p_t = softmax(z)[t] = exp((z_t - lse) - lse_lo)`` per row of logits ``x`` ((n, V) any float
+    dtype; ``lse``, ``lse_lo`` (n,) the exact lse pair of ``z``), fp32, 0 on ignored rows and rows whose
+    target is out of range; the factor of ``use_token_scaling``, as accurate as the softmax of the
+    gradient for any logit magnitude. Gathers one logit per row: O(n) work."""
     valid = (target != opts.ignore_index) & (target >= 0) & (target < x.shape[1])
     safe = torch.where(valid, target, 0).long()
     z_t = transform(x.gather(1, safe[:, None])[:, 0].float(), opts)
-    return torch.where(valid, torch.exp(z_t - lse), 0.0)
+    return torch.where(valid, torch.exp((z_t - lse) - lse_lo), 0.0)
 
 
 def two_sum(a: torch.Tensor, b: torch.Tensor):

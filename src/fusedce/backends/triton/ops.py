@@ -65,12 +65,11 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optio
                        opts: LossOptions, inplace_backward: bool = False, stats: bool = True):
     """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against ``target`` ((BT,)).
 
-    Returns ``(loss (BT,) fp32, lse (BT,) fp32, predicted (BT,) int64 or empty if not stats)``: the
-    cross-entropy without z-loss and the lse (0 on ignored rows), both differentiable w.r.t. ``logits``.
+    Returns ``(loss (BT,) fp32, lse (BT,) fp32, lse_lo (BT,) fp32, predicted (BT,) int64 or empty if not
+    stats)``: the cross-entropy without z-loss and the lse (0 on ignored rows), both differentiable
+    w.r.t. ``logits``, and lse's rounding error (no gradient).
     With ``inplace_backward`` the backward pass writes the gradient into ``logits``' storage (a second
     backward then raises ``RuntimeError``).
     """
     w, weight_sum = _weights(weight)
-    loss, lse, _lse_lo, predicted = custom_ops.forward(logits, target, w, weight_sum, opts, stats,
-                                                       inplace_backward)
-    return loss, lse, predicted
+    return custom_ops.forward(logits, target, w, weight_sum, opts, stats, inplace_backward)
