@@ -6,9 +6,9 @@ from typing import Optional, Union
 import torch
 
 from . import backends, reduction as red, validation as val
+from .autocast import fp32_op, linear_op
 from .backends.pytorch.rows import target_probability
 from .types import CrossEntropyOutput
-from .autocast import fp32_op, linear_op
 
 
 def _rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
@@ -69,17 +69,22 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
 
     Raises:
         TypeError: non-float logits or non-integer target; ``ignore_index`` not an integer (a float or
-            a bool: nothing is rounded); ``label_smoothing`` / ``lse_square_scale`` / ``softcap`` not a
-            real number (e.g. a string); ``num_items_in_batch`` a bool or neither a number nor a tensor.
+            a bool: nothing is rounded); ``label_smoothing`` / ``lse_square_scale`` / ``softcap`` /
+            ``logit_scale`` not a real number (e.g. a string) or a tensor that requires grad;
+            ``use_token_scaling`` / ``inplace_backward`` / ``return_stats`` not a bool;
+            ``num_items_in_batch`` a bool or neither a number nor a tensor.
         ValueError: shape mismatch, V = 0 (``logits`` of shape ``(..., 0)``), bad reduction,
-            label_smoothing outside [0, 1], softcap <= 0, a NaN or infinite ``label_smoothing`` /
-            ``lse_square_scale`` / ``softcap``, ``ignore_index`` outside int64, ``num_items_in_batch``
-            negative or non-finite, weight not (V,), tensors on different devices, unknown backend.
+            label_smoothing outside [0, 1], softcap <= 0, ``logit_scale`` not a positive normal fp32
+            number, a NaN or infinite ``label_smoothing`` / ``lse_square_scale`` / ``softcap``,
+            ``ignore_index`` outside int64, ``num_items_in_batch`` negative or non-finite (a number or
+            a CPU tensor; a CUDA tensor is not read), weight not (V,), tensors on different devices,
+            unknown backend.
             (An int32 ``target`` with an ``ignore_index`` outside int32 is fine: it is converted to
             int64 once, a BT-element copy.)
         IndexError: a target neither ``ignore_index`` nor in [0, V), naming the first bad position
             (a host sync; skipped under torch.compile / CUDA-graph capture, where that row's loss is NaN).
-        RuntimeError: ``backend="triton"`` on CPU tensors without ``TRITON_INTERPRET=1``.
+        RuntimeError: ``backend="triton"`` on CPU tensors without ``TRITON_INTERPRET=1``;
+            ``backend="cute"`` (named by the contract, not in this version).
     """
     val.check_float("logits", logits)
     if logits.dim() < 1:

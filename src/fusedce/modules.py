@@ -26,11 +26,15 @@ class CrossEntropyLoss(nn.Module):
     ``forward(logits (..., V), target (...), num_items_in_batch=None)``; see ``cross_entropy`` for
     shapes, dtypes, the in-place option and errors.
 
+    ``logit_scale`` and ``use_token_scaling`` (keyword-only: added after the contract's positional
+    options) are as in ``cross_entropy``.
+
     The options are checked at construction, with the errors of ``cross_entropy``: ``ValueError`` for
-    a bad ``reduction``, ``label_smoothing`` outside [0, 1], ``softcap <= 0``, a non-finite number, an
-    ``ignore_index`` outside int64, a ``weight`` that is not 1-D or an unknown ``backend`` name;
-    ``TypeError`` for a non-integer ``ignore_index`` (a float, a bool), a non-number option or a
-    ``weight`` that is not a floating-point tensor. Shapes, devices and ``"triton"`` without CUDA or
+    a bad ``reduction``, ``label_smoothing`` outside [0, 1], ``softcap <= 0``, ``logit_scale`` not a
+    positive normal fp32 number, a non-finite number, an ``ignore_index`` outside int64, a ``weight``
+    that is not 1-D or an unknown ``backend`` name; ``TypeError`` for a non-integer ``ignore_index`` (a
+    float, a bool), a non-number option, a non-bool flag or a ``weight`` that is not a floating-point
+    tensor; ``RuntimeError`` for ``backend="cute"``. Shapes, devices and ``"triton"`` without CUDA or
     the interpreter are checked at each call.
     """
 

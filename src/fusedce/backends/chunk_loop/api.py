@@ -4,7 +4,9 @@
   gradients already applied (``1/D`` for the cross-entropy and ``1/N`` for the z-loss with mean, 1 with
   sum); the first backward only multiplies the saved gradients by the scalar upstream gradient (a
   device tensor: no sync, no recompute). A later backward through a retained graph (``retain_graph=True``,
-  or ``torch.autograd.grad`` then ``backward``) recomputes them from the saved inputs, as "none" does.
+  or ``torch.autograd.grad`` then ``backward``) recomputes them from the saved inputs, as "none" does;
+  for that the Function keeps its (compacted) ``hidden`` until the graph is freed: BT' x H, a copy only
+  when some rows are ignored (otherwise the caller's tensor itself).
 - none: the forward computes only the loss (and lse); backward recomputes each chunk's logits and takes
   the per-token upstream gradient exactly. Extra cost: one more logits matmul, 2 * BT * V * H FLOPs
   (+50% of the forward-with-gradient matmul FLOPs), instead of holding BT x V of anything.
