@@ -11,7 +11,7 @@ from .backends.pytorch.rows import target_probability
 from .types import CrossEntropyOutput
 
 
-def _rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
+def rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
     """(..., V) -> (BT, V) with last-dim stride 1; copies once only when no such view exists, or when
     an in-place backward would write several rows into one memory location (expanded logits)."""
     flat = logits.reshape(-1, logits.shape[-1])
@@ -103,7 +103,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     impl = backends.get(backend, logits.device)
     val.check_target_range(target, n_classes, opts.ignore_index)
 
-    rows, flat_target = _rows_view(logits, inplace_backward), target.reshape(-1)
+    rows, flat_target = rows_view(logits, inplace_backward), target.reshape(-1)
     ce_rows, lse, lse_lo, predicted = impl.cross_entropy_rows(
         rows, flat_target, weight, opts, inplace_backward, return_stats)
     scales = None
@@ -124,8 +124,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          lse_square_scale: float = 0.0, softcap: Optional[float] = None,
                          logit_scale: float = 1.0, use_token_scaling: bool = False,
                          num_items_in_batch: Union[int, torch.Tensor, None] = None,
-                         chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32,
-                         return_stats: bool = False,
+                         chunk_size: Optional[int] = None, method: str = "auto",
+                         accum_dtype: torch.dtype = torch.float32, return_stats: bool = False,
                          backend: Optional[str] = None) -> Union[torch.Tensor, CrossEntropyOutput]:
     """The LM head fused with the loss: ``cross_entropy(hidden @ weight.T + bias, target)`` without
     ever allocating the BT x V logits.
@@ -141,7 +141,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             ``hidden``'s dtype with fp32 accumulation (as ``F.linear``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
             None = automatic: ``max(1024, BT * H / V)`` rows, capped at BT (rule and its measurement in
-            ``backends/chunk_loop/tuning.py``).
+            ``backends/chunk_loop/tuning.py``). Only with ``method="chunked"`` (or "auto").
+        method: ``"chunked"``: logits of one chunk of tokens at a time (3 matmuls per token);
+            ``"tiled"``: no tensor with V or more elements besides ``weight``, ``bias``, ``ce_weight``
+            and their gradients (Triton: tiles on chip; PyTorch: blocks of tokens x a vocabulary block
+            smaller than V); its backward recomputes the logits tile by tile (4 matmuls per token);
+            ``"auto"``: the rule in ``backends/chunk_loop/tuning.py`` (chunked today).
         accum_dtype: dtype in which the ``weight`` and ``bias`` gradients accumulate across chunks.
         return_stats: return ``CrossEntropyOutput``; its ``lse`` is 0 on ignored rows (never computed),
             as in :func:`cross_entropy`.
@@ -160,11 +165,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         ``ValueError`` when H = 0 (``hidden`` ``(..., 0)`` or ``weight`` ``(V, 0)``), ``hidden.shape[-1]
         != weight.shape[1]``, ``weight`` is not 2-D, ``bias`` is not ``(V,)`` or ``chunk_size`` < 1, and
         ``TypeError`` when ``hidden``, ``weight`` and ``bias`` dtypes differ, ``chunk_size`` is not an
-        integer (a float or a bool) or ``accum_dtype`` is not a floating-point ``torch.dtype``.
+        integer (a float or a bool) or ``accum_dtype`` is not a floating-point ``torch.dtype``;
+        ``ValueError`` for an unknown ``method`` or a ``chunk_size`` with ``method="tiled"``.
     """
     opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
                             use_token_scaling)
     val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype)
+    val.check_method(method, chunk_size)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     val.check_flag("return_stats", return_stats)
@@ -180,7 +187,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                                  opts.ignore_index, num_items_in_batch)
     loss, lse, predicted, token_weight = impl.linear_cross_entropy(
         flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scales,
-        None if chunk_size is None else int(chunk_size), accum_dtype, return_stats)
+        None if chunk_size is None else int(chunk_size), accum_dtype, return_stats, method)
     if reduction == "none":
         loss = loss.reshape(shape)
     if not return_stats:

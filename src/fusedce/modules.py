@@ -69,18 +69,21 @@ class LinearCrossEntropyLoss(nn.Module):
     ``linear_cross_entropy`` for shapes, dtypes, chunking and errors. ``ce_weight`` is a buffer.
 
     The options are checked at construction, as in :class:`CrossEntropyLoss` (``ce_weight`` for
-    ``weight``), plus ``chunk_size`` (``TypeError`` unless an integer or None, ``ValueError`` when < 1)
-    and ``accum_dtype`` (``TypeError`` unless a floating-point ``torch.dtype``).
+    ``weight``), plus ``chunk_size`` (``TypeError`` unless an integer or None, ``ValueError`` when < 1),
+    ``method`` (keyword-only; ``ValueError`` unless "auto" / "chunked" / "tiled", or with a
+    ``chunk_size`` and "tiled") and ``accum_dtype`` (``TypeError`` unless a floating-point
+    ``torch.dtype``).
     """
 
     def __init__(self, ce_weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, return_stats: bool = False, backend: Optional[str] = None,
                  chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32, *,
-                 logit_scale: float = 1.0, use_token_scaling: bool = False):
+                 logit_scale: float = 1.0, use_token_scaling: bool = False, method: str = "auto"):
         _check_options("ce_weight", ce_weight, ignore_index, reduction, label_smoothing, lse_square_scale,
                        softcap, backend, logit_scale, use_token_scaling)
         val.check_chunk_size(chunk_size)
+        val.check_method(method, chunk_size)
         val.check_flag("return_stats", return_stats)
         val.check_accum_dtype(accum_dtype)
         super().__init__()
@@ -88,7 +91,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.ignore_index, self.reduction = ignore_index, reduction
         self.label_smoothing, self.lse_square_scale, self.softcap = label_smoothing, lse_square_scale, softcap
         self.return_stats, self.backend = return_stats, backend
-        self.chunk_size, self.accum_dtype = chunk_size, accum_dtype
+        self.chunk_size, self.accum_dtype, self.method = chunk_size, accum_dtype, method
         self.logit_scale, self.use_token_scaling = logit_scale, use_token_scaling
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -98,5 +101,5 @@ class LinearCrossEntropyLoss(nn.Module):
             reduction=self.reduction, label_smoothing=self.label_smoothing,
             lse_square_scale=self.lse_square_scale, softcap=self.softcap, logit_scale=self.logit_scale,
             use_token_scaling=self.use_token_scaling, num_items_in_batch=num_items_in_batch,
-            chunk_size=self.chunk_size,
+            chunk_size=self.chunk_size, method=self.method,
             accum_dtype=self.accum_dtype, return_stats=self.return_stats, backend=self.backend)

@@ -27,6 +27,16 @@ class CrossEntropyOutput(NamedTuple):
     predicted_tokens: torch.Tensor
 
 
+class TokenLogProbs(NamedTuple):
+    """What ``token_log_probs`` / ``linear_token_log_probs`` return with ``return_entropy=True``: fp32
+    tensors of ``target.shape``, ``log_probs = log softmax(q)[t]`` and ``entropy = -sum_c softmax(q)_c
+    log softmax(q)_c`` (``q`` the logits after softcap and temperature), both 0 on ignored rows and
+    both differentiable."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+
+
 @dataclass(frozen=True)
 class LossOptions:
     """The per-row loss options, already validated (``validation.loss_options``): the one description

@@ -1,6 +1,7 @@
 """Argument checks of the public contract. Every check runs before any kernel writes anything."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
@@ -203,6 +204,37 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
                         f"{weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")
     check_chunk_size(chunk_size)
     check_accum_dtype(accum_dtype)
+
+
+METHODS = ("auto", "chunked", "tiled")
+
+
+def check_method(method, chunk_size) -> None:
+    """``ValueError`` for a ``method`` not in ``METHODS`` and for a ``chunk_size`` with ``"tiled"``
+    (which has no chunks; its tile sizes are the backend's)."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "tiled" and chunk_size is not None:
+        raise ValueError(f"chunk_size applies to method='chunked'; with method='tiled' it must be None, "
+                         f"got {chunk_size!r}")
+
+
+def log_prob_options(ignore_index, temperature, softcap) -> LossOptions:
+    """The ``LossOptions`` whose cross-entropy is ``-log_softmax(z / temperature)[t]`` with ``z =
+    softcap * tanh(x / softcap)``: ``logit_scale = 1 / temperature`` and softcap ``softcap /
+    temperature``, since ``(c / T) tanh((x / T) / (c / T)) = (c tanh(x / c)) / T``. ``TypeError`` /
+    ``ValueError`` as ``loss_options``; ``ValueError`` for a temperature that is not a finite number
+    > 0 or whose inverse is not a normal fp32 number."""
+    temperature = real_option("temperature", temperature)
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    scale = 1.0 / temperature
+    if not FP32_NORMAL[0] <= scale <= FP32_NORMAL[1]:
+        raise ValueError(f"temperature must be within fp32's normal range, got {temperature}")
+    opts = loss_options(ignore_index, "none", 0.0, 0.0, softcap, scale)
+    if opts.softcap is not None:
+        opts = dataclasses.replace(opts, softcap=opts.softcap * scale)
+    return opts
 
 
 def check_chunk_size(chunk_size) -> None:

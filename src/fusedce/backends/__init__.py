@@ -5,8 +5,10 @@
   fp32 lse (both differentiable w.r.t. ``logits2d``; 0 on ignored rows), lse's fp32 rounding error
   (``lse + lse_lo`` exact; no gradient), int64 argmax (-1 on ignored rows); no reduction. The z-loss is built from ``lse`` by ``reduction.py``, so its gradient reaches the backend
   as the upstream gradient of ``lse``.
-- ``linear_cross_entropy(..., reduction, scales, ...)``: the LM head fused with the loss, reduced
-  (``scales`` = the mean's 1/D and 1/N), see ``backends/chunk_loop/api.py``.
+- ``linear_cross_entropy(..., reduction, scales, ..., method)``: the LM head fused with the loss,
+  reduced (``scales`` = the mean's 1/D and 1/N), chunked or tiled, see ``backends/chunk_loop/``.
+- ``token_log_probs`` / ``linear_token_log_probs``: per-row log-probs and entropy for RL, see
+  ``backends/chunk_loop/log_probs.py``.
 - ``slice_stats`` / ``slice_grad``: the same math on a vocabulary slice (partial row statistics out,
   the slice's gradient from the global statistics in), for ``integrations/distributed``.
 
@@ -20,14 +22,14 @@ import os
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cute")
 
 
 def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-PLANNED = ("cute",)   # named by docs/contract.md, not in this version (the CuTe DSL backend)
+PLANNED = ()   # backends the contract names that this version does not have (none now)
 
 
 def check_name(name) -> None:
@@ -53,20 +55,36 @@ def resolve(name, device: torch.device) -> str:
     """Map ``backend=`` (None -> ``$FUSEDCE_BACKEND`` or ``"auto"``; an empty ``$FUSEDCE_BACKEND`` is
     ``"auto"`` too) to a concrete backend name.
 
-    ``"auto"``: ``"triton"`` on CUDA tensors, ``"torch"`` otherwise. Raises ``ValueError`` for an unknown
-    name and ``RuntimeError`` for ``"triton"`` on CPU tensors without ``TRITON_INTERPRET=1``.
+    ``"auto"``: ``"triton"`` on CUDA tensors, ``"torch"`` otherwise (never ``"cute"``). Raises
+    ``ValueError`` for an unknown name, ``RuntimeError`` for ``"triton"`` on CPU tensors without
+    ``TRITON_INTERPRET=1`` and for ``"cute"`` without CUDA tensors or without the ``cute`` extra.
     """
     if name is None:
         name = os.environ.get("FUSEDCE_BACKEND") or "auto"   # unset or empty: auto
     check_name(name)
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if name == "cute":
+        _check_cute(device)   # "auto" never picks it: backends/cute/tuning.py (AUTO_PICKS_CUTE)
     if name == "triton" and device.type != "cuda" and not interpreter_enabled():
         raise RuntimeError(
             "backend='triton' needs CUDA tensors; on CPU it runs only under the Triton interpreter "
             "(set TRITON_INTERPRET=1 before importing triton), which is meant for tests"
         )
     return name
+
+
+def _check_cute(device: torch.device) -> None:
+    """``RuntimeError`` naming what ``backend="cute"`` lacks: CUDA tensors and/or the ``cute`` extra
+    (nvidia-cutlass-dsl; looked up without importing it). The CuTe DSL has no CPU emulation."""
+    import importlib.util
+    missing = []
+    if device.type != "cuda":
+        missing.append(f"CUDA tensors (got {device.type} tensors; CuTe DSL kernels cannot run on a CPU)")
+    if importlib.util.find_spec("cutlass") is None:
+        missing.append("the cute extra: pip install 'fusedce[cute]' (nvidia-cutlass-dsl)")
+    if missing:
+        raise RuntimeError("backend='cute' needs " + " and ".join(missing))
 
 
 def get(name, device: torch.device):
@@ -78,6 +96,8 @@ def get(name, device: torch.device):
     resolved = resolve(name, device)
     if resolved == "triton":
         from . import triton as module
+    elif resolved == "cute":
+        from . import cute as module
     else:
         from . import pytorch as module
     return module

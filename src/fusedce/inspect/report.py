@@ -175,6 +175,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--every-variant", action="store_true",
                    help="every combination of the constexpr flags instead of the representative ones")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--cute", action="store_true",
+                   help="also compile the CuTe DSL kernels for sm_90a / sm_100a (needs fusedce[cute]; "
+                        "with --every-variant, every flag combination)")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 if any kernel spills or misses 128-bit accesses on aligned rows")
 
@@ -210,6 +213,7 @@ def run(args) -> int:
     vocab_notes = [f"  V={v}: {VOCABS[v]}" for v in (args.vocab or DEFAULT_VOCABS) if v in VOCABS]
     if vocab_notes:
         print("vocabularies:\n" + "\n".join(vocab_notes))
+    cute_rows = _cute_section(args)
     problems = [r for r in rows if r.problem]
     print(f"{len(rows)} configs, {len(problems)} with problems"
           + "".join(f"\n  PROBLEM sm_{r.arch} {r.kernel} {r.variant} {r.dtype} V={r.vocab}: {r.problem}"
@@ -217,5 +221,26 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "notes": notes,
-                       "rows": [dict(asdict(r), problem=r.problem) for r in rows]}, f, indent=1)
-    return 1 if (args.strict and problems) else 0
+                       "rows": [dict(asdict(r), problem=r.problem) for r in rows], "cute_rows": cute_rows},
+                      f, indent=1)
+    return 1 if (args.strict and (problems or any(r["problem"] for r in cute_rows))) else 0
+
+
+def _cute_section(args) -> list:
+    """The CuTe DSL table (``cute_report.py``) when ``--cute`` is given; its rows."""
+    if not getattr(args, "cute", False):
+        return []
+    from . import cute_report
+    archs = tuple(a for a in (args.arch or ARCHS) if a in cute_report.ARCH_NAMES) or (90, 100)
+    rows, notes = cute_report.collect(archs, every=args.every_variant,
+                                      progress=lambda msg: print(f"compiling {msg}", file=sys.stderr, flush=True))
+    print("\nCuTe DSL kernels (backend='cute'), compiled offline with fake tensors (dynamic BT and V):")
+    if rows:
+        print(cute_report.format_table(rows))
+    for note in notes:
+        print(note)
+    bad = [r for r in rows if r["problem"]]
+    print(f"{len(rows)} CuTe variants, {len(bad)} with problems"
+          + "".join(f"\n  PROBLEM {r['arch']} {r['kernel']} {r['variant']} {r['dtype']} vec={r['vec']}: "
+                    f"{r['problem']}{' (' + r['error'][:200] + ')' if r.get('error') else ''}" for r in bad))
+    return rows

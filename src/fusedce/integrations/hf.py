@@ -1,10 +1,16 @@
 """Hugging Face integration: one call makes a causal LM train through :func:`linear_cross_entropy`.
 
 ``patch_causal_lm(model)`` replaces the forward of ONE model instance. With ``labels``, the family's own
-forward runs with the LM head captured (``hf_head.HeadCapture``): the head records the final hidden
-states and returns a tiny placeholder instead of the ``(B, T, V)`` logits, and the loss is
-``linear_cross_entropy(hidden, head.weight, shifted labels, head.bias)``. Without ``labels`` (evaluation,
-``generate``) the original forward runs untouched.
+forward runs and, when it calls its LM head module, the loss is computed INSIDE that call
+(``hf_call.HeadCall``): the head's forward pre-hooks and hooks fire once, as in the stock forward, so
+whatever a sharding engine or adapter does around the head's forward is in effect while the loss reads
+the weight (DeepSpeed ZeRO-3 and FSDP2 gather it there; a peft LoRA head adds its low-rank update,
+applied exactly as an extra ``(s * A x, B)`` piece of the same fused matmul: ``hf_adapters``). The call
+returns a tiny placeholder instead of the ``(B, T, V)`` logits, and the model's ``loss`` is
+``linear_cross_entropy(hidden, head weight, shifted labels, head bias)``, tied to the head's output so
+that the backward passes through the head's backward hooks (which re-gather a sharded weight) before the
+loss's backward reads the weight again. Without ``labels`` (evaluation, ``generate``) the original forward
+runs untouched, as does a call with TRL's ``fused_lm_head=True`` (TRL's own fused head then runs).
 """
 from __future__ import annotations
 
@@ -21,7 +27,9 @@ from ..backends import BACKENDS
 from ..functional import linear_cross_entropy
 from .. import validation as val
 from ..validation import loss_options as _check_loss_values
-from .hf_head import HeadCapture, LogitTransform, base_model, logit_transform, output_head, verify_transform
+from .hf_adapters import kind as head_kind
+from .hf_call import HeadCall, module_name
+from .hf_head import LogitTransform, base_model, logit_transform, output_head, verify_transform
 
 _STATE = "_fusedce_patch"
 # linear_cross_entropy's options a patch may set. num_items_in_batch comes with each call (the Trainer
@@ -73,7 +81,8 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
       family's ``logits_to_keep`` slicing) and the output embedding ``get_output_embeddings()`` (weight
       ``W`` (V, H), bias ``b`` if any); the ``(B, T, V)`` logits are never made;
     - Hugging Face's conventions: ``target`` = labels shifted by one (position t predicts labels[t + 1],
-      the last position predicts nothing), or the ``shift_labels`` kwarg as given; ``ignore_index=-100``;
+      the last position predicts nothing), or the ``shift_labels`` kwarg as given (TRL's padding-free
+      batches: ``position_ids`` pass through to the family); ``ignore_index=-100``;
       ``num_items_in_batch`` (the Trainer's kwarg under gradient accumulation) is the mean's denominator;
     - the family's logit transform, read from the config: ``final_logit_softcapping`` (Gemma 2/3) becomes
       ``softcap``; a logit scale (Cohere ``logit_scale``: ``logits * s``; Granite ``logits_scaling``:
@@ -89,7 +98,18 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
       **``logits=None``** (with ``keep_logits=True`` the logits are computed the normal way and returned;
       that brings back the ``(B, T, V)`` tensor, but the loss is still the fused one).
 
-    Without ``labels`` the original forward runs unchanged (``generate``, evaluation). Note that the
+    Training stacks: the loss is computed inside the LM head module's call, so its forward pre-hooks
+    and hooks fire once per forward as in the stock model (DeepSpeed ZeRO-3 and FSDP2 gather a sharded
+    head there; backward passes through the head's output first, where they re-gather it). Heads:
+    ``nn.Linear`` (tied or not); a peft LoRA ``lm_head`` (active adapters, dropout with the same mask as
+    the stock forward, merged or not; the update ``s * B(A(dropout(x)))`` enters the fused matmul as
+    extra columns ``[x, s * A(dropout(x))] @ [W, B].T``, which costs one ``V x (H + r)`` copy of the head
+    weight and a full-width weight-gradient matmul); peft ``modules_to_save``. Anything else (DoRA,
+    other tuners, a quantized or custom head) is refused with ``ValueError`` at patch time, or at the
+    first call when the head is replaced after patching (``get_peft_model`` on a patched model).
+
+    Without ``labels`` the original forward runs unchanged (``generate``, evaluation), as does a call
+    with TRL's ``fused_lm_head=True`` (TRL's own fused head computes its outputs then). Note that the
     Trainer's evaluation passes labels: use ``keep_logits=True`` if ``compute_metrics`` needs logits.
 
     Args:
@@ -105,12 +125,17 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
     Patching again replaces the options (never wraps twice). Undo with :func:`unpatch_causal_lm`.
 
     Raises:
-        TypeError: unknown loss option; the model has no linear output embedding or no base model.
-        ValueError: a bad option value (as ``linear_cross_entropy``), or ``softcap`` contradicting the
-            config. At call time: labels that do not match the kept positions, or (first call) a family
-            whose logits go through a transform its config does not declare.
+        TypeError: unknown loss option; the model has no output embedding module or no base model. At
+            call time: the head's weight is not 2-D inside its own forward, the head is called with
+            extra arguments or not exactly once.
+        ValueError: a bad option value (as ``linear_cross_entropy``), ``softcap`` contradicting the
+            config, or a head / adapter on it that the patch cannot apply exactly (the message names the
+            module and why). At call time: the same for a head replaced after patching, labels that do
+            not match the kept positions, or (first call) a family whose logits go through a transform
+            its config does not declare.
     """
-    output_head(model)
+    head = output_head(model)
+    head_kind(head, module_name(model, head))
     base_model(model)
     transform = logit_transform(getattr(model, "config", None))
     options = _validate(model, loss_options, transform)
@@ -173,6 +198,8 @@ def _as_kwargs(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
 def _forward(model, *args, **kwargs):
     state: _Patch = model.__dict__[_STATE]
     kwargs = _as_kwargs(state.signature, args, kwargs)
+    if kwargs.get("fused_lm_head"):  # TRL's own fused LM head (add_fused_lm_head) answers this call
+        return _call_original(model, state, (), kwargs)
     token_scaling = kwargs.pop("use_token_scaling", None)   # Liger's forward keyword (TRL's "dft")
     labels = kwargs.pop("labels", None)
     if labels is None:
@@ -184,16 +211,23 @@ def _forward(model, *args, **kwargs):
     if return_dict is None:  # transformers' can_return_tuple rule
         return_dict = getattr(config, "return_dict", True)
     name = type(model).__name__
-    with HeadCapture(output_head(model), state.keep_logits) as capture:
+    head = output_head(model)
+
+    def compute(hidden, weight, bias):  # runs inside the head's call (its hooks have run)
+        return _loss(model, state, hidden, weight, bias, labels, shift_labels, num_items, token_scaling)
+    with HeadCall(head, module_name(model, head), compute, state.keep_logits) as call:
         out = _call_original(model, state, (), {**kwargs, "return_dict": True})
     if not hasattr(out, "logits"):
         raise TypeError(f"{name}.forward(return_dict=True) returned {type(out).__name__}, not a model "
                         "output with `logits`")
-    hidden = capture.hidden(name)
+    if call.calls != 1:
+        raise TypeError(f"{name}.forward called its output embeddings {call.calls} times (expected once, "
+                        "as self.lm_head(hidden_states)): patch_causal_lm cannot find the final hidden "
+                        "states of this model")
     if not state.keep_logits and not state.verified and not torch.compiler.is_compiling():
-        verify_transform(capture, getattr(out, "logits", None), state.transform, name)
+        verify_transform(call, getattr(out, "logits", None), state.transform, name)
         state.verified = True
-    loss = _loss(model, state, hidden, labels, shift_labels, num_items, token_scaling)
+    loss = call.final_loss(out.logits)
     aux, coef = getattr(out, "aux_loss", None), getattr(config, "router_aux_loss_coef", None)
     if aux is not None and coef:
         loss = loss + coef * aux.to(loss.device)
@@ -201,7 +235,9 @@ def _forward(model, *args, **kwargs):
     return out if return_dict else out.to_tuple()
 
 
-def _loss(model, state: _Patch, hidden, labels, shift_labels, num_items, token_scaling) -> torch.Tensor:
+def _loss(model, state: _Patch, hidden, weight, bias, labels, shift_labels, num_items,
+          token_scaling) -> torch.Tensor:
+    """``linear_cross_entropy`` of the head's pieces: ``hidden`` (..., H), ``weight`` (V, H), ``bias``."""
     options = state.loss_options
     if token_scaling is not None:
         val.check_flag("use_token_scaling", token_scaling)
@@ -209,8 +245,6 @@ def _loss(model, state: _Patch, hidden, labels, shift_labels, num_items, token_s
     ignore_index = options.get("ignore_index", -100)
     if shift_labels is None:  # Hugging Face's ForCausalLMLoss: pad one ignored label, drop the first
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    head = output_head(model)
-    weight, bias = head.weight, getattr(head, "bias", None)
     hidden = hidden.to(weight.device)
     target = shift_labels.to(weight.device).reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])

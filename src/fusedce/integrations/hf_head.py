@@ -1,9 +1,10 @@
-"""The LM head of a Hugging Face causal LM, seen from the outside: what it is, what the family does to its
-output, and a capture that takes its input (the final hidden states) without computing the logits.
+"""The LM head of a Hugging Face causal LM, seen from the outside: which module it is, and what the family
+does to its output (``logit_transform``, checked once by ``verify_transform``).
 
-Why capture instead of calling the base model ourselves: the family's own ``forward`` then keeps doing
-everything it does before the head (cache, masks, position ids, ``logits_to_keep`` slicing, MoE router
-logits, extra inputs such as GPT-2's ``token_type_ids``), so nothing of it is re-implemented here.
+The loss itself is computed inside the head's call (``hf_call.HeadCall``) during the family's own
+``forward``, which keeps doing everything it does before the head (cache, masks, position ids,
+``logits_to_keep`` slicing, MoE router logits, extra inputs such as GPT-2's ``token_type_ids``), so
+nothing of it is re-implemented here.
 """
 from __future__ import annotations
 
@@ -14,10 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-# Values the placeholder "logits" hold (one column each). The family's forward applies its post-head
-# transform to them; ``verify_transform`` checks that it is exactly the one ``logit_transform`` read
-# from the config. -24 sits where a 30-softcap (Gemma 2) is visibly non-linear; both are exact in bf16.
-PROBE_VALUES = (1.0, -24.0)
+from .hf_call import PROBE_VALUES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +32,9 @@ class LogitTransform:
 
 
 def output_head(model: nn.Module) -> nn.Module:
-    """``model.get_output_embeddings()``, checked to be a linear head with a ``(V, H)`` weight."""
+    """``model.get_output_embeddings()``, checked to be a module. What it computes is checked by
+    ``hf_adapters.kind`` (``ValueError``); its weight's shape inside its own call (a ZeRO-3 or FSDP2
+    partition may be empty or 1-D outside it)."""
     name = type(model).__name__
     getter = getattr(model, "get_output_embeddings", None)
     if not callable(getter):
@@ -44,14 +44,6 @@ def output_head(model: nn.Module) -> nn.Module:
     if not isinstance(head, nn.Module):
         raise TypeError(f"{name}.get_output_embeddings() returned {type(head).__name__}, not a module: "
                         "patch_causal_lm needs the LM head as an nn.Linear-like module")
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise TypeError(f"the output embeddings of {name} ({type(head).__name__}) have no 2-D `weight` "
-                        "(V, H): patch_causal_lm supports linear LM heads only")
-    bias = getattr(head, "bias", None)
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != weight.shape[:1]):
-        raise TypeError(f"the output embeddings of {name} have a `bias` that is not a ({weight.shape[0]},) "
-                        "tensor")
     return head
 
 
@@ -86,43 +78,7 @@ def logit_transform(config) -> LogitTransform:
     return LogitTransform(scale=scale, softcap=None if softcap is None else float(softcap))
 
 
-class HeadCapture:
-    """Context manager: while active, calling ``head`` records its input and returns either the real
-    logits (``keep_logits=True``) or a ``(..., len(PROBE_VALUES))`` placeholder, so that no ``(BT, V)``
-    tensor is made. The head's forward hooks still run (they see the placeholder)."""
-
-    def __init__(self, head: nn.Module, keep_logits: bool):
-        self.head, self.keep_logits, self.inputs, self.placeholder = head, keep_logits, [], None
-
-    def _forward(self, hidden, *args, **kwargs):
-        self.inputs.append(hidden)
-        if self.keep_logits:
-            return (self.previous or type(self.head).forward.__get__(self.head))(hidden, *args, **kwargs)
-        probe = torch.tensor(PROBE_VALUES, dtype=hidden.dtype, device=hidden.device)
-        self.placeholder = probe.expand(*hidden.shape[:-1], len(PROBE_VALUES)).contiguous()
-        return self.placeholder
-
-    def __enter__(self) -> "HeadCapture":
-        self.previous = self.head.__dict__.get("forward")  # an instance-level forward (accelerate hooks)
-        self.head.forward = self._forward
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.previous is None:
-            del self.head.forward
-        else:
-            self.head.forward = self.previous
-
-    def hidden(self, model_name: str) -> torch.Tensor:
-        """The one input the head received; ``TypeError`` if the forward never or repeatedly called it."""
-        if len(self.inputs) != 1:
-            raise TypeError(f"{model_name}.forward called its output embeddings {len(self.inputs)} times "
-                            "(expected once, as self.lm_head(hidden_states)): patch_causal_lm cannot "
-                            "find the final hidden states of this model")
-        return self.inputs[0]
-
-
-def verify_transform(capture: HeadCapture, logits, transform: LogitTransform, model_name: str) -> None:
+def verify_transform(capture, logits, transform: LogitTransform, model_name: str) -> None:
     """Check that the forward turned the placeholder into ``transform.apply(placeholder)`` (one host sync;
     run once per patch). ``ValueError`` if the family does something else to its logits."""
     placeholder = capture.placeholder

@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 
@@ -27,48 +27,33 @@ from ...autograd_checks import check_backward_allowed
 from ...reduction import MeanScales, reduce, token_scaled, z_rows
 from ...types import LossOptions
 from ...validation import sync_allowed
-from . import loop
-from .tuning import chunk_rows
-
-
-class ChunkCE(Protocol):
-    """A backend's cross-entropy on one chunk of logits ((n, V), contiguous, owned by the loop)."""
-
-    def loss(self, logits, target, w, weight_sum, opts: LossOptions, stats: bool):
-        """-> ``(loss, lse, lse_lo, predicted)``, (n,) each: cross-entropy without z-loss, the lse pair."""
-
-    def grad_(self, logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions) -> None:
-        """Overwrite ``logits`` with d(sum grad_row * loss + grad_lse * lse)/d logits."""
-
-    def loss_and_grad_(self, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions,
-                       stats: bool):
-        """``loss`` then ``grad_`` in one call (``loop.loss_then_grad_`` composes them; a backend may fuse
-        them in one kernel): ``(loss, lse, lse_lo, predicted, token_weight)``, the z-loss's upstream
-        ``z_grad_row`` and token scaling applied."""
+from .heads import ChunkedHead, TiledHead
+from .protocols import ChunkCE, TiledCE
+from .tuning import chunk_rows, resolve_method
 
 
 class _LinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ce, w, weight_sum, opts, reduction, scale_pair, rows,
-                accum_dtype, stats, needs):
+    def forward(ctx, hidden, weight, bias, target, head, w, weight_sum, opts, reduction, scale_pair, accum_dtype,
+                stats, needs):
         # scale_pair (2,) = (1/D, 1/N): one tensor, since the two are often the same tensor and an
         # autograd.Function may not take one tensor twice under torch.compile
         ctx.grads = None
         ce_scale, z_scale = scale_pair[0], scale_pair[1]
         scales = MeanScales(ce_scale, z_scale)
-        if reduction == "none":
-            loss, lse, lse_lo, predicted, token_weight = loop.loss_only(ce, hidden, weight, bias, target, w,
-                                                                        weight_sum, opts, rows, stats)
+        if reduction == "none" or not head.grads_in_forward:
+            loss, lse, lse_lo, predicted, token_weight, _ = head.forward(hidden, weight, bias, target, w,
+                                                                         weight_sum, opts, stats)
         else:
             n = hidden.shape[0]
-            loss, lse, lse_lo, predicted, token_weight, *ctx.grads = loop.grads(
-                ce, hidden, weight, bias, target, w, weight_sum, opts, rows, scales.ce.expand(n),
-                scales.z.expand(n), needs, accum_dtype, stats=stats)
+            loss, lse, lse_lo, predicted, token_weight, *ctx.grads = head.grads(
+                hidden, weight, bias, target, w, weight_sum, opts, scales.ce.expand(n), scales.z.expand(n), needs,
+                accum_dtype, stats=stats)
         out = reduce(*token_scaled(loss, z_rows(lse, opts), token_weight), reduction, scales, loss.shape)
         if token_weight is None:
             token_weight = lse.new_empty(0)
-        ctx.save_for_backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair)
-        ctx.ce, ctx.opts, ctx.rows, ctx.accum = ce, opts, rows, accum_dtype
+        ctx.save_for_backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair, token_weight)
+        ctx.head, ctx.opts, ctx.accum = head, opts, accum_dtype
         ctx.needs, ctx.reduction = needs, reduction
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(lse, predicted, token_weight)
@@ -77,12 +62,12 @@ class _LinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse, _grad_pred, _grad_token_weight):
         check_backward_allowed(ctx, "fusedce.linear_cross_entropy")
-        if ctx.grads is not None:   # the first backward of mean / sum: scale what the forward made
+        if ctx.grads is not None:   # the first backward of chunked mean / sum: scale what the forward made
             (g_h, g_w, g_b), ctx.grads = ctx.grads, None
             g = grad_out.float()    # scale in place: no second V x H buffer
             g_h, g_w, g_b = (None if t is None else t.mul_(g) for t in (g_h, g_w, g_b))
-        else:                       # "none", or a second backward: recompute from the saved inputs
-            hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair = ctx.saved_tensors
+        else:                       # "none", tiled, or a second backward: recompute from the saved inputs
+            hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair, token_weight = ctx.saved_tensors
             ce_scale, z_scale = scale_pair[0], scale_pair[1]
             n = hidden.shape[0]
             if ctx.reduction == "none":
@@ -90,9 +75,9 @@ class _LinearCE(torch.autograd.Function):
             else:
                 g = grad_out.float()
                 grad_row, z_grad_row = (ce_scale * g).expand(n), (z_scale * g).expand(n)
-            *_, g_h, g_w, g_b = loop.grads(ctx.ce, hidden, weight, bias, target, w, weight_sum, ctx.opts,
-                                           ctx.rows,
-                                           grad_row, z_grad_row, ctx.needs, ctx.accum, saved=(lse, lse_lo))
+            saved = (lse, lse_lo, token_weight if ctx.opts.use_token_scaling else None, None)
+            *_, g_h, g_w, g_b = ctx.head.grads(hidden, weight, bias, target, w, weight_sum, ctx.opts, grad_row,
+                                               z_grad_row, ctx.needs, ctx.accum, saved=saved)
         g_w = None if g_w is None else g_w.to(ctx.dtypes[1])
         g_b = None if g_b is None else g_b.to(ctx.dtypes[2])
         return (g_h, g_w, g_b) + (None,) * (_N_INPUTS - 3)
@@ -101,7 +86,7 @@ class _LinearCE(torch.autograd.Function):
 _N_INPUTS = len(inspect.signature(_LinearCE.forward).parameters) - 1   # forward's inputs, ctx excluded
 
 
-def _scatter(values: torch.Tensor, index: Optional[torch.Tensor], n: int, fill) -> torch.Tensor:
+def scatter_rows(values: torch.Tensor, index: Optional[torch.Tensor], n: int, fill) -> torch.Tensor:
     if index is None:
         return values
     out = torch.full((n,), fill, dtype=values.dtype, device=values.device)
@@ -120,37 +105,48 @@ def compact_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int):
     return hidden.index_select(0, index), target.index_select(0, index), index
 
 
-def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, opts: LossOptions,
-                         reduction: str, scales: Optional[MeanScales], chunk_size, accum_dtype, stats: bool):
+def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, hidden_size: int,
+              vocab_size: int, chunk_size: Optional[int]):
+    """The ``heads.py`` object for ``method`` ("auto" resolved by ``tuning.resolve_method``)."""
+    if resolve_method(method) == "tiled":
+        if tiled is None:
+            raise RuntimeError("this backend has no method='tiled' (no TiledCE); use method='chunked'")
+        return TiledHead(tiled)
+    return ChunkedHead(ce, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size))
+
+
+def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, opts: LossOptions, reduction: str,
+                         scales: Optional[MeanScales], chunk_size, accum_dtype, stats: bool, method: str = "auto",
+                         *, tiled: Optional[TiledCE] = None):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> (loss, lse, predicted,
     token_weight).
 
     ``loss`` is the reduced scalar (``scales`` = the mean's 1/D and 1/N for "mean", None otherwise) or
     (BT,) per-row for "none"; lse (BT,) fp32 is 0 on ignored rows (their logits are never computed);
     predicted (BT,) int64, -1 on ignored rows; token_weight (BT,) fp32 ``p_t`` with
-    ``use_token_scaling`` (0 on ignored rows), else None.
+    ``use_token_scaling`` (0 on ignored rows), else None. ``method``: "chunked" / "tiled" / "auto"
+    (``heads.py``; ``tiled`` is the backend's ``TiledCE``, required for "tiled").
     """
     n = hidden.shape[0]
     w, weight_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
-    rows = chunk_size or chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size)
     if scales is None:
         one = torch.ones((), device=hidden.device)
         scales = MeanScales(one, one)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and any(needs):
-        out, lse, predicted, token_weight = _LinearCE.apply(hidden, weight, bias, target, ce, w, weight_sum,
-                                                            opts,
-                                                            reduction, torch.stack(scales), rows, accum_dtype,
+        out, lse, predicted, token_weight = _LinearCE.apply(hidden, weight, bias, target, head, w, weight_sum,
+                                                            opts, reduction, torch.stack(scales), accum_dtype,
                                                             stats, needs)
         token_weight = token_weight if opts.use_token_scaling else None
     else:
         with torch.no_grad():
-            loss, lse, _lse_lo, predicted, token_weight = loop.loss_only(ce, hidden, weight, bias, target, w,
-                                                                         weight_sum, opts, rows, stats)
+            loss, lse, _lse_lo, predicted, token_weight, _ = head.forward(hidden, weight, bias, target, w,
+                                                                          weight_sum, opts, stats)
         out = reduce(*token_scaled(loss, z_rows(lse, opts), token_weight), reduction, scales, loss.shape)
     if reduction == "none":
-        out = _scatter(out, index, n, 0.0)
+        out = scatter_rows(out, index, n, 0.0)
     if token_weight is not None:
-        token_weight = _scatter(token_weight, index, n, 0.0)
-    return out, _scatter(lse, index, n, 0.0), _scatter(predicted, index, n, -1), token_weight
+        token_weight = scatter_rows(token_weight, index, n, 0.0)
+    return out, scatter_rows(lse, index, n, 0.0), scatter_rows(predicted, index, n, -1), token_weight

@@ -84,25 +84,32 @@ def accumulate_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
         acc.addmm_(g.t().to(acc.dtype), h.to(acc.dtype))
 
 
-def loss_only(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, stats: bool):
-    """Per-row ``(loss, lse, lse_lo, predicted, token_weight)`` for every token (cross-entropy without
-    z-loss, fp32; predicted int64, -1 where not computed; ``token_weight`` the detached ``p_t`` with
-    ``use_token_scaling``, else None); no gradient buffers at all."""
+def loss_only(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, stats: bool,
+              entropy: bool = False):
+    """Per-row ``(loss, lse, lse_lo, predicted, token_weight, entropy)`` for every token (cross-entropy
+    without z-loss, fp32; predicted int64, -1 where not computed; ``token_weight`` the detached ``p_t``
+    with ``use_token_scaling``, else None; ``entropy`` fp32 when asked, else None); no gradient
+    buffers at all."""
     n = hidden.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
+    ent = torch.empty_like(loss) if entropy else None
     predicted = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
     token_weight = torch.empty_like(loss) if opts.use_token_scaling else None
     buffer = chunk_buffer(n, rows, weight, hidden.dtype)
     for s in range(0, n, rows):
         c = slice(s, s + rows)
         logits = logits_chunk(hidden[c], weight, bias, buffer)
-        loss[c], lse[c], lse_lo[c], pred_c = ce.loss(logits, target[c], w, weight_sum, opts, stats)
+        out = ce.loss(logits, target[c], w, weight_sum, opts, stats, entropy) if entropy else \
+            ce.loss(logits, target[c], w, weight_sum, opts, stats)
+        loss[c], lse[c], lse_lo[c] = out[:3]
         if stats:
-            predicted[c] = pred_c
+            predicted[c] = out[3]
+        if entropy:
+            ent[c] = out[4]
         if token_weight is not None:
             token_weight[c] = target_probability(logits, target[c], lse[c], lse_lo[c], opts)
-    return loss, lse, lse_lo, predicted, token_weight
+    return loss, lse, lse_lo, predicted, token_weight, ent
 
 
 def loss_then_grad_(ce, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
@@ -114,11 +121,11 @@ def loss_then_grad_(ce, logits, target, w, weight_sum, grad_row, z_grad_row, opt
     token_weight = target_probability(logits, target, lse, lse_lo, opts) if opts.use_token_scaling else None
     if token_weight is not None:
         grad_row, z_grad_row = grad_row * token_weight, z_grad_row * token_weight
-    ce.grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, _grad_lse(lse, z_grad_row, opts), opts)
+    ce.grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse(lse, z_grad_row, opts), opts)
     return loss, lse, lse_lo, predicted, token_weight
 
 
-def _grad_lse(lse: torch.Tensor, z_grad_row: torch.Tensor, opts: LossOptions) -> Optional[torch.Tensor]:
+def grad_lse(lse: torch.Tensor, z_grad_row: torch.Tensor, opts: LossOptions) -> Optional[torch.Tensor]:
     """Upstream gradient of a chunk's lse from the z-loss ``s lse**2``: ``2 s lse`` times the z-loss's
     own per-row upstream gradient; None without z-loss."""
     if opts.lse_square_scale == 0.0:
@@ -127,17 +134,19 @@ def _grad_lse(lse: torch.Tensor, z_grad_row: torch.Tensor, opts: LossOptions) ->
 
 
 def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, grad_row, z_grad_row,
-          needs, accum_dtype, saved=None, stats: bool = False):
-    """Gradients of ``sum_i grad_row[i] ce_i + z_grad_row[i] z_i`` (``ce_i`` the cross-entropy of row
-    i, ``z_i = s lse_i**2`` its z-loss) and, when ``saved`` is None, the forward too.
+          needs, accum_dtype, saved=None, stats: bool = False, grad_entropy=None):
+    """Gradients of ``sum_i grad_row[i] ce_i + z_grad_row[i] z_i (+ grad_entropy[i] entropy_i)``
+    (``ce_i`` the cross-entropy of row i, ``z_i = s lse_i**2`` its z-loss) and, when ``saved`` is None,
+    the forward too.
 
     ``grad_row``, ``z_grad_row``: (n,) per-row upstream gradients (any strides); with
     ``use_token_scaling`` both are multiplied by each row's ``p_t`` (read from the chunk's logits
-    before they are overwritten). ``needs``: which of (hidden, weight, bias) need a gradient.
-    ``saved = (lse, lse_lo)`` from an earlier forward: the forward is not recomputed (a backward that
-    recomputes). Returns ``(loss, lse, lse_lo, predicted, token_weight, grad_hidden, grad_weight,
-    grad_bias)``; loss/predicted are None when ``saved`` was given; token_weight None without token
-    scaling; grad_weight / grad_bias are in ``accum_dtype``.
+    before they are overwritten, or the saved one). ``needs``: which of (hidden, weight, bias) need a
+    gradient. ``saved = (lse, lse_lo, token_weight, entropy)`` from an earlier forward (token_weight /
+    entropy None when not made): the forward is not recomputed (a backward that recomputes; the only
+    form that takes ``grad_entropy``). Returns ``(loss, lse, lse_lo, predicted, token_weight,
+    grad_hidden, grad_weight, grad_bias)``; loss/predicted are None when ``saved`` was given;
+    token_weight None without token scaling; grad_weight / grad_bias are in ``accum_dtype``.
     """
     n = hidden.shape[0]
     forward = saved is None
@@ -147,8 +156,10 @@ def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, ro
         predicted = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
     else:
         loss = predicted = None
-        lse, lse_lo = saved
+        lse, lse_lo, saved_weight, entropy = saved
     token_weight = torch.empty(n, dtype=torch.float32, device=hidden.device) if opts.use_token_scaling else None
+    if not forward and token_weight is not None and saved_weight is not None:
+        token_weight = saved_weight
     grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if needs[0] else None
     grad_w = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device) if needs[1] else None
     grad_b = torch.zeros(weight.shape[0], dtype=accum_dtype, device=weight.device) if needs[2] else None
@@ -167,10 +178,15 @@ def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, ro
         else:
             g_c, zg_c = grad_row[c], z_grad_row[c]
             if token_weight is not None:
-                token_weight[c] = target_probability(logits, target[c], lse[c], lse_lo[c], opts)
+                if saved_weight is None:
+                    token_weight[c] = target_probability(logits, target[c], lse[c], lse_lo[c], opts)
                 g_c, zg_c = g_c * token_weight[c], zg_c * token_weight[c]
-            ce.grad_(logits, target[c], w, weight_sum, lse[c], lse_lo[c], g_c, _grad_lse(lse[c], zg_c, opts),
-                     opts)
+            if grad_entropy is None:
+                ce.grad_(logits, target[c], w, weight_sum, lse[c], lse_lo[c], g_c, grad_lse(lse[c], zg_c, opts),
+                         opts)
+            else:
+                ce.grad_(logits, target[c], w, weight_sum, lse[c], lse_lo[c], g_c, grad_lse(lse[c], zg_c, opts),
+                         opts, grad_entropy=grad_entropy[c], entropy=entropy[c])
         if grad_h is not None:
             torch.mm(logits, weight, out=grad_h[c])
         if grad_w is not None:

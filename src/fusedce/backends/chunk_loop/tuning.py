@@ -17,3 +17,15 @@ def chunk_rows(n_rows: int, hidden_size: int, vocab_size: int) -> int:
     """Rows per chunk for ``chunk_size=None`` (at least 1, at most ``n_rows``)."""
     rows = max(MIN_ROWS, -(-n_rows * hidden_size // max(vocab_size, 1)))
     return max(1, min(n_rows, rows))
+
+
+METHODS = ("auto", "chunked", "tiled")
+
+
+def resolve_method(method: str) -> str:
+    """``"auto"`` -> ``"chunked"``, on every device, until GPU measurements say otherwise: the tiled
+    method trades one more matmul per token (4 instead of 3: its backward recomputes the logits) for
+    O(BT + tiles) memory, and no GPU timing of the two exists yet (the CPU sweep of ``fusedce bench``
+    has both; ``benchmarks/gpu_check.sh`` times both on its GPU shapes). Names are checked by
+    ``validation.check_method``."""
+    return "chunked" if method == "auto" else method

@@ -43,30 +43,36 @@ class Scratch:
         return self._work[:n]
 
 
-def chunk_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = True):
+def chunk_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = True, entropy: bool = False):
     """Per-row ``(loss, lse, lse_lo, predicted)`` of ``logits`` ((n, V)), no gradient: fp32 (n,) each
     (cross-entropy without z-loss; lse as the pair lse + lse_lo, see ``rows.py``), predicted (n,) int64
-    or None without stats."""
+    or None without stats; with ``entropy`` a fifth element, the entropy (n,) fp32."""
     n_rows, n_classes = logits.shape
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
+    ent = torch.empty_like(loss) if entropy else None
     predicted = torch.empty(n_rows, dtype=torch.int64, device=logits.device) if stats else None
     step = min(chunk_rows(n_classes), max(n_rows, 1))
     scratch = Scratch(step, n_classes, logits.dtype, logits.device)
     for start in range(0, n_rows, step):
         rows = slice(start, start + step)
         block = scratch.upcast(logits[rows])
-        loss[rows], lse[rows], lse_lo[rows], pred = rows_forward(block, target[rows], w, weight_sum, opts, stats,
-                                                                 scratch.work(block.shape[0]))
+        out = rows_forward(block, target[rows], w, weight_sum, opts, stats, scratch.work(block.shape[0]), entropy)
+        loss[rows], lse[rows], lse_lo[rows] = out[:3]
         if stats:
-            predicted[rows] = pred
+            predicted[rows] = out[3]
+        if entropy:
+            ent[rows] = out[4]
+    if entropy:
+        return loss, lse, lse_lo, predicted, ent
     return loss, lse, lse_lo, predicted
 
 
 def chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
-                out=None) -> torch.Tensor:
-    """Write d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i)/d logits into ``out`` (default:
-    ``logits`` itself). ``grad_lse`` None means 0.
+                out=None, grad_entropy=None, entropy=None) -> torch.Tensor:
+    """Write d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i + grad_entropy[i] entropy_i)/d logits into
+    ``out`` (default: ``logits`` itself). ``grad_lse`` / ``grad_entropy`` None mean 0; ``entropy`` is
+    the forward's, read only with ``grad_entropy``.
 
     fp32 ``out``: the gradient is computed in it, no (n, V) temporary besides softcap's; other dtypes
     go through two reused fp32 chunk buffers (``Scratch``) and one conversion pass per chunk.
@@ -81,7 +87,9 @@ def chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, 
         block = logits[rows] if scratch is None else scratch.upcast(logits[rows])
         grad = rows_grad(block, target[rows], w, weight_sum, lse[rows], lse_lo[rows], grad_row[rows],
                          None if grad_lse is None else grad_lse[rows], opts,
-                         out=dst if scratch is None else scratch.work(dst.shape[0]))
+                         out=dst if scratch is None else scratch.work(dst.shape[0]),
+                         grad_entropy=None if grad_entropy is None else grad_entropy[rows],
+                         entropy=None if grad_entropy is None else entropy[rows])
         if scratch is not None:
             dst.copy_(grad)
     return out

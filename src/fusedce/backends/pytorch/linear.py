@@ -4,24 +4,30 @@ from __future__ import annotations
 import functools
 
 from ..chunk_loop import linear_cross_entropy as _linear_cross_entropy
+from ..chunk_loop import log_probs as _log_probs
 from ..chunk_loop.loop import loss_then_grad_
 from .cross_entropy import chunk_grad_, chunk_loss
+from .tiled import TORCH_TILED
 
 
 class TorchChunkCE:
     """``ChunkCE`` in plain PyTorch (row sub-chunks keep the fp32 temporaries small)."""
 
     @staticmethod
-    def loss(logits, target, w, weight_sum, opts, stats):
-        return chunk_loss(logits, target, w, weight_sum, opts, stats)
+    def loss(logits, target, w, weight_sum, opts, stats, entropy=False):
+        return chunk_loss(logits, target, w, weight_sum, opts, stats, entropy)
 
     @staticmethod
-    def grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts):
-        chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts)
+    def grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts, grad_entropy=None,
+              entropy=None, out=None):
+        chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts, out=out,
+                    grad_entropy=grad_entropy, entropy=entropy)
 
     @classmethod
     def loss_and_grad_(cls, logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats):
         return loss_then_grad_(cls, logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats)
 
 
-linear_cross_entropy = functools.partial(_linear_cross_entropy, TorchChunkCE)
+linear_cross_entropy = functools.partial(_linear_cross_entropy, TorchChunkCE, tiled=TORCH_TILED)
+token_log_probs = functools.partial(_log_probs.token_log_probs, TorchChunkCE)
+linear_token_log_probs = functools.partial(_log_probs.linear_token_log_probs, TorchChunkCE, tiled=TORCH_TILED)

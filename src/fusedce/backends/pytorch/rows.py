@@ -99,15 +99,24 @@ def row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes: int, opts: LossOpt
     return loss
 
 
+def entropy_rows(z: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor) -> torch.Tensor:
+    """``-sum_c p_c u_c`` per row of fp32 ``z`` ((n, V)), ``u_c = (z_c - lse) - lse_lo``, ``p = exp(u)``:
+    the entropy of ``softmax(z)``, a sum of non-negative terms (no cancellation); -inf logits add 0."""
+    u = (z - lse[:, None]) - lse_lo[:, None]
+    return -torch.where(z == float("-inf"), 0.0, torch.exp(u) * u).sum(dim=1)
+
+
 def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                  weight_sum: Optional[torch.Tensor], opts: LossOptions, stats: bool = True,
-                 scratch: Optional[torch.Tensor] = None):
+                 scratch: Optional[torch.Tensor] = None, entropy: bool = False):
     """Per-row cross-entropy (without z-loss), lse and argmax of ``x`` ((n, V) fp32; ``weight`` (V,)
     fp32 or None).
 
     Returns ``(loss, lse, lse_lo, predicted)``: (n,) fp32 each (0 on ignored rows; loss NaN on a row
     whose target is out of range and not ignored), predicted (n,) int64 (-1 on ignored rows) or None
-    without stats. Reads ``x`` about twice (max, exp), once more for smoothing and for the argmax.
+    without stats; with ``entropy`` a fifth element, the entropy of ``softmax(z)`` (n,) fp32 (0 on
+    ignored rows). Reads ``x`` about twice (max, exp), once more for smoothing, the argmax and the
+    entropy.
     """
     n_classes = x.shape[1]
     z = transform(x, opts)
@@ -120,10 +129,13 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.T
     loss = row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes, opts)
     loss = torch.where(in_range, loss, torch.full_like(loss, float("nan")))
     loss = torch.where(valid, loss, 0.0)
+    ent = torch.where(valid, entropy_rows(z, lse, lse_lo), 0.0) if entropy else None
     lse, lse_lo = torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)
     predicted = None
     if stats:
         predicted = torch.where(valid, x.argmax(dim=1), torch.full_like(target, -1, dtype=torch.long))
+    if entropy:
+        return loss, lse, lse_lo, predicted, ent
     return loss, lse, lse_lo, predicted
 
 
@@ -131,8 +143,11 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
               weight_sum: Optional[torch.Tensor], lse: torch.Tensor, lse_lo: torch.Tensor,
               grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor], opts: LossOptions,
               out: Optional[torch.Tensor] = None, *, n_classes: Optional[int] = None,
-              col_start: int = 0, target_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Gradient of ``sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i`` w.r.t. ``x`` ((n, V) fp32).
+              col_start: int = 0, target_weight: Optional[torch.Tensor] = None,
+              grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gradient of ``sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i (+ grad_entropy[i] * entropy_i)``
+    w.r.t. ``x`` ((n, V) fp32); the entropy term is ``-k p_c (u_c + entropy)``, ``u_c = (z_c - lse) -
+    lse_lo`` (``backends/chunk_loop/protocols.py``), and needs the forward's ``entropy`` (n,).
 
     Ignored rows get exactly 0. ``grad_row``, ``grad_lse`` (None: 0) are per-row upstream gradients
     (any strides). The result is computed in ``out`` ((n, V) fp32, may be ``x`` itself, which is then
@@ -162,13 +177,23 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
     # p = exp((z - lse) - lse_lo): z - lse is exact near the row max; subtracting lse_lo there (not
     # multiplying by exp(-lse_lo)) measured 1.2-1.6x torch's Frobenius error at logits x1e3-1e4, vs ~2x
     grad = torch.sub(z, lse[:, None], out=torch.empty_like(z) if out is None else out)
-    grad.sub_(lse_lo[:, None]).exp_()
+    grad.sub_(lse_lo[:, None])
+    k = None if grad_entropy is None else torch.where(valid, grad_entropy.float(), 0.0)
+    if k is not None:   # -k p (u + entropy): u + entropy kept in a second (n, V) buffer
+        ent_term = grad.add(torch.where(valid, entropy, 0.0)[:, None])
+    grad.exp_()
     if n_local:  # the target column, exactly: g (a (p_t - 1) + b (W p_t - w_t)) + h p_t
         p_t = grad.gather(1, safe[:, None])[:, 0]
         at_target = g * (a * (p_t - 1.0) + b * (total_w * p_t - w_t))
         if h is not None:
             at_target = at_target + h * p_t
+        if k is not None:
+            at_target = at_target - k * p_t * ent_term.gather(1, safe[:, None])[:, 0]
+    if k is not None:   # k p (u + entropy), subtracted below; 0 where p = 0 (z = -inf: 0 * -inf)
+        ent_term.mul_(grad).masked_fill_(grad == 0.0, 0.0).mul_(k[:, None])
     grad.mul_(row_factor[:, None])
+    if k is not None:
+        grad.sub_(ent_term)
     if opts.label_smoothing > 0.0:
         if weight is None:
             grad.sub_((b * g)[:, None])

@@ -12,3 +12,11 @@ CHUNK_ELEMENTS = 1 << 24
 def chunk_rows(n_classes: int) -> int:
     """Rows per chunk for a vocabulary of ``n_classes``: at least 1."""
     return max(1, CHUNK_ELEMENTS // max(1, n_classes))
+
+# ``method="tiled"`` (``tiled.py``): token x vocabulary blocks of TILE_ROWS x TILE_VOCAB logits (2**20
+# values, 4 MiB in fp32 per temporary; a handful live at once). The block must stay far below the
+# floor of the loss's memory, the gradients it returns ((V + BT) x H fp32: 123 MiB at BT=4096, H=576,
+# V=49152), and large enough that each block's matmul (2 x 512 x 2048 x H FLOPs) outweighs the
+# per-block Python and op overheads.
+TILE_ROWS = 512
+TILE_VOCAB = 2048

@@ -1,6 +1,6 @@
 """The Triton launches as torch custom ops, so ``torch.compile(fullgraph=True)`` traces through them.
 
-Four ops in the ``fusedce`` namespace, each "allocate, then call a launcher" (``launch.py``) plus a fake
+Six ops in the ``fusedce`` namespace (plus the tiled ones of ``tiled_ops.py``), each "allocate, then call a launcher" (``launch.py``) plus a fake
 (meta) implementation that gives the output shapes, dtypes and strides without touching data:
 
 - ``fusedce::ce_forward(logits, target, weight?, weight_sum?, <options>, stats, inplace_backward)
@@ -17,6 +17,13 @@ Four ops in the ``fusedce`` namespace, each "allocate, then call a launcher" (``
   turns the mutation into ``auto_functionalized`` and Inductor re-inplaces it into ``logits``' buffer
   when that is safe (it is when nothing else reads the logits later), else it computes into a copy: the
   in-place write is then a memory hint, never a change of results.
+- ``fusedce::ce_backward_out(logits, out!, ...same..., grad_entropy?, entropy?) -> ()`` writes the
+  gradient into a caller's buffer ``out`` (the RL ops' ``ChunkCE.grad_(..., out=)``); the two backward
+  ops above also take the optional ``grad_entropy`` (upstream of the entropy, any float dtype / stride)
+  and ``entropy`` (the forward's) last, defaulting to None (the CE path, unchanged).
+- ``fusedce::ce_forward_entropy(logits, target, weight?, weight_sum?, <options>, stats)
+  -> (loss, lse, lse_lo, predicted, entropy)``: the forward with the per-row entropy (RL ops; no
+  autograd formula: the chunk loop's Functions call the backward ops themselves).
 - ``fusedce::ce_chunk_(logits!, target, weight?, weight_sum?, grad_row, z_grad_row, <options>, stats)
   -> (loss, lse, lse_lo, predicted, token_weight)``: the fused forward + gradient of one chunk of
   ``linear_cross_entropy`` (``kernels/ce_chunk.py``), the gradient written over ``logits``;
@@ -105,18 +112,67 @@ def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignor
 @torch.library.custom_op("fusedce::ce_backward_inplace", mutates_args=("logits",))
 def ce_backward_inplace(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
                         lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt,
-                        ignore_index: int, scalars: list[float]) -> None:
+                        ignore_index: int, scalars: list[float], grad_entropy: Opt = None,
+                        entropy: Opt = None) -> None:
     opts = LossOptions.from_op_args(ignore_index, scalars)
     rows = _unit_stride(logits)   # each program reads its block before writing it: aliasing is safe
     launch_backward(rows, target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
-                    lse.contiguous(), lse_lo.contiguous(), grad_row, grad_lse, opts, rows)
+                    lse.contiguous(), lse_lo.contiguous(), grad_row, grad_lse, opts, rows,
+                    grad_entropy=grad_entropy, entropy=_opt_contiguous(entropy))
     if rows is not logits:
         logits.copy_(rows)
 
 
 @ce_backward_inplace.register_fake
-def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars):
+def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars,
+      grad_entropy=None, entropy=None):
     return None
+
+
+# ---------------------------------------------------------------- backward, into a caller's buffer
+
+@torch.library.custom_op("fusedce::ce_backward_out", mutates_args=("out",))
+def ce_backward_out(logits: torch.Tensor, out: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
+                    lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt,
+                    ignore_index: int, scalars: list[float], grad_entropy: Opt = None,
+                    entropy: Opt = None) -> None:
+    """The gradient written into ``out`` ((BT, V), any float dtype; must not overlap ``logits``: use
+    ``ce_backward_inplace`` for that)."""
+    opts = LossOptions.from_op_args(ignore_index, scalars)
+    dest = _unit_stride(out)
+    launch_backward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
+                    lse.contiguous(), lse_lo.contiguous(), grad_row, grad_lse, opts, dest,
+                    grad_entropy=grad_entropy, entropy=_opt_contiguous(entropy))
+    if dest is not out:
+        out.copy_(dest)
+
+
+@ce_backward_out.register_fake
+def _(logits, out, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars,
+      grad_entropy=None, entropy=None):
+    return None
+
+
+# ---------------------------------------------------------------- forward with the entropy (RL ops)
+
+@torch.library.custom_op("fusedce::ce_forward_entropy", mutates_args=())
+def ce_forward_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
+                       ignore_index: int, scalars: list[float], stats: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ce_forward`` plus the per-row entropy of softmax(z) (COMPUTE_ENTROPY). No autograd formula:
+    its callers (the chunk loop's Functions) differentiate through ``backward_`` / ``backward_out``."""
+    loss, lse, lse_lo, predicted = _forward_buffers(logits, stats)
+    entropy = torch.empty_like(loss)
+    launch_forward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
+                   LossOptions.from_op_args(ignore_index, scalars),
+                   loss, lse, lse_lo, predicted if stats else None, entropy)
+    return loss, lse, lse_lo, predicted, entropy
+
+
+@ce_forward_entropy.register_fake
+def _(logits, target, weight, weight_sum, ignore_index, scalars, stats):
+    loss, lse, lse_lo, predicted = _forward_buffers(logits, stats)
+    return loss, lse, lse_lo, predicted, torch.empty_like(loss)
 
 
 # ---------------------------------------------------------------- fused chunk: loss + gradient over the logits
@@ -159,11 +215,26 @@ def forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum:
 
 
 def backward_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt, lse: torch.Tensor,
-              lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt, opts: LossOptions) -> None:
-    """``fusedce::ce_backward_inplace`` with ``LossOptions``: overwrite ``logits`` with the gradient of
-    ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i``."""
-    torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse,
-                                          *opts.op_args())
+              lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt, opts: LossOptions,
+              grad_entropy: Opt = None, entropy: Opt = None, out: Opt = None) -> None:
+    """Overwrite ``logits`` (``fusedce::ce_backward_inplace``), or fill ``out`` when given
+    (``fusedce::ce_backward_out``), with the gradient of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i
+    [+ grad_entropy[i] entropy_i]`` (``entropy`` the forward's, read only with ``grad_entropy``)."""
+    if grad_entropy is None:
+        entropy = None
+    if out is None or out is logits:
+        torch.ops.fusedce.ce_backward_inplace(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse,
+                                              *opts.op_args(), grad_entropy, entropy)
+    else:
+        torch.ops.fusedce.ce_backward_out(logits, out, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse,
+                                          *opts.op_args(), grad_entropy, entropy)
+
+
+def forward_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt, opts: LossOptions,
+                    stats: bool):
+    """``fusedce::ce_forward_entropy`` with ``LossOptions``: ``(loss, lse, lse_lo, predicted, entropy)``,
+    predicted (0,) without stats; no gradient."""
+    return torch.ops.fusedce.ce_forward_entropy(logits, target, weight, weight_sum, *opts.op_args(), stats)
 
 
 def loss_and_grad_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,

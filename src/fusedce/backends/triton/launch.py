@@ -40,26 +40,33 @@ def _align(elem_size: int, *ints: int) -> int:
 
 def forward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                    weight_sum: Optional[torch.Tensor], opts: LossOptions, loss: torch.Tensor,
-                   lse: torch.Tensor, lse_lo: torch.Tensor, predicted: Optional[torch.Tensor]):
-    """``(kernel, grid, args, meta)`` of the forward launch for these buffers (see ``ce_forward``)."""
+                   lse: torch.Tensor, lse_lo: torch.Tensor, predicted: Optional[torch.Tensor],
+                   entropy: Optional[torch.Tensor] = None):
+    """``(kernel, grid, args, meta)`` of the forward launch for these buffers (see ``ce_forward``);
+    ``entropy`` (n,) fp32 or None (not computed: COMPUTE_ENTROPY off, the CE hot path's code)."""
     n_rows, n_cols = logits.shape
     dummy = loss  # any valid pointer for arguments a constexpr flag leaves unread
     cfg = forward_config(n_cols)
     args = (logits, target, dummy if weight is None else weight, dummy if weight_sum is None else weight_sum,
-            loss, lse, lse_lo, dummy if predicted is None else predicted,
+            loss, lse, lse_lo, dummy if predicted is None else predicted, dummy if entropy is None else entropy,
             n_cols, logits.stride(0), target.stride(0), *opts.kernel_scalars())
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
                 COMPUTE_STATS=predicted is not None, **_flags(weight, opts), num_warps=cfg["num_warps"],
                 maxnreg=cfg["maxnreg"])
+    if entropy is not None:
+        meta["COMPUTE_ENTROPY"] = True
     return ce_forward_kernel, (n_rows,), args, meta
 
 
 def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                     weight_sum: Optional[torch.Tensor], lse: torch.Tensor, lse_lo: torch.Tensor,
                     grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor], opts: LossOptions,
-                    grad: torch.Tensor, vocab: Optional["VocabSlice"] = None):
+                    grad: torch.Tensor, vocab: Optional["VocabSlice"] = None,
+                    grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None):
     """``(kernel, grid, args, meta)`` of the backward launch for these buffers (see ``ce_backward``);
-    ``vocab``: the columns are a slice of a larger vocabulary (None: the whole of it)."""
+    ``vocab``: the columns are a slice of a larger vocabulary (None: the whole of it); ``grad_entropy``
+    (n,) any float dtype and stride, with the forward's ``entropy`` (n,) fp32: the entropy's term
+    (HAS_GRAD_ENTROPY; None: off, the CE path's code)."""
     n_rows, n_cols = logits.shape
     vocab = VocabSlice(0, n_cols) if vocab is None else vocab
     dummy = lse
@@ -70,13 +77,16 @@ def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional
     args = (logits, grad, target, dummy if weight is None else weight,
             dummy if weight_sum is None else weight_sum, lse, lse_lo, grad_row, grad_lse,
             dummy if vocab.target_weight is None else vocab.target_weight,
+            dummy if grad_entropy is None else grad_entropy, dummy if grad_entropy is None else entropy,
             n_cols, vocab.col_start, vocab.n_total,
             logits.stride(0), grad.stride(0), target.stride(0), grad_row.stride(0), grad_lse.stride(0),
-            *opts.kernel_scalars())
+            0 if grad_entropy is None else grad_entropy.stride(0), *opts.kernel_scalars())
     align = _align(min(logits.element_size(), grad.element_size()), n_cols, logits.stride(0), grad.stride(0))
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=align, **_flags(weight, opts), HAS_GRAD_LSE=has_grad_lse,
                 HAS_TARGET_WEIGHT=vocab.target_weight is not None, num_warps=cfg["num_warps"],
                 maxnreg=cfg["maxnreg"])
+    if grad_entropy is not None:
+        meta["HAS_GRAD_ENTROPY"] = True
     if _INTERPRETED and grad.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True
     return ce_backward_kernel, grid, args, meta
@@ -154,27 +164,29 @@ def ce_chunk_(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch
 
 def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                weight_sum: Optional[torch.Tensor], opts: LossOptions, loss: torch.Tensor,
-               lse: torch.Tensor, lse_lo: torch.Tensor, predicted: Optional[torch.Tensor]) -> None:
+               lse: torch.Tensor, lse_lo: torch.Tensor, predicted: Optional[torch.Tensor],
+               entropy: Optional[torch.Tensor] = None) -> None:
     """Fill ``loss``/``lse``/``lse_lo`` (and ``predicted`` when given) for ``logits`` ((BT, V), last
     dim stride 1).
 
     ``loss`` (cross-entropy without z-loss), ``lse``, ``lse_lo``: (BT,) fp32 contiguous, all 0 on
-    ignored rows; ``predicted``: (BT,) int64 or None (no argmax computed).
-    ``weight_sum``: 1-element fp32 tensor = weight.sum() when ``weight`` is given.
+    ignored rows; ``predicted``: (BT,) int64 or None (no argmax computed); ``entropy``: (BT,) fp32 or
+    None (not computed). ``weight_sum``: 1-element fp32 tensor = weight.sum() when ``weight`` is given.
     """
     if logits.shape[0] == 0:
         return
     kernel, grid, args, meta = forward_launch(logits, target, weight, weight_sum, opts, loss, lse, lse_lo,
-                                              predicted)
+                                              predicted, entropy)
     kernel[grid](*args, **meta)
 
 
 def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                 weight_sum: Optional[torch.Tensor], lse: torch.Tensor, lse_lo: torch.Tensor,
                 grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor], opts: LossOptions,
-                grad: torch.Tensor, vocab: Optional["VocabSlice"] = None) -> None:
-    """Write d(sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i)/d logits into ``grad`` ((BT, V), may
-    be ``logits`` itself).
+                grad: torch.Tensor, vocab: Optional["VocabSlice"] = None,
+                grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None) -> None:
+    """Write d(sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i [+ grad_entropy[i] * entropy_i])/d logits
+    into ``grad`` ((BT, V), may be ``logits`` itself).
 
     ``lse``, ``lse_lo``: (BT,) fp32 contiguous, from the forward. ``grad_row`` and ``grad_lse`` (None:
     zero): (BT,) any float dtype and any stride (an expanded stride-0 scalar is fine).
@@ -182,5 +194,5 @@ def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[tor
     if logits.shape[0] == 0:
         return
     kernel, grid, args, meta = backward_launch(logits, target, weight, weight_sum, lse, lse_lo, grad_row,
-                                               grad_lse, opts, grad, vocab)
+                                               grad_lse, opts, grad, vocab, grad_entropy, entropy)
     kernel[grid](*args, **meta)

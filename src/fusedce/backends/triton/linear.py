@@ -4,7 +4,9 @@ Per chunk, one fused kernel (``kernels/ce_chunk.py``) writes loss/lse/lse_lo and
 logits with their gradient: one launch, the chunk read once from HBM (the second read of each row hits
 L2) and written once. A backward that recomputes (reduction "none", or a second backward) runs the
 backward kernel alone on logits whose lse is known. The logits buffer of a chunk is the only n_c x V
-memory the loss ever holds.
+memory the loss ever holds. The RL ops (``token_log_probs``) ask ``loss(..., entropy=True)`` (the
+forward kernel with COMPUTE_ENTROPY) and ``grad_(..., grad_entropy=, entropy=, out=)`` (the backward
+kernel with HAS_GRAD_ENTROPY, into ``out`` when given).
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ class TritonChunkCE:
     """``ChunkCE`` with the Triton kernels (CUDA, or the interpreter in tests)."""
 
     @staticmethod
-    def loss(logits, target, w, weight_sum, opts, stats):
+    def loss(logits, target, w, weight_sum, opts, stats, entropy=False):
+        if entropy:
+            return custom_ops.forward_entropy(logits, target, *_w(w, weight_sum), opts, stats)
         return custom_ops.forward(logits, target, *_w(w, weight_sum), opts, stats)
 
     @staticmethod
@@ -30,8 +34,10 @@ class TritonChunkCE:
         return custom_ops.loss_and_grad_(logits, target, *_w(w, weight_sum), grad_row, z_grad_row, opts, stats)
 
     @staticmethod
-    def grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts):
-        custom_ops.backward_(logits, target, *_w(w, weight_sum), lse, lse_lo, grad_row, grad_lse, opts)
+    def grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts, grad_entropy=None,
+              entropy=None, out=None):
+        custom_ops.backward_(logits, target, *_w(w, weight_sum), lse, lse_lo, grad_row, grad_lse, opts,
+                             grad_entropy, entropy, out)
 
 
 linear_cross_entropy = functools.partial(_linear_cross_entropy, TritonChunkCE)

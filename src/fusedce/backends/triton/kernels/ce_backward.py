@@ -3,13 +3,14 @@
 Each program computes one block of ``dL/dx`` (``row_math.grad_block``: the formula, its exactness and
 its precision are documented there) for the upstream gradients ``g`` of the row's loss (``grad_row``,
 which already carries the mean's 1/D) and ``h`` of its lse (``grad_lse``: the z-loss ``s lse**2``
-reaches the kernel as ``h = 2 s lse`` times its own upstream). Ignored rows are written as exact zeros
+reaches the kernel as ``h = 2 s lse`` times its own upstream) and, with HAS_GRAD_ENTROPY, ``k`` of its
+entropy (``- k p_c (u_c + entropy)``; the RL ops). Ignored rows are written as exact zeros
 without reading their logits. Writing into ``logits``' own storage (in-place backward) is safe: each
 program reads its block before writing it and no other program touches that block.
 
 Bytes moved per token (row), V classes, s bytes per logit:
     read  V * s (logits; skipped on ignored rows) + 4 (lse) + 4 (lse_lo) + 4 (grad_row)
-          [+ 4 (grad_lse)] + 4-8 (target) [+ 4 V class weights, L2-resident]
+          [+ 4 (grad_lse)] [+ 8 (grad_entropy, entropy)] + 4-8 (target) [+ 4 V class weights, L2-resident]
     write V * s (gradient)
 With the forward pass, fwd+bwd moves 3 * V * s per non-ignored token: the floor of an unfused
 two-kernel design that does not keep a row on chip between passes.
@@ -34,10 +35,13 @@ def ce_backward_kernel(
     grad_row_ptr,     # [n_rows] upstream gradient of the loss (any float dtype, any stride, 0 allowed)
     grad_lse_ptr,     # [n_rows] upstream gradient of the lse (HAS_GRAD_LSE; any float dtype and stride)
     target_weight_ptr,  # [n_rows] fp32 w_t per row (HAS_TARGET_WEIGHT: a vocabulary slice with weights)
+    grad_entropy_ptr,   # [n_rows] upstream gradient of the entropy (HAS_GRAD_ENTROPY; any float dtype, stride)
+    entropy_ptr,        # [n_rows] fp32 entropy from the forward (HAS_GRAD_ENTROPY)
     # sizes: this block of columns is [col_start, col_start + n_cols) of a vocabulary of n_total classes
     n_cols, col_start, n_total,
     # strides (elements)
     stride_logits_row, stride_grad_row, stride_target, stride_grad_row_vec, stride_grad_lse,
+    stride_grad_entropy,
     # runtime scalars (fp32)
     ignore_index, label_smoothing, softcap, logit_scale,
     # meta-parameters
@@ -45,6 +49,7 @@ def ce_backward_kernel(
     ALIGN: tl.constexpr,  # n_cols and both row strides are multiples of ALIGN (see common.aligned)
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_GRAD_LSE: tl.constexpr, HAS_TARGET_WEIGHT: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr = False,
     ROUND_BF16: tl.constexpr = False,  # interpreter only: round to nearest as GPUs do (common.to_bf16_rne)
 ):
     n_cols = aligned(n_cols, ALIGN)
@@ -67,7 +72,12 @@ def ce_backward_kernel(
     h = 0.0
     if HAS_GRAD_LSE:
         h = tl.load(grad_lse_ptr + row * stride_grad_lse).to(tl.float32)
+    k = 0.0
+    entropy = 0.0
+    if HAS_GRAD_ENTROPY:
+        k = tl.load(grad_entropy_ptr + row * stride_grad_entropy).to(tl.float32)
+        entropy = tl.load(entropy_ptr + row)
     dz = grad_block(x, cols, mask, target - col_start, w_t, tl.load(lse_ptr + row), tl.load(lse_lo_ptr + row),
                     g, h, weight_ptr, weight_sum_ptr, n_total, label_smoothing, softcap, logit_scale,
-                    HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_GRAD_LSE)
+                    HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_GRAD_LSE, k, entropy, HAS_GRAD_ENTROPY)
     store_grad(grad_ptr + row * stride_grad_row + cols, tl.where(is_valid, dz, 0.0), mask, ROUND_BF16)

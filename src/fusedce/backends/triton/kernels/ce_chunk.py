@@ -54,9 +54,10 @@ def ce_chunk_kernel(
     row_ptr = logits_ptr + row * stride_logits_row
     target = tl.load(target_ptr + row * stride_target).to(tl.int64)
     is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, weight_ptr, HAS_WEIGHT)
-    loss, lse, lse_lo, best_idx, z_t = row_forward(
+    loss, lse, lse_lo, best_idx, z_t, _entropy = row_forward(
         row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weight_sum_ptr,
-        label_smoothing, softcap, logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS)
+        label_smoothing, softcap, logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS,
+        False)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
     tl.store(lse_lo_ptr + row, lse_lo)

@@ -5,12 +5,14 @@ writes the fp32
 cross-entropy loss (without the z-loss, which the caller adds from ``lse``), the fp32 lse as a pair
 ``lse + lse_lo`` (``lse_lo`` is the rounding error of ``lse = max + log(sum)``, kept so that the
 backward's softmax is as accurate as PyTorch's ``exp((z - max) - log(sum))``) and, with COMPUTE_STATS,
-the argmax of the raw logits. Ignored rows are not read at all: loss, lse and lse_lo 0, argmax -1.
+the argmax of the raw logits and, with COMPUTE_ENTROPY (the RL ops), the entropy of softmax(z)
+(``row_math.entropy_rebase``: a third running sum, one more FMA-pair per logit, no extra bytes).
+Ignored rows are not read at all: loss, lse, lse_lo and entropy 0, argmax -1.
 
 Bytes moved per token (row), V classes, s bytes per logit:
     read  V * s (logits, once; skipped entirely on ignored rows)
           + 4-8 (target) + 4 (w_t) [+ 4 V class weights, L2-resident, when smoothing with weights]
-    write 4 (loss) + 4 (lse) + 4 (lse_lo) [+ 8 (argmax) with stats]
+    write 4 (loss) + 4 (lse) + 4 (lse_lo) [+ 8 (argmax) with stats] [+ 4 (entropy)]
 Nothing of size BT x V is written: a forward-only call reads the logits once.
 """
 import triton
@@ -31,6 +33,7 @@ def ce_forward_kernel(
     lse_ptr,          # [n_rows] fp32 out
     lse_lo_ptr,       # [n_rows] fp32 out: lse's rounding error (lse + lse_lo = max + log(sum) exactly)
     predicted_ptr,    # [n_rows] int64 out (written only if COMPUTE_STATS)
+    entropy_ptr,      # [n_rows] fp32 out: entropy of softmax(z), 0 on ignored rows (COMPUTE_ENTROPY)
     # sizes
     n_cols,
     # strides (elements)
@@ -42,15 +45,19 @@ def ce_forward_kernel(
     ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     COMPUTE_STATS: tl.constexpr,
+    COMPUTE_ENTROPY: tl.constexpr = False,  # also t = sum exp(z - m)(z - m): entropy = log s - t / s
 ):
     n_cols = aligned(n_cols, ALIGN)
     stride_logits_row = aligned(stride_logits_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(target_ptr + row * stride_target).to(tl.int64)
     is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, weight_ptr, HAS_WEIGHT)
-    loss, lse, lse_lo, best_idx, _z_t = row_forward(
+    loss, lse, lse_lo, best_idx, _z_t, entropy = row_forward(
         logits_ptr + row * stride_logits_row, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weight_sum_ptr,
-        label_smoothing, softcap, logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS)
+        label_smoothing, softcap, logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS,
+        COMPUTE_ENTROPY)
+    if COMPUTE_ENTROPY:
+        tl.store(entropy_ptr + row, entropy)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
     tl.store(lse_lo_ptr + row, lse_lo)

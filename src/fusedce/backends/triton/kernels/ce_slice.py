@@ -46,8 +46,9 @@ def ce_slice_stats_kernel(
     is_valid = target != ignore_index
     local = target - col_start
     owned = is_valid & (local >= 0) & (local < n_cols)
-    m, s, zsum, best, best_idx = row_stats(row_ptr, n_cols, tl.where(is_valid, n_cols, 0), weight_ptr, softcap,
-                                           logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, True)
+    m, s, zsum, best, best_idx, _t = row_stats(row_ptr, n_cols, tl.where(is_valid, n_cols, 0), weight_ptr,
+                                               softcap, logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING,
+                                               HAS_SOFTCAP, True, False)
     z_t = logit_transform(tl.load(row_ptr + tl.where(owned, local, 0)).to(tl.float32), logit_scale, softcap,
                           HAS_SOFTCAP)
     tl.store(xmax_ptr + row, best)

@@ -4,13 +4,17 @@ and their sources; the PyTorch backend computes the same ones).
 
 - ``row_stats``: one pass over a row (or a vocabulary slice of it) in ``BLOCK_V`` blocks, online
   softmax (Milakov & Gimelshein 2018): max, sum-exp, the smoothing sum and the argmax; a block of -inf
-  logits adds exactly 0;
+  logits adds exactly 0; with COMPUTE_ENTROPY also ``t = sum exp(z - m)(z - m)`` for the entropy
+  ``log s - t / s`` (``entropy_rebase``);
 - ``row_forward``: ``row_stats`` then the loss (cross-entropy without the z-loss), lse as an exact pair
-  ``lse + lse_lo`` (TwoSum), the argmax of the raw logits and the target's ``z_t``.
+  ``lse + lse_lo`` (TwoSum), the argmax of the raw logits, the target's ``z_t`` and the entropy;
+  ``row_lse`` / ``row_loss`` (the results from the statistics) are shared with the tiled forward (``tiled_forward``).
 - ``grad_block``: ``dL/dx`` of one block of a row from the saved lse pair, with ``g`` the upstream
-  gradient of the row's loss and ``h`` that of its lse (the z-loss arrives that way):
+  gradient of the row's loss, ``h`` that of its lse (the z-loss arrives that way) and ``k`` that of its
+  entropy (RL entropy bonuses; ``chunk_loop/protocols.py``):
 
-      dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c,   p_c = exp((z_c - lse) - lse_lo)
+      dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c - k p_c (u_c + entropy)
+      u_c = (z_c - lse) - lse_lo,  p_c = exp(u_c)
 
   ``a = (1 - eps) w_t``, ``b = eps / V``, ``W = sum_c w_c``; then ``dz/dx`` (``logit_slope``). The
   differences are formed before scaling, so the gradient is exactly 0 where the math says so.
@@ -26,12 +30,14 @@ from .interpreter import to_bf16_rne
 @triton.jit
 def row_stats(row_ptr, n_cols, n_scan, weight_ptr, softcap, logit_scale,
               BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr):
+              HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
     """One pass over the first ``n_scan`` (0 or ``n_cols``) logits of a row: ``(m, s, zsum, best,
-    best_idx)``, the running max of z and ``s = sum exp(z - m)`` (online softmax, Milakov & Gimelshein
-    2018), ``sum_c w_c z_c`` (smoothing only), and the max of the raw logits with its lowest index."""
+    best_idx, t)``, the running max of z and ``s = sum exp(z - m)`` (online softmax, Milakov & Gimelshein
+    2018), ``sum_c w_c z_c`` (smoothing only), the max of the raw logits with its lowest index, and
+    (COMPUTE_ENTROPY) ``t = sum exp(z - m) (z - m)`` (``entropy_rebase``; 0.0 otherwise)."""
     m = -float("inf")
     s = 0.0
+    t = 0.0
     zsum = 0.0
     best = -float("inf")
     best_idx = 0
@@ -52,6 +58,8 @@ def row_stats(row_ptr, n_cols, n_scan, weight_ptr, softcap, logit_scale,
         # While every logit so far is -inf (a masked block), shift by 0 instead of m_new = -inf:
         # exp(-inf - -inf) would be NaN; exp(-inf - 0) = 0 keeps s = 0: such a block adds exactly 0.
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        if COMPUTE_ENTROPY:   # (the compiler shares exp(z - shift) with the line below)
+            t = entropy_rebase(m, s, t, shift) + tl.sum(entropy_terms(tl.exp(z - shift), z, shift), axis=0)
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
         m = m_new
         if COMPUTE_STATS:
@@ -59,24 +67,71 @@ def row_stats(row_ptr, n_cols, n_scan, weight_ptr, softcap, logit_scale,
             take = bmax > best
             best_idx = tl.where(take, start + bidx, best_idx)
             best = tl.where(take, bmax, best)
-    return m, s, zsum, best, best_idx
+    return m, s, zsum, best, best_idx, t
+
+
+@triton.jit
+def entropy_rebase(m, s, t, shift):
+    """Online entropy sum (with ``entropy_terms``): ``t = sum_c exp(z_c - m) (z_c - m)`` re-based from
+    the old shift ``m`` to the new ``shift`` before a block is added:
+
+        t' = exp(m - shift) (t + (m - shift) s) + sum_block exp(z_c - shift) (z_c - shift)
+
+    (each old term ``exp(z - m)(z - m)`` becomes ``exp(z - m) exp(m - shift) ((z - m) + (m - shift))``).
+    While nothing has been seen (m = -inf, s = t = 0) the re-based part is 0, not ``0 * -inf``. The
+    entropy is then ``log s - t / s`` (shift-free: no cancellation between lse and E[z]). Scalars, or
+    per-row vectors of a 2-D tile."""
+    d = tl.where(m == -float("inf"), 0.0, m - shift)
+    return tl.where(m == -float("inf"), 0.0, tl.exp(d) * (t + d * s))
+
+
+@triton.jit
+def entropy_terms(e, z, shift):
+    """``e (z - shift)`` per logit (``e = exp(z - shift)``; ``shift`` broadcast like ``z``), 0 where
+    ``z = -inf`` (a masked column or a -inf bias: not ``0 * -inf``); a NaN logit stays NaN."""
+    return tl.where(z == -float("inf"), 0.0, e * (z - shift))
+
+
+@triton.jit
+def entropy_of(s, t, is_valid):
+    """``-sum_c p_c log p_c = log s - t / s`` from the shifted sums (0 on ignored rows)."""
+    return tl.where(is_valid, tl.log(tl.where(is_valid, s, 1.0)) - t / tl.where(is_valid, s, 1.0), 0.0)
 
 
 @triton.jit
 def row_forward(row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weight_sum_ptr,
                 label_smoothing, softcap, logit_scale,
                 BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr):
-    """``(loss, lse, lse_lo, argmax, z_t)`` of one row (fp32 scalars; argmax int). Ignored rows run zero
-    iterations and give 0 for loss, lse and lse_lo; a non-ignored row whose target is out of range
-    gets a NaN loss."""
-    m, s, zsum, best, best_idx = row_stats(row_ptr, n_cols, tl.where(is_valid, n_cols, 0), weight_ptr, softcap,
-                                           logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-                                           COMPUTE_STATS)
-    # skipped (ignored) rows have m = -inf, s = 0: give them lse = lse_lo = 0 without forming -inf - -inf
-    lse, lse_lo = two_sum(tl.where(is_valid, m, 0.0), tl.log(tl.where(is_valid, s, 1.0)))
-
+                HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+    """``(loss, lse, lse_lo, argmax, z_t, entropy)`` of one row (fp32 scalars; argmax int; entropy 0.0
+    without COMPUTE_ENTROPY). Ignored rows run zero iterations and give 0 for loss, lse, lse_lo and
+    entropy; a non-ignored row whose target is out of range gets a NaN loss."""
+    m, s, zsum, best, best_idx, t = row_stats(row_ptr, n_cols, tl.where(is_valid, n_cols, 0), weight_ptr,
+                                              softcap, logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING,
+                                              HAS_SOFTCAP, COMPUTE_STATS, COMPUTE_ENTROPY)
+    lse, lse_lo = row_lse(m, s, is_valid)
     z_t = logit_transform(tl.load(row_ptr + safe).to(tl.float32), logit_scale, softcap, HAS_SOFTCAP)
+    loss = row_loss(lse, lse_lo, zsum, z_t, is_valid, in_range, w_t, weight_sum_ptr, n_cols, label_smoothing,
+                    HAS_WEIGHT, HAS_SMOOTHING)
+    entropy = 0.0
+    if COMPUTE_ENTROPY:
+        entropy = entropy_of(s, t, is_valid)
+    return loss, lse, lse_lo, best_idx, z_t, entropy
+
+
+@triton.jit
+def row_lse(m, s, is_valid):
+    """``(lse, lse_lo)`` from a row's online max and sum-exp (scalars, or per-row vectors of a tile);
+    ignored rows (m = -inf, s = 0: nothing scanned) give 0, without forming -inf - -inf."""
+    return two_sum(tl.where(is_valid, m, 0.0), tl.log(tl.where(is_valid, s, 1.0)))
+
+
+@triton.jit
+def row_loss(lse, lse_lo, zsum, z_t, is_valid, in_range, w_t, weight_sum_ptr, n_cols, label_smoothing,
+             HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+    """The row's cross-entropy (without z-loss) from its statistics (scalars, or per-row vectors of a
+    tile): the one place of the loss formula in the kernels (row and tiled). 0 on ignored rows, NaN on
+    a non-ignored row whose target is out of range."""
     # nll = lse - z_t with lse's rounding error added back (as accurate as -log_softmax[t])
     loss = (1.0 - label_smoothing) * w_t * ((lse - z_t) + lse_lo)
     if HAS_SMOOTHING:
@@ -84,7 +139,7 @@ def row_forward(row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weig
         loss += label_smoothing / n_cols * ((total_w * lse - zsum) + total_w * lse_lo)
     loss = tl.where(in_range, loss, float("nan"))
     loss = tl.where(is_valid, loss, 0.0)
-    return loss, lse, lse_lo, best_idx, z_t
+    return loss
 
 
 @triton.jit
@@ -100,11 +155,16 @@ def total_weight(weight_sum_ptr, n_cols, HAS_WEIGHT: tl.constexpr):
 def grad_block(x, cols, mask, target, w_t, lse, lse_lo, g, h, weight_ptr, weight_sum_ptr, n_cols,
                label_smoothing, softcap, logit_scale,
                HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_GRAD_LSE: tl.constexpr):
+               HAS_GRAD_LSE: tl.constexpr, k=0.0, entropy=0.0, HAS_GRAD_ENTROPY: tl.constexpr = False):
     """fp32 ``dL/dx`` of a block ``x`` (fp32 logits at columns ``cols``) of one row; ``h`` is read only
-    with HAS_GRAD_LSE. ``target`` is the target's column in this row's columns (outside [0, n) for a
+    with HAS_GRAD_LSE, ``k`` (the entropy's upstream gradient) and ``entropy`` (the forward's) only with
+    HAS_GRAD_ENTROPY. ``target`` is the target's column in this row's columns (outside [0, n) for a
     vocabulary slice that does not hold it) and ``n_cols`` the GLOBAL V of the smoothing term and of W
-    without weights. The caller zeroes ignored rows."""
+    without weights. The caller zeroes ignored rows. Also works on a 2-D tile (rows x columns) with the
+    per-row values as (rows, 1) columns and ``cols`` / ``mask`` as (1, columns).
+
+    Entropy term: ``d entropy / d z_c = -p_c (z_c - E_p[z]) = -p_c (u_c + entropy)``, ``u_c = (z_c -
+    lse) - lse_lo = log p_c``; a column with p_c = 0 (a -inf logit) adds exactly 0, not ``0 * -inf``."""
     z = logit_transform(x, logit_scale, softcap, HAS_SOFTCAP)
     p = tl.exp((z - lse) - lse_lo)   # z - lse is exact near the max (Sterbenz); lse_lo adds lse's error back
     p_minus_onehot = p - tl.where(cols == target, 1.0, 0.0)
@@ -120,6 +180,8 @@ def grad_block(x, cols, mask, target, w_t, lse, lse_lo, g, h, weight_ptr, weight
         dz = (g * a) * p_minus_onehot
     if HAS_GRAD_LSE:
         dz += h * p
+    if HAS_GRAD_ENTROPY:
+        dz -= k * tl.where(p == 0.0, 0.0, p * (((z - lse) - lse_lo) + entropy))
     return dz * logit_slope(z, logit_scale, softcap, HAS_SOFTCAP)
 
 

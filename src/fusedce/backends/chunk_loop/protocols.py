@@ -1,0 +1,83 @@
+"""What a backend plugs into the LM-head loops: ``ChunkCE`` (the loss of one chunk of logits, for
+``method="chunked"``) and ``TiledCE`` (the whole LM head + loss with no logits tensor, for
+``method="tiled"``). Both also serve the RL ops (``token_log_probs``), which ask for the entropy.
+
+Per-row quantities (fp32 (n,) each; ``backends/pytorch/rows.py`` has the formulas and their sources):
+``loss`` the cross-entropy without z-loss (0 on ignored rows, NaN on a non-ignored row whose target is
+out of range), ``lse`` + ``lse_lo`` the exact lse pair (0 on ignored rows), ``predicted`` the argmax of
+the raw logits (int64, -1 on ignored rows), ``entropy = -sum_c p_c log p_c`` of ``p = softmax(z)``
+(0 on ignored rows), computed as ``log S - T / S`` with ``S = sum_c exp(z_c - m)``, ``T = sum_c
+exp(z_c - m) (z_c - m)`` (shifted, so no cancellation between lse and E[z]).
+
+The gradient of ``sum_i g_i loss_i + h_i lse_i + k_i entropy_i`` (``g`` = ``grad_row``, ``h`` =
+``grad_lse``, ``k`` = ``grad_entropy``; None means 0) w.r.t. ``z``, with ``u_c = (z_c - lse) - lse_lo``
+and ``p_c = exp(u_c)``:
+
+    dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c - k p_c (u_c + entropy)
+
+(``d entropy / d z_c = -p_c (z_c - E_p[z])`` and ``z_c - E_p[z] = u_c + entropy``), then ``dz/dx``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Protocol, Tuple
+
+import torch
+
+from ...types import LossOptions
+
+Opt = Optional[torch.Tensor]
+
+
+class ChunkCE(Protocol):
+    """A backend's cross-entropy on one chunk of logits ((n, V), last-dim stride 1)."""
+
+    def loss(self, logits, target, w, weight_sum, opts: LossOptions, stats: bool, entropy: bool = False):
+        """-> ``(loss, lse, lse_lo, predicted)``, (n,) each (``predicted`` None without ``stats``); with
+        ``entropy`` a fifth element, the entropy (n,) fp32."""
+
+    def grad_(self, logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
+              grad_entropy: Opt = None, entropy: Opt = None, out: Opt = None) -> None:
+        """Write d(sum grad_row * loss + grad_lse * lse + grad_entropy * entropy)/d logits into ``out``
+        ((n, V), logits' dtype; default ``logits`` itself). ``entropy`` (the forward's) is read only
+        with ``grad_entropy``."""
+
+    def loss_and_grad_(self, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions,
+                       stats: bool):
+        """``loss`` then ``grad_`` in one call (``loop.loss_then_grad_`` composes them; a backend may fuse
+        them in one kernel): ``(loss, lse, lse_lo, predicted, token_weight)``, the z-loss's upstream
+        ``z_grad_row`` and token scaling applied."""
+
+
+class TiledRows(NamedTuple):
+    """Per-row results of ``TiledCE.forward`` (see the module docstring). ``target_logit`` is ``z_t``
+    (0 on ignored rows); ``predicted`` is all -1 without stats; ``entropy`` None unless asked."""
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    lse_lo: torch.Tensor
+    predicted: torch.Tensor
+    target_logit: torch.Tensor
+    entropy: Opt
+
+
+class TiledCE(Protocol):
+    """A backend's LM head + loss with no logits tensor of V or more elements (``method="tiled"``).
+
+    ``hidden`` (n, H), ``weight`` (V, H), ``bias`` (V,) or None: one float dtype; the logits are
+    ``hidden @ weight.T + bias`` rounded to that dtype (fp32 accumulation, as ``F.linear``), then the
+    loss math in fp32. ``target`` (n,) int64; ``w`` (V,) fp32 class weights and ``weight_sum`` their
+    0-dim fp32 sum, or None. Ignored rows cost no loss math and get exactly zero gradient.
+    """
+
+    def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
+                entropy: bool = False) -> TiledRows:
+        ...
+
+    def backward(self, hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
+                 opts: LossOptions, needs: Tuple[bool, bool, bool], accum_dtype: torch.dtype,
+                 grad_entropy: Opt = None, entropy: Opt = None) -> Tuple[Opt, Opt, Opt]:
+        """``(grad_hidden, grad_weight, grad_bias)`` of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i +
+        grad_entropy[i] entropy_i`` (per-row upstream gradients (n,), any float dtype and strides);
+        ``needs`` says which of the three to compute (None for the others). ``grad_hidden`` in
+        hidden's dtype, ``grad_weight`` / ``grad_bias`` in ``accum_dtype``."""
+        ...

@@ -1,0 +1,1 @@
+"""CuTe DSL kernels (``@cute.kernel`` only; importing this package imports ``cutlass``)."""

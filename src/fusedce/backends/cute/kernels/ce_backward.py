@@ -1,0 +1,77 @@
+"""Cross-entropy backward in CuTe DSL: 2-D grid (row, vocabulary tile), softmax recomputed from the
+saved lse pair.
+
+Each CTA writes ``dL/dx`` for ``threads * vec * unroll`` consecutive logits of one row
+(``row_math.grad_vector``, the Triton backend's ``grad_block`` formula), so even a few rows fill the
+GPU. ``g`` is the upstream gradient of the row's loss (already carrying the mean's 1/D), ``h`` that of
+its lse (the z-loss ``s lse^2`` arrives as ``h = 2 s lse`` times its upstream). Ignored rows read no
+logits and get exact zeros. ``mG`` may be ``mX`` itself (in-place): every vector is read before it is
+written and no other thread touches it.
+
+Bytes moved per token (row), V classes, s bytes per logit (HBM):
+    read  V * s (logits; nothing on ignored rows) + 4 (lse) + 4 (lse_lo) + 4 (g) [+ 4 (h)] + 8 (target)
+          [+ 4 V class weights, L2-resident]
+    write V * s (gradient)
+With the forward: 3 V s per token, the floor of a two-kernel design (``ce_chunk`` moves 2 V s).
+"""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from .row_math import grad_vector, target_terms
+
+
+class CEBackward:
+    """``__call__(mX (M, V), mG (M, V) out, mTarget (M,) int64, mW (V,) fp32 | None, mWSum (1,) fp32 |
+    None, mLse, mLseLo, mGradRow (M,) fp32, mGradLse (M,) fp32 | None, ignore_index, label_smoothing,
+    softcap, logit_scale, stream)``."""
+
+    def __init__(self, vec: int, threads: int, unroll: int, has_weight: bool, has_smoothing: bool,
+                 has_softcap: bool, has_grad_lse: bool):
+        self.vec, self.threads, self.unroll = vec, threads, unroll
+        self.flags = (has_weight, has_smoothing, has_softcap, has_grad_lse)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mG: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mLse: cute.Tensor,
+                 mLseLo: cute.Tensor, mGradRow: cute.Tensor, mGradLse, ignore_index: Int64,
+                 label_smoothing: Float32, softcap: Float32, logit_scale: Float32, stream):
+        tile = self.threads * self.vec * self.unroll
+        self.kernel(mX, mG, mTarget, mW, mWSum, mLse, mLseLo, mGradRow, mGradLse, ignore_index,
+                    label_smoothing, softcap, logit_scale).launch(
+            grid=[mX.shape[0], cute.ceil_div(mX.shape[1], tile), 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mG: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mLse: cute.Tensor,
+               mLseLo: cute.Tensor, mGradRow: cute.Tensor, mGradLse, ignore_index: Int64,
+               label_smoothing: Float32, softcap: Float32, logit_scale: Float32):
+        HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_GRAD_LSE = self.flags
+        VEC, THREADS, UNROLL = self.vec, self.threads, self.unroll
+        tidx, _, _ = cute.arch.thread_idx()
+        row, tile_idx, _ = cute.arch.block_idx()
+        n_cols = Int32(mX.shape[1])
+        target = Int64(mTarget[row])
+        is_valid, _in_range, _safe, w_t = target_terms(target, n_cols, ignore_index, mW, HAS_WEIGHT)
+        g = mGradRow[row]
+        h = Float32(0.0)
+        if const_expr(HAS_GRAD_LSE):
+            h = mGradLse[row]
+        total_w = Float32(n_cols)
+        if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
+            total_w = mWSum[0]
+        a = (Float32(1.0) - label_smoothing) * w_t
+        b = label_smoothing / Float32(n_cols)
+        lse, lse_lo = mLse[row], mLseLo[row]
+        # target as an int32 column; an ignored or bad target never matches a column in [0, V)
+        t_col = Int32(-1)
+        if target >= Int64(0) and target < Int64(n_cols):
+            t_col = Int32(target)
+        gW = None
+        if const_expr(HAS_WEIGHT):
+            gW = mW
+        gX, gG = mX[row, None], mG[row, None]
+        n_vec = n_cols // VEC
+        for u in cutlass.range_constexpr(UNROLL):
+            v = (tile_idx * UNROLL + u) * THREADS + tidx
+            if v < n_vec:
+                grad_vector(gX, gW, gG, v, is_valid, t_col, a, lse, lse_lo, g, h, b, total_w, logit_scale,
+                            softcap, VEC, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_GRAD_LSE)

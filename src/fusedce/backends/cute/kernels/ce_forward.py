@@ -1,0 +1,76 @@
+"""Cross-entropy forward in CuTe DSL: one CTA per row, the row streamed once in 128-bit vectors.
+
+Per row it writes the fp32 loss (without the z-loss, which the caller adds from ``lse``), the lse as an
+exact pair ``lse + lse_lo`` and, with COMPUTE_STATS, the argmax of the raw logits (lowest index on
+ties); ignored rows read no logits and get 0, 0, 0, -1. The math is ``row_math`` (the Triton
+backend's ``row_math.row_forward``, formula for formula).
+
+Bytes moved per token (row), V classes, s bytes per logit (HBM):
+    read  V * s (logits, once; nothing on ignored rows) + 8 (target) [+ 4 w_t]
+          [+ 4 V class weights, L2-resident, only with smoothing and weights]
+    write 4 (loss) + 4 (lse) + 4 (lse_lo) [+ 8 (argmax)]
+"""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from .row_math import row_loss, row_stats, target_terms, transform
+
+
+class CEForward:
+    """``__call__(mX (M, V), mTarget (M,) int64, mW (V,) fp32 | None, mWSum (1,) fp32 | None, mLoss,
+    mLse, mLseLo (M,) fp32, mPred (M,) int64 | None, ignore_index, label_smoothing, softcap,
+    logit_scale, stream)``. ``vec`` must divide V and the row stride (the launcher's ALIGN)."""
+
+    def __init__(self, vec: int, threads: int, has_weight: bool, has_smoothing: bool, has_softcap: bool,
+                 compute_stats: bool):
+        self.vec, self.threads = vec, threads
+        self.flags = (has_weight, has_smoothing, has_softcap, compute_stats)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mLoss: cute.Tensor,
+                 mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, ignore_index: Int64,
+                 label_smoothing: Float32, softcap: Float32, logit_scale: Float32, stream):
+        self.kernel(mX, mTarget, mW, mWSum, mLoss, mLse, mLseLo, mPred, ignore_index, label_smoothing,
+                    softcap, logit_scale).launch(grid=[mX.shape[0], 1, 1], block=[self.threads, 1, 1],
+                                                 stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mLoss: cute.Tensor,
+               mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, ignore_index: Int64,
+               label_smoothing: Float32, softcap: Float32, logit_scale: Float32):
+        HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS = self.flags
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        n_cols = Int32(mX.shape[1])
+        smem = cutlass.utils.SmemAllocator()
+        sbuf_f = smem.allocate_tensor(Float32, cute.make_layout((4, self.threads // 32)), byte_alignment=16)
+        sbuf_i = smem.allocate_tensor(Int32, cute.make_layout(self.threads // 32), byte_alignment=16)
+
+        target = Int64(mTarget[row])
+        is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, mW, HAS_WEIGHT)
+        n_live = Int32(0)
+        if is_valid:
+            n_live = n_cols
+        gRow = mX[row, None]
+        gW = None
+        if const_expr(HAS_WEIGHT):
+            gW = mW
+        m, s, zsum, best, idx = row_stats(gRow, gW, n_live, tidx, logit_scale, softcap, sbuf_f, sbuf_i,
+                                          self.threads, self.vec, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                                          COMPUTE_STATS)
+        if tidx == 0:
+            total_w = Float32(n_cols)
+            if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
+                total_w = mWSum[0]
+            z_t = transform(Float32(gRow[safe]), logit_scale, softcap, HAS_SOFTCAP)
+            loss, lse, lse_lo = row_loss(m, s, zsum, z_t, w_t, total_w, n_cols, is_valid, in_range,
+                                         label_smoothing, HAS_SMOOTHING)
+            mLoss[row] = loss
+            mLse[row] = lse
+            mLseLo[row] = lse_lo
+            if const_expr(COMPUTE_STATS):
+                pred = Int64(-1)
+                if is_valid:
+                    pred = Int64(idx)
+                mPred[row] = pred

@@ -1,0 +1,276 @@
+"""The per-row cross-entropy math of the CuTe DSL kernels, written once (``@cute.jit`` helpers, inlined
+at trace time) and shared by ``ce_forward``, ``ce_backward`` and ``ce_chunk``. It mirrors the Triton
+backend's ``backends/triton/kernels/row_math.py`` formula for formula (``backends/pytorch/rows.py``
+has the derivations and their sources):
+
+    z      = softcap tanh(s x / softcap)   (or s x)            s = logit_scale
+    lse    = m + log(sum_c exp(z_c - m)),  kept as the exact fp32 pair lse + lse_lo (TwoSum)
+    loss   = a ((lse - z_t) + lse_lo) + b ((W lse - sum_c w_c z_c) + W lse_lo)
+    dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c,   p_c = exp((z_c - lse) - lse_lo)
+    dz/dx  = s (1 - (z / softcap)^2)   (or s)
+
+with ``a = (1 - eps) w_t``, ``b = eps / V``, ``W = sum_c w_c`` (V without class weights).
+
+Work split (every kernel): one CTA of ``threads`` threads per row (per row tile for the backward). A
+thread owns whole vectors of ``vec`` consecutive logits (``vec * itemsize = 16`` bytes when the rows
+allow it: one 128-bit access per vector) and keeps its own online-softmax state ``(m, s)``, the
+smoothing sum and the argmax; the states are then merged across the warp (butterfly shuffles) and
+across the warps (``threads / 32`` slots of shared memory).
+"""
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+NEG_INF = -math.inf
+
+
+@cute.jit
+def tanh_fp32(y: Float32) -> Float32:
+    """``tanh(y)`` in fp32, the same two-branch form as the Triton kernels (``common.tanh_fp32``):
+    ``y + y^3 P(y^2)`` below 0.55 (full relative precision near 0), ``1 - 2 / (exp(2|y|) + 1)`` above
+    (no cancellation; saturates to 1 exactly)."""
+    a = cute.math.absf(y)
+    u = y * y
+    p = Float32(-0.003164674388244748)
+    p = p * u + Float32(0.018629277125000954)
+    p = p * u - Float32(0.05317629873752594)
+    p = p * u + Float32(0.13324938714504242)
+    p = p * u - Float32(0.33333030343055725)
+    small = y + y * u * p
+    big = Float32(1.0) - Float32(2.0) / (cute.math.exp(Float32(2.0) * a) + Float32(1.0))
+    if y < Float32(0.0):
+        big = -big
+    out = big
+    if a < Float32(0.55):
+        out = small
+    return out
+
+
+@cute.jit
+def transform(x: Float32, logit_scale: Float32, softcap: Float32, HAS_SOFTCAP: cutlass.Constexpr[bool]):
+    """``z`` of one fp32 logit: ``softcap * tanh(x * (logit_scale / softcap))`` or ``logit_scale * x``."""
+    z = x * logit_scale
+    if const_expr(HAS_SOFTCAP):
+        z = softcap * tanh_fp32(x * (logit_scale / softcap))
+    return z
+
+
+@cute.jit
+def slope(z: Float32, logit_scale: Float32, softcap: Float32, HAS_SOFTCAP: cutlass.Constexpr[bool]):
+    """``dz/dx`` written with ``z``: ``logit_scale * (1 - (z / softcap)^2)`` or ``logit_scale``."""
+    out = logit_scale
+    if const_expr(HAS_SOFTCAP):
+        r = z / softcap
+        out = logit_scale * (Float32(1.0) - r * r)
+    return out
+
+
+@cute.jit
+def two_sum(a: Float32, b: Float32):
+    """``(s, e)``: ``s = fl(a + b)``, ``s + e = a + b`` exactly (Knuth's TwoSum; no multiply, no FMA)."""
+    s = a + b
+    bb = s - a
+    e = (a - (s - bb)) + (b - bb)
+    return s, e
+
+
+@cute.jit
+def safe_shift(m: Float32) -> Float32:
+    """The online-softmax shift: ``m``, or 0 while every logit so far is -inf (exp(-inf - -inf) would be
+    NaN; exp(-inf - 0) = 0 keeps the sum at exactly 0)."""
+    shift = m
+    if m == Float32(NEG_INF):
+        shift = Float32(0.0)
+    return shift
+
+
+@cute.jit
+def merge_softmax(m: Float32, s: Float32, m2: Float32, s2: Float32):
+    """Merge two online-softmax states ``(max, sum exp(z - max))`` (Milakov & Gimelshein 2018)."""
+    m_new = cute.arch.fmax(m, m2)
+    shift = safe_shift(m_new)
+    s_new = s * cute.math.exp(m - shift) + s2 * cute.math.exp(m2 - shift)
+    return m_new, s_new
+
+
+@cute.jit
+def merge_argmax(best: Float32, idx: Int32, best2: Float32, idx2: Int32):
+    """The larger of two (value, column) pairs, the lowest column on ties."""
+    take = best2 > best or (best2 == best and idx2 < idx)
+    out_b, out_i = best, idx
+    if take:
+        out_b, out_i = best2, idx2
+    return out_b, out_i
+
+
+@cute.jit
+def update_vector(m: Float32, s: Float32, zsum: Float32, best: Float32, idx: Int32, xv: cute.TensorSSA,
+                  wv, col0: Int32, logit_scale: Float32, softcap: Float32, VEC: cutlass.Constexpr[int],
+                  HAS_WEIGHT: cutlass.Constexpr[bool], HAS_SMOOTHING: cutlass.Constexpr[bool],
+                  HAS_SOFTCAP: cutlass.Constexpr[bool], COMPUTE_STATS: cutlass.Constexpr[bool]):
+    """Fold one vector of ``VEC`` fp32 logits (columns ``col0 ...``) into a thread's row state: one
+    rescale of the running sum per vector (``VEC + 1`` exponentials for ``VEC`` logits)."""
+    vmax = Float32(NEG_INF)
+    for j in cutlass.range_constexpr(VEC):
+        z = transform(xv[j], logit_scale, softcap, HAS_SOFTCAP)
+        vmax = cute.arch.fmax(vmax, z)
+    m_new = cute.arch.fmax(m, vmax)
+    shift = safe_shift(m_new)
+    acc = Float32(0.0)
+    for j in cutlass.range_constexpr(VEC):
+        z = transform(xv[j], logit_scale, softcap, HAS_SOFTCAP)
+        acc = acc + cute.math.exp(z - shift)
+        if const_expr(HAS_SMOOTHING):
+            if const_expr(HAS_WEIGHT):
+                zsum = zsum + wv[j] * z
+            else:
+                zsum = zsum + z
+        if const_expr(COMPUTE_STATS):
+            if xv[j] > best:     # columns arrive in increasing order per thread: '>' keeps the lowest
+                best = xv[j]
+                idx = col0 + j
+    s = s * cute.math.exp(m - shift) + acc
+    return m_new, s, zsum, best, idx
+
+
+@cute.jit
+def block_merge(m: Float32, s: Float32, zsum: Float32, best: Float32, idx: Int32, sbuf_f: cute.Tensor,
+                sbuf_i: cute.Tensor, NWARPS: cutlass.Constexpr[int], HAS_SMOOTHING: cutlass.Constexpr[bool],
+                COMPUTE_STATS: cutlass.Constexpr[bool]):
+    """Merge every thread's row state; every thread gets the CTA's result. ``sbuf_f``: (4, NWARPS)
+    fp32 shared memory, ``sbuf_i``: (NWARPS,) int32."""
+    offset = 16
+    for _ in cutlass.range_constexpr(5):      # butterfly over the warp: 16, 8, 4, 2, 1
+        m2 = cute.arch.shuffle_sync_bfly(m, offset=offset)
+        s2 = cute.arch.shuffle_sync_bfly(s, offset=offset)
+        m, s = merge_softmax(m, s, m2, s2)
+        if const_expr(HAS_SMOOTHING):
+            zsum = zsum + cute.arch.shuffle_sync_bfly(zsum, offset=offset)
+        if const_expr(COMPUTE_STATS):
+            b2 = cute.arch.shuffle_sync_bfly(best, offset=offset)
+            i2 = cute.arch.shuffle_sync_bfly(idx, offset=offset)
+            best, idx = merge_argmax(best, idx, b2, i2)
+        offset = offset // 2
+    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+    if lane == 0:
+        sbuf_f[0, warp] = m
+        sbuf_f[1, warp] = s
+        sbuf_f[2, warp] = zsum
+        sbuf_f[3, warp] = best
+        sbuf_i[warp] = idx
+    cute.arch.barrier()
+    m, s, zsum, best, idx = sbuf_f[0, 0], sbuf_f[1, 0], sbuf_f[2, 0], sbuf_f[3, 0], sbuf_i[0]
+    for w in cutlass.range_constexpr(1, NWARPS):
+        m, s = merge_softmax(m, s, sbuf_f[0, w], sbuf_f[1, w])
+        if const_expr(HAS_SMOOTHING):
+            zsum = zsum + sbuf_f[2, w]
+        if const_expr(COMPUTE_STATS):
+            best, idx = merge_argmax(best, idx, sbuf_f[3, w], sbuf_i[w])
+    return m, s, zsum, best, idx
+
+
+@cute.jit
+def row_stats(gRow: cute.Tensor, gW, n_live: Int32, tidx: Int32, logit_scale: Float32, softcap: Float32,
+              sbuf_f: cute.Tensor, sbuf_i: cute.Tensor, THREADS: cutlass.Constexpr[int],
+              VEC: cutlass.Constexpr[int], HAS_WEIGHT: cutlass.Constexpr[bool],
+              HAS_SMOOTHING: cutlass.Constexpr[bool], HAS_SOFTCAP: cutlass.Constexpr[bool],
+              COMPUTE_STATS: cutlass.Constexpr[bool]):
+    """One pass over the first ``n_live`` (0 or V, a multiple of ``VEC``) logits of a row: the CTA's
+    ``(m, s, zsum, best, best_idx)``; the row is read once, one ``VEC``-vector per thread per step."""
+    m, s, zsum = Float32(NEG_INF), Float32(0.0), Float32(0.0)
+    best, idx = Float32(NEG_INF), Int32(0)
+    frag = cute.make_rmem_tensor((VEC,), gRow.element_type)
+    wfrag = cute.make_rmem_tensor((VEC,), Float32)
+    for v in cutlass.range(tidx, n_live // VEC, THREADS):
+        cute.autovec_copy(cute.local_tile(gRow, (VEC,), (v,)), frag)
+        wv = None
+        if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
+            cute.autovec_copy(cute.local_tile(gW, (VEC,), (v,)), wfrag)
+            wv = wfrag.load()
+        m, s, zsum, best, idx = update_vector(m, s, zsum, best, idx, frag.load().to(Float32), wv, v * VEC,
+                                              logit_scale, softcap, VEC, HAS_WEIGHT, HAS_SMOOTHING,
+                                              HAS_SOFTCAP, COMPUTE_STATS)
+    return block_merge(m, s, zsum, best, idx, sbuf_f, sbuf_i, THREADS // 32, HAS_SMOOTHING, COMPUTE_STATS)
+
+
+@cute.jit
+def row_loss(m: Float32, s: Float32, zsum: Float32, z_t: Float32, w_t: Float32, total_w: Float32,
+             n_cols: Int32, is_valid, in_range, label_smoothing: Float32,
+             HAS_SMOOTHING: cutlass.Constexpr[bool]):
+    """``(loss, lse, lse_lo)`` of a row from its merged state; ignored rows (which read nothing) give 0,
+    a non-ignored row with an out-of-range target a NaN loss."""
+    m_ok, s_ok = Float32(0.0), Float32(1.0)
+    if is_valid:
+        m_ok, s_ok = m, s
+    lse, lse_lo = two_sum(m_ok, cute.math.log(s_ok))
+    loss = (Float32(1.0) - label_smoothing) * w_t * ((lse - z_t) + lse_lo)
+    if const_expr(HAS_SMOOTHING):
+        loss = loss + label_smoothing / Float32(n_cols) * ((total_w * lse - zsum) + total_w * lse_lo)
+    if not in_range:
+        loss = Float32(math.nan)
+    if not is_valid:
+        loss = Float32(0.0)
+    return loss, lse, lse_lo
+
+
+@cute.jit
+def grad_value(x: Float32, col: Int32, target: Int32, w_c: Float32, a: Float32, lse: Float32,
+               lse_lo: Float32, g: Float32, h: Float32, b: Float32, total_w: Float32, logit_scale: Float32,
+               softcap: Float32, HAS_SMOOTHING: cutlass.Constexpr[bool], HAS_SOFTCAP: cutlass.Constexpr[bool],
+               HAS_GRAD_LSE: cutlass.Constexpr[bool]) -> Float32:
+    """fp32 ``dL/dx`` of one logit (``a = (1 - eps) w_t``, ``b = eps / V``, ``w_c`` read only with
+    smoothing). The target column is formed as ``p - 1`` before scaling: exact 0 where the math says so."""
+    z = transform(x, logit_scale, softcap, HAS_SOFTCAP)
+    p = cute.math.exp((z - lse) - lse_lo)
+    pm = p
+    if col == target:
+        pm = p - Float32(1.0)
+    dz = (g * a) * pm
+    if const_expr(HAS_SMOOTHING):
+        dz = g * (a * pm + b * (total_w * p - w_c))
+    if const_expr(HAS_GRAD_LSE):
+        dz = dz + h * p
+    return dz * slope(z, logit_scale, softcap, HAS_SOFTCAP)
+
+
+@cute.jit
+def grad_vector(gX: cute.Tensor, gW, gG: cute.Tensor, v: Int32, is_valid, target: Int32, a: Float32,
+                lse: Float32, lse_lo: Float32, g: Float32, h: Float32, b: Float32, total_w: Float32,
+                logit_scale: Float32, softcap: Float32, VEC: cutlass.Constexpr[int],
+                HAS_WEIGHT: cutlass.Constexpr[bool], HAS_SMOOTHING: cutlass.Constexpr[bool],
+                HAS_SOFTCAP: cutlass.Constexpr[bool], HAS_GRAD_LSE: cutlass.Constexpr[bool]):
+    """Read vector ``v`` of a row (``gX``; not read on ignored rows), write its gradient (zeros on
+    ignored rows) into vector ``v`` of ``gG`` (may be the same memory: read before write)."""
+    out = cute.make_rmem_tensor((VEC,), Float32)
+    out.fill(0.0)
+    if is_valid:
+        frag = cute.make_rmem_tensor((VEC,), gX.element_type)
+        cute.autovec_copy(cute.local_tile(gX, (VEC,), (v,)), frag)
+        xv = frag.load().to(Float32)
+        wfrag = cute.make_rmem_tensor((VEC,), Float32)
+        wfrag.fill(1.0)
+        if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
+            cute.autovec_copy(cute.local_tile(gW, (VEC,), (v,)), wfrag)
+        for j in cutlass.range_constexpr(VEC):
+            out[j] = grad_value(xv[j], v * VEC + j, target, wfrag[j], a, lse, lse_lo, g, h, b, total_w,
+                                logit_scale, softcap, HAS_SMOOTHING, HAS_SOFTCAP, HAS_GRAD_LSE)
+    res = cute.make_rmem_tensor((VEC,), gG.element_type)
+    res.store(out.load().to(gG.element_type))     # round to nearest even, as the GPU's cvt.rn does
+    cute.autovec_copy(res, cute.local_tile(gG, (VEC,), (v,)))
+
+
+@cute.jit
+def target_terms(target: Int64, n_cols: Int32, ignore_index: Int64, mW, HAS_WEIGHT: cutlass.Constexpr[bool]):
+    """``(is_valid, in_range, safe, w_t)``: ``safe`` is 0 unless the target is a class in [0, V), so
+    the loads at it are always in bounds (a bad target gives a NaN loss row, never a wild read)."""
+    is_valid = target != ignore_index
+    in_range = target >= Int64(0) and target < Int64(n_cols)
+    safe = Int32(0)
+    if in_range:
+        safe = Int32(target)
+    w_t = Float32(1.0)
+    if const_expr(HAS_WEIGHT):
+        w_t = Float32(mW[safe])
+    return is_valid, in_range, safe, w_t

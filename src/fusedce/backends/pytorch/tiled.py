@@ -1,0 +1,161 @@
+"""``method="tiled"`` in plain PyTorch: the LM head + loss on blocks of tokens x vocabulary, never a
+tensor of V or more elements besides the weight, its gradient and the bias (the same algorithm as the
+Triton tiled kernels, so its semantics and memory are tested on CPU).
+
+Forward, per token block r (``TILE_ROWS`` rows) and vocabulary block j (``TILE_VOCAB`` classes):
+    x = h_r @ W_j.T + b_j in hidden's dtype (fp32 accumulation, as ``F.linear``), then fp32;
+    z = transform(x); the block's row statistics (max of z, its sum-exp, the entropy sum T, the
+    smoothing sum, the raw max and its index, the target logit where the block holds the target)
+    merged into the running ones (online softmax, Milakov & Gimelshein 2018; a block whose logits are
+    all -inf in a row adds exactly 0 there);
+    at the end lse = m + log S as an exact pair, the loss (``rows.row_loss``), entropy = log S - T / S.
+Backward (from the saved lse pair; each block recomputed):
+    dz = ``rows.rows_grad`` on the block (the vocabulary-slice form: global V, w_t per row),
+    grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r and grad_b_j += sum_rows dz (``accum_dtype``).
+FLOPs: 2 BT V H forward, 6 BT V H backward (recomputed logits, grad_h, grad_W). Memory beyond the
+inputs and the returned gradients: a few ``TILE_ROWS x TILE_VOCAB`` fp32 blocks, fp32 copies of one
+weight block and one hidden block for non-fp32 inputs, O(BT) row statistics, and for non-fp32 hidden
+an fp32 ``BT x H`` accumulator of its gradient.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...types import LossOptions
+from ..chunk_loop.protocols import TiledRows
+from .rows import row_loss, rows_grad, transform, two_sum
+from .tuning import TILE_ROWS, TILE_VOCAB
+
+_NEG_INF = float("-inf")
+
+
+def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cols: slice):
+    """fp32 ``h @ weight[cols].T + bias[cols]`` rounded to ``h``'s dtype first (as ``F.linear``)."""
+    b = None if bias is None else bias[cols]
+    return torch.nn.functional.linear(h, weight[cols], b).float()
+
+
+class _Running:
+    """Online row statistics of one token block (fp32 (n,) each, ``T`` only for the entropy)."""
+
+    def __init__(self, n: int, device, smoothing: bool, entropy: bool, stats: bool):
+        self.m = torch.full((n,), _NEG_INF, device=device)
+        self.s = torch.zeros(n, device=device)
+        self.t = torch.zeros(n, device=device) if entropy else None
+        self.zsum = torch.zeros(n, device=device) if smoothing else None
+        self.z_t = torch.zeros(n, device=device)
+        self.best = torch.full((n,), _NEG_INF, device=device) if stats else None
+        self.best_idx = torch.zeros(n, dtype=torch.int64, device=device) if stats else None
+
+    def add(self, x: torch.Tensor, z: torch.Tensor, col_start: int, owned: torch.Tensor, col: torch.Tensor,
+            w: Optional[torch.Tensor]) -> None:
+        """Merge the block ``z`` ((n, Vb) fp32; raw logits ``x``) of columns from ``col_start``."""
+        m_new = torch.maximum(self.m, z.amax(dim=1))
+        shift = torch.where(m_new == _NEG_INF, 0.0, m_new)   # all -inf so far: shift by 0, never NaN
+        alpha = torch.exp(self.m - shift)                     # 0 when self.m = -inf
+        e = torch.exp(z - shift[:, None])
+        if self.t is not None:
+            # T = sum exp(z - m)(z - m): rescaled by alpha, and each old term gains (m_old - m_new)
+            d = torch.where(self.m == _NEG_INF, 0.0, self.m - shift)
+            zs = torch.where(z == _NEG_INF, 0.0, (z - shift[:, None]) * e)
+            self.t = alpha * (self.t + d * self.s) + zs.sum(dim=1)
+        self.s = alpha * self.s + e.sum(dim=1)
+        self.m = m_new
+        self.z_t += torch.where(owned, z.gather(1, col[:, None])[:, 0], 0.0)
+        if self.zsum is not None:
+            self.zsum += z.sum(dim=1) if w is None else z @ w
+        if self.best is not None:
+            bmax, bidx = x.max(dim=1)                         # first index among ties
+            take = bmax > self.best
+            self.best_idx = torch.where(take, bidx + col_start, self.best_idx)
+            self.best = torch.where(take, bmax, self.best)
+
+
+def _target_columns(target: torch.Tensor, valid: torch.Tensor, start: int, width: int):
+    owned = valid & (target >= start) & (target < start + width)
+    return owned, torch.where(owned, target - start, 0).long()
+
+
+class TorchTiledCE:
+    """``TiledCE`` (``backends/chunk_loop/protocols.py``) in plain PyTorch."""
+
+    @staticmethod
+    def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
+                entropy: bool = False) -> TiledRows:
+        n, n_classes = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
+        loss = torch.zeros(n, device=dev)
+        lse, lse_lo, z_t = torch.zeros_like(loss), torch.zeros_like(loss), torch.zeros_like(loss)
+        ent = torch.zeros_like(loss) if entropy else None
+        predicted = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        valid_all = target != opts.ignore_index
+        smoothing = opts.label_smoothing > 0.0
+        for r0 in range(0, n, TILE_ROWS):
+            r = slice(r0, r0 + TILE_ROWS)
+            h, t, valid = hidden[r], target[r], valid_all[r]
+            run = _Running(h.shape[0], dev, smoothing, entropy, stats)
+            w_t = None if w is None else torch.zeros(h.shape[0], device=dev)
+            for v0 in range(0, n_classes, TILE_VOCAB):
+                cols = slice(v0, v0 + TILE_VOCAB)
+                x = _block_logits(h, weight, bias, cols)
+                owned, col = _target_columns(t, valid, v0, x.shape[1])
+                run.add(x, transform(x, opts), v0, owned, col, None if w is None else w[cols])
+                if w_t is not None:
+                    w_t += torch.where(owned, w[cols][col], 0.0)
+            shift = torch.where(run.m == _NEG_INF, 0.0, run.m)
+            hi, lo = two_sum(shift, torch.log(run.s))
+            row = row_loss(hi, lo, run.z_t, w_t, run.zsum, n_classes if w is None else weight_sum, n_classes,
+                           opts)
+            in_range = (t >= 0) & (t < n_classes)
+            loss[r] = torch.where(valid, torch.where(in_range, row, float("nan")), 0.0)
+            lse[r], lse_lo[r] = torch.where(valid, hi, 0.0), torch.where(valid, lo, 0.0)
+            z_t[r] = torch.where(valid, run.z_t, 0.0)
+            if entropy:
+                ent[r] = torch.where(valid, torch.log(run.s) - run.t / run.s, 0.0)
+            if stats:
+                predicted[r] = torch.where(valid, run.best_idx, -1)
+        return TiledRows(loss, lse, lse_lo, predicted, z_t, ent)
+
+    @staticmethod
+    def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
+                 needs, accum_dtype, grad_entropy=None, entropy=None):
+        n, n_classes = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
+        fp32 = hidden.dtype == torch.float32
+        grad_h = None
+        if needs[0]:
+            grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)
+        grad_w = torch.zeros(weight.shape, dtype=accum_dtype, device=dev) if needs[1] else None
+        grad_b = torch.zeros(n_classes, dtype=accum_dtype, device=dev) if needs[2] else None
+        valid_all = target != opts.ignore_index
+        safe_all = torch.where(valid_all & (target >= 0) & (target < n_classes), target, 0).long()
+        w_t_all = None if w is None else w[safe_all]
+        for r0 in range(0, n, TILE_ROWS):
+            r = slice(r0, r0 + TILE_ROWS)
+            h, t = hidden[r], target[r]
+            h32 = h if fp32 else h.float()
+            for v0 in range(0, n_classes, TILE_VOCAB):
+                cols = slice(v0, v0 + TILE_VOCAB)
+                x = _block_logits(h, weight, bias, cols)
+                dz = rows_grad(x, t, None if w is None else w[cols], weight_sum, lse[r], lse_lo[r], grad_row[r],
+                               None if grad_lse is None else grad_lse[r], opts, out=x, n_classes=n_classes,
+                               col_start=v0, target_weight=None if w_t_all is None else w_t_all[r],
+                               grad_entropy=None if grad_entropy is None else grad_entropy[r],
+                               entropy=None if entropy is None else entropy[r])
+                if not fp32:   # the gradient of the logits in their dtype, as the chunked and stock paths
+                    dz = dz.to(hidden.dtype).float()
+                if grad_h is not None:
+                    w_blk = weight[cols]
+                    grad_h[r].addmm_(dz, w_blk if fp32 else w_blk.float())
+                if grad_w is not None:
+                    grad_w[cols].addmm_(dz.t().to(accum_dtype), h32.to(accum_dtype))
+                if grad_b is not None:
+                    grad_b[cols] += dz.sum(dim=0, dtype=accum_dtype)
+        if grad_h is not None and not fp32:
+            grad_h = grad_h.to(hidden.dtype)
+        return grad_h, grad_w, grad_b
+
+
+TORCH_TILED = TorchTiledCE()

@@ -1,0 +1,52 @@
+"""Tile helpers of the tiled (no-logits) LM-head loss, shared by ``tiled_forward`` and ``tiled_backward``.
+
+``logits_tile`` recomputes one (BLOCK_N tokens x BLOCK_V classes) block of ``hidden @ weight.T + bias``:
+a ``tl.dot`` mainloop over H in BLOCK_H steps with an fp32 accumulator (tensor cores for bf16 / fp16;
+fp32 inputs use IEEE fp32 FMA unless torch allows TF32, see ``tiled.py``), the bias added in fp32, then
+ONE rounding to hidden's dtype: the logits the chunked path and ``F.linear`` produce (fp32 accumulation,
+result in the input dtype). Everything after that is the row kernels' fp32 math on 2-D tiles
+(``row_math`` / ``common`` functions broadcast over (rows, 1) x (1, columns)).
+"""
+import triton
+import triton.language as tl
+
+from .interpreter import to_bf16_rne
+
+
+@triton.jit
+def round_like(x, ptr, ROUND_BF16: tl.constexpr):
+    """fp32 ``x`` rounded to ``ptr``'s element dtype (to nearest) and back to fp32; a no-op for fp32.
+    ROUND_BF16 (interpreter only): round by hand, as the interpreter's cast truncates."""
+    if ROUND_BF16:
+        y = to_bf16_rne(x).to(tl.float32)
+    else:
+        y = x.to(ptr.dtype.element_ty).to(tl.float32)
+    return y
+
+
+@triton.jit
+def logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_live, cols, col_mask, n_hidden,
+                stride_hidden, stride_weight,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """fp32 (BLOCK_N, BLOCK_V) tile of the logits, rounded to hidden's dtype. ``rows`` (BLOCK_N,) int64
+    token indices (rows not ``row_live`` are not read: their hidden state counts as 0), ``cols``
+    (BLOCK_V,) class indices (columns not in ``col_mask`` give 0; the caller masks them).
+    Reads BLOCK_N x H + BLOCK_V x H elements (the second and later token tiles of a class block hit L2).
+    UPCAST (interpreter only): the dot in fp32 on exactly converted operands (the interpreter's bf16
+    arithmetic is not the GPU's)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    h_rows = hidden_ptr + rows[:, None] * stride_hidden
+    w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight
+    for k0 in range(0, n_hidden, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_mask = ks < n_hidden
+        a = tl.load(h_rows + ks[None, :], mask=row_live[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return round_like(acc, hidden_ptr, ROUND_BF16)

@@ -1,0 +1,115 @@
+"""Tiled LM-head cross-entropy forward: no logits tensor of any size (``method="tiled"``).
+
+Grid: one program per tile of BLOCK_N tokens. It loops over the vocabulary in BLOCK_V-class tiles; each
+tile of logits is ``tile_math.logits_tile`` (a ``tl.dot`` mainloop over H in BLOCK_H steps, fp32
+accumulation, + bias, rounded once to hidden's dtype) and lives only in registers. Per token it keeps
+the online softmax of the row kernels (``row_math``, Milakov & Gimelshein 2018) as (BLOCK_N,) vectors:
+the running max ``m`` of z and ``s = sum exp(z - m)``; ``t = sum exp(z - m)(z - m)`` for the entropy
+(COMPUTE_ENTROPY); ``sum_c w_c z_c`` (smoothing); ``z_t`` (the target's z, picked from the tile that
+holds it); the max of the raw logits and its lowest index (COMPUTE_STATS). After the last tile the row
+results come from the same functions as the row kernels (``row_lse``, ``row_loss``, ``entropy_of``).
+A tile whose logits are all -inf (a -inf bias block) adds exactly 0 (``row_math`` shift rule).
+
+Ignored rows (target == ignore_index) read no hidden state, get loss = lse = lse_lo = entropy = z_t = 0
+and predicted -1; a tile of only ignored rows skips the whole vocabulary loop (0 FLOPs). The z-loss
+and token scaling are applied by the caller from ``lse`` / ``target_logit``.
+
+Cost per token (n tokens, V classes, H hidden, s bytes per element of hidden / weight):
+    FLOPs  2 V H (the logits, tensor cores for bf16 / fp16) + ~15 V (the fp32 epilogue; ~5 V more with
+           entropy, smoothing or stats)
+    bytes  read H s (hidden, once) + V H s / BLOCK_N (the weight, streamed once per token tile: from
+           HBM once per wave of concurrent tiles, otherwise L2) + 8 (target) [+ 4 V / BLOCK_N class
+           weights]; write 16 (loss, lse, lse_lo, target_logit) [+ 8 argmax] [+ 4 entropy]
+           (vs. the chunked path's extra 2 V s written and read for the logits of every token).
+    Arithmetic intensity on the weight stream: 2 BLOCK_N / s FLOP per byte (64 at BLOCK_N = 64, bf16).
+"""
+import triton
+import triton.language as tl
+
+from .common import logit_transform, target_terms
+from .row_math import entropy_of, entropy_rebase, entropy_terms, row_lse, row_loss
+from .tile_math import logits_tile
+
+
+@triton.jit
+def tiled_forward_kernel(
+    # pointers
+    hidden_ptr,        # [n_rows, n_hidden] fp32/bf16/fp16, last dim contiguous
+    weight_ptr,        # [n_cols, n_hidden] hidden's dtype, last dim contiguous
+    bias_ptr,          # [n_cols] hidden's dtype (HAS_BIAS)
+    target_ptr,        # [n_rows] int32/int64
+    class_weight_ptr,  # [n_cols] fp32 class weights (HAS_WEIGHT)
+    weight_sum_ptr,    # [1] fp32 sum of the class weights (HAS_WEIGHT and HAS_SMOOTHING)
+    loss_ptr,          # [n_rows] fp32 out: cross-entropy without z-loss
+    lse_ptr,           # [n_rows] fp32 out
+    lse_lo_ptr,        # [n_rows] fp32 out: lse's rounding error
+    predicted_ptr,     # [n_rows] int64 out: argmax of the logits (COMPUTE_STATS)
+    target_logit_ptr,  # [n_rows] fp32 out: z_t (0 on ignored rows and out-of-range targets)
+    entropy_ptr,       # [n_rows] fp32 out (COMPUTE_ENTROPY)
+    # sizes
+    n_rows, n_cols, n_hidden,
+    # strides (elements)
+    stride_hidden, stride_weight, stride_target,
+    # runtime scalars (fp32)
+    ignore_index, label_smoothing, softcap, logit_scale,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_STATS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,             # "ieee" (fp32 FMA) or "tf32" for fp32 inputs
+    UPCAST: tl.constexpr = False,            # interpreter only (tile_math.logits_tile)
+    ROUND_BF16: tl.constexpr = False,        # interpreter only (tile_math.round_like)
+):
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    in_rows = rows < n_rows
+    target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=ignore_index).to(tl.int64)
+    is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, class_weight_ptr, HAS_WEIGHT)
+    n_scan = tl.where(tl.max(is_valid.to(tl.int32), axis=0) > 0, n_cols, 0)   # all ignored: no work
+
+    m = tl.full((BLOCK_N,), -float("inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    t = tl.zeros((BLOCK_N,), tl.float32)
+    zsum = tl.zeros((BLOCK_N,), tl.float32)
+    z_t = tl.zeros((BLOCK_N,), tl.float32)
+    best = tl.full((BLOCK_N,), -float("inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK_N,), tl.int32)
+    for v0 in range(0, n_scan, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < n_cols
+        x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
+                        stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
+                        UPCAST, ROUND_BF16)
+        z = logit_transform(x, logit_scale, softcap, HAS_SOFTCAP)
+        z = tl.where(col_mask[None, :], z, -float("inf"))
+        if HAS_SMOOTHING:
+            zc = tl.where(col_mask[None, :], z, 0.0)
+            if HAS_WEIGHT:
+                zc = zc * tl.load(class_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            zsum += tl.sum(zc, axis=1)
+        z_t += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)   # an all -inf tile adds exactly 0
+        e = tl.exp(z - shift[:, None])
+        if COMPUTE_ENTROPY:
+            t = entropy_rebase(m, s, t, shift) + tl.sum(entropy_terms(e, z, shift[:, None]), axis=1)
+        s = s * tl.exp(m - shift) + tl.sum(e, axis=1)
+        m = m_new
+        if COMPUTE_STATS:
+            xm = tl.where(col_mask[None, :], x, -float("inf"))
+            bmax, bidx = tl.max(xm, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            take = bmax > best
+            best_idx = tl.where(take, v0 + bidx, best_idx)
+            best = tl.where(take, bmax, best)
+
+    lse, lse_lo = row_lse(m, s, is_valid)
+    z_t = tl.where(is_valid & in_range, z_t, 0.0)
+    loss = row_loss(lse, lse_lo, zsum, z_t, is_valid, in_range, w_t, weight_sum_ptr, n_cols, label_smoothing,
+                    HAS_WEIGHT, HAS_SMOOTHING)
+    tl.store(loss_ptr + rows, loss, mask=in_rows)
+    tl.store(lse_ptr + rows, lse, mask=in_rows)
+    tl.store(lse_lo_ptr + rows, lse_lo, mask=in_rows)
+    tl.store(target_logit_ptr + rows, z_t, mask=in_rows)
+    if COMPUTE_STATS:
+        tl.store(predicted_ptr + rows, tl.where(is_valid, best_idx.to(tl.int64), -1), mask=in_rows)
+    if COMPUTE_ENTROPY:
+        tl.store(entropy_ptr + rows, entropy_of(s, t, is_valid), mask=in_rows)
