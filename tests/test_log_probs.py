@@ -1,0 +1,153 @@
+"""RL: ``token_log_probs`` / ``linear_token_log_probs`` (log-probs and entropy at a temperature, with
+softcap) against float64 ``log_softmax``, both backends, both linear methods, fp32 / bf16 / fp16,
+per-token upstream gradients for both outputs at once, ignored rows (0, exactly zero gradient),
+all-ignored and empty batches, errors."""
+import pytest
+import torch
+
+import fusedce
+from fusedce.backends.pytorch import tiled as torch_tiled
+from inputs import DTYPE_IDS, DTYPES, make_target
+from reference64_linear import make_linear
+
+HIDDEN, V = 16, 300
+# (temperature, softcap)
+SETTINGS = {"plain": (1.0, None), "t0.7": (0.7, None), "t1.3_cap5": (1.3, 5.0), "t0.5_cap30": (0.5, 30.0)}
+# bound on |error| of outputs and gradients, per input dtype: fp32 math on logits rounded to the dtype
+# (the reference rounds them the same way), so a few fp32 ulps of the O(1..10) values involved
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
+GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def tiny_tiles(monkeypatch):
+    monkeypatch.setattr(torch_tiled, "TILE_ROWS", 4)
+    monkeypatch.setattr(torch_tiled, "TILE_VOCAB", 64)
+
+
+def _reference(logits64, target, temperature, softcap, ignore_index=-100):
+    """float64 (log_probs, entropy) of ``logits64`` (differentiable), 0 on ignored rows."""
+    z = logits64 if softcap is None else softcap * torch.tanh(logits64 / softcap)
+    logp = (z / temperature).log_softmax(-1)
+    valid = target != ignore_index
+    lp = logp.gather(-1, torch.where(valid, target, 0)[..., None])[..., 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+
+
+def _objective(log_probs, entropy, adv, beta):
+    """A GRPO-style objective: per-token advantages on the log-probs plus an entropy bonus."""
+    return -(adv * log_probs).sum() - (beta * entropy).sum()
+
+
+def _check(actual, expected, atol, rtol=0.0, name=""):
+    actual64 = actual.detach().double()
+    bound = atol + rtol * expected.abs().max().item()
+    err = (actual64 - expected).abs().max().item() if expected.numel() else 0.0
+    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_token_log_probs(backend, setting, dtype):
+    temperature, softcap = SETTINGS[setting]
+    logits = (torch.randn(3, 7, V) * 4).to(dtype).requires_grad_()
+    target = make_target((3, 7), V, ignore_every=4)
+    out = fusedce.token_log_probs(logits, target, temperature=temperature, softcap=softcap, return_entropy=True,
+                                  backend=backend)
+    assert isinstance(out, fusedce.TokenLogProbs)
+    assert out.log_probs.dtype == torch.float32 and out.log_probs.shape == target.shape
+    x64 = logits.detach().double().requires_grad_()
+    ref_lp, ref_ent = _reference(x64, target, temperature, softcap)
+    _check(out.log_probs, ref_lp.detach(), ATOL[dtype], name="log_probs")
+    _check(out.entropy, ref_ent.detach(), ATOL[dtype], name="entropy")
+    adv, beta = torch.randn(target.shape), torch.rand(target.shape)
+    _objective(out.log_probs, out.entropy, adv, beta).backward()
+    _objective(ref_lp, ref_ent, adv.double(), beta.double()).backward()
+    assert logits.grad.dtype == dtype
+    _check(logits.grad, x64.grad, 1e-6, GRAD_RTOL[dtype], "grad")
+    ignored = target == -100
+    assert bool((logits.grad[ignored] == 0).all()) and bool((out.log_probs[ignored] == 0).all())
+    assert bool((out.entropy[ignored] == 0).all())
+
+
+@pytest.mark.parametrize("method", ["chunked", "tiled"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("setting", ["plain", "t1.3_cap5"])
+def test_linear_token_log_probs(backend, setting, dtype, method):
+    temperature, softcap = SETTINGS[setting]
+    hidden, weight, bias = make_linear((2, 9), HIDDEN, V, dtype, bias=True, logit_scale=4.0)
+    target = make_target((2, 9), V, ignore_every=3)
+    out = fusedce.linear_token_log_probs(hidden, weight, target, bias, temperature=temperature, softcap=softcap,
+                                         return_entropy=True, method=method, backend=backend,
+                                         chunk_size=5 if method == "chunked" else None)
+    leaves = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
+    rounded = torch.nn.functional.linear(hidden, weight, bias).detach().double()   # in the inputs' dtype
+    exact = torch.nn.functional.linear(*leaves)
+    ref_lp, ref_ent = _reference(exact + (rounded - exact).detach(), target, temperature, softcap)
+    _check(out.log_probs, ref_lp.detach(), ATOL[dtype], name="log_probs")
+    _check(out.entropy, ref_ent.detach(), ATOL[dtype], name="entropy")
+    adv, beta = torch.randn(target.shape), torch.rand(target.shape)
+    _objective(out.log_probs, out.entropy, adv, beta).backward()
+    _objective(ref_lp, ref_ent, adv.double(), beta.double()).backward()
+    for t, ref in zip((hidden, weight, bias), leaves):
+        assert t.grad.dtype == dtype
+        _check(t.grad, ref.grad, 1e-6, GRAD_RTOL[dtype], "grad")
+    assert bool((hidden.grad[target == -100] == 0).all())
+
+
+@pytest.mark.parametrize("which", ["log_probs", "entropy"])
+def test_one_output_only(backend, which):
+    """Only one output takes part in the loss (the other's upstream gradient is None)."""
+    logits = (torch.randn(6, V) * 3).requires_grad_()
+    target = make_target((6,), V, ignore_every=3)
+    out = fusedce.token_log_probs(logits, target, temperature=0.8, return_entropy=True, backend=backend)
+    getattr(out, which).sum().backward()
+    x64 = logits.detach().double().requires_grad_()
+    dict(zip(("log_probs", "entropy"), _reference(x64, target, 0.8, None)))[which].sum().backward()
+    _check(logits.grad, x64.grad, 1e-6, 1e-4, which)
+
+
+def test_without_entropy_returns_a_tensor(backend):
+    hidden, weight, _ = make_linear((5,), HIDDEN, V)
+    target = make_target((5,), V)
+    for method in ("chunked", "tiled"):
+        lp = fusedce.linear_token_log_probs(hidden, weight, target, method=method, backend=backend)
+        assert isinstance(lp, torch.Tensor) and lp.shape == (5,)
+        torch.testing.assert_close(lp, -fusedce.linear_cross_entropy(hidden, weight, target, reduction="none",
+                                                                     backend=backend), rtol=1e-5, atol=1e-6)
+
+
+def test_all_ignored_and_empty(backend):
+    for lead in ((4,), (0,)):
+        hidden, weight, bias = make_linear(lead, HIDDEN, V, bias=True)
+        target = torch.full(lead, -100, dtype=torch.int64)
+        for method in ("chunked", "tiled"):
+            out = fusedce.linear_token_log_probs(hidden, weight, target, bias, return_entropy=True, method=method,
+                                                 backend=backend)
+            assert bool((out.log_probs == 0).all()) and bool((out.entropy == 0).all())
+            (out.log_probs.sum() + out.entropy.sum()).backward()
+            assert bool((hidden.grad == 0).all()) and bool((weight.grad == 0).all())
+            hidden.grad = weight.grad = bias.grad = None
+
+
+def test_errors():
+    logits, target = torch.randn(3, 10), torch.randint(0, 10, (3,))
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            fusedce.token_log_probs(logits, target, temperature=bad)
+    with pytest.raises(TypeError, match="temperature"):
+        fusedce.token_log_probs(logits, target, temperature="hot")
+    with pytest.raises(ValueError, match="softcap"):
+        fusedce.token_log_probs(logits, target, softcap=0.0)
+    with pytest.raises(IndexError):
+        fusedce.token_log_probs(logits, torch.tensor([0, 10, 1]))
+    with pytest.raises(TypeError, match="return_entropy"):
+        fusedce.token_log_probs(logits, target, return_entropy=1)
+    hidden, weight, _ = make_linear((3,), 4, 10)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fusedce.linear_token_log_probs(hidden, weight, target, method="tiled", chunk_size=2)
+    with pytest.raises(ValueError, match="method"):
+        fusedce.linear_token_log_probs(hidden, weight, target, method="other")
+    with pytest.raises(ValueError, match="shape"):
+        fusedce.linear_token_log_probs(hidden, weight, target[:2])
