@@ -6,7 +6,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.fusedce-installed
 
-.PHONY: bench test install clean
+.PHONY: bench test test-cute install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,12 @@ bench: $(STAMP)
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 --timeout 900
+
+# The CuTe DSL compile checks alone, every constexpr-flag combination for sm_90a and sm_100a (~2 min);
+# `make test` runs the representative subset (tests/test_cute_compile.py).
+test-cute: $(STAMP)
+	$(VPY) -m pip install -q -e '.[cute]'
+	FUSEDCE_CUTE_EVERY=1 TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 tests/test_cute_compile.py tests/test_cute_backend.py
 
 clean:
 	rm -rf $(VENV) .cache results

@@ -34,4 +34,11 @@ if [[ $dry == 0 ]]; then
   env -u TRITON_INTERPRET "$PY" -m fusedce.inspect --arch 90 --dtype bf16 --variant plain --variant all \
     --vocab 32000 --vocab 128256 --vocab 262144 2>/dev/null || echo "(fusedce inspect failed; continuing)"
 fi
-exec "$PY" benchmarks/gpu_check.py "$@"
+rc=0
+"$PY" benchmarks/gpu_check.py "$@" || rc=$?
+if [[ $dry == 0 ]]; then
+  # backend="cute" (CuTe DSL): GPU parity tests + timing next to Triton and stock at BT=8192, V=128256 /
+  # 262144 bf16; capped at 4 minutes; says SKIPPED when nvidia-cutlass-dsl is not installed.
+  timeout 240 "$PY" benchmarks/gpu_check_cute.py || echo "(gpu_check_cute failed or timed out: rc $?)"
+fi
+exit $rc
