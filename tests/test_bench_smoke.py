@@ -99,11 +99,12 @@ def test_cli_bench_writes_tables_json_png_and_the_sweep(tmp_path, capsys, monkey
     assert [r["path"] for r in report["results"]] == ["torch", "fusedce-torch", "linear-fusedce-torch"]
     assert all(r["status"] == "ok" and r["time_ms"] > 0 for r in report["results"])
     rows, summary = report["sweep"]["results"], report["sweep"]["summary"]
-    assert [(r["label"], r["ignore_fraction"]) for r in rows] == [("stock", 0.5), ("fused", 0.5)]
+    assert [(r["label"], r["ignore_fraction"]) for r in rows] == [("stock", 0.5), ("fused", 0.5), ("tiled", 0.5)]
     assert all(r["status"] == "ok" and r["grad_in_place"] and r["inputs"]["ignored_rows"] == 32
                for r in rows)
     assert len(summary) == 1 and summary[0]["memory_ratio"] > 0 and summary[0]["time_ratio"] > 0
     assert summary[0]["loss_abs_diff"] < 1e-5
+    assert summary[0]["tiled_floor_ratio"] >= 0 and summary[0]["floor_bytes"] == (300 + 64) * 16 * 4
     assert report["sweep"]["wall_seconds"] > 0 and report["wall_seconds"] >= report["sweep"]["wall_seconds"]
     assert (tmp_path / "bench.png").stat().st_size > 0
 
@@ -143,11 +144,12 @@ def test_loss_mismatch_is_a_loud_failure():
 def test_plan_cpu_interprets_triton_next_to_its_ops_baseline_and_cuda_times_everything():
     assert [(p.name, mode) for p, mode in paths.plan("cpu")] == [
         ("torch", "timed"), ("fusedce-torch", "timed"), ("torch", "parity"), ("fusedce-triton", "parity"),
-        ("linear-torch", "timed"), ("linear-fusedce-torch", "timed"),
-        ("linear-torch", "parity"), ("linear-fusedce-triton", "parity")]
+        ("linear-torch", "timed"), ("linear-fusedce-torch", "timed"), ("linear-fusedce-torch-tiled", "timed"),
+        ("linear-torch", "parity"), ("linear-fusedce-triton", "parity"), ("linear-fusedce-triton-tiled", "parity")]
     assert [(p.name, mode) for p, mode in paths.plan("cuda")] == [
         ("torch", "timed"), ("fusedce-torch", "timed"), ("fusedce-triton", "timed"),
-        ("linear-torch", "timed"), ("linear-fusedce-torch", "timed"), ("linear-fusedce-triton", "timed")]
+        ("linear-torch", "timed"), ("linear-fusedce-torch", "timed"), ("linear-fusedce-triton", "timed"),
+        ("linear-fusedce-torch-tiled", "timed"), ("linear-fusedce-triton-tiled", "timed")]
     assert [(p.name, mode) for p, mode in paths.plan("cpu", ["linear-fusedce-triton"])] == [
         ("linear-torch", "parity"), ("linear-fusedce-triton", "parity")]
     with pytest.raises(ValueError, match="registered"):
@@ -155,7 +157,7 @@ def test_plan_cpu_interprets_triton_next_to_its_ops_baseline_and_cuda_times_ever
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["linear-torch", "linear-fusedce-torch"])
+@pytest.mark.parametrize("name", ["linear-torch", "linear-fusedce-torch", "linear-fusedce-torch-tiled"])
 def test_linear_measure_in_process(name, dtype):
     data = inputs.build(TINY, paths.LINEAR_CROSS_ENTROPY.needs, dtype, "cpu")
     assert data.logits is None and data.hidden.shape == (96, 16) and data.weight.shape == (300, 16)
@@ -211,7 +213,7 @@ def test_random_source_is_seeded_and_ignores_the_asked_fraction():
     assert not bool((none.target == -100).any())
 
 
-@pytest.mark.parametrize("name", [sweep.STOCK, sweep.FUSED])
+@pytest.mark.parametrize("name", [sweep.STOCK, sweep.FUSED, sweep.TILED])
 def test_sweep_measure_accumulates_into_preallocated_grads(name):
     data = inputs.build(TINY_RANDOM, ("hidden", "weight"), torch.float32, "cpu")
     result = sweep.measure(paths.PATHS[name], data, repeats=2)
@@ -247,8 +249,13 @@ def _sweep_row(shape, fraction, label, peak, ms, status="ok"):
 def test_sweep_summary_ratios_and_targets_and_its_table():
     rows = [_sweep_row("a", 0.0, "stock", 3000, 105.0), _sweep_row("a", 0.0, "fused", 1000, 115.0),
             _sweep_row("a", 0.5, "stock", 3000, 100.0), _sweep_row("a", 0.5, "fused", 1001, 100.0),
-            _sweep_row("b", 0.0, "stock", 3000, 100.0), _sweep_row("b", 0.0, "fused", 0, 0.0, "error")]
+            _sweep_row("b", 0.0, "stock", 3000, 100.0), _sweep_row("b", 0.0, "fused", 0, 0.0, "error"),
+            _sweep_row("a", 0.0, "tiled", 1.5 * (32 + 8) * 4 * 4, 120.0),
+            _sweep_row("a", 0.5, "tiled", 1.5 * (32 + 8) * 4 * 4 + 1, 120.0)]
     first, second, failed = sweep.summarize(rows)
+    assert first["floor_bytes"] == (32 + 8) * 4 * 4 and first["tiled_floor_ratio"] == 1.5
+    assert first["targets"]["tiled"]["met"] and not second["targets"]["tiled"]["met"]
+    assert failed["targets"]["tiled"]["met"] is None
     assert first["memory_ratio"] == 3.0 and first["time_ratio"] == pytest.approx(105 / 115)
     assert first["targets"]["memory"]["met"] and first["targets"]["time"]["met"]     # 1.095x: within 1.10x
     assert not second["targets"]["memory"]["met"] and not second["targets"]["time"]["met"]  # not faster

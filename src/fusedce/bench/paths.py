@@ -162,11 +162,11 @@ def _stock_linear(inputs: Inputs) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX)
 
 
-def _fusedce_linear(backend: str) -> Callable[[Inputs], torch.Tensor]:
+def _fusedce_linear(backend: str, method: str = "auto") -> Callable[[Inputs], torch.Tensor]:
     def forward(inputs: Inputs) -> torch.Tensor:
         import fusedce
         return fusedce.linear_cross_entropy(inputs.hidden, inputs.weight, inputs.target,
-                                            ignore_index=IGNORE_INDEX, backend=backend)
+                                            ignore_index=IGNORE_INDEX, method=method, backend=backend)
     return forward
 
 
@@ -178,3 +178,11 @@ register(Path("linear-fusedce-torch", "fusedce torch", LINEAR_CROSS_ENTROPY, _fu
 register(Path("linear-fusedce-triton", "fusedce triton", LINEAR_CROSS_ENTROPY, _fusedce_linear("triton"),
               "fusedce.linear_cross_entropy(hidden, weight, target, backend='triton'): Triton CE kernels "
               "per chunk, chunk_size=None, mean", devices=("cuda",), interpreter=True))
+register(Path("linear-fusedce-torch-tiled", "fusedce torch tiled", LINEAR_CROSS_ENTROPY,
+              _fusedce_linear("torch", "tiled"),
+              "fusedce.linear_cross_entropy(hidden, weight, target, method='tiled', backend='torch'): blocks "
+              "of tokens x vocabulary, no logits tensor, mean"))
+register(Path("linear-fusedce-triton-tiled", "fusedce triton tiled", LINEAR_CROSS_ENTROPY,
+              _fusedce_linear("triton", "tiled"),
+              "fusedce.linear_cross_entropy(hidden, weight, target, method='tiled', backend='triton'): tiled "
+              "Triton kernels (logits tiles on chip only), mean", devices=("cuda",), interpreter=True))

@@ -11,7 +11,8 @@ MIB = 2.0 ** -20
 COLUMNS = (  # header, justify; the shapes' sizes go to the caption, so that the table fits 130 columns
     ("shape", "left"), ("ignored", "right"), ("base\nMiB", "right"), ("stock\nMiB", "right"),
     ("fused\nMiB", "right"), ("memory\nstock/fused", "right"), ("stock\nms", "right"),
-    ("fused\nms", "right"), ("time\nstock/fused", "right"), ("Δloss", "right"), ("targets", "left"))
+    ("fused\nms", "right"), ("time\nstock/fused", "right"), ("Δloss", "right"), ("tiled\nMiB", "right"),
+    ("tiled\n/floor", "right"), ("tiled\nms", "right"), ("targets", "left"))
 
 
 def _num(value, fmt: str) -> str:
@@ -23,7 +24,8 @@ def _mark(target: dict) -> str:
 
 
 def sweep_table(report: dict) -> Table:
-    """Stock vs fused linear cross-entropy per configuration; failures and methods in the caption."""
+    """Stock vs fused (chunked and tiled) linear cross-entropy per configuration; failures and methods in
+    the caption."""
     sweep, machine = report["sweep"], report["machine"]
     out = Table(title="memory sweep: linear_cross_entropy, stock F.linear + F.cross_entropy vs fusedce "
                       f"(backend='torch'), fp32\n{report['device']}: {machine['name']}",
@@ -43,7 +45,11 @@ def sweep_table(report: dict) -> Table:
             _num(s["stock_ms"], ".0f"), _num(s["fused_ms"], ".0f"),
             _num(s["time_ratio"], ".2f") + ("x" if s["time_ratio"] is not None else ""),
             _num(s["loss_abs_diff"], ".1e"),
-            f"mem {_mark(s['targets']['memory'])}, time {_mark(s['targets']['time'])}")
+            _num(None if s.get("tiled_peak_bytes") is None else s["tiled_peak_bytes"] * MIB, ".0f"),
+            _num(s.get("tiled_floor_ratio"), ".2f") + ("x" if s.get("tiled_floor_ratio") is not None else ""),
+            _num(s.get("tiled_ms"), ".0f"),
+            f"mem {_mark(s['targets']['memory'])}, time {_mark(s['targets']['time'])}, "
+            f"tiled {_mark(s['targets'].get('tiled', {'met': None}))}")
     method = sweep["method"]
     sizes = dict.fromkeys(f"{s['shape']}: BT={s['tokens']}, H={s['hidden']}, V={s['vocab']}"
                           for s in sweep["summary"])
@@ -52,7 +58,9 @@ def sweep_table(report: dict) -> Table:
              f"data: {method['data']}",
              f"stock/fused MiB: {method['memory']}; base MiB: RSS with inputs and .grad buffers",
              f"ms: {method['time']}",
-             "Δloss: |stock loss - fused loss|, the two runs' own losses (same seeded data)"]
+             "Δloss: |stock loss - fused loss|, the two runs' own losses (same seeded data)",
+             "tiled: method='tiled' (no logits tensor); /floor: its MiB over the floor, the fp32 gradients "
+             "it must return, (V + BT) x H x 4 bytes"]
     reasons = [f"{r['shape']} {r['ignore_fraction']:.0%} {r['label']}: {r.get('reason', r['status'])}"
                for r in sweep["results"] if r["status"] != "ok"]
     load, cores = machine.get("load_average_1min"), machine.get("cpu_cores")
@@ -68,16 +76,18 @@ def sweep_table(report: dict) -> Table:
 
 
 def plot_sweep(sweep: dict, axes) -> None:
-    """Grouped bars, stock (gray) and fused (blue) per configuration, on ``axes`` = (memory, time)."""
+    """Grouped bars, stock (gray), fused chunked (blue) and tiled (green) per configuration, on ``axes`` =
+    (memory, time)."""
     summary = sweep["summary"]
-    for ax, (stock_key, fused_key, scale, unit, ratio_key) in zip(axes, (
-            ("stock_peak_bytes", "fused_peak_bytes", MIB, "peak memory over inputs + .grad (MiB)",
-             "memory_ratio"),
-            ("stock_ms", "fused_ms", 1.0, "fwd+bwd time (ms)", "time_ratio"))):
-        for offset, key, color, name in ((-0.2, stock_key, "tab:gray", "stock"),
-                                         (0.2, fused_key, "tab:blue", "fused")):
-            values = [0.0 if s[key] is None else s[key] * scale for s in summary]
-            ax.barh([i + offset for i in range(len(summary))], values, height=0.4, color=color, label=name)
+    for ax, (stock_key, fused_key, tiled_key, scale, unit, ratio_key) in zip(axes, (
+            ("stock_peak_bytes", "fused_peak_bytes", "tiled_peak_bytes", MIB,
+             "peak memory over inputs + .grad (MiB)", "memory_ratio"),
+            ("stock_ms", "fused_ms", "tiled_ms", 1.0, "fwd+bwd time (ms)", "time_ratio"))):
+        for offset, key, color, name in ((-0.27, stock_key, "tab:gray", "stock"),
+                                         (0.0, fused_key, "tab:blue", "fused (chunked)"),
+                                         (0.27, tiled_key, "tab:green", "fused (tiled)")):
+            values = [0.0 if s.get(key) is None else s[key] * scale for s in summary]
+            ax.barh([i + offset for i in range(len(summary))], values, height=0.27, color=color, label=name)
             for i, v in enumerate(values):
                 ax.text(v, i + offset, f" {v:.0f}", va="center", fontsize=7)
         labels = [f"{s['shape']}\n{s['ignore_fraction']:.0%} ignored\nstock/fused "
