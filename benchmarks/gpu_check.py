@@ -1,12 +1,16 @@
-"""One GPU check of fusedce (made for a lent H200; < 8 minutes). Run through ``benchmarks/gpu_check.sh``.
+"""One GPU check of fusedce (made for a lent H200; < 5 minutes). Run through ``benchmarks/gpu_check.sh``.
 
-Sections, each printed as it finishes; a short summary table comes last:
+A thin driver over ``fusedce.bench``: inputs (``inputs.build``, source ``"random"``: logits ~ N(0, 2^2)
+drawn on the GPU, uniform targets, a given fraction ignored), parity (``parity.cross_entropy_rows``),
+timing and peak memory (``harness.median_ms`` / ``harness.peak_memory``) and the byte floor
+(``paths.ce_floor_bytes``) all live there. Sections, each printed as it finishes; a short summary table
+comes last (the JSON of ``--out`` is rewritten after every section, so a killed run still leaves one):
 
 1. copy bandwidth: a device-to-device copy of 2 GiB (bytes read + written / time), the ceiling for GB/s.
 2. per vocabulary (BT = 8192 bf16 logits ~ N(0, 2^2), V = 32000 / 128256 / 262144):
    - parity: fusedce's mean loss vs fp32 torch on the whole batch; per-row loss and gradient vs float64
-     on a row subset (with ignored rows); the gradient error next to torch's own bf16 error (C6's rule:
-     no worse than 4x).
+     on a row subset (spread over the batch, ignored rows included: ``parity.subset_rows``); the gradient
+     error next to torch's own bf16 error (C6's rule: no worse than 4x).
    - forward+backward time, ``triton.testing.do_bench`` median, for torch eager (``F.cross_entropy`` on
      the fp32-upcast logits, as Hugging Face does), torch.compile of that, fusedce, fusedce with
      ``inplace_backward``, fusedce under torch.compile (its custom ops in Inductor's graph; the eager
@@ -25,6 +29,15 @@ Sections, each printed as it finishes; a short summary table comes last:
    the kernels would miss syncs in the validation / reduction / stats glue, and running under
    torch.compile would test Inductor's code instead of ours (the compiled path is covered by
    tests/test_compile.py and by the CUDA-graph section, where the check is skipped by contract).
+5. linear cross-entropy (``benchmarks/gpu_check_linear.py``): the LM head fused with the loss at
+   BT = 8192, H = 4096, V = 128256 and H = 2304, V = 256000 (bf16, 25 % ignored): stock vs fusedce
+   chunked vs tiled (Triton): parity vs float64 on a row subset, fwd+bwd time, TFLOP/s, peak memory; and
+   ``linear_token_log_probs(return_entropy=True)`` chunked vs tiled. No path of it starts after
+   ``--deadline-s`` seconds (default 270: the CuTe step after this script needs its 4 minutes).
+
+Estimated H200 time: bandwidth ~1 s; per vocabulary ~5-10 s of measurement (parity, 5-6 paths of
+do_bench ~0.3 s each) plus torch.compile's compiles (two paths, ~10-30 s the first time, less per new V);
+CUDA graph and sync debug ~10 s; linear ~30-60 s. About 2-3 minutes in all.
 
 ``--dry-run``: small shapes on CPU with the Triton interpreter, so that the script is known to start
 (tests/test_gpu_check_dry_run.py); timings are then not measurements and CUDA-only sections are skipped.
@@ -46,10 +59,13 @@ import torch.nn.functional as F  # noqa: E402
 
 import fusedce  # noqa: E402
 from fusedce import validation  # noqa: E402
-from fusedce.bench import harness  # noqa: E402
+from fusedce.bench import inputs, parity  # noqa: E402
 from fusedce.bench.paths import ce_floor_bytes  # noqa: E402
 
-IGNORE = -100
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_check_linear  # noqa: E402
+
+IGNORE = inputs.IGNORE_INDEX
 FULL = dict(rows=8192, vocabs=(32000, 128256, 262144), subset=256)
 DRY = dict(rows=32, vocabs=(1000, 4112), subset=8)     # 1000: V % 16 == 8; 4112: two 4096-blocks
 
@@ -58,15 +74,14 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def inputs(rows: int, vocab: int, dtype, device, ignore_fraction: float, seed: int):
-    g = torch.Generator(device=device).manual_seed(seed)
-    logits = torch.randn(rows, vocab, device=device, dtype=dtype, generator=g).mul_(2.0)
-    target = torch.randint(0, vocab, (rows,), device=device, generator=g)
-    if ignore_fraction:
-        drop = torch.rand(rows, device=device, generator=g) < ignore_fraction
-        target = torch.where(drop, torch.full_like(target, IGNORE), target)
-        target[0] = IGNORE                                  # at least one ignored row in any subset
-    return logits, target
+def logits_and_target(rows: int, vocab: int, dtype, device, ignore_fraction: float, seed: int,
+                      with_logits: bool = True):
+    """(logits or None, target): the bench's ``"random"`` source, logits ~ N(0, 2^2) drawn on ``device``,
+    ``round(ignore_fraction * rows)`` targets ignored."""
+    source = {"kind": "random", "tokens": rows, "vocab": vocab, "logit_std": inputs.SYNTHETIC_LOGIT_STD,
+              "ignore_fraction": ignore_fraction, "seed": seed, "draw": "device"}
+    data = inputs.build(source, ("logits",) if with_logits else (), dtype, str(device))
+    return (data.logits.detach() if with_logits else None), data.target
 
 
 def sync(device) -> None:
@@ -90,27 +105,18 @@ def copy_bandwidth(device, dry: bool) -> float:
 
 # ---------------------------------------------------------------- 2a. parity
 
-def parity(logits, target, subset: int, backend: str) -> dict:
-    x = logits.detach().clone().requires_grad_()
+def parity_check(logits, target, subset: int, backend: str) -> dict:
+    """``parity.cross_entropy_rows`` of fusedce's per-row losses and gradient, and of its mean; OK: mean
+    and rows within 2e-5 (relative) and the gradient error no worse than 4x torch's own (C6)."""
+    x = logits.clone().requires_grad_()
     rows = fusedce.cross_entropy(x, target, reduction="none", backend=backend)
     rows.sum().backward()
     mean = fusedce.cross_entropy(logits, target, backend=backend)
-    mean32 = F.cross_entropy(logits.float(), target, ignore_index=IGNORE)
-
-    ref_x = logits[:subset].detach().double().requires_grad_()
-    ref = F.cross_entropy(ref_x, target[:subset], reduction="none", ignore_index=IGNORE)
-    ref.sum().backward()
-    own_x = logits[:subset].detach().clone().requires_grad_()      # torch's own error in this dtype
-    F.cross_entropy(own_x, target[:subset], reduction="none", ignore_index=IGNORE).sum().backward()
-
-    loss_err = ((rows[:subset].double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-    grad_err = (x.grad[:subset].double() - ref_x.grad).abs().max().item()
-    torch_err = (own_x.grad.double() - ref_x.grad).abs().max().item()
-    mean_err = ((mean - mean32).abs() / mean32.abs()).item()
-    ratio = grad_err / torch_err if torch_err > 0 else (0.0 if grad_err == 0 else float("inf"))
-    ok = mean_err < 2e-5 and loss_err < 2e-5 and ratio <= 4.0
-    return dict(mean_rel_err_vs_fp32=mean_err, loss_rel_err_vs_fp64=loss_err, grad_err_vs_fp64=grad_err,
-                torch_grad_err_vs_fp64=torch_err, grad_err_ratio=ratio, ok=ok)
+    par = parity.cross_entropy_rows(logits, target, rows.detach(), x.grad,
+                                    parity.subset_rows(target, subset, IGNORE), IGNORE, mean=mean)
+    par["ok"] = (par["mean_rel_err_vs_fp32"] < 2e-5 and par["loss_rel_err_vs_fp64"] < 2e-5
+                 and par["grad_err_ratio"] <= 4.0)
+    return par
 
 
 # ---------------------------------------------------------------- 2b. speed and memory
@@ -137,26 +143,12 @@ def paths(backend: str, dry: bool) -> dict:
 
 
 def measure(fn, logits, target, device, dry: bool) -> dict:
-    """Median fwd+bwd ms and the peak bytes allocated beyond the inputs, by the bench's own methods
-    (``fusedce.bench.harness``: ``triton.testing.do_bench`` median, ``torch.cuda.max_memory_allocated``
-    minus what exists at the start). In-place paths overwrite their own copy of the logits with
-    gradients, which is fine for timing."""
+    """Median fwd+bwd ms and the peak bytes allocated beyond the inputs (``gpu_check_linear.measure_step``:
+    ``harness.median_ms`` / ``harness.peak_memory`` after a warm-up). In-place paths overwrite their own
+    copy of the logits with gradients, which is fine for timing."""
     x = logits.detach().clone().requires_grad_()
-
-    def step():
-        fn(x, target).backward()
-
-    def reset():
-        x.grad = None
-
-    step()                                              # warm-up: compile, autotune, allocator
-    reset()
-    if dry:   # CPU: one timed call of the interpreter, not a measurement; no peak memory
-        return dict(ms=harness.median_ms(step, reset, "cpu", repeats=1, warmup=0)[0], peak_bytes=None)
-    peak, _method = harness.peak_memory(step, "cuda")
-    reset()
-    ms, _ = harness.median_ms(step, reset, "cuda", repeats=1, grad_to_none=[x])
-    return dict(ms=ms, peak_bytes=peak)
+    m = gpu_check_linear.measure_step(lambda: fn(x, target).backward(), (x,), device, dry)
+    return dict(ms=m["ms"], peak_bytes=m["peak_bytes"])
 
 
 # ---------------------------------------------------------------- 3. CUDA graph
@@ -171,7 +163,7 @@ def cuda_graph_check(device, dtype, backend: str, dry: bool) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Linear(hidden, vocab, bias=False, device=device, dtype=dtype)
     x = torch.randn(rows, hidden, device=device, dtype=dtype)
-    _, t = inputs(rows, vocab, dtype, device, 0.1, seed=1)
+    _, t = logits_and_target(rows, vocab, dtype, device, 0.1, seed=1, with_logits=False)
     if dry:                                              # no graphs on CPU: run the step once
         step_loss(model, x, t, backend).loss.backward()
         return dict(ok=True, note="dry run: step ran eagerly, nothing captured")
@@ -191,7 +183,7 @@ def cuda_graph_check(device, dtype, backend: str, dry: bool) -> dict:
     worst = 0.0
     for seed in range(2, 5):                             # replay on new data, compare with eager
         new_x = torch.randn(rows, hidden, device=device, dtype=dtype)
-        _, new_t = inputs(rows, vocab, dtype, device, 0.1, seed=seed)
+        _, new_t = logits_and_target(rows, vocab, dtype, device, 0.1, seed=seed, with_logits=False)
         x.copy_(new_x)
         t.copy_(new_t)
         graph.replay()
@@ -209,7 +201,7 @@ def cuda_graph_check(device, dtype, backend: str, dry: bool) -> dict:
 
 def sync_debug_check(device, dtype, backend: str, dry: bool) -> dict:
     rows, vocab = (16, 1000) if dry else (4096, 32000)
-    logits, target = inputs(rows, vocab, dtype, device, 0.1, seed=5)
+    logits, target = logits_and_target(rows, vocab, dtype, device, 0.1, seed=5)
     weight = torch.rand(vocab, device=device) + 0.5
     n_items = torch.tensor(1234.0, device=device)
 
@@ -268,7 +260,10 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="small shapes on CPU (Triton interpreter)")
     p.add_argument("--rows", type=int, help="BT (default 8192; dry run 32)")
     p.add_argument("--vocab", type=int, action="append", help="V, repeatable (default 32000 128256 262144)")
-    p.add_argument("--out", help="write all results as JSON here")
+    p.add_argument("--out", help="write all results as JSON here (rewritten after every section)")
+    p.add_argument("--deadline-s", type=float, default=270.0,
+                   help="no linear-section path starts after this many seconds (default 270)")
+    p.add_argument("--no-linear", action="store_true", help="skip section 5 (linear cross-entropy)")
     args = p.parse_args(argv)
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
@@ -288,11 +283,18 @@ def main(argv=None) -> int:
     log(f"[bandwidth] device-to-device copy: {bw:.0f} GB/s (read + write)")
     results = dict(device=name, torch=torch.__version__, triton=triton.__version__, rows=rows,
                    copy_gbps=bw, vocabs={})
+
+    def save():
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+
     perf_rows = []
     for vocab in vocabs:
-        logits, target = inputs(rows, vocab, dtype, device, 0.0, seed=vocab)
-        _, target_par = inputs(rows, vocab, dtype, device, 0.1, seed=vocab)
-        par = parity(logits, target_par, cfg["subset"], backend)
+        logits, target = logits_and_target(rows, vocab, dtype, device, 0.0, seed=vocab)
+        _, target_par = logits_and_target(rows, vocab, dtype, device, 0.1, seed=vocab, with_logits=False)
+        par = parity_check(logits, target_par, cfg["subset"], backend)
         log(f"[parity V={vocab}] mean vs fp32 {par['mean_rel_err_vs_fp32']:.1e}, rows vs fp64 "
             f"{par['loss_rel_err_vs_fp64']:.1e}, grad err {par['grad_err_vs_fp64']:.2e} = "
             f"{par['grad_err_ratio']:.2f}x torch bf16 -> {'OK' if par['ok'] else 'FAIL'}")
@@ -311,16 +313,27 @@ def main(argv=None) -> int:
             log(f"[speed V={vocab}] {path:16s} {m['ms']:9.3f} ms  {m['gbps']:7.0f} GB/s  "
                 f"peak +{_gib(m['peak_bytes'])} GiB")
         results["vocabs"][vocab] = dict(parity=par, timings=timings, floor_bytes=floor)
+        save()
         del logits, target, target_par
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    log(f"[time] {time.time() - t_start:.0f} s so far")
     graph = _guarded(cuda_graph_check, device, dtype, backend, dry)
     log(f"[cuda graph] {'OK' if graph['ok'] else 'FAIL'}: {graph}")
     sync_res = _guarded(sync_debug_check, device, dtype, backend, dry)
     log(f"[sync debug] {'OK' if sync_res['ok'] else 'FAIL'}: {sync_res}")
-    results.update(cuda_graph=graph, sync_debug=sync_res, seconds=time.time() - t_start)
+    results.update(cuda_graph=graph, sync_debug=sync_res)
+    save()
+    log(f"[time] {time.time() - t_start:.0f} s so far")
+    if args.no_linear:
+        linear = dict(ok=True, skipped="--no-linear")
+    else:
+        linear = _guarded(gpu_check_linear.run, device, dry, t_start + args.deadline_s)
+    results.update(linear=linear, seconds=time.time() - t_start)
+    save()
 
-    ok = all(v["parity"]["ok"] for v in results["vocabs"].values()) and graph["ok"] and sync_res["ok"]
+    ok = (all(v["parity"]["ok"] for v in results["vocabs"].values()) and graph["ok"] and sync_res["ok"]
+          and linear["ok"])
     log("")
     log(f"== summary{' (DRY RUN: times are not measurements)' if dry else ''}: {name}, copy {bw:.0f} GB/s, "
         f"fused floor = 3*BT*V*2 bytes ==")
@@ -331,13 +344,14 @@ def main(argv=None) -> int:
                    if path == "fusedce" else "")
         log(f"{vocab:>7}  {path:16s} {m['ms']:10.3f} {m['gbps']:7.0f} {100 * m['gbps'] / bw:6.1f} "
             f"{_gib(m['peak_bytes']):>8}  {verdict}")
+    if "shapes" in linear:
+        for line in gpu_check_linear.summary_lines(linear):
+            log(line)
     log(f"CUDA graph capture+replay: {'OK' if graph['ok'] else 'FAIL'}; sync-free hot path: "
-        f"{'OK' if sync_res['ok'] else 'FAIL'}; total {results['seconds']:.0f} s; "
-        f"overall {'OK' if ok else 'FAIL'}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        f"{'OK' if sync_res['ok'] else 'FAIL'}; linear (stock/chunked/tiled): "
+        f"{linear.get('skipped') or ('OK' if linear['ok'] else 'FAIL: ' + linear.get('error', 'see above'))}"
+        f"{f' ({n} skipped for time)' if (n := linear.get('skipped_paths')) else ''}; "
+        f"total {results['seconds']:.0f} s; overall {'OK' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# fusedce GPU check for a lent H200 (finishes in < 8 minutes; prints a short summary table last):
-#   offline compile report (registers / spills / 128-bit loads, `python -m fusedce.inspect`), then
-#   benchmarks/gpu_check.py: parity at LLM shapes, fwd+bwd speed and GB/s vs copy bandwidth, peak
-#   memory, CUDA-graph capture of a training step, sync-free hot path.
+# fusedce GPU check for a lent H200 (finishes in < 9 minutes; gpu_check.py prints a short summary table):
+#   offline compile report (registers / spills / 128-bit loads, `python -m fusedce.inspect`, ~20 s), then
+#   benchmarks/gpu_check.py (~2-3 min, no linear path starts after --deadline-s, default 270 s):
+#   cross-entropy parity at LLM shapes, fwd+bwd speed and GB/s vs copy bandwidth, peak memory,
+#   CUDA-graph capture of a training step, sync-free hot path, and the LM head fused with the loss
+#   (benchmarks/gpu_check_linear.py: stock vs fusedce chunked vs tiled at BT=8192, H=4096, V=128256 and
+#   H=2304, V=256000: parity vs float64, time, TFLOP/s, peak memory; log-probs + entropy chunked vs
+#   tiled); then the CuTe step (capped at 240 s).
 #
-#   benchmarks/gpu_check.sh [--out results/gpu_check.json] [--vocab V ...] [--rows BT]
+#   benchmarks/gpu_check.sh [--out results/gpu_check.json] [--vocab V ...] [--rows BT] [--no-linear]
+#                           [--deadline-s S]
 #   benchmarks/gpu_check.sh --dry-run      # CPU, Triton interpreter, small shapes: proves it starts
 #
 # Python: $PYTHON if set; else .venv/bin/python when it sees a GPU (or for --dry-run); else python3

@@ -22,6 +22,10 @@ import pytest
 from fusedce.inspect.compile import access_bits
 
 
+# the row kernels (streaming rules apply); the tiled LM-head kernels have their own test below
+ROW_KERNELS = ("--kernel", "forward", "--kernel", "backward", "--kernel", "chunk", "--kernel", "slice")
+
+
 def _inspect(tmp_path, *argv) -> list:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "inspect.json"
@@ -47,7 +51,7 @@ def test_every_flag_combination_compiles_bf16_sm90(tmp_path):
     """All 16 forward, 16 backward (HAS_GRAD_LSE for the z-loss too), 64 fused-chunk (z-loss and token
     scaling too) and 8 slice-statistics constexpr flag combinations: compile, no spill, 128-bit (~35 s)."""
     rows = _inspect(tmp_path, "--arch", "90", "--dtype", "bf16", "--vocab", "32000", "--every-variant",
-                    "--strict")
+                    "--strict", *ROW_KERNELS)
     assert len(rows) == 16 + 16 + 64 + 8
     for row in rows:
         _assert_clean(row)
@@ -58,7 +62,7 @@ def test_vocab_alignment_bf16_fp32(tmp_path, arch):
     """V % 16 == 8 (ALIGN path) and Llama-3's V: clean on Hopper and Blackwell; odd V: scalar access
     (unaligned rows), still no spills. sm_100 is skipped only if the installed Triton can't target it."""
     rows = _inspect(tmp_path, "--arch", arch, "--vocab", "1000", "--vocab", "128256", "--vocab", "50257",
-                    "--variant", "plain", "--variant", "all")
+                    "--variant", "plain", "--variant", "all", *ROW_KERNELS)
     if not rows:
         pytest.skip(f"the installed Triton cannot compile for sm_{arch}")
     assert len(rows) == 4 * 2 * 3 * 2          # kernels x variants x vocabularies x dtypes
@@ -79,3 +83,25 @@ def test_access_bits_parses_ptx_widths():
     st.global.v2.b32 [ %rd6 + 0 ], { %r9, %r10 };
     """
     assert access_bits(ptx) == {"ld": {128: 2, 16: 1, 64: 1}, "st": {64: 1}}
+
+
+def test_entropy_and_tiled_kernels_sm90(tmp_path):
+    """The RL entropy variants of the row kernels (COMPUTE_ENTROPY / HAS_GRAD_ENTROPY) are as clean as the
+    CE ones; the tiled LM-head kernels (hidden (8192, 4096) x weight (32000, 4096)) compile for sm_90, their
+    bf16 dots lower to Hopper warpgroup MMA (wgmma) without spills, their fp32 dots to FMA (IEEE fp32,
+    as F.linear without TF32)."""
+    rows = _inspect(tmp_path, "--arch", "90", "--vocab", "32000", "--kernel", "forward", "--kernel", "backward",
+                    "--kernel", "tiled_forward", "--kernel", "tiled_backward", "--variant", "entropy",
+                    "--variant", "entropy+softcap", "--variant", "plain", "--variant", "all")
+    entropy_rows = [r for r in rows if r["kernel"] in ("forward", "backward") and r["variant"].startswith("entropy")]
+    assert len(entropy_rows) == 2 * 2 * 2      # kernels x variants x dtypes
+    for row in entropy_rows:
+        _assert_clean(row)
+    tiled = [r for r in rows if r["kernel"].startswith("tiled")]
+    assert len(tiled) == 2 * 3 * 2             # kernels x (plain, entropy, all) x dtypes
+    for row in tiled:
+        name = f"{row['kernel']} {row['variant']} {row['dtype']}"
+        assert not row["error"], (name, row["error"])
+        assert row["mma"] == ("wgmma" if row["dtype"] == "bf16" else "none"), (name, row["mma"])
+        if row["dtype"] == "bf16":
+            assert row["spill_bytes"] == 0 and row["local"] == 0, (name, row)

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 COMMANDS = {
     "bench": "fusedce.bench.command",
     "inspect": "fusedce.inspect.report",
+    "finetune": "fusedce.finetune.command",
 }
 
 

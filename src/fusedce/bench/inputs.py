@@ -8,9 +8,16 @@ Sources (``source["kind"]``):
 - ``"synthetic"``: seeded random data of a named shape. Logits are drawn directly, N(0, 2^2) (the
   spread of a trained LM's logits; no BT x H x V matmul, so large vocabularies stay cheap on CPU);
   ``hidden``/``weight`` are drawn so that ``hidden @ weight.T`` has the same spread.
-- ``"random"`` (the memory sweep, ``sweep.py``): seeded ``hidden`` ~ N(0, 1), ``weight`` ~ N(0, 1) *
-  ``source["weight_std"]``, targets uniform in [0, V) with ``round(ignore_fraction * BT)`` positions,
-  drawn at random, set to ``IGNORE_INDEX``. No logits.
+- ``"random"`` (the memory sweep, ``sweep.py``; ``benchmarks/gpu_check.py``): seeded ``hidden`` ~ N(0, 1),
+  ``weight`` ~ N(0, 1) * ``source["weight_std"]``, targets uniform in [0, V) with
+  ``round(ignore_fraction * BT)`` positions, drawn at random, set to ``IGNORE_INDEX``. Logits, when
+  asked for, are ``hidden @ weight.T`` in fp32, unless ``source["logit_std"]`` is given: then they are
+  drawn directly, N(0, logit_std^2), and ``hidden`` / ``weight`` are drawn only when asked for (so
+  ``"hidden"`` and ``"weight_std"`` may be left out). ``source["draw"] == "device"`` draws everything on
+  the build device with a generator there (fast at GPU sizes, where a CPU draw of BT x V values takes
+  longer than the measurement; the values differ from the CPU draw of the same seed); the default
+  ``"cpu"`` draws on the CPU. Order of the draws: hidden and weight (when drawn), targets, the ignored
+  positions, logits (when drawn directly): a build without logits gives the same targets as one with.
 
 Targets of ``"real"`` and ``"synthetic"`` follow the SFT layout of ``sft_target``: sequences of
 ``SEQ_LEN`` tokens whose first ``PROMPT_FRACTION`` (the prompt) and last position (no next token) are
@@ -90,15 +97,24 @@ def _synthetic(source: dict, needs: tuple) -> dict:
     return data
 
 
-def _random(source: dict) -> dict:
-    gen = torch.Generator(device="cpu").manual_seed(int(source.get("seed", 0)))
-    n_rows, hidden_size, vocab = int(source["tokens"]), int(source["hidden"]), int(source["vocab"])
-    hidden = torch.randn(n_rows, hidden_size, generator=gen)
-    weight = torch.randn(vocab, hidden_size, generator=gen).mul_(float(source["weight_std"]))
-    target = torch.randint(0, vocab, (n_rows,), generator=gen)
+def _random(source: dict, needs: tuple, device: str) -> dict:
+    dev = torch.device(device if source.get("draw", "cpu") == "device" else "cpu")
+    gen = torch.Generator(device=dev).manual_seed(int(source.get("seed", 0)))
+    n_rows, vocab = int(source["tokens"]), int(source["vocab"])
+    direct_logits = source.get("logit_std") is not None
+    data = {}
+    if not direct_logits or "hidden" in needs or "weight" in needs:
+        hidden_size = int(source["hidden"])
+        data["hidden"] = torch.randn(n_rows, hidden_size, generator=gen, device=dev)
+        data["weight"] = torch.randn(vocab, hidden_size, generator=gen, device=dev).mul_(
+            float(source["weight_std"]))
+    target = torch.randint(0, vocab, (n_rows,), generator=gen, device=dev)
     n_ignored = round(float(source.get("ignore_fraction", 0.0)) * n_rows)
-    target[torch.randperm(n_rows, generator=gen)[:n_ignored]] = IGNORE_INDEX
-    return {"target": target, "hidden": hidden, "weight": weight}
+    target[torch.randperm(n_rows, generator=gen, device=dev)[:n_ignored]] = IGNORE_INDEX
+    data["target"] = target
+    if direct_logits and "logits" in needs:
+        data["logits"] = torch.randn(n_rows, vocab, generator=gen, device=dev).mul_(float(source["logit_std"]))
+    return data
 
 
 def build(source: dict, needs: tuple, dtype: torch.dtype, device: str,
@@ -113,7 +129,7 @@ def build(source: dict, needs: tuple, dtype: torch.dtype, device: str,
     elif source["kind"] == "synthetic":
         data = _synthetic(source, needs)
     elif source["kind"] == "random":
-        data = _random(source)
+        data = _random(source, needs, device)
     else:
         raise ValueError(f"unknown input source {source['kind']!r}")
     keep = row_slice(data["target"].shape[0], rows)

@@ -9,13 +9,21 @@ statistics are kept. Reported per path:
 - ``grad_max_abs_err``: ``max |g - g_ref|`` over every element (of every leaf);
 - ``grad_rel_err``: ``||g - g_ref||_2 / ||g_ref||_2`` over the whole gradient (the worst leaf; per leaf
   in ``grads``).
+
+Row-subset checks (``benchmarks/gpu_check.py``, where the whole batch in float64 is too slow to repeat per
+path): ``subset_rows`` picks the rows, ``cross_entropy_rows`` compares per-row losses and their gradient
+there and reports torch's own error in the logits' dtype next to it (the yardstick of the "no worse than
+4x torch" rule), ``linear_token_log_probs`` compares log-probabilities and entropies.
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from .inputs import row_slice
 
 CHUNK_ELEMENTS = 1 << 22         # 32 MiB per float64 chunk
 LINEAR_CHUNK_ELEMENTS = 1 << 24  # 128 MiB per float64 chunk of logits (341 rows at V = 49152)
@@ -109,3 +117,104 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         "grad_rel_err": max(s["rel_err"] for s in per_leaf.values()), "grads": per_leaf,
         "scored_rows": n_valid,
     }
+
+
+def subset_rows(target: torch.Tensor, n: Optional[int], ignore_index: int = -100) -> torch.Tensor:
+    """Indices of ``n`` rows spread evenly over ``target`` (``inputs.row_slice``; None or ``n >= BT``: every
+    row), on ``target``'s device. When the batch has both ignored and scored rows, the subset has both:
+    its last row is swapped for the first ignored row (or its first for the first scored row) if needed."""
+    n_rows = target.shape[0]
+    rows = row_slice(n_rows, n)
+    rows = torch.arange(n_rows) if rows is None else rows.clone()
+    ignored = (target.cpu() == ignore_index)
+    picked = ignored[rows]
+    if ignored.any() and not picked.any():
+        rows[-1] = int(ignored.nonzero()[0])
+    elif (~ignored).any() and picked.all():
+        rows[0] = int((~ignored).nonzero()[0])
+    return rows.unique().to(target.device)
+
+
+def _ratio(ours: float, theirs: float) -> float:
+    if theirs > 0:
+        return ours / theirs
+    return 0.0 if ours == 0 else math.inf
+
+
+def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, row_loss: torch.Tensor, grad: torch.Tensor,
+                       rows: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                       mean: Optional[torch.Tensor] = None) -> dict:
+    """Per-row losses ``row_loss`` (BT,) (``reduction="none"``) and ``grad`` (BT, V), the gradient of
+    ``row_loss.sum()``, on the rows ``rows`` (indices; None: all) against ``F.cross_entropy`` in float64
+    on the same logits, upcast, chunk by chunk; next to torch's own error: ``F.cross_entropy`` run in the
+    logits' dtype on those rows, its gradient against the same reference.
+
+    Returns ``loss_rel_err_vs_fp64`` (``max |l - l_ref| / max |l_ref|``), ``grad_err_vs_fp64`` and
+    ``torch_grad_err_vs_fp64`` (``max |g - g_ref|``), ``grad_err_ratio`` (ours / torch's; 0 when both are
+    0, inf when only torch's is), ``rows``. With ``mean`` (the path's mean loss on the whole batch) also
+    ``mean_rel_err_vs_fp32``: against ``F.cross_entropy(logits.float(), target)`` on the whole batch.
+    """
+    rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows.to(logits.device)
+    step = max(1, CHUNK_ELEMENTS // max(1, logits.shape[1]))
+    loss_diff = loss_ref = grad_err = torch_err = 0.0
+    for start in range(0, rows.shape[0], step):
+        idx = rows[start:start + step]
+        t = target[idx]
+        ref_x = logits[idx].detach().double().requires_grad_(True)
+        ref = F.cross_entropy(ref_x, t, reduction="none", ignore_index=ignore_index)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), ref_x)
+        own_x = logits[idx].detach().clone().requires_grad_(True)     # torch in the logits' own dtype
+        own = F.cross_entropy(own_x, t, reduction="none", ignore_index=ignore_index)
+        (own_grad,) = torch.autograd.grad(own.sum(), own_x)
+        ref = ref.detach()
+        loss_diff = max(loss_diff, float((row_loss[idx].double() - ref).abs().max()))
+        loss_ref = max(loss_ref, float(ref.abs().max()))
+        grad_err = max(grad_err, float((grad[idx].double() - ref_grad).abs().max()))
+        torch_err = max(torch_err, float((own_grad.double() - ref_grad).abs().max()))
+    out = dict(loss_rel_err_vs_fp64=loss_diff / max(loss_ref, 1e-30), grad_err_vs_fp64=grad_err,
+               torch_grad_err_vs_fp64=torch_err, grad_err_ratio=_ratio(grad_err, torch_err),
+               rows=int(rows.shape[0]))
+    if mean is not None:
+        mean32 = F.cross_entropy(logits.detach().float(), target, ignore_index=ignore_index)
+        out = dict(mean_rel_err_vs_fp32=float((mean.detach().float() - mean32).abs() / mean32.abs()), **out)
+    return out
+
+
+def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                           log_probs: torch.Tensor, entropy: Optional[torch.Tensor],
+                           rows: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                           temperature: float = 1.0) -> dict:
+    """Per-token ``log_probs`` (BT,) and ``entropy`` (BT,) or None of ``hidden`` (BT, H) @ ``weight``
+    (V, H).T on the rows ``rows`` (None: all) against float64 on the tensors' own values, upcast, in chunks
+    of rows (``log_softmax(z / temperature)[t]`` and ``-sum p log p``; ignored rows: 0 in both), next to
+    torch's own error: ``F.linear`` in the inputs' dtype, then ``log_softmax`` of the fp32-upcast logits
+    (what RL code does without fusedce), against the same reference.
+
+    Returns ``log_probs_max_abs_err``, ``torch_log_probs_max_abs_err``, ``entropy_max_abs_err``,
+    ``torch_entropy_max_abs_err`` (the entropy ones None without ``entropy``), ``rows``."""
+    rows = torch.arange(hidden.shape[0], device=hidden.device) if rows is None else rows.to(hidden.device)
+    weight64 = weight.detach().double()
+    step = max(1, LINEAR_CHUNK_ELEMENTS // max(1, weight.shape[0]))
+    err = dict(lp=0.0, torch_lp=0.0, ent=0.0, torch_ent=0.0)
+
+    def stats(logits):
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        lp = logp.gather(1, t.clamp_min(0)[:, None]).squeeze(1).where(keep, 0.0)
+        return lp, (-(logp.exp() * logp).sum(-1)).where(keep, 0.0)
+
+    for start in range(0, rows.shape[0], step):
+        idx = rows[start:start + step]
+        t = target[idx]
+        keep = t != ignore_index
+        x = hidden.detach()[idx]
+        ref_lp, ref_ent = stats(F.linear(x.double(), weight64))
+        own_lp, own_ent = stats(F.linear(x, weight.detach()).float())
+        err["lp"] = max(err["lp"], float((log_probs.detach()[idx].double() - ref_lp).abs().max()))
+        err["torch_lp"] = max(err["torch_lp"], float((own_lp.double() - ref_lp).abs().max()))
+        if entropy is not None:
+            err["ent"] = max(err["ent"], float((entropy.detach()[idx].double() - ref_ent).abs().max()))
+            err["torch_ent"] = max(err["torch_ent"], float((own_ent.double() - ref_ent).abs().max()))
+    has_ent = entropy is not None
+    return dict(log_probs_max_abs_err=err["lp"], torch_log_probs_max_abs_err=err["torch_lp"],
+                entropy_max_abs_err=err["ent"] if has_ent else None,
+                torch_entropy_max_abs_err=err["torch_ent"] if has_ent else None, rows=int(rows.shape[0]))

@@ -14,19 +14,25 @@ smoothing with weights); the PTX must hold at least that many ``ld.global[.nc].v
 below), and the backward the same count of ``st.global.v4``. ``narrow`` counts the other global loads
 (scalars: target, lse, the target logit, ...). Rows whose V is not a multiple of 16 bytes cannot be
 vectorized (row starts are unaligned) and are shown as such.
+
+The tiled kernels (``tiled_forward`` / ``tiled_backward``, ``method="tiled"``: hidden (BT, 4096) x weight
+(V, 4096), no logits) have no streaming rule (their operands are staged through shared memory); their
+``mma`` column says whether ``tl.dot`` lowered to tensor-core instructions in the PTX (``wgmma`` on
+sm_90, ``mma`` for mma.sync / tcgen05) or to FMA (``none``: fp32 IEEE dots). ``ALIGN`` is 0 for them.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 
-from .variants import (ARCHS, DEFAULT_VOCABS, DTYPES, KERNELS, ROWS, VARIANTS, VOCABS, Variant, every_variant,
-                       launch)
+from .variants import (ARCHS, DEFAULT_VOCABS, DTYPES, KERNELS, ROWS, TILED, VARIANTS, VOCABS, Variant,
+                       every_variant, launch)
 
 @dataclass
 class Row:
@@ -50,6 +56,8 @@ class Row:
     aligned_rows: bool
     ld_bits: dict              # {access width in bits: count} of the global loads in the PTX
     error: str = ""
+    mma: str = "-"             # tiled kernels: "wgmma" / "mma" when tl.dot lowers to tensor-core
+                               # instructions in the PTX (ptxas maps them to HGMMA / HMMA), else "none"
 
     @property
     def vectorized(self) -> bool:
@@ -76,7 +84,19 @@ def _needed(kernel: str, itemsize: int, variant: Variant, meta: dict) -> tuple:
     if variant.weight and variant.smoothing:
         loads += per_stream(4)                       # fp32 class weights, read blockwise
     stores = per_stream(itemsize) if kernel in ("backward", "chunk") else 0
+    if kernel in TILED:   # operand tiles go through shared memory (TMA / cp.async): no per-thread rule
+        return 0, 0
     return loads, stores
+
+
+def _mma(ptx: str) -> str:
+    """Which tensor-core instructions ``tl.dot`` became: "wgmma" (Hopper warpgroup MMA), "mma" (mma.sync),
+    or "none" (FMA: fp32 IEEE dots)."""
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    if re.search(r"\bmma\.sync", ptx) or "tcgen05.mma" in ptx:
+        return "mma"
+    return "none"
 
 
 _CACHE: dict = {}
@@ -93,13 +113,14 @@ def inspect_one(arch: int, kernel: str, dtype_name: str, vocab: int, variant_nam
     ld_needed, st_needed = _needed(kernel, itemsize, variant, meta)
     aligned = (vocab * itemsize) % 16 == 0
     base = dict(arch=arch, kernel=kernel, dtype=dtype_name, vocab=vocab, variant=variant_name,
-                block_v=meta["BLOCK_V"], num_warps=meta["num_warps"], align=meta["ALIGN"],
+                block_v=meta["BLOCK_V"], num_warps=meta["num_warps"], align=meta.get("ALIGN", 0),
                 ld128_needed=ld_needed, st128_needed=st_needed, aligned_rows=aligned)
     # Same specialization for every V divisible by 16 with the same BLOCK_V: compile once.
     key = (arch, kernel, dtype_name, variant, tuple(sorted(meta.items())), vocab % 16 == 0)
     if key not in _CACHE:
         try:
-            _CACHE[key] = resources(compile_launch(fn, args, meta, arch))
+            compiled = compile_launch(fn, args, meta, arch)
+            _CACHE[key] = dict(resources(compiled), mma=_mma(compiled.ptx) if kernel in TILED else "-")
         except Exception as exc:  # noqa: BLE001 - reported, e.g. an arch this Triton can't target
             _CACHE[key] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]}"}
     res = _CACHE[key]
@@ -110,7 +131,7 @@ def inspect_one(arch: int, kernel: str, dtype_name: str, vocab: int, variant_nam
     spills = None if res["spill_stores"] is None else res["spill_stores"] + res["spill_loads"]
     return Row(**base, regs=res["regs"], spill_bytes=spills, local=res["local"], smem=res["smem_dynamic"],
                ld128=ld.get(128, 0), narrow_loads=sum(n for b, n in ld.items() if b < 128),
-               st128=st.get(128, 0), ld_bits=dict(sorted(ld.items())))
+               st128=st.get(128, 0), ld_bits=dict(sorted(ld.items())), mma=res["mma"])
 
 
 def arch_supported(arch: int) -> Optional[str]:
@@ -147,14 +168,14 @@ def _fmt(v) -> str:
 
 def format_table(rows) -> str:
     head = ("arch", "kernel", "variant", "dtype", "V", "BLOCK_V", "warps", "ALIGN", "regs", "spill B",
-            "smem B", "ld v4 got/need", "narrow ld", "st v4 got/need", "check")
+            "smem B", "ld v4 got/need", "narrow ld", "st v4 got/need", "mma", "check")
     lines = [head]
     for r in rows:
         check = r.problem or ("ok" if r.aligned_rows else "ok (rows unaligned: scalar)")
         lines.append((f"sm_{r.arch}", r.kernel, r.variant, r.dtype, str(r.vocab), str(r.block_v),
                       str(r.num_warps), str(r.align), _fmt(r.regs), _fmt(r.spill_bytes), str(r.smem),
                       f"{r.ld128}/{r.ld128_needed}", str(r.narrow_loads),
-                      f"{r.st128}/{r.st128_needed}" if r.kernel in ("backward", "chunk") else "-", check))
+                      f"{r.st128}/{r.st128_needed}" if r.kernel in ("backward", "chunk") else "-", r.mma, check))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))

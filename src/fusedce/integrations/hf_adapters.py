@@ -32,7 +32,8 @@ class Pieces:
         self.weight: List[torch.Tensor] = []
         self.bias: List[torch.Tensor] = []
 
-    def add(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], where: str) -> None:
+    def add(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            where: str) -> None:
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise TypeError(f"{where}: the weight seen inside the module's own forward is not a 2-D (V, H) "
                             f"tensor (got {tuple(getattr(weight, 'shape', ()))}): patch_causal_lm supports "

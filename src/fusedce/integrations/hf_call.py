@@ -104,7 +104,8 @@ class HeadCall:
     def _replaced(self, module: nn.Module, forward: Callable):
         """``module(...)`` runs ``forward`` inside ``Module.__call__`` (hooks fire). Under an accelerate
         hook (``_hf_hook``) its ``_old_forward`` is replaced instead, so the hook's own work still runs."""
-        attr = "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
+        accelerate = hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__
+        attr = "_old_forward" if accelerate else "forward"
         previous = module.__dict__.get(attr)
         self._originals[module] = previous if previous is not None else type(module).forward.__get__(module)
         module.__dict__[attr] = forward

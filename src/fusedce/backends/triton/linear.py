@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 
 from ..chunk_loop import linear_cross_entropy as _linear_cross_entropy
+from ..chunk_loop import log_probs as _log_probs
 from . import custom_ops
+from .tiled import TRITON_TILED
 
 
 def _w(w, weight_sum):
@@ -40,4 +42,6 @@ class TritonChunkCE:
                              grad_entropy, entropy, out)
 
 
-linear_cross_entropy = functools.partial(_linear_cross_entropy, TritonChunkCE)
+linear_cross_entropy = functools.partial(_linear_cross_entropy, TritonChunkCE, tiled=TRITON_TILED)
+token_log_probs = functools.partial(_log_probs.token_log_probs, TritonChunkCE)
+linear_token_log_probs = functools.partial(_log_probs.linear_token_log_probs, TritonChunkCE, tiled=TRITON_TILED)

@@ -31,3 +31,37 @@ def forward_config(n_cols: int) -> dict:
 def backward_config(n_cols: int) -> dict:
     block = min(MAX_BLOCK_V, triton.next_power_of_2(max(n_cols, 16)))
     return {"BLOCK_V": block, "num_warps": 8 if block >= 2048 else 4, "maxnreg": MAX_REGISTERS}
+
+
+# ---------------------------------------------------------------- tiled LM head (method="tiled")
+#
+# Chosen by reasoning and by the static sm_90 report (``fusedce inspect --kernel tiled_forward
+# --kernel tiled_backward``: registers, spills, wgmma), not by GPU timing (none was available; re-tune on a
+# lent H100 / H200):
+# - BLOCK_N = 64 tokens: the weight is streamed once per token tile, so its arithmetic intensity is
+#   2 BLOCK_N / s FLOP per byte (64 for bf16), served from L2 since the concurrent token tiles walk the
+#   vocabulary in the same order; 64 rather than 128 keeps n / BLOCK_N programs >= the 132 SMs of an H100
+#   from n = 8192 tokens on (the forward's grid is over token tiles only).
+# - BLOCK_V = 128 classes: the fp32 logits tile (64 x 128) is 32 registers per thread at 8 warps (room for
+#   the epilogue's temporaries without spilling) and each wgmma is 64 x 128 x 16; in the backward it is also
+#   the grad_hidden atomic factor (4 H V / BLOCK_V bytes per token).
+# - BLOCK_H = 64: two 16-byte bf16 rows per operand load per thread, 3 pipeline stages of (64 + 128) x 64
+#   bf16 operands = 72 KiB of shared memory.
+# - fp32 inputs: their dots are IEEE fp32 (FMA, no tensor cores) unless torch allows TF32; FMA dots hold
+#   their operands in registers, and with the bf16 tiles ptxas spilled (fp32 forward with every option 64 B,
+#   backward 800 B at 255 registers; BLOCK_H = 32: 4-24 B at 128; 4 warps: worse), so fp32 uses
+#   BLOCK_V = 64, BLOCK_H = 16 and 2 stages: no spills, except 12 B in the backward with every option.
+# Under the interpreter (CPU tests) the same tiles, which the tests shrink to exercise several tiles.
+TILED_BLOCK_N = 64
+TILED_BLOCK_V = 128
+TILED_BLOCK_H = 64
+
+
+def tiled_config(n_rows: int, n_cols: int, n_hidden: int, backward: bool, elem_size: int = 2) -> dict:
+    """Tiles and launch options of ``kernels/tiled_forward.py`` / ``tiled_backward.py`` for inputs of
+    ``elem_size`` bytes (see the comment above)."""
+    if elem_size >= 4:
+        return {"BLOCK_N": TILED_BLOCK_N, "BLOCK_V": TILED_BLOCK_V // 2, "BLOCK_H": TILED_BLOCK_H // 4,
+                "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_N": TILED_BLOCK_N, "BLOCK_V": TILED_BLOCK_V, "BLOCK_H": TILED_BLOCK_H, "num_warps": 8,
+            "num_stages": 3}

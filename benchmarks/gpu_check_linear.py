@@ -1,0 +1,324 @@
+"""Section 5 of the GPU check: the LM head fused with the loss, stock vs fusedce chunked vs tiled (Triton).
+
+Run by ``benchmarks/gpu_check.py`` (its rows join the summary table); alone: ``python
+benchmarks/gpu_check_linear.py [--dry-run] [--out FILE]`` with ``src`` on ``PYTHONPATH``.
+
+Shapes (bf16, BT = 8192, 25 % of the targets ignored at random): H = 4096, V = 128256 (Llama 3) and
+H = 2304, V = 256000 (Gemma 2). Inputs: ``fusedce.bench.inputs`` source ``"random"`` drawn on the GPU,
+hidden ~ N(0, 1), weight ~ N(0, 1) * 0.02 (the memory sweep's data). Paths, each guarded (one failure
+does not stop the others):
+
+- ``stock``: the bench's ``linear-torch`` path, ``F.cross_entropy(F.linear(h, W).float(), t)``;
+- ``chunked``: ``fusedce.linear_cross_entropy(..., method="chunked", backend="triton")``;
+- ``tiled``: the bench's ``linear-fusedce-triton-tiled`` path (``method="tiled"``, backend triton).
+
+Per path: forward+backward time (``harness.median_ms``: ``triton.testing.do_bench`` median; a path whose
+single run takes over ``SLOW_S`` seconds is reported from that one run instead, to keep the budget),
+peak memory beyond the inputs (``harness.peak_memory``: gradients included), TFLOP/s of the useful work
+6 * N * V * H (N = scored tokens), the full-batch loss next to stock's, and parity against float64 on a
+row subset: the path runs on ``PARITY_ROWS`` rows of hidden (spread, ignored ones included) with the full
+weight, and ``fusedce.bench.parity.linear_cross_entropy`` compares its mean loss and both gradients
+with float64 autograd over chunks of rows. Verdict (C6's rule, with stock as "torch"): gradient error
+<= 4x stock's, loss error <= 4x stock's + ``LOSS_SLACK``.
+
+Then at the first shape, if time is left: ``fusedce.linear_token_log_probs(..., return_entropy=True)``,
+chunked vs tiled, backward with per-token upstreams for both outputs (an advantage on the log-probs, a
+coefficient on the entropy): time, peak memory, log-prob / entropy error against float64 on the subset
+(next to torch's own bf16 error, ``parity.linear_token_log_probs``) and how far the two methods'
+gradients are apart.
+
+Estimated H200 time (at an assumed 300 dense bf16 TFLOP/s; 6 N V H FLOPs chunked and stock-matmuls,
+8 N V H tiled; N = 6144 scored tokens, stock does all 8192): one fwd+bwd ~ 65-120 ms, so each path's
+warm-up + peak run + do_bench (~7 runs) + subset parity is ~1-2 s plus its first compile; both shapes,
+3 paths: ~15 s + compiles (~10-30 s); log-probs: ~5 s; float64 references on 2048 rows: ~1 s each. About
+30-60 s in all; a path is not started once ``deadline`` (from ``gpu_check.py``) has passed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+if __name__ == "__main__" and "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"   # before anything imports triton
+
+import torch  # noqa: E402
+
+import fusedce  # noqa: E402
+from fusedce.bench import harness, inputs, parity  # noqa: E402
+from fusedce.bench.paths import PATHS  # noqa: E402
+
+IGNORE = inputs.IGNORE_INDEX
+FULL = dict(shapes=((8192, 4096, 128256), (8192, 2304, 256000)), parity_rows=2048)
+# Dry run: V not a multiple of the tiled kernels' 128-class tile, H not one of their 64-wide steps.
+DRY = dict(shapes=((32, 96, 1000), (32, 40, 520)), parity_rows=None)
+IGNORE_FRACTION, WEIGHT_STD = 0.25, 0.02
+SLOW_S = 2.0          # a single fwd+bwd slower than this is not handed to do_bench (~7 more runs)
+LOSS_SLACK = 3e-4     # absolute: ~4 sigma of the bf16 rounding of z[target] averaged over 1536 rows
+ASSUMED_TFLOPS = 300.0
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def _fused(method: str):
+    def forward(data: inputs.Inputs) -> torch.Tensor:
+        return fusedce.linear_cross_entropy(data.hidden, data.weight, data.target, ignore_index=IGNORE,
+                                            method=method, backend="triton")
+    return forward
+
+
+# The registry's ``linear-fusedce-triton`` is method="auto"; the chunked kernels are asked for by name.
+PATH_FNS = {"stock": PATHS["linear-torch"].forward, "chunked": _fused("chunked"),
+            "tiled": PATHS["linear-fusedce-triton-tiled"].forward}
+
+
+def _reset(*leaves) -> None:
+    for t in leaves:
+        t.grad = None
+
+
+def measure_step(step, leaves, device, dry: bool) -> dict:
+    """``ms``, ``peak_bytes``, ``timing`` (how it was timed) and ``last`` (what the peak-memory run of
+    ``step``, one fwd+bwd, returned) by the bench's methods: a warm-up run (compiles), then
+    ``harness.peak_memory`` of one run, then ``harness.median_ms`` (do_bench median) unless that run took
+    over ``SLOW_S``. ``leaves``: the tensors whose ``.grad`` is reset between runs."""
+    box = {}
+    run = lambda: box.__setitem__("last", step())  # noqa: E731
+    reset = lambda: _reset(*leaves)  # noqa: E731
+    if dry:   # CPU: one interpreter run, not a measurement; no peak memory
+        ms = harness.median_ms(run, reset, "cpu", repeats=1, warmup=0)[0]
+        return dict(ms=ms, peak_bytes=None, timing="dry run: 1 interpreter run", last=box["last"])
+    run()                                      # compile; the allocator warms up
+    reset()
+    start = time.perf_counter()
+    peak, _method = harness.peak_memory(run, "cuda")   # synchronizes before and after
+    single_ms = (time.perf_counter() - start) * 1e3
+    last = box["last"]                         # the peak run's outputs (the timed runs overwrite box)
+    reset()
+    if single_ms > SLOW_S * 1e3:
+        return dict(ms=single_ms, peak_bytes=peak, timing="1 run (slow path: no do_bench)", last=last)
+    ms, _ = harness.median_ms(run, reset, "cuda", repeats=1, grad_to_none=list(leaves))
+    return dict(ms=ms, peak_bytes=peak, timing="do_bench median", last=last)
+
+
+def _subset_parity(fn, data: inputs.Inputs, rows) -> dict:
+    """The path on hidden[rows] with the full weight, against float64 (``parity.linear_cross_entropy``)."""
+    sub = inputs.Inputs(target=data.target[rows], hidden=data.hidden.detach()[rows].requires_grad_(True),
+                        weight=data.weight)
+    data.weight.grad = None
+    loss = fn(sub)
+    loss.backward()
+    out = parity.linear_cross_entropy(sub.hidden, sub.weight, sub.target, loss.detach(),
+                                      {"hidden": sub.hidden.grad, "weight": sub.weight.grad}, IGNORE)
+    data.weight.grad = None
+    return out
+
+
+def _verdict(par: dict, stock: dict | None) -> bool:
+    if stock is None or "grad_rel_err" not in stock:   # no yardstick: the bench smoke test's tolerances
+        return par["loss_abs_err"] < 2e-2 and par["grad_rel_err"] < 2e-2
+    return (par["grad_rel_err"] <= 4 * stock["grad_rel_err"] + 1e-6
+            and par["loss_abs_err"] <= 4 * stock["loss_abs_err"] + LOSS_SLACK)
+
+
+def run_shape(rows: int, hidden: int, vocab: int, device, dry: bool, parity_rows, deadline: float) -> dict:
+    source = {"kind": "random", "tokens": rows, "hidden": hidden, "vocab": vocab, "weight_std": WEIGHT_STD,
+              "ignore_fraction": IGNORE_FRACTION, "seed": vocab, "draw": "device"}
+    data = inputs.build(source, ("hidden", "weight"), torch.bfloat16, str(device))
+    scored = int((data.target != IGNORE).sum())
+    flops = 6 * scored * vocab * hidden
+    _log(f"[linear BT={rows} H={hidden} V={vocab}] {scored} scored tokens; 6NVH = {flops / 1e12:.2f} TFLOP "
+         f"(~{flops / ASSUMED_TFLOPS / 1e9:.0f} ms chunked, ~{flops * 4 / 3 / ASSUMED_TFLOPS / 1e9:.0f} ms "
+         f"tiled at {ASSUMED_TFLOPS:.0f} TFLOP/s)")
+    sub_rows = parity.subset_rows(data.target, parity_rows, IGNORE)
+    out = dict(rows=rows, hidden=hidden, vocab=vocab, scored_tokens=scored, useful_flops=flops,
+               parity_rows=int(sub_rows.shape[0]), paths={})
+    for name, fn in PATH_FNS.items():
+        if time.time() > deadline:
+            out["paths"][name] = dict(skipped="time budget of gpu_check.py spent")
+            _log(f"[linear V={vocab}] {name:8s} SKIPPED (time budget)")
+            continue
+        try:
+            def step():
+                loss = fn(data)
+                loss.backward()
+                return loss.detach()
+            m = measure_step(step, (data.hidden, data.weight), device, dry)
+            m["loss"] = float(m.pop("last"))
+            m["tflops"] = flops / (m["ms"] * 1e-3) / 1e12
+            m["parity"] = _subset_parity(fn, data, sub_rows)
+        except Exception as exc:  # noqa: BLE001 - one failing path must not hide the others
+            _reset(data.hidden, data.weight)
+            out["paths"][name] = dict(error=_error(exc))
+            _log(f"[linear V={vocab}] {name:8s} FAILED: {_error(exc)}")
+            continue
+        stock = out["paths"].get("stock", {})
+        if "loss" in stock:
+            m["loss_diff_vs_stock"] = abs(m["loss"] - stock["loss"])
+        m["ok"] = _verdict(m["parity"], stock.get("parity"))
+        out["paths"][name] = m
+        par = m["parity"]
+        _log(f"[linear V={vocab}] {name:8s} {m['ms']:9.2f} ms  {m['tflops']:6.1f} TFLOP/s  "
+             f"peak +{_gib(m['peak_bytes'])} GiB  loss {m['loss']:.6f}  vs fp64 on {out['parity_rows']} rows: "
+             f"loss {par['loss_abs_err']:.1e}, grad rel {par['grad_rel_err']:.2e} "
+             f"(h {par['grads']['hidden']['rel_err']:.1e}, W {par['grads']['weight']['rel_err']:.1e}) "
+             f"-> {'OK' if m['ok'] else 'FAIL'}  [{m['timing']}]")
+    out["data"] = data
+    out["sub_rows"] = sub_rows
+    return out
+
+
+def run_log_probs(data: inputs.Inputs, sub_rows, device, dry: bool, deadline: float) -> dict:
+    """``linear_token_log_probs(return_entropy=True)`` chunked vs tiled, per-token upstreams on both."""
+    gen = torch.Generator(device=device).manual_seed(7)
+    n = data.target.shape[0]
+    advantage = torch.randn(n, generator=gen, device=device)
+    entropy_coef = torch.randn(n, generator=gen, device=device).mul_(0.01)
+    out, first_grads = {}, None
+    for method in ("chunked", "tiled"):
+        if time.time() > deadline:
+            out[method] = dict(skipped="time budget of gpu_check.py spent")
+            _log(f"[log-probs] {method:8s} SKIPPED (time budget)")
+            continue
+        try:
+            def step():
+                res = fusedce.linear_token_log_probs(data.hidden, data.weight, data.target, ignore_index=IGNORE,
+                                                     return_entropy=True, method=method, backend="triton")
+                ((advantage * res.log_probs).sum() + (entropy_coef * res.entropy).sum()).backward()
+                return res.log_probs.detach(), res.entropy.detach()
+            m = measure_step(step, (data.hidden, data.weight), device, dry)
+            log_probs, entropy = m.pop("last")
+            m["parity"] = parity.linear_token_log_probs(data.hidden, data.weight, data.target, log_probs, entropy,
+                                                        sub_rows, IGNORE)
+            data.hidden.grad = data.weight.grad = None
+            step()                                   # the gradients, compared between the methods
+            grads = (data.hidden.grad.float(), data.weight.grad.float())
+            _reset(data.hidden, data.weight)
+            if first_grads is None:
+                first_grads = grads
+            else:
+                m["grad_rel_diff_vs_chunked"] = max(
+                    float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads, first_grads))
+        except Exception as exc:  # noqa: BLE001
+            _reset(data.hidden, data.weight)
+            out[method] = dict(error=_error(exc))
+            _log(f"[log-probs] {method:8s} FAILED: {_error(exc)}")
+            continue
+        par = m["parity"]
+        m["ok"] = (par["log_probs_max_abs_err"] <= 4 * par["torch_log_probs_max_abs_err"] + 1e-3
+                   and par["entropy_max_abs_err"] <= 4 * par["torch_entropy_max_abs_err"] + 1e-3
+                   and m.get("grad_rel_diff_vs_chunked", 0.0) < 2e-2)
+        out[method] = m
+        diff = m.get("grad_rel_diff_vs_chunked")
+        _log(f"[log-probs] {method:8s} {m['ms']:9.2f} ms  peak +{_gib(m['peak_bytes'])} GiB  vs fp64 on "
+             f"{par['rows']} rows: log-prob {par['log_probs_max_abs_err']:.1e} (torch bf16 "
+             f"{par['torch_log_probs_max_abs_err']:.1e}), entropy {par['entropy_max_abs_err']:.1e} (torch "
+             f"{par['torch_entropy_max_abs_err']:.1e})"
+             + ("" if diff is None else f", grads vs chunked {diff:.1e}")
+             + f" -> {'OK' if m['ok'] else 'FAIL'}  [{m['timing']}]")
+    del first_grads
+    return out
+
+
+def _gib(b) -> str:
+    return "n/a" if b is None else f"{b / 2**30:.2f}"
+
+
+def run(device, dry: bool, deadline: float = float("inf")) -> dict:
+    """The whole section; every path guarded. ``ok``: no path failed and every parity verdict held
+    (paths skipped for time do not count)."""
+    cfg = DRY if dry else FULL
+    result = dict(shapes={}, log_probs=None)
+    for i, (rows, hidden, vocab) in enumerate(cfg["shapes"]):
+        key = f"{rows}x{hidden}x{vocab}"
+        if time.time() > deadline:                 # not even the inputs: they take a few seconds
+            result["shapes"][key] = dict(paths={name: dict(skipped="time budget of gpu_check.py spent")
+                                                for name in PATH_FNS})
+            _log(f"[linear {key}] SKIPPED (time budget)")
+            continue
+        try:
+            shape = run_shape(rows, hidden, vocab, device, dry, cfg["parity_rows"], deadline)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory building the inputs
+            result["shapes"][key] = dict(error=_error(exc))
+            _log(f"[linear {key}] FAILED: {_error(exc)}")
+            continue
+        data, sub_rows = shape.pop("data"), shape.pop("sub_rows")
+        result["shapes"][key] = shape
+        if i == 0:
+            try:
+                result["log_probs"] = dict(shape=key, methods=run_log_probs(data, sub_rows, device, dry, deadline))
+            except Exception as exc:  # noqa: BLE001
+                result["log_probs"] = dict(shape=key, error=_error(exc))
+        del data
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    measured = []                      # a failed shape or log-probs section counts as one failed entry
+    for shape in result["shapes"].values():
+        measured += list(shape["paths"].values()) if "paths" in shape else [shape]
+    lp = result["log_probs"]
+    if lp:
+        measured += list(lp["methods"].values()) if "methods" in lp else [lp]
+    result["ok"] = all(m.get("ok", False) for m in measured if "skipped" not in m)
+    result["skipped_paths"] = sum("skipped" in m for m in measured)
+    return result
+
+
+def summary_lines(result: dict) -> list[str]:
+    """The section's rows of the summary table."""
+    lines = [f"{'linear BTxHxV':>17}  {'path':8s} {'fwd+bwd ms':>10} {'TFLOP/s':>7} {'peak GiB':>8} "
+             f"{'|loss-stock|':>12}  parity (fp64 row subset; 6NVH useful FLOPs)"]
+    for key, shape in result.get("shapes", {}).items():
+        if "error" in shape:
+            lines.append(f"{key:>17}  FAILED: {shape['error']}")
+            continue
+        for name, m in shape["paths"].items():
+            if "ms" not in m:
+                lines.append(f"{key:>17}  {name:8s} {m.get('skipped') or 'FAILED: ' + m.get('error', '?')}")
+                continue
+            par = m["parity"]
+            diff = m.get("loss_diff_vs_stock")
+            lines.append(f"{key:>17}  {name:8s} {m['ms']:10.2f} {m['tflops']:7.1f} {_gib(m['peak_bytes']):>8} "
+                         f"{'' if diff is None else f'{diff:.1e}':>12}  {'OK' if m['ok'] else 'FAIL'} "
+                         f"(loss {par['loss_abs_err']:.1e}, grad rel {par['grad_rel_err']:.1e})")
+    lp = result.get("log_probs")
+    if lp:
+        for method, m in lp.get("methods", {"(all)": lp}).items():
+            label = f"log-probs+entropy {method}"
+            if "ms" not in m:
+                lines.append(f"{lp['shape']:>17}  {label}: {m.get('skipped') or 'FAILED: ' + m.get('error', '?')}")
+                continue
+            lines.append(f"{lp['shape']:>17}  {label}: {m['ms']:.2f} ms, peak +{_gib(m['peak_bytes'])} GiB, "
+                         f"{'OK' if m['ok'] else 'FAIL'}")
+    return lines
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        _log("no CUDA device: run with --dry-run on CPU")
+        return 2
+    result = run(torch.device("cpu" if args.dry_run else "cuda"), args.dry_run)
+    _log("")
+    for line in summary_lines(result):
+        _log(line)
+    _log(f"linear section: {'OK' if result['ok'] else 'FAIL'}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

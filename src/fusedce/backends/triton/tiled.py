@@ -1,0 +1,193 @@
+"""The tiled LM-head loss (``method="tiled"``) on Triton: launchers, torch custom ops, and ``TRITON_TILED``
+(the ``TiledCE`` of ``chunk_loop/protocols.py``).
+
+Layering as for the row kernels: ``kernels/tiled_forward.py`` / ``tiled_backward.py`` (the kernels, their
+design and their bytes / FLOPs per token) -> ``tiled_forward_launch`` / ``tiled_backward_launch`` (grid,
+arguments and meta-parameters in one place; ``fusedce inspect`` compiles exactly these on meta tensors)
+-> the custom ops ``fusedce::tiled_forward`` / ``fusedce::tiled_backward`` (allocate + launch, with fakes,
+so torch.compile traces them) -> ``TRITON_TILED`` (typed entry points). No autograd here: the shared
+Functions of ``chunk_loop`` call ``forward`` / ``backward``.
+
+Memory: besides the (n,) per-row outputs, forward allocates nothing; backward allocates the fp32
+accumulators the atomics need: grad_hidden (n x H fp32, cast to hidden's dtype afterwards when that is
+not fp32), grad_weight (V x H fp32) and grad_bias (V fp32), cast to ``accum_dtype`` when that is not fp32.
+No tensor of n x V (or any other V-sized tensor besides the weight / bias gradients) exists.
+
+Matmul precision: bf16 / fp16 dots run on tensor cores with fp32 accumulation (as ``F.linear``); fp32
+dots are IEEE fp32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set, as for ``F.linear``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ...types import LossOptions
+from ..chunk_loop.protocols import TiledRows
+from . import tuning
+from .kernels.tiled_backward import tiled_backward_kernel
+from .kernels.tiled_forward import tiled_forward_kernel
+from .launch import _INTERPRETED
+
+Opt = Optional[torch.Tensor]
+
+
+def _dot_meta(dtype: torch.dtype) -> dict:
+    """DOT_PRECISION / UPCAST / ROUND_BF16 for inputs of ``dtype`` (see the module docstring)."""
+    meta = {"DOT_PRECISION": "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+            else "ieee"}
+    if _INTERPRETED:
+        meta.update(DOT_PRECISION="ieee", UPCAST=dtype != torch.float32, ROUND_BF16=dtype == torch.bfloat16)
+    return meta
+
+
+def _grid_meta(n_rows, n_cols, n_hidden, backward, dtype):
+    cfg = tuning.tiled_config(n_rows, n_cols, n_hidden, backward, torch.empty((), dtype=dtype).element_size())
+    return cfg, dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
+                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_meta(dtype))
+
+
+def tiled_forward_launch(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, loss, lse, lse_lo,
+                         predicted: Opt, target_logit, entropy: Opt):
+    """``(kernel, grid, args, meta)`` of the tiled forward for these buffers (see ``tiled_forward``)."""
+    (n_rows, n_hidden), n_cols = hidden.shape, weight.shape[0]
+    dummy = loss
+    cfg, meta = _grid_meta(n_rows, n_cols, n_hidden, False, hidden.dtype)
+    args = (hidden, weight, dummy if bias is None else bias, target, dummy if w is None else w,
+            dummy if weight_sum is None else weight_sum, loss, lse, lse_lo,
+            dummy if predicted is None else predicted, target_logit, dummy if entropy is None else entropy,
+            n_rows, n_cols, n_hidden, hidden.stride(0), weight.stride(0), target.stride(0), *opts.kernel_scalars())
+    meta.update(HAS_BIAS=bias is not None, HAS_WEIGHT=w is not None, **opts.kernel_flags(),
+                COMPUTE_STATS=predicted is not None, COMPUTE_ENTROPY=entropy is not None)
+    return tiled_forward_kernel, (triton_cdiv(n_rows, cfg["BLOCK_N"]),), args, meta
+
+
+def tiled_backward_launch(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
+                          grad_entropy: Opt, entropy: Opt, opts: LossOptions, grad_hidden: Opt, grad_weight: Opt,
+                          grad_bias: Opt):
+    """``(kernel, grid, args, meta)`` of the tiled backward; ``grad_*``: zeroed fp32 accumulators or None
+    (not computed)."""
+    (n_rows, n_hidden), n_cols = hidden.shape, weight.shape[0]
+    dummy = lse
+    cfg, meta = _grid_meta(n_rows, n_cols, n_hidden, True, hidden.dtype)
+    opt = lambda t: dummy if t is None else t   # noqa: E731
+    args = (hidden, weight, opt(bias), target, opt(w), opt(weight_sum), lse, lse_lo, grad_row, opt(grad_lse),
+            opt(grad_entropy), opt(None if grad_entropy is None else entropy),
+            opt(grad_hidden), opt(grad_weight), opt(grad_bias),
+            n_rows, n_cols, n_hidden, hidden.stride(0), weight.stride(0), target.stride(0), grad_row.stride(0),
+            0 if grad_lse is None else grad_lse.stride(0), 0 if grad_entropy is None else grad_entropy.stride(0),
+            *opts.kernel_scalars())
+    meta.update(HAS_BIAS=bias is not None, HAS_WEIGHT=w is not None, **opts.kernel_flags(),
+                HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
+                NEED_GRAD_HIDDEN=grad_hidden is not None, NEED_GRAD_WEIGHT=grad_weight is not None,
+                NEED_GRAD_BIAS=grad_bias is not None)
+    grid = (triton_cdiv(n_rows, cfg["BLOCK_N"]), triton_cdiv(n_cols, cfg["BLOCK_V"]))
+    return tiled_backward_kernel, grid, args, meta
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rows_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _opt_c(t: Opt) -> Opt:
+    return None if t is None else t.contiguous()
+
+
+# ---------------------------------------------------------------- custom ops
+
+def _forward_buffers(hidden, stats: bool, entropy: bool):
+    n = hidden.shape[0]
+    f = lambda k: hidden.new_empty(k, dtype=torch.float32)   # noqa: E731
+    return (f(n), f(n), f(n), hidden.new_empty(n if stats else 0, dtype=torch.int64), f(n),
+            f(n if entropy else 0))
+
+
+@torch.library.custom_op("fusedce::tiled_forward", mutates_args=())
+def tiled_forward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, target: torch.Tensor, w: Opt,
+                     weight_sum: Opt, ignore_index: int, scalars: list[float], stats: bool, entropy: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, lse, lse_lo, predicted, target_logit, entropy)``, (n,) each (predicted int64, (0,) without
+    stats; entropy (0,) unless asked)."""
+    out = _forward_buffers(hidden, stats, entropy)
+    if hidden.shape[0]:
+        kernel, grid, args, meta = tiled_forward_launch(
+            _rows_last(hidden), _rows_last(weight), _opt_c(bias), target, _opt_c(w),
+            None if weight_sum is None else weight_sum.reshape(1).float(),
+            LossOptions.from_op_args(ignore_index, scalars), *out[:3], out[3] if stats else None, out[4],
+            out[5] if entropy else None)
+        kernel[grid](*args, **meta)
+    return out
+
+
+@tiled_forward_op.register_fake
+def _(hidden, weight, bias, target, w, weight_sum, ignore_index, scalars, stats, entropy):
+    return _forward_buffers(hidden, stats, entropy)
+
+
+def _grad_shapes(hidden, weight, needs_h, needs_w, needs_b):
+    n, hd = hidden.shape
+    v = weight.shape[0]
+    return (n, hd) if needs_h else (0,), (v, hd) if needs_w else (0,), (v,) if needs_b else (0,)
+
+
+@torch.library.custom_op("fusedce::tiled_backward", mutates_args=())
+def tiled_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, target: torch.Tensor, w: Opt,
+                      weight_sum: Opt, lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor,
+                      grad_lse: Opt, grad_entropy: Opt, entropy: Opt, ignore_index: int, scalars: list[float],
+                      needs_h: bool, needs_w: bool, needs_b: bool, accum_dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_hidden, grad_weight, grad_bias)``: hidden's dtype, accum_dtype, accum_dtype; (0,) for a
+    gradient not asked for. fp32 atomic accumulation (``kernels/tiled_backward.py``)."""
+    sh, sw, sb = _grad_shapes(hidden, weight, needs_h, needs_w, needs_b)
+    acc_h = hidden.new_zeros(sh, dtype=torch.float32)
+    acc_w = hidden.new_zeros(sw, dtype=torch.float32)
+    acc_b = hidden.new_zeros(sb, dtype=torch.float32)
+    if hidden.shape[0] and weight.shape[0]:
+        kernel, grid, args, meta = tiled_backward_launch(
+            _rows_last(hidden), _rows_last(weight), _opt_c(bias), target, _opt_c(w),
+            None if weight_sum is None else weight_sum.reshape(1).float(), lse.contiguous(), lse_lo.contiguous(),
+            grad_row, grad_lse, grad_entropy, _opt_c(entropy), LossOptions.from_op_args(ignore_index, scalars),
+            acc_h if needs_h else None, acc_w if needs_w else None, acc_b if needs_b else None)
+        kernel[grid](*args, **meta)
+    return acc_h.to(hidden.dtype), acc_w.to(accum_dtype), acc_b.to(accum_dtype)
+
+
+@tiled_backward_op.register_fake
+def _(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, grad_entropy, entropy,
+      ignore_index, scalars, needs_h, needs_w, needs_b, accum_dtype):
+    sh, sw, sb = _grad_shapes(hidden, weight, needs_h, needs_w, needs_b)
+    return (hidden.new_empty(sh), hidden.new_empty(sw, dtype=accum_dtype), hidden.new_empty(sb, dtype=accum_dtype))
+
+
+# ---------------------------------------------------------------- the TiledCE object
+
+class TritonTiledCE:
+    """``TiledCE`` (``chunk_loop/protocols.py``) with the tiled Triton kernels (CUDA, or the interpreter
+    in tests). ``hidden`` (n, H), ``weight`` (V, H), ``bias`` (V,) or None: one float dtype."""
+
+    @staticmethod
+    def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
+                entropy: bool = False) -> TiledRows:
+        loss, lse, lse_lo, predicted, target_logit, ent = torch.ops.fusedce.tiled_forward(
+            hidden, weight, bias, target, w, weight_sum, *opts.op_args(), stats, entropy)
+        if not stats:
+            predicted = torch.full_like(target, -1, dtype=torch.int64)
+        return TiledRows(loss, lse, lse_lo, predicted, target_logit, ent if entropy else None)
+
+    @staticmethod
+    def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
+                 opts: LossOptions, needs: Tuple[bool, bool, bool], accum_dtype: torch.dtype,
+                 grad_entropy: Opt = None, entropy: Opt = None) -> Tuple[Opt, Opt, Opt]:
+        needs_b = bool(needs[2]) and bias is not None
+        gh, gw, gb = torch.ops.fusedce.tiled_backward(
+            hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
+            grad_entropy, entropy if grad_entropy is not None else None, *opts.op_args(),
+            bool(needs[0]), bool(needs[1]), needs_b, accum_dtype)
+        return gh if needs[0] else None, gw if needs[1] else None, gb if needs_b else None
+
+
+TRITON_TILED = TritonTiledCE()
