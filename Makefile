@@ -32,7 +32,7 @@ test: $(STAMP)
 # `make test` runs the representative subset (tests/test_cute_compile.py).
 test-cute: $(STAMP)
 	$(VPY) -m pip install -q -e '.[cute]'
-	FUSEDCE_CUTE_EVERY=1 TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 tests/test_cute_compile.py tests/test_cute_backend.py
+	FUSEDCE_CUTE_EVERY=1 TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 tests/test_cute_compile.py tests/test_cute_backend.py tests/test_cute_custom_ops.py
 
 clean:
 	rm -rf $(VENV) .cache results

@@ -4,7 +4,9 @@
 2. timing: forward+backward of ``fusedce.cross_entropy`` at BT = 8192 bf16, V = 128256 and 262144, for
    stock PyTorch (``F.cross_entropy`` on fp32-upcast logits), backend="triton" and backend="cute"
    (``triton.testing.do_bench`` median), with GB/s against the two-kernel floor 3 * BT * V * 2 bytes;
-   and the fused chunk kernel alone (``launch.ce_chunk_``: 2 * BT * V * 2 bytes) next to Triton's.
+   and the fused chunk kernel alone (``launch.ce_chunk_``: 2 * BT * V * 2 bytes) next to Triton's, both
+   ways: on chip (``kernels/ce_chunk_onchip.py``, the row read once; the cluster size printed) and the
+   two-read kernel (``FUSEDCE_CUTE_ONCHIP=0``).
 Needs CUDA torch, Triton and nvidia-cutlass-dsl (no internet: it is not installed here, it says so and
 exits 0 so the rest of gpu_check.sh still runs). ``--skip-parity`` / ``--vocab V`` / ``--rows BT``.
 """
@@ -51,6 +53,7 @@ def main() -> int:
 
     import fusedce
     from fusedce.backends.cute import launch as cute_launch
+    from fusedce.backends.cute.tuning import onchip_cluster
     from fusedce.backends.triton import launch as triton_launch
     from fusedce.types import LossOptions
 
@@ -81,7 +84,12 @@ def main() -> int:
         buf = torch.empty_like(x)
         ones = torch.ones(rows, device="cuda")
         outs = [torch.empty(rows, device="cuda") for _ in range(3)]
-        for name, chunk in (("triton chunk", triton_launch.ce_chunk_), ("cute chunk", cute_launch.ce_chunk_)):
+        cluster = onchip_cluster(v, 2, v % 8 == 0)
+        for name, chunk, onchip in (("triton chunk", triton_launch.ce_chunk_, "1"),
+                                    (f"cute chunk on-chip x{cluster}" if cluster else "cute chunk (no on-chip)",
+                                     cute_launch.ce_chunk_, "1"),
+                                    ("cute chunk two-read", cute_launch.ce_chunk_, "0")):
+            os.environ["FUSEDCE_CUTE_ONCHIP"] = onchip
             try:
                 ms = do_bench(lambda: chunk(buf.copy_(x), t, None, None, ones, ones, opts, *outs, None, None),
                               warmup=5, rep=40)
@@ -91,6 +99,7 @@ def main() -> int:
                 log(f"V={v} {name:12s} {k:8.3f} ms  {2 * rows * v * 2 / k / 1e6:7.0f} GB/s (floor 2 BT V s)")
             except Exception as exc:  # noqa: BLE001
                 log(f"V={v} {name}: FAILED {type(exc).__name__}: {exc}")
+        os.environ.pop("FUSEDCE_CUTE_ONCHIP", None)
         del x, buf
         torch.cuda.empty_cache()
     result["timings"] = timings

@@ -356,7 +356,8 @@ def test_flags_must_be_bools(backend, name, bad):
 
 
 def test_cute_backend_is_named_but_not_available():
-    """The contract names backend="cute"; this version raises RuntimeError saying it is missing."""
+    """backend="cute" (the CuTe DSL backend) needs CUDA tensors: on CPU tensors it raises RuntimeError
+    naming "cute" (and CUDA; tests/test_cute_backend.py checks the message and the missing-extra case)."""
     x, t = torch.randn(4, 6), torch.tensor([1, 2, -100, 3])
     with pytest.raises(RuntimeError, match="cute"):
         fusedce.cross_entropy(x, t, backend="cute")

@@ -41,3 +41,29 @@ def test_library_import_does_not_import_cutlass():
     code = ("import sys, fusedce, fusedce.backends.cute, fusedce.backends.cute.variants, "
             "fusedce.backends.cute.tuning; sys.exit(1 if 'cutlass' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_onchip_rule_picks_the_fewest_ctas_whose_slices_fit(monkeypatch):
+    """tuning.onchip_cluster: full-width vectors only, the fewest of 1/2/4/8 CTAs whose slices hold at
+    most ONCHIP_SLICE_BYTES, None (the two-read kernel) beyond 8 slices; FUSEDCE_CUTE_ONCHIP=0 opts out."""
+    from fusedce.backends.cute.tuning import ONCHIP_SLICE_BYTES, onchip_cluster
+    assert onchip_cluster(32000, 2, True) == 1                 # 62.5 KiB bf16
+    assert onchip_cluster(128256, 2, True) == 4                # Llama-3 bf16, 250.5 KiB
+    assert onchip_cluster(262144, 2, True) == 8
+    assert onchip_cluster(128256, 4, True) == 8                # fp32
+    assert onchip_cluster(8 * ONCHIP_SLICE_BYTES // 2, 2, True) == 8
+    assert onchip_cluster(8 * ONCHIP_SLICE_BYTES // 2 + 8, 2, True) is None
+    assert onchip_cluster(32000, 2, False) is None             # vec < full width (e.g. odd V)
+    monkeypatch.setenv("FUSEDCE_CUTE_ONCHIP", "0")
+    assert onchip_cluster(32000, 2, True) is None
+
+
+def test_onchip_shared_memory_fits_every_arch():
+    """The dynamic shared memory of the largest on-chip slice stays under the 227 KiB opt-in limit of
+    sm_90a / sm_100a (the formula is the kernel's host-side twin; importing it needs the cute extra)."""
+    pytest.importorskip("cutlass")
+    from fusedce.backends.cute.kernels.ce_chunk_onchip import smem_bytes
+    from fusedce.backends.cute.tuning import ONCHIP_SLICE_BYTES, onchip_cluster
+    for v, size, vec in [(393216, 2, 8), (196608, 4, 4), (32000, 2, 8), (128256, 2, 8), (3000, 2, 8)]:
+        c = onchip_cluster(v, size, True)
+        assert smem_bytes(v, vec, size, c) <= ONCHIP_SLICE_BYTES + 512 <= 227 * 1024

@@ -8,8 +8,10 @@ target from ``$CUTE_DSL_ARCH`` at trace time, and this process has ``TRITON_INTE
 
 Variants: per kernel plain, each constexpr flag alone and all flags in bf16 with 128-bit vectors (V and
 row strides multiples of 8, e.g. Llama-3's 128256), plus plain / all in fp32 and fp16, and the scalar
-variant (vec 1) that odd vocabularies such as GPT-2's 50257 get. ``make test-cute`` compiles every flag
-combination (FUSEDCE_CUTE_EVERY=1).
+variant (vec 1) that odd vocabularies such as GPT-2's 50257 get, and the on-chip fused chunk kernel with
+every flag on one CTA and on a cluster of 8 CTAs. ``make test-cute`` compiles every flag combination
+and the on-chip kernel's variant set (FUSEDCE_CUTE_EVERY=1). Every compiled variant must be free of
+spills and local memory.
 """
 import json
 import os
@@ -42,14 +44,16 @@ def test_every_cute_variant_compiles(tmp_path, arch):
     from fusedce.backends.cute.variants import check_keys, quick_keys
     assert len(rows) == len(check_keys() if EVERY else quick_keys())
     assert {r["arch"] for r in rows} == {f"sm_{arch}a"}
+    assert any(r["kernel"] == "onchip" and r["cluster"] > 1 for r in rows)   # the cluster path is compiled
     for r in rows:
         name = f"{r['arch']} {r['kernel']} {r['variant']} {r['dtype']} vec={r['vec']}"
         assert not r["error"], (name, r["error"])
         assert r["has_cubin"] and r["regs"], (name, r)
+        # no spill and no local memory in any variant, scalar and on-chip ones included
+        assert r["spill_bytes"] == 0 and not r["local"], (name, "spills", r)
         if r["vec"] == FULL_VEC[r["dtype"]]:
-            # the logits (and gradient) streams are 128-bit; the only 16-bit load is the target logit
-            assert r["ld128"] >= 1, (name, r)
+            # the logits (and gradient) streams are 128-bit; the only 16-bit load is the target logit.
+            # The on-chip chunk kernel streams its logits with 16-byte cp.async into shared memory.
+            assert (r["cp16"] if r["kernel"] == "onchip" else r["ld128"]) >= 1, (name, r)
             if r["kernel"] != "forward":
                 assert r["st128"] >= 1, (name, r)
-            if not EVERY:
-                assert r["spill_bytes"] == 0 and not r["local"], (name, "spills", r)

@@ -93,3 +93,43 @@ def test_cute_inplace_backward_and_all_ignored():
     t_all = torch.full_like(t, -100)
     out, g = _loss_and_grad(x, t_all, "cute")
     assert out.loss.item() == 0.0 and torch.all(g == 0)
+
+
+# The fused chunk kernel both ways: on chip (the row read once into shared memory; V picks 1, 2, 4 or 8
+# CTAs per row, tuning.onchip_cluster) against the two-read kernel (FUSEDCE_CUTE_ONCHIP=0) on the same
+# inputs. V = 4096 (one CTA), 65536 bf16 (128 KiB: a cluster of 2), 128256 (Llama-3: 4), 262144 (8);
+# 1000 fp32 and 3000 bf16 (V % 8 != 0 in fp32 / bf16 would fall back; 1000 and 3000 are multiples of
+# the full vector, so they stay on chip with a ragged last slice).
+@pytest.mark.parametrize("v,dtype", [(4096, torch.bfloat16), (65536, torch.bfloat16), (128256, torch.bfloat16),
+                                     (262144, torch.bfloat16), (1000, torch.float32), (3000, torch.bfloat16)])
+@pytest.mark.parametrize("opt", ["plain", "all", "dft"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cute_onchip_chunk_matches_two_read_chunk(v, dtype, opt, weighted, monkeypatch):
+    from fusedce.backends.cute import launch, tuning
+    from fusedce.types import LossOptions
+    rows = 48
+    x, t = _inputs(rows, v, dtype, seed=3)
+    kw = dict(OPTIONS[opt])
+    w = torch.rand(v, device="cuda") + 0.5 if weighted else None
+    opts = LossOptions(**kw)
+    g = torch.rand(rows, device="cuda")
+    zg = torch.rand(rows, device="cuda")
+    res = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FUSEDCE_CUTE_ONCHIP", mode)
+        buf = x.clone()
+        outs = [torch.full((rows,), float("nan"), device="cuda") for _ in range(3)]
+        pred = torch.full((rows,), -7, device="cuda", dtype=torch.int64)
+        tw = torch.full((rows,), float("nan"), device="cuda") if opts.use_token_scaling else None
+        launch.ce_chunk_(buf, t, w, None if w is None else w.sum().reshape(1), g, zg, opts, *outs, pred, tw)
+        res[mode] = (buf, *outs, pred, tw)
+    assert tuning.onchip_cluster(v, x.element_size(), True) is not None
+    on, off = res["1"], res["0"]
+    for a, b in zip(on[1:4], off[1:4]):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
+    assert torch.equal(on[4], off[4])
+    if on[5] is not None:
+        torch.testing.assert_close(on[5], off[5], rtol=2e-6, atol=1e-7)
+    tol = dict(rtol=2e-6, atol=1e-8) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-6)
+    torch.testing.assert_close(on[0].float(), off[0].float(), **tol)
+    assert torch.all(on[0][t == -100] == 0)

@@ -13,8 +13,10 @@
   the slice's gradient from the global statistics in), for ``integrations/distributed``.
 
 Packages: ``pytorch/`` is the backend named ``"torch"`` (the CPU path), ``triton/`` the backend named
-``"triton"``; ``chunk_loop/`` is not a backend but what both share: the backend-agnostic LM-head chunk
-loop of ``linear_cross_entropy``, into which each backend plugs its per-chunk cross-entropy.
+``"triton"``, ``cute/`` the backend named ``"cute"`` (CuTe DSL kernels, CUDA only, the optional
+``fusedce[cute]`` extra; ``"auto"`` never picks it until verified on a GPU, see ``cute/tuning.py``);
+``chunk_loop/`` is not a backend but what they share: the backend-agnostic LM-head chunk loop of
+``linear_cross_entropy``, into which each backend plugs its per-chunk cross-entropy.
 """
 from __future__ import annotations
 

@@ -4,8 +4,12 @@ target from ``$CUTE_DSL_ARCH`` at trace time), with registers, spills (ptxas' re
 and local memory (``cuobjdump -res-usage``) and the 128-bit global accesses counted in the PTX.
 
 A variant with full-width vectors (16 bytes: 8 bf16 / fp16, 4 fp32) must hold at least one
-``ld.global.v4`` (its logits stream) and, for backward and the fused chunk, one ``st.global.v4`` (its
-gradient stream); the scalar variants (``vec`` 1: odd V) have nothing to vectorize.
+``ld.global.v4`` (its logits stream; for the on-chip chunk kernel ``onchip`` a 16-byte ``cp.async``
+into shared memory instead) and, for backward and the fused chunks, one ``st.global.v4`` (its
+gradient stream); the scalar variants (``vec`` 1: odd V) have nothing to vectorize. Any spill or
+local memory is a problem in every variant.
+"smem B" is the static shared memory; the on-chip kernel's row slice is dynamic, sized at launch
+(``kernels/ce_chunk_onchip.smem_bytes``: at most 96 KiB + 512 B per CTA, ``tuning.onchip_cluster``).
 """
 from __future__ import annotations
 
@@ -30,8 +34,9 @@ def problem(row: dict) -> str:
     issues = []
     if row.get("spill_bytes") or row.get("local"):
         issues.append("spills")
+    loads = row.get("cp16", 0) if row["kernel"] == "onchip" else row["ld128"]
     if row["vec"] == FULL_VEC[row["dtype"]] and (
-            row["ld128"] < 1 or (row["kernel"] != "forward" and row["st128"] < 1)):
+            loads < 1 or (row["kernel"] != "forward" and row["st128"] < 1)):
         issues.append("not 128-bit")
     return ", ".join(issues)
 
@@ -65,12 +70,13 @@ def collect(archs=(90, 100), every: bool = False, progress=None) -> tuple:
 
 def format_table(rows) -> str:
     head = ("arch", "kernel", "variant", "dtype", "vec", "regs", "spill B", "smem B", "local B",
-            "ld v4", "st v4", "check")
+            "ld v4", "cp.async 16B", "st v4", "check")
     lines = [head]
     fmt = lambda v: "?" if v is None else str(v)   # noqa: E731
     for r in rows:
         lines.append((r["arch"], r["kernel"], r["variant"], r["dtype"], str(r["vec"]), fmt(r.get("regs")),
                       fmt(r.get("spill_bytes")), fmt(r.get("smem")), fmt(r.get("local")), str(r.get("ld128", 0)),
+                      str(r.get("cp16", 0)),
                       str(r.get("st128", 0)) if r["kernel"] != "forward" else "-",
                       r["problem"] or ("ok" if r["vec"] == FULL_VEC[r["dtype"]] else "ok (scalar rows)")))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

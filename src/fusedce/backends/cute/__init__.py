@@ -3,14 +3,19 @@
 
 Same interface and semantics as the Triton backend (``backends/__init__.py``):
 - ``cross_entropy_rows``: ``kernels/ce_forward.py`` then, in backward, ``kernels/ce_backward.py``;
-- ``linear_cross_entropy``: the shared chunk loop with ``CuteChunkCE`` (``kernels/ce_chunk.py``: the
-  fused forward + gradient of a chunk, read once and written once from HBM);
+- ``linear_cross_entropy``: the shared chunk loop with ``CuteChunkCE``: per chunk the fused forward +
+  gradient, ``kernels/ce_chunk_onchip.py`` (each row read from HBM once into shared memory, split
+  over a thread-block cluster for large V) when ``tuning.onchip_cluster`` allows, else
+  ``kernels/ce_chunk.py`` (the row streamed twice, the second read hoped to hit L2);
 - ``slice_stats`` / ``slice_grad`` (vocab parallelism): delegated to the Triton backend's kernels
   (same math, CUDA tensors too); no CuTe kernel of their own yet.
 
+Layering: kernels/*.py -> launch.py (compile once, launch into given buffers) -> custom_ops.py
+(``fusedce_cute::*`` torch custom ops with fake impls: ``torch.compile(fullgraph=True)`` traces them)
+-> ops.py (autograd) / linear.py (chunk loop).
 Importing this package does not import ``cutlass``; the first launch does (``launch.py``).
-Status: compiled and statically checked for sm_90a / sm_100a; numerics not yet verified on a GPU, so
-``backend="auto"`` never picks it (``tuning.AUTO_PICKS_CUTE``).
+Status: compiled and statically checked for sm_90a / sm_100a (no spills); numerics not yet verified on
+a GPU, so ``backend="auto"`` never picks it (``tuning.AUTO_PICKS_CUTE``).
 """
 __all__ = ["cross_entropy_rows", "linear_cross_entropy", "slice_grad", "slice_stats"]
 

@@ -6,7 +6,8 @@
 ``variants.check_keys()`` for that arch in this one process (the arch is read from the environment at
 trace time, so one process per arch), keeps PTX and cubin, and writes per variant: registers and
 spills (ptxas' own report, ``remarks{ptx}``), static/local memory (Triton's bundled ``cuobjdump
--res-usage`` when present), shared memory and the global access widths of the PTX.
+-res-usage`` when present), shared memory, the global access widths of the PTX and its 16-byte
+``cp.async`` copies (the on-chip chunk kernel's logits stream).
 """
 from __future__ import annotations
 
@@ -32,12 +33,15 @@ def _dtypes():
 def _kernel(key: KernelKey):
     from .kernels.ce_backward import CEBackward
     from .kernels.ce_chunk import CEChunk
+    from .kernels.ce_chunk_onchip import CEChunkOnChip
     from .kernels.ce_forward import CEForward
     from .tuning import BACKWARD_UNROLL, THREADS
     if key.kind == "forward":
         return CEForward(key.vec, THREADS, *key.flags)
     if key.kind == "backward":
         return CEBackward(key.vec, THREADS, BACKWARD_UNROLL, *key.flags)
+    if key.kind == "onchip":
+        return CEChunkOnChip(key.vec, THREADS, key.cluster, *key.flags)
     return CEChunk(key.vec, THREADS, *key.flags)
 
 
@@ -72,7 +76,7 @@ def fake_args(key: KernelKey) -> tuple:
     if key.kind == "backward":
         grad_lse = vector() if f["grad_lse"] else None
         return (logits(), logits(), target, weight, wsum, vector(), vector(), vector(), grad_lse, *scalars, stream)
-    pred = vector(cutlass.Int64) if f["stats"] else None
+    pred = vector(cutlass.Int64) if f["stats"] else None     # chunk and onchip: the same arguments
     return (logits(), target, weight, wsum, vector(), vector() if f["zloss"] else None, vector(), vector(),
             vector(), pred, vector() if f["dft"] else None, *scalars, Float32(0.0), stream)
 
@@ -89,6 +93,7 @@ _PTXAS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (
 _RES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*)")
 _BITS = re.compile(r"^[bsuf](8|16|32|64)$")
+_CP_ASYNC16 = re.compile(r"\bcp\.async\.c[ag]\.shared\.global\s+\[[^]]+\],\s*\[[^]]+\],\s*16\b")
 
 
 def access_bits(ptx: str) -> dict:
@@ -115,8 +120,8 @@ def _cuobjdump(cubin: str) -> dict:
 
 def report_one(key: KernelKey, arch: str) -> dict:
     """Compile ``key`` keeping PTX and cubin; its resource row (``error`` set if compilation failed)."""
-    row = {"arch": arch, "kernel": key.kind, "dtype": key.dtype, "vec": key.vec, "variant": key.name,
-           "error": ""}
+    row = {"arch": arch, "kernel": key.kind, "dtype": key.dtype, "vec": key.vec, "cluster": key.cluster,
+           "variant": key.name, "error": ""}
     with tempfile.TemporaryDirectory() as dump:
         err = io.StringIO()
         t0 = time.perf_counter()
@@ -140,6 +145,7 @@ def report_one(key: KernelKey, arch: str) -> dict:
         bits = access_bits(open(os.path.join(dump, ptx)).read()) if ptx else {"ld": {}, "st": {}}
         row["ld128"], row["st128"] = bits["ld"].get(128, 0), bits["st"].get(128, 0)
         row["ld_bits"], row["st_bits"] = bits["ld"], bits["st"]
+        row["cp16"] = len(_CP_ASYNC16.findall(open(os.path.join(dump, ptx)).read())) if ptx else 0
         row["has_cubin"] = cubin is not None
     return row
 

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from ...types import LossOptions
+from .tuning import onchip_cluster
 from .variants import ITEMSIZE, KernelKey, full_vec
 
 _DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -106,8 +107,10 @@ def ce_backward(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_
 
 def ce_chunk_(logits, target, weight, weight_sum, grad_row, z_grad_row, opts: LossOptions, loss, lse, lse_lo,
               predicted, token_weight) -> None:
-    """The fused chunk (``kernels/ce_chunk.py``): loss/lse/lse_lo (/predicted/token_weight) out and
-    ``logits`` overwritten with d(sum_i grad_row[i] loss_i + z_grad_row[i] s lse_i^2)/d logits."""
+    """The fused chunk: loss/lse/lse_lo (/predicted/token_weight) out and ``logits`` overwritten with
+    d(sum_i grad_row[i] loss_i + z_grad_row[i] s lse_i^2)/d logits. ``kernels/ce_chunk_onchip.py`` (the
+    row read once, kept in shared memory) when ``tuning.onchip_cluster`` allows, else
+    ``kernels/ce_chunk.py``."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -116,7 +119,9 @@ def ce_chunk_(logits, target, weight, weight_sum, grad_row, z_grad_row, opts: Lo
     has_z = opts.lse_square_scale != 0.0
     flags = (weight is not None, opts.label_smoothing > 0.0, opts.softcap is not None, predicted is not None,
              has_z, token_weight is not None)
-    fn = _compiled(KernelKey("chunk", dt, vec, flags), logits.device)
+    cluster = onchip_cluster(n_cols, ITEMSIZE[dt], vec == full_vec(dt))
+    key = KernelKey("chunk", dt, vec, flags) if cluster is None else KernelKey("onchip", dt, vec, flags, cluster)
+    fn = _compiled(key, logits.device)
     from cutlass import Float32
     fn(_cute(logits, vec * ITEMSIZE[dt]), _cute(target.to(torch.int64).contiguous()),
        *_weights(weight, weight_sum), _cute(_vec1(grad_row)), _cute(_vec1(z_grad_row) if has_z else None),

@@ -18,7 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .row_math import grad_vector, target_terms
+from .row_math import div_full, grad_vector, target_terms
 
 
 class CEBackward:
@@ -59,7 +59,7 @@ class CEBackward:
         if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
             total_w = mWSum[0]
         a = (Float32(1.0) - label_smoothing) * w_t
-        b = label_smoothing / Float32(n_cols)
+        b = div_full(label_smoothing, Float32(n_cols))
         lse, lse_lo = mLse[row], mLseLo[row]
         # target as an int32 column; an ignored or bad target never matches a column in [0, V)
         t_col = Int32(-1)

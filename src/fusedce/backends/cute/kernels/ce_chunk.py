@@ -12,13 +12,16 @@ once.
 Bytes moved per token (row), V classes, s bytes per logit (HBM; the second read hits L2):
     read  V * s (logits) + 4 (g) [+ 4 (zg)] + 8 (target) [+ 4 V class weights, L2-resident]
     write V * s (gradient, in place) + 12 (loss, lse, lse_lo) [+ 8 argmax] [+ 4 p_t]
-i.e. 2 V s against 3 V s for the forward + backward kernels. Ignored rows read nothing, write zeros.
+i.e. 2 V s against 3 V s for the forward + backward kernels, or 3 V s when the second read misses L2.
+Ignored rows read nothing, write zeros. ``ce_chunk_onchip`` (the row kept in shared memory, read from
+HBM exactly once) replaces this kernel whenever ``tuning.onchip_cluster`` allows; this one stays for
+the rest: vectors narrower than 16 bytes (e.g. odd V) and rows over 8 x 96 KiB.
 """
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .row_math import grad_vector, row_loss, row_stats, target_terms, transform
+from .row_math import div_full, grad_vector, row_loss, row_stats, target_terms, transform
 
 
 class CEChunk:
@@ -56,7 +59,7 @@ class CEChunk:
         sbuf_i = smem.allocate_tensor(Int32, cute.make_layout(THREADS // 32), byte_alignment=16)
 
         target = Int64(mTarget[row])
-        is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, mW, HAS_WEIGHT)
+        is_valid = target != ignore_index
         n_live = Int32(0)
         if is_valid:
             n_live = n_cols
@@ -66,6 +69,8 @@ class CEChunk:
             gW = mW
         m, s, zsum, best, idx = row_stats(gRow, gW, n_live, tidx, logit_scale, softcap, sbuf_f, sbuf_i,
                                           THREADS, VEC, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS)
+        # the target's terms only now: nothing but the row state is live across the stream
+        _, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, mW, HAS_WEIGHT)
         total_w = Float32(n_cols)
         if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
             total_w = mWSum[0]
@@ -97,7 +102,7 @@ class CEChunk:
                 mTokenWeight[row] = p_t
         cute.arch.barrier()    # z_t was read by every thread before the row is overwritten
         a = (Float32(1.0) - label_smoothing) * w_t
-        b = label_smoothing / Float32(n_cols)
+        b = div_full(label_smoothing, Float32(n_cols))
         t_col = Int32(-1)
         if in_range:
             t_col = safe

@@ -48,7 +48,7 @@ class CEForward:
         sbuf_i = smem.allocate_tensor(Int32, cute.make_layout(self.threads // 32), byte_alignment=16)
 
         target = Int64(mTarget[row])
-        is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, mW, HAS_WEIGHT)
+        is_valid = target != ignore_index
         n_live = Int32(0)
         if is_valid:
             n_live = n_cols
@@ -60,6 +60,8 @@ class CEForward:
                                           self.threads, self.vec, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
                                           COMPUTE_STATS)
         if tidx == 0:
+            # the target's terms only now: nothing but the row state is live across the stream
+            _, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, mW, HAS_WEIGHT)
             total_w = Float32(n_cols)
             if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
                 total_w = mWSum[0]

@@ -22,8 +22,20 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 NEG_INF = -math.inf
+
+
+@dsl_user_op
+def div_full(a, b, *, loc=None, ip=None) -> Float32:
+    """``a / b`` in fp32 as PTX ``div.full.f32`` (max 2 ulp; what Triton's ``/`` on fp32 emits), not the
+    IEEE ``div.rn.f32`` that a plain ``/`` lowers to: ptxas expands ``div.rn`` into a subroutine call
+    whose calling convention cost the scalar and smoothing variants 8-68 bytes of spill stores."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                                   "div.full.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
+                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @cute.jit
@@ -39,7 +51,7 @@ def tanh_fp32(y: Float32) -> Float32:
     p = p * u + Float32(0.13324938714504242)
     p = p * u - Float32(0.33333030343055725)
     small = y + y * u * p
-    big = Float32(1.0) - Float32(2.0) / (cute.math.exp(Float32(2.0) * a) + Float32(1.0))
+    big = Float32(1.0) - div_full(Float32(2.0), cute.math.exp(Float32(2.0) * a) + Float32(1.0))
     if y < Float32(0.0):
         big = -big
     out = big
@@ -53,7 +65,7 @@ def transform(x: Float32, logit_scale: Float32, softcap: Float32, HAS_SOFTCAP: c
     """``z`` of one fp32 logit: ``softcap * tanh(x * (logit_scale / softcap))`` or ``logit_scale * x``."""
     z = x * logit_scale
     if const_expr(HAS_SOFTCAP):
-        z = softcap * tanh_fp32(x * (logit_scale / softcap))
+        z = softcap * tanh_fp32(x * div_full(logit_scale, softcap))
     return z
 
 
@@ -62,7 +74,7 @@ def slope(z: Float32, logit_scale: Float32, softcap: Float32, HAS_SOFTCAP: cutla
     """``dz/dx`` written with ``z``: ``logit_scale * (1 - (z / softcap)^2)`` or ``logit_scale``."""
     out = logit_scale
     if const_expr(HAS_SOFTCAP):
-        r = z / softcap
+        r = div_full(z, softcap)
         out = logit_scale * (Float32(1.0) - r * r)
     return out
 
@@ -179,17 +191,30 @@ def row_stats(gRow: cute.Tensor, gW, n_live: Int32, tidx: Int32, logit_scale: Fl
               COMPUTE_STATS: cutlass.Constexpr[bool]):
     """One pass over the first ``n_live`` (0 or V, a multiple of ``VEC``) logits of a row: the CTA's
     ``(m, s, zsum, best, best_idx)``; the row is read once, one ``VEC``-vector per thread per step."""
+    return slice_stats(gRow, 0, gW, n_live // VEC, tidx, logit_scale, softcap, sbuf_f, sbuf_i, THREADS, VEC,
+                       HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS)
+
+
+@cute.jit
+def slice_stats(sX: cute.Tensor, v0, gW, n_vec: Int32, tidx: Int32, logit_scale: Float32, softcap: Float32,
+                sbuf_f: cute.Tensor, sbuf_i: cute.Tensor, THREADS: cutlass.Constexpr[int],
+                VEC: cutlass.Constexpr[int], HAS_WEIGHT: cutlass.Constexpr[bool],
+                HAS_SMOOTHING: cutlass.Constexpr[bool], HAS_SOFTCAP: cutlass.Constexpr[bool],
+                COMPUTE_STATS: cutlass.Constexpr[bool]):
+    """``row_stats`` of ``n_vec`` vectors of ``sX`` (a whole row in global memory, ``v0 = 0``, or the
+    shared-memory copy of a row slice whose vector ``v`` is the row's vector ``v0 + v``: the class
+    weights and the argmax columns are indexed with ``v0 + v``). Every thread gets the CTA's state."""
     m, s, zsum = Float32(NEG_INF), Float32(0.0), Float32(0.0)
     best, idx = Float32(NEG_INF), Int32(0)
-    frag = cute.make_rmem_tensor((VEC,), gRow.element_type)
+    frag = cute.make_rmem_tensor((VEC,), sX.element_type)
     wfrag = cute.make_rmem_tensor((VEC,), Float32)
-    for v in cutlass.range(tidx, n_live // VEC, THREADS):
-        cute.autovec_copy(cute.local_tile(gRow, (VEC,), (v,)), frag)
+    for v in cutlass.range(tidx, n_vec, THREADS):
+        cute.autovec_copy(cute.local_tile(sX, (VEC,), (v,)), frag)
         wv = None
         if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
-            cute.autovec_copy(cute.local_tile(gW, (VEC,), (v,)), wfrag)
+            cute.autovec_copy(cute.local_tile(gW, (VEC,), (v0 + v,)), wfrag)
             wv = wfrag.load()
-        m, s, zsum, best, idx = update_vector(m, s, zsum, best, idx, frag.load().to(Float32), wv, v * VEC,
+        m, s, zsum, best, idx = update_vector(m, s, zsum, best, idx, frag.load().to(Float32), wv, (v0 + v) * VEC,
                                               logit_scale, softcap, VEC, HAS_WEIGHT, HAS_SMOOTHING,
                                               HAS_SOFTCAP, COMPUTE_STATS)
     return block_merge(m, s, zsum, best, idx, sbuf_f, sbuf_i, THREADS // 32, HAS_SMOOTHING, COMPUTE_STATS)
@@ -207,7 +232,7 @@ def row_loss(m: Float32, s: Float32, zsum: Float32, z_t: Float32, w_t: Float32, 
     lse, lse_lo = two_sum(m_ok, cute.math.log(s_ok))
     loss = (Float32(1.0) - label_smoothing) * w_t * ((lse - z_t) + lse_lo)
     if const_expr(HAS_SMOOTHING):
-        loss = loss + label_smoothing / Float32(n_cols) * ((total_w * lse - zsum) + total_w * lse_lo)
+        loss = loss + div_full(label_smoothing, Float32(n_cols)) * ((total_w * lse - zsum) + total_w * lse_lo)
     if not in_range:
         loss = Float32(math.nan)
     if not is_valid:
@@ -243,11 +268,24 @@ def grad_vector(gX: cute.Tensor, gW, gG: cute.Tensor, v: Int32, is_valid, target
                 HAS_SOFTCAP: cutlass.Constexpr[bool], HAS_GRAD_LSE: cutlass.Constexpr[bool]):
     """Read vector ``v`` of a row (``gX``; not read on ignored rows), write its gradient (zeros on
     ignored rows) into vector ``v`` of ``gG`` (may be the same memory: read before write)."""
+    grad_vector_from(gX, v, gW, gG, v, is_valid, target, a, lse, lse_lo, g, h, b, total_w, logit_scale,
+                     softcap, VEC, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_GRAD_LSE)
+
+
+@cute.jit
+def grad_vector_from(sX: cute.Tensor, vx: Int32, gW, gG: cute.Tensor, v: Int32, is_valid, target: Int32,
+                     a: Float32, lse: Float32, lse_lo: Float32, g: Float32, h: Float32, b: Float32,
+                     total_w: Float32, logit_scale: Float32, softcap: Float32, VEC: cutlass.Constexpr[int],
+                     HAS_WEIGHT: cutlass.Constexpr[bool], HAS_SMOOTHING: cutlass.Constexpr[bool],
+                     HAS_SOFTCAP: cutlass.Constexpr[bool], HAS_GRAD_LSE: cutlass.Constexpr[bool]):
+    """``grad_vector`` with the logits taken from vector ``vx`` of ``sX`` (global memory, or the
+    shared-memory copy of a row slice) and written to vector ``v`` of ``gG`` (columns ``v * VEC ...``,
+    which also index the class weights and the target)."""
     out = cute.make_rmem_tensor((VEC,), Float32)
     out.fill(0.0)
     if is_valid:
-        frag = cute.make_rmem_tensor((VEC,), gX.element_type)
-        cute.autovec_copy(cute.local_tile(gX, (VEC,), (v,)), frag)
+        frag = cute.make_rmem_tensor((VEC,), sX.element_type)
+        cute.autovec_copy(cute.local_tile(sX, (VEC,), (vx,)), frag)
         xv = frag.load().to(Float32)
         wfrag = cute.make_rmem_tensor((VEC,), Float32)
         wfrag.fill(1.0)

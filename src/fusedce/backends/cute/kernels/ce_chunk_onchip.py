@@ -1,0 +1,192 @@
+"""Fused cross-entropy forward + gradient of one chunk of logits with each row kept on chip: the logits
+are read from HBM once and the gradient written once, whatever the L2 does.
+
+Same contract, options and math as ``ce_chunk.CEChunk`` (``row_math``, formula for formula); only where
+the row lives between the two passes differs. A row of V classes is split over a thread-block cluster
+of ``cluster`` CTAs (1, 2, 4 or 8; ``tuning.onchip_cluster`` picks it from V and the dtype), CTA ``r``
+owning vectors ``[r n, (r + 1) n)`` of the row, ``n = ceil(V / vec / cluster)``:
+
+1. ``cp.async`` (16-byte, L1-bypassing) copies the CTA's slice from global into dynamic shared memory:
+   every thread issues all of its copies before waiting on any, so a whole slice is in flight at once
+   and no register holds the data in transit. Ignored rows copy nothing.
+2. ``row_math.slice_stats`` streams the slice from shared memory: the CTA's online-softmax state
+   ``(m, s, zsum, argmax)``, merged over warps (shuffles + shared memory).
+3. With a cluster, every CTA publishes its state in its shared memory and, after one cluster barrier,
+   reads the ``cluster`` states through distributed shared memory (``mapa`` + ``ld.shared::cluster``)
+   and merges them in rank order: every CTA holds the same row state, bit for bit.
+4. The loss / lse / lse_lo (/ argmax / p_t) are written by thread 0 of CTA 0; every thread forms the
+   gradient factors as ``CEChunk`` does and writes ``dL/dx`` of its slice from the shared-memory copy
+   over the logits (``row_math.grad_vector_from``). The target logit ``z_t`` is read from global
+   memory before the first barrier, before any CTA of the row writes its gradient.
+
+Bytes moved per token (row), V classes, s bytes per logit (HBM):
+    read  V * s (logits, exactly once) + 4 (g) [+ 4 (zg)] + 8 (target) + s (z_t, the same sector)
+          [+ 4 V class weights, L2-resident]
+    write V * s (gradient, in place) + 12 (loss, lse, lse_lo) [+ 8 argmax] [+ 4 p_t]
+i.e. 2 V s, without relying on the second read of ``CEChunk`` hitting L2.
+Shared memory per CTA: ``HEADER_BYTES + n * vec * s`` bytes (dynamic); registers: as ``CEChunk``.
+
+Limits: full-width vectors only (``vec * s = 16``: V, the row stride and the base 16-byte aligned,
+the ``cp.async`` size); the launcher falls back to ``CEChunk`` otherwise and for rows larger than
+``cluster * tuning.ONCHIP_SLICE_BYTES``.
+"""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import dsl_user_op
+
+from .row_math import (NEG_INF, div_full, grad_vector_from, merge_argmax, merge_softmax, row_loss, slice_stats,
+                       target_terms, transform)
+
+HEADER_BYTES = 512    # the reduction slots (<= 16 warps) and the published CTA state, before the slice
+
+
+@dsl_user_op
+def load_peer(ptr, rank, dtype, *, loc=None, ip=None):
+    """``*ptr`` read from the shared memory of CTA ``rank`` of the cluster (``ld.shared::cluster``)."""
+    remote = cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip)
+    return dtype(llvm.load(dtype.mlir_type, remote.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+def smem_bytes(n_cols: int, vec: int, itemsize: int, cluster: int) -> int:
+    """Dynamic shared memory of one CTA for rows of ``n_cols`` classes (host-side twin of ``__call__``)."""
+    n_slice = -(-(n_cols // vec) // cluster)
+    return HEADER_BYTES + n_slice * vec * itemsize
+
+
+class CEChunkOnChip:
+    """``__call__`` as ``CEChunk.__call__`` (same arguments, same outputs); ``cluster`` CTAs per row."""
+
+    def __init__(self, vec: int, threads: int, cluster: int, has_weight: bool, has_smoothing: bool,
+                 has_softcap: bool, compute_stats: bool, has_zloss: bool, token_scaling: bool):
+        assert threads // 32 <= 16 and cluster in (1, 2, 4, 8)
+        self.vec, self.threads, self.cluster = vec, threads, cluster
+        self.flags = (has_weight, has_smoothing, has_softcap, compute_stats, has_zloss, token_scaling)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mGradRow: cute.Tensor, mZGradRow,
+                 mLoss: cute.Tensor, mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, mTokenWeight,
+                 ignore_index: Int64, label_smoothing: Float32, softcap: Float32, logit_scale: Float32,
+                 lse_square_scale: Float32, stream):
+        n_slice = (mX.shape[1] // self.vec + (self.cluster - 1)) // self.cluster
+        smem = HEADER_BYTES + n_slice * (self.vec * mX.element_type.width // 8)
+        self.kernel(mX, mTarget, mW, mWSum, mGradRow, mZGradRow, mLoss, mLse, mLseLo, mPred, mTokenWeight,
+                    ignore_index, label_smoothing, softcap, logit_scale, lse_square_scale).launch(
+            grid=[mX.shape[0] * self.cluster, 1, 1], block=[self.threads, 1, 1],
+            cluster=[self.cluster, 1, 1] if const_expr(self.cluster > 1) else None, smem=smem, stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mGradRow: cute.Tensor, mZGradRow,
+               mLoss: cute.Tensor, mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, mTokenWeight,
+               ignore_index: Int64, label_smoothing: Float32, softcap: Float32, logit_scale: Float32,
+               lse_square_scale: Float32):
+        HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS, HAS_ZLOSS, TOKEN_SCALING = self.flags
+        VEC, THREADS, CLUSTER = self.vec, self.threads, self.cluster
+        NWARPS = THREADS // 32
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        row = bidx // CLUSTER
+        rank = Int32(0)
+        if const_expr(CLUSTER > 1):
+            rank = cute.arch.block_idx_in_cluster()
+        n_cols = Int32(mX.shape[1])
+        n_vec = n_cols // VEC
+        n_slice = (n_vec + (CLUSTER - 1)) // CLUSTER
+        v0 = rank * n_slice                                   # the slice's first vector in the row
+        n_mine = cutlass.max(cutlass.min(n_slice, n_vec - v0), Int32(0))
+
+        # dynamic shared memory, 16-byte aligned: fp32 warp slots (4, NWARPS) at 0, the published fp32
+        # state at 256, int32 warp slots at 272, the published argmax at 336; the slice at HEADER_BYTES
+        base_f = cute.arch.get_dyn_smem(Float32, alignment=16)
+        sbuf_f = cute.make_tensor(base_f, cute.make_layout((4, NWARPS)))
+        part_f = cute.make_tensor(base_f + 4 * 16, cute.make_layout(4))
+        base_i = cute.arch.get_dyn_smem(Int32, alignment=16)
+        sbuf_i = cute.make_tensor(base_i + 4 * 16 + 4, cute.make_layout(NWARPS))
+        part_i = cute.make_tensor(base_i + 4 * 16 + 4 + 16, cute.make_layout(1))
+        base_x = cute.arch.get_dyn_smem(mX.element_type, alignment=16)
+        sRow = cute.make_tensor(base_x + HEADER_BYTES // (mX.element_type.width // 8),
+                                cute.make_layout(n_slice * VEC))
+
+        target = Int64(mTarget[row])
+        is_valid = target != ignore_index
+        gRow = mX[row, None]
+        # 1. the slice into shared memory, every copy in flight before the first wait
+        if is_valid:
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                       mX.element_type, num_bits_per_copy=VEC * mX.element_type.width)
+            for v in cutlass.range(tidx, n_mine, THREADS):
+                cute.copy(atom, cute.local_tile(gRow, (VEC,), (v0 + v,)), cute.local_tile(sRow, (VEC,), (v,)))
+        cute.arch.cp_async_commit_group()
+        _, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, mW, HAS_WEIGHT)
+        # z_t before any barrier: no CTA of this row has written its gradient yet
+        z_t = transform(Float32(gRow[safe]), logit_scale, softcap, HAS_SOFTCAP)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+
+        # 2. the slice's state from shared memory (nothing was copied for an ignored row: nothing read)
+        n_read = Int32(0)
+        if is_valid:
+            n_read = n_mine
+        gW = None
+        if const_expr(HAS_WEIGHT):
+            gW = mW
+        m, s, zsum, best, idx = slice_stats(sRow, v0, gW, n_read, tidx, logit_scale, softcap, sbuf_f, sbuf_i,
+                                            THREADS, VEC, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS)
+        # 3. merge the cluster's states through distributed shared memory, in rank order
+        if const_expr(CLUSTER > 1):
+            if tidx == 0:
+                part_f[0], part_f[1], part_f[2], part_f[3] = m, s, zsum, best
+                part_i[0] = idx
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            m, s, zsum, best, idx = Float32(NEG_INF), Float32(0.0), Float32(0.0), Float32(NEG_INF), Int32(0)
+            for r in cutlass.range_constexpr(CLUSTER):
+                m, s = merge_softmax(m, s, load_peer(part_f.iterator, Int32(r), Float32),
+                                     load_peer(part_f.iterator + 1, Int32(r), Float32))
+                if const_expr(HAS_SMOOTHING):
+                    zsum = zsum + load_peer(part_f.iterator + 2, Int32(r), Float32)
+                if const_expr(COMPUTE_STATS):
+                    best, idx = merge_argmax(best, idx, load_peer(part_f.iterator + 3, Int32(r), Float32),
+                                             load_peer(part_i.iterator, Int32(r), Int32))
+            cute.arch.cluster_arrive_relaxed()    # done reading the peers' shared memory
+
+        # 4. the row's results and gradient factors, as CEChunk
+        total_w = Float32(n_cols)
+        if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
+            total_w = mWSum[0]
+        loss, lse, lse_lo = row_loss(m, s, zsum, z_t, w_t, total_w, n_cols, is_valid, in_range,
+                                     label_smoothing, HAS_SMOOTHING)
+        g = mGradRow[row]
+        zg = Float32(0.0)
+        if const_expr(HAS_ZLOSS):
+            zg = mZGradRow[row]
+        p_t = Float32(0.0)
+        if const_expr(TOKEN_SCALING):   # Dynamic Fine-Tuning: the row's whole loss times p_t, detached
+            if is_valid and in_range:
+                p_t = cute.math.exp((z_t - lse) - lse_lo)
+            g = g * p_t
+            zg = zg * p_t
+        h = Float32(2.0) * lse_square_scale * lse * zg   # d(s lse^2)/d lse times its upstream
+        if tidx == 0 and rank == 0:
+            mLoss[row] = loss
+            mLse[row] = lse
+            mLseLo[row] = lse_lo
+            if const_expr(COMPUTE_STATS):
+                pred = Int64(-1)
+                if is_valid:
+                    pred = Int64(idx)
+                mPred[row] = pred
+            if const_expr(TOKEN_SCALING):
+                mTokenWeight[row] = p_t
+        a = (Float32(1.0) - label_smoothing) * w_t
+        b = div_full(label_smoothing, Float32(n_cols))
+        t_col = Int32(-1)
+        if in_range:
+            t_col = safe
+        for v in cutlass.range(tidx, n_mine, THREADS):
+            grad_vector_from(sRow, v, gW, gRow, v0 + v, is_valid, t_col, a, lse, lse_lo, g, h, b, total_w,
+                             logit_scale, softcap, VEC, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_ZLOSS)
+        if const_expr(CLUSTER > 1):
+            cute.arch.cluster_wait()              # no CTA leaves while a peer may still read its state
