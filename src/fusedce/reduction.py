@@ -112,7 +112,7 @@ def stats(loss: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor, target
           token_weight: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
     """Build ``CrossEntropyOutput`` from the per-row lse and argmax (BT,) and the reduced ``loss``
     (``token_weight``: the z-loss rows are scaled like the loss)."""
-    valid = target != opts.ignore_index
+    valid = opts.kept(target)
     lse = lse.detach()
     z = token_scaled(lse, z_rows(lse, opts), token_weight)[1]
     z_loss = reduce(torch.zeros_like(lse) if z is None else z, None, reduction,

@@ -82,6 +82,11 @@ class LossOptions:
         return (self.ignore_index, self.label_smoothing, 1.0 if self.softcap is None else self.softcap,
                 self.logit_scale)
 
+    def kept(self, target: torch.Tensor) -> torch.Tensor:
+        """bool of ``target``'s shape: the rows that count (target != ignore_index). The one place of
+        that test outside the kernels (which test ``target != ignore_index`` per program)."""
+        return target != self.ignore_index
+
     def kernel_flags(self) -> dict:
         """The constexpr flags the options select (class weights add ``HAS_WEIGHT`` at launch)."""
         return {"HAS_SMOOTHING": self.label_smoothing > 0.0, "HAS_SOFTCAP": self.softcap is not None}

@@ -48,7 +48,7 @@ class TiledHead:
         rows = self.tiled.forward(hidden, weight, bias, target, w, weight_sum, opts, stats, entropy)
         token_weight = None
         if opts.use_token_scaling:   # p_t = exp((z_t - lse) - lse_lo), as ``rows.target_probability``
-            token_weight = torch.where(target != opts.ignore_index,
+            token_weight = torch.where(opts.kept(target),
                                        torch.exp((rows.target_logit - rows.lse) - rows.lse_lo), 0.0)
         return rows.loss, rows.lse, rows.lse_lo, rows.predicted, token_weight, rows.entropy
 

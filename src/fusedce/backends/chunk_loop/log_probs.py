@@ -21,7 +21,7 @@ from .protocols import ChunkCE, TiledCE
 
 
 def _outputs(loss, entropy, target, opts: LossOptions):
-    valid = target != opts.ignore_index
+    valid = opts.kept(target)
     log_probs = torch.where(valid, -loss, 0.0)
     if entropy is None:
         entropy = log_probs.new_empty(0)

@@ -47,7 +47,7 @@ def target_probability(x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
     dtype; ``lse``, ``lse_lo`` (n,) the exact lse pair of ``z``), fp32, 0 on ignored rows and rows whose
     target is out of range; the factor of ``use_token_scaling``, as accurate as the softmax of the
     gradient for any logit magnitude. Gathers one logit per row: O(n) work."""
-    valid = (target != opts.ignore_index) & (target >= 0) & (target < x.shape[1])
+    valid = opts.kept(target) & (target >= 0) & (target < x.shape[1])
     safe = torch.where(valid, target, 0).long()
     z_t = transform(x.gather(1, safe[:, None])[:, 0].float(), opts)
     return torch.where(valid, torch.exp((z_t - lse) - lse_lo), 0.0)
@@ -63,7 +63,7 @@ def two_sum(a: torch.Tensor, b: torch.Tensor):
 def _target_terms(z, target, weight, opts: LossOptions):
     """(valid, in_range, safe target, z_t, w_t) for a block; never indexes with a bad target."""
     n_classes = z.shape[1]
-    valid = target != opts.ignore_index
+    valid = opts.kept(target)
     in_range = (target >= 0) & (target < n_classes)
     safe = torch.where(in_range, target, torch.zeros_like(target)).long()
     z_t = z.gather(1, safe[:, None])[:, 0]
@@ -162,7 +162,7 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
     n_local = x.shape[1]
     n_classes = n_local if n_classes is None else n_classes
     z = transform(x, opts)
-    valid = target != opts.ignore_index
+    valid = opts.kept(target)
     owned = (target >= col_start) & (target < col_start + n_local)
     safe = torch.where(owned, target - col_start, torch.zeros_like(target)).long()
     if target_weight is not None:

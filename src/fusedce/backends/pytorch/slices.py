@@ -24,7 +24,7 @@ def slice_stats(logits: torch.Tensor, target: torch.Tensor, weight: Optional[tor
     if n_local == 0:
         return SliceStats(xmax, argmax, zmax, sumexp, target_logit, zsum)
     w = None if weight is None else weight.float()
-    valid = target != opts.ignore_index
+    valid = opts.kept(target)
     owned = valid & (target >= col_start) & (target < col_start + n_local)
     col = torch.where(owned, target.long() - col_start, 0)
     step = chunk_rows(n_local)

@@ -90,7 +90,7 @@ class TorchTiledCE:
         lse, lse_lo, z_t = torch.zeros_like(loss), torch.zeros_like(loss), torch.zeros_like(loss)
         ent = torch.zeros_like(loss) if entropy else None
         predicted = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        valid_all = target != opts.ignore_index
+        valid_all = opts.kept(target)
         smoothing = opts.label_smoothing > 0.0
         for r0 in range(0, n, TILE_ROWS):
             r = slice(r0, r0 + TILE_ROWS)
@@ -129,7 +129,7 @@ class TorchTiledCE:
             grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)
         grad_w = torch.zeros(weight.shape, dtype=accum_dtype, device=dev) if needs[1] else None
         grad_b = torch.zeros(n_classes, dtype=accum_dtype, device=dev) if needs[2] else None
-        valid_all = target != opts.ignore_index
+        valid_all = opts.kept(target)
         safe_all = torch.where(valid_all & (target >= 0) & (target < n_classes), target, 0).long()
         w_t_all = None if w is None else w[safe_all]
         for r0 in range(0, n, TILE_ROWS):

@@ -95,7 +95,7 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
     zsum = None if cols.smooth is None else s[:, cols.smooth]
     loss = row_loss(lse, lse_lo, s[:, Columns.TARGET_LOGIT], w_t, zsum,
                     weight_sum if weighted else float(layout.n_classes), layout.n_classes, opts)
-    valid = target != opts.ignore_index
+    valid = opts.kept(target)
     loss = torch.where(s[:, Columns.OWNED] > 0, loss, float("nan"))
     loss = torch.where(valid, loss, 0.0)
     target_prob = torch.where(valid & (s[:, Columns.OWNED] > 0),

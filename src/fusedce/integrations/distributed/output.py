@@ -26,7 +26,7 @@ def finish(loss_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor,
     scales = None
     if reduction == "mean":
         if target_weight is not None:
-            target_weight = torch.where(target != opts.ignore_index, target_weight, 0.0)
+            target_weight = torch.where(opts.kept(target), target_weight, 0.0)
         scales = red.mean_scales(target, target_weight, opts.ignore_index, num_items_in_batch)
     return red.loss_and_stats(loss_rows, lse, predicted, target, opts, reduction, scales, shape, return_stats,
                               token_weight)
