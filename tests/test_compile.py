@@ -217,3 +217,37 @@ def test_linear_cross_entropy_compiled_equals_eager(backend, reduction):
     torch._dynamo.reset()
     for got, want in zip(run(torch.compile(step, fullgraph=True)), run(step)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- tiled method and the RL log-probs
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("what", ["tiled-mean", "log-probs-chunked", "log-probs-tiled", "log-probs-logits"])
+def test_tiled_and_log_probs_compiled_equal_eager(backend, what):
+    hidden = torch.randn(B, T, H, requires_grad=True)
+    head = torch.randn(V, H, requires_grad=True)
+    target = torch.randint(0, V, (B, T))
+    target[0, 0] = IGNORE
+    adv, bonus = torch.randn(B, T), torch.rand(B, T)
+
+    def step(h, w, t):
+        if what == "tiled-mean":
+            return fusedce.linear_cross_entropy(h, w, t, label_smoothing=0.1, softcap=8.0, method="tiled",
+                                                backend=backend)
+        if what == "log-probs-logits":
+            out = fusedce.token_log_probs(h @ w.t(), t, temperature=0.7, return_entropy=True, backend=backend)
+        else:
+            out = fusedce.linear_token_log_probs(h, w, t, temperature=0.7, softcap=8.0, return_entropy=True,
+                                                 method=what.split("-")[-1], backend=backend)
+        return (adv * out.log_probs).sum() + (bonus * out.entropy).sum()
+
+    def run(fn):
+        hidden.grad = head.grad = None
+        loss = fn(hidden, head, target)
+        loss.backward()
+        return loss.detach(), hidden.grad.clone(), head.grad.clone()
+
+    explanation = torch._dynamo.explain(step)(hidden, head, target)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    for got, want in zip(run(torch.compile(step, fullgraph=True)), run(step)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
