@@ -31,7 +31,8 @@ def _inspect(tmp_path, arch: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUTE_DSL_ARCH")}
     out = tmp_path / "inspect.json"
     argv = [sys.executable, "-m", "fusedce.inspect", "--arch", arch, "--kernel", "forward", "--variant", "plain",
-            "--dtype", "bf16", "--vocab", "32000", "--cute", "--json", str(out)] + (["--every-variant"] if EVERY else [])
+            "--dtype", "bf16", "--vocab", "32000", "--cute", "--json", str(out)] \
+        + (["--every-variant"] if EVERY else [])
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "CuTe DSL kernels" in proc.stdout and "CuTe variants" in proc.stdout, proc.stdout

@@ -1,8 +1,8 @@
 """The entropy of the Triton row kernels (``TritonChunkCE.loss(..., entropy=True)`` and
 ``grad_(..., grad_entropy=, entropy=, out=)``) against float64, under the Triton interpreter.
 
-Shapes: n = 9 rows, V = 1000 (not a power of two: one block of 1024 with 24 masked columns); a row whose first 600 logits are -inf (masked vocabulary: 0 * -inf must
-not appear) and ignored rows. Every loss option, fp32 and bf16 logits (the reference uses the logits'
+Shapes: n = 9 rows, V = 1000 (not a power of two: one block of 1024 with 24 masked columns); a row
+whose first 600 logits are -inf (masked vocabulary: 0 * -inf must not appear) and ignored rows. Every loss option, fp32 and bf16 logits (the reference uses the logits'
 exact values). The gradient is of ``sum g loss + h lse + k entropy`` with random per-row upstreams.
 """
 import pytest
@@ -71,8 +71,8 @@ def test_entropy_forward_and_gradient(dtype, name):
     assert torch.all(ent[t == IGNORE] == 0) and torch.all(pred[t == IGNORE] == -1)
 
     # the CE path is unchanged: 4 results, the same values
-    assert [torch.equal(a, b) for a, b in zip(TritonChunkCE.loss(x, t, cw, wsum, opts, True)[:3], (loss, lse, lse_lo))] \
-        == [True] * 3
+    plain = TritonChunkCE.loss(x, t, cw, wsum, opts, True)[:3]
+    assert [torch.equal(a, b) for a, b in zip(plain, (loss, lse, lse_lo))] == [True] * 3
 
     gen = torch.Generator().manual_seed(1)
     g, h, k = (torch.randn(N, generator=gen) for _ in range(3))

@@ -3,8 +3,9 @@
 - ``cross_entropy_rows(logits2d, target1d, weight, opts, inplace_backward, stats)``
   -> ``(ce_row, lse, lse_lo, predicted)``: per-row fp32 cross-entropy WITHOUT the z-loss and per-row
   fp32 lse (both differentiable w.r.t. ``logits2d``; 0 on ignored rows), lse's fp32 rounding error
-  (``lse + lse_lo`` exact; no gradient), int64 argmax (-1 on ignored rows); no reduction. The z-loss is built from ``lse`` by ``reduction.py``, so its gradient reaches the backend
-  as the upstream gradient of ``lse``.
+  (``lse + lse_lo`` exact; no gradient), int64 argmax (-1 on ignored rows); no reduction. The z-loss
+  is built from ``lse`` by ``reduction.py``, so its gradient reaches the backend as the upstream
+  gradient of ``lse``.
 - ``linear_cross_entropy(..., reduction, scales, ..., method)``: the LM head fused with the loss,
   reduced (``scales`` = the mean's 1/D and 1/N), chunked or tiled, see ``backends/chunk_loop/``.
 - ``token_log_probs`` / ``linear_token_log_probs``: per-row log-probs and entropy for RL, see

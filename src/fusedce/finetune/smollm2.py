@@ -174,7 +174,8 @@ def run(args) -> int:
         for name in RUNS:
             result = Path(tmp) / f"{name}.json"
             command = [sys.executable, "-m", "fusedce.finetune.smollm2", "--worker", name,
-                       "--data", str(data), "--result", str(result), "--steps", str(args.steps), "--batch", str(args.batch),
+                       "--data", str(data), "--result", str(result), "--steps", str(args.steps),
+                       "--batch", str(args.batch),
                        "--lr", str(args.lr), "--seed", str(args.seed)]
             if args.chunk_size is not None:
                 command += ["--chunk-size", str(args.chunk_size)]
