@@ -264,7 +264,8 @@ def test_option_and_model_errors():
     model = build("llama")
     with pytest.raises(TypeError, match="unknown loss option.*smoothing"):
         patch_causal_lm(model, smoothing=0.1)
-    for bad in (dict(label_smoothing=2.0), dict(reduction="avg"), dict(chunk_size=0), dict(backend="cuda")):
+    for bad in (dict(label_smoothing=2.0), dict(reduction="avg"), dict(chunk_size=0), dict(backend="cuda"),
+                dict(method="fast"), dict(method="tiled", chunk_size=8)):
         with pytest.raises(ValueError):
             patch_causal_lm(model, **bad)
     with pytest.raises(ValueError, match="contradicts"):
@@ -304,3 +305,16 @@ def test_undeclared_logit_transform_is_refused():
     ids, _, labels = batch()
     with pytest.raises(ValueError, match="does not declare"):
         model(input_ids=ids, labels=labels)
+
+
+def test_tiled_method_through_the_patch():
+    """``method="tiled"`` reaches linear_cross_entropy: the same loss and gradients as the stock model."""
+    model = build("llama")
+    ids, _, labels = batch()
+    stock = model(input_ids=ids, labels=labels).loss
+    (stock_grad,) = torch.autograd.grad(stock, model.lm_head.weight)
+    patch_causal_lm(model, method="tiled")
+    fused = model(input_ids=ids, labels=labels).loss
+    (fused_grad,) = torch.autograd.grad(fused, model.lm_head.weight)
+    torch.testing.assert_close(fused, stock, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_grad, stock_grad, rtol=1e-4, atol=1e-6)

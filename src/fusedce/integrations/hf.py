@@ -65,6 +65,7 @@ def _validate(model: nn.Module, options: dict, transform: LogitTransform) -> dic
                        options.get("label_smoothing", 0.0), options.get("lse_square_scale", 0.0), softcap,
                        1.0 if logit_scale is None else logit_scale, options.get("use_token_scaling", False))
     val.check_chunk_size(options.get("chunk_size"))
+    val.check_method(options.get("method", "auto"), options.get("chunk_size"))
     backend = options.get("backend")  # the name only: the device is known at the first call
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid names are {BACKENDS}")
@@ -119,8 +120,8 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
         keep_logits: also return the logits (computed by the original head).
         **loss_options: passed to ``linear_cross_entropy``: ``ignore_index``, ``reduction``,
             ``label_smoothing``, ``lse_square_scale``, ``softcap``, ``logit_scale``,
-            ``use_token_scaling``, ``ce_weight``, ``chunk_size``, ``accum_dtype``, ``backend``. Validated
-            here.
+            ``use_token_scaling``, ``ce_weight``, ``chunk_size``, ``method``, ``accum_dtype``,
+            ``backend``. Validated here.
 
     Patching again replaces the options (never wraps twice). Undo with :func:`unpatch_causal_lm`.
 
