@@ -37,7 +37,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .row_math import (NEG_INF, div_full, grad_vector_from, merge_argmax, merge_softmax, row_loss, slice_stats,
+from .chunk_row import chunk_row_factors, store_row_results
+from .row_math import (NEG_INF, div_full, grad_vector_from, merge_argmax, merge_softmax, slice_stats,
                        target_terms, transform)
 
 HEADER_BYTES = 512    # the reduction slots (<= 16 warps) and the published CTA state, before the slice
@@ -153,33 +154,12 @@ class CEChunkOnChip:
             cute.arch.cluster_arrive_relaxed()    # done reading the peers' shared memory
 
         # 4. the row's results and gradient factors, as CEChunk
-        total_w = Float32(n_cols)
-        if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
-            total_w = mWSum[0]
-        loss, lse, lse_lo = row_loss(m, s, zsum, z_t, w_t, total_w, n_cols, is_valid, in_range,
-                                     label_smoothing, HAS_SMOOTHING)
-        g = mGradRow[row]
-        zg = Float32(0.0)
-        if const_expr(HAS_ZLOSS):
-            zg = mZGradRow[row]
-        p_t = Float32(0.0)
-        if const_expr(TOKEN_SCALING):   # Dynamic Fine-Tuning: the row's whole loss times p_t, detached
-            if is_valid and in_range:
-                p_t = cute.math.exp((z_t - lse) - lse_lo)
-            g = g * p_t
-            zg = zg * p_t
-        h = Float32(2.0) * lse_square_scale * lse * zg   # d(s lse^2)/d lse times its upstream
+        loss, lse, lse_lo, g, h, p_t, total_w = chunk_row_factors(
+            m, s, zsum, z_t, w_t, n_cols, is_valid, in_range, mWSum, mGradRow, mZGradRow, row, label_smoothing,
+            lse_square_scale, HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS, TOKEN_SCALING)
         if tidx == 0 and rank == 0:
-            mLoss[row] = loss
-            mLse[row] = lse
-            mLseLo[row] = lse_lo
-            if const_expr(COMPUTE_STATS):
-                pred = Int64(-1)
-                if is_valid:
-                    pred = Int64(idx)
-                mPred[row] = pred
-            if const_expr(TOKEN_SCALING):
-                mTokenWeight[row] = p_t
+            store_row_results(mLoss, mLse, mLseLo, mPred, mTokenWeight, row, loss, lse, lse_lo, idx, is_valid, p_t,
+                              COMPUTE_STATS, TOKEN_SCALING)
         a = (Float32(1.0) - label_smoothing) * w_t
         b = div_full(label_smoothing, Float32(n_cols))
         t_col = Int32(-1)

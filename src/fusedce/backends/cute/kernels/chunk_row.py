@@ -1,0 +1,55 @@
+"""The per-row epilogue shared by the two fused chunk kernels (``ce_chunk.CEChunk`` and
+``ce_chunk_onchip.CEChunkOnChip``): once a row's statistics are known, its loss and lse pair, the
+upstream gradient factors of the gradient pass, and the per-row results' stores. The formulas are
+``row_math.row_loss`` and the chunk contract of ``backends/triton/kernels/ce_chunk.py``."""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from .row_math import row_loss
+
+
+@cute.jit
+def chunk_row_factors(m: Float32, s: Float32, zsum: Float32, z_t: Float32, w_t: Float32, n_cols: Int32,
+                      is_valid, in_range, mWSum, mGradRow: cute.Tensor, mZGradRow, row,
+                      label_smoothing: Float32, lse_square_scale: Float32,
+                      HAS_WEIGHT: cutlass.Constexpr[bool], HAS_SMOOTHING: cutlass.Constexpr[bool],
+                      HAS_ZLOSS: cutlass.Constexpr[bool], TOKEN_SCALING: cutlass.Constexpr[bool]):
+    """``(loss, lse, lse_lo, g, h, p_t, total_w)``: the row's loss and exact lse pair; ``g`` the upstream
+    gradient of its loss and ``h = 2 s lse zg`` that of its lse (the z-loss), both times ``p_t`` with
+    token scaling (Dynamic Fine-Tuning: the row's whole loss times its detached ``p_t``; 0 without it);
+    ``total_w = W``, the class weights' sum (V without weights)."""
+    total_w = Float32(n_cols)
+    if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
+        total_w = mWSum[0]
+    loss, lse, lse_lo = row_loss(m, s, zsum, z_t, w_t, total_w, n_cols, is_valid, in_range,
+                                 label_smoothing, HAS_SMOOTHING)
+    g = Float32(mGradRow[row])
+    zg = Float32(0.0)
+    if const_expr(HAS_ZLOSS):
+        zg = Float32(mZGradRow[row])
+    p_t = Float32(0.0)
+    if const_expr(TOKEN_SCALING):
+        if is_valid and in_range:
+            p_t = cute.math.exp((z_t - lse) - lse_lo)
+        g = g * p_t
+        zg = zg * p_t
+    h = Float32(2.0) * lse_square_scale * lse * zg   # d(s lse^2)/d lse times its upstream
+    return loss, lse, lse_lo, g, h, p_t, total_w
+
+
+@cute.jit
+def store_row_results(mLoss: cute.Tensor, mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, mTokenWeight, row,
+                      loss: Float32, lse: Float32, lse_lo: Float32, idx: Int32, is_valid, p_t: Float32,
+                      COMPUTE_STATS: cutlass.Constexpr[bool], TOKEN_SCALING: cutlass.Constexpr[bool]):
+    """One thread writes the row's loss, lse pair, argmax (-1 on an ignored row) and ``p_t``."""
+    mLoss[row] = loss
+    mLse[row] = lse
+    mLseLo[row] = lse_lo
+    if const_expr(COMPUTE_STATS):
+        pred = Int64(-1)
+        if is_valid:
+            pred = Int64(idx)
+        mPred[row] = pred
+    if const_expr(TOKEN_SCALING):
+        mTokenWeight[row] = p_t
