@@ -185,4 +185,7 @@ register(Path("linear-fusedce-torch-tiled", "fusedce torch tiled", LINEAR_CROSS_
 register(Path("linear-fusedce-triton-tiled", "fusedce triton tiled", LINEAR_CROSS_ENTROPY,
               _fusedce_linear("triton", "tiled"),
               "fusedce.linear_cross_entropy(hidden, weight, target, method='tiled', backend='triton'): tiled "
-              "Triton kernels (logits tiles on chip only), mean", devices=("cuda",), interpreter=True))
+              "Triton kernels (logits tiles on chip only), mean", devices=("cuda",)))
+# No interpreter parity run for the tiled kernels on CPU: on the real input's 32-row slice (V=49152,
+# H=576) the interpreter takes about 150 s (one program per vocabulary tile, tl.dot per H block, each a
+# Python-level step); tests/test_triton_tiled.py and test_linear_tiled.py check them at small sizes.
