@@ -21,8 +21,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .chunk_row import chunk_row_factors, store_row_results
-from .row_math import div_full, grad_vector, row_stats, target_terms, transform
+from .chunk_row import chunk_row_factors
+from .row_math import div_full, grad_vector, row_stats, store_row_results, target_terms, transform
 
 
 class CEChunk:

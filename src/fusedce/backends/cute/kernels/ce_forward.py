@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .row_math import row_loss, row_stats, target_terms, transform
+from .row_math import row_loss, row_stats, store_row_results, target_terms, transform
 
 
 class CEForward:
@@ -68,11 +68,5 @@ class CEForward:
             z_t = transform(Float32(gRow[safe]), logit_scale, softcap, HAS_SOFTCAP)
             loss, lse, lse_lo = row_loss(m, s, zsum, z_t, w_t, total_w, n_cols, is_valid, in_range,
                                          label_smoothing, HAS_SMOOTHING)
-            mLoss[row] = loss
-            mLse[row] = lse
-            mLseLo[row] = lse_lo
-            if const_expr(COMPUTE_STATS):
-                pred = Int64(-1)
-                if is_valid:
-                    pred = Int64(idx)
-                mPred[row] = pred
+            store_row_results(mLoss, mLse, mLseLo, mPred, None, row, loss, lse, lse_lo, idx, is_valid,
+                              Float32(0.0), COMPUTE_STATS, False)

@@ -1,10 +1,10 @@
 """The per-row epilogue shared by the two fused chunk kernels (``ce_chunk.CEChunk`` and
-``ce_chunk_onchip.CEChunkOnChip``): once a row's statistics are known, its loss and lse pair, the
-upstream gradient factors of the gradient pass, and the per-row results' stores. The formulas are
+``ce_chunk_onchip.CEChunkOnChip``): once a row's statistics are known, its loss and lse pair and the
+upstream gradient factors of the gradient pass (the stores are ``row_math.store_row_results``). The formulas are
 ``row_math.row_loss`` and the chunk contract of ``backends/triton/kernels/ce_chunk.py``."""
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from .row_math import row_loss
 
@@ -36,20 +36,3 @@ def chunk_row_factors(m: Float32, s: Float32, zsum: Float32, z_t: Float32, w_t: 
         zg = zg * p_t
     h = Float32(2.0) * lse_square_scale * lse * zg   # d(s lse^2)/d lse times its upstream
     return loss, lse, lse_lo, g, h, p_t, total_w
-
-
-@cute.jit
-def store_row_results(mLoss: cute.Tensor, mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, mTokenWeight, row,
-                      loss: Float32, lse: Float32, lse_lo: Float32, idx: Int32, is_valid, p_t: Float32,
-                      COMPUTE_STATS: cutlass.Constexpr[bool], TOKEN_SCALING: cutlass.Constexpr[bool]):
-    """One thread writes the row's loss, lse pair, argmax (-1 on an ignored row) and ``p_t``."""
-    mLoss[row] = loss
-    mLse[row] = lse
-    mLseLo[row] = lse_lo
-    if const_expr(COMPUTE_STATS):
-        pred = Int64(-1)
-        if is_valid:
-            pred = Int64(idx)
-        mPred[row] = pred
-    if const_expr(TOKEN_SCALING):
-        mTokenWeight[row] = p_t

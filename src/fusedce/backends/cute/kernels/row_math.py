@@ -312,3 +312,20 @@ def target_terms(target: Int64, n_cols: Int32, ignore_index: Int64, mW, HAS_WEIG
     if const_expr(HAS_WEIGHT):
         w_t = Float32(mW[safe])
     return is_valid, in_range, safe, w_t
+
+
+@cute.jit
+def store_row_results(mLoss: cute.Tensor, mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, mTokenWeight, row,
+                      loss: Float32, lse: Float32, lse_lo: Float32, idx: Int32, is_valid, p_t: Float32,
+                      COMPUTE_STATS: cutlass.Constexpr[bool], TOKEN_SCALING: cutlass.Constexpr[bool]):
+    """One thread writes the row's loss, lse pair, argmax (-1 on an ignored row) and ``p_t``."""
+    mLoss[row] = loss
+    mLse[row] = lse
+    mLseLo[row] = lse_lo
+    if const_expr(COMPUTE_STATS):
+        pred = Int64(-1)
+        if is_valid:
+            pred = Int64(idx)
+        mPred[row] = pred
+    if const_expr(TOKEN_SCALING):
+        mTokenWeight[row] = p_t
