@@ -264,6 +264,19 @@ def test_num_items_bad_value(backend, value):
     assert "num_items_in_batch" in msg, msg
 
 
+@pytest.mark.parametrize("option,value", [("softcap", 1e39), ("softcap", 1e300), ("lse_square_scale", 1e39),
+                                          ("num_items_in_batch", 1e300), ("num_items_in_batch", 1e-300),
+                                          ("num_items_in_batch", torch.tensor(1e-300, dtype=torch.float64))],
+                         ids=["softcap_1e39", "softcap_1e300", "zloss_1e39", "num_items_1e300", "num_items_1e-300",
+                              "num_items_tensor_1e-300"])
+def test_options_beyond_fp32(backend, option, value):
+    """Finite in Python but not in the kernels' fp32 math (inf: NaN rows, inf * 0 on ignored rows; or a
+    denominator that rounds to 0): ValueError naming the option, before any work."""
+    x, t = _good()
+    msg = _raises(ValueError, backend, x, t, **{option: value})
+    assert option in msg and "fp32" in msg, msg
+
+
 @pytest.mark.parametrize("value", [True, False, "3", [3], torch.tensor(True)],
                          ids=["True", "False", "str", "list", "bool_tensor"])
 def test_num_items_not_a_number(backend, value):

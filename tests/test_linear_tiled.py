@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusedce
-from fusedce.backends.pytorch import tiled as torch_tiled
+from fusedce.backends.pytorch import tuning as torch_tuning
 from inputs import DTYPE_IDS, make_target, make_weight
 from reference64_linear import check_linear, make_linear
 from test_linear_memory import OpRecorder
@@ -23,8 +23,8 @@ ROWS, HIDDEN, V = 13, 16, 1000
 @pytest.fixture(autouse=True)
 def tiny_tiles(monkeypatch):
     """5 token rows x 96 classes per PyTorch tile: 13 rows = 5 + 5 + 3, V = 1000 = 10 x 96 + 40."""
-    monkeypatch.setattr(torch_tiled, "TILE_ROWS", 5)
-    monkeypatch.setattr(torch_tiled, "TILE_VOCAB", 96)
+    monkeypatch.setattr(torch_tuning, "TILE_ROWS", 5)
+    monkeypatch.setattr(torch_tuning, "TILE_VOCAB", 96)
 
 
 def _case(name, lead=(ROWS,), n_classes=V, dtype=torch.float32):
@@ -117,6 +117,29 @@ def test_no_tensor_of_v_elements(backend, reduction):
     big = [n for n in rec.sizes if n >= n_classes and n not in allowed]
     assert not big, f"allocations of V = {n_classes} or more elements: {sorted(set(big))}"
     assert hidden.grad is not None and weight.grad is not None and bias.grad is not None
+
+
+DEFAULT_TILES = (torch_tuning.TILE_ROWS, torch_tuning.TILE_VOCAB)
+
+
+@pytest.mark.parametrize("n_classes", [2, 7, 1000, 3001])
+def test_default_tiles_stay_below_v(monkeypatch, n_classes):
+    """With the shipped tile sizes (not this file's tiny ones): every block holds fewer than V logits,
+    also when V is smaller than one vocabulary tile."""
+    monkeypatch.setattr(torch_tuning, "TILE_ROWS", DEFAULT_TILES[0])
+    monkeypatch.setattr(torch_tuning, "TILE_VOCAB", DEFAULT_TILES[1])
+    rows, vocab = torch_tuning.tile_sizes(n_classes)
+    assert rows * vocab < n_classes and vocab < n_classes
+    if n_classes < 100:   # the O(BT) row statistics of 12 tokens would be >= V themselves
+        return
+    hidden, weight, bias = make_linear((12,), 4, n_classes, bias=True)
+    target = make_target((12,), n_classes, ignore_every=5)
+    rec = OpRecorder()
+    with rec:
+        fusedce.linear_cross_entropy(hidden, weight, target, bias, backend="torch", method="tiled",
+                                     label_smoothing=0.1).backward()
+    big = [n for n in rec.sizes if n >= n_classes and n not in (n_classes * 4, n_classes)]
+    assert not big, f"allocations of V = {n_classes} or more elements: {sorted(set(big))}"
 
 
 def test_chunked_premise_allocates_logits():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fusedce
-from fusedce.backends.pytorch import tiled as torch_tiled
+from fusedce.backends.pytorch import tuning as torch_tuning
 from inputs import DTYPE_IDS, DTYPES, make_target
 from reference64_linear import make_linear
 
@@ -21,8 +21,8 @@ GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 @pytest.fixture(autouse=True)
 def tiny_tiles(monkeypatch):
-    monkeypatch.setattr(torch_tiled, "TILE_ROWS", 4)
-    monkeypatch.setattr(torch_tiled, "TILE_VOCAB", 64)
+    monkeypatch.setattr(torch_tuning, "TILE_ROWS", 4)
+    monkeypatch.setattr(torch_tuning, "TILE_VOCAB", 64)
 
 
 def _reference(logits64, target, temperature, softcap, ignore_index=-100):
@@ -136,6 +136,11 @@ def test_errors():
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="temperature"):
             fusedce.token_log_probs(logits, target, temperature=bad)
+    for bad in (1e38, 1e-39):   # 1 / temperature not a normal fp32 number
+        with pytest.raises(ValueError, match="temperature"):
+            fusedce.token_log_probs(logits, target, temperature=bad)
+    with pytest.raises(ValueError, match="softcap / temperature"):   # 1e39: beyond fp32
+        fusedce.token_log_probs(logits, target, temperature=0.01, softcap=1e37)
     with pytest.raises(TypeError, match="temperature"):
         fusedce.token_log_probs(logits, target, temperature="hot")
     with pytest.raises(ValueError, match="softcap"):

@@ -75,16 +75,17 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             ``num_items_in_batch`` a bool or neither a number nor a tensor.
         ValueError: shape mismatch, V = 0 (``logits`` of shape ``(..., 0)``), bad reduction,
             label_smoothing outside [0, 1], softcap <= 0, ``logit_scale`` not a positive normal fp32
-            number, a NaN or infinite ``label_smoothing`` / ``lse_square_scale`` / ``softcap``,
-            ``ignore_index`` outside int64, ``num_items_in_batch`` negative or non-finite (a number or
-            a CPU tensor; a CUDA tensor is not read), weight not (V,), tensors on different devices,
-            unknown backend.
+            number, a NaN or infinite ``label_smoothing`` / ``lse_square_scale`` / ``softcap`` (or one
+            beyond fp32's range: the kernels compute in fp32),
+            ``ignore_index`` outside int64, ``num_items_in_batch`` negative, non-finite or beyond fp32
+            (a number or a CPU tensor; a CUDA tensor is not read), weight not (V,), tensors on
+            different devices, unknown backend.
             (An int32 ``target`` with an ``ignore_index`` outside int32 is fine: it is converted to
             int64 once, a BT-element copy.)
         IndexError: a target neither ``ignore_index`` nor in [0, V), naming the first bad position
             (a host sync; skipped under torch.compile / CUDA-graph capture, where that row's loss is NaN).
         RuntimeError: ``backend="triton"`` on CPU tensors without ``TRITON_INTERPRET=1``;
-            ``backend="cute"`` (named by the contract, not in this version).
+            ``backend="cute"`` on CPU tensors or without the ``cute`` extra (naming which is missing).
     """
     val.check_float("logits", logits)
     if logits.dim() < 1:

@@ -34,8 +34,8 @@ class CrossEntropyLoss(nn.Module):
     positive normal fp32 number, a non-finite number, an ``ignore_index`` outside int64, a ``weight``
     that is not 1-D or an unknown ``backend`` name; ``TypeError`` for a non-integer ``ignore_index`` (a
     float, a bool), a non-number option, a non-bool flag or a ``weight`` that is not a floating-point
-    tensor; ``RuntimeError`` for ``backend="cute"``. Shapes, devices and ``"triton"`` without CUDA or
-    the interpreter are checked at each call.
+    tensor. Shapes, devices, ``"triton"`` without CUDA or the interpreter and ``"cute"`` without CUDA or
+    its extra (``RuntimeError``) are checked at each call.
     """
 
     def __init__(self, weight: Optional[torch.Tensor] = None, ignore_index: int = -100,

@@ -54,6 +54,16 @@ def real_option(name: str, value) -> float:
     return value
 
 
+def fp32_range(name: str, value: float, lowest: float = 0.0) -> float:
+    """``value`` itself when the kernels' fp32 math can hold it: ``ValueError`` when ``|value|`` exceeds
+    fp32's largest finite number (it would become inf: NaN rows, e.g. ``inf * 0`` on ignored rows) or
+    is non-zero below ``lowest``."""
+    if abs(value) > FP32_NORMAL[1] or (value != 0 and abs(value) < lowest):
+        raise ValueError(f"{name} must be 0 or have a magnitude in [{lowest:.3g}, {FP32_NORMAL[1]:.3g}] (the "
+                         f"fp32 math of the kernels), got {value}")
+    return value
+
+
 def loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale=1.0,
                  use_token_scaling=False) -> LossOptions:
     """Check the scalar options: ``TypeError`` for a non-integer ``ignore_index``, a non-number
@@ -68,11 +78,12 @@ def loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, sof
     label_smoothing = real_option("label_smoothing", label_smoothing)
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    lse_square_scale = real_option("lse_square_scale", lse_square_scale)
+    lse_square_scale = fp32_range("lse_square_scale", real_option("lse_square_scale", lse_square_scale))
     if softcap is not None:
         softcap = real_option("softcap", softcap)
         if not softcap > 0.0:
             raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap}")
+        fp32_range("softcap", softcap)
     logit_scale = real_option("logit_scale", logit_scale)
     if not FP32_NORMAL[0] <= logit_scale <= FP32_NORMAL[1]:   # the kernels multiply in fp32
         raise ValueError(f"logit_scale must be a finite fp32 number > 0 (in [{FP32_NORMAL[0]:.3g}, "
@@ -230,10 +241,12 @@ def log_prob_options(ignore_index, temperature, softcap) -> LossOptions:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     scale = 1.0 / temperature
     if not FP32_NORMAL[0] <= scale <= FP32_NORMAL[1]:
-        raise ValueError(f"temperature must be within fp32's normal range, got {temperature}")
+        raise ValueError(f"temperature must lie in [{1 / FP32_NORMAL[1]:.3g}, {1 / FP32_NORMAL[0]:.3g}], so that "
+                         f"1 / temperature is a normal fp32 number (the kernels multiply by it), got {temperature}")
     opts = loss_options(ignore_index, "none", 0.0, 0.0, softcap, scale)
     if opts.softcap is not None:
-        opts = dataclasses.replace(opts, softcap=opts.softcap * scale)
+        opts = dataclasses.replace(opts, softcap=fp32_range("softcap / temperature", opts.softcap * scale,
+                                                            FP32_NORMAL[0]))
     return opts
 
 
@@ -270,6 +283,7 @@ def check_num_items(num_items_in_batch, device: torch.device) -> None:
             value = float(num_items_in_batch)   # a CPU tensor: reading it syncs with no device
             if not (_finite(value) and value >= 0):
                 raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {value}")
+            fp32_range("num_items_in_batch", value, FP32_NORMAL[0])
         return
     number = isinstance(num_items_in_batch, (numbers.Real,) + _SYMBOLIC)
     if isinstance(num_items_in_batch, bool) or not number:
@@ -277,3 +291,5 @@ def check_num_items(num_items_in_batch, device: torch.device) -> None:
                         f"{num_items_in_batch!r} ({type(num_items_in_batch).__name__})")
     if not (_finite(num_items_in_batch) and num_items_in_batch >= 0):
         raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {num_items_in_batch}")
+    if not isinstance(num_items_in_batch, _SYMBOLIC):
+        fp32_range("num_items_in_batch", float(num_items_in_batch), FP32_NORMAL[0])

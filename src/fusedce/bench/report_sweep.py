@@ -8,7 +8,9 @@ from __future__ import annotations
 from rich.table import Table
 
 MIB = 2.0 ** -20
-COLUMNS = (  # header, justify; the shapes' sizes go to the caption, so that the table fits 130 columns
+# header, justify; the shapes' sizes go to the caption, so that the table fits 180 columns (the bench's
+# width in logs and pipes)
+COLUMNS = (
     ("shape", "left"), ("ignored", "right"), ("base\nMiB", "right"), ("stock\nMiB", "right"),
     ("fused\nMiB", "right"), ("memory\nstock/fused", "right"), ("stock\nms", "right"),
     ("fused\nms", "right"), ("time\nstock/fused", "right"), ("Δloss", "right"), ("tiled\nMiB", "right"),

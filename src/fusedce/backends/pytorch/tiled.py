@@ -2,7 +2,7 @@
 tensor of V or more elements besides the weight, its gradient and the bias (the same algorithm as the
 Triton tiled kernels, so its semantics and memory are tested on CPU).
 
-Forward, per token block r (``TILE_ROWS`` rows) and vocabulary block j (``TILE_VOCAB`` classes):
+Forward, per token block r and vocabulary block j (``tuning.tile_sizes``: fewer than V logits a block):
     x = h_r @ W_j.T + b_j in hidden's dtype (fp32 accumulation, as ``F.linear``), then fp32;
     z = transform(x); the block's row statistics (max of z, its sum-exp, the entropy sum T, the
     smoothing sum, the raw max and its index, the target logit where the block holds the target)
@@ -13,7 +13,7 @@ Backward (from the saved lse pair; each block recomputed):
     dz = ``rows.rows_grad`` on the block (the vocabulary-slice form: global V, w_t per row),
     grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r and grad_b_j += sum_rows dz (``accum_dtype``).
 FLOPs: 2 BT V H forward, 6 BT V H backward (recomputed logits, grad_h, grad_W). Memory beyond the
-inputs and the returned gradients: a few ``TILE_ROWS x TILE_VOCAB`` fp32 blocks, fp32 copies of one
+inputs and the returned gradients: a few fp32 blocks of fewer than V values each, fp32 copies of one
 weight block and one hidden block for non-fp32 inputs, O(BT) row statistics, and for non-fp32 hidden
 an fp32 ``BT x H`` accumulator of its gradient.
 """
@@ -26,7 +26,7 @@ import torch
 from ...types import LossOptions
 from ..chunk_loop.protocols import TiledRows
 from .rows import row_loss, rows_grad, transform, two_sum
-from .tuning import TILE_ROWS, TILE_VOCAB
+from . import tuning
 
 _NEG_INF = float("-inf")
 
@@ -92,13 +92,14 @@ class TorchTiledCE:
         predicted = torch.full((n,), -1, dtype=torch.int64, device=dev)
         valid_all = opts.kept(target)
         smoothing = opts.label_smoothing > 0.0
-        for r0 in range(0, n, TILE_ROWS):
-            r = slice(r0, r0 + TILE_ROWS)
+        tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
+        for r0 in range(0, n, tile_rows):
+            r = slice(r0, r0 + tile_rows)
             h, t, valid = hidden[r], target[r], valid_all[r]
             run = _Running(h.shape[0], dev, smoothing, entropy, stats)
             w_t = None if w is None else torch.zeros(h.shape[0], device=dev)
-            for v0 in range(0, n_classes, TILE_VOCAB):
-                cols = slice(v0, v0 + TILE_VOCAB)
+            for v0 in range(0, n_classes, tile_vocab):
+                cols = slice(v0, v0 + tile_vocab)
                 x = _block_logits(h, weight, bias, cols)
                 owned, col = _target_columns(t, valid, v0, x.shape[1])
                 run.add(x, transform(x, opts), v0, owned, col, None if w is None else w[cols])
@@ -132,12 +133,13 @@ class TorchTiledCE:
         valid_all = opts.kept(target)
         safe_all = torch.where(valid_all & (target >= 0) & (target < n_classes), target, 0).long()
         w_t_all = None if w is None else w[safe_all]
-        for r0 in range(0, n, TILE_ROWS):
-            r = slice(r0, r0 + TILE_ROWS)
+        tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
+        for r0 in range(0, n, tile_rows):
+            r = slice(r0, r0 + tile_rows)
             h, t = hidden[r], target[r]
             h32 = h if fp32 else h.float()
-            for v0 in range(0, n_classes, TILE_VOCAB):
-                cols = slice(v0, v0 + TILE_VOCAB)
+            for v0 in range(0, n_classes, tile_vocab):
+                cols = slice(v0, v0 + tile_vocab)
                 x = _block_logits(h, weight, bias, cols)
                 dz = rows_grad(x, t, None if w is None else w[cols], weight_sum, lse[r], lse_lo[r], grad_row[r],
                                None if grad_lse is None else grad_lse[r], opts, out=x, n_classes=n_classes,
