@@ -131,6 +131,19 @@ def test_all_ignored_and_empty(backend):
             hidden.grad = weight.grad = bias.grad = None
 
 
+def test_a_backend_without_entropy_kernels_is_refused(monkeypatch):
+    """A backend module without the RL entries (the CuTe one, on CUDA): RuntimeError naming it."""
+    import types
+    from fusedce import backends
+    monkeypatch.setattr(backends, "get", lambda name, device: types.SimpleNamespace())
+    logits, target = torch.randn(3, 10), torch.randint(0, 10, (3,))
+    with pytest.raises(RuntimeError, match="no token_log_probs"):
+        fusedce.token_log_probs(logits, target, backend="cute")
+    hidden, weight, _ = make_linear((3,), 4, 10)
+    with pytest.raises(RuntimeError, match="no linear_token_log_probs"):
+        fusedce.linear_token_log_probs(hidden, weight, target, backend="cute")
+
+
 def test_errors():
     logits, target = torch.randn(3, 10), torch.randint(0, 10, (3,))
     for bad in (0.0, -1.0, float("inf"), float("nan")):

@@ -11,6 +11,14 @@ from .functional import rows_view
 from .types import TokenLogProbs
 
 
+def _backend(backend, device: torch.device, entry: str):
+    """The backend module, which must have ``entry`` (the CuTe backend has no entropy kernels yet)."""
+    impl = backends.get(backend, device)
+    if not hasattr(impl, entry):
+        raise RuntimeError(f"backend {backend!r} has no {entry} (no entropy kernels yet); use 'triton' or 'torch'")
+    return impl
+
+
 def _result(log_probs, entropy, shape, return_entropy: bool):
     log_probs = log_probs.reshape(shape)
     if not return_entropy:
@@ -48,7 +56,9 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     Raises:
         TypeError / ValueError / IndexError / RuntimeError: as :func:`fusedce.cross_entropy` (shapes,
             dtypes, devices, a target neither ``ignore_index`` nor in [0, V), backends), plus
-            ``ValueError`` for a ``temperature`` that is not a finite number > 0.
+            ``ValueError`` for a ``temperature`` that is not a finite number > 0 or whose inverse is
+            not a normal fp32 number, or a ``softcap / temperature`` beyond fp32's range, and
+            ``RuntimeError`` for ``backend="cute"`` (no entropy kernels yet).
     """
     val.check_float("logits", logits)
     if logits.dim() < 1:
@@ -59,7 +69,7 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     val.check_target(target, shape, logits.device)
     target = val.widen_target(target, opts.ignore_index)
     val.check_flag("return_entropy", return_entropy)
-    impl = backends.get(backend, logits.device)
+    impl = _backend(backend, logits.device, "token_log_probs")
     val.check_target_range(target, n_classes, opts.ignore_index)
     log_probs, entropy = impl.token_log_probs(rows_view(logits, False), target.reshape(-1), opts,
                                               return_entropy)
@@ -99,7 +109,7 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
     target = val.widen_target(target, opts.ignore_index)
     val.check_flag("return_entropy", return_entropy)
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
-    impl = backends.get(backend, hidden.device)
+    impl = _backend(backend, hidden.device, "linear_token_log_probs")
     val.check_target_range(target, n_classes, opts.ignore_index)
     log_probs, entropy = impl.linear_token_log_probs(
         hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, opts, return_entropy,

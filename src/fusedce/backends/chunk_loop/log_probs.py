@@ -39,8 +39,7 @@ class _LogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, ce, opts: LossOptions, want_entropy: bool):
-        out = ce.loss(logits, target, None, None, opts, False, want_entropy) if want_entropy else \
-            ce.loss(logits, target, None, None, opts, False)
+        out = ce.loss(logits, target, None, None, opts, False, want_entropy)
         loss, lse, lse_lo = out[:3]
         entropy = out[4] if want_entropy else None
         log_probs, entropy_out = _outputs(loss, entropy, target, opts)
@@ -54,11 +53,8 @@ class _LogProbs(torch.autograd.Function):
         logits, target, lse, lse_lo, entropy = ctx.saved_tensors
         grad_row, k = _upstream(grad_log_probs, grad_entropy, target.shape[0], ctx.want_entropy, lse)
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        if k is None:
-            ctx.ce.grad_(logits, target, None, None, lse, lse_lo, grad_row, None, ctx.opts, out=grad)
-        else:
-            ctx.ce.grad_(logits, target, None, None, lse, lse_lo, grad_row, None, ctx.opts, grad_entropy=k,
-                         entropy=entropy, out=grad)
+        ctx.ce.grad_(logits, target, None, None, lse, lse_lo, grad_row, None, ctx.opts, grad_entropy=k,
+                     entropy=entropy, out=grad)
         return grad, None, None, None, None
 
 

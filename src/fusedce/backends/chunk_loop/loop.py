@@ -100,8 +100,7 @@ def loss_only(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions
     for s in range(0, n, rows):
         c = slice(s, s + rows)
         logits = logits_chunk(hidden[c], weight, bias, buffer)
-        out = ce.loss(logits, target[c], w, weight_sum, opts, stats, entropy) if entropy else \
-            ce.loss(logits, target[c], w, weight_sum, opts, stats)
+        out = ce.loss(logits, target[c], w, weight_sum, opts, stats, entropy)
         loss[c], lse[c], lse_lo[c] = out[:3]
         if stats:
             predicted[c] = out[3]
@@ -181,12 +180,9 @@ def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, ro
                 if saved_weight is None:
                     token_weight[c] = target_probability(logits, target[c], lse[c], lse_lo[c], opts)
                 g_c, zg_c = g_c * token_weight[c], zg_c * token_weight[c]
-            if grad_entropy is None:
-                ce.grad_(logits, target[c], w, weight_sum, lse[c], lse_lo[c], g_c, grad_lse(lse[c], zg_c, opts),
-                         opts)
-            else:
-                ce.grad_(logits, target[c], w, weight_sum, lse[c], lse_lo[c], g_c, grad_lse(lse[c], zg_c, opts),
-                         opts, grad_entropy=grad_entropy[c], entropy=entropy[c])
+            ce.grad_(logits, target[c], w, weight_sum, lse[c], lse_lo[c], g_c, grad_lse(lse[c], zg_c, opts), opts,
+                     grad_entropy=None if grad_entropy is None else grad_entropy[c],
+                     entropy=None if grad_entropy is None else entropy[c])
         if grad_h is not None:
             torch.mm(logits, weight, out=grad_h[c])
         if grad_w is not None:

@@ -19,9 +19,6 @@ def chunk_rows(n_rows: int, hidden_size: int, vocab_size: int) -> int:
     return max(1, min(n_rows, rows))
 
 
-METHODS = ("auto", "chunked", "tiled")
-
-
 def resolve_method(method: str) -> str:
     """``"auto"`` -> ``"chunked"``, on every device, until GPU measurements say otherwise: the tiled
     method trades one more matmul per token (4 instead of 3: its backward recomputes the logits) for

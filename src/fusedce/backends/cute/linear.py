@@ -19,12 +19,19 @@ def _w(w, weight_sum):
     return (None, None) if w is None else (w.contiguous(), weight_sum.reshape(1))
 
 
+def _no_entropy(asked: bool) -> None:
+    if asked:
+        raise RuntimeError("backend='cute' has no entropy kernels yet (token_log_probs); use backend='triton'")
+
+
 class CuteChunkCE:
-    """``ChunkCE`` (``backends/chunk_loop/api.py``) with the CuTe kernels (CUDA), through the
-    ``fusedce_cute`` custom ops (``custom_ops.py``)."""
+    """``ChunkCE`` (``backends/chunk_loop/protocols.py``) with the CuTe kernels (CUDA), through the
+    ``fusedce_cute`` custom ops (``custom_ops.py``). No entropy kernels yet: the RL ops refuse this
+    backend (``fusedce/log_probs.py``)."""
 
     @staticmethod
-    def loss(logits, target, w, weight_sum, opts, stats):
+    def loss(logits, target, w, weight_sum, opts, stats, entropy=False):
+        _no_entropy(entropy)
         return torch.ops.fusedce_cute.ce_forward(logits, target, *_w(w, weight_sum), *opts.op_args(), stats, False)
 
     @staticmethod
@@ -34,9 +41,13 @@ class CuteChunkCE:
         return loss, lse, lse_lo, predicted, token_weight if opts.use_token_scaling else None
 
     @staticmethod
-    def grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts):
-        torch.ops.fusedce_cute.ce_backward_inplace(logits, target, *_w(w, weight_sum), lse, lse_lo, grad_row,
-                                                   grad_lse, *opts.op_args())
+    def grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts, grad_entropy=None, entropy=None,
+              out=None):
+        _no_entropy(grad_entropy is not None)
+        if out is not None and out is not logits:
+            out.copy_(logits)   # the in-place kernel then writes the gradient over the copy
+        torch.ops.fusedce_cute.ce_backward_inplace(logits if out is None else out, target, *_w(w, weight_sum), lse,
+                                                   lse_lo, grad_row, grad_lse, *opts.op_args())
 
 
 linear_cross_entropy = functools.partial(_linear_cross_entropy, CuteChunkCE)
