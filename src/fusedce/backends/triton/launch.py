@@ -20,7 +20,7 @@ from .tuning import backward_config, forward_config
 
 # Under TRITON_INTERPRET=1 (CPU tests) @triton.jit gives interpreted functions, whose fp32 -> bf16 cast
 # truncates; the backward then rounds by hand so that tests see what a GPU writes.
-_INTERPRETED = not isinstance(ce_backward_kernel, triton.runtime.jit.JITFunction)
+INTERPRETED = not isinstance(ce_backward_kernel, triton.runtime.jit.JITFunction)
 
 
 def _flags(weight, opts: LossOptions) -> dict:
@@ -87,7 +87,7 @@ def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional
                 maxnreg=cfg["maxnreg"])
     if grad_entropy is not None:
         meta["HAS_GRAD_ENTROPY"] = True
-    if _INTERPRETED and grad.dtype == torch.bfloat16:
+    if INTERPRETED and grad.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True
     return ce_backward_kernel, grid, args, meta
 
@@ -142,7 +142,7 @@ def chunk_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[to
                 COMPUTE_STATS=predicted is not None, HAS_ZLOSS=opts.lse_square_scale != 0.0,
                 TOKEN_SCALING=opts.use_token_scaling, **_flags(weight, opts), num_warps=cfg["num_warps"],
                 maxnreg=cfg["maxnreg"])
-    if _INTERPRETED and logits.dtype == torch.bfloat16:
+    if INTERPRETED and logits.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True
     return ce_chunk_kernel, (n_rows,), args, meta
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import triton
 
 from ...types import LossOptions
 from ..chunk_loop.protocols import TiledRows
 from . import tuning
 from .kernels.tiled_backward import tiled_backward_kernel
 from .kernels.tiled_forward import tiled_forward_kernel
-from .launch import _INTERPRETED
+from .launch import INTERPRETED
 
 Opt = Optional[torch.Tensor]
 
@@ -36,7 +37,7 @@ def _dot_meta(dtype: torch.dtype) -> dict:
     """DOT_PRECISION / UPCAST / ROUND_BF16 for inputs of ``dtype`` (see the module docstring)."""
     meta = {"DOT_PRECISION": "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
             else "ieee"}
-    if _INTERPRETED:
+    if INTERPRETED:
         meta.update(DOT_PRECISION="ieee", UPCAST=dtype != torch.float32, ROUND_BF16=dtype == torch.bfloat16)
     return meta
 
@@ -59,7 +60,7 @@ def tiled_forward_launch(hidden, weight, bias, target, w, weight_sum, opts: Loss
             n_rows, n_cols, n_hidden, hidden.stride(0), weight.stride(0), target.stride(0), *opts.kernel_scalars())
     meta.update(HAS_BIAS=bias is not None, HAS_WEIGHT=w is not None, **opts.kernel_flags(),
                 COMPUTE_STATS=predicted is not None, COMPUTE_ENTROPY=entropy is not None)
-    return tiled_forward_kernel, (triton_cdiv(n_rows, cfg["BLOCK_N"]),), args, meta
+    return tiled_forward_kernel, (triton.cdiv(n_rows, cfg["BLOCK_N"]),), args, meta
 
 
 def tiled_backward_launch(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
@@ -81,12 +82,8 @@ def tiled_backward_launch(hidden, weight, bias, target, w, weight_sum, lse, lse_
                 HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
                 NEED_GRAD_HIDDEN=grad_hidden is not None, NEED_GRAD_WEIGHT=grad_weight is not None,
                 NEED_GRAD_BIAS=grad_bias is not None)
-    grid = (triton_cdiv(n_rows, cfg["BLOCK_N"]), triton_cdiv(n_cols, cfg["BLOCK_V"]))
+    grid = (triton.cdiv(n_rows, cfg["BLOCK_N"]), triton.cdiv(n_cols, cfg["BLOCK_V"]))
     return tiled_backward_kernel, grid, args, meta
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _rows_last(t: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Test-only device helpers: used only under the Triton interpreter (``TRITON_INTERPRET=1``, the CPU tests),
-behind the one switch ``ROUND_BF16`` that the launchers set only there (``launch._INTERPRETED``). A GPU
+behind the one switch ``ROUND_BF16`` that the launchers set only there (``launch.INTERPRETED``). A GPU
 launch never compiles them in."""
 import triton
 import triton.language as tl
