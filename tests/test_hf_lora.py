@@ -94,6 +94,15 @@ def test_modules_to_save_head_matches_stock(tied):
     assert any("modules_to_save" in n and p.grad is not None for n, p in fused.named_parameters())
 
 
+@pytest.mark.parametrize("method", ["chunked", "tiled"])
+def test_lora_head_on_the_triton_backend(method):
+    """C17 on the Triton kernels (interpreter): the LoRA head's update takes part in the fused loss."""
+    stock = lora_model(True, ("lm_head",), 0.0)
+    fused = patch_causal_lm(copy.deepcopy(stock), backend="triton", method=method)
+    out, _ = parity_seeded(stock, fused, train=False)
+    assert out.logits is None
+
+
 def test_head_hooks_fire_once_per_forward():
     """C18: the fused loss runs inside the head's own call; its hooks fire once, as in the stock one."""
     model = patch_causal_lm(lora_model(False, ("lm_head",)))

@@ -93,6 +93,19 @@ def test_zero3_style_hooks_forward_and_backward_match_stock(head, order):
     assert hooks.counts["pre"] == 2 * modules
 
 
+@pytest.mark.parametrize("method", ["chunked", "tiled"])
+def test_zero3_style_hooks_on_the_triton_backend(method):
+    """C18 on the Triton kernels (interpreter): the loss runs where the hooks have gathered the weight."""
+    plain = build("llama", tied=False)
+    stock, fused = copy.deepcopy(plain), copy.deepcopy(plain)
+    Zero3Hooks(stock.get_output_embeddings())
+    patch_causal_lm(fused, backend="triton", method=method)
+    hooks = Zero3Hooks(fused.get_output_embeddings())
+    ids, mask, labels = batch()
+    assert_parity(stock, fused, input_ids=ids, attention_mask=mask, labels=labels)
+    assert hooks.counts == {"pre": 1, "post": 1, "regather": 1}
+
+
 def test_weight_read_outside_its_forward_is_refused_clearly():
     """A head whose weight is not gathered inside its own call cannot be computed: a TypeError says so."""
     model = patch_causal_lm(build("llama", tied=False))
