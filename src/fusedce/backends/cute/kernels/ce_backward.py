@@ -18,7 +18,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .row_math import div_full, grad_vector, target_terms
+from .row_io import target_terms
+from .row_math import div_full, grad_vector
 
 
 class CEBackward:

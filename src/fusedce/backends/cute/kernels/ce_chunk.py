@@ -22,7 +22,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .chunk_row import chunk_row_factors
-from .row_math import div_full, grad_vector, row_stats, store_row_results, target_terms, transform
+from .row_io import store_row_results, target_terms
+from .row_math import div_full, grad_vector, row_stats, transform
 
 
 class CEChunk:

@@ -38,8 +38,8 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import dsl_user_op
 
 from .chunk_row import chunk_row_factors
-from .row_math import (NEG_INF, div_full, grad_vector_from, merge_argmax, merge_softmax, slice_stats,
-                       store_row_results, target_terms, transform)
+from .row_io import store_row_results, target_terms
+from .row_math import NEG_INF, div_full, grad_vector_from, merge_argmax, merge_softmax, slice_stats, transform
 
 HEADER_BYTES = 512    # the reduction slots (<= 16 warps) and the published CTA state, before the slice
 

@@ -14,7 +14,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .row_math import row_loss, row_stats, store_row_results, target_terms, transform
+from .row_io import store_row_results, target_terms
+from .row_math import row_loss, row_stats, transform
 
 
 class CEForward:

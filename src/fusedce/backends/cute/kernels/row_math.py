@@ -21,7 +21,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -297,35 +297,3 @@ def grad_vector_from(sX: cute.Tensor, vx: Int32, gW, gG: cute.Tensor, v: Int32, 
     res = cute.make_rmem_tensor((VEC,), gG.element_type)
     res.store(out.load().to(gG.element_type))     # round to nearest even, as the GPU's cvt.rn does
     cute.autovec_copy(res, cute.local_tile(gG, (VEC,), (v,)))
-
-
-@cute.jit
-def target_terms(target: Int64, n_cols: Int32, ignore_index: Int64, mW, HAS_WEIGHT: cutlass.Constexpr[bool]):
-    """``(is_valid, in_range, safe, w_t)``: ``safe`` is 0 unless the target is a class in [0, V), so
-    the loads at it are always in bounds (a bad target gives a NaN loss row, never a wild read)."""
-    is_valid = target != ignore_index
-    in_range = target >= Int64(0) and target < Int64(n_cols)
-    safe = Int32(0)
-    if in_range:
-        safe = Int32(target)
-    w_t = Float32(1.0)
-    if const_expr(HAS_WEIGHT):
-        w_t = Float32(mW[safe])
-    return is_valid, in_range, safe, w_t
-
-
-@cute.jit
-def store_row_results(mLoss: cute.Tensor, mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, mTokenWeight, row,
-                      loss: Float32, lse: Float32, lse_lo: Float32, idx: Int32, is_valid, p_t: Float32,
-                      COMPUTE_STATS: cutlass.Constexpr[bool], TOKEN_SCALING: cutlass.Constexpr[bool]):
-    """One thread writes the row's loss, lse pair, argmax (-1 on an ignored row) and ``p_t``."""
-    mLoss[row] = loss
-    mLse[row] = lse
-    mLseLo[row] = lse_lo
-    if const_expr(COMPUTE_STATS):
-        pred = Int64(-1)
-        if is_valid:
-            pred = Int64(idx)
-        mPred[row] = pred
-    if const_expr(TOKEN_SCALING):
-        mTokenWeight[row] = p_t
