@@ -192,7 +192,7 @@ def run(args) -> int:
 
     began = time.perf_counter()
     err = Console(stderr=True)
-    out = Console() if sys.stdout.isatty() else Console(width=180)  # logs and pipes: every column whole
+    out = Console() if sys.stdout.isatty() else Console(width=220)  # logs and pipes: every column whole
     try:
         dtypes = _check_args(args)
         shapes = shape_table.parse_shapes(args.shapes)

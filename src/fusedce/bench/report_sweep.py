@@ -8,7 +8,7 @@ from __future__ import annotations
 from rich.table import Table
 
 MIB = 2.0 ** -20
-# header, justify; the shapes' sizes go to the caption, so that the table fits 180 columns (the bench's
+# header, justify; the shapes' sizes go to the caption, so that the table fits 220 columns (the bench's
 # width in logs and pipes)
 COLUMNS = (
     ("shape", "left"), ("ignored", "right"), ("base\nMiB", "right"), ("stock\nMiB", "right"),
