@@ -1,14 +1,18 @@
 """Public functions: normalize arguments, validate, pick the backend, apply the reduction."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
 from . import backends, reduction as red, validation as val
 from .autocast import fp32_op, linear_op
 from .backends.pytorch.rows import target_probability
-from .types import CrossEntropyOutput
+from .signatures import with_loss_options
+from .types import CrossEntropyOutput, LossOptionValues
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
@@ -22,13 +26,11 @@ def rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
 
 
 @fp32_op   # under autocast: as stock F.cross_entropy (fp32), see autocast.py
+@with_loss_options
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
-                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                  lse_square_scale: float = 0.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
-                  use_token_scaling: bool = False,
-                  num_items_in_batch: Union[int, torch.Tensor, None] = None,
-                  inplace_backward: bool = False, return_stats: bool = False,
-                  backend: Optional[str] = None) -> Union[torch.Tensor, CrossEntropyOutput]:
+                  reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
+                  inplace_backward: bool = False, return_stats: bool = False, backend: Optional[str] = None,
+                  **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """Cross-entropy over the LAST dimension of ``logits`` (the LLM layout), computed in fp32.
 
     Args:
@@ -39,21 +41,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             rows that contribute nothing.
         weight: optional ``(V,)`` float class weights (``F.cross_entropy`` semantics); constants: they
             get no gradient.
-        ignore_index: target value of ignored rows (default -100).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (fp32 tensor of ``target.shape``). The mean is
             ``sum(ce_row) / D + sum(z_row) / N`` (``z_row`` the z-loss): ``D = num_items_in_batch`` if
             given, else ``sum(w[t])`` over non-ignored rows; ``N = num_items_in_batch`` if given, else
             their count (so the z-loss is not class-weighted); a zero denominator gives 0.0 for its part
             and zero gradient.
-        label_smoothing: eps in [0, 1]; ``F.cross_entropy``'s formula (Szegedy et al. 2016).
-        lse_square_scale: z-loss coefficient, adds ``scale * lse**2`` per row (PaLM, Chowdhery et al.
-            2022), not class-weighted.
-        softcap: if set (> 0), the loss is taken on ``softcap * tanh(logits / softcap)`` (Gemma 2).
-        logit_scale: (> 0) the logits are first multiplied by it, before softcap (Cohere's
-            ``logit_scale``; Granite divides by ``logits_scaling``: pass ``1 / logits_scaling``).
-        use_token_scaling: each non-ignored row's loss (and its z-loss stat) is multiplied by
-            ``p_t = softmax(z)[t]``, detached (Dynamic Fine-Tuning, Wu et al. 2025; Liger's flag, TRL's
-            ``loss_type="dft"``); the denominators are unchanged.
         num_items_in_batch: int or 0-dim tensor, the mean's denominator under gradient accumulation.
         inplace_backward: the backward pass writes the gradient into ``logits``' storage (destroys the
             caller's logits after backward, saves one BT x V buffer). Default: nothing of the caller's
@@ -62,22 +54,22 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             ``lse`` is 0 on ignored rows (as in :func:`linear_cross_entropy`, which never computes them).
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND`` (unset or
             empty: auto).
+        **options: the loss options (``ignore_index``, ``label_smoothing``, ...), listed with their
+            defaults and domains under "Loss options" below.
 
     Returns:
         The fp32 loss (scalar, or ``target.shape`` for ``"none"``), or ``CrossEntropyOutput``.
         The gradient w.r.t. ``logits`` has their dtype and shape; ignored rows get exactly 0.
 
     Raises:
-        TypeError: non-float logits or non-integer target; ``ignore_index`` not an integer (a float or
-            a bool: nothing is rounded); ``label_smoothing`` / ``lse_square_scale`` / ``softcap`` /
-            ``logit_scale`` not a real number (e.g. a string) or a tensor that requires grad;
-            ``use_token_scaling`` / ``inplace_backward`` / ``return_stats`` not a bool;
-            ``num_items_in_batch`` a bool or neither a number nor a tensor.
-        ValueError: shape mismatch, V = 0 (``logits`` of shape ``(..., 0)``), bad reduction,
-            label_smoothing outside [0, 1], softcap <= 0, ``logit_scale`` not a positive normal fp32
-            number, a NaN or infinite ``label_smoothing`` / ``lse_square_scale`` / ``softcap`` (or one
-            beyond fp32's range: the kernels compute in fp32),
-            ``ignore_index`` outside int64, ``num_items_in_batch`` negative, non-finite or beyond fp32
+        TypeError: non-float logits or non-integer target; an unknown keyword; a loss option of the
+            wrong kind (``ignore_index`` not an integer, e.g. a float or a bool: nothing is rounded; a
+            real option not a real number, e.g. a string, or a tensor that requires grad; a flag not a
+            bool); ``inplace_backward`` / ``return_stats`` not a bool; ``num_items_in_batch`` a bool or
+            neither a number nor a tensor.
+        ValueError: shape mismatch, V = 0 (``logits`` of shape ``(..., 0)``), bad reduction, a loss
+            option outside its domain (below; NaN and infinities never are, nor numbers beyond fp32's
+            range: the kernels compute in fp32), ``num_items_in_batch`` negative, non-finite or beyond fp32
             (a number or a CPU tensor; a CUDA tensor is not read), weight not (V,), tensors on
             different devices, unknown backend.
             (An int32 ``target`` with an ``ignore_index`` outside int32 is fine: it is converted to
@@ -91,8 +83,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (the classes, last)")
     val.check_nonzero("logits", logits.shape, -1, "V")
-    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
-                            use_token_scaling)
+    opts = val.loss_options(reduction, **options)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
     val.check_target(target, shape, logits.device)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
@@ -119,15 +110,14 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
 
 
 @linear_op   # under autocast: matmul in the autocast dtype as F.linear, loss fp32 (autocast.py)
+@with_loss_options
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: Optional[torch.Tensor] = None, *, ce_weight: Optional[torch.Tensor] = None,
-                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                         lse_square_scale: float = 0.0, softcap: Optional[float] = None,
-                         logit_scale: float = 1.0, use_token_scaling: bool = False,
-                         num_items_in_batch: Union[int, torch.Tensor, None] = None,
+                         reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                          chunk_size: Optional[int] = None, method: str = "auto",
                          accum_dtype: torch.dtype = torch.float32, return_stats: bool = False,
-                         backend: Optional[str] = None) -> Union[torch.Tensor, CrossEntropyOutput]:
+                         backend: Optional[str] = None,
+                         **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """The LM head fused with the loss: ``cross_entropy(hidden @ weight.T + bias, target)`` without
     ever allocating the BT x V logits.
 
@@ -137,9 +127,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         target: ``(...)`` = ``hidden.shape[:-1]``, int64 or int32.
         bias: optional ``(V,)``, same dtype as ``hidden``.
         ce_weight: optional ``(V,)`` class weights of the loss.
-        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
-            use_token_scaling, num_items_in_batch: as in :func:`cross_entropy`, on logits computed in
-            ``hidden``'s dtype with fp32 accumulation (as ``F.linear``); the loss math is fp32.
+        reduction, num_items_in_batch, **options (the loss options, listed below): as in
+            :func:`cross_entropy`, on logits computed in ``hidden``'s dtype with fp32 accumulation (as
+            ``F.linear``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
             None = automatic: ``max(1024, BT * H / V)`` rows, capped at BT (rule and its measurement in
             ``backends/chunk_loop/tuning.py``). Only with ``method="chunked"`` (or "auto").
@@ -169,8 +159,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         integer (a float or a bool) or ``accum_dtype`` is not a floating-point ``torch.dtype``;
         ``ValueError`` for an unknown ``method`` or a ``chunk_size`` with ``method="tiled"``.
     """
-    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
-                            use_token_scaling)
+    opts = val.loss_options(reduction, **options)
     val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype)
     val.check_method(method, chunk_size)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32

@@ -1,10 +1,12 @@
 """Plain data types shared by every layer: the loss options and the stats output."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import List, NamedTuple, Optional, Tuple
+from dataclasses import dataclass, field, fields
+from typing import List, NamedTuple, Optional, Tuple, TypedDict
 
 import torch
+
+from . import option_checks as checks
 
 
 class CrossEntropyOutput(NamedTuple):
@@ -37,17 +39,81 @@ class TokenLogProbs(NamedTuple):
     entropy: torch.Tensor
 
 
+def _option(default, doc: str, check):
+    """A field of ``LossOptions``: its default, its documentation (the public docstrings show it) and
+    ``check(name, value) -> value`` (raises ``TypeError`` / ``ValueError``; returns the normalized value)."""
+    return field(default=default, metadata={"doc": doc, "check": check})
+
+
+def _ignore_index(name, value):
+    value = checks.integer_option(name, value)
+    if not checks.INT64_RANGE[0] <= value <= checks.INT64_RANGE[1]:
+        raise ValueError(f"{name} must fit in int64, got {value}")
+    return value
+
+
+def _unit_interval(name, value):
+    value = checks.real_option(name, value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+    return value
+
+
+def _fp32_real(name, value):
+    return checks.fp32_range(name, checks.real_option(name, value))
+
+
+def _positive_or_none(name, value):
+    if value is None:
+        return None
+    value = checks.real_option(name, value)
+    if not value > 0.0:
+        raise ValueError(f"{name} must be a finite number > 0 (or None), got {value}")
+    return checks.fp32_range(name, value)
+
+
+def _positive_normal(name, value):
+    value = checks.real_option(name, value)
+    if not checks.FP32_NORMAL[0] <= value <= checks.FP32_NORMAL[1]:   # the kernels multiply in fp32
+        raise ValueError(f"{name} must be a finite fp32 number > 0 (in [{checks.FP32_NORMAL[0]:.3g}, "
+                         f"{checks.FP32_NORMAL[1]:.3g}]), got {value}")
+    return value
+
+
+class LossScalars(NamedTuple):
+    """The options' runtime scalars as every kernel takes them: ONE tuple argument (``scalars``; Triton
+    and the CuTe DSL pass a NamedTuple's fields as separate kernel parameters), fp32 except
+    ``ignore_index``. Changing a value does not recompile."""
+
+    ignore_index: int
+    label_smoothing: float
+    softcap: float            # 1.0 when unused (HAS_SOFTCAP off)
+    logit_scale: float
+    lse_square_scale: float
+
+
+class LossFlags(NamedTuple):
+    """The code paths the element-wise options select, as every kernel takes them: ONE constexpr
+    argument (``FLAGS``), so adding a flag changes no kernel's parameter list. ``HAS_WEIGHT`` comes
+    from the class-weight tensor, the others from the options."""
+
+    HAS_WEIGHT: bool
+    HAS_SMOOTHING: bool
+    HAS_SOFTCAP: bool
+
+
 @dataclass(frozen=True)
 class LossOptions:
-    """The per-row loss options, already validated (``validation.loss_options``): the one description
-    of them. Every form the layers below need is made here, and only here:
+    """The per-row loss options: the one description of them. A new option is a field here (default,
+    doc, check), plus, if the kernels need it, a ``LossScalars`` / ``LossFlags`` field and a line in
+    ``kernel_scalars`` / ``kernel_flags``; every other form is derived here:
 
+    - ``checked(**values)``: the validated options (the checks of the public functions and modules);
+      the public signatures list the fields (``signatures.with_loss_options``);
     - ``op_args()`` / ``from_op_args()``: the torch custom ops' arguments, ``(ignore_index: int,
       scalars: list[float])``, and back (a custom op cannot take this dataclass; a list keeps the ops'
       schemas unchanged when an option is added);
-    - ``kernel_scalars()``: the Triton kernels' runtime scalars (fp32; changing them does not
-      recompile), in the kernels' argument order after the pointers, sizes and strides;
-    - ``kernel_flags()``: the constexpr flags that select code paths.
+    - ``kernel_scalars()`` / ``kernel_flags(has_weight)``: the kernels' two option arguments.
 
     Semantics (per row, in fp32): ``x`` the logits, ``z = softcap * tanh(logit_scale * x / softcap)``
     (``z = logit_scale * x`` without softcap), then the cross-entropy of ``z`` with ``label_smoothing``,
@@ -55,12 +121,36 @@ class LossOptions:
     multiplied by ``p_t = softmax(z)[t]``, detached.
     """
 
-    ignore_index: int = -100
-    label_smoothing: float = 0.0
-    lse_square_scale: float = 0.0
-    softcap: Optional[float] = None
-    logit_scale: float = 1.0
-    use_token_scaling: bool = False
+    ignore_index: int = _option(
+        -100, "target value of ignored rows: they contribute nothing and get zero gradient. An integer "
+        "in int64 (``TypeError`` for a float or a bool: nothing is rounded).", _ignore_index)
+    label_smoothing: float = _option(
+        0.0, "eps in [0, 1]; ``F.cross_entropy``'s formula (Szegedy et al. 2016).", _unit_interval)
+    lse_square_scale: float = _option(
+        0.0, "z-loss coefficient: adds ``lse_square_scale * lse**2`` per row (PaLM, Chowdhery et al. "
+        "2022), not class-weighted; a finite number within fp32's range.", _fp32_real)
+    softcap: Optional[float] = _option(
+        None, "if set (a finite number > 0), the loss is taken on ``softcap * tanh(z / softcap)`` "
+        "(Gemma 2 logit soft-capping).", _positive_or_none)
+    logit_scale: float = _option(
+        1.0, "the logits are first multiplied by it, before softcap (Cohere's ``logit_scale``; Granite "
+        "divides by ``logits_scaling``: pass ``1 / logits_scaling``); a positive normal fp32 number.",
+        _positive_normal)
+    use_token_scaling: bool = _option(
+        False, "each non-ignored row's loss (and its z-loss stat) is multiplied by ``p_t = softmax(z)[t]``, "
+        "detached (Dynamic Fine-Tuning, Wu et al. 2025; Liger's flag, TRL's ``loss_type=\"dft\"``); the "
+        "denominators are unchanged. A bool.", checks.check_flag)
+
+    @classmethod
+    def checked(cls, **values) -> "LossOptions":
+        """The options from keyword values (missing ones take their defaults), each checked by its
+        field's check: ``TypeError`` for an unknown name or a value of the wrong kind, ``ValueError``
+        for one outside its domain; numbers are normalized (``numpy`` / one-element tensors to float)."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the loss options are {sorted(known)}")
+        return cls(**{name: f.metadata["check"](name, values[name]) for name, f in known.items() if name in values})
 
     def op_args(self) -> Tuple[int, List[float]]:
         """``(ignore_index, scalars)``: every other field as a float, in field order (``softcap=None``
@@ -69,27 +159,43 @@ class LossOptions:
 
     @classmethod
     def from_op_args(cls, ignore_index: int, scalars: List[float]) -> "LossOptions":
-        """Inverse of ``op_args``."""
-        values = dict(zip((f.name for f in fields(cls)[1:]), scalars))
-        values["softcap"] = values["softcap"] or None
-        values["use_token_scaling"] = bool(values["use_token_scaling"])
+        """Inverse of ``op_args`` (each value back to its field's type: a float 0.0 is ``None`` for an
+        optional field, 0.0 / 1.0 a bool for a bool field)."""
+        values = {}
+        for f, value in zip(fields(cls)[1:], scalars):
+            if f.type in ("bool", bool):
+                value = bool(value)
+            elif f.default is None:
+                value = value or None
+            values[f.name] = value
         return cls(ignore_index=ignore_index, **values)
 
-    def kernel_scalars(self) -> tuple:
-        """``(ignore_index, label_smoothing, softcap, logit_scale)``: softcap 1.0 when unused. The
-        z-loss and token scaling are not among them: both act on the per-row results (the lse and the
-        loss), outside the kernels."""
-        return (self.ignore_index, self.label_smoothing, 1.0 if self.softcap is None else self.softcap,
-                self.logit_scale)
+    def kernel_scalars(self) -> LossScalars:
+        """The kernels' runtime scalars (softcap 1.0 when unused)."""
+        return LossScalars(self.ignore_index, self.label_smoothing, 1.0 if self.softcap is None else self.softcap,
+                           self.logit_scale, self.lse_square_scale)
+
+    def kernel_flags(self, has_weight: bool) -> LossFlags:
+        """The kernels' constexpr flags (``has_weight``: class weights are given)."""
+        return LossFlags(has_weight, self.label_smoothing > 0.0, self.softcap is not None)
 
     def kept(self, target: torch.Tensor) -> torch.Tensor:
         """bool of ``target``'s shape: the rows that count (target != ignore_index). The one place of
         that test outside the kernels (which test ``target != ignore_index`` per program)."""
         return target != self.ignore_index
 
-    def kernel_flags(self) -> dict:
-        """The constexpr flags the options select (class weights add ``HAS_WEIGHT`` at launch)."""
-        return {"HAS_SMOOTHING": self.label_smoothing > 0.0, "HAS_SOFTCAP": self.softcap is not None}
+
+class LossOptionValues(TypedDict, total=False):
+    """The loss options as keyword arguments, for static type checkers (``**options:
+    Unpack[LossOptionValues]`` in the public signatures; at run time ``signatures.with_loss_options``
+    builds the signatures from ``LossOptions`` itself). Mirrors its fields (a test checks it)."""
+
+    ignore_index: int
+    label_smoothing: float
+    lse_square_scale: float
+    softcap: Optional[float]
+    logit_scale: float
+    use_token_scaling: bool
 
 
 class SliceStats(NamedTuple):

@@ -2,102 +2,27 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
-import operator
 from typing import Optional
 
 import torch
 
+from .option_checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_flag, finite, fp32_range,  # noqa: F401
+                            integer_option, real_option)
 from .types import LossOptions
 
 REDUCTIONS = ("mean", "sum", "none")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
-INT32_RANGE = (-2 ** 31, 2 ** 31 - 1)
-INT64_RANGE = (-2 ** 63, 2 ** 63 - 1)
-FP32_NORMAL = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)   # positive normal fp32
-_SYMBOLIC = (torch.SymInt, torch.SymFloat)   # Python scalars traced by torch.compile
 
 
-def _finite(value) -> bool:
-    """``math.isfinite`` written as comparisons, which torch.compile traces on symbolic floats too."""
-    return -math.inf < value < math.inf
-
-
-def integer_option(name: str, value) -> int:
-    """An integer option (``ignore_index``, ``chunk_size``): a Python / NumPy integer or a one-element
-    integer tensor (anything ``operator.index`` accepts), never a bool or a float: ``TypeError``."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
-
-
-def real_option(name: str, value) -> float:
-    """A finite real option (``label_smoothing``, ``lse_square_scale``, ``softcap``): a Python / NumPy
-    number or a one-element real tensor. ``TypeError`` for anything else (a string, a bool),
-    ``ValueError`` for NaN or an infinity."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
-            raise TypeError(f"{name} must be a real number, got a tensor of shape {tuple(value.shape)} "
-                            f"and dtype {value.dtype}")
-        if value.requires_grad:   # it would silently become a constant
-            raise TypeError(f"{name} is a constant of the loss: a tensor that requires grad is not supported")
-    elif isinstance(value, bool) or not isinstance(value, (numbers.Real,) + _SYMBOLIC):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = value if isinstance(value, _SYMBOLIC) else float(value)
-    if not _finite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
-def fp32_range(name: str, value: float, lowest: float = 0.0) -> float:
-    """``value`` itself when the kernels' fp32 math can hold it: ``ValueError`` when ``|value|`` exceeds
-    fp32's largest finite number (it would become inf: NaN rows, e.g. ``inf * 0`` on ignored rows) or
-    is non-zero below ``lowest``."""
-    if abs(value) > FP32_NORMAL[1] or (value != 0 and abs(value) < lowest):
-        raise ValueError(f"{name} must be 0 or have a magnitude in [{lowest:.3g}, {FP32_NORMAL[1]:.3g}] (the "
-                         f"fp32 math of the kernels), got {value}")
-    return value
-
-
-def loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale=1.0,
-                 use_token_scaling=False) -> LossOptions:
-    """Check the scalar options: ``TypeError`` for a non-integer ``ignore_index``, a non-number
-    smoothing / z-loss scale / softcap / logit scale or a non-bool ``use_token_scaling``; ``ValueError``
-    for a bad reduction, an ``ignore_index`` outside int64, a non-finite number, smoothing outside
-    [0, 1], ``softcap <= 0`` or ``logit_scale <= 0``."""
+def loss_options(reduction, **options) -> LossOptions:
+    """Check ``reduction`` (``ValueError`` unless one of ``REDUCTIONS``) and the loss options
+    (``LossOptions.checked``: ``TypeError`` for an unknown name or a value of the wrong kind,
+    ``ValueError`` for one outside its domain)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    ignore_index = integer_option("ignore_index", ignore_index)
-    if not INT64_RANGE[0] <= ignore_index <= INT64_RANGE[1]:
-        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
-    label_smoothing = real_option("label_smoothing", label_smoothing)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    lse_square_scale = fp32_range("lse_square_scale", real_option("lse_square_scale", lse_square_scale))
-    if softcap is not None:
-        softcap = real_option("softcap", softcap)
-        if not softcap > 0.0:
-            raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap}")
-        fp32_range("softcap", softcap)
-    logit_scale = real_option("logit_scale", logit_scale)
-    if not FP32_NORMAL[0] <= logit_scale <= FP32_NORMAL[1]:   # the kernels multiply in fp32
-        raise ValueError(f"logit_scale must be a finite fp32 number > 0 (in [{FP32_NORMAL[0]:.3g}, "
-                         f"{FP32_NORMAL[1]:.3g}]), got {logit_scale}")
-    if not isinstance(use_token_scaling, bool):
-        raise TypeError(f"use_token_scaling must be a bool, got {use_token_scaling!r}")
-    return LossOptions(ignore_index, label_smoothing, lse_square_scale, softcap, logit_scale, use_token_scaling)
-
-
-def check_flag(name: str, value) -> None:
-    """A boolean option (``return_stats``, ``inplace_backward``): ``TypeError`` unless a bool (a string
-    such as ``"no"`` would otherwise count as True)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return LossOptions.checked(**options)
 
 
 def widen_target(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -243,7 +168,7 @@ def log_prob_options(ignore_index, temperature, softcap) -> LossOptions:
     if not FP32_NORMAL[0] <= scale <= FP32_NORMAL[1]:
         raise ValueError(f"temperature must lie in [{1 / FP32_NORMAL[1]:.3g}, {1 / FP32_NORMAL[0]:.3g}], so that "
                          f"1 / temperature is a normal fp32 number (the kernels multiply by it), got {temperature}")
-    opts = loss_options(ignore_index, "none", 0.0, 0.0, softcap, scale)
+    opts = LossOptions.checked(ignore_index=ignore_index, softcap=softcap, logit_scale=scale)
     if opts.softcap is not None:
         opts = dataclasses.replace(opts, softcap=fp32_range("softcap / temperature", opts.softcap * scale,
                                                             FP32_NORMAL[0]))
@@ -281,15 +206,15 @@ def check_num_items(num_items_in_batch, device: torch.device) -> None:
             raise ValueError(f"num_items_in_batch is on {num_items_in_batch.device} but the data is on {device}")
         if num_items_in_batch.device.type == "cpu" and sync_allowed():
             value = float(num_items_in_batch)   # a CPU tensor: reading it syncs with no device
-            if not (_finite(value) and value >= 0):
+            if not (finite(value) and value >= 0):
                 raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {value}")
             fp32_range("num_items_in_batch", value, FP32_NORMAL[0])
         return
-    number = isinstance(num_items_in_batch, (numbers.Real,) + _SYMBOLIC)
+    number = isinstance(num_items_in_batch, (numbers.Real,) + SYMBOLIC)
     if isinstance(num_items_in_batch, bool) or not number:
         raise TypeError(f"num_items_in_batch must be a number, a one-element tensor or None, got "
                         f"{num_items_in_batch!r} ({type(num_items_in_batch).__name__})")
-    if not (_finite(num_items_in_batch) and num_items_in_batch >= 0):
+    if not (finite(num_items_in_batch) and num_items_in_batch >= 0):
         raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {num_items_in_batch}")
-    if not isinstance(num_items_in_batch, _SYMBOLIC):
+    if not isinstance(num_items_in_batch, SYMBOLIC):
         fp32_range("num_items_in_batch", float(num_items_in_batch), FP32_NORMAL[0])
