@@ -88,11 +88,13 @@ def _measure_all(jobs, args, console, describe) -> list[dict]:
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("measuring", total=len(jobs))
-        for row, spec, env in jobs:
+        for i, (row, spec, env) in enumerate(jobs, 1):
             progress.update(task, description=describe(row))
             row.update(harness.run_isolated(spec, env=env, timeout=args.timeout))
             rows.append(row)
             progress.advance(task)
+            if not console.is_terminal:   # a log (CI, `| tee`): no live bar, so one line per measurement
+                console.print(f"  {i}/{len(jobs)} {describe(row)}: {row.get('status', 'done')}")
     return rows
 
 

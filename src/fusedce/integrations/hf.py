@@ -26,12 +26,13 @@ from torch import nn
 from ..backends import BACKENDS
 from ..functional import linear_cross_entropy
 from .. import validation as val
-from ..validation import loss_options as _check_loss_values
+from ..types import LossOptions
 from .hf_adapters import kind as head_kind
 from .hf_call import HeadCall, module_name
 from .hf_head import LogitTransform, base_model, logit_transform, output_head, verify_transform
 
 _STATE = "_fusedce_patch"
+LOSS_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LossOptions))   # checked by LossOptions
 # linear_cross_entropy's options a patch may set. num_items_in_batch comes with each call (the Trainer
 # passes it to forward); return_stats would change what `loss` is.
 LOSS_OPTIONS = tuple(name for name, p in inspect.signature(linear_cross_entropy).parameters.items()
@@ -61,9 +62,8 @@ def _validate(model: nn.Module, options: dict, transform: LogitTransform) -> dic
     if transform.scale != 1.0 and logit_scale is not None and float(logit_scale) != transform.scale:
         raise ValueError(f"logit_scale={logit_scale} contradicts {type(model).__name__}'s config (logit scale "
                          f"{transform.scale})")
-    _check_loss_values(options.get("ignore_index", -100), options.get("reduction", "mean"),
-                       options.get("label_smoothing", 0.0), options.get("lse_square_scale", 0.0), softcap,
-                       1.0 if logit_scale is None else logit_scale, options.get("use_token_scaling", False))
+    val.loss_options(options.get("reduction", "mean"),
+                     **{name: value for name, value in options.items() if name in LOSS_OPTION_NAMES})
     val.check_chunk_size(options.get("chunk_size"))
     val.check_method(options.get("method", "auto"), options.get("chunk_size"))
     backend = options.get("backend")  # the name only: the device is known at the first call
@@ -251,8 +251,9 @@ def _loss(model, state: _Patch, hidden, weight, bias, labels, shift_labels, num_
     hidden = hidden.reshape(-1, hidden.shape[-1])
     if hidden.shape[0] != target.shape[0]:
         raise ValueError(f"{type(model).__name__}: the labels give {target.shape[0]} targets after the "
-                         f"shift but the model kept {hidden.shape[0]} positions (logits_to_keep?); pass "
-                         "labels (or shift_labels) for exactly the kept positions")
+                         f"shift but the model kept {hidden.shape[0]} positions (logits_to_keep?); with "
+                         "logits_to_keep=k pass the labels of the kept positions only, labels[..., -k:] (or "
+                         "shift_labels of that shape)")
     if isinstance(num_items, torch.Tensor):
         num_items = num_items.to(hidden.device)
     # under autocast, linear_cross_entropy casts hidden / head to the autocast dtype as F.linear would

@@ -10,7 +10,7 @@ backward kernel with a column offset).
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
@@ -18,11 +18,15 @@ from ... import validation as val
 from ...autocast import fp32_op
 from ...autograd_checks import check_backward_allowed
 from ... import backends
-from ...types import CrossEntropyOutput, LossOptions
+from ...signatures import with_loss_options
+from ...types import CrossEntropyOutput, LossOptions, LossOptionValues
 from .exchange import Partials, exchange
 from .layout import VocabLayout, vocab_layout
 from .output import finish
 from .shard_rows import Columns, shard_forward, shard_grad
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -55,13 +59,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 @fp32_op   # under autocast: as stock F.cross_entropy (fp32), see fusedce/autocast.py
+@with_loss_options
 def vocab_parallel_cross_entropy(
     logits_shard: torch.Tensor, target: torch.Tensor, weight_shard: Optional[torch.Tensor] = None, *,
-    group=None, vocab_start_index: Optional[int] = None, ignore_index: int = -100,
-    reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
-    softcap: Optional[float] = None, logit_scale: float = 1.0,
-    use_token_scaling: bool = False, num_items_in_batch: Union[int, torch.Tensor, None] = None,
-    return_stats: bool = False, backend: Optional[str] = None,
+    group=None, vocab_start_index: Optional[int] = None, reduction: str = "mean",
+    num_items_in_batch: Union[int, torch.Tensor, None] = None, return_stats: bool = False,
+    backend: Optional[str] = None, **options: Unpack[LossOptionValues],
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """``fusedce.cross_entropy`` on logits split by vocabulary over the ranks of ``group``.
 
@@ -78,9 +81,8 @@ def vocab_parallel_cross_entropy(
         group: the process group (None = default). gloo for CPU tensors, NCCL for CUDA tensors.
         vocab_start_index: first global class id of this slice; None on every rank = rank order
             (rank r's slice follows rank r-1's). Given, it must be given on every rank.
-        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
-            use_token_scaling, num_items_in_batch,
-            return_stats: as in ``fusedce.cross_entropy`` (mean denominator ``sum(w[t])`` uses the
+        reduction, num_items_in_batch, return_stats, **options (the loss options, listed below): as in
+            ``fusedce.cross_entropy`` (mean denominator ``sum(w[t])`` uses the
             weight held by the rank owning ``t``). ``return_stats``: ``lse`` global (0 on ignored rows),
             ``predicted_tokens`` the global argmax (lowest global index on ties), -1 on ignored rows.
         backend: ``"auto"`` / ``"torch"`` / ``"triton"`` as in ``fusedce.cross_entropy``: the kernels that
@@ -112,8 +114,7 @@ def vocab_parallel_cross_entropy(
     val.check_float("logits_shard", logits_shard)
     if logits_shard.dim() < 1:
         raise ValueError("logits_shard must have at least one dimension (the classes, last)")
-    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
-                            use_token_scaling)
+    opts = val.loss_options(reduction, **options)
     shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
     val.check_target(target, shape, device)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32

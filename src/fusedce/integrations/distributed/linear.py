@@ -16,7 +16,7 @@ is known only after the forward's collectives).
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,11 +28,15 @@ from ...backends.chunk_loop.api import compact_rows
 from ... import backends
 from ...backends.chunk_loop.loop import accumulate_, chunk_buffer, logits_chunk
 from ...backends.chunk_loop.tuning import chunk_rows
-from ...types import CrossEntropyOutput, LossOptions
+from ...signatures import with_loss_options
+from ...types import CrossEntropyOutput, LossOptions, LossOptionValues
 from .exchange import Partials, exchange
 from .layout import VocabLayout, vocab_layout
 from .output import finish
 from .shard_rows import Columns, shard_forward, shard_grad
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class _VocabParallelLinearCE(torch.autograd.Function):
@@ -99,14 +103,14 @@ def _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size
 
 
 @linear_op   # under autocast: matmul in the autocast dtype as F.linear, loss fp32 (fusedce/autocast.py)
+@with_loss_options
 def vocab_parallel_linear_cross_entropy(
     hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
     bias_shard: Optional[torch.Tensor] = None, *, group=None, vocab_start_index: Optional[int] = None,
-    ce_weight_shard: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
-    label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: Optional[float] = None,
-    logit_scale: float = 1.0, use_token_scaling: bool = False,
+    ce_weight_shard: Optional[torch.Tensor] = None, reduction: str = "mean",
     num_items_in_batch: Union[int, torch.Tensor, None] = None, chunk_size: Optional[int] = None,
     accum_dtype: torch.dtype = torch.float32, return_stats: bool = False, backend: Optional[str] = None,
+    **options: Unpack[LossOptionValues],
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """``fusedce.linear_cross_entropy`` with the LM head split by vocabulary over the ranks of ``group``.
 
@@ -121,8 +125,7 @@ def vocab_parallel_linear_cross_entropy(
         target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank.
         bias_shard, ce_weight_shard: optional ``(V_r,)`` slices of the bias and of the class weights.
         group, vocab_start_index: as in ``vocab_parallel_cross_entropy``.
-        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
-            use_token_scaling, num_items_in_batch:
+        reduction, num_items_in_batch, **options (the loss options, listed below):
             as in ``fusedce.cross_entropy``, on logits computed in ``hidden``'s dtype (fp32 accumulation).
         chunk_size: tokens per chunk (logits are ``chunk_size x V_r``). None = the single-process rule
             (``backends/chunk_loop/tuning.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
@@ -154,8 +157,7 @@ def vocab_parallel_linear_cross_entropy(
         integer or ``accum_dtype`` is not a floating-point ``torch.dtype``.
     """
     _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype)
-    opts = val.loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
-                            use_token_scaling)
+    opts = val.loss_options(reduction, **options)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     val.check_flag("return_stats", return_stats)

@@ -1,0 +1,94 @@
+"""The loss options have one description (``fusedce.types.LossOptions``): every public signature,
+docstring, check, custom-op argument list and kernel argument is derived from it. These tests fail when a
+public entry point, the type checkers' ``LossOptionValues`` or a kernel's parameter list drifts from it
+(the README's "Adding a loss option" relies on that)."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+
+import pytest
+import torch
+
+import fusedce
+from fusedce.integrations import hf
+from fusedce.integrations.distributed import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+from fusedce.types import LossFlags, LossOptions, LossOptionValues, LossScalars
+
+FIELDS = [f for f in dataclasses.fields(LossOptions)]
+NAMES = [f.name for f in FIELDS]
+ENTRY_POINTS = [fusedce.cross_entropy, fusedce.linear_cross_entropy, vocab_parallel_cross_entropy,
+                vocab_parallel_linear_cross_entropy, fusedce.CrossEntropyLoss, fusedce.LinearCrossEntropyLoss]
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda e: e.__name__)
+def test_every_entry_point_lists_every_option(entry):
+    """Each option appears in the signature (keyword-capable, the field's default) and in the doc."""
+    params = inspect.signature(entry).parameters
+    for f in FIELDS:
+        assert f.name in params, f"{entry.__name__} lacks the loss option {f.name}"
+        p = params[f.name]
+        assert p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        assert p.default == f.default, (entry.__name__, f.name)
+        assert f.metadata["doc"].split()[0] in entry.__doc__, (entry.__name__, f.name)
+    assert not any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def test_hf_patch_takes_every_option():
+    assert set(NAMES) <= set(hf.LOSS_OPTIONS)
+
+
+def test_typed_dict_mirrors_the_fields():
+    """``LossOptionValues`` (for static type checkers) has exactly the fields, with their types."""
+    hints = typing.get_type_hints(LossOptionValues)
+    assert list(hints) == NAMES
+    assert LossOptionValues.__total__ is False
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS[:2] + ENTRY_POINTS[4:], ids=lambda e: e.__name__)
+def test_unknown_keyword_is_a_type_error(entry):
+    x, t = torch.randn(3, 5), torch.randint(0, 5, (3,))
+    with pytest.raises(TypeError, match="label_smoothin"):
+        if entry is fusedce.cross_entropy:
+            entry(x, t, label_smoothin=0.1)
+        elif entry is fusedce.linear_cross_entropy:
+            entry(x, torch.randn(5, 5), t, label_smoothin=0.1)
+        else:
+            entry(label_smoothin=0.1)
+
+
+def test_each_field_is_checked():
+    """Every field's check rejects a value of the wrong kind (a string) with ``TypeError``."""
+    for name in NAMES:
+        with pytest.raises(TypeError, match=name):
+            LossOptions.checked(**{name: "1"})
+
+
+OPTION_SETS = [
+    {},
+    {"label_smoothing": 0.1, "softcap": 30.0},
+    {"ignore_index": 7, "lse_square_scale": 1e-4, "logit_scale": 0.25, "use_token_scaling": True},
+    {"ignore_index": -(2 ** 40), "softcap": 1e-3},
+]
+
+
+@pytest.mark.parametrize("values", OPTION_SETS)
+def test_op_args_round_trip(values):
+    """The custom ops' argument form comes back to the same options (every field, every type)."""
+    opts = LossOptions.checked(**values)
+    ignore_index, scalars = opts.op_args()
+    assert isinstance(ignore_index, int) and all(isinstance(s, float) for s in scalars)
+    assert LossOptions.from_op_args(ignore_index, scalars) == opts
+
+
+@pytest.mark.parametrize("values", OPTION_SETS)
+def test_kernel_arguments(values):
+    """The kernels' two option arguments: runtime scalars (softcap 1.0 when unused) and flags."""
+    opts = LossOptions.checked(**values)
+    scalars, flags = opts.kernel_scalars(), opts.kernel_flags(True)
+    assert isinstance(scalars, LossScalars) and isinstance(flags, LossFlags)
+    assert scalars.softcap == (1.0 if opts.softcap is None else opts.softcap)
+    assert flags == (True, opts.label_smoothing > 0.0, opts.softcap is not None)
+    for name in set(LossScalars._fields) & set(NAMES) - {"softcap"}:
+        assert getattr(scalars, name) == getattr(opts, name)
