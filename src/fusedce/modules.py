@@ -1,7 +1,6 @@
 """``nn.Module`` wrappers with the same argument order and semantics as the functions."""
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -10,7 +9,7 @@ from torch import nn
 from . import backends, validation as val
 from .functional import cross_entropy, linear_cross_entropy
 from .signatures import with_loss_options
-from .types import LossOptions, LossOptionValues
+from .types import LOSS_OPTION_NAMES, LossOptionValues
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -24,13 +23,13 @@ def _set_options(module: nn.Module, name: str, weight, reduction, backend, optio
     val.check_class_weights(name, weight)
     if backend is not None:   # None reads $FUSEDCE_BACKEND at each call
         backends.check_name(backend)
-    for f in fields(LossOptions):
-        setattr(module, f.name, getattr(checked, f.name))
+    for name in LOSS_OPTION_NAMES:
+        setattr(module, name, getattr(checked, name))
 
 
 def _options(module: nn.Module) -> dict:
     """The loss options of ``module``, as keywords of the functions."""
-    return {f.name: getattr(module, f.name) for f in fields(LossOptions)}
+    return {name: getattr(module, name) for name in LOSS_OPTION_NAMES}
 
 
 @with_loss_options

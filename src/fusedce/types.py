@@ -146,28 +146,23 @@ class LossOptions:
         """The options from keyword values (missing ones take their defaults), each checked by its
         field's check: ``TypeError`` for an unknown name or a value of the wrong kind, ``ValueError``
         for one outside its domain; numbers are normalized (``numpy`` / one-element tensors to float)."""
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the loss options are {sorted(known)}")
-        return cls(**{name: f.metadata["check"](name, values[name]) for name, f in known.items() if name in values})
+        for name in values:
+            if name not in _CHECKS:
+                raise TypeError(f"unexpected keyword argument {name!r}; the loss options are {sorted(_CHECKS)}")
+        return cls(**{name: check(name, values[name]) for name, check in _CHECKS.items() if name in values})
 
     def op_args(self) -> Tuple[int, List[float]]:
         """``(ignore_index, scalars)``: every other field as a float, in field order (``softcap=None``
         travels as 0.0, which no valid softcap is; booleans as 0.0 / 1.0)."""
-        return self.ignore_index, [float(getattr(self, f.name) or 0.0) for f in fields(self)[1:]]
+        return self.ignore_index, [float(getattr(self, name) or 0.0) for name, _ in _KINDS[1:]]
 
     @classmethod
     def from_op_args(cls, ignore_index: int, scalars: List[float]) -> "LossOptions":
         """Inverse of ``op_args`` (each value back to its field's type: a float 0.0 is ``None`` for an
         optional field, 0.0 / 1.0 a bool for a bool field)."""
         values = {}
-        for f, value in zip(fields(cls)[1:], scalars):
-            if f.type in ("bool", bool):
-                value = bool(value)
-            elif f.default is None:
-                value = value or None
-            values[f.name] = value
+        for (name, kind), value in zip(_KINDS[1:], scalars):
+            values[name] = bool(value) if kind == "bool" else (value or None) if kind == "optional" else value
         return cls(ignore_index=ignore_index, **values)
 
     def kernel_scalars(self) -> LossScalars:
@@ -183,6 +178,14 @@ class LossOptions:
         """bool of ``target``'s shape: the rows that count (target != ignore_index). The one place of
         that test outside the kernels (which test ``target != ignore_index`` per program)."""
         return target != self.ignore_index
+
+
+# The fields as constants (torch.compile traces these, not ``dataclasses.fields`` of a class): each
+# option's check, and its kind for ``from_op_args``.
+_CHECKS = {f.name: f.metadata["check"] for f in fields(LossOptions)}
+_KINDS = tuple((f.name, "bool" if f.type in ("bool", bool) else "optional" if f.default is None else "number")
+               for f in fields(LossOptions))
+LOSS_OPTION_NAMES = tuple(_CHECKS)   # the fields' names, in order
 
 
 class LossOptionValues(TypedDict, total=False):

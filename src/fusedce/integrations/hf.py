@@ -26,13 +26,12 @@ from torch import nn
 from ..backends import BACKENDS
 from ..functional import linear_cross_entropy
 from .. import validation as val
-from ..types import LossOptions
+from ..types import LOSS_OPTION_NAMES
 from .hf_adapters import kind as head_kind
 from .hf_call import HeadCall, module_name
 from .hf_head import LogitTransform, base_model, logit_transform, output_head, verify_transform
 
 _STATE = "_fusedce_patch"
-LOSS_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LossOptions))   # checked by LossOptions
 # linear_cross_entropy's options a patch may set. num_items_in_batch comes with each call (the Trainer
 # passes it to forward); return_stats would change what `loss` is.
 LOSS_OPTIONS = tuple(name for name, p in inspect.signature(linear_cross_entropy).parameters.items()
