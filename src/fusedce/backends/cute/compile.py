@@ -22,7 +22,8 @@ import sys
 import tempfile
 import time
 
-from .variants import FLAGS, ITEMSIZE, KernelKey, check_keys, quick_keys
+from ...types import LossOptions
+from .variants import ITEMSIZE, KernelKey, check_keys, quick_keys
 
 
 def _dtypes():
@@ -37,24 +38,27 @@ def _kernel(key: KernelKey):
     from .kernels.ce_forward import CEForward
     from .tuning import BACKWARD_UNROLL, THREADS
     if key.kind == "forward":
-        return CEForward(key.vec, THREADS, *key.flags)
+        return CEForward(key.vec, THREADS, key.loss, *key.features)
     if key.kind == "backward":
-        return CEBackward(key.vec, THREADS, BACKWARD_UNROLL, *key.flags)
+        return CEBackward(key.vec, THREADS, BACKWARD_UNROLL, key.loss, *key.features)
     if key.kind == "onchip":
-        return CEChunkOnChip(key.vec, THREADS, key.cluster, *key.flags)
-    return CEChunk(key.vec, THREADS, *key.flags)
+        return CEChunkOnChip(key.vec, THREADS, key.cluster, key.loss, *key.features)
+    return CEChunk(key.vec, THREADS, key.loss, *key.features)
 
 
 def fake_args(key: KernelKey) -> tuple:
     """The kernel's arguments as fake tensors (dynamic BT and V; V and the row stride divisible by
-    ``vec``; the logits ``vec * itemsize`` bytes aligned) and placeholder scalars, in call order."""
+    ``vec``; the logits ``vec * itemsize`` bytes aligned) and placeholder scalars (the default options'),
+    in call order."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, Int64
+    from cutlass import Float32
+
+    from .kernels.scalars import dsl_scalars
 
     rt = cute.runtime
     dt = _dtypes()[key.dtype]
-    vec, f = key.vec, dict(zip(FLAGS[key.kind], key.flags))
+    vec, f = key.vec, key.feature
     rows, cols = cute.sym_int(), cute.sym_int(divisibility=vec)
     align = vec * ITEMSIZE[key.dtype]
 
@@ -65,20 +69,21 @@ def fake_args(key: KernelKey) -> tuple:
     def vector(dtype=Float32):
         return rt.make_fake_compact_tensor(dtype, (rows,))
 
-    weight = rt.make_fake_compact_tensor(Float32, (cols,), assumed_align=min(16, 4 * vec)) if f["weight"] else None
-    wsum = rt.make_fake_compact_tensor(Float32, (1,)) if f["weight"] else None
+    has_weight = key.loss.HAS_WEIGHT
+    weight = rt.make_fake_compact_tensor(Float32, (cols,), assumed_align=min(16, 4 * vec)) if has_weight else None
+    wsum = rt.make_fake_compact_tensor(Float32, (1,)) if has_weight else None
     target = vector(cutlass.Int64)
-    scalars = (Int64(-100), Float32(0.0), Float32(1.0), Float32(1.0))
+    scalars = dsl_scalars(LossOptions().kernel_scalars())
     stream = rt.make_fake_stream()
     if key.kind == "forward":
         pred = vector(cutlass.Int64) if f["stats"] else None
-        return (logits(), target, weight, wsum, vector(), vector(), vector(), pred, *scalars, stream)
+        return (logits(), target, weight, wsum, vector(), vector(), vector(), pred, scalars, stream)
     if key.kind == "backward":
         grad_lse = vector() if f["grad_lse"] else None
-        return (logits(), logits(), target, weight, wsum, vector(), vector(), vector(), grad_lse, *scalars, stream)
+        return (logits(), logits(), target, weight, wsum, vector(), vector(), vector(), grad_lse, scalars, stream)
     pred = vector(cutlass.Int64) if f["stats"] else None     # chunk and onchip: the same arguments
     return (logits(), target, weight, wsum, vector(), vector() if f["zloss"] else None, vector(), vector(),
-            vector(), pred, vector() if f["dft"] else None, *scalars, Float32(0.0), stream)
+            vector(), pred, vector() if f["dft"] else None, scalars, stream)
 
 
 def compile_key(key: KernelKey, options: str = ""):

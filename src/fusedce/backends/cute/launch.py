@@ -57,10 +57,10 @@ def _stream():
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
-def _scalars(opts: LossOptions) -> tuple:
-    from cutlass import Float32, Int64
-    ignore_index, eps, softcap, logit_scale = opts.kernel_scalars()
-    return Int64(ignore_index), Float32(eps), Float32(softcap), Float32(logit_scale)
+def _scalars(opts: LossOptions):
+    """The kernels' ``scalars`` argument (``kernels/scalars.py``)."""
+    from .kernels.scalars import dsl_scalars
+    return dsl_scalars(opts.kernel_scalars())
 
 
 def _vec1(t: torch.Tensor) -> torch.Tensor:
@@ -82,10 +82,10 @@ def ce_forward(logits, target, weight, weight_sum, opts: LossOptions, loss, lse,
         return
     dt = _DTYPE[logits.dtype]
     vec = vec_for(dt, n_cols, logits)
-    flags = (weight is not None, opts.label_smoothing > 0.0, opts.softcap is not None, predicted is not None)
-    fn = _compiled(KernelKey("forward", dt, vec, flags), logits.device)
+    key = KernelKey("forward", dt, vec, opts.kernel_flags(weight is not None), (predicted is not None,))
+    fn = _compiled(key, logits.device)
     fn(_cute(logits, vec * ITEMSIZE[dt]), _cute(target.to(torch.int64).contiguous()), *_weights(weight, weight_sum),
-       _cute(loss), _cute(lse), _cute(lse_lo), _cute(predicted), *_scalars(opts), _stream())
+       _cute(loss), _cute(lse), _cute(lse_lo), _cute(predicted), _scalars(opts), _stream())
 
 
 def ce_backward(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
@@ -97,12 +97,12 @@ def ce_backward(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_
         return
     dt = _DTYPE[logits.dtype]
     vec = vec_for(dt, n_cols, logits, grad)
-    flags = (weight is not None, opts.label_smoothing > 0.0, opts.softcap is not None, grad_lse is not None)
-    fn = _compiled(KernelKey("backward", dt, vec, flags), logits.device)
+    key = KernelKey("backward", dt, vec, opts.kernel_flags(weight is not None), (grad_lse is not None,))
+    fn = _compiled(key, logits.device)
     align = vec * ITEMSIZE[dt]
     fn(_cute(logits, align), _cute(grad, align), _cute(target.to(torch.int64).contiguous()),
        *_weights(weight, weight_sum), _cute(lse.contiguous()), _cute(lse_lo.contiguous()), _cute(_vec1(grad_row)),
-       _cute(None if grad_lse is None else _vec1(grad_lse)), *_scalars(opts), _stream())
+       _cute(None if grad_lse is None else _vec1(grad_lse)), _scalars(opts), _stream())
 
 
 def ce_chunk_(logits, target, weight, weight_sum, grad_row, z_grad_row, opts: LossOptions, loss, lse, lse_lo,
@@ -117,13 +117,11 @@ def ce_chunk_(logits, target, weight, weight_sum, grad_row, z_grad_row, opts: Lo
     dt = _DTYPE[logits.dtype]
     vec = vec_for(dt, n_cols, logits)
     has_z = opts.lse_square_scale != 0.0
-    flags = (weight is not None, opts.label_smoothing > 0.0, opts.softcap is not None, predicted is not None,
-             has_z, token_weight is not None)
+    features = (predicted is not None, has_z, token_weight is not None)
     cluster = onchip_cluster(n_cols, ITEMSIZE[dt], vec == full_vec(dt))
-    key = KernelKey("chunk", dt, vec, flags) if cluster is None else KernelKey("onchip", dt, vec, flags, cluster)
+    kind = "chunk" if cluster is None else "onchip"
+    key = KernelKey(kind, dt, vec, opts.kernel_flags(weight is not None), features, cluster or 1)
     fn = _compiled(key, logits.device)
-    from cutlass import Float32
     fn(_cute(logits, vec * ITEMSIZE[dt]), _cute(target.to(torch.int64).contiguous()),
        *_weights(weight, weight_sum), _cute(_vec1(grad_row)), _cute(_vec1(z_grad_row) if has_z else None),
-       _cute(loss), _cute(lse), _cute(lse_lo), _cute(predicted), _cute(token_weight), *_scalars(opts),
-       Float32(opts.lse_square_scale), _stream())
+       _cute(loss), _cute(lse), _cute(lse_lo), _cute(predicted), _cute(token_weight), _scalars(opts), _stream())

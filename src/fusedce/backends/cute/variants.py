@@ -1,35 +1,59 @@
 """The CuTe kernel variants: one ``KernelKey`` names one compiled kernel (kind, logits dtype, vector
 width, constexpr flags). Pure Python, no ``cutlass`` import: the launcher, the compile checks and
-``fusedce inspect`` all build their keys here."""
+``fusedce inspect`` all build their keys here.
+
+A kernel's constexpr flags are of two sorts: the loss options' ``types.LossFlags`` (every kernel takes
+them as one ``FLAGS`` argument; they are enumerated from ``LossFlags._fields``, so a new one needs no
+edit here) and the kernel's own features (``FEATURES[kind]``, its constructor's other flags)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Tuple
 
+from ...types import LossFlags
 from .tuning import ONCHIP_CLUSTERS     # CTAs per row of the on-chip chunk kernel
 
-# The constexpr flags of each kernel, in its constructor's order.
-FLAGS = {
-    "forward": ("weight", "smoothing", "softcap", "stats"),
-    "backward": ("weight", "smoothing", "softcap", "grad_lse"),
-    "chunk": ("weight", "smoothing", "softcap", "stats", "zloss", "dft"),
-    "onchip": ("weight", "smoothing", "softcap", "stats", "zloss", "dft"),   # the chunk, row kept on chip
+# The feature flags of each kernel that are not loss options, in its constructor's order (after FLAGS).
+FEATURES = {
+    "forward": ("stats",),
+    "backward": ("grad_lse",),
+    "chunk": ("stats", "zloss", "dft"),
+    "onchip": ("stats", "zloss", "dft"),   # the chunk, row kept on chip
 }
-KINDS = tuple(FLAGS)
+KINDS = tuple(FEATURES)
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 ARCHS = ("sm_90a", "sm_100a")
+# the loss flags' short names in variant names: HAS_WEIGHT -> "weight"
+LOSS_FLAG_NAMES = tuple(f.lower().removeprefix("has_") for f in LossFlags._fields)
 
 
 class KernelKey(NamedTuple):
     kind: str                 # forward / backward / chunk / onchip
     dtype: str                # logits (and gradient) dtype: fp32 / bf16 / fp16
     vec: int                  # logits per vector access; divides V, the row stride(s) and the pointer
-    flags: Tuple[bool, ...]   # FLAGS[kind], in order
+    loss: LossFlags           # the loss options' flags (the kernel's FLAGS argument)
+    features: Tuple[bool, ...]  # FEATURES[kind], in order
     cluster: int = 1          # onchip: CTAs per row (a thread-block cluster when > 1)
 
     @property
+    def feature(self) -> dict:
+        """``{name: bool}`` of ``features``."""
+        return dict(zip(FEATURES[self.kind], self.features))
+
+    @property
     def name(self) -> str:
-        on = [f for f, b in zip(FLAGS[self.kind], self.flags) if b]
+        on = [f for f, b in zip(LOSS_FLAG_NAMES + FEATURES[self.kind], self.loss + self.features) if b]
         return ("+".join(on) or "plain") + (f" x{self.cluster}" if self.cluster > 1 else "")
+
+
+def flag_names(kind: str) -> tuple:
+    """Every constexpr flag of ``kind``: the loss flags, then the features (``make_key``'s order)."""
+    return LOSS_FLAG_NAMES + FEATURES[kind]
+
+
+def make_key(kind: str, dtype: str, vec: int, bits, cluster: int = 1) -> KernelKey:
+    """The key of ``bits``, one bool per ``flag_names(kind)``."""
+    bits, n = tuple(bits), len(LossFlags._fields)
+    return KernelKey(kind, dtype, vec, LossFlags(*bits[:n]), bits[n:], cluster)
 
 
 def full_vec(dtype: str) -> int:
@@ -38,8 +62,14 @@ def full_vec(dtype: str) -> int:
 
 
 def every_flag_combination(kind: str):
-    n = len(FLAGS[kind])
+    n = len(flag_names(kind))
     return [tuple(bool(bits >> i & 1) for i in range(n)) for bits in range(1 << n)]
+
+
+def _plain_alone_all(kind: str):
+    """Plain, each flag alone, every flag."""
+    n = len(flag_names(kind))
+    return [(False,) * n] + [tuple(i == j for j in range(n)) for i in range(n)] + [(True,) * n]
 
 
 ROW_KINDS = ("forward", "backward", "chunk")    # the row-streaming kernels, every vector width
@@ -52,15 +82,15 @@ def quick_keys():
     ``check_keys`` (``make test-cute``) compiles every flag combination."""
     keys = []
     for kind in ROW_KINDS:
-        n = len(FLAGS[kind])
-        for flags in [(False,) * n] + [tuple(i == j for j in range(n)) for i in range(n)] + [(True,) * n]:
-            keys.append(KernelKey(kind, "bf16", full_vec("bf16"), flags))
-        for flags in ((False,) * n, (True,) * n):
-            keys.append(KernelKey(kind, "fp32", full_vec("fp32"), flags))
-            keys.append(KernelKey(kind, "fp16", full_vec("fp16"), flags))
-            keys.append(KernelKey(kind, "bf16", 1, flags))
-    n = len(FLAGS["onchip"])
-    keys += [KernelKey("onchip", "bf16", full_vec("bf16"), (True,) * n, c) for c in (1, 8)]
+        n = len(flag_names(kind))
+        for bits in _plain_alone_all(kind):
+            keys.append(make_key(kind, "bf16", full_vec("bf16"), bits))
+        for bits in ((False,) * n, (True,) * n):
+            keys.append(make_key(kind, "fp32", full_vec("fp32"), bits))
+            keys.append(make_key(kind, "fp16", full_vec("fp16"), bits))
+            keys.append(make_key(kind, "bf16", 1, bits))
+    n = len(flag_names("onchip"))
+    keys += [make_key("onchip", "bf16", full_vec("bf16"), (True,) * n, c) for c in (1, 8)]
     return keys
 
 
@@ -68,29 +98,28 @@ def onchip_keys():
     """The on-chip chunk kernel's variants (128-bit vectors only: its ``cp.async`` copies are 16 bytes):
     plain, each flag alone and all flags in bf16 on one CTA; plain and all flags in bf16 on clusters of
     2, 4 and 8; plain and all flags in fp32 and fp16 on one CTA and all flags on a cluster of 8."""
-    n = len(FLAGS["onchip"])
+    n = len(flag_names("onchip"))
     plain, every = (False,) * n, (True,) * n
-    keys = [KernelKey("onchip", "bf16", full_vec("bf16"), f)
-            for f in [plain] + [tuple(i == j for j in range(n)) for i in range(n)] + [every]]
-    keys += [KernelKey("onchip", "bf16", full_vec("bf16"), f, c) for c in ONCHIP_CLUSTERS[1:] for f in (plain, every)]
+    keys = [make_key("onchip", "bf16", full_vec("bf16"), f) for f in _plain_alone_all("onchip")]
+    keys += [make_key("onchip", "bf16", full_vec("bf16"), f, c) for c in ONCHIP_CLUSTERS[1:] for f in (plain, every)]
     for dtype in ("fp32", "fp16"):
-        keys += [KernelKey("onchip", dtype, full_vec(dtype), plain), KernelKey("onchip", dtype, full_vec(dtype), every),
-                 KernelKey("onchip", dtype, full_vec(dtype), every, ONCHIP_CLUSTERS[-1])]
+        keys += [make_key("onchip", dtype, full_vec(dtype), plain), make_key("onchip", dtype, full_vec(dtype), every),
+                 make_key("onchip", dtype, full_vec(dtype), every, ONCHIP_CLUSTERS[-1])]
     return keys
 
 
 def check_keys():
     """The variants every CPU compile check builds, per arch: every flag combination of every
-    row-streaming kernel in bf16 with 128-bit vectors (16 + 16 + 64), plus plain and all-flags in fp32
-    and fp16 at full width and in bf16 at the scalar width (vec = 1: odd V such as GPT-2's 50257); then
-    ``onchip_keys``."""
+    row-streaming kernel in bf16 with 128-bit vectors (16 + 16 + 64 with today's three loss flags),
+    plus plain and all-flags in fp32 and fp16 at full width and in bf16 at the scalar width (vec = 1:
+    odd V such as GPT-2's 50257); then ``onchip_keys``."""
     keys = []
     for kind in ROW_KINDS:
-        for flags in every_flag_combination(kind):
-            keys.append(KernelKey(kind, "bf16", full_vec("bf16"), flags))
-        n = len(FLAGS[kind])
-        for flags in ((False,) * n, (True,) * n):
-            keys.append(KernelKey(kind, "fp32", full_vec("fp32"), flags))
-            keys.append(KernelKey(kind, "fp16", full_vec("fp16"), flags))
-            keys.append(KernelKey(kind, "bf16", 1, flags))
+        for bits in every_flag_combination(kind):
+            keys.append(make_key(kind, "bf16", full_vec("bf16"), bits))
+        n = len(flag_names(kind))
+        for bits in ((False,) * n, (True,) * n):
+            keys.append(make_key(kind, "fp32", full_vec("fp32"), bits))
+            keys.append(make_key(kind, "fp16", full_vec("fp16"), bits))
+            keys.append(make_key(kind, "bf16", 1, bits))
     return keys + onchip_keys()

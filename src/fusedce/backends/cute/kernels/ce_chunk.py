@@ -21,37 +21,36 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from ....types import LossFlags, LossScalars
 from .chunk_row import chunk_row_factors
 from .row_io import store_row_results, target_terms
-from .row_math import div_full, grad_vector, row_stats, transform
+from .row_math import grad_coefs, grad_vector, row_stats, transform
 
 
 class CEChunk:
     """``__call__(mX (M, V) in/out, mTarget (M,) int64, mW | None, mWSum | None, mGradRow (M,) fp32,
     mZGradRow (M,) fp32 | None, mLoss, mLse, mLseLo (M,) fp32, mPred (M,) int64 | None,
-    mTokenWeight (M,) fp32 | None, ignore_index, label_smoothing, softcap, logit_scale,
-    lse_square_scale, stream)``."""
+    mTokenWeight (M,) fp32 | None, scalars, stream)``; ``scalars`` and ``FLAGS`` as ``CEForward``'s
+    (``scalars.lse_square_scale`` is the z-loss coefficient)."""
 
-    def __init__(self, vec: int, threads: int, has_weight: bool, has_smoothing: bool, has_softcap: bool,
-                 compute_stats: bool, has_zloss: bool, token_scaling: bool):
+    def __init__(self, vec: int, threads: int, FLAGS: LossFlags, compute_stats: bool, has_zloss: bool,
+                 token_scaling: bool):
         self.vec, self.threads = vec, threads
-        self.flags = (has_weight, has_smoothing, has_softcap, compute_stats, has_zloss, token_scaling)
+        self.FLAGS, self.features = FLAGS, (compute_stats, has_zloss, token_scaling)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mGradRow: cute.Tensor, mZGradRow,
                  mLoss: cute.Tensor, mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, mTokenWeight,
-                 ignore_index: Int64, label_smoothing: Float32, softcap: Float32, logit_scale: Float32,
-                 lse_square_scale: Float32, stream):
+                 scalars: LossScalars, stream):
         self.kernel(mX, mTarget, mW, mWSum, mGradRow, mZGradRow, mLoss, mLse, mLseLo, mPred, mTokenWeight,
-                    ignore_index, label_smoothing, softcap, logit_scale, lse_square_scale).launch(
-            grid=[mX.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
+                    scalars).launch(grid=[mX.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mGradRow: cute.Tensor, mZGradRow,
                mLoss: cute.Tensor, mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, mTokenWeight,
-               ignore_index: Int64, label_smoothing: Float32, softcap: Float32, logit_scale: Float32,
-               lse_square_scale: Float32):
-        HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS, HAS_ZLOSS, TOKEN_SCALING = self.flags
+               scalars: LossScalars):
+        FLAGS = self.FLAGS
+        COMPUTE_STATS, HAS_ZLOSS, TOKEN_SCALING = self.features
         VEC, THREADS = self.vec, self.threads
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
@@ -61,32 +60,31 @@ class CEChunk:
         sbuf_i = smem.allocate_tensor(Int32, cute.make_layout(THREADS // 32), byte_alignment=16)
 
         target = Int64(mTarget[row])
-        is_valid = target != ignore_index
+        is_valid = target != scalars.ignore_index
         n_live = Int32(0)
         if is_valid:
             n_live = n_cols
         gRow = mX[row, None]
         gW = None
-        if const_expr(HAS_WEIGHT):
+        if const_expr(FLAGS.HAS_WEIGHT):
             gW = mW
-        m, s, zsum, best, idx = row_stats(gRow, gW, n_live, tidx, logit_scale, softcap, sbuf_f, sbuf_i,
-                                          THREADS, VEC, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS)
+        m, s, zsum, best, idx = row_stats(gRow, gW, n_live, tidx, scalars, sbuf_f, sbuf_i, THREADS, VEC, FLAGS,
+                                          COMPUTE_STATS)
         # the target's terms only now: nothing but the row state is live across the stream
-        _, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, mW, HAS_WEIGHT)
+        _, in_range, safe, w_t = target_terms(target, n_cols, scalars, mW, FLAGS)
         # every thread reads z_t (one broadcast load) before any thread overwrites the row
-        z_t = transform(Float32(gRow[safe]), logit_scale, softcap, HAS_SOFTCAP)
+        z_t = transform(Float32(gRow[safe]), scalars, FLAGS)
         loss, lse, lse_lo, g, h, p_t, total_w = chunk_row_factors(
-            m, s, zsum, z_t, w_t, n_cols, is_valid, in_range, mWSum, mGradRow, mZGradRow, row, label_smoothing,
-            lse_square_scale, HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS, TOKEN_SCALING)
+            m, s, zsum, z_t, w_t, n_cols, is_valid, in_range, mWSum, mGradRow, mZGradRow, row, scalars, FLAGS,
+            HAS_ZLOSS, TOKEN_SCALING)
         if tidx == 0:
             store_row_results(mLoss, mLse, mLseLo, mPred, mTokenWeight, row, loss, lse, lse_lo, idx, is_valid, p_t,
                               COMPUTE_STATS, TOKEN_SCALING)
         cute.arch.barrier()    # z_t was read by every thread before the row is overwritten
-        a = (Float32(1.0) - label_smoothing) * w_t
-        b = div_full(label_smoothing, Float32(n_cols))
+        a, b = grad_coefs(w_t, n_cols, scalars)
         t_col = Int32(-1)
         if in_range:
             t_col = safe
         for v in cutlass.range(tidx, n_cols // VEC, THREADS):
-            grad_vector(gRow, gW, gRow, v, is_valid, t_col, a, lse, lse_lo, g, h, b, total_w, logit_scale,
-                        softcap, VEC, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_ZLOSS)
+            grad_vector(gRow, gW, gRow, v, is_valid, t_col, a, lse, lse_lo, g, h, b, total_w, scalars, VEC, FLAGS,
+                        HAS_ZLOSS)

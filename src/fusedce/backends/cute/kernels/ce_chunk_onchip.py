@@ -37,9 +37,11 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import dsl_user_op
 
+from ....types import LossFlags, LossScalars
 from .chunk_row import chunk_row_factors
 from .row_io import store_row_results, target_terms
-from .row_math import NEG_INF, div_full, grad_vector_from, merge_argmax, merge_softmax, slice_stats, transform
+from .row_math import grad_coefs, grad_vector_from, slice_stats, transform
+from .row_reduce import NEG_INF, merge_argmax, merge_softmax
 
 HEADER_BYTES = 512    # the reduction slots (<= 16 warps) and the published CTA state, before the slice
 
@@ -58,32 +60,32 @@ def smem_bytes(n_cols: int, vec: int, itemsize: int, cluster: int) -> int:
 
 
 class CEChunkOnChip:
-    """``__call__`` as ``CEChunk.__call__`` (same arguments, same outputs); ``cluster`` CTAs per row."""
+    """``__call__`` as ``CEChunk.__call__`` (same arguments, ``scalars`` included, same outputs);
+    ``cluster`` CTAs per row."""
 
-    def __init__(self, vec: int, threads: int, cluster: int, has_weight: bool, has_smoothing: bool,
-                 has_softcap: bool, compute_stats: bool, has_zloss: bool, token_scaling: bool):
+    def __init__(self, vec: int, threads: int, cluster: int, FLAGS: LossFlags, compute_stats: bool,
+                 has_zloss: bool, token_scaling: bool):
         assert threads // 32 <= 16 and cluster in (1, 2, 4, 8)
         self.vec, self.threads, self.cluster = vec, threads, cluster
-        self.flags = (has_weight, has_smoothing, has_softcap, compute_stats, has_zloss, token_scaling)
+        self.FLAGS, self.features = FLAGS, (compute_stats, has_zloss, token_scaling)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mGradRow: cute.Tensor, mZGradRow,
                  mLoss: cute.Tensor, mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, mTokenWeight,
-                 ignore_index: Int64, label_smoothing: Float32, softcap: Float32, logit_scale: Float32,
-                 lse_square_scale: Float32, stream):
+                 scalars: LossScalars, stream):
         n_slice = (mX.shape[1] // self.vec + (self.cluster - 1)) // self.cluster
         smem = HEADER_BYTES + n_slice * (self.vec * mX.element_type.width // 8)
         self.kernel(mX, mTarget, mW, mWSum, mGradRow, mZGradRow, mLoss, mLse, mLseLo, mPred, mTokenWeight,
-                    ignore_index, label_smoothing, softcap, logit_scale, lse_square_scale).launch(
+                    scalars).launch(
             grid=[mX.shape[0] * self.cluster, 1, 1], block=[self.threads, 1, 1],
             cluster=[self.cluster, 1, 1] if const_expr(self.cluster > 1) else None, smem=smem, stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mGradRow: cute.Tensor, mZGradRow,
                mLoss: cute.Tensor, mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, mTokenWeight,
-               ignore_index: Int64, label_smoothing: Float32, softcap: Float32, logit_scale: Float32,
-               lse_square_scale: Float32):
-        HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS, HAS_ZLOSS, TOKEN_SCALING = self.flags
+               scalars: LossScalars):
+        FLAGS = self.FLAGS
+        COMPUTE_STATS, HAS_ZLOSS, TOKEN_SCALING = self.features
         VEC, THREADS, CLUSTER = self.vec, self.threads, self.cluster
         NWARPS = THREADS // 32
         tidx, _, _ = cute.arch.thread_idx()
@@ -111,7 +113,7 @@ class CEChunkOnChip:
                                 cute.make_layout(n_slice * VEC))
 
         target = Int64(mTarget[row])
-        is_valid = target != ignore_index
+        is_valid = target != scalars.ignore_index
         gRow = mX[row, None]
         # 1. the slice into shared memory, every copy in flight before the first wait
         if is_valid:
@@ -120,9 +122,9 @@ class CEChunkOnChip:
             for v in cutlass.range(tidx, n_mine, THREADS):
                 cute.copy(atom, cute.local_tile(gRow, (VEC,), (v0 + v,)), cute.local_tile(sRow, (VEC,), (v,)))
         cute.arch.cp_async_commit_group()
-        _, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, mW, HAS_WEIGHT)
+        _, in_range, safe, w_t = target_terms(target, n_cols, scalars, mW, FLAGS)
         # z_t before any barrier: no CTA of this row has written its gradient yet
-        z_t = transform(Float32(gRow[safe]), logit_scale, softcap, HAS_SOFTCAP)
+        z_t = transform(Float32(gRow[safe]), scalars, FLAGS)
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
 
@@ -131,10 +133,10 @@ class CEChunkOnChip:
         if is_valid:
             n_read = n_mine
         gW = None
-        if const_expr(HAS_WEIGHT):
+        if const_expr(FLAGS.HAS_WEIGHT):
             gW = mW
-        m, s, zsum, best, idx = slice_stats(sRow, v0, gW, n_read, tidx, logit_scale, softcap, sbuf_f, sbuf_i,
-                                            THREADS, VEC, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS)
+        m, s, zsum, best, idx = slice_stats(sRow, v0, gW, n_read, tidx, scalars, sbuf_f, sbuf_i, THREADS, VEC,
+                                            FLAGS, COMPUTE_STATS)
         # 3. merge the cluster's states through distributed shared memory, in rank order
         if const_expr(CLUSTER > 1):
             if tidx == 0:
@@ -146,7 +148,7 @@ class CEChunkOnChip:
             for r in cutlass.range_constexpr(CLUSTER):
                 m, s = merge_softmax(m, s, load_peer(part_f.iterator, Int32(r), Float32),
                                      load_peer(part_f.iterator + 1, Int32(r), Float32))
-                if const_expr(HAS_SMOOTHING):
+                if const_expr(FLAGS.HAS_SMOOTHING):
                     zsum = zsum + load_peer(part_f.iterator + 2, Int32(r), Float32)
                 if const_expr(COMPUTE_STATS):
                     best, idx = merge_argmax(best, idx, load_peer(part_f.iterator + 3, Int32(r), Float32),
@@ -155,18 +157,17 @@ class CEChunkOnChip:
 
         # 4. the row's results and gradient factors, as CEChunk
         loss, lse, lse_lo, g, h, p_t, total_w = chunk_row_factors(
-            m, s, zsum, z_t, w_t, n_cols, is_valid, in_range, mWSum, mGradRow, mZGradRow, row, label_smoothing,
-            lse_square_scale, HAS_WEIGHT, HAS_SMOOTHING, HAS_ZLOSS, TOKEN_SCALING)
+            m, s, zsum, z_t, w_t, n_cols, is_valid, in_range, mWSum, mGradRow, mZGradRow, row, scalars, FLAGS,
+            HAS_ZLOSS, TOKEN_SCALING)
         if tidx == 0 and rank == 0:
             store_row_results(mLoss, mLse, mLseLo, mPred, mTokenWeight, row, loss, lse, lse_lo, idx, is_valid, p_t,
                               COMPUTE_STATS, TOKEN_SCALING)
-        a = (Float32(1.0) - label_smoothing) * w_t
-        b = div_full(label_smoothing, Float32(n_cols))
+        a, b = grad_coefs(w_t, n_cols, scalars)
         t_col = Int32(-1)
         if in_range:
             t_col = safe
         for v in cutlass.range(tidx, n_mine, THREADS):
-            grad_vector_from(sRow, v, gW, gRow, v0 + v, is_valid, t_col, a, lse, lse_lo, g, h, b, total_w,
-                             logit_scale, softcap, VEC, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_ZLOSS)
+            grad_vector_from(sRow, v, gW, gRow, v0 + v, is_valid, t_col, a, lse, lse_lo, g, h, b, total_w, scalars,
+                             VEC, FLAGS, HAS_ZLOSS)
         if const_expr(CLUSTER > 1):
             cute.arch.cluster_wait()              # no CTA leaves while a peer may still read its state

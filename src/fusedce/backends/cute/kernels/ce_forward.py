@@ -14,33 +14,32 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .row_io import store_row_results, target_terms
+from ....types import LossFlags, LossScalars
+from .row_io import store_row_results, target_terms, total_weight
 from .row_math import row_loss, row_stats, transform
 
 
 class CEForward:
     """``__call__(mX (M, V), mTarget (M,) int64, mW (V,) fp32 | None, mWSum (1,) fp32 | None, mLoss,
-    mLse, mLseLo (M,) fp32, mPred (M,) int64 | None, ignore_index, label_smoothing, softcap,
-    logit_scale, stream)``. ``vec`` must divide V and the row stride (the launcher's ALIGN)."""
+    mLse, mLseLo (M,) fp32, mPred (M,) int64 | None, scalars, stream)``; ``scalars``: the options'
+    ``types.LossScalars`` of DSL scalars (``kernels/scalars.py``; ``lse_square_scale`` unused here),
+    ``FLAGS``: their ``types.LossFlags``. ``vec`` must divide V and the row stride (the launcher's
+    ALIGN)."""
 
-    def __init__(self, vec: int, threads: int, has_weight: bool, has_smoothing: bool, has_softcap: bool,
-                 compute_stats: bool):
+    def __init__(self, vec: int, threads: int, FLAGS: LossFlags, compute_stats: bool):
         self.vec, self.threads = vec, threads
-        self.flags = (has_weight, has_smoothing, has_softcap, compute_stats)
+        self.FLAGS, self.compute_stats = FLAGS, compute_stats
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mLoss: cute.Tensor,
-                 mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, ignore_index: Int64,
-                 label_smoothing: Float32, softcap: Float32, logit_scale: Float32, stream):
-        self.kernel(mX, mTarget, mW, mWSum, mLoss, mLse, mLseLo, mPred, ignore_index, label_smoothing,
-                    softcap, logit_scale).launch(grid=[mX.shape[0], 1, 1], block=[self.threads, 1, 1],
-                                                 stream=stream)
+                 mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, scalars: LossScalars, stream):
+        self.kernel(mX, mTarget, mW, mWSum, mLoss, mLse, mLseLo, mPred, scalars).launch(
+            grid=[mX.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mW, mWSum, mLoss: cute.Tensor,
-               mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, ignore_index: Int64,
-               label_smoothing: Float32, softcap: Float32, logit_scale: Float32):
-        HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS = self.flags
+               mLse: cute.Tensor, mLseLo: cute.Tensor, mPred, scalars: LossScalars):
+        FLAGS, COMPUTE_STATS = self.FLAGS, self.compute_stats
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         n_cols = Int32(mX.shape[1])
@@ -49,25 +48,21 @@ class CEForward:
         sbuf_i = smem.allocate_tensor(Int32, cute.make_layout(self.threads // 32), byte_alignment=16)
 
         target = Int64(mTarget[row])
-        is_valid = target != ignore_index
+        is_valid = target != scalars.ignore_index
         n_live = Int32(0)
         if is_valid:
             n_live = n_cols
         gRow = mX[row, None]
         gW = None
-        if const_expr(HAS_WEIGHT):
+        if const_expr(FLAGS.HAS_WEIGHT):
             gW = mW
-        m, s, zsum, best, idx = row_stats(gRow, gW, n_live, tidx, logit_scale, softcap, sbuf_f, sbuf_i,
-                                          self.threads, self.vec, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-                                          COMPUTE_STATS)
+        m, s, zsum, best, idx = row_stats(gRow, gW, n_live, tidx, scalars, sbuf_f, sbuf_i, self.threads, self.vec,
+                                          FLAGS, COMPUTE_STATS)
         if tidx == 0:
             # the target's terms only now: nothing but the row state is live across the stream
-            _, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, mW, HAS_WEIGHT)
-            total_w = Float32(n_cols)
-            if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
-                total_w = mWSum[0]
-            z_t = transform(Float32(gRow[safe]), logit_scale, softcap, HAS_SOFTCAP)
-            loss, lse, lse_lo = row_loss(m, s, zsum, z_t, w_t, total_w, n_cols, is_valid, in_range,
-                                         label_smoothing, HAS_SMOOTHING)
+            _, in_range, safe, w_t = target_terms(target, n_cols, scalars, mW, FLAGS)
+            total_w = total_weight(mWSum, n_cols, FLAGS)
+            z_t = transform(Float32(gRow[safe]), scalars, FLAGS)
+            loss, lse, lse_lo = row_loss(m, s, zsum, z_t, w_t, total_w, n_cols, is_valid, in_range, scalars, FLAGS)
             store_row_results(mLoss, mLse, mLseLo, mPred, None, row, loss, lse, lse_lo, idx, is_valid,
                               Float32(0.0), COMPUTE_STATS, False)

@@ -6,24 +6,21 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from .row_io import total_weight
 from .row_math import row_loss
 
 
 @cute.jit
 def chunk_row_factors(m: Float32, s: Float32, zsum: Float32, z_t: Float32, w_t: Float32, n_cols: Int32,
-                      is_valid, in_range, mWSum, mGradRow: cute.Tensor, mZGradRow, row,
-                      label_smoothing: Float32, lse_square_scale: Float32,
-                      HAS_WEIGHT: cutlass.Constexpr[bool], HAS_SMOOTHING: cutlass.Constexpr[bool],
-                      HAS_ZLOSS: cutlass.Constexpr[bool], TOKEN_SCALING: cutlass.Constexpr[bool]):
+                      is_valid, in_range, mWSum, mGradRow: cute.Tensor, mZGradRow, row, scalars,
+                      FLAGS: cutlass.Constexpr, HAS_ZLOSS: cutlass.Constexpr[bool],
+                      TOKEN_SCALING: cutlass.Constexpr[bool]):
     """``(loss, lse, lse_lo, g, h, p_t, total_w)``: the row's loss and exact lse pair; ``g`` the upstream
-    gradient of its loss and ``h = 2 s lse zg`` that of its lse (the z-loss), both times ``p_t`` with
-    token scaling (Dynamic Fine-Tuning: the row's whole loss times its detached ``p_t``; 0 without it);
-    ``total_w = W``, the class weights' sum (V without weights)."""
-    total_w = Float32(n_cols)
-    if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
-        total_w = mWSum[0]
-    loss, lse, lse_lo = row_loss(m, s, zsum, z_t, w_t, total_w, n_cols, is_valid, in_range,
-                                 label_smoothing, HAS_SMOOTHING)
+    gradient of its loss and ``h = 2 s lse zg`` that of its lse (the z-loss, ``s = lse_square_scale``),
+    both times ``p_t`` with token scaling (Dynamic Fine-Tuning: the row's whole loss times its detached
+    ``p_t``; 0 without it); ``total_w = W``, the class weights' sum (V without weights)."""
+    total_w = total_weight(mWSum, n_cols, FLAGS)
+    loss, lse, lse_lo = row_loss(m, s, zsum, z_t, w_t, total_w, n_cols, is_valid, in_range, scalars, FLAGS)
     g = Float32(mGradRow[row])
     zg = Float32(0.0)
     if const_expr(HAS_ZLOSS):
@@ -34,5 +31,5 @@ def chunk_row_factors(m: Float32, s: Float32, zsum: Float32, z_t: Float32, w_t: 
             p_t = cute.math.exp((z_t - lse) - lse_lo)
         g = g * p_t
         zg = zg * p_t
-    h = Float32(2.0) * lse_square_scale * lse * zg   # d(s lse^2)/d lse times its upstream
+    h = Float32(2.0) * scalars.lse_square_scale * lse * zg   # d(s lse^2)/d lse times its upstream
     return loss, lse, lse_lo, g, h, p_t, total_w

@@ -1,7 +1,7 @@
 """The per-row cross-entropy math of the CuTe DSL kernels, written once (``@cute.jit`` helpers, inlined
-at trace time) and shared by ``ce_forward``, ``ce_backward`` and ``ce_chunk``. It mirrors the Triton
-backend's ``backends/triton/kernels/row_math.py`` formula for formula (``backends/pytorch/rows.py``
-has the derivations and their sources):
+at trace time) and shared by ``ce_forward``, ``ce_backward``, ``ce_chunk`` and ``ce_chunk_onchip``. It
+mirrors the Triton backend's ``backends/triton/kernels/row_math.py`` formula for formula
+(``backends/pytorch/rows.py`` has the derivations and their sources):
 
     z      = softcap tanh(s x / softcap)   (or s x)            s = logit_scale
     lse    = m + log(sum_c exp(z_c - m)),  kept as the exact fp32 pair lse + lse_lo (TwoSum)
@@ -15,7 +15,12 @@ Work split (every kernel): one CTA of ``threads`` threads per row (per row tile 
 thread owns whole vectors of ``vec`` consecutive logits (``vec * itemsize = 16`` bytes when the rows
 allow it: one 128-bit access per vector) and keeps its own online-softmax state ``(m, s)``, the
 smoothing sum and the argmax; the states are then merged across the warp (butterfly shuffles) and
-across the warps (``threads / 32`` slots of shared memory).
+across the warps (``threads / 32`` slots of shared memory): ``row_reduce.py``.
+
+The loss options reach every helper as two arguments: ``scalars`` (``types.LossScalars`` of DSL
+scalars: ``scalars.softcap``, ...) and ``FLAGS`` (``types.LossFlags``, constexpr: ``FLAGS.HAS_SOFTCAP``,
+...), so a new element-wise option is a field there and a formula here, with no kernel's parameter list
+changed.
 """
 import math
 
@@ -25,7 +30,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-NEG_INF = -math.inf
+from .row_reduce import NEG_INF, block_merge, safe_shift
 
 
 @dsl_user_op
@@ -61,21 +66,21 @@ def tanh_fp32(y: Float32) -> Float32:
 
 
 @cute.jit
-def transform(x: Float32, logit_scale: Float32, softcap: Float32, HAS_SOFTCAP: cutlass.Constexpr[bool]):
+def transform(x: Float32, scalars, FLAGS: cutlass.Constexpr):
     """``z`` of one fp32 logit: ``softcap * tanh(x * (logit_scale / softcap))`` or ``logit_scale * x``."""
-    z = x * logit_scale
-    if const_expr(HAS_SOFTCAP):
-        z = softcap * tanh_fp32(x * div_full(logit_scale, softcap))
+    z = x * scalars.logit_scale
+    if const_expr(FLAGS.HAS_SOFTCAP):
+        z = scalars.softcap * tanh_fp32(x * div_full(scalars.logit_scale, scalars.softcap))
     return z
 
 
 @cute.jit
-def slope(z: Float32, logit_scale: Float32, softcap: Float32, HAS_SOFTCAP: cutlass.Constexpr[bool]):
+def slope(z: Float32, scalars, FLAGS: cutlass.Constexpr):
     """``dz/dx`` written with ``z``: ``logit_scale * (1 - (z / softcap)^2)`` or ``logit_scale``."""
-    out = logit_scale
-    if const_expr(HAS_SOFTCAP):
-        r = div_full(z, softcap)
-        out = logit_scale * (Float32(1.0) - r * r)
+    out = scalars.logit_scale
+    if const_expr(FLAGS.HAS_SOFTCAP):
+        r = div_full(z, scalars.softcap)
+        out = scalars.logit_scale * (Float32(1.0) - r * r)
     return out
 
 
@@ -89,53 +94,23 @@ def two_sum(a: Float32, b: Float32):
 
 
 @cute.jit
-def safe_shift(m: Float32) -> Float32:
-    """The online-softmax shift: ``m``, or 0 while every logit so far is -inf (exp(-inf - -inf) would be
-    NaN; exp(-inf - 0) = 0 keeps the sum at exactly 0)."""
-    shift = m
-    if m == Float32(NEG_INF):
-        shift = Float32(0.0)
-    return shift
-
-
-@cute.jit
-def merge_softmax(m: Float32, s: Float32, m2: Float32, s2: Float32):
-    """Merge two online-softmax states ``(max, sum exp(z - max))`` (Milakov & Gimelshein 2018)."""
-    m_new = cute.arch.fmax(m, m2)
-    shift = safe_shift(m_new)
-    s_new = s * cute.math.exp(m - shift) + s2 * cute.math.exp(m2 - shift)
-    return m_new, s_new
-
-
-@cute.jit
-def merge_argmax(best: Float32, idx: Int32, best2: Float32, idx2: Int32):
-    """The larger of two (value, column) pairs, the lowest column on ties."""
-    take = best2 > best or (best2 == best and idx2 < idx)
-    out_b, out_i = best, idx
-    if take:
-        out_b, out_i = best2, idx2
-    return out_b, out_i
-
-
-@cute.jit
 def update_vector(m: Float32, s: Float32, zsum: Float32, best: Float32, idx: Int32, xv: cute.TensorSSA,
-                  wv, col0: Int32, logit_scale: Float32, softcap: Float32, VEC: cutlass.Constexpr[int],
-                  HAS_WEIGHT: cutlass.Constexpr[bool], HAS_SMOOTHING: cutlass.Constexpr[bool],
-                  HAS_SOFTCAP: cutlass.Constexpr[bool], COMPUTE_STATS: cutlass.Constexpr[bool]):
+                  wv, col0: Int32, scalars, VEC: cutlass.Constexpr[int], FLAGS: cutlass.Constexpr,
+                  COMPUTE_STATS: cutlass.Constexpr[bool]):
     """Fold one vector of ``VEC`` fp32 logits (columns ``col0 ...``) into a thread's row state: one
     rescale of the running sum per vector (``VEC + 1`` exponentials for ``VEC`` logits)."""
     vmax = Float32(NEG_INF)
     for j in cutlass.range_constexpr(VEC):
-        z = transform(xv[j], logit_scale, softcap, HAS_SOFTCAP)
+        z = transform(xv[j], scalars, FLAGS)
         vmax = cute.arch.fmax(vmax, z)
     m_new = cute.arch.fmax(m, vmax)
     shift = safe_shift(m_new)
     acc = Float32(0.0)
     for j in cutlass.range_constexpr(VEC):
-        z = transform(xv[j], logit_scale, softcap, HAS_SOFTCAP)
+        z = transform(xv[j], scalars, FLAGS)
         acc = acc + cute.math.exp(z - shift)
-        if const_expr(HAS_SMOOTHING):
-            if const_expr(HAS_WEIGHT):
+        if const_expr(FLAGS.HAS_SMOOTHING):
+            if const_expr(FLAGS.HAS_WEIGHT):
                 zsum = zsum + wv[j] * z
             else:
                 zsum = zsum + z
@@ -148,59 +123,19 @@ def update_vector(m: Float32, s: Float32, zsum: Float32, best: Float32, idx: Int
 
 
 @cute.jit
-def block_merge(m: Float32, s: Float32, zsum: Float32, best: Float32, idx: Int32, sbuf_f: cute.Tensor,
-                sbuf_i: cute.Tensor, NWARPS: cutlass.Constexpr[int], HAS_SMOOTHING: cutlass.Constexpr[bool],
-                COMPUTE_STATS: cutlass.Constexpr[bool]):
-    """Merge every thread's row state; every thread gets the CTA's result. ``sbuf_f``: (4, NWARPS)
-    fp32 shared memory, ``sbuf_i``: (NWARPS,) int32."""
-    offset = 16
-    for _ in cutlass.range_constexpr(5):      # butterfly over the warp: 16, 8, 4, 2, 1
-        m2 = cute.arch.shuffle_sync_bfly(m, offset=offset)
-        s2 = cute.arch.shuffle_sync_bfly(s, offset=offset)
-        m, s = merge_softmax(m, s, m2, s2)
-        if const_expr(HAS_SMOOTHING):
-            zsum = zsum + cute.arch.shuffle_sync_bfly(zsum, offset=offset)
-        if const_expr(COMPUTE_STATS):
-            b2 = cute.arch.shuffle_sync_bfly(best, offset=offset)
-            i2 = cute.arch.shuffle_sync_bfly(idx, offset=offset)
-            best, idx = merge_argmax(best, idx, b2, i2)
-        offset = offset // 2
-    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-    if lane == 0:
-        sbuf_f[0, warp] = m
-        sbuf_f[1, warp] = s
-        sbuf_f[2, warp] = zsum
-        sbuf_f[3, warp] = best
-        sbuf_i[warp] = idx
-    cute.arch.barrier()
-    m, s, zsum, best, idx = sbuf_f[0, 0], sbuf_f[1, 0], sbuf_f[2, 0], sbuf_f[3, 0], sbuf_i[0]
-    for w in cutlass.range_constexpr(1, NWARPS):
-        m, s = merge_softmax(m, s, sbuf_f[0, w], sbuf_f[1, w])
-        if const_expr(HAS_SMOOTHING):
-            zsum = zsum + sbuf_f[2, w]
-        if const_expr(COMPUTE_STATS):
-            best, idx = merge_argmax(best, idx, sbuf_f[3, w], sbuf_i[w])
-    return m, s, zsum, best, idx
-
-
-@cute.jit
-def row_stats(gRow: cute.Tensor, gW, n_live: Int32, tidx: Int32, logit_scale: Float32, softcap: Float32,
-              sbuf_f: cute.Tensor, sbuf_i: cute.Tensor, THREADS: cutlass.Constexpr[int],
-              VEC: cutlass.Constexpr[int], HAS_WEIGHT: cutlass.Constexpr[bool],
-              HAS_SMOOTHING: cutlass.Constexpr[bool], HAS_SOFTCAP: cutlass.Constexpr[bool],
-              COMPUTE_STATS: cutlass.Constexpr[bool]):
+def row_stats(gRow: cute.Tensor, gW, n_live: Int32, tidx: Int32, scalars, sbuf_f: cute.Tensor,
+              sbuf_i: cute.Tensor, THREADS: cutlass.Constexpr[int], VEC: cutlass.Constexpr[int],
+              FLAGS: cutlass.Constexpr, COMPUTE_STATS: cutlass.Constexpr[bool]):
     """One pass over the first ``n_live`` (0 or V, a multiple of ``VEC``) logits of a row: the CTA's
     ``(m, s, zsum, best, best_idx)``; the row is read once, one ``VEC``-vector per thread per step."""
-    return slice_stats(gRow, 0, gW, n_live // VEC, tidx, logit_scale, softcap, sbuf_f, sbuf_i, THREADS, VEC,
-                       HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS)
+    return slice_stats(gRow, 0, gW, n_live // VEC, tidx, scalars, sbuf_f, sbuf_i, THREADS, VEC, FLAGS,
+                       COMPUTE_STATS)
 
 
 @cute.jit
-def slice_stats(sX: cute.Tensor, v0, gW, n_vec: Int32, tidx: Int32, logit_scale: Float32, softcap: Float32,
-                sbuf_f: cute.Tensor, sbuf_i: cute.Tensor, THREADS: cutlass.Constexpr[int],
-                VEC: cutlass.Constexpr[int], HAS_WEIGHT: cutlass.Constexpr[bool],
-                HAS_SMOOTHING: cutlass.Constexpr[bool], HAS_SOFTCAP: cutlass.Constexpr[bool],
-                COMPUTE_STATS: cutlass.Constexpr[bool]):
+def slice_stats(sX: cute.Tensor, v0, gW, n_vec: Int32, tidx: Int32, scalars, sbuf_f: cute.Tensor,
+                sbuf_i: cute.Tensor, THREADS: cutlass.Constexpr[int], VEC: cutlass.Constexpr[int],
+                FLAGS: cutlass.Constexpr, COMPUTE_STATS: cutlass.Constexpr[bool]):
     """``row_stats`` of ``n_vec`` vectors of ``sX`` (a whole row in global memory, ``v0 = 0``, or the
     shared-memory copy of a row slice whose vector ``v`` is the row's vector ``v0 + v``: the class
     weights and the argmax columns are indexed with ``v0 + v``). Every thread gets the CTA's state."""
@@ -211,28 +146,26 @@ def slice_stats(sX: cute.Tensor, v0, gW, n_vec: Int32, tidx: Int32, logit_scale:
     for v in cutlass.range(tidx, n_vec, THREADS):
         cute.autovec_copy(cute.local_tile(sX, (VEC,), (v,)), frag)
         wv = None
-        if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
+        if const_expr(FLAGS.HAS_WEIGHT and FLAGS.HAS_SMOOTHING):
             cute.autovec_copy(cute.local_tile(gW, (VEC,), (v0 + v,)), wfrag)
             wv = wfrag.load()
         m, s, zsum, best, idx = update_vector(m, s, zsum, best, idx, frag.load().to(Float32), wv, (v0 + v) * VEC,
-                                              logit_scale, softcap, VEC, HAS_WEIGHT, HAS_SMOOTHING,
-                                              HAS_SOFTCAP, COMPUTE_STATS)
-    return block_merge(m, s, zsum, best, idx, sbuf_f, sbuf_i, THREADS // 32, HAS_SMOOTHING, COMPUTE_STATS)
+                                              scalars, VEC, FLAGS, COMPUTE_STATS)
+    return block_merge(m, s, zsum, best, idx, sbuf_f, sbuf_i, THREADS // 32, FLAGS, COMPUTE_STATS)
 
 
 @cute.jit
 def row_loss(m: Float32, s: Float32, zsum: Float32, z_t: Float32, w_t: Float32, total_w: Float32,
-             n_cols: Int32, is_valid, in_range, label_smoothing: Float32,
-             HAS_SMOOTHING: cutlass.Constexpr[bool]):
+             n_cols: Int32, is_valid, in_range, scalars, FLAGS: cutlass.Constexpr):
     """``(loss, lse, lse_lo)`` of a row from its merged state; ignored rows (which read nothing) give 0,
     a non-ignored row with an out-of-range target a NaN loss."""
     m_ok, s_ok = Float32(0.0), Float32(1.0)
     if is_valid:
         m_ok, s_ok = m, s
     lse, lse_lo = two_sum(m_ok, cute.math.log(s_ok))
-    loss = (Float32(1.0) - label_smoothing) * w_t * ((lse - z_t) + lse_lo)
-    if const_expr(HAS_SMOOTHING):
-        loss = loss + div_full(label_smoothing, Float32(n_cols)) * ((total_w * lse - zsum) + total_w * lse_lo)
+    loss = (Float32(1.0) - scalars.label_smoothing) * w_t * ((lse - z_t) + lse_lo)
+    if const_expr(FLAGS.HAS_SMOOTHING):
+        loss = loss + div_full(scalars.label_smoothing, Float32(n_cols)) * ((total_w * lse - zsum) + total_w * lse_lo)
     if not in_range:
         loss = Float32(math.nan)
     if not is_valid:
@@ -241,43 +174,47 @@ def row_loss(m: Float32, s: Float32, zsum: Float32, z_t: Float32, w_t: Float32, 
 
 
 @cute.jit
+def grad_coefs(w_t: Float32, n_cols: Int32, scalars):
+    """``(a, b)`` of the gradient pass: ``a = (1 - eps) w_t`` (the target term), ``b = eps / V``."""
+    a = (Float32(1.0) - scalars.label_smoothing) * w_t
+    b = div_full(scalars.label_smoothing, Float32(n_cols))
+    return a, b
+
+
+@cute.jit
 def grad_value(x: Float32, col: Int32, target: Int32, w_c: Float32, a: Float32, lse: Float32,
-               lse_lo: Float32, g: Float32, h: Float32, b: Float32, total_w: Float32, logit_scale: Float32,
-               softcap: Float32, HAS_SMOOTHING: cutlass.Constexpr[bool], HAS_SOFTCAP: cutlass.Constexpr[bool],
-               HAS_GRAD_LSE: cutlass.Constexpr[bool]) -> Float32:
-    """fp32 ``dL/dx`` of one logit (``a = (1 - eps) w_t``, ``b = eps / V``, ``w_c`` read only with
-    smoothing). The target column is formed as ``p - 1`` before scaling: exact 0 where the math says so."""
-    z = transform(x, logit_scale, softcap, HAS_SOFTCAP)
+               lse_lo: Float32, g: Float32, h: Float32, b: Float32, total_w: Float32, scalars,
+               FLAGS: cutlass.Constexpr, HAS_GRAD_LSE: cutlass.Constexpr[bool]) -> Float32:
+    """fp32 ``dL/dx`` of one logit (``a``, ``b``: ``grad_coefs``; ``w_c`` read only with smoothing).
+    The target column is formed as ``p - 1`` before scaling: exact 0 where the math says so."""
+    z = transform(x, scalars, FLAGS)
     p = cute.math.exp((z - lse) - lse_lo)
     pm = p
     if col == target:
         pm = p - Float32(1.0)
     dz = (g * a) * pm
-    if const_expr(HAS_SMOOTHING):
+    if const_expr(FLAGS.HAS_SMOOTHING):
         dz = g * (a * pm + b * (total_w * p - w_c))
     if const_expr(HAS_GRAD_LSE):
         dz = dz + h * p
-    return dz * slope(z, logit_scale, softcap, HAS_SOFTCAP)
+    return dz * slope(z, scalars, FLAGS)
 
 
 @cute.jit
 def grad_vector(gX: cute.Tensor, gW, gG: cute.Tensor, v: Int32, is_valid, target: Int32, a: Float32,
-                lse: Float32, lse_lo: Float32, g: Float32, h: Float32, b: Float32, total_w: Float32,
-                logit_scale: Float32, softcap: Float32, VEC: cutlass.Constexpr[int],
-                HAS_WEIGHT: cutlass.Constexpr[bool], HAS_SMOOTHING: cutlass.Constexpr[bool],
-                HAS_SOFTCAP: cutlass.Constexpr[bool], HAS_GRAD_LSE: cutlass.Constexpr[bool]):
+                lse: Float32, lse_lo: Float32, g: Float32, h: Float32, b: Float32, total_w: Float32, scalars,
+                VEC: cutlass.Constexpr[int], FLAGS: cutlass.Constexpr, HAS_GRAD_LSE: cutlass.Constexpr[bool]):
     """Read vector ``v`` of a row (``gX``; not read on ignored rows), write its gradient (zeros on
     ignored rows) into vector ``v`` of ``gG`` (may be the same memory: read before write)."""
-    grad_vector_from(gX, v, gW, gG, v, is_valid, target, a, lse, lse_lo, g, h, b, total_w, logit_scale,
-                     softcap, VEC, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_GRAD_LSE)
+    grad_vector_from(gX, v, gW, gG, v, is_valid, target, a, lse, lse_lo, g, h, b, total_w, scalars, VEC, FLAGS,
+                     HAS_GRAD_LSE)
 
 
 @cute.jit
 def grad_vector_from(sX: cute.Tensor, vx: Int32, gW, gG: cute.Tensor, v: Int32, is_valid, target: Int32,
                      a: Float32, lse: Float32, lse_lo: Float32, g: Float32, h: Float32, b: Float32,
-                     total_w: Float32, logit_scale: Float32, softcap: Float32, VEC: cutlass.Constexpr[int],
-                     HAS_WEIGHT: cutlass.Constexpr[bool], HAS_SMOOTHING: cutlass.Constexpr[bool],
-                     HAS_SOFTCAP: cutlass.Constexpr[bool], HAS_GRAD_LSE: cutlass.Constexpr[bool]):
+                     total_w: Float32, scalars, VEC: cutlass.Constexpr[int], FLAGS: cutlass.Constexpr,
+                     HAS_GRAD_LSE: cutlass.Constexpr[bool]):
     """``grad_vector`` with the logits taken from vector ``vx`` of ``sX`` (global memory, or the
     shared-memory copy of a row slice) and written to vector ``v`` of ``gG`` (columns ``v * VEC ...``,
     which also index the class weights and the target)."""
@@ -289,11 +226,11 @@ def grad_vector_from(sX: cute.Tensor, vx: Int32, gW, gG: cute.Tensor, v: Int32, 
         xv = frag.load().to(Float32)
         wfrag = cute.make_rmem_tensor((VEC,), Float32)
         wfrag.fill(1.0)
-        if const_expr(HAS_WEIGHT and HAS_SMOOTHING):
+        if const_expr(FLAGS.HAS_WEIGHT and FLAGS.HAS_SMOOTHING):
             cute.autovec_copy(cute.local_tile(gW, (VEC,), (v,)), wfrag)
         for j in cutlass.range_constexpr(VEC):
-            out[j] = grad_value(xv[j], v * VEC + j, target, wfrag[j], a, lse, lse_lo, g, h, b, total_w,
-                                logit_scale, softcap, HAS_SMOOTHING, HAS_SOFTCAP, HAS_GRAD_LSE)
+            out[j] = grad_value(xv[j], v * VEC + j, target, wfrag[j], a, lse, lse_lo, g, h, b, total_w, scalars,
+                                FLAGS, HAS_GRAD_LSE)
     res = cute.make_rmem_tensor((VEC,), gG.element_type)
     res.store(out.load().to(gG.element_type))     # round to nearest even, as the GPU's cvt.rn does
     cute.autovec_copy(res, cute.local_tile(gG, (VEC,), (v,)))
