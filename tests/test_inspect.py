@@ -105,3 +105,25 @@ def test_entropy_and_tiled_kernels_sm90(tmp_path):
         assert row["mma"] == ("wgmma" if row["dtype"] == "bf16" else "none"), (name, row["mma"])
         if row["dtype"] == "bf16":
             assert row["spill_bytes"] == 0 and row["local"] == 0, (name, row)
+
+
+def test_kernels_take_the_loss_options_as_two_arguments():
+    """Every kernel takes the loss options as ``scalars`` (a runtime ``LossScalars``) and ``FLAGS`` (a
+    constexpr ``LossFlags``), never one parameter per option, so a new element-wise option changes no
+    kernel signature and no launcher; the launches (as ``fusedce inspect`` builds them) pass exactly the
+    options' ``kernel_scalars()`` / ``kernel_flags(has_weight)``."""
+    import inspect
+
+    from fusedce.inspect.variants import DTYPES, KERNELS, every_variant, launch
+    from fusedce.types import LossFlags, LossScalars
+
+    option_names = set(LossScalars._fields) | set(LossFlags._fields)
+    for kernel in KERNELS:
+        for name, variant in every_variant(kernel).items():
+            fn, _grid, args, meta = launch(kernel, DTYPES["bf16"], 1000, variant, rows=64)
+            params = list(inspect.signature(getattr(fn, "fn", fn)).parameters)
+            assert "scalars" in params and "FLAGS" in params, (kernel, params)
+            assert not option_names & set(params), (kernel, option_names & set(params))
+            assert [a for a in args if isinstance(a, LossScalars)] == [variant.options().kernel_scalars()]
+            assert args[params.index("scalars")] == variant.options().kernel_scalars(), (kernel, name)
+            assert isinstance(meta["FLAGS"], LossFlags) and meta["FLAGS"] == variant.flags(), (kernel, name)

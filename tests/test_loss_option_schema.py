@@ -92,3 +92,41 @@ def test_kernel_arguments(values):
     assert flags == (True, opts.label_smoothing > 0.0, opts.softcap is not None)
     for name in set(LossScalars._fields) & set(NAMES) - {"softcap"}:
         assert getattr(scalars, name) == getattr(opts, name)
+
+
+def _params(fn) -> list:
+    """Parameter names of a kernel: a Triton ``JITFunction`` / interpreted function, or a Python function."""
+    fn = getattr(fn, "fn", fn)
+    return list(inspect.signature(fn).parameters)
+
+
+OPTION_PARAMS = set(NAMES) | set(LossFlags._fields) | {"eps", "lse_square_scale"}
+
+
+def test_no_triton_kernel_names_a_loss_option():
+    """Every Triton kernel takes the options as ``scalars`` and ``FLAGS`` only, so a new option changes
+    no kernel parameter list (README, "Adding a loss option")."""
+    from fusedce.backends.triton.kernels import ce_backward, ce_chunk, ce_forward, ce_slice, tiled_backward, \
+        tiled_forward
+    kernels = [ce_forward.ce_forward_kernel, ce_backward.ce_backward_kernel, ce_chunk.ce_chunk_kernel,
+               ce_slice.ce_slice_stats_kernel, tiled_forward.tiled_forward_kernel,
+               tiled_backward.tiled_backward_kernel]
+    for kernel in kernels:
+        params = _params(kernel)
+        assert {"scalars", "FLAGS"} <= set(params), (kernel, params)
+        assert not OPTION_PARAMS & set(params), (kernel, OPTION_PARAMS & set(params))
+
+
+def test_no_cute_kernel_names_a_loss_option():
+    """The same for the CuTe kernels' ``__call__`` and ``kernel`` (their flags: the constructor's ``FLAGS``)."""
+    pytest.importorskip("cutlass")
+    from fusedce.backends.cute.kernels.ce_backward import CEBackward
+    from fusedce.backends.cute.kernels.ce_chunk import CEChunk
+    from fusedce.backends.cute.kernels.ce_chunk_onchip import CEChunkOnChip
+    from fusedce.backends.cute.kernels.ce_forward import CEForward
+    for cls in (CEForward, CEBackward, CEChunk, CEChunkOnChip):
+        for method in (cls.__call__, cls.kernel, cls.__init__):
+            params = set(_params(inspect.unwrap(method)))
+            assert not OPTION_PARAMS & params, (cls.__name__, method.__name__, OPTION_PARAMS & params)
+        assert "scalars" in _params(inspect.unwrap(cls.__call__))
+        assert "FLAGS" in _params(cls.__init__)

@@ -106,7 +106,7 @@ class LossFlags(NamedTuple):
 class LossOptions:
     """The per-row loss options: the one description of them. A new option is a field here (default,
     doc, check), plus, if the kernels need it, a ``LossScalars`` / ``LossFlags`` field and a line in
-    ``kernel_scalars`` / ``kernel_flags``; every other form is derived here:
+    ``kernel_scalars`` / ``kernel_flags`` (and ``selecting``); every other form is derived here:
 
     - ``checked(**values)``: the validated options (the checks of the public functions and modules);
       the public signatures list the fields (``signatures.with_loss_options``);
@@ -173,6 +173,14 @@ class LossOptions:
     def kernel_flags(self, has_weight: bool) -> LossFlags:
         """The kernels' constexpr flags (``has_weight``: class weights are given)."""
         return LossFlags(has_weight, self.label_smoothing > 0.0, self.softcap is not None)
+
+    @classmethod
+    def selecting(cls, flags: LossFlags, **values) -> "LossOptions":
+        """Example options whose ``kernel_flags(flags.HAS_WEIGHT)`` are ``flags`` (the inverse of
+        ``kernel_flags``; the offline compile report enumerates the flag combinations through it), with
+        ``values`` for the options no flag selects."""
+        return cls(label_smoothing=0.1 if flags.HAS_SMOOTHING else 0.0,
+                   softcap=30.0 if flags.HAS_SOFTCAP else None, **values)
 
     def kept(self, target: torch.Tensor) -> torch.Tensor:
         """bool of ``target``'s shape: the rows that count (target != ignore_index). The one place of

@@ -39,7 +39,8 @@ class Compiled:
     cubin: bytes
     shared: int          # dynamic shared memory bytes requested per block
     num_warps: int
-    constexprs: dict = field(default_factory=dict)   # name -> value, incl. specialized ints (== 1)
+    constexprs: dict = field(default_factory=dict)   # name -> value, incl. specialized ints (== 1);
+                                                     # a tuple argument's field as "name[i]"
     ptxas_log: str = ""
 
 
@@ -70,7 +71,8 @@ def compile_launch(kernel, args, meta, arch: int) -> Compiled:
     names = kernel.arg_names
     return Compiled(name=kernel.__name__, arch=arch, ptx=ck.asm["ptx"], cubin=ck.asm["cubin"],
                     shared=int(ck.metadata.shared), num_warps=int(ck.metadata.num_warps),
-                    constexprs={names[k[0]]: v for k, v in constexprs.items()}, ptxas_log=log.getvalue())
+                    constexprs={names[k[0]] + "".join(f"[{i}]" for i in k[1:]): v for k, v in constexprs.items()},
+                    ptxas_log=log.getvalue())
 
 
 # ---------------------------------------------------------------- resource usage

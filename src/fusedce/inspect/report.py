@@ -76,12 +76,13 @@ class Row:
         return ", ".join(issues)
 
 
-def _needed(kernel: str, itemsize: int, variant: Variant, meta: dict) -> tuple:
-    """128-bit accesses per thread per block: (loads, stores) of the streams that must be vectorized."""
+def _needed(kernel: str, itemsize: int, meta: dict) -> tuple:
+    """128-bit accesses per thread per block: (loads, stores) of the streams that must be vectorized
+    (``meta["FLAGS"]``: the launch's ``types.LossFlags``)."""
     threads = 32 * meta["num_warps"]
     per_stream = lambda size: max(1, meta["BLOCK_V"] * size // (16 * threads))   # noqa: E731
     loads = per_stream(itemsize)
-    if variant.weight and variant.smoothing:
+    if meta["FLAGS"].HAS_WEIGHT and meta["FLAGS"].HAS_SMOOTHING:
         loads += per_stream(4)                       # fp32 class weights, read blockwise
     stores = per_stream(itemsize) if kernel in ("backward", "chunk") else 0
     if kernel in TILED:   # operand tiles go through shared memory (TMA / cp.async): no per-thread rule
@@ -110,7 +111,7 @@ def inspect_one(arch: int, kernel: str, dtype_name: str, vocab: int, variant_nam
     dtype, variant = DTYPES[dtype_name], variant or VARIANTS[kernel][variant_name]
     fn, _grid, args, meta = launch(kernel, dtype, vocab, variant)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    ld_needed, st_needed = _needed(kernel, itemsize, variant, meta)
+    ld_needed, st_needed = _needed(kernel, itemsize, meta)
     aligned = (vocab * itemsize) % 16 == 0
     base = dict(arch=arch, kernel=kernel, dtype=dtype_name, vocab=vocab, variant=variant_name,
                 block_v=meta["BLOCK_V"], num_warps=meta["num_warps"], align=meta.get("ALIGN", 0),

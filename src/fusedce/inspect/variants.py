@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..types import LossOptions
+from ..types import LossFlags, LossOptions
 
 # chunk: the fused loss + gradient of linear_cross_entropy; slice: the partial statistics of a vocabulary
 # slice (vocab parallelism; its gradient is the backward kernel with a column offset)
@@ -27,87 +27,114 @@ VOCABS = {
 DEFAULT_VOCABS = (32000, 128256, 262144, 1000, 50257)
 
 
+# The loss options' flags (``types.LossFlags``) by short name: HAS_WEIGHT -> "weight". A new flag is
+# compiled by ``--every-variant`` and in every "all" variant with no edit here.
+LOSS_FLAGS = {f.lower().removeprefix("has_"): f for f in LossFlags._fields}
+ALL = frozenset(LOSS_FLAGS)
+
+
 @dataclass(frozen=True)
 class Variant:
-    """Loss options that select the kernels' constexpr flags (HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-    COMPUTE_STATS; z-loss selects the backward's HAS_GRAD_LSE: its gradient arrives through the lse)."""
+    """Loss options and outputs that select the kernels' constexpr flags: ``loss`` the short names of
+    the loss options' ``FLAGS`` that are on (``LOSS_FLAGS``; the options come from
+    ``LossOptions.selecting``, the flags from ``kernel_flags``, as the launchers build them), the others
+    per-launch flags (``stats``: COMPUTE_STATS; z-loss: the chunk's HAS_ZLOSS and the backward's
+    HAS_GRAD_LSE, its gradient arrives through the lse; ...)."""
 
-    weight: bool = False
-    smoothing: bool = False
-    softcap: bool = False
+    loss: frozenset = frozenset()
     stats: bool = False
     zloss: bool = False
     dft: bool = False
     entropy: bool = False   # forward: COMPUTE_ENTROPY; backward: HAS_GRAD_ENTROPY (the RL ops)
     bias: bool = False      # tiled kernels: HAS_BIAS
 
+    def flags(self) -> LossFlags:
+        """The kernels' ``FLAGS`` for this variant."""
+        return LossFlags(**{field: name in self.loss for name, field in LOSS_FLAGS.items()})
+
     def options(self) -> LossOptions:
-        return LossOptions(-100, 0.1 if self.smoothing else 0.0, 1e-4 if self.zloss else 0.0,
-                           30.0 if self.softcap else None, use_token_scaling=self.dft)
+        return LossOptions.selecting(self.flags(), lse_square_scale=1e-4 if self.zloss else 0.0,
+                                     use_token_scaling=self.dft)
+
+    @property
+    def weight(self) -> bool:
+        return "weight" in self.loss
+
+
+def _v(*loss: str, **features) -> Variant:
+    return Variant(frozenset(loss), **features)
 
 
 # The representative flag combinations shown by default (``--every-variant``: all of them).
 VARIANTS = {
     "forward": {
-        "plain": Variant(),
-        "stats": Variant(stats=True),
-        "weight": Variant(weight=True),
-        "softcap": Variant(softcap=True),
-        "smooth": Variant(smoothing=True),
-        "smooth+weight": Variant(weight=True, smoothing=True),
-        "all": Variant(weight=True, smoothing=True, softcap=True, stats=True),
-        "entropy": Variant(entropy=True),
-        "entropy+softcap": Variant(softcap=True, entropy=True),
+        "plain": _v(),
+        "stats": _v(stats=True),
+        "weight": _v("weight"),
+        "softcap": _v("softcap"),
+        "smooth": _v("smoothing"),
+        "smooth+weight": _v("weight", "smoothing"),
+        "all": Variant(ALL, stats=True),
+        "entropy": _v(entropy=True),
+        "entropy+softcap": _v("softcap", entropy=True),
     },
     "backward": {
-        "plain": Variant(),
-        "softcap": Variant(softcap=True),
-        "smooth+weight": Variant(weight=True, smoothing=True),
-        "all": Variant(weight=True, smoothing=True, softcap=True, zloss=True),
-        "entropy": Variant(zloss=True, entropy=True),
-        "entropy+softcap": Variant(softcap=True, zloss=True, entropy=True),
+        "plain": _v(),
+        "softcap": _v("softcap"),
+        "smooth+weight": _v("weight", "smoothing"),
+        "all": Variant(ALL, zloss=True),
+        "entropy": _v(zloss=True, entropy=True),
+        "entropy+softcap": _v("softcap", zloss=True, entropy=True),
     },
     "tiled_forward": {
-        "plain": Variant(),
-        "entropy": Variant(entropy=True),
-        "all": Variant(weight=True, smoothing=True, softcap=True, stats=True, entropy=True, bias=True),
+        "plain": _v(),
+        "entropy": _v(entropy=True),
+        "all": Variant(ALL, stats=True, entropy=True, bias=True),
     },
     "tiled_backward": {
-        "plain": Variant(),
-        "entropy": Variant(zloss=True, entropy=True),
-        "all": Variant(weight=True, smoothing=True, softcap=True, zloss=True, entropy=True, bias=True),
+        "plain": _v(),
+        "entropy": _v(zloss=True, entropy=True),
+        "all": Variant(ALL, zloss=True, entropy=True, bias=True),
     },
     "slice": {
-        "plain": Variant(),
-        "all": Variant(weight=True, smoothing=True, softcap=True),
+        "plain": _v(),
+        "all": Variant(ALL),
     },
     "chunk": {
-        "plain": Variant(),
-        "softcap": Variant(softcap=True),
-        "smooth+weight": Variant(weight=True, smoothing=True),
-        "all": Variant(weight=True, smoothing=True, softcap=True, stats=True, zloss=True, dft=True),
+        "plain": _v(),
+        "softcap": _v("softcap"),
+        "smooth+weight": _v("weight", "smoothing"),
+        "all": Variant(ALL, stats=True, zloss=True, dft=True),
     },
 }
-_FLAGS = {"forward": ("weight", "smoothing", "softcap", "stats"),
-          "backward": ("weight", "smoothing", "softcap", "zloss"),
-          "chunk": ("weight", "smoothing", "softcap", "stats", "zloss", "dft"),
-          "slice": ("weight", "smoothing", "softcap"),
-          "tiled_forward": ("weight", "smoothing", "softcap", "stats", "entropy", "bias"),
-          "tiled_backward": ("weight", "smoothing", "softcap", "zloss", "entropy", "bias")}
+# Each kernel's per-launch flags besides the loss options' (all of which every kernel takes).
+_FEATURES = {"forward": ("stats",),
+             "backward": ("zloss",),
+             "chunk": ("stats", "zloss", "dft"),
+             "slice": (),
+             "tiled_forward": ("stats", "entropy", "bias"),
+             "tiled_backward": ("zloss", "entropy", "bias")}
 
 
 def every_variant(kernel: str) -> dict:
     """Every combination of the kernel's constexpr flags, named by its flags ("plain" for none)."""
-    flags = _FLAGS[kernel]
+    flags = tuple(LOSS_FLAGS) + _FEATURES[kernel]
     out = {}
     for bits in range(1 << len(flags)):
         on = [f for i, f in enumerate(flags) if bits >> i & 1]
-        out["+".join(on) or "plain"] = Variant(**{f: True for f in on})
+        out["+".join(on) or "plain"] = Variant(frozenset(f for f in on if f in LOSS_FLAGS),
+                                               **{f: True for f in on if f not in LOSS_FLAGS})
     return out
 
 
 def launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant, rows: int = ROWS):
     """``(kernel, grid, args, meta)`` the launcher would use, on meta tensors."""
+    fn, grid, args, meta = _launch(kernel, dtype, vocab, variant, rows)
+    assert meta["FLAGS"] == variant.flags(), (kernel, meta["FLAGS"], variant)   # the variant is what it says
+    return fn, grid, args, meta
+
+
+def _launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant, rows: int):
     from ..backends.triton import launch as L
 
     def meta(*shape, dt=torch.float32):

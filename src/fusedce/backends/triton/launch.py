@@ -23,10 +23,6 @@ from .tuning import backward_config, forward_config
 INTERPRETED = not isinstance(ce_backward_kernel, triton.runtime.jit.JITFunction)
 
 
-def _flags(weight, opts: LossOptions) -> dict:
-    return {"HAS_WEIGHT": weight is not None, **opts.kernel_flags()}
-
-
 def _align(elem_size: int, *ints: int) -> int:
     """The kernels' ``ALIGN``: the largest power of two, at most one 16-byte vector of elements, that
     divides every int given (n_cols and the row strides). With 16-byte aligned base pointers it lets the
@@ -49,10 +45,10 @@ def forward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[
     cfg = forward_config(n_cols)
     args = (logits, target, dummy if weight is None else weight, dummy if weight_sum is None else weight_sum,
             loss, lse, lse_lo, dummy if predicted is None else predicted, dummy if entropy is None else entropy,
-            n_cols, logits.stride(0), target.stride(0), *opts.kernel_scalars())
+            n_cols, logits.stride(0), target.stride(0), opts.kernel_scalars())
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
-                COMPUTE_STATS=predicted is not None, **_flags(weight, opts), num_warps=cfg["num_warps"],
-                maxnreg=cfg["maxnreg"])
+                FLAGS=opts.kernel_flags(weight is not None), COMPUTE_STATS=predicted is not None,
+                num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     if entropy is not None:
         meta["COMPUTE_ENTROPY"] = True
     return ce_forward_kernel, (n_rows,), args, meta
@@ -80,11 +76,11 @@ def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional
             dummy if grad_entropy is None else grad_entropy, dummy if grad_entropy is None else entropy,
             n_cols, vocab.col_start, vocab.n_total,
             logits.stride(0), grad.stride(0), target.stride(0), grad_row.stride(0), grad_lse.stride(0),
-            0 if grad_entropy is None else grad_entropy.stride(0), *opts.kernel_scalars())
+            0 if grad_entropy is None else grad_entropy.stride(0), opts.kernel_scalars())
     align = _align(min(logits.element_size(), grad.element_size()), n_cols, logits.stride(0), grad.stride(0))
-    meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=align, **_flags(weight, opts), HAS_GRAD_LSE=has_grad_lse,
-                HAS_TARGET_WEIGHT=vocab.target_weight is not None, num_warps=cfg["num_warps"],
-                maxnreg=cfg["maxnreg"])
+    meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=align, FLAGS=opts.kernel_flags(weight is not None),
+                HAS_GRAD_LSE=has_grad_lse, HAS_TARGET_WEIGHT=vocab.target_weight is not None,
+                num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     if grad_entropy is not None:
         meta["HAS_GRAD_ENTROPY"] = True
     if INTERPRETED and grad.dtype == torch.bfloat16:
@@ -107,11 +103,10 @@ def slice_stats_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optio
     (xmax, argmax, zmax, sumexp, target_logit, zsum) buffers of (n,) (zsum read only with smoothing)."""
     n_rows, n_cols = logits.shape
     cfg = forward_config(n_cols)
-    ignore_index, _eps, softcap, logit_scale = opts.kernel_scalars()
     args = (logits, target, out[0] if weight is None else weight, *out, n_cols, col_start,
-            logits.stride(0), target.stride(0), ignore_index, softcap, logit_scale)
+            logits.stride(0), target.stride(0), opts.kernel_scalars())
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
-                **_flags(weight, opts), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+                FLAGS=opts.kernel_flags(weight is not None), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     return ce_slice_stats_kernel, (n_rows,), args, meta
 
 
@@ -137,11 +132,11 @@ def chunk_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[to
             grad_row, z_grad_row, loss, lse, lse_lo, dummy if predicted is None else predicted,
             dummy if token_weight is None else token_weight,
             n_cols, logits.stride(0), target.stride(0), grad_row.stride(0), z_grad_row.stride(0),
-            *opts.kernel_scalars(), opts.lse_square_scale)
+            opts.kernel_scalars())
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
-                COMPUTE_STATS=predicted is not None, HAS_ZLOSS=opts.lse_square_scale != 0.0,
-                TOKEN_SCALING=opts.use_token_scaling, **_flags(weight, opts), num_warps=cfg["num_warps"],
-                maxnreg=cfg["maxnreg"])
+                FLAGS=opts.kernel_flags(weight is not None), COMPUTE_STATS=predicted is not None,
+                HAS_ZLOSS=opts.lse_square_scale != 0.0, TOKEN_SCALING=opts.use_token_scaling,
+                num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     if INTERPRETED and logits.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True
     return ce_chunk_kernel, (n_rows,), args, meta

@@ -57,8 +57,8 @@ def tiled_forward_launch(hidden, weight, bias, target, w, weight_sum, opts: Loss
     args = (hidden, weight, dummy if bias is None else bias, target, dummy if w is None else w,
             dummy if weight_sum is None else weight_sum, loss, lse, lse_lo,
             dummy if predicted is None else predicted, target_logit, dummy if entropy is None else entropy,
-            n_rows, n_cols, n_hidden, hidden.stride(0), weight.stride(0), target.stride(0), *opts.kernel_scalars())
-    meta.update(HAS_BIAS=bias is not None, HAS_WEIGHT=w is not None, **opts.kernel_flags(),
+            n_rows, n_cols, n_hidden, hidden.stride(0), weight.stride(0), target.stride(0), opts.kernel_scalars())
+    meta.update(FLAGS=opts.kernel_flags(w is not None), HAS_BIAS=bias is not None,
                 COMPUTE_STATS=predicted is not None, COMPUTE_ENTROPY=entropy is not None)
     return tiled_forward_kernel, (triton.cdiv(n_rows, cfg["BLOCK_N"]),), args, meta
 
@@ -77,8 +77,8 @@ def tiled_backward_launch(hidden, weight, bias, target, w, weight_sum, lse, lse_
             opt(grad_hidden), opt(grad_weight), opt(grad_bias),
             n_rows, n_cols, n_hidden, hidden.stride(0), weight.stride(0), target.stride(0), grad_row.stride(0),
             0 if grad_lse is None else grad_lse.stride(0), 0 if grad_entropy is None else grad_entropy.stride(0),
-            *opts.kernel_scalars())
-    meta.update(HAS_BIAS=bias is not None, HAS_WEIGHT=w is not None, **opts.kernel_flags(),
+            opts.kernel_scalars())
+    meta.update(FLAGS=opts.kernel_flags(w is not None), HAS_BIAS=bias is not None,
                 HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
                 NEED_GRAD_HIDDEN=grad_hidden is not None, NEED_GRAD_WEIGHT=grad_weight is not None,
                 NEED_GRAD_BIAS=grad_bias is not None)

@@ -26,8 +26,8 @@ def ce_chunk_kernel(
     # pointers
     logits_ptr,          # [n_rows, n_cols] fp32/bf16/fp16 in: logits; out: dL/dlogits (same storage)
     target_ptr,          # [n_rows] int32/int64
-    weight_ptr,          # [n_cols] class weights (HAS_WEIGHT)
-    weight_sum_ptr,      # [1] fp32 sum of class weights (HAS_WEIGHT and HAS_SMOOTHING)
+    weight_ptr,          # [n_cols] class weights (FLAGS.HAS_WEIGHT)
+    weight_sum_ptr,      # [1] fp32 sum of class weights (FLAGS: HAS_WEIGHT and HAS_SMOOTHING)
     grad_row_ptr,        # [n_rows] upstream gradient of each row's loss (any float dtype and stride)
     z_grad_row_ptr,      # [n_rows] upstream gradient of each row's z-loss (HAS_ZLOSS)
     loss_ptr,            # [n_rows] fp32 out: cross-entropy without z-loss, not token-scaled
@@ -39,13 +39,15 @@ def ce_chunk_kernel(
     n_cols,
     # strides (elements)
     stride_logits_row, stride_target, stride_grad_row, stride_z_grad_row,
-    # runtime scalars (fp32)
-    ignore_index, label_smoothing, softcap, logit_scale, lse_square_scale,
+    # loss options (``types.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
+    scalars,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
-    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    COMPUTE_STATS: tl.constexpr, HAS_ZLOSS: tl.constexpr, TOKEN_SCALING: tl.constexpr,
+    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
+    COMPUTE_STATS: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr,  # scalars.lse_square_scale != 0: read z_grad_row, add the z-loss' gradient
+    TOKEN_SCALING: tl.constexpr,
     ROUND_BF16: tl.constexpr = False,  # interpreter only: round to nearest as GPUs do (common.to_bf16_rne)
 ):
     n_cols = aligned(n_cols, ALIGN)
@@ -53,11 +55,10 @@ def ce_chunk_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_logits_row
     target = tl.load(target_ptr + row * stride_target).to(tl.int64)
-    is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, weight_ptr, HAS_WEIGHT)
+    is_valid, in_range, safe, w_t = target_terms(target, n_cols, weight_ptr, scalars, FLAGS)
     loss, lse, lse_lo, best_idx, z_t, _entropy = row_forward(
-        row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weight_sum_ptr,
-        label_smoothing, softcap, logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS,
-        False)
+        row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weight_sum_ptr, scalars, FLAGS, BLOCK_V,
+        COMPUTE_STATS, False)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
     tl.store(lse_lo_ptr + row, lse_lo)
@@ -73,7 +74,7 @@ def ce_chunk_kernel(
         tl.store(token_weight_ptr + row, p_t)
         g = g * p_t
         z_grad = z_grad * p_t
-    h = 2.0 * lse_square_scale * lse * z_grad   # d(s lse^2)/d lse times its upstream
+    h = 2.0 * scalars.lse_square_scale * lse * z_grad   # d(s lse^2)/d lse times its upstream
 
     n_live = tl.where(is_valid, n_cols, 0)      # ignored rows read nothing (and get zeros)
     for start in range(0, n_cols, BLOCK_V):
@@ -81,5 +82,5 @@ def ce_chunk_kernel(
         mask = cols < n_cols
         x = tl.load(row_ptr + cols, mask=cols < n_live, other=0.0).to(tl.float32)
         dz = grad_block(x, cols, mask, target, w_t, lse, lse_lo, g, h, weight_ptr, weight_sum_ptr, n_cols,
-                        label_smoothing, softcap, logit_scale, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_ZLOSS)
+                        scalars, FLAGS, HAS_ZLOSS)
         store_grad(row_ptr + cols, tl.where(is_valid, dz, 0.0), mask, ROUND_BF16)

@@ -27,7 +27,7 @@ def ce_forward_kernel(
     # pointers
     logits_ptr,       # [n_rows, n_cols] fp32/bf16/fp16, last dim contiguous
     target_ptr,       # [n_rows] int32/int64
-    weight_ptr,       # [n_cols] float class weights (read only if HAS_WEIGHT)
+    weight_ptr,       # [n_cols] float class weights (read only if FLAGS.HAS_WEIGHT)
     weight_sum_ptr,   # [1] fp32, sum of the class weights (read only if HAS_WEIGHT and HAS_SMOOTHING)
     loss_ptr,         # [n_rows] fp32 out
     lse_ptr,          # [n_rows] fp32 out
@@ -38,12 +38,12 @@ def ce_forward_kernel(
     n_cols,
     # strides (elements)
     stride_logits_row, stride_target,
-    # runtime scalars (fp32; changing them does not recompile)
-    ignore_index, label_smoothing, softcap, logit_scale,
+    # loss options (``types.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
+    scalars,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
-    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
     COMPUTE_STATS: tl.constexpr,
     COMPUTE_ENTROPY: tl.constexpr = False,  # also t = sum exp(z - m)(z - m): entropy = log s - t / s
 ):
@@ -51,11 +51,10 @@ def ce_forward_kernel(
     stride_logits_row = aligned(stride_logits_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(target_ptr + row * stride_target).to(tl.int64)
-    is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, weight_ptr, HAS_WEIGHT)
+    is_valid, in_range, safe, w_t = target_terms(target, n_cols, weight_ptr, scalars, FLAGS)
     loss, lse, lse_lo, best_idx, _z_t, entropy = row_forward(
         logits_ptr + row * stride_logits_row, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weight_sum_ptr,
-        label_smoothing, softcap, logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_STATS,
-        COMPUTE_ENTROPY)
+        scalars, FLAGS, BLOCK_V, COMPUTE_STATS, COMPUTE_ENTROPY)
     if COMPUTE_ENTROPY:
         tl.store(entropy_ptr + row, entropy)
     tl.store(loss_ptr + row, loss)

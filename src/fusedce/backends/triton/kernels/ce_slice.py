@@ -16,8 +16,8 @@ write 24 (+ 4 with smoothing).
 import triton
 import triton.language as tl
 
-from .common import aligned, logit_transform
-from .row_math import row_stats
+from .common import aligned
+from .row_math import logit_transform, row_stats
 
 
 @triton.jit
@@ -25,36 +25,34 @@ def ce_slice_stats_kernel(
     # pointers
     logits_ptr,          # [n_rows, n_cols] fp32/bf16/fp16: this slice's logits, last dim contiguous
     target_ptr,          # [n_rows] int32/int64 GLOBAL class ids
-    weight_ptr,          # [n_cols] this slice's class weights (HAS_WEIGHT and HAS_SMOOTHING)
+    weight_ptr,          # [n_cols] this slice's class weights (FLAGS: HAS_WEIGHT and HAS_SMOOTHING)
     xmax_ptr, argmax_ptr, zmax_ptr, sumexp_ptr, target_logit_ptr, zsum_ptr,   # [n_rows] out
     # sizes
     n_cols, col_start,
     # strides (elements)
     stride_logits_row, stride_target,
-    # runtime scalars (fp32)
-    ignore_index, softcap, logit_scale,
+    # loss options (``types.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
+    scalars,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
-    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
 ):
     n_cols = aligned(n_cols, ALIGN)
     stride_logits_row = aligned(stride_logits_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_logits_row
     target = tl.load(target_ptr + row * stride_target).to(tl.int64)
-    is_valid = target != ignore_index
+    is_valid = target != scalars.ignore_index
     local = target - col_start
     owned = is_valid & (local >= 0) & (local < n_cols)
     m, s, zsum, best, best_idx, _t = row_stats(row_ptr, n_cols, tl.where(is_valid, n_cols, 0), weight_ptr,
-                                               softcap, logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING,
-                                               HAS_SOFTCAP, True, False)
-    z_t = logit_transform(tl.load(row_ptr + tl.where(owned, local, 0)).to(tl.float32), logit_scale, softcap,
-                          HAS_SOFTCAP)
+                                               scalars, FLAGS, BLOCK_V, True, False)
+    z_t = logit_transform(tl.load(row_ptr + tl.where(owned, local, 0)).to(tl.float32), scalars, FLAGS)
     tl.store(xmax_ptr + row, best)
     tl.store(argmax_ptr + row, best_idx.to(tl.int64) + col_start)
     tl.store(zmax_ptr + row, m)
     tl.store(sumexp_ptr + row, s)
     tl.store(target_logit_ptr + row, tl.where(owned, z_t, 0.0))
-    if HAS_SMOOTHING:
+    if FLAGS.HAS_SMOOTHING:
         tl.store(zsum_ptr + row, zsum)

@@ -49,18 +49,6 @@ def tanh_fp32(y):
 
 
 @triton.jit
-def logit_transform(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """``z`` of fp32 logits ``x``: ``softcap * tanh(logit_scale * x / softcap)`` (Gemma 2 soft-capping
-    after Cohere's ``logit_scale``), or ``logit_scale * x`` without softcap; a few ulp of relative error
-    for every finite softcap and logit (``tanh_fp32``). Multiplying by a scale of 1.0 is exact."""
-    if HAS_SOFTCAP:
-        x = softcap * tanh_fp32(x * (logit_scale / softcap))   # one multiply per logit
-    else:
-        x = x * logit_scale
-    return x
-
-
-@triton.jit
 def two_sum(a, b):
     """``(s, e)`` with ``s = fl(a + b)`` and ``s + e = a + b`` exactly (Knuth's TwoSum, TAOCP vol. 2,
     4.2.2; branch-free, any magnitudes). No multiplication, so no FMA contraction can change it."""
@@ -71,33 +59,21 @@ def two_sum(a, b):
 
 
 @triton.jit
-def logit_slope(z, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """dz/dx of ``logit_transform``, written with z: ``logit_scale * (1 - (z / softcap)**2)``, or
-    ``logit_scale``.
-
-    One ``return``: Triton's code generator checks that every return statement of a function has the
-    same type, even one under a constexpr ``if`` (two returns, a block and a scalar, fail to compile for
-    a GPU although the interpreter runs them).
-    """
-    slope = logit_scale
-    if HAS_SOFTCAP:
-        r = z / softcap
-        slope = logit_scale * (1.0 - r * r)
-    return slope
-
-
-@triton.jit
-def target_terms(target, n_cols, ignore_index, weight_ptr, HAS_WEIGHT: tl.constexpr):
-    """(is_valid, in_range, safe_target, w_t) for one row's int64 target.
+def target_terms(target, n_cols, weight_ptr, scalars, FLAGS: tl.constexpr, col_start=0):
+    """(is_valid, in_range, safe_target, w_t) for one row's int64 target (or a vector of them), with the
+    loss options' ``scalars`` / ``FLAGS`` (``types.LossScalars`` / ``LossFlags``: ``ignore_index``,
+    ``HAS_WEIGHT``); ``col_start``: the row's columns are a vocabulary slice from there (``in_range`` /
+    ``safe_target`` are then local to the slice, ``weight_ptr`` the slice's class weights).
 
     ``safe_target`` is 0 unless the target is a class in [0, V): never index with ``ignore_index`` or a
     bad target (a bad, non-ignored target gives a NaN loss row, not an out-of-bounds read). Loads at
     ``safe_target`` are always in bounds, so they need no mask.
     """
-    is_valid = target != ignore_index
-    in_range = (target >= 0) & (target < n_cols)
-    safe = tl.where(in_range, target, 0)
-    if HAS_WEIGHT:
+    is_valid = target != scalars.ignore_index
+    local = target - col_start
+    in_range = (local >= 0) & (local < n_cols)
+    safe = tl.where(in_range, local, 0)
+    if FLAGS.HAS_WEIGHT:
         w_t = tl.load(weight_ptr + safe).to(tl.float32)
     else:
         w_t = 1.0

@@ -1,7 +1,12 @@
 """The per-row cross-entropy math of the kernels, written once and shared by ``ce_forward``,
 ``ce_backward`` and the fused ``ce_chunk`` kernel (see ``backends/pytorch/rows.py`` for the formulas
-and their sources; the PyTorch backend computes the same ones).
+and their sources; the PyTorch backend computes the same ones), and the Triton home of the loss
+options' element-wise math (``logit_transform`` / ``logit_slope``). Every function takes the options as
+the kernels do, ``scalars`` (``types.LossScalars``, runtime) and ``FLAGS`` (``types.LossFlags``,
+constexpr), whole, and reads the fields it needs: a new element-wise option changes this file (and
+``types.py``), no kernel parameter list and no launcher.
 
+- ``logit_transform``: the logits ``x`` to the ``z`` the loss is taken on; ``logit_slope``: ``dz/dx``;
 - ``row_stats``: one pass over a row (or a vocabulary slice of it) in ``BLOCK_V`` blocks, online
   softmax (Milakov & Gimelshein 2018): max, sum-exp, the smoothing sum and the argmax; a block of -inf
   logits adds exactly 0; with COMPUTE_ENTROPY also ``t = sum exp(z - m)(z - m)`` for the entropy
@@ -23,14 +28,42 @@ and their sources; the PyTorch backend computes the same ones).
 import triton
 import triton.language as tl
 
-from .common import logit_slope, logit_transform, two_sum
+from .common import tanh_fp32, two_sum
 from .interpreter import to_bf16_rne
 
 
 @triton.jit
-def row_stats(row_ptr, n_cols, n_scan, weight_ptr, softcap, logit_scale,
-              BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+def logit_transform(x, scalars, FLAGS: tl.constexpr):
+    """``z`` of fp32 logits ``x``: ``softcap * tanh(logit_scale * x / softcap)`` (Gemma 2 soft-capping
+    after Cohere's ``logit_scale``), or ``logit_scale * x`` without softcap; a few ulp of relative error
+    for every finite softcap and logit (``tanh_fp32``). Multiplying by a scale of 1.0 is exact."""
+    if FLAGS.HAS_SOFTCAP:
+        c = scalars.softcap
+        x = c * tanh_fp32(x * (scalars.logit_scale / c))   # one multiply per logit
+    else:
+        x = x * scalars.logit_scale
+    return x
+
+
+@triton.jit
+def logit_slope(z, scalars, FLAGS: tl.constexpr):
+    """dz/dx of ``logit_transform``, written with z: ``logit_scale * (1 - (z / softcap)**2)``, or
+    ``logit_scale``.
+
+    One ``return``: Triton's code generator checks that every return statement of a function has the
+    same type, even one under a constexpr ``if`` (two returns, a block and a scalar, fail to compile for
+    a GPU although the interpreter runs them).
+    """
+    slope = scalars.logit_scale
+    if FLAGS.HAS_SOFTCAP:
+        r = z / scalars.softcap
+        slope = scalars.logit_scale * (1.0 - r * r)
+    return slope
+
+
+@triton.jit
+def row_stats(row_ptr, n_cols, n_scan, weight_ptr, scalars, FLAGS: tl.constexpr,
+              BLOCK_V: tl.constexpr, COMPUTE_STATS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
     """One pass over the first ``n_scan`` (0 or ``n_cols``) logits of a row: ``(m, s, zsum, best,
     best_idx, t)``, the running max of z and ``s = sum exp(z - m)`` (online softmax, Milakov & Gimelshein
     2018), ``sum_c w_c z_c`` (smoothing only), the max of the raw logits with its lowest index, and
@@ -45,11 +78,11 @@ def row_stats(row_ptr, n_cols, n_scan, weight_ptr, softcap, logit_scale,
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
         x = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        z = logit_transform(x, logit_scale, softcap, HAS_SOFTCAP)
-        if HAS_SOFTCAP:
+        z = logit_transform(x, scalars, FLAGS)
+        if FLAGS.HAS_SOFTCAP:
             z = tl.where(mask, z, -float("inf"))
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
+        if FLAGS.HAS_SMOOTHING:
+            if FLAGS.HAS_WEIGHT:
                 w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 zsum += tl.sum(w * tl.where(mask, z, 0.0), axis=0)
             else:
@@ -100,19 +133,16 @@ def entropy_of(s, t, is_valid):
 
 @triton.jit
 def row_forward(row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weight_sum_ptr,
-                label_smoothing, softcap, logit_scale,
-                BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+                scalars, FLAGS: tl.constexpr, BLOCK_V: tl.constexpr, COMPUTE_STATS: tl.constexpr,
+                COMPUTE_ENTROPY: tl.constexpr):
     """``(loss, lse, lse_lo, argmax, z_t, entropy)`` of one row (fp32 scalars; argmax int; entropy 0.0
     without COMPUTE_ENTROPY). Ignored rows run zero iterations and give 0 for loss, lse, lse_lo and
     entropy; a non-ignored row whose target is out of range gets a NaN loss."""
     m, s, zsum, best, best_idx, t = row_stats(row_ptr, n_cols, tl.where(is_valid, n_cols, 0), weight_ptr,
-                                              softcap, logit_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING,
-                                              HAS_SOFTCAP, COMPUTE_STATS, COMPUTE_ENTROPY)
+                                              scalars, FLAGS, BLOCK_V, COMPUTE_STATS, COMPUTE_ENTROPY)
     lse, lse_lo = row_lse(m, s, is_valid)
-    z_t = logit_transform(tl.load(row_ptr + safe).to(tl.float32), logit_scale, softcap, HAS_SOFTCAP)
-    loss = row_loss(lse, lse_lo, zsum, z_t, is_valid, in_range, w_t, weight_sum_ptr, n_cols, label_smoothing,
-                    HAS_WEIGHT, HAS_SMOOTHING)
+    z_t = logit_transform(tl.load(row_ptr + safe).to(tl.float32), scalars, FLAGS)
+    loss = row_loss(lse, lse_lo, zsum, z_t, is_valid, in_range, w_t, weight_sum_ptr, n_cols, scalars, FLAGS)
     entropy = 0.0
     if COMPUTE_ENTROPY:
         entropy = entropy_of(s, t, is_valid)
@@ -127,35 +157,34 @@ def row_lse(m, s, is_valid):
 
 
 @triton.jit
-def row_loss(lse, lse_lo, zsum, z_t, is_valid, in_range, w_t, weight_sum_ptr, n_cols, label_smoothing,
-             HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+def row_loss(lse, lse_lo, zsum, z_t, is_valid, in_range, w_t, weight_sum_ptr, n_cols, scalars, FLAGS: tl.constexpr):
     """The row's cross-entropy (without z-loss) from its statistics (scalars, or per-row vectors of a
     tile): the one place of the loss formula in the kernels (row and tiled). 0 on ignored rows, NaN on
     a non-ignored row whose target is out of range."""
     # nll = lse - z_t with lse's rounding error added back (as accurate as -log_softmax[t])
-    loss = (1.0 - label_smoothing) * w_t * ((lse - z_t) + lse_lo)
-    if HAS_SMOOTHING:
-        total_w = total_weight(weight_sum_ptr, n_cols, HAS_WEIGHT)
-        loss += label_smoothing / n_cols * ((total_w * lse - zsum) + total_w * lse_lo)
+    eps = scalars.label_smoothing
+    loss = (1.0 - eps) * w_t * ((lse - z_t) + lse_lo)
+    if FLAGS.HAS_SMOOTHING:
+        total_w = total_weight(weight_sum_ptr, n_cols, FLAGS)
+        loss += eps / n_cols * ((total_w * lse - zsum) + total_w * lse_lo)
     loss = tl.where(in_range, loss, float("nan"))
     loss = tl.where(is_valid, loss, 0.0)
     return loss
 
 
 @triton.jit
-def total_weight(weight_sum_ptr, n_cols, HAS_WEIGHT: tl.constexpr):
-    """``W = sum_c w_c``: the saved class-weight sum, or V without class weights."""
+def total_weight(weight_sum_ptr, n_cols, FLAGS: tl.constexpr):
+    """``W = sum_c w_c``: the saved class-weight sum (FLAGS.HAS_WEIGHT), or V without class weights."""
     total = n_cols * 1.0
-    if HAS_WEIGHT:
+    if FLAGS.HAS_WEIGHT:
         total = tl.load(weight_sum_ptr)
     return total
 
 
 @triton.jit
 def grad_block(x, cols, mask, target, w_t, lse, lse_lo, g, h, weight_ptr, weight_sum_ptr, n_cols,
-               label_smoothing, softcap, logit_scale,
-               HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_GRAD_LSE: tl.constexpr, k=0.0, entropy=0.0, HAS_GRAD_ENTROPY: tl.constexpr = False):
+               scalars, FLAGS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, k=0.0, entropy=0.0,
+               HAS_GRAD_ENTROPY: tl.constexpr = False):
     """fp32 ``dL/dx`` of a block ``x`` (fp32 logits at columns ``cols``) of one row; ``h`` is read only
     with HAS_GRAD_LSE, ``k`` (the entropy's upstream gradient) and ``entropy`` (the forward's) only with
     HAS_GRAD_ENTROPY. ``target`` is the target's column in this row's columns (outside [0, n) for a
@@ -165,24 +194,25 @@ def grad_block(x, cols, mask, target, w_t, lse, lse_lo, g, h, weight_ptr, weight
 
     Entropy term: ``d entropy / d z_c = -p_c (z_c - E_p[z]) = -p_c (u_c + entropy)``, ``u_c = (z_c -
     lse) - lse_lo = log p_c``; a column with p_c = 0 (a -inf logit) adds exactly 0, not ``0 * -inf``."""
-    z = logit_transform(x, logit_scale, softcap, HAS_SOFTCAP)
+    z = logit_transform(x, scalars, FLAGS)
     p = tl.exp((z - lse) - lse_lo)   # z - lse is exact near the max (Sterbenz); lse_lo adds lse's error back
     p_minus_onehot = p - tl.where(cols == target, 1.0, 0.0)
-    a = (1.0 - label_smoothing) * w_t
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
+    eps = scalars.label_smoothing
+    a = (1.0 - eps) * w_t
+    if FLAGS.HAS_SMOOTHING:
+        if FLAGS.HAS_WEIGHT:
             w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         else:
             w = 1.0
-        total_w = total_weight(weight_sum_ptr, n_cols, HAS_WEIGHT)
-        dz = g * (a * p_minus_onehot + label_smoothing / n_cols * (total_w * p - w))
+        total_w = total_weight(weight_sum_ptr, n_cols, FLAGS)
+        dz = g * (a * p_minus_onehot + eps / n_cols * (total_w * p - w))
     else:
         dz = (g * a) * p_minus_onehot
     if HAS_GRAD_LSE:
         dz += h * p
     if HAS_GRAD_ENTROPY:
         dz -= k * tl.where(p == 0.0, 0.0, p * (((z - lse) - lse_lo) + entropy))
-    return dz * logit_slope(z, logit_scale, softcap, HAS_SOFTCAP)
+    return dz * logit_slope(z, scalars, FLAGS)
 
 
 @triton.jit

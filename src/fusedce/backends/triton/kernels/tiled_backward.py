@@ -54,8 +54,8 @@ def tiled_backward_kernel(
     weight_ptr,        # [n_cols, n_hidden] hidden's dtype, last dim contiguous
     bias_ptr,          # [n_cols] hidden's dtype (HAS_BIAS)
     target_ptr,        # [n_rows] int32/int64
-    class_weight_ptr,  # [n_cols] fp32 class weights (HAS_WEIGHT)
-    weight_sum_ptr,    # [1] fp32 sum of the class weights (HAS_WEIGHT and HAS_SMOOTHING)
+    class_weight_ptr,  # [n_cols] fp32 class weights (FLAGS.HAS_WEIGHT)
+    weight_sum_ptr,    # [1] fp32 sum of the class weights (FLAGS: HAS_WEIGHT and HAS_SMOOTHING)
     lse_ptr,           # [n_rows] fp32 from the forward
     lse_lo_ptr,        # [n_rows] fp32 from the forward
     grad_row_ptr,      # [n_rows] upstream gradient of the loss (any float dtype, any stride)
@@ -69,11 +69,12 @@ def tiled_backward_kernel(
     n_rows, n_cols, n_hidden,
     # strides (elements)
     stride_hidden, stride_weight, stride_target, stride_grad_row, stride_grad_lse, stride_grad_entropy,
-    # runtime scalars (fp32)
-    ignore_index, label_smoothing, softcap, logit_scale,
+    # loss options (``types.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
+    scalars,
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
+    HAS_BIAS: tl.constexpr,
     HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     NEED_GRAD_HIDDEN: tl.constexpr, NEED_GRAD_WEIGHT: tl.constexpr, NEED_GRAD_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -84,8 +85,8 @@ def tiled_backward_kernel(
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     in_rows = rows < n_rows
     col_mask = cols < n_cols
-    target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=ignore_index).to(tl.int64)
-    is_valid, _in_range, _safe, w_t = target_terms(target, n_cols, ignore_index, class_weight_ptr, HAS_WEIGHT)
+    target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=scalars.ignore_index).to(tl.int64)
+    is_valid, _in_range, _safe, w_t = target_terms(target, n_cols, class_weight_ptr, scalars, FLAGS)
     w_t = tl.zeros((BLOCK_N,), tl.float32) + w_t    # a (BLOCK_N,) vector also without class weights
     if tl.max(is_valid.to(tl.int32), axis=0) > 0:   # a tile of ignored rows: zero gradient, no work
         x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
@@ -104,8 +105,7 @@ def tiled_backward_kernel(
             entropy = tl.load(entropy_ptr + rows, mask=in_rows, other=0.0)
         dz = grad_block(x, cols[None, :], col_mask[None, :], target[:, None], w_t[:, None], lse[:, None],
                         lse_lo[:, None], g[:, None], h[:, None], class_weight_ptr, weight_sum_ptr, n_cols,
-                        label_smoothing, softcap, logit_scale, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-                        HAS_GRAD_LSE, k[:, None], entropy[:, None], HAS_GRAD_ENTROPY)
+                        scalars, FLAGS, HAS_GRAD_LSE, k[:, None], entropy[:, None], HAS_GRAD_ENTROPY)
         dz = tl.where(is_valid[:, None] & col_mask[None, :], dz, 0.0)
         dx = round_like(dz, hidden_ptr, ROUND_BF16)          # fp32 holding hidden-dtype values
         if tl.sum((dx != 0.0).to(tl.int32)) > 0:             # an exactly-zero tile adds nothing

@@ -26,8 +26,8 @@ Cost per token (n tokens, V classes, H hidden, s bytes per element of hidden / w
 import triton
 import triton.language as tl
 
-from .common import logit_transform, target_terms
-from .row_math import entropy_of, entropy_rebase, entropy_terms, row_lse, row_loss
+from .common import target_terms
+from .row_math import entropy_of, entropy_rebase, entropy_terms, logit_transform, row_lse, row_loss
 from .tile_math import logits_tile
 
 
@@ -38,8 +38,8 @@ def tiled_forward_kernel(
     weight_ptr,        # [n_cols, n_hidden] hidden's dtype, last dim contiguous
     bias_ptr,          # [n_cols] hidden's dtype (HAS_BIAS)
     target_ptr,        # [n_rows] int32/int64
-    class_weight_ptr,  # [n_cols] fp32 class weights (HAS_WEIGHT)
-    weight_sum_ptr,    # [1] fp32 sum of the class weights (HAS_WEIGHT and HAS_SMOOTHING)
+    class_weight_ptr,  # [n_cols] fp32 class weights (FLAGS.HAS_WEIGHT)
+    weight_sum_ptr,    # [1] fp32 sum of the class weights (FLAGS: HAS_WEIGHT and HAS_SMOOTHING)
     loss_ptr,          # [n_rows] fp32 out: cross-entropy without z-loss
     lse_ptr,           # [n_rows] fp32 out
     lse_lo_ptr,        # [n_rows] fp32 out: lse's rounding error
@@ -50,11 +50,12 @@ def tiled_forward_kernel(
     n_rows, n_cols, n_hidden,
     # strides (elements)
     stride_hidden, stride_weight, stride_target,
-    # runtime scalars (fp32)
-    ignore_index, label_smoothing, softcap, logit_scale,
+    # loss options (``types.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
+    scalars,
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
+    HAS_BIAS: tl.constexpr,
     COMPUTE_STATS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,             # "ieee" (fp32 FMA) or "tf32" for fp32 inputs
     UPCAST: tl.constexpr = False,            # interpreter only (tile_math.logits_tile)
@@ -62,8 +63,8 @@ def tiled_forward_kernel(
 ):
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     in_rows = rows < n_rows
-    target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=ignore_index).to(tl.int64)
-    is_valid, in_range, safe, w_t = target_terms(target, n_cols, ignore_index, class_weight_ptr, HAS_WEIGHT)
+    target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=scalars.ignore_index).to(tl.int64)
+    is_valid, in_range, safe, w_t = target_terms(target, n_cols, class_weight_ptr, scalars, FLAGS)
     n_scan = tl.where(tl.max(is_valid.to(tl.int32), axis=0) > 0, n_cols, 0)   # all ignored: no work
 
     m = tl.full((BLOCK_N,), -float("inf"), tl.float32)
@@ -79,11 +80,11 @@ def tiled_forward_kernel(
         x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
                         stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
                         UPCAST, ROUND_BF16)
-        z = logit_transform(x, logit_scale, softcap, HAS_SOFTCAP)
+        z = logit_transform(x, scalars, FLAGS)
         z = tl.where(col_mask[None, :], z, -float("inf"))
-        if HAS_SMOOTHING:
+        if FLAGS.HAS_SMOOTHING:
             zc = tl.where(col_mask[None, :], z, 0.0)
-            if HAS_WEIGHT:
+            if FLAGS.HAS_WEIGHT:
                 zc = zc * tl.load(class_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             zsum += tl.sum(zc, axis=1)
         z_t += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
@@ -103,8 +104,7 @@ def tiled_forward_kernel(
 
     lse, lse_lo = row_lse(m, s, is_valid)
     z_t = tl.where(is_valid & in_range, z_t, 0.0)
-    loss = row_loss(lse, lse_lo, zsum, z_t, is_valid, in_range, w_t, weight_sum_ptr, n_cols, label_smoothing,
-                    HAS_WEIGHT, HAS_SMOOTHING)
+    loss = row_loss(lse, lse_lo, zsum, z_t, is_valid, in_range, w_t, weight_sum_ptr, n_cols, scalars, FLAGS)
     tl.store(loss_ptr + rows, loss, mask=in_rows)
     tl.store(lse_ptr + rows, lse, mask=in_rows)
     tl.store(lse_lo_ptr + rows, lse_lo, mask=in_rows)
