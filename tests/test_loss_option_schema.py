@@ -130,3 +130,29 @@ def test_no_cute_kernel_names_a_loss_option():
             assert not OPTION_PARAMS & params, (cls.__name__, method.__name__, OPTION_PARAMS & params)
         assert "scalars" in _params(inspect.unwrap(cls.__call__))
         assert "FLAGS" in _params(cls.__init__)
+
+
+@pytest.mark.parametrize("value", [1e-50, 1e-39, 1e39])
+def test_softcap_outside_normal_fp32_is_a_value_error(value):
+    """A softcap that fp32 rounds to 0 (or a subnormal, or beyond fp32) would give NaN gradients."""
+    x, t = torch.randn(2, 5), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="softcap must be a finite number > 0, a normal fp32"):
+        fusedce.cross_entropy(x, t, softcap=value)
+
+
+def test_num_items_tensor_that_requires_grad_is_a_type_error():
+    x, t = torch.randn(2, 5), torch.tensor([0, 1])
+    with pytest.raises(TypeError, match="num_items_in_batch is a constant"):
+        fusedce.cross_entropy(x, t, num_items_in_batch=torch.tensor(3.0, requires_grad=True))
+
+
+def test_tensor_option_under_fullgraph_compile_names_the_option():
+    """Under torch.compile a tensor option's value cannot be checked: a TypeError naming it (Dynamo
+    reports it in its message), instead of an internal error; eager mode accepts the tensor."""
+    x, t = torch.randn(4, 7), torch.tensor([0, 1, 2, 3])
+    fn = torch.compile(lambda x, t, s: fusedce.cross_entropy(x, t, label_smoothing=s, backend="torch"),
+                       fullgraph=True)
+    with pytest.raises(Exception, match="label_smoothing: pass a Python number under torch.compile"):
+        fn(x, t, torch.tensor(0.1))
+    eager = fusedce.cross_entropy(x, t, label_smoothing=torch.tensor(0.1), backend="torch")
+    assert torch.allclose(eager, torch.nn.functional.cross_entropy(x, t, label_smoothing=0.1))

@@ -35,6 +35,8 @@ def real_option(name: str, value) -> float:
     number or a one-element real tensor. ``TypeError`` for anything else (a string, a bool),
     ``ValueError`` for NaN or an infinity."""
     if isinstance(value, torch.Tensor):
+        if torch.compiler.is_compiling():   # its value would be an unbacked symbol that no check can read
+            raise TypeError(f"{name}: pass a Python number under torch.compile, not a tensor")
         if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"{name} must be a real number, got a tensor of shape {tuple(value.shape)} "
                             f"and dtype {value.dtype}")
@@ -53,8 +55,9 @@ def fp32_range(name: str, value: float, lowest: float = 0.0) -> float:
     fp32's largest finite number (it would become inf: NaN rows, e.g. ``inf * 0`` on ignored rows) or
     is non-zero below ``lowest``."""
     if abs(value) > FP32_NORMAL[1] or (value != 0 and abs(value) < lowest):
-        raise ValueError(f"{name} must be 0 or have a magnitude in [{lowest:.3g}, {FP32_NORMAL[1]:.3g}] (the "
-                         f"fp32 math of the kernels), got {value}")
+        bound = (f"0 or have a magnitude in [{lowest:.3g}, {FP32_NORMAL[1]:.3g}]" if lowest else
+                 f"at most {FP32_NORMAL[1]:.3g} in magnitude")
+        raise ValueError(f"{name} must be {bound} (the fp32 math of the kernels), got {value}")
     return value
 
 
@@ -62,5 +65,6 @@ def check_flag(name: str, value) -> bool:
     """A boolean option (``return_stats``, ``use_token_scaling``): ``TypeError`` unless a bool (a string
     such as ``"no"`` would otherwise count as True); returns it."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+        kind = type(value)
+        raise TypeError(f"{name} must be a Python bool, got {value!r} ({kind.__module__}.{kind.__qualname__})")
     return value

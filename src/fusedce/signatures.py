@@ -25,7 +25,8 @@ def loss_option_parameters() -> list:
 
 def loss_options_doc(indent: str = "    ") -> str:
     """The "Loss options" docstring section: each field and its doc, wrapped at 100 columns."""
-    lines = [f"{indent}Loss options (keyword-only, every public op and module; ``fusedce.types.LossOptions``):"]
+    lines = [f"{indent}Loss options (every cross-entropy op, module and vocab-parallel entry point; keyword-only"
+             f" unless the signature above takes them by position; ``fusedce.types.LossOptions``):"]
     for f in fields(LossOptions):
         head = f"{indent}    {f.name} (default {f.default!r}): "
         body = textwrap.fill(f.metadata["doc"], 100, initial_indent=head,

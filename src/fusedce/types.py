@@ -66,17 +66,14 @@ def _fp32_real(name, value):
 def _positive_or_none(name, value):
     if value is None:
         return None
-    value = checks.real_option(name, value)
-    if not value > 0.0:
-        raise ValueError(f"{name} must be a finite number > 0 (or None), got {value}")
-    return checks.fp32_range(name, value)
+    return _positive_normal(name, value)
 
 
 def _positive_normal(name, value):
     value = checks.real_option(name, value)
     if not checks.FP32_NORMAL[0] <= value <= checks.FP32_NORMAL[1]:   # the kernels multiply in fp32
-        raise ValueError(f"{name} must be a finite fp32 number > 0 (in [{checks.FP32_NORMAL[0]:.3g}, "
-                         f"{checks.FP32_NORMAL[1]:.3g}]), got {value}")
+        raise ValueError(f"{name} must be a finite number > 0, a normal fp32 number (in "
+                         f"[{checks.FP32_NORMAL[0]:.3g}, {checks.FP32_NORMAL[1]:.3g}]), got {value}")
     return value
 
 
@@ -130,8 +127,8 @@ class LossOptions:
         0.0, "z-loss coefficient: adds ``lse_square_scale * lse**2`` per row (PaLM, Chowdhery et al. "
         "2022), not class-weighted; a finite number within fp32's range.", _fp32_real)
     softcap: Optional[float] = _option(
-        None, "if set (a finite number > 0), the loss is taken on ``softcap * tanh(z / softcap)`` "
-        "(Gemma 2 logit soft-capping).", _positive_or_none)
+        None, "if set (a finite number > 0, a normal fp32 number), the loss is taken on ``softcap * "
+        "tanh(z / softcap)`` (Gemma 2 logit soft-capping).", _positive_or_none)
     logit_scale: float = _option(
         1.0, "the logits are first multiplied by it, before softcap (Cohere's ``logit_scale``; Granite "
         "divides by ``logits_scaling``: pass ``1 / logits_scaling``); a positive normal fp32 number.",

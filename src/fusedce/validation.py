@@ -199,6 +199,9 @@ def check_num_items(num_items_in_batch, device: torch.device) -> None:
         if num_items_in_batch.dtype == torch.bool or num_items_in_batch.is_complex():
             raise TypeError(f"num_items_in_batch must be a real number or tensor, got a tensor of dtype "
                             f"{num_items_in_batch.dtype}")
+        if num_items_in_batch.requires_grad:   # a constant of the loss, as the loss options
+            raise TypeError("num_items_in_batch is a constant of the loss: a tensor that requires grad is not "
+                            "supported")
         if num_items_in_batch.numel() != 1:
             raise ValueError(f"num_items_in_batch must be a number or a one-element tensor, got shape "
                              f"{tuple(num_items_in_batch.shape)}")
