@@ -156,3 +156,13 @@ def test_tensor_option_under_fullgraph_compile_names_the_option():
         fn(x, t, torch.tensor(0.1))
     eager = fusedce.cross_entropy(x, t, label_smoothing=torch.tensor(0.1), backend="torch")
     assert torch.allclose(eager, torch.nn.functional.cross_entropy(x, t, label_smoothing=0.1))
+
+
+def test_module_repr_shows_the_options_that_differ_from_their_defaults():
+    m = fusedce.CrossEntropyLoss(None, -1, "sum", 0.1, logit_scale=2.0, backend="torch")
+    assert repr(m) == ("CrossEntropyLoss(reduction='sum', ignore_index=-1, label_smoothing=0.1, "
+                       "logit_scale=2.0, backend='torch')")
+    m.label_smoothing = 0.0   # an attribute changed later is shown as it is now
+    assert "label_smoothing" not in repr(m)
+    lin = fusedce.LinearCrossEntropyLoss(softcap=30.0, method="tiled")
+    assert repr(lin) == "LinearCrossEntropyLoss(reduction='mean', softcap=30.0, method='tiled')"

@@ -1,6 +1,7 @@
 """``nn.Module`` wrappers with the same argument order and semantics as the functions."""
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -30,6 +31,17 @@ def _set_options(module: nn.Module, name: str, weight, reduction, backend, optio
 def _options(module: nn.Module) -> dict:
     """The loss options of ``module``, as keywords of the functions."""
     return {name: getattr(module, name) for name in LOSS_OPTION_NAMES}
+
+
+def _extra_repr(module: nn.Module, *names: str) -> str:
+    """``repr``'s inside: ``reduction`` and every other option that differs from its default."""
+    defaults = {n: p.default for n, p in inspect.signature(type(module)).parameters.items()}
+    shown = [f"reduction={module.reduction!r}"]
+    for name in (*LOSS_OPTION_NAMES, *names):
+        value = getattr(module, name)
+        if name in defaults and value != defaults[name]:
+            shown.append(f"{name}={value!r}")
+    return ", ".join(shown)
 
 
 @with_loss_options
@@ -62,6 +74,9 @@ class CrossEntropyLoss(nn.Module):
         self.register_buffer("weight", weight)
         self.reduction, self.inplace_backward, self.return_stats, self.backend = (
             reduction, inplace_backward, return_stats, backend)
+
+    def extra_repr(self) -> str:
+        return _extra_repr(self, "inplace_backward", "return_stats", "backend")
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None):
         return cross_entropy(logits, target, self.weight, reduction=self.reduction,
@@ -99,6 +114,9 @@ class LinearCrossEntropyLoss(nn.Module):
         self.register_buffer("ce_weight", ce_weight)
         self.reduction, self.return_stats, self.backend = reduction, return_stats, backend
         self.chunk_size, self.accum_dtype, self.method = chunk_size, accum_dtype, method
+
+    def extra_repr(self) -> str:
+        return _extra_repr(self, "return_stats", "backend", "chunk_size", "accum_dtype", "method")
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, num_items_in_batch=None):
