@@ -1,4 +1,5 @@
-"""The order of first calls must not matter: compiled first then eager, or eager first then compiled.
+"""The order of first calls must not matter: compiled first then eager, or eager first then compiled
+(case C15 of ``docs/cases.md``: ``compile_first``).
 
 ``backends/chunk_loop/loop.py`` once probed ``torch.addmm(out_dtype=...)`` and cached the
 answer for the whole process. Probed inside a Dynamo trace (compile first), fake tensors accepted the

@@ -180,8 +180,9 @@ class LossOptions:
                    softcap=30.0 if flags.HAS_SOFTCAP else None, **values)
 
     def kept(self, target: torch.Tensor) -> torch.Tensor:
-        """bool of ``target``'s shape: the rows that count (target != ignore_index). The one place of
-        that test outside the kernels (which test ``target != ignore_index`` per program)."""
+        """bool of ``target``'s shape: the rows that count (target != ignore_index), for code that holds
+        the options. The layers that receive only ``ignore_index`` (the reduction's denominators, the
+        row compaction, the target-range check) and the kernels (per program) test it themselves."""
         return target != self.ignore_index
 
 
