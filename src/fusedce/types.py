@@ -145,7 +145,8 @@ class LossOptions:
         for one outside its domain; numbers are normalized (``numpy`` / one-element tensors to float)."""
         for name in values:
             if name not in _CHECKS:
-                raise TypeError(f"unexpected keyword argument {name!r}; the loss options are {sorted(_CHECKS)}")
+                raise TypeError(f"unexpected keyword argument {name!r}: neither a parameter of this function nor "
+                                f"a loss option (the loss options are {sorted(_CHECKS)})")
         return cls(**{name: check(name, values[name]) for name, check in _CHECKS.items() if name in values})
 
     def op_args(self) -> Tuple[int, List[float]]:
