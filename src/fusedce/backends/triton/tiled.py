@@ -1,15 +1,18 @@
 """The tiled LM-head loss (``method="tiled"``) on Triton: launchers, torch custom ops, and ``TRITON_TILED``
 (the ``TiledCE`` of ``chunk_loop/protocols.py``).
 
-Layering as for the row kernels: ``kernels/tiled_forward.py`` / ``tiled_backward.py`` (the kernels, their
-design and their bytes / FLOPs per token) -> ``tiled_forward_launch`` / ``tiled_backward_launch`` (grid,
-arguments and meta-parameters in one place; ``fusedce inspect`` compiles exactly these on meta tensors)
--> the custom ops ``fusedce::tiled_forward`` / ``fusedce::tiled_backward`` (allocate + launch, with fakes,
-so torch.compile traces them) -> ``TRITON_TILED`` (typed entry points). No autograd here: the shared
+Layering as for the row kernels: ``kernels/tiled_forward.py`` / ``tiled_backward.py`` /
+``tiled_backward_owned.py`` (the kernels, their design and their bytes / FLOPs per token) ->
+``tiled_forward_launch`` / ``tiled_backward_launch`` / ``tiled_grad_hidden_launch`` /
+``tiled_grad_weight_launch`` (grid, arguments and meta-parameters in one place; ``fusedce inspect``
+compiles exactly these on meta tensors; ``tiled_backward_launches`` picks the atomic kernel or, with
+``deterministic``, the two atomic-free ones) -> the custom ops ``fusedce::tiled_forward`` /
+``fusedce::tiled_backward`` (allocate + launch, with fakes, so torch.compile traces them; ``deterministic``
+is an argument of the op) -> ``TRITON_TILED`` (typed entry points). No autograd here: the shared
 Functions of ``chunk_loop`` call ``forward`` / ``backward``.
 
 Memory: besides the (n,) per-row outputs, forward allocates nothing; backward allocates the fp32
-accumulators the atomics need: grad_hidden (n x H fp32, cast to hidden's dtype afterwards when that is
+accumulators (both variants): grad_hidden (n x H fp32, cast to hidden's dtype afterwards when that is
 not fp32), grad_weight (V x H fp32) and grad_bias (V fp32), cast to ``accum_dtype`` when that is not fp32.
 No tensor of n x V (or any other V-sized tensor besides the weight / bias gradients) exists.
 
