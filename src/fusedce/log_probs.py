@@ -81,7 +81,8 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
                            bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0,
                            softcap: Optional[float] = None, ignore_index: int = -100, return_entropy: bool = False,
                            chunk_size: Optional[int] = None, method: str = "auto",
-                           backend: Optional[str] = None) -> Union[torch.Tensor, TokenLogProbs]:
+                           backend: Optional[str] = None, deterministic: Optional[bool] = None
+                           ) -> Union[torch.Tensor, TokenLogProbs]:
     """:func:`token_log_probs` of ``hidden @ weight.T + bias`` without ever allocating BT x V logits.
 
     Args:
@@ -94,6 +95,9 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
             logits at a time; ``"tiled"``: no tensor of V or more elements besides ``weight``,
             ``bias`` and their gradients). Ignored rows cost no matmul FLOPs (compacted first: one
             host sync per call, skipped under torch.compile / CUDA-graph capture).
+        deterministic: as in :func:`fusedce.linear_cross_entropy` (None follows
+            ``torch.are_deterministic_algorithms_enabled()``; the tiled Triton backward then runs
+            without atomics).
 
     Returns:
         As :func:`token_log_probs`; gradients of ``hidden``, ``weight``, ``bias`` in their dtypes. The
@@ -101,11 +105,12 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
 
     Raises:
         The errors of :func:`token_log_probs` and of :func:`fusedce.linear_cross_entropy` for the
-        shapes, ``chunk_size`` and ``method``.
+        shapes, ``chunk_size``, ``method`` and ``deterministic``.
     """
     opts = val.log_prob_options(ignore_index, temperature, softcap)
     val.check_linear(hidden, weight, target, bias, None, chunk_size)
     val.check_method(method, chunk_size)
+    deterministic = val.deterministic_mode(deterministic)
     target = val.widen_target(target, opts.ignore_index)
     val.check_flag("return_entropy", return_entropy)
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
@@ -113,5 +118,5 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
     val.check_target_range(target, n_classes, opts.ignore_index)
     log_probs, entropy = impl.linear_token_log_probs(
         hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, opts, return_entropy,
-        None if chunk_size is None else int(chunk_size), method)
+        None if chunk_size is None else int(chunk_size), method, deterministic=deterministic)
     return _result(log_probs, entropy, shape, return_entropy)

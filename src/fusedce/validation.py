@@ -155,6 +155,19 @@ def check_method(method, chunk_size) -> None:
                          f"got {chunk_size!r}")
 
 
+def deterministic_mode(deterministic) -> bool:
+    """The ``deterministic`` keyword of the linear ops resolved: None follows
+    ``torch.are_deterministic_algorithms_enabled()`` (a host flag: no sync; torch.compile guards on it),
+    a bool is taken as given; anything else is a ``TypeError``."""
+    if deterministic is None:
+        return torch.are_deterministic_algorithms_enabled()
+    if not isinstance(deterministic, bool):
+        kind = type(deterministic)
+        raise TypeError(f"deterministic must be None or a Python bool, got {deterministic!r} "
+                        f"({kind.__module__}.{kind.__qualname__})")
+    return deterministic
+
+
 def log_prob_options(ignore_index, temperature, softcap) -> LossOptions:
     """The ``LossOptions`` whose cross-entropy is ``-log_softmax(z / temperature)[t]`` with ``z =
     softcap * tanh(x / softcap)``: ``logit_scale = 1 / temperature`` and softcap ``softcap /

@@ -65,6 +65,7 @@ def _validate(model: nn.Module, options: dict, transform: LogitTransform) -> dic
                      **{name: value for name, value in options.items() if name in LOSS_OPTION_NAMES})
     val.check_chunk_size(options.get("chunk_size"))
     val.check_method(options.get("method", "auto"), options.get("chunk_size"))
+    val.deterministic_mode(options.get("deterministic"))
     backend = options.get("backend")  # the name only: the device is known at the first call
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid names are {BACKENDS}")
@@ -120,7 +121,8 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
         **loss_options: passed to ``linear_cross_entropy``: ``ignore_index``, ``reduction``,
             ``label_smoothing``, ``lse_square_scale``, ``softcap``, ``logit_scale``,
             ``use_token_scaling``, ``ce_weight``, ``chunk_size``, ``method``, ``accum_dtype``,
-            ``backend``. Validated here.
+            ``backend``, ``deterministic`` (None: follow ``torch.are_deterministic_algorithms_enabled()``
+            at each call). Validated here.
 
     Patching again replaces the options (never wraps twice). Undo with :func:`unpatch_causal_lm`.
 

@@ -106,18 +106,20 @@ def compact_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int):
 
 
 def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, hidden_size: int,
-              vocab_size: int, chunk_size: Optional[int]):
-    """The ``heads.py`` object for ``method`` ("auto" resolved by ``tuning.resolve_method``)."""
+              vocab_size: int, chunk_size: Optional[int], deterministic: bool = False):
+    """The ``heads.py`` object for ``method`` ("auto" resolved by ``tuning.resolve_method``).
+    ``deterministic`` selects the tiled backward without float atomics; the chunk loop has none (its
+    kernels own their outputs, its matmuls are torch's), so it is deterministic anyway."""
     if resolve_method(method) == "tiled":
         if tiled is None:
             raise RuntimeError("this backend has no method='tiled' (no TiledCE); use method='chunked'")
-        return TiledHead(tiled)
+        return TiledHead(tiled, deterministic)
     return ChunkedHead(ce, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size))
 
 
 def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, opts: LossOptions, reduction: str,
                          scales: Optional[MeanScales], chunk_size, accum_dtype, stats: bool, method: str = "auto",
-                         *, tiled: Optional[TiledCE] = None):
+                         *, tiled: Optional[TiledCE] = None, deterministic: bool = False):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> (loss, lse, predicted,
     token_weight).
 
@@ -125,12 +127,14 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
     (BT,) per-row for "none"; lse (BT,) fp32 is 0 on ignored rows (their logits are never computed);
     predicted (BT,) int64, -1 on ignored rows; token_weight (BT,) fp32 ``p_t`` with
     ``use_token_scaling`` (0 on ignored rows), else None. ``method``: "chunked" / "tiled" / "auto"
-    (``heads.py``; ``tiled`` is the backend's ``TiledCE``, required for "tiled").
+    (``heads.py``; ``tiled`` is the backend's ``TiledCE``, required for "tiled"); ``deterministic``:
+    bitwise-reproducible gradients (``make_head``).
     """
     n = hidden.shape[0]
     w, weight_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
-    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size)
+    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
+                     deterministic)
     if scales is None:
         one = torch.ones((), device=hidden.device)
         scales = MeanScales(one, one)

@@ -92,12 +92,15 @@ def token_log_probs(ce: ChunkCE, logits: torch.Tensor, target: torch.Tensor, opt
 
 
 def linear_token_log_probs(ce: ChunkCE, hidden, weight, target, bias, opts: LossOptions, want_entropy: bool,
-                           chunk_size: Optional[int], method: str, *, tiled: Optional[TiledCE] = None):
+                           chunk_size: Optional[int], method: str, *, tiled: Optional[TiledCE] = None,
+                           deterministic: bool = False):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> ``(log_probs,
-    entropy)`` (BT,) fp32 each (entropy empty unless ``want_entropy``); ignored rows compacted away."""
+    entropy)`` (BT,) fp32 each (entropy empty unless ``want_entropy``); ignored rows compacted away;
+    ``deterministic`` as in ``api.make_head``."""
     n = hidden.shape[0]
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
-    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size)
+    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
+                     deterministic)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     log_probs, entropy = _LinearLogProbs.apply(hidden, weight, bias, target, head, opts, want_entropy, needs)
     log_probs = scatter_rows(log_probs, index, n, 0.0)

@@ -55,13 +55,19 @@ def backward_config(n_cols: int) -> dict:
 TILED_BLOCK_N = 64
 TILED_BLOCK_V = 128
 TILED_BLOCK_H = 64
+TILED_BACKWARD_MAX_REGISTERS = 255
 
 
-def tiled_config(n_rows: int, n_cols: int, n_hidden: int, backward: bool, elem_size: int = 2) -> dict:
-    """Tiles and launch options of ``kernels/tiled_forward.py`` / ``tiled_backward.py`` for inputs of
-    ``elem_size`` bytes (see the comment above)."""
+def tiled_config(n_rows: int, n_cols: int, n_hidden: int, kernel: str, elem_size: int = 2) -> dict:
+    """Tiles and launch options of ``kernel`` ("tiled_forward", "tiled_backward", or the deterministic
+    backward's "tiled_grad_hidden" / "tiled_grad_weight") for inputs of ``elem_size`` bytes (see the
+    comment above)."""
     if elem_size >= 4:
-        return {"BLOCK_N": TILED_BLOCK_N, "BLOCK_V": TILED_BLOCK_V // 2, "BLOCK_H": TILED_BLOCK_H // 4,
-                "num_warps": 8, "num_stages": 2}
-    return {"BLOCK_N": TILED_BLOCK_N, "BLOCK_V": TILED_BLOCK_V, "BLOCK_H": TILED_BLOCK_H, "num_warps": 8,
-            "num_stages": 3}
+        cfg = {"BLOCK_N": TILED_BLOCK_N, "BLOCK_V": TILED_BLOCK_V // 2, "BLOCK_H": TILED_BLOCK_H // 4,
+               "num_warps": 8, "num_stages": 2}
+    else:
+        cfg = {"BLOCK_N": TILED_BLOCK_N, "BLOCK_V": TILED_BLOCK_V, "BLOCK_H": TILED_BLOCK_H, "num_warps": 8,
+               "num_stages": 3}
+    if kernel != "tiled_forward":
+        cfg["maxnreg"] = TILED_BACKWARD_MAX_REGISTERS
+    return cfg
