@@ -91,8 +91,18 @@ def sync_allowed() -> bool:
     return True
 
 
+class TargetOutOfRange(IndexError):
+    """The ``IndexError`` of :func:`check_target_range`; ``position`` (an index tuple into the target it
+    checked), ``value``, ``n_classes`` and ``ignore_index`` let a caller that made that target from the
+    user's (the Hugging Face patch: shifted, flattened labels) name the user's element instead."""
+
+    def __init__(self, message: str, position: tuple, value: int, n_classes: int, ignore_index: int):
+        super().__init__(message)
+        self.position, self.value, self.n_classes, self.ignore_index = position, value, n_classes, ignore_index
+
+
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Raise ``IndexError`` naming the first target that is neither ``ignore_index`` nor in ``[0, V)``.
+    """Raise ``IndexError`` (``TargetOutOfRange``) naming the first target that is neither ``ignore_index`` nor in ``[0, V)``.
 
     This is the contract's one documented host sync of ``cross_entropy``; skipped (a bad row then
     gives a NaN loss row, never an out-of-bounds read) while compiling or capturing a CUDA graph.
@@ -104,10 +114,9 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
         flat = bad.reshape(-1).nonzero()[0, 0]
         pos = tuple(int(i) for i in torch.unravel_index(flat, tuple(target.shape)))
         value = int(target.reshape(-1)[flat])
-        raise IndexError(
+        raise TargetOutOfRange(
             f"target{list(pos)} = {value} is out of range: expected ignore_index={ignore_index} "
-            f"or a class in [0, {n_classes}) (V = {n_classes})"
-        )
+            f"or a class in [0, {n_classes}) (V = {n_classes})", pos, value, n_classes, ignore_index)
 
 
 def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype=torch.float32,

@@ -44,7 +44,7 @@ class _Patch:
     original: Optional[object]   # the instance-level forward before patching (None: the class's)
     signature: inspect.Signature  # the original forward's, without self
     loss_options: dict
-    keep_logits: bool
+    keep_logits: Optional[bool]  # None: the logits when autograd is off (evaluation), not in training
     transform: LogitTransform
     verified: bool = False       # the family's logit transform was checked (first labelled call)
 
@@ -71,7 +71,7 @@ def _validate(model: nn.Module, options: dict, transform: LogitTransform) -> dic
     return dict(options)
 
 
-def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_options) -> nn.Module:
+def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **loss_options) -> nn.Module:
     """Make ``model`` (a Hugging Face ``*ForCausalLM``) compute its training loss with the fused
     :func:`fusedce.linear_cross_entropy`. Patches this instance only, in place; returns it.
 
@@ -144,8 +144,9 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
     if transform.scale != 1.0:
         options["logit_scale"] = transform.scale
     state = getattr(model, _STATE, None)
+    keep_logits = None if keep_logits is None else val.check_flag("keep_logits", keep_logits)
     if state is not None:  # idempotent: new options, same single wrapper
-        state.loss_options, state.keep_logits, state.transform = options, bool(keep_logits), transform
+        state.loss_options, state.keep_logits, state.transform = options, keep_logits, transform
         state.verified = False
         return model
     original = model.__dict__.get("forward")
@@ -159,7 +160,7 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
     self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
     forward.__doc__ = f"{type(model).__name__}.forward, patched by fusedce.patch_causal_lm."
-    object.__setattr__(model, _STATE, _Patch(original, signature, options, bool(keep_logits), transform))
+    object.__setattr__(model, _STATE, _Patch(original, signature, options, keep_logits, transform))
     model.forward = types.MethodType(forward, model)
     return model
 
@@ -212,10 +213,12 @@ def _forward(model, *args, **kwargs):
         return_dict = getattr(config, "return_dict", True)
     name = type(model).__name__
     head = output_head(model)
+    keep = state.keep_logits if state.keep_logits is not None else not torch.is_grad_enabled()
+    verify = not state.verified and not torch.compiler.is_compiling()
 
     def compute(hidden, weight, bias):  # runs inside the head's call (its hooks have run)
         return _loss(model, state, hidden, weight, bias, labels, shift_labels, num_items, token_scaling)
-    with HeadCall(head, module_name(model, head), compute, state.keep_logits) as call:
+    with HeadCall(head, module_name(model, head), compute, keep, verify) as call:
         out = _call_original(model, state, (), {**kwargs, "return_dict": True})
     if not hasattr(out, "logits"):
         raise TypeError(f"{name}.forward(return_dict=True) returned {type(out).__name__}, not a model "
@@ -224,15 +227,25 @@ def _forward(model, *args, **kwargs):
         raise TypeError(f"{name}.forward called its output embeddings {call.calls} times (expected once, "
                         "as self.lm_head(hidden_states)): patch_causal_lm cannot find the final hidden "
                         "states of this model")
-    if not state.keep_logits and not state.verified and not torch.compiler.is_compiling():
-        verify_transform(call, getattr(out, "logits", None), state.transform, name)
+    if verify and call.head_row is not None:
+        verify_transform(out.logits, call.head_row, state.transform, name, probe=not keep)
         state.verified = True
     loss = call.final_loss(out.logits)
     aux, coef = getattr(out, "aux_loss", None), getattr(config, "router_aux_loss_coef", None)
     if aux is not None and coef:
         loss = loss + coef * aux.to(loss.device)
-    out = _replace(out, loss=loss, logits=out.logits if state.keep_logits else None)
-    return out if return_dict else out.to_tuple()
+    out = _replace(out, loss=loss, logits=out.logits if keep else None)
+    return out if return_dict else _as_tuple(out)
+
+
+def _as_tuple(out) -> tuple:
+    """``out.to_tuple()`` (the non-None fields in order), but with ``logits`` kept in its place when it is
+    None, so that ``out[1]`` is the logits (None without ``keep_logits``) as in the stock tuple, never
+    the field after it (the cache)."""
+    if not dataclasses.is_dataclass(out):
+        return out.to_tuple()
+    return tuple(getattr(out, f.name) for f in dataclasses.fields(out)
+                 if getattr(out, f.name) is not None or f.name == "logits")
 
 
 def _loss(model, state: _Patch, hidden, weight, bias, labels, shift_labels, num_items,
@@ -243,8 +256,13 @@ def _loss(model, state: _Patch, hidden, weight, bias, labels, shift_labels, num_
         val.check_flag("use_token_scaling", token_scaling)
         options = {**options, "use_token_scaling": token_scaling}
     ignore_index = options.get("ignore_index", -100)
+    given_shifted = shift_labels is not None
     if shift_labels is None:  # Hugging Face's ForCausalLMLoss: pad one ignored label, drop the first
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    n_classes = state.transform.width(weight.shape[0])
+    if n_classes < weight.shape[0]:  # the family keeps logits[..., :n_classes] (a padded head): those rows
+        weight = weight[:n_classes]  # (a view; the padded rows get a zero gradient, as in the stock model)
+        bias = None if bias is None else bias[:n_classes]
     hidden = hidden.to(weight.device)
     target = shift_labels.to(weight.device).reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -256,7 +274,21 @@ def _loss(model, state: _Patch, hidden, weight, bias, labels, shift_labels, num_
     if isinstance(num_items, torch.Tensor):
         num_items = num_items.to(hidden.device)
     # under autocast, linear_cross_entropy casts hidden / head to the autocast dtype as F.linear would
-    return linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items, **options)
+    try:
+        return linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items, **options)
+    except val.TargetOutOfRange as err:  # name the user's element, not the flattened shifted target's
+        raise IndexError(_bad_label_message(err, shift_labels.shape, given_shifted)) from None
+
+
+def _bad_label_message(err, shape, given_shifted: bool) -> str:
+    """``err`` (at a position of the flattened shifted labels) as the user's ``labels[b, t + 1]``, or
+    ``shift_labels[b, t]`` when they were given."""
+    index = [int(i) for i in torch.unravel_index(torch.tensor(err.position[0]), tuple(shape))]
+    name = "shift_labels" if given_shifted else "labels"
+    if not given_shifted:
+        index[-1] += 1  # position t predicts labels[t + 1]
+    return (f"{name}{index} = {err.value} is out of range: expected ignore_index={err.ignore_index} or a class "
+            f"in [0, {err.n_classes}) (the model's vocabulary, V = {err.n_classes})")
 
 
 def _replace(out, **changes):
