@@ -175,9 +175,33 @@ def test_undeclared_or_unapplied_transform_refused(case, match, keep_logits):
         model(input_ids=ids, labels=labels)
 
 
-def test_text_config_and_config_disagreeing_is_refused_at_patch_time():
+def _llava_next_granite():
+    """Granite vision 3.x's layout: LLaVA-NeXT around a Granite text config whose ``logits_scaling`` the
+    LLaVA-NeXT forward does not apply."""
+    return transformers.LlavaNextForConditionalGeneration(transformers.LlavaNextConfig(
+        text_config={**TEXT, "model_type": "granite", "logits_scaling": 4.0}, image_token_index=V - 1,
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8,
+                           projection_dim=16), image_grid_pinpoints=[[16, 16]]))
+
+
+def _paligemma2_top_level_differs():
     model = _paligemma2()
-    model.config.final_logit_softcapping = 5.0   # top level says 5, text config says 2
-    with pytest.raises(ValueError, match="different final_logit_softcapping"):
-        patch_causal_lm(model)
-    assert "forward" not in model.__dict__
+    model.config.final_logit_softcapping = 5.0   # top level 5, text config 2: the forward reads the text's
+    return model
+
+
+@pytest.mark.parametrize("build", [_llava_next_granite, _paligemma2_top_level_differs],
+                         ids=["llava_next_granite", "paligemma2_top_level_differs"])
+@pytest.mark.parametrize("keep_logits", [None, True], ids=["default", "keep_logits"])
+def test_the_transform_the_forward_applies_is_chosen(build, keep_logits):
+    """A multimodal config declares a transform in its text config and perhaps another at its top level;
+    the first labelled call computes the loss for both candidates and keeps the one the forward applied:
+    the stock loss and gradients from that very call on."""
+    stock = build().eval()
+    fused = patch_causal_lm(copy.deepcopy(stock), keep_logits=keep_logits)
+    assert len(fused._fusedce_patch.transforms) == 2
+    ids, labels = _batch()
+    for _ in range(2):   # the verifying call, then a plain one
+        assert_parity(stock, fused, input_ids=ids, labels=labels)
+    assert len(fused._fusedce_patch.transforms) == 1

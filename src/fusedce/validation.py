@@ -127,7 +127,8 @@ class TargetOutOfRange(IndexError):
 
 
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Raise ``IndexError`` (``TargetOutOfRange``) naming the first target that is neither ``ignore_index`` nor in ``[0, V)``.
+    """Raise ``IndexError`` (``TargetOutOfRange``) naming the first target that is neither
+    ``ignore_index`` nor in ``[0, V)``.
 
     This is the contract's one documented host sync of ``cross_entropy``; skipped (a bad row then
     gives a NaN loss row, never an out-of-bounds read) while compiling or capturing a CUDA graph.

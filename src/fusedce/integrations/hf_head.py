@@ -75,34 +75,19 @@ DECLARED = {
 }
 
 
-def _declared(config) -> dict:
-    """``DECLARED`` attributes that ``config`` or its text config (``get_text_config()``: multimodal models
-    keep them there) set to a number. ``ValueError`` when the two disagree (which one the forward reads
-    cannot be told)."""
-    sources = [config]
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
-    if text is not None and text is not config:
-        sources.insert(0, text)
+def _declared(*configs) -> dict:
+    """``DECLARED`` attributes set to a number, from the first of ``configs`` that sets each."""
     found = {}
     for name in DECLARED:
-        values = {getattr(c, name) for c in sources
-                  if isinstance(getattr(c, name, None), (int, float)) and not isinstance(getattr(c, name), bool)}
-        if len(values) > 1:
-            raise ValueError(f"the config and its text config declare different {name} ({sorted(values)}): "
-                             "patch_causal_lm cannot tell which one the model applies")
-        if values:
-            found[name] = values.pop()
+        for config in configs:
+            value = getattr(config, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                found[name] = value
+                break
     return found
 
 
-def logit_transform(config) -> LogitTransform:
-    """The post-head transform ``config`` (or its text config) declares: every ``DECLARED`` attribute, the
-    scales multiplied together. Llama, Mistral, Qwen2/3, Gemma, Phi3, GPT-2 declare none.
-    ``ValueError`` for a scale that is not a finite non-zero number, a softcap <= 0 or a vocabulary
-    size < 1 (and for a config and text config that disagree)."""
-    if config is None:
-        return LogitTransform()
-    found = _declared(config)
+def _transform(found: dict) -> LogitTransform:
     scale = 1.0
     for name, value in found.items():
         if DECLARED[name] == "scale":
@@ -121,44 +106,69 @@ def logit_transform(config) -> LogitTransform:
                           n_classes=None if n_classes is None else int(n_classes))
 
 
+def logit_transforms(config) -> tuple:
+    """The post-head transforms ``config`` declares (``DECLARED``, the scales multiplied together), as
+    candidates for ``choose_transform``: first the text config's (``get_text_config()``, where multimodal
+    models keep them; an attribute it lacks is taken from the top level), then, if different, the top-level
+    config's alone (multimodal wrappers such as LLaVA-NeXT, Aya Vision or Cohere 2 Vision ignore their
+    text config's). Llama, Mistral, Qwen2/3, Gemma, Phi3, GPT-2 declare none: ``(LogitTransform(),)``.
+    ``ValueError`` for a scale that is not a finite non-zero number, a softcap <= 0 or a vocabulary
+    size < 1."""
+    if config is None:
+        return (LogitTransform(),)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
+    if text is None or text is config:
+        return (_transform(_declared(config)),)
+    first, top = _transform(_declared(text, config)), _transform(_declared(config))
+    return (first,) if first == top else (first, top)
+
+
 # Agreement required between the family's logits and ``LogitTransform.apply`` of what the head returned,
 # per dtype of those logits: a few roundings of that dtype (the family may compute its transform in it).
 _VERIFY_RTOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def verify_transform(logits, head_row: torch.Tensor, transform: LogitTransform, model_name: str,
-                     probe: bool) -> None:
-    """Check that the family's ``logits`` (its output) are ``transform.apply`` of what its head returned,
-    ``head_row`` = the head's output at position 0 (``(V,)``, all V columns): with ``probe``, the head
-    returned that row alone (``(1, ..., 1, V)``, ``hf_call.probe_row``) and the output must keep that shape
-    but for its width; else the real logits. Checked: the width, and position 0's values (one host sync;
-    run once per patch). ``ValueError`` if the family does something else to its logits (a transform or
-    vocabulary slice the config does not declare, one it declares but does not apply, or one that differs
-    between positions)."""
-    declared = (f"scale={transform.scale}, softcap={transform.softcap}, "
-                f"classes={transform.n_classes or 'all'}")
+def _describe(transform: LogitTransform) -> str:
+    return f"scale={transform.scale}, softcap={transform.softcap}, classes={transform.n_classes or 'all'}"
+
+
+def _mismatch(logits, head_row, transform: LogitTransform, probe: bool):
+    """Why ``logits`` is not ``transform.apply(head_row)`` (a sentence), or None."""
+    expected = transform.apply(head_row.detach().float())
+    if logits.shape[-1] != expected.shape[-1]:
+        return (f"it turns its LM head's {head_row.shape[-1]} columns into {logits.shape[-1]} logit columns, "
+                f"not {expected.shape[-1]} (a vocabulary slice such as logits[..., :unpadded_vocab_size] that "
+                "the config does not declare?)")
+    if probe and logits.numel() != logits.shape[-1]:
+        return (f"it turned one probe row of its LM head's output into logits of shape {tuple(logits.shape)}: "
+                "what it does to its logits depends on the position")
+    got = logits.detach()[(0,) * (logits.dim() - 1)].float()
+    rtol = _VERIFY_RTOL.get(logits.dtype, 3e-2)
+    if torch.allclose(got, expected, rtol=rtol, atol=rtol * float(expected.abs().max())):
+        return None
+    worst = int((got - expected).abs().argmax())
+    return (f"at column {worst} the head gave {float(head_row[worst]):.6g}, the model returned "
+            f"{float(got[worst]):.6g}, the declared transform gives {float(expected[worst]):.6g}")
+
+
+def choose_transform(logits, head_row: torch.Tensor, transforms: tuple, model_name: str, probe: bool) -> int:
+    """The index of the first of ``transforms`` (``logit_transforms``) that the family applied: its
+    ``logits`` (its output) must be ``transform.apply`` of what its head returned, ``head_row`` = the
+    head's output at position 0 (``(V,)``, all V columns). With ``probe``, the head returned that row
+    alone (``(1, ..., 1, V)``, ``hf_call.probe_row``) and the output must keep that shape but for its
+    width; else they are the real logits. Checked: the width, and position 0's values (one host sync; run
+    once per patch). ``ValueError`` if none matches: a transform or vocabulary slice the config does not
+    declare, one it declares but the forward does not apply, or one that depends on the position."""
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise ValueError(f"{model_name}.forward does not return its LM head's output as `logits`: "
                          "patch_causal_lm cannot tell what it does to the logits")
-    expected = transform.apply(head_row.detach().float())
-    if logits.shape[-1] != expected.shape[-1]:
-        raise ValueError(
-            f"{model_name}.forward turns its LM head's {head_row.shape[-1]} columns into {logits.shape[-1]} "
-            f"logit columns, but its config declares {expected.shape[-1]} ({declared}; a vocabulary slice "
-            "such as logits[..., :unpadded_vocab_size] that the config does not declare?): patch_causal_lm "
-            "would train a different loss, so it refuses; call the model unpatched")
-    if probe and logits.numel() != logits.shape[-1]:
-        raise ValueError(
-            f"{model_name}.forward turned one probe row of its LM head's output into logits of shape "
-            f"{tuple(logits.shape)}: what it does to its logits depends on the position, which patch_causal_lm "
-            "cannot reproduce, so it refuses; call the model unpatched")
-    got = logits.detach()[(0,) * (logits.dim() - 1)].float()
-    rtol = _VERIFY_RTOL.get(logits.dtype, 3e-2)
-    if not torch.allclose(got, expected, rtol=rtol, atol=rtol * float(expected.abs().max())):
-        worst = int((got - expected).abs().argmax())
-        raise ValueError(
-            f"{model_name}.forward transforms the LM head's output in a way that does not match what its "
-            f"config declares ({declared}; read from the config and its text config): at column {worst} "
-            f"the head gave {float(head_row[worst]):.6g}, the model returned {float(got[worst]):.6g}, the "
-            f"declared transform gives {float(expected[worst]):.6g}. patch_causal_lm would train a different "
-            "loss, so it refuses; call the model unpatched")
+    reasons = []
+    for index, transform in enumerate(transforms):
+        reason = _mismatch(logits, head_row, transform, probe)
+        if reason is None:
+            return index
+        reasons.append(f"against {_describe(transform)}: {reason}")
+    raise ValueError(
+        f"{model_name}.forward transforms the LM head's output in a way that does not match what its config "
+        f"declares (read from the config and its text config; {'; '.join(reasons)}). patch_causal_lm would "
+        "train a different loss, so it refuses; call the model unpatched")
