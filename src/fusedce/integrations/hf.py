@@ -31,7 +31,7 @@ from ..types import LOSS_OPTION_NAMES
 from .hf_adapters import kind as head_kind
 from .hf_call import HeadCall, module_name
 from .hf_head import LogitTransform, base_model, choose_transform, logit_transforms, output_head
-from .hf_output import as_tuple, bad_label_message
+from .hf_output import as_tuple, bad_label_message, replace
 
 _STATE = "_fusedce_patch"
 # linear_cross_entropy's options a patch may set. num_items_in_batch comes with each call (the Trainer
@@ -97,7 +97,9 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
       (``(1, ..., 1, V)``; with real logits under ``keep_logits``, position 0 of them), and the family's
       output must be the declared transform of it, same width, same shape; else ``ValueError``
       (an undeclared transform or vocabulary slice, a declared one it does not apply, one that depends on
-      the position);
+      the position). When the text config and the top-level config declare different transforms (some
+      wrappers, e.g. LLaVA-NeXT, ignore their text config's), that call computes the loss for both and
+      keeps the one the forward applied (one extra fused forward and backward, once);
     - MoE models: a returned ``aux_loss`` is added times ``router_aux_loss_coef``, as the families do;
     - ``use_token_scaling`` is also accepted as a forward keyword (as Liger-patched models accept it; TRL
       passes it for ``loss_type="dft"``): it overrides the patch-time option for that call;
@@ -258,7 +260,7 @@ def _forward(model, *args, **kwargs):
     aux, coef = getattr(out, "aux_loss", None), getattr(config, "router_aux_loss_coef", None)
     if aux is not None and coef:
         loss = loss + coef * aux.to(loss.device)
-    out = _replace(out, loss=loss, logits=out.logits if keep else None)
+    out = replace(out, loss=loss, logits=out.logits if keep else None)
     return out if return_dict else as_tuple(out)
 
 
@@ -298,13 +300,3 @@ def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias,
     except val.TargetOutOfRange as err:  # name the user's element, not the flattened shifted target's
         raise IndexError(bad_label_message(err, shift_labels.shape, given_shifted)) from None
 
-
-def _replace(out, **changes):
-    """A new output of the same class with ``changes`` (ModelOutput keeps a dict and attributes in sync
-    only through its constructor; setting a field to None would leave the dict entry behind)."""
-    if dataclasses.is_dataclass(out):
-        values = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
-        return type(out)(**{**values, **changes})
-    for key, value in changes.items():
-        out[key] = value
-    return out

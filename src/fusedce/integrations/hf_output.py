@@ -1,5 +1,6 @@
-"""What a patched forward returns, in the stock model's terms: the tuple of ``return_dict=False``, and a bad
-label named as the user's element rather than one of the shifted, flattened target the loss saw."""
+"""What a patched forward returns, in the stock model's terms: its output class with fields replaced, the
+tuple of ``return_dict=False``, and a bad label named as the user's element rather than one of the
+shifted, flattened target the loss saw."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,3 +28,13 @@ def bad_label_message(err, shape, given_shifted: bool) -> str:
     return (f"{name}{index} = {err.value} is out of range: expected ignore_index={err.ignore_index} or a class "
             f"in [0, {err.n_classes}) (the model's vocabulary, V = {err.n_classes})")
 
+
+def replace(out, **changes):
+    """A new output of the same class with ``changes`` (ModelOutput keeps a dict and attributes in sync
+    only through its constructor; setting a field to None would leave the dict entry behind)."""
+    if dataclasses.is_dataclass(out):
+        values = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+        return type(out)(**{**values, **changes})
+    for key, value in changes.items():
+        out[key] = value
+    return out
