@@ -7,10 +7,9 @@ config: ``text_config.final_logit_softcapping``), Gemma 4 conditional generation
 Granite 4 vision (``logits / text_config.logits_scaling``), Inkling (``logits[..., :unpadded_vocab_size]``
 of a 128-row head), and LLaVA-NeXT around a Granite text config (Granite vision 3.x's layout: the
 forward ignores ``text_config.logits_scaling``). Each is one decoder layer, hidden 32, vocabulary (head
-rows) 128; the vision and
-audio towers are as small as their configs allow and are not run (text-only batches). Softcap 2.0 and
-scales far from 1 make each transform visible on O(1) logits. Tolerances: those of ``test_hf.py`` (fp32,
-summation order only).
+rows) 128; the vision and audio towers are as small as their configs allow and are not run (text-only
+batches). Softcap 2.0 and scales far from 1 make each transform visible on O(1) logits. Tolerances:
+those of ``test_hf.py`` (fp32, summation order only).
 """
 from __future__ import annotations
 
