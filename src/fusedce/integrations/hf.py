@@ -149,8 +149,7 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
             config, or a head / adapter on it that the patch cannot apply exactly (the message names the
             module and why). At call time: the same for a head replaced after patching, labels that do
             not match the kept positions, or (first call) a family whose logits go through a transform
-            other than the one its config (or text config) declares; a config and text config that
-            declare different values.
+            other than one its config (or text config) declares.
         IndexError: (call time) a label neither ``ignore_index`` nor in ``[0, V)``, named as the user's
             ``labels[b, t]`` (or ``shift_labels[b, t]``).
     """
