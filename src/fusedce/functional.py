@@ -8,7 +8,7 @@ import torch
 from . import backends, reduction as red, validation as val
 from .autocast import fp32_op, linear_op
 from .backends.pytorch.rows import target_probability
-from .signatures import with_loss_options
+from .signatures import keyword_hints, with_loss_options
 from .types import CrossEntropyOutput, LossOptionValues
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     val.check_nonzero("logits", logits.shape, -1, "V")
     opts = val.loss_options(reduction, **options)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
-    val.check_target(target, shape, logits.device)
+    val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight", weight, n_classes, logits.device)
     val.check_num_items(num_items_in_batch, logits.device)
@@ -109,6 +109,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
                               return_stats, token_weight)
 
 
+@keyword_hints(weight="the second argument is the LM head's weight (V, H); class weights of the loss are "
+                      "`ce_weight=`")
 @linear_op   # under autocast: matmul in the autocast dtype as F.linear, loss fp32 (autocast.py)
 @with_loss_options
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

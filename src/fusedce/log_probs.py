@@ -66,7 +66,7 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     val.check_nonzero("logits", logits.shape, -1, "V")
     opts = val.log_prob_options(ignore_index, temperature, softcap)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
-    val.check_target(target, shape, logits.device)
+    val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
     target = val.widen_target(target, opts.ignore_index)
     val.check_flag("return_entropy", return_entropy)
     impl = _backend(backend, logits.device, "token_log_probs")
