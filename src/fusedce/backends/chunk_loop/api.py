@@ -33,17 +33,16 @@ from .protocols import ChunkCE, TiledCE
 from .tuning import chunk_rows, resolve_method
 
 # Headroom of the forward-made gradients. The chunk kernels round dL/dlogits to hidden's dtype in the
-# forward, before the upstream gradient g exists; with fp16 and loss scaling (g = S = 2^16) a
-# dlogit (p_c - y_c) / D below fp16's smallest subnormal (2^-24) would already be 0 when S arrives,
-# the underflow loss scaling exists to prevent. So the forward forms P dL/dlogits, with
+# forward, before the upstream gradient g exists; with fp16 and loss scaling (g = S = 2^16) a dlogit
+# (p_c - y_c) / D below fp16's smallest subnormal (2^-24) would be 0 before S arrives: the underflow
+# loss scaling exists to prevent. So the forward forms P dL/dlogits, with (K = HEADROOM_EXP)
 #     m = |logit_scale| max(max_c |w_c| / D, 1 / N),   m = f 2^e (frexp, f in [0.5, 1)),   P = 2^(K - e),
-# i.e. P m in [2^(K-1), 2^K): every dlogit is ~2^K |p_c - y_c| (class weights and logit_scale folded in),
-# whatever D; grad_hidden is rounded at that scale, grad_weight / grad_bias accumulate at it, and the
-# backward multiplies them by g / P (exact: P is a power of two, so for a power-of-two g (a GradScaler's
-# scale) the result is the stock path's rounding of the same fp32-accumulated products at the final
-# scale). As if the forward ran under a loss scale of 2^K D: fp16 keeps (p_c - y_c) down to 2^-(24+K),
-# normal down to 2^-(14+K); it overflows only where |dL/dz| > 2^(15-K) or |grad_hidden| at unit scale
-# (<= 2 max |W|) exceeds 2^(15-K) = 32. bf16 and fp32 have fp32's exponent: P changes no bit there.
+# i.e. P m in [2^(K-1), 2^K): dlogits of about 2^K |p_c - y_c| whatever D, the class weights and
+# logit_scale; grad_hidden is rounded to its dtype at that scale, grad_weight / grad_bias accumulate at
+# it, and the backward multiplies them by g / P in fp32. P is a power of two, so for a power-of-two g
+# (a GradScaler's) that is exact: each result is rounded once, as stock's is, but from dlogits at a
+# scale where fp16 keeps |p_c - y_c| down to ~2^-(24+K) (normal down to ~2^-(14+K)), not 2^-24 D / S. Overflow would need a per-logit |dL/dz| beyond ~2^(16-K) = 64 times (p - y)'s bound 1,
+# or |grad_hidden| at unit scale (<= 2 max |W|) beyond 2^(16-K). bf16 / fp32: P changes no bit.
 HEADROOM_EXP = 10
 
 
@@ -53,7 +52,7 @@ def headroom(scales: MeanScales, w: Optional[torch.Tensor], opts: LossOptions) -
     ce = scales.ce.abs() if w is None else scales.ce.abs() * w.abs().amax()
     m = torch.maximum(ce, scales.z.abs()) * abs(opts.logit_scale)
     _, e = torch.frexp(m)   # m = 0 gives e = 0: P = 2^K, harmless (every gradient is 0)
-    return torch.ldexp(torch.ones_like(m), HEADROOM_EXP - e)
+    return torch.ldexp(torch.ones_like(m), HEADROOM_EXP - e).to(m.dtype)
 
 
 class _LinearCE(torch.autograd.Function):
