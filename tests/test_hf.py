@@ -125,8 +125,11 @@ def test_hf_loss_kwargs_match_stock(family):
     assert_parity(stock, fused, input_ids=ids, labels=labels, shift_labels=shifted)
     assert_parity(stock, fused, input_ids=ids, labels=labels[:, -5:], logits_to_keep=5)
     as_tuple = fused(ids, labels=labels, return_dict=False)  # positional input_ids, tuple output
-    assert isinstance(as_tuple, tuple)
-    assert_close(as_tuple[0], stock(ids, labels=labels).loss, "tuple loss")
+    stock_tuple = stock(ids, labels=labels, return_dict=False)
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == len(stock_tuple)
+    assert as_tuple[1] is None  # the logits' place (not kept in training), never the cache
+    assert [type(x) for x in as_tuple[2:]] == [type(x) for x in stock_tuple[2:]]
+    assert_close(as_tuple[0], stock_tuple[0], "tuple loss")
     with pytest.raises(ValueError, match="kept 15 positions"):
         fused(input_ids=ids, labels=labels, logits_to_keep=5)
 

@@ -39,7 +39,7 @@ from .hf_adapters import Pieces, dispatch_children, kind, lora_adapters
 # Values the placeholder "logits" hold (one column each) once the transform is verified. The verifying
 # call's placeholder is instead ONE row of all V columns, ``probe_row(V)``, shaped ``(1, ..., 1, V)`` (the
 # family's post-head code broadcasts it; V elements, so the (B, T, V) logits are still never made), so that
-# ``hf_head.verify_transform`` sees any transform or column slice the family applies, and that it is the
+# ``hf_head.choose_transform`` sees any transform or column slice the family applies, and that it is the
 # same at every position (the output must keep the leading 1s). -24 sits where a 30-softcap (Gemma 2) is
 # visibly non-linear; both are exact in bf16.
 PROBE_VALUES = (1.0, -24.0)
@@ -88,7 +88,7 @@ class HeadCall:
 
     After the family's forward: ``calls`` (how many times the head was called), ``loss`` (the last call's),
     ``head_row`` (with ``verify``: the head's output at position 0, ``(V,)``, for
-    ``hf_head.verify_transform``); :meth:`final_loss` ties the loss to the family's logits for the
+    ``hf_head.choose_transform``); :meth:`final_loss` ties the loss to the family's logits for the
     backward order.
 
     Raises (during the call): ``ValueError`` for a head or adapter not applied exactly (``hf_adapters``),

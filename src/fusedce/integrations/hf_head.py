@@ -1,5 +1,5 @@
 """The LM head of a Hugging Face causal LM, seen from the outside: which module it is, and what the family
-does to its output (``logit_transform``, checked once by ``verify_transform``).
+does to its output (``logit_transforms``, the one applied chosen once by ``choose_transform``).
 
 The loss itself is computed inside the head's call (``hf_call.HeadCall``) during the family's own
 ``forward``, which keeps doing everything it does before the head (cache, masks, position ids,
