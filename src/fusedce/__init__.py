@@ -4,9 +4,9 @@ from .functional import cross_entropy, linear_cross_entropy
 from .integrations.hf import patch_causal_lm, unpatch_causal_lm
 from .log_probs import linear_token_log_probs, token_log_probs
 from .modules import CrossEntropyLoss, LinearCrossEntropyLoss
-from .types import CrossEntropyOutput, TokenLogProbs
+from .types import CrossEntropyOutput, TokenLogProbs, TokenStats
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "token_log_probs", "linear_token_log_probs",
-           "CrossEntropyLoss", "LinearCrossEntropyLoss", "CrossEntropyOutput", "TokenLogProbs",
+           "CrossEntropyLoss", "LinearCrossEntropyLoss", "CrossEntropyOutput", "TokenLogProbs", "TokenStats",
            "patch_causal_lm", "unpatch_causal_lm"]
 __version__ = "0.1.0"
