@@ -299,3 +299,50 @@ def test_unpatch_restores_trl_and_generation_is_untouched():
     assert late.forward.__func__.__code__ is trl_patch.TRAMPOLINE
     fusedce.unpatch_trl()
     assert model.forward.__func__.__code__ is trl_code and late.forward.__func__.__code__ is trl_code
+
+
+def _parity(stock, fused, inputs, rtol=1e-5):
+    """Every TRL output and every gradient of ``fused`` (patched) against ``stock`` (TRL alone)."""
+    generator = torch.Generator().manual_seed(9)
+    shape = inputs["labels"][:, 1:].shape
+    weights = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    expected, g_expected = _fused_outputs(stock, inputs, weights)
+    fusedce.patch_trl()
+    actual, g_actual = _fused_outputs(fused, inputs, weights)
+    fusedce.unpatch_trl()
+    for name in OUTPUTS + ("loss",):
+        a, e = getattr(actual, name), getattr(expected, name)
+        assert a.dtype == e.dtype, name
+        if a.dtype == torch.bool:
+            assert torch.equal(a, e), name
+        else:
+            torch.testing.assert_close(a, e, rtol=rtol, atol=rtol, msg=name)
+    assert g_expected.keys() == g_actual.keys()
+    for name, g in g_expected.items():
+        torch.testing.assert_close(g_actual[name].float(), g.float(), rtol=10 * rtol,
+                                   atol=10 * rtol * float(g.abs().max()), msg=name)
+
+
+def test_zero3_style_partitioned_head():
+    """The head's weight empty outside its own forward (ZeRO-3's pattern, ``test_hf_zero3.Zero3Hooks``):
+    fusedce computes inside the head's call (TRL alone would read the empty partition), the hooks fire
+    once each, and the backward re-gathers before the loss's backward reads the weight."""
+    from test_hf_zero3 import Zero3Hooks
+    stock = build("llama", tied=False)
+    fused = copy.deepcopy(stock)
+    for m in (stock, fused):
+        trl.trainer.utils.add_fused_lm_head(m, temperature=0.9, outputs=OUTPUTS)
+    hooks = Zero3Hooks(fused.get_output_embeddings())
+    ids, mask, labels = batch(torch.Generator().manual_seed(10))
+    _parity(stock, fused, dict(input_ids=ids, attention_mask=mask, labels=labels))
+    assert hooks.counts == {"pre": 1, "post": 1, "regather": 1}
+
+
+def test_cast_lm_head_to_fp32_on_a_bf16_model():
+    """GRPO's ``cast_lm_head_to_fp32``: fp32 hidden states and head on a bf16 model, autocast off."""
+    stock = build("llama", tied=False).to(torch.bfloat16)
+    fused = copy.deepcopy(stock)
+    for m in (stock, fused):
+        trl.trainer.utils.add_fused_lm_head(m, temperature=0.9, cast_lm_head_to_fp32=True, outputs=OUTPUTS)
+    ids, mask, labels = batch(torch.Generator().manual_seed(12))
+    _parity(stock, fused, dict(input_ids=ids, attention_mask=mask, labels=labels))
