@@ -138,3 +138,41 @@ def test_stats_without_entropy_and_errors(backend):
         fusedce.token_log_probs(x, target, logit_scale=0.0, backend=backend)
     with pytest.raises(ValueError, match="logit_scale / temperature"):
         fusedce.token_log_probs(x, target, logit_scale=1e30, temperature=1e-10, backend=backend)
+
+
+def test_custom_ops_opcheck():
+    """The two Triton custom ops (schema, fakes, AOT dispatch), with a row stride > V."""
+    from fusedce.backends.triton import token_stats  # noqa: F401  (registers the ops)
+    from fusedce.validation import log_prob_options
+    x, target = _logits(9)
+    logits = torch.cat([x, x[:, :8]], dim=1)[:, :V]   # row stride V + 8
+    lse = torch.logsumexp(logits, dim=1)
+    opts = log_prob_options(-100, 0.7, 5.0, 2.0).op_args()
+    hidden, weight = torch.randn(9, 16), torch.randn(V, 16)
+    ops = torch.ops.fusedce
+    for op, args in [(ops.token_stats.default, (logits, target, lse, torch.zeros(9), *opts)),
+                     (ops.tiled_forward_token_stats.default, (hidden, weight, None, target, *opts, True))]:
+        result = torch.library.opcheck(op, args)
+        assert all(v == "SUCCESS" for v in result.values()), (op, result)
+
+
+@pytest.mark.parametrize("method", ["chunked", "tiled"])
+def test_compiled_equals_eager_without_graph_break(method):
+    """Triton (the custom ops; the PyTorch backend's loops unroll into minutes of Inductor compile on 2
+    cores, and test_compile covers tracing them)."""
+    backend = "triton"
+    hidden = torch.randn(2, 5, 16, requires_grad=True)
+    weight = torch.randn(V, 16, requires_grad=True)
+    target = make_target((2, 5), V, ignore_every=3)
+
+    def step(h, w, t):
+        out = fusedce.linear_token_log_probs(h, w, t, temperature=0.7, softcap=8.0, logit_scale=2.0,
+                                             return_entropy=True, return_stats=True, method=method, backend=backend)
+        return out.log_probs.sum() + out.entropy.sum(), out.log_sum_sq_probs, out.mean_logits, out.is_top1
+
+    explanation = torch._dynamo.explain(step)(hidden, weight, target)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    compiled, eager = torch.compile(step, fullgraph=True)(hidden, weight, target), step(hidden, weight, target)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
