@@ -310,7 +310,8 @@ def _parity(stock, fused, inputs, rtol=1e-5):
     fusedce.patch_trl()
     actual, g_actual = _fused_outputs(fused, inputs, weights)
     fusedce.unpatch_trl()
-    for name in OUTPUTS + ("loss",):
+    assert (actual.aux_loss is None) == (expected.aux_loss is None)
+    for name in OUTPUTS + ("loss",) + (() if expected.aux_loss is None else ("aux_loss",)):
         a, e = getattr(actual, name), getattr(expected, name)
         assert a.dtype == e.dtype, name
         if a.dtype == torch.bool:
@@ -321,6 +322,7 @@ def _parity(stock, fused, inputs, rtol=1e-5):
     for name, g in g_expected.items():
         torch.testing.assert_close(g_actual[name].float(), g.float(), rtol=10 * rtol,
                                    atol=10 * rtol * float(g.abs().max()), msg=name)
+    return actual
 
 
 def test_zero3_style_partitioned_head():
@@ -346,3 +348,16 @@ def test_cast_lm_head_to_fp32_on_a_bf16_model():
         trl.trainer.utils.add_fused_lm_head(m, temperature=0.9, cast_lm_head_to_fp32=True, outputs=OUTPUTS)
     ids, mask, labels = batch(torch.Generator().manual_seed(12))
     _parity(stock, fused, dict(input_ids=ids, attention_mask=mask, labels=labels))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite", "mixtral", "gpt2"])
+def test_families_with_a_logit_transform_moe_or_another_backbone(family):
+    """TRL reads softcap (Gemma 2), logit scale (Cohere: times 0.25, Granite: divided by 4) and the
+    backbone (GPT-2's ``transformer``) from the model; Mixtral adds its load-balancing loss."""
+    stock = build(family)
+    fused = copy.deepcopy(stock)
+    for m in (stock, fused):
+        trl.trainer.utils.add_fused_lm_head(m, temperature=0.9, outputs=OUTPUTS)
+    ids, mask, labels = batch(torch.Generator().manual_seed(13))
+    actual = _parity(stock, fused, dict(input_ids=ids, attention_mask=mask, labels=labels))
+    assert (actual.aux_loss is not None) == (family == "mixtral")

@@ -69,13 +69,13 @@ def forward(model: nn.Module, settings: Settings, args: tuple, kwargs: dict, fus
     if settings.cast_lm_head_to_fp32:
         hidden = hidden.float()
         autocast = torch.autocast(hidden.device.type, enabled=False)
-    per_token = {}
+    per_token, where = {}, module_name(model, head)
 
     def compute(h, weight, bias):   # inside the head's call: its hooks have run, the adapters recorded
-        per_token.update(_head_outputs(h, weight, bias, labels, settings, module_name(model, head)))
+        per_token.update(_head_outputs(h, weight, bias, labels, settings, where))
         grads = [per_token[k] for k in ("log_probs", "entropy") if per_token.get(k) is not None]
         return grads[0] if len(grads) == 1 else torch.stack(grads)
-    with autocast, HeadCall(head, module_name(model, head), compute, keep_logits=False) as call:
+    with autocast, HeadCall(head, where, compute, keep_logits=False) as call:
         placeholder = head(hidden)
     tied = call.final_loss(placeholder)   # the backward reaches the head's output (hooks) before the loss
     if per_token.get("entropy") is None:
