@@ -58,7 +58,8 @@ def tiled_forward_launch(hidden, weight, bias, target, w, weight_sum, opts: Loss
     args = (hidden, weight, dummy if bias is None else bias, target, dummy if w is None else w,
             dummy if weight_sum is None else weight_sum, loss, lse, lse_lo,
             dummy if predicted is None else predicted, target_logit, dummy if entropy is None else entropy,
-            *(token_stats or (dummy,) * 3), n_rows, n_cols, n_hidden, hidden.stride(0), weight.stride(0), target.stride(0), opts.kernel_scalars())
+            *(token_stats or (dummy,) * 3),
+            n_rows, n_cols, n_hidden, hidden.stride(0), weight.stride(0), target.stride(0), opts.kernel_scalars())
     meta.update(FLAGS=opts.kernel_flags(w is not None), HAS_BIAS=bias is not None,
                 COMPUTE_STATS=predicted is not None, COMPUTE_ENTROPY=entropy is not None)
     if token_stats is not None:
