@@ -10,7 +10,9 @@ does not stop the others):
 
 - ``stock``: the bench's ``linear-torch`` path, ``F.cross_entropy(F.linear(h, W).float(), t)``;
 - ``chunked``: ``fusedce.linear_cross_entropy(..., method="chunked", backend="triton")``;
-- ``tiled``: the bench's ``linear-fusedce-triton-tiled`` path (``method="tiled"``, backend triton).
+- ``tiled``: the bench's ``linear-fusedce-triton-tiled`` path (``method="tiled"``, backend triton);
+- ``tiled-det``: the same with ``deterministic=True`` (the atomic-free backward, 8 instead of 6 V H FLOPs
+  per token in backward).
 
 Per path: forward+backward time (``harness.median_ms``: ``triton.testing.do_bench`` median; a path whose
 single run takes over ``SLOW_S`` seconds is reported from that one run instead, to keep the budget),
@@ -21,7 +23,9 @@ weight, and ``fusedce.bench.parity.linear_cross_entropy`` compares its mean loss
 with float64 autograd over chunks of rows. Verdict (C6's rule, with stock as "torch"): gradient error
 <= 4x stock's, loss error <= 4x stock's + ``LOSS_SLACK``.
 
-Then at the first shape, if time is left: ``fusedce.linear_token_log_probs(..., return_entropy=True)``,
+Then at the first shape, if time is left: determinism, ``tiled`` and ``tiled-det`` each run twice
+(fwd+bwd) and compared bit for bit (loss, both gradients); ``tiled-det`` must agree exactly, ``tiled``
+(fp32 atomics) is reported. Then ``fusedce.linear_token_log_probs(..., return_entropy=True)``,
 chunked vs tiled, backward with per-token upstreams for both outputs (an advantage on the log-probs, a
 coefficient on the entropy): time, peak memory, log-prob / entropy error against float64 on the subset
 (next to torch's own bf16 error, ``parity.linear_token_log_probs``) and how far the two methods'
@@ -66,16 +70,37 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
-def _fused(method: str):
+def _fused(method: str, **kw):
     def forward(data: inputs.Inputs) -> torch.Tensor:
         return fusedce.linear_cross_entropy(data.hidden, data.weight, data.target, ignore_index=IGNORE,
-                                            method=method, backend="triton")
+                                            method=method, backend="triton", **kw)
     return forward
 
 
 # The registry's ``linear-fusedce-triton`` is method="auto"; the chunked kernels are asked for by name.
 PATH_FNS = {"stock": PATHS["linear-torch"].forward, "chunked": _fused("chunked"),
-            "tiled": PATHS["linear-fusedce-triton-tiled"].forward}
+            "tiled": PATHS["linear-fusedce-triton-tiled"].forward,
+            "tiled-det": _fused("tiled", deterministic=True)}
+
+
+def run_determinism(data: inputs.Inputs) -> dict:
+    """``tiled`` and ``tiled-det`` run twice each: whether loss and gradients agree bit for bit, and the
+    largest difference. ``ok``: ``tiled-det`` agrees exactly (``tiled``'s atomics may not)."""
+    out = {}
+    for name in ("tiled", "tiled-det"):
+        runs = []
+        for _ in range(2):
+            _reset(data.hidden, data.weight)
+            loss = PATH_FNS[name](data)
+            loss.backward()
+            runs.append((loss.detach(), data.hidden.grad, data.weight.grad))
+        _reset(data.hidden, data.weight)
+        equal = all(torch.equal(a, b) for a, b in zip(*runs))
+        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(*runs))
+        out[name] = dict(bitwise_equal=equal, max_abs_diff=diff)
+        _log(f"[determinism] {name:9s} two runs {'bitwise equal' if equal else f'differ (max {diff:.1e})'}")
+    out["ok"] = out["tiled-det"]["bitwise_equal"]
+    return out
 
 
 def _reset(*leaves) -> None:
@@ -250,6 +275,11 @@ def run(device, dry: bool, deadline: float = float("inf")) -> dict:
             continue
         data, sub_rows = shape.pop("data"), shape.pop("sub_rows")
         result["shapes"][key] = shape
+        if i == 0 and time.time() < deadline:
+            try:
+                result["determinism"] = run_determinism(data)
+            except Exception as exc:  # noqa: BLE001
+                result["determinism"] = dict(error=_error(exc))
         if i == 0:
             try:
                 result["log_probs"] = dict(shape=key, methods=run_log_probs(data, sub_rows, device, dry, deadline))
@@ -264,6 +294,8 @@ def run(device, dry: bool, deadline: float = float("inf")) -> dict:
     lp = result["log_probs"]
     if lp:
         measured += list(lp["methods"].values()) if "methods" in lp else [lp]
+    if result.get("determinism"):
+        measured.append(result["determinism"])
     result["ok"] = all(m.get("ok", False) for m in measured if "skipped" not in m)
     result["skipped_paths"] = sum("skipped" in m for m in measured)
     return result
@@ -286,6 +318,11 @@ def summary_lines(result: dict) -> list[str]:
             lines.append(f"{key:>17}  {name:8s} {m['ms']:10.2f} {m['tflops']:7.1f} {_gib(m['peak_bytes']):>8} "
                          f"{'' if diff is None else f'{diff:.1e}':>12}  {'OK' if m['ok'] else 'FAIL'} "
                          f"(loss {par['loss_abs_err']:.1e}, grad rel {par['grad_rel_err']:.1e})")
+    det = result.get("determinism")
+    if det:
+        lines.append(f"{'determinism':>17}  " + ("FAILED: " + det["error"] if "error" in det else ", ".join(
+            f"{name} reruns {'bitwise equal' if det[name]['bitwise_equal'] else 'differ'}"
+            for name in ("tiled", "tiled-det"))) + f"  {'OK' if det.get('ok') else 'FAIL'}")
     lp = result.get("log_probs")
     if lp:
         for method, m in lp.get("methods", {"(all)": lp}).items():

@@ -62,6 +62,16 @@ def test_shape_mismatch_3d(backend):
     _raises(ValueError, backend, x, torch.zeros(6, dtype=torch.int64))      # flattened leading dims
 
 
+def test_class_dimension_one_layout_is_named(backend):
+    """Logits in F.cross_entropy's layout (N, C, d1) with its target (N, d1): the message says the class
+    dimension is last here and how to move it; other mismatches get no such hint."""
+    x = make_logits((2, V, 4), torch.float32)
+    msg = _raises(ValueError, backend, x, torch.zeros(2, 4, dtype=torch.int64))
+    assert "(2, 4) must equal (2, 37)" in msg and "class dimension is LAST" in msg, msg
+    assert f"C = {V} classes in dimension 1" in msg and "logits.movedim(1, -1)" in msg, msg
+    assert "movedim" not in _raises(ValueError, backend, x, torch.zeros(4, 2, dtype=torch.int64))
+
+
 def test_zero_dim_logits(backend):
     _raises(ValueError, backend, torch.tensor(1.0, requires_grad=True), torch.tensor(0))
 

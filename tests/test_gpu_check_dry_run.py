@@ -31,15 +31,16 @@ def test_gpu_check_dry_run(tmp_path):
     assert "overall OK" in lines[-1]                        # the summary is the last thing printed
     assert any(line.split()[:2] == ["1000", "fusedce"] for line in lines)
     for shape in ("32x96x1000", "32x40x520"):               # the linear section's summary rows
-        for path in ("stock", "chunked", "tiled"):
+        for path in ("stock", "chunked", "tiled", "tiled-det"):
             assert any(line.split()[:2] == [shape, path] and " OK " in line for line in lines), (shape, path)
     report = json.loads(out.read_text())
     assert set(report["vocabs"]) == {"1000", "4112"} and report["cuda_graph"]["ok"]
     linear = report["linear"]
     assert linear["ok"] and set(linear["shapes"]) == {"32x96x1000", "32x40x520"}
     for shape in linear["shapes"].values():
-        assert set(shape["paths"]) == {"stock", "chunked", "tiled"}
+        assert set(shape["paths"]) == {"stock", "chunked", "tiled", "tiled-det"}
         assert all(m["ok"] and m["ms"] > 0 and m["parity"]["scored_rows"] > 0 for m in shape["paths"].values())
+    assert linear["determinism"]["ok"] and linear["determinism"]["tiled-det"]["bitwise_equal"]
     methods = linear["log_probs"]["methods"]
     assert set(methods) == {"chunked", "tiled"} and all(m["ok"] for m in methods.values())
     assert methods["tiled"]["grad_rel_diff_vs_chunked"] < 1e-2

@@ -303,7 +303,7 @@ class _Doubled(transformers.LlamaForCausalLM):
 def test_undeclared_logit_transform_is_refused():
     model = patch_causal_lm(_Doubled(build("llama").config))
     ids, _, labels = batch()
-    with pytest.raises(ValueError, match="does not declare"):
+    with pytest.raises(ValueError, match="does not match what its config declares"):
         model(input_ids=ids, labels=labels)
 
 

@@ -107,6 +107,22 @@ def test_entropy_and_tiled_kernels_sm90(tmp_path):
             assert row["spill_bytes"] == 0 and row["local"] == 0, (name, row)
 
 
+def test_deterministic_tiled_kernels_sm90(tmp_path):
+    """The deterministic tiled backward (``tiled_grad_hidden`` / ``tiled_grad_weight``, issue 18) compiles
+    for sm_90 with every option at bf16 (hidden (8192, 4096) x weight (32000, 4096)): wgmma, no spills and
+    no atomic instruction in its PTX, while the atomic backward has them (so the count is not vacuous)."""
+    rows = _inspect(tmp_path, "--arch", "90", "--vocab", "32000", "--dtype", "bf16", "--variant", "all",
+                    "--kernel", "tiled_backward", "--kernel", "tiled_grad_hidden", "--kernel", "tiled_grad_weight")
+    by_kernel = {r["kernel"]: r for r in rows}
+    assert sorted(by_kernel) == ["tiled_backward", "tiled_grad_hidden", "tiled_grad_weight"]
+    assert by_kernel["tiled_backward"]["atomics"] > 0 and not by_kernel["tiled_backward"]["problem"]
+    for name in ("tiled_grad_hidden", "tiled_grad_weight"):
+        row = by_kernel[name]
+        assert not row["error"], (name, row["error"])
+        assert row["mma"] == "wgmma" and row["atomics"] == 0, (name, row)
+        assert row["spill_bytes"] == 0 and row["local"] == 0 and not row["problem"], (name, row)
+
+
 def test_kernels_take_the_loss_options_as_two_arguments():
     """Every kernel takes the loss options as ``scalars`` (a runtime ``LossScalars``) and ``FLAGS`` (a
     constexpr ``LossFlags``), never one parameter per option, so a new element-wise option changes no

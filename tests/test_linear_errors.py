@@ -107,6 +107,28 @@ def test_target_shape_mismatch(backend, target_shape):
     _raises(ValueError, backend, hidden, weight, torch.zeros(target_shape, dtype=torch.int64), bias)
 
 
+def test_hidden_and_weight_swapped_is_named(backend):
+    """linear_cross_entropy(weight, hidden, target): the message says the two look swapped (2-D and 3-D
+    hidden states)."""
+    hidden, weight, bias, target = _good()
+    msg = _raises(ValueError, backend, weight, hidden, target)
+    assert f"({ROWS},) must equal ({V},)" in msg and "look swapped" in msg, msg
+    hidden3 = hidden.detach().reshape(2, ROWS // 2, H)
+    msg = _raises(ValueError, backend, weight, hidden3, target.reshape(2, ROWS // 2))
+    assert "look swapped" in msg, msg
+    assert "swapped" not in _raises(ValueError, backend, hidden, weight, target[:-1])
+
+
+def test_class_weights_as_weight_keyword_points_to_ce_weight(backend):
+    """``weight=`` meaning the class weights (the head given by position): a TypeError naming ce_weight,
+    not only Python's "got multiple values for argument 'weight'"."""
+    hidden, weight, bias, target = _good()
+    with pytest.raises(TypeError, match=r"multiple values for argument 'weight'.*LM head.*ce_weight="):
+        fusedce.linear_cross_entropy(hidden, weight, target, weight=torch.rand(V), backend=backend)
+    as_keywords = fusedce.linear_cross_entropy(hidden=hidden, weight=weight, target=target, backend=backend)
+    torch.testing.assert_close(as_keywords, fusedce.linear_cross_entropy(hidden, weight, target, backend=backend))
+
+
 BAD_OPTIONS = {
     "reduction_avg": {"reduction": "avg"}, "reduction_None": {"reduction": None},
     "reduction_batchmean": {"reduction": "batchmean"},

@@ -8,7 +8,7 @@ import torch
 from . import backends, reduction as red, validation as val
 from .autocast import fp32_op, linear_op
 from .backends.pytorch.rows import target_probability
-from .signatures import with_loss_options
+from .signatures import keyword_hints, with_loss_options
 from .types import CrossEntropyOutput, LossOptionValues
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     val.check_nonzero("logits", logits.shape, -1, "V")
     opts = val.loss_options(reduction, **options)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
-    val.check_target(target, shape, logits.device)
+    val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight", weight, n_classes, logits.device)
     val.check_num_items(num_items_in_batch, logits.device)
@@ -109,6 +109,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
                               return_stats, token_weight)
 
 
+@keyword_hints(weight="the second argument is the LM head's weight (V, H); class weights of the loss are "
+                      "`ce_weight=`")
 @linear_op   # under autocast: matmul in the autocast dtype as F.linear, loss fp32 (autocast.py)
 @with_loss_options
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -116,7 +118,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                          chunk_size: Optional[int] = None, method: str = "auto",
                          accum_dtype: torch.dtype = torch.float32, return_stats: bool = False,
-                         backend: Optional[str] = None,
+                         backend: Optional[str] = None, deterministic: Optional[bool] = None,
                          **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """The LM head fused with the loss: ``cross_entropy(hidden @ weight.T + bias, target)`` without
     ever allocating the BT x V logits.
@@ -142,6 +144,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         return_stats: return ``CrossEntropyOutput``; its ``lse`` is 0 on ignored rows (never computed),
             as in :func:`cross_entropy`.
         backend: as in :func:`cross_entropy`.
+        deterministic: True: results bitwise identical run to run on the same device (no float atomics:
+            with ``method="tiled"`` on Triton the backward runs two atomic-free kernels, 8 instead of 6
+            V H FLOPs per token; every other path is deterministic anyway). None (default) follows
+            ``torch.are_deterministic_algorithms_enabled()``; False allows the faster atomic backward.
 
     Returns:
         The fp32 loss, or ``CrossEntropyOutput``. Gradients of ``hidden``, ``weight``, ``bias`` have their
@@ -157,11 +163,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         != weight.shape[1]``, ``weight`` is not 2-D, ``bias`` is not ``(V,)`` or ``chunk_size`` < 1, and
         ``TypeError`` when ``hidden``, ``weight`` and ``bias`` dtypes differ, ``chunk_size`` is not an
         integer (a float or a bool) or ``accum_dtype`` is not a floating-point ``torch.dtype``;
-        ``ValueError`` for an unknown ``method`` or a ``chunk_size`` with ``method="tiled"``.
+        ``ValueError`` for an unknown ``method`` or a ``chunk_size`` with ``method="tiled"``;
+        ``TypeError`` for a ``deterministic`` that is neither None nor a bool.
     """
     opts = val.loss_options(reduction, **options)
     val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype)
     val.check_method(method, chunk_size)
+    deterministic = val.deterministic_mode(deterministic)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     val.check_flag("return_stats", return_stats)
@@ -177,7 +185,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                                  opts.ignore_index, num_items_in_batch)
     loss, lse, predicted, token_weight = impl.linear_cross_entropy(
         flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scales,
-        None if chunk_size is None else int(chunk_size), accum_dtype, return_stats, method)
+        None if chunk_size is None else int(chunk_size), accum_dtype, return_stats, method,
+        deterministic=deterministic)
     if reduction == "none":
         loss = loss.reshape(shape)
     if not return_stats:

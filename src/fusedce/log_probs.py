@@ -76,7 +76,7 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     val.check_nonzero("logits", logits.shape, -1, "V")
     opts = val.log_prob_options(ignore_index, temperature, softcap, logit_scale)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
-    val.check_target(target, shape, logits.device)
+    val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
     target = val.widen_target(target, opts.ignore_index)
     val.check_flag("return_entropy", return_entropy)
     val.check_flag("return_stats", return_stats)
@@ -92,7 +92,8 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
                            softcap: Optional[float] = None, logit_scale: float = 1.0, ignore_index: int = -100,
                            return_entropy: bool = False, return_stats: bool = False,
                            chunk_size: Optional[int] = None, method: str = "auto",
-                           backend: Optional[str] = None) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
+                           backend: Optional[str] = None, deterministic: Optional[bool] = None
+                           ) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
     """:func:`token_log_probs` of ``hidden @ weight.T + bias`` without ever allocating BT x V logits.
 
     Args:
@@ -106,6 +107,9 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
             logits at a time; ``"tiled"``: no tensor of V or more elements besides ``weight``,
             ``bias`` and their gradients). Ignored rows cost no matmul FLOPs (compacted first: one
             host sync per call, skipped under torch.compile / CUDA-graph capture).
+        deterministic: as in :func:`fusedce.linear_cross_entropy` (None follows
+            ``torch.are_deterministic_algorithms_enabled()``; the tiled Triton backward then runs
+            without atomics).
 
     Returns:
         As :func:`token_log_probs`; gradients of ``hidden``, ``weight``, ``bias`` in their dtypes. The
@@ -113,11 +117,12 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
 
     Raises:
         The errors of :func:`token_log_probs` and of :func:`fusedce.linear_cross_entropy` for the
-        shapes, ``chunk_size`` and ``method``.
+        shapes, ``chunk_size``, ``method`` and ``deterministic``.
     """
     opts = val.log_prob_options(ignore_index, temperature, softcap, logit_scale)
     val.check_linear(hidden, weight, target, bias, None, chunk_size)
     val.check_method(method, chunk_size)
+    deterministic = val.deterministic_mode(deterministic)
     target = val.widen_target(target, opts.ignore_index)
     val.check_flag("return_entropy", return_entropy)
     val.check_flag("return_stats", return_stats)
@@ -126,5 +131,5 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
     val.check_target_range(target, n_classes, opts.ignore_index)
     out = impl.linear_token_log_probs(
         hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, opts, return_entropy,
-        None if chunk_size is None else int(chunk_size), method, return_stats)
+        None if chunk_size is None else int(chunk_size), method, return_stats, deterministic=deterministic)
     return _result(out, shape, return_entropy, return_stats)

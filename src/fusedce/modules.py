@@ -94,17 +94,20 @@ class LinearCrossEntropyLoss(nn.Module):
     The options are checked at construction, as in :class:`CrossEntropyLoss` (``ce_weight`` for
     ``weight``), plus ``chunk_size`` (``TypeError`` unless an integer or None, ``ValueError`` when < 1),
     ``method`` (keyword-only; ``ValueError`` unless "auto" / "chunked" / "tiled", or with a
-    ``chunk_size`` and "tiled") and ``accum_dtype`` (``TypeError`` unless a floating-point
-    ``torch.dtype``).
+    ``chunk_size`` and "tiled"), ``deterministic`` (keyword-only, as in the function: None follows
+    ``torch.are_deterministic_algorithms_enabled()`` at each call; ``TypeError`` unless None or a bool)
+    and ``accum_dtype`` (``TypeError`` unless a floating-point ``torch.dtype``).
     """
 
     def __init__(self, ce_weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, return_stats: bool = False, backend: Optional[str] = None,
                  chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32, *,
-                 method: str = "auto", **options: Unpack[LossOptionValues]):
+                 method: str = "auto", deterministic: Optional[bool] = None,
+                 **options: Unpack[LossOptionValues]):
         val.check_chunk_size(chunk_size)
         val.check_method(method, chunk_size)
+        val.deterministic_mode(deterministic)
         val.check_flag("return_stats", return_stats)
         val.check_accum_dtype(accum_dtype)
         super().__init__()
@@ -114,9 +117,11 @@ class LinearCrossEntropyLoss(nn.Module):
         self.register_buffer("ce_weight", ce_weight)
         self.reduction, self.return_stats, self.backend = reduction, return_stats, backend
         self.chunk_size, self.accum_dtype, self.method = chunk_size, accum_dtype, method
+        self.deterministic = deterministic
 
     def extra_repr(self) -> str:
-        return _extra_repr(self, "return_stats", "backend", "chunk_size", "accum_dtype", "method")
+        return _extra_repr(self, "return_stats", "backend", "chunk_size", "accum_dtype", "method",
+                           "deterministic")
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, num_items_in_batch=None):
@@ -124,4 +129,4 @@ class LinearCrossEntropyLoss(nn.Module):
             hidden, weight, target, bias, ce_weight=self.ce_weight, reduction=self.reduction,
             num_items_in_batch=num_items_in_batch, chunk_size=self.chunk_size, method=self.method,
             accum_dtype=self.accum_dtype, return_stats=self.return_stats, backend=self.backend,
-            **_options(self))
+            deterministic=self.deterministic, **_options(self))

@@ -9,6 +9,7 @@ checked by ``LossOptions.checked`` (an unknown keyword is a ``TypeError``, as Py
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import textwrap
 from dataclasses import fields
@@ -50,3 +51,23 @@ def with_loss_options(obj):
     fn.__signature__ = sig.replace(parameters=params[:-1] + added)
     obj.__doc__ = inspect.cleandoc(obj.__doc__ or "") + "\n\n" + loss_options_doc(indent="")
     return obj
+
+
+def keyword_hints(**hints: str):
+    """Decorator for a public function whose parameter name a caller may mean as another one (``weight``
+    of :func:`fusedce.linear_cross_entropy` is the LM head; its class weights are ``ce_weight``): a call
+    that fills a parameter of ``hints`` both by position and by keyword raises ``TypeError`` with the hint
+    (Python's own "got multiple values for argument" does not say what was meant). One length check per
+    call; the signature (``inspect.signature``) stays the function's."""
+    def decorate(fn):
+        names = list(inspect.signature(fn).parameters)
+        checks = tuple((names.index(name), name, hint) for name, hint in hints.items())
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            for position, name, hint in checks:
+                if len(args) > position and name in kwargs:
+                    raise TypeError(f"{fn.__name__}() got multiple values for argument {name!r}: {hint}")
+            return fn(*args, **kwargs)
+        return wrapper
+    return decorate

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -40,16 +40,41 @@ def check_nonzero(name: str, shape, dim: int, what: str) -> None:
                          f"{'the number of classes' if what == 'V' else 'the hidden size'} must be > 0")
 
 
-def check_target(target: torch.Tensor, expected_shape, device: torch.device) -> None:
-    """``target`` must be an int32/int64 tensor of ``expected_shape`` on ``device``."""
+def check_target(target: torch.Tensor, expected_shape, device: torch.device,
+                 hint: Optional[Callable[[tuple], str]] = None) -> None:
+    """``target`` must be an int32/int64 tensor of ``expected_shape`` on ``device``. On a shape mismatch,
+    ``hint(target.shape)`` is appended to the message: the likely mistake (:func:`class_dim_hint`,
+    :func:`swapped_hint`)."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor, got {type(target).__name__}")
     if target.dtype not in INDEX_DTYPES:
         raise TypeError(f"target must be int64 or int32, got {target.dtype}")
     if tuple(target.shape) != tuple(expected_shape):
-        raise ValueError(f"target shape {tuple(target.shape)} must equal {tuple(expected_shape)}")
+        raise ValueError(f"target shape {tuple(target.shape)} must equal {tuple(expected_shape)}"
+                         + (hint(tuple(target.shape)) if hint is not None else ""))
     if target.device != device:
         raise ValueError(f"target is on {target.device} but the data is on {device}")
+
+
+def class_dim_hint(logits_shape: tuple, target_shape: tuple) -> str:
+    """The hint for a target that fits logits in ``F.cross_entropy``'s layout ``(N, C, d1, ...)`` (classes
+    in dimension 1), or ``""``."""
+    if len(logits_shape) < 3:
+        return ""
+    if target_shape != tuple(logits_shape[:1]) + tuple(logits_shape[2:]):
+        return ""
+    return (f" (logits.shape[:-1]): the class dimension is LAST here, logits (..., V); these logits "
+            f"{tuple(logits_shape)} with this target look like F.cross_entropy's layout (N, C, d1, ...) with "
+            f"C = {logits_shape[1]} classes in dimension 1: pass logits.movedim(1, -1)")
+
+
+def swapped_hint(hidden_shape: tuple, weight_shape: tuple, target_shape: tuple) -> str:
+    """The hint for ``linear_cross_entropy(weight, hidden, target)`` (the first two swapped), or ``""``:
+    ``weight`` has the target's shape but for H, and ``hidden`` is 2-D (a head's ``(V, H)``)."""
+    if len(hidden_shape) != 2 or tuple(weight_shape[:-1]) != tuple(target_shape):
+        return ""
+    return (f" (hidden.shape[:-1]); hidden {hidden_shape} and weight {weight_shape} look swapped: the "
+            "arguments are (hidden (..., H), weight (V, H), target (...)), the LM head's weight second")
 
 
 def check_float(name: str, t: torch.Tensor) -> None:
@@ -91,8 +116,19 @@ def sync_allowed() -> bool:
     return True
 
 
+class TargetOutOfRange(IndexError):
+    """The ``IndexError`` of :func:`check_target_range`; ``position`` (an index tuple into the target it
+    checked), ``value``, ``n_classes`` and ``ignore_index`` let a caller that made that target from the
+    user's (the Hugging Face patch: shifted, flattened labels) name the user's element instead."""
+
+    def __init__(self, message: str, position: tuple, value: int, n_classes: int, ignore_index: int):
+        super().__init__(message)
+        self.position, self.value, self.n_classes, self.ignore_index = position, value, n_classes, ignore_index
+
+
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Raise ``IndexError`` naming the first target that is neither ``ignore_index`` nor in ``[0, V)``.
+    """Raise ``IndexError`` (``TargetOutOfRange``) naming the first target that is neither
+    ``ignore_index`` nor in ``[0, V)``.
 
     This is the contract's one documented host sync of ``cross_entropy``; skipped (a bad row then
     gives a NaN loss row, never an out-of-bounds read) while compiling or capturing a CUDA graph.
@@ -104,10 +140,9 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
         flat = bad.reshape(-1).nonzero()[0, 0]
         pos = tuple(int(i) for i in torch.unravel_index(flat, tuple(target.shape)))
         value = int(target.reshape(-1)[flat])
-        raise IndexError(
+        raise TargetOutOfRange(
             f"target{list(pos)} = {value} is out of range: expected ignore_index={ignore_index} "
-            f"or a class in [0, {n_classes}) (V = {n_classes})"
-        )
+            f"or a class in [0, {n_classes}) (V = {n_classes})", pos, value, n_classes, ignore_index)
 
 
 def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype=torch.float32,
@@ -122,7 +157,9 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
     check_float(w_name, weight)
     if hidden.dim() < 1 or weight.dim() != 2:
         raise ValueError(f"hidden must be (..., H) and {w_name} (V, H); got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
+                         f"{tuple(weight.shape)}"
+                         + swapped_hint(tuple(hidden.shape), tuple(weight.shape),
+                                        tuple(getattr(target, "shape", ()))).replace(" (hidden.shape[:-1]);", ";"))
     check_nonzero("hidden", hidden.shape, -1, "H")
     check_nonzero(w_name, weight.shape, 1, "H")
     if not sharded:
@@ -132,7 +169,8 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
                          f"{weight.shape[1]}")
     if weight.device != hidden.device:
         raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
-    check_target(target, hidden.shape[:-1], hidden.device)
+    check_target(target, hidden.shape[:-1], hidden.device,
+                 lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape))
     check_vector(b_name, bias, weight.shape[0], hidden.device)
     check_vector(cw_name, ce_weight, weight.shape[0], hidden.device)
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
@@ -153,6 +191,19 @@ def check_method(method, chunk_size) -> None:
     if method == "tiled" and chunk_size is not None:
         raise ValueError(f"chunk_size applies to method='chunked'; with method='tiled' it must be None, "
                          f"got {chunk_size!r}")
+
+
+def deterministic_mode(deterministic) -> bool:
+    """The ``deterministic`` keyword of the linear ops resolved: None follows
+    ``torch.are_deterministic_algorithms_enabled()`` (a host flag: no sync; torch.compile guards on it),
+    a bool is taken as given; anything else is a ``TypeError``."""
+    if deterministic is None:
+        return torch.are_deterministic_algorithms_enabled()
+    if not isinstance(deterministic, bool):
+        kind = type(deterministic)
+        raise TypeError(f"deterministic must be None or a Python bool, got {deterministic!r} "
+                        f"({kind.__module__}.{kind.__qualname__})")
+    return deterministic
 
 
 def log_prob_options(ignore_index, temperature, softcap, logit_scale=1.0) -> LossOptions:

@@ -58,6 +58,12 @@ class Row:
     error: str = ""
     mma: str = "-"             # tiled kernels: "wgmma" / "mma" when tl.dot lowers to tensor-core
                                # instructions in the PTX (ptxas maps them to HGMMA / HMMA), else "none"
+    atomics: int = 0           # atomic instructions (atom. / red.) in the PTX
+
+    @property
+    def deterministic(self) -> bool:
+        """A kernel of a deterministic path: it must hold no atomic instruction."""
+        return self.kernel not in NONDETERMINISTIC_KERNELS
 
     @property
     def vectorized(self) -> bool:
@@ -73,6 +79,8 @@ class Row:
             issues.append("spills")
         if self.aligned_rows and not self.vectorized:
             issues.append("not 128-bit")
+        if self.deterministic and self.atomics:
+            issues.append("atomics")
         return ", ".join(issues)
 
 
@@ -100,6 +108,13 @@ def _mma(ptx: str) -> str:
     return "none"
 
 
+def _atomics(ptx: str) -> int:
+    """The atomic instructions in the PTX (``atom.*``, ``red.*``), predicated or not."""
+    return len(re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red)\.", ptx, flags=re.M))
+
+
+# The one kernel allowed atomics: the tiled backward's fp32 accumulation (``deterministic=False``).
+NONDETERMINISTIC_KERNELS = ("tiled_backward",)
 _CACHE: dict = {}
 
 
@@ -121,7 +136,8 @@ def inspect_one(arch: int, kernel: str, dtype_name: str, vocab: int, variant_nam
     if key not in _CACHE:
         try:
             compiled = compile_launch(fn, args, meta, arch)
-            _CACHE[key] = dict(resources(compiled), mma=_mma(compiled.ptx) if kernel in TILED else "-")
+            _CACHE[key] = dict(resources(compiled), mma=_mma(compiled.ptx) if kernel in TILED else "-",
+                               atomics=_atomics(compiled.ptx))
         except Exception as exc:  # noqa: BLE001 - reported, e.g. an arch this Triton can't target
             _CACHE[key] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]}"}
     res = _CACHE[key]
@@ -132,7 +148,7 @@ def inspect_one(arch: int, kernel: str, dtype_name: str, vocab: int, variant_nam
     spills = None if res["spill_stores"] is None else res["spill_stores"] + res["spill_loads"]
     return Row(**base, regs=res["regs"], spill_bytes=spills, local=res["local"], smem=res["smem_dynamic"],
                ld128=ld.get(128, 0), narrow_loads=sum(n for b, n in ld.items() if b < 128),
-               st128=st.get(128, 0), ld_bits=dict(sorted(ld.items())), mma=res["mma"])
+               st128=st.get(128, 0), ld_bits=dict(sorted(ld.items())), mma=res["mma"], atomics=res["atomics"])
 
 
 def arch_supported(arch: int) -> Optional[str]:
@@ -169,14 +185,15 @@ def _fmt(v) -> str:
 
 def format_table(rows) -> str:
     head = ("arch", "kernel", "variant", "dtype", "V", "BLOCK_V", "warps", "ALIGN", "regs", "spill B",
-            "smem B", "ld v4 got/need", "narrow ld", "st v4 got/need", "mma", "check")
+            "smem B", "ld v4 got/need", "narrow ld", "st v4 got/need", "mma", "atomics", "check")
     lines = [head]
     for r in rows:
         check = r.problem or ("ok" if r.aligned_rows else "ok (rows unaligned: scalar)")
         lines.append((f"sm_{r.arch}", r.kernel, r.variant, r.dtype, str(r.vocab), str(r.block_v),
                       str(r.num_warps), str(r.align), _fmt(r.regs), _fmt(r.spill_bytes), str(r.smem),
                       f"{r.ld128}/{r.ld128_needed}", str(r.narrow_loads),
-                      f"{r.st128}/{r.st128_needed}" if r.kernel in ("backward", "chunk") else "-", r.mma, check))
+                      f"{r.st128}/{r.st128_needed}" if r.kernel in ("backward", "chunk") else "-", r.mma,
+                      str(r.atomics), check))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))

@@ -10,8 +10,11 @@ from ..types import LossFlags, LossOptions
 
 # chunk: the fused loss + gradient of linear_cross_entropy; slice: the partial statistics of a vocabulary
 # slice (vocab parallelism; its gradient is the backward kernel with a column offset)
-KERNELS = ("forward", "backward", "chunk", "slice", "tiled_forward", "tiled_backward")
-TILED = ("tiled_forward", "tiled_backward")   # the no-logits LM head (method="tiled"): V is the head's rows
+# tiled_grad_hidden / tiled_grad_weight: the deterministic tiled backward (no atomics)
+KERNELS = ("forward", "backward", "chunk", "slice", "tiled_forward", "tiled_backward", "tiled_grad_hidden",
+           "tiled_grad_weight")
+TILED = ("tiled_forward", "tiled_backward", "tiled_grad_hidden", "tiled_grad_weight")   # the no-logits LM
+# head (method="tiled"): V is the head's rows
 TILED_HIDDEN = 4096         # H of the tiled kernels (Llama-3-8B); only the H loop's trip count depends on it
 ROWS = 8192                 # BT: only the grid depends on it
 ARCHS = (90, 100)
@@ -96,6 +99,16 @@ VARIANTS = {
         "entropy": _v(zloss=True, entropy=True),
         "all": Variant(ALL, zloss=True, entropy=True, bias=True),
     },
+    "tiled_grad_hidden": {
+        "plain": _v(),
+        "entropy": _v(zloss=True, entropy=True),
+        "all": Variant(ALL, zloss=True, entropy=True, bias=True),
+    },
+    "tiled_grad_weight": {
+        "plain": _v(),
+        "entropy": _v(zloss=True, entropy=True),
+        "all": Variant(ALL, zloss=True, entropy=True, bias=True),
+    },
     "slice": {
         "plain": _v(),
         "all": Variant(ALL),
@@ -113,7 +126,9 @@ _FEATURES = {"forward": ("stats",),
              "chunk": ("stats", "zloss", "dft"),
              "slice": (),
              "tiled_forward": ("stats", "entropy", "bias"),
-             "tiled_backward": ("zloss", "entropy", "bias")}
+             "tiled_backward": ("zloss", "entropy", "bias"),
+             "tiled_grad_hidden": ("zloss", "entropy", "bias"),
+             "tiled_grad_weight": ("zloss", "entropy", "bias")}
 
 
 def every_variant(kernel: str) -> dict:
@@ -175,7 +190,11 @@ def _tiled_launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant,
     if kernel == "tiled_forward":   # loss, lse, lse_lo, predicted, target_logit, entropy
         return T.tiled_forward_launch(hidden, weight, bias, target, w, weight_sum, opts, *(meta(rows),) * 3,
                                       meta(rows, dt=torch.int64) if variant.stats else None, meta(rows), entropy)
-    return T.tiled_backward_launch(hidden, weight, bias, target, w, weight_sum, meta(rows), meta(rows),
-                                   meta(()).expand(rows), meta(rows) if variant.zloss else None, entropy, entropy,
-                                   opts, meta(rows, TILED_HIDDEN), meta(vocab, TILED_HIDDEN),
-                                   meta(vocab) if variant.bias else None)
+    common = (hidden, weight, bias, target, w, weight_sum, meta(rows), meta(rows), meta(()).expand(rows),
+              meta(rows) if variant.zloss else None, entropy, entropy, opts)
+    grad_bias = meta(vocab) if variant.bias else None
+    if kernel == "tiled_grad_hidden":
+        return T.tiled_grad_hidden_launch(*common, meta(rows, TILED_HIDDEN))
+    if kernel == "tiled_grad_weight":
+        return T.tiled_grad_weight_launch(*common, meta(vocab, TILED_HIDDEN), grad_bias)
+    return T.tiled_backward_launch(*common, meta(rows, TILED_HIDDEN), meta(vocab, TILED_HIDDEN), grad_bias)

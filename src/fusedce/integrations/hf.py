@@ -9,8 +9,10 @@ applied exactly as an extra ``(s * A x, B)`` piece of the same fused matmul: ``h
 returns a tiny placeholder instead of the ``(B, T, V)`` logits, and the model's ``loss`` is
 ``linear_cross_entropy(hidden, head weight, shifted labels, head bias)``, tied to the head's output so
 that the backward passes through the head's backward hooks (which re-gather a sharded weight) before the
-loss's backward reads the weight again. Without ``labels`` (evaluation, ``generate``) the original forward
-runs untouched, as does a call with TRL's ``fused_lm_head=True`` (TRL's own fused head then runs).
+loss's backward reads the weight again. With ``labels`` and autograd off (``Trainer.evaluate``), the real
+logits are returned too by default (``keep_logits=None``). Without ``labels`` (``generate``) the original
+forward runs untouched, as does a call with TRL's ``fused_lm_head=True`` (TRL's fused head then runs:
+TRL's kernel, or fusedce's under ``fusedce.patch_trl``).
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from .. import validation as val
 from ..types import LOSS_OPTION_NAMES
 from .hf_adapters import kind as head_kind
 from .hf_call import HeadCall, module_name
-from .hf_head import LogitTransform, base_model, logit_transform, output_head, verify_transform
+from .hf_head import LogitTransform, base_model, choose_transform, logit_transforms, output_head
+from .hf_output import as_tuple, bad_label_message, replace
 
 _STATE = "_fusedce_patch"
 # linear_cross_entropy's options a patch may set. num_items_in_batch comes with each call (the Trainer
@@ -44,9 +47,9 @@ class _Patch:
     original: Optional[object]   # the instance-level forward before patching (None: the class's)
     signature: inspect.Signature  # the original forward's, without self
     loss_options: dict
-    keep_logits: bool
-    transform: LogitTransform
-    verified: bool = False       # the family's logit transform was checked (first labelled call)
+    keep_logits: Optional[bool]  # None: the logits when autograd is off (evaluation), not in training
+    transforms: tuple            # the candidate post-head transforms (hf_head.logit_transforms); one once
+    verified: bool = False       # checked against the family's forward (first labelled call)
 
 
 def _validate(model: nn.Module, options: dict, transform: LogitTransform) -> dict:
@@ -65,13 +68,14 @@ def _validate(model: nn.Module, options: dict, transform: LogitTransform) -> dic
                      **{name: value for name, value in options.items() if name in LOSS_OPTION_NAMES})
     val.check_chunk_size(options.get("chunk_size"))
     val.check_method(options.get("method", "auto"), options.get("chunk_size"))
+    val.deterministic_mode(options.get("deterministic"))
     backend = options.get("backend")  # the name only: the device is known at the first call
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid names are {BACKENDS}")
     return dict(options)
 
 
-def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_options) -> nn.Module:
+def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **loss_options) -> nn.Module:
     """Make ``model`` (a Hugging Face ``*ForCausalLM``) compute its training loss with the fused
     :func:`fusedce.linear_cross_entropy`. Patches this instance only, in place; returns it.
 
@@ -84,19 +88,30 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
       the last position predicts nothing), or the ``shift_labels`` kwarg as given (TRL's padding-free
       batches: ``position_ids`` pass through to the family); ``ignore_index=-100``;
       ``num_items_in_batch`` (the Trainer's kwarg under gradient accumulation) is the mean's denominator;
-    - the family's logit transform, read from the config: ``final_logit_softcapping`` (Gemma 2/3) becomes
-      ``softcap``; a logit scale (Cohere ``logit_scale``: ``logits * s``; Granite ``logits_scaling``:
-      ``logits / s``) becomes ``logit_scale`` (applied to the logits inside the loss, in fp32). The first
-      labelled call checks, with a probe through the family's forward (one host sync), that this is all
-      the family does to its logits, and raises ``ValueError`` otherwise;
+    - the family's logit transform, read from the config and its text config (``get_text_config()``:
+      multimodal models keep it there; ``hf_head.DECLARED``): ``final_logit_softcapping`` (Gemma 2/3/4,
+      PaliGemma 2) becomes ``softcap``; the logit scales (Cohere ``logit_scale`` and FalconH1
+      ``lm_head_multiplier``: ``logits * s``; Granite and Granite vision ``logits_scaling``: ``logits /
+      s``) become ``logit_scale`` (applied inside the loss, in fp32); ``unpadded_vocab_size`` (Inkling: the
+      model keeps ``logits[..., :n]`` of a padded head) makes the loss run over the head's first ``n`` rows
+      (the padded rows get zero gradient, as in the stock model). The first labelled call checks that this
+      is exactly what the family does (one host sync): its head returns one probe row of all V columns
+      (``(1, ..., 1, V)``; with real logits under ``keep_logits``, position 0 of them), and the family's
+      output must be the declared transform of it, same width, same shape; else ``ValueError``
+      (an undeclared transform or vocabulary slice, a declared one it does not apply, one that depends on
+      the position). When the text config and the top-level config declare different transforms (some
+      wrappers, e.g. LLaVA-NeXT, ignore their text config's), that call computes the loss for both and
+      keeps the one the forward applied (one extra fused forward and backward, once);
     - MoE models: a returned ``aux_loss`` is added times ``router_aux_loss_coef``, as the families do;
     - ``use_token_scaling`` is also accepted as a forward keyword (as Liger-patched models accept it; TRL
       passes it for ``loss_type="dft"``): it overrides the patch-time option for that call;
     - under autocast, hidden states and head are cast to the autocast dtype first (as ``F.linear`` is;
       ``linear_cross_entropy`` does it, see ``fusedce/autocast.py``);
     - the output is the family's usual class (e.g. ``CausalLMOutputWithPast``) with ``loss`` set and
-      **``logits=None``** (with ``keep_logits=True`` the logits are computed the normal way and returned;
-      that brings back the ``(B, T, V)`` tensor, but the loss is still the fused one).
+      **``logits=None``** in training; see ``keep_logits`` for when the logits are returned (computed the
+      normal way: the ``(B, T, V)`` tensor is back, the loss is still the fused one). With
+      ``return_dict=False`` the tuple keeps the stock layout: ``(loss, logits, ...)`` with None at index 1
+      when the logits are not kept (never the cache there).
 
     Training stacks: the loss is computed inside the LM head module's call, so its forward pre-hooks
     and hooks fire once per forward as in the stock model (DeepSpeed ZeRO-3 and FSDP2 gather a sharded
@@ -108,19 +123,25 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
     other tuners, a quantized or custom head) is refused with ``ValueError`` at patch time, or at the
     first call when the head is replaced after patching (``get_peft_model`` on a patched model).
 
-    Without ``labels`` the original forward runs unchanged (``generate``, evaluation), as does a call
-    with TRL's ``fused_lm_head=True`` (TRL's own fused head computes its outputs then). Note that the
-    Trainer's evaluation passes labels: use ``keep_logits=True`` if ``compute_metrics`` needs logits.
+    Without ``labels`` the original forward runs unchanged (``generate``), as does a call with TRL's
+    ``fused_lm_head=True`` (TRL's fused head computes its outputs then: TRL's kernel, or fusedce's under
+    ``fusedce.patch_trl``). The Trainer's evaluation
+    passes labels with autograd off: by default the logits are returned there, so ``compute_metrics``
+    works as on the stock model.
 
     Args:
         model: a Hugging Face causal LM: ``get_output_embeddings()`` returns a linear head, a base model
             (``.model`` / ``.transformer`` / ``.base_model``) returns the last hidden state, and its
             forward calls the head once on it (every ``*ForCausalLM`` of transformers does).
-        keep_logits: also return the logits (computed by the original head).
+        keep_logits: also return the logits (computed by the original head): ``None`` (default) when
+            autograd is off (``torch.no_grad()`` / ``inference_mode``: ``Trainer.evaluate`` / ``predict``),
+            not in training; ``True`` always; ``False`` never (a fused-only evaluation: no ``(B, T, V)``
+            tensor, ``logits=None``). ``TypeError`` unless None or a bool.
         **loss_options: passed to ``linear_cross_entropy``: ``ignore_index``, ``reduction``,
             ``label_smoothing``, ``lse_square_scale``, ``softcap``, ``logit_scale``,
             ``use_token_scaling``, ``ce_weight``, ``chunk_size``, ``method``, ``accum_dtype``,
-            ``backend``. Validated here.
+            ``backend``, ``deterministic`` (None: follow ``torch.are_deterministic_algorithms_enabled()``
+            at each call). Validated here.
 
     Patching again replaces the options (never wraps twice). Undo with :func:`unpatch_causal_lm`.
 
@@ -132,20 +153,19 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
             config, or a head / adapter on it that the patch cannot apply exactly (the message names the
             module and why). At call time: the same for a head replaced after patching, labels that do
             not match the kept positions, or (first call) a family whose logits go through a transform
-            its config does not declare.
+            other than one its config (or text config) declares.
+        IndexError: (call time) a label neither ``ignore_index`` nor in ``[0, V)``, named as the user's
+            ``labels[b, t]`` (or ``shift_labels[b, t]``).
     """
     head = output_head(model)
     head_kind(head, module_name(model, head))
     base_model(model)
-    transform = logit_transform(getattr(model, "config", None))
-    options = _validate(model, loss_options, transform)
-    if transform.softcap is not None:
-        options["softcap"] = transform.softcap
-    if transform.scale != 1.0:
-        options["logit_scale"] = transform.scale
+    transforms = logit_transforms(getattr(model, "config", None))
+    options = _validate(model, loss_options, transforms[0])
     state = getattr(model, _STATE, None)
+    keep_logits = None if keep_logits is None else val.check_flag("keep_logits", keep_logits)
     if state is not None:  # idempotent: new options, same single wrapper
-        state.loss_options, state.keep_logits, state.transform = options, bool(keep_logits), transform
+        state.loss_options, state.keep_logits, state.transforms = options, keep_logits, transforms
         state.verified = False
         return model
     original = model.__dict__.get("forward")
@@ -159,7 +179,7 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: bool = False, **loss_optio
     self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
     forward.__doc__ = f"{type(model).__name__}.forward, patched by fusedce.patch_causal_lm."
-    object.__setattr__(model, _STATE, _Patch(original, signature, options, bool(keep_logits), transform))
+    object.__setattr__(model, _STATE, _Patch(original, signature, options, keep_logits, transforms))
     model.forward = types.MethodType(forward, model)
     return model
 
@@ -212,10 +232,19 @@ def _forward(model, *args, **kwargs):
         return_dict = getattr(config, "return_dict", True)
     name = type(model).__name__
     head = output_head(model)
+    keep = state.keep_logits if state.keep_logits is not None else not torch.is_grad_enabled()
+    verify = not state.verified and not torch.compiler.is_compiling()
+
+    # Several candidate transforms (a multimodal config whose text config declares one, which some wrappers
+    # ignore): the verifying call computes the loss for each, inside the head's call, and keeps the one the
+    # forward applied (the others get a zero gradient: one extra fused forward and backward, once).
+    candidates = state.transforms if verify else state.transforms[:1]
 
     def compute(hidden, weight, bias):  # runs inside the head's call (its hooks have run)
-        return _loss(model, state, hidden, weight, bias, labels, shift_labels, num_items, token_scaling)
-    with HeadCall(head, module_name(model, head), compute, state.keep_logits) as call:
+        losses = [_loss(model, state, t, hidden, weight, bias, labels, shift_labels, num_items, token_scaling)
+                  for t in candidates]
+        return losses[0] if len(losses) == 1 else torch.stack(losses)
+    with HeadCall(head, module_name(model, head), compute, keep, verify) as call:
         out = _call_original(model, state, (), {**kwargs, "return_dict": True})
     if not hasattr(out, "logits"):
         raise TypeError(f"{name}.forward(return_dict=True) returned {type(out).__name__}, not a model "
@@ -224,27 +253,40 @@ def _forward(model, *args, **kwargs):
         raise TypeError(f"{name}.forward called its output embeddings {call.calls} times (expected once, "
                         "as self.lm_head(hidden_states)): patch_causal_lm cannot find the final hidden "
                         "states of this model")
-    if not state.keep_logits and not state.verified and not torch.compiler.is_compiling():
-        verify_transform(call, getattr(out, "logits", None), state.transform, name)
-        state.verified = True
+    chosen = 0
+    if verify and call.head_row is not None:
+        chosen = choose_transform(out.logits, call.head_row, candidates, name, probe=not keep)
+        state.transforms, state.verified = (candidates[chosen],), True
     loss = call.final_loss(out.logits)
+    if len(candidates) > 1:
+        loss = loss[chosen]
     aux, coef = getattr(out, "aux_loss", None), getattr(config, "router_aux_loss_coef", None)
     if aux is not None and coef:
         loss = loss + coef * aux.to(loss.device)
-    out = _replace(out, loss=loss, logits=out.logits if state.keep_logits else None)
-    return out if return_dict else out.to_tuple()
+    out = replace(out, loss=loss, logits=out.logits if keep else None)
+    return out if return_dict else as_tuple(out)
 
 
-def _loss(model, state: _Patch, hidden, weight, bias, labels, shift_labels, num_items,
-          token_scaling) -> torch.Tensor:
-    """``linear_cross_entropy`` of the head's pieces: ``hidden`` (..., H), ``weight`` (V, H), ``bias``."""
-    options = state.loss_options
+def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias, labels, shift_labels,
+          num_items, token_scaling) -> torch.Tensor:
+    """``linear_cross_entropy`` of the head's pieces: ``hidden`` (..., H), ``weight`` (V, H), ``bias``, for
+    the family's post-head ``transform``."""
+    options = dict(state.loss_options)
+    if transform.softcap is not None:
+        options["softcap"] = transform.softcap
+    if transform.scale != 1.0:
+        options["logit_scale"] = transform.scale
     if token_scaling is not None:
         val.check_flag("use_token_scaling", token_scaling)
         options = {**options, "use_token_scaling": token_scaling}
     ignore_index = options.get("ignore_index", -100)
+    given_shifted = shift_labels is not None
     if shift_labels is None:  # Hugging Face's ForCausalLMLoss: pad one ignored label, drop the first
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    n_classes = transform.width(weight.shape[0])
+    if n_classes < weight.shape[0]:  # the family keeps logits[..., :n_classes] (a padded head): those rows
+        weight = weight[:n_classes]  # (a view; the padded rows get a zero gradient, as in the stock model)
+        bias = None if bias is None else bias[:n_classes]
     hidden = hidden.to(weight.device)
     target = shift_labels.to(weight.device).reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -256,15 +298,8 @@ def _loss(model, state: _Patch, hidden, weight, bias, labels, shift_labels, num_
     if isinstance(num_items, torch.Tensor):
         num_items = num_items.to(hidden.device)
     # under autocast, linear_cross_entropy casts hidden / head to the autocast dtype as F.linear would
-    return linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items, **options)
+    try:
+        return linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items, **options)
+    except val.TargetOutOfRange as err:  # name the user's element, not the flattened shifted target's
+        raise IndexError(bad_label_message(err, shift_labels.shape, given_shifted)) from None
 
-
-def _replace(out, **changes):
-    """A new output of the same class with ``changes`` (ModelOutput keeps a dict and attributes in sync
-    only through its constructor; setting a field to None would leave the dict entry behind)."""
-    if dataclasses.is_dataclass(out):
-        values = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
-        return type(out)(**{**values, **changes})
-    for key, value in changes.items():
-        out[key] = value
-    return out

@@ -15,7 +15,8 @@ every hook fires once as in the stock forward:
    when the innermost call records it;
 2. innermost, computes ``linear_cross_entropy`` on the recorded pieces (``Pieces.joined``);
 3. returns, through every nested call, a tensor tied to the loss: the loss itself below the head, and at
-   the head a ``(..., 2)`` placeholder (``PROBE_VALUES``) instead of the ``(B, T, V)`` logits.
+   the head a ``(..., 2)`` placeholder (``PROBE_VALUES``) instead of the ``(B, T, V)`` logits (at the
+   first call, the verifying one, one ``(1, ..., 1, V)`` probe row, see ``probe_row``).
 
 Backward order: the caller's final loss is ``join(loss, logits)`` where ``logits`` is what the family made
 of the placeholder. ``join`` passes the gradient to ``loss`` and a zero gradient to ``logits``, which
@@ -35,10 +36,20 @@ from torch import nn
 
 from .hf_adapters import Pieces, dispatch_children, kind, lora_adapters
 
-# Values the placeholder "logits" hold (one column each). The family's forward applies its post-head
-# transform to them; ``hf_head.verify_transform`` checks that it is exactly the one the config declares.
-# -24 sits where a 30-softcap (Gemma 2) is visibly non-linear; both are exact in bf16.
+# Values the placeholder "logits" hold (one column each) once the transform is verified. The verifying
+# call's placeholder is instead ONE row of all V columns, ``probe_row(V)``, shaped ``(1, ..., 1, V)`` (the
+# family's post-head code broadcasts it; V elements, so the (B, T, V) logits are still never made), so that
+# ``hf_head.verify_transform`` sees any transform or column slice the family applies, and that it is the
+# same at every position (the output must keep the leading 1s). -24 sits where a 30-softcap (Gemma 2) is
+# visibly non-linear; both are exact in bf16.
 PROBE_VALUES = (1.0, -24.0)
+
+
+def probe_row(n_columns: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``(n_columns,)``: ``PROBE_VALUES`` first, then values spread over [-24, 24] (distinct in fp32)."""
+    row = torch.linspace(-24.0, 24.0, n_columns, dtype=torch.float32, device=device)
+    head = torch.tensor(PROBE_VALUES[:n_columns], dtype=torch.float32, device=device)
+    return torch.cat([head, row[head.numel():]]).to(dtype)
 
 
 class _Join(torch.autograd.Function):
@@ -46,19 +57,20 @@ class _Join(torch.autograd.Function):
     ``anchor``. Makes ``anchor``'s graph part of the backward without changing any value."""
 
     @staticmethod
-    def forward(ctx, value, anchor):
+    def forward(ctx, value, anchor, as_view):
         ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
-        return value.clone()
+        return value.view_as(value) if as_view else value.clone()
 
     @staticmethod
     def backward(ctx, grad):
         shape, dtype, device = ctx.anchor
-        return grad, torch.zeros(shape, dtype=dtype, device=device)
+        return grad, torch.zeros(shape, dtype=dtype, device=device), None
 
 
-def join(value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    """``value`` with ``anchor`` as a zero-gradient dependency (see the module docstring)."""
-    return _Join.apply(value, anchor)
+def join(value: torch.Tensor, anchor: torch.Tensor, as_view: bool = False) -> torch.Tensor:
+    """``value`` with ``anchor`` as a zero-gradient dependency (see the module docstring): a copy, or with
+    ``as_view`` a view of ``value`` (for a stride-0 expanded probe, which a copy would materialize)."""
+    return _Join.apply(value, anchor, as_view)
 
 
 def _no_extra_arguments(args, kwargs, where: str) -> None:
@@ -70,19 +82,22 @@ def _no_extra_arguments(args, kwargs, where: str) -> None:
 class HeadCall:
     """Context manager: while active, calling ``head`` (as the family's forward does) computes
     ``compute(hidden (..., H'), weight (V, H'), bias (V,) or None) -> loss`` inside the call (see the module
-    docstring) and returns a ``(..., len(PROBE_VALUES))`` placeholder, or with ``keep_logits`` the real
-    logits ``hidden @ weight.T + bias`` (same pieces, same dropout mask as the loss).
+    docstring) and returns a ``(..., len(PROBE_VALUES))`` placeholder (with ``verify``: one probe row of
+    all V columns, ``probe_row(V)`` as ``(1, ..., 1, V)``), or with ``keep_logits`` the real logits
+    ``hidden @ weight.T + bias`` (same pieces, same dropout mask as the loss).
 
     After the family's forward: ``calls`` (how many times the head was called), ``loss`` (the last call's),
-    ``placeholder``; :meth:`final_loss` ties the loss to the family's logits for the backward order.
+    ``head_row`` (with ``verify``: the head's output at position 0, ``(V,)``, for
+    ``hf_head.verify_transform``); :meth:`final_loss` ties the loss to the family's logits for the
+    backward order.
 
     Raises (during the call): ``ValueError`` for a head or adapter not applied exactly (``hf_adapters``),
     ``TypeError`` for extra arguments to the head or a weight that is not 2-D inside its forward.
     """
 
-    def __init__(self, head: nn.Module, where: str, compute: Callable, keep_logits: bool):
+    def __init__(self, head: nn.Module, where: str, compute: Callable, keep_logits: bool, verify: bool):
         self.head, self.where, self.compute, self.keep_logits = head, where, compute, keep_logits
-        self.calls, self.loss, self.placeholder = 0, None, None
+        self.verify, self.calls, self.loss, self.head_row, self._n_rows = verify, 0, None, None, None
         self._originals, self._stack = {}, None
 
     def __enter__(self) -> "HeadCall":
@@ -124,13 +139,18 @@ class HeadCall:
         pieces = Pieces()
         out = self._enter(self.head, hidden, pieces, self.where, lambda: self._finish(pieces))
         if self.keep_logits:
+            if self.verify and out.numel() > 0:
+                self.head_row = out.detach()[(0,) * (out.dim() - 1)]
             return out
+        if self.verify:   # every column, so that a column slice or any per-column transform shows
+            self.head_row = probe_row(self._n_rows, hidden.dtype, hidden.device)
+            return join(self.head_row.view(*(1,) * (hidden.dim() - 1), self._n_rows), out, as_view=True)
         probe = torch.tensor(PROBE_VALUES, dtype=hidden.dtype, device=hidden.device)
-        self.placeholder = probe.expand(*hidden.shape[:-1], len(PROBE_VALUES)).contiguous()
-        return join(self.placeholder, out)
+        return join(probe.expand(*hidden.shape[:-1], len(PROBE_VALUES)).contiguous(), out)
 
     def _finish(self, pieces: Pieces) -> torch.Tensor:
         hidden, weight, bias = pieces.joined()
+        self._n_rows = weight.shape[0]
         self.loss = self.compute(hidden, weight, bias)
         if not self.keep_logits:
             return self.loss

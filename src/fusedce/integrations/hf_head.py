@@ -15,20 +15,26 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .hf_call import PROBE_VALUES
 
 
 @dataclasses.dataclass(frozen=True)
 class LogitTransform:
-    """What the family applies to the head's output ``h @ W.T + b`` before the loss:
-    ``z = softcap * tanh(scale * logits / softcap)`` (each part optional)."""
+    """What the family does to the head's output ``x = h @ W.T + b`` (``(..., V)``, V = the head's rows)
+    before its loss: ``z = softcap * tanh(scale * x / softcap)`` (each part optional), then keeps the first
+    ``n_classes`` columns only (``z[..., :n_classes]``, a head padded beyond the real vocabulary)."""
 
     scale: float = 1.0
     softcap: Optional[float] = None
+    n_classes: Optional[int] = None
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         z = x * self.scale if self.scale != 1.0 else x
-        return z if self.softcap is None else torch.tanh(z / self.softcap) * self.softcap
+        z = z if self.softcap is None else torch.tanh(z / self.softcap) * self.softcap
+        return z[..., :self.width(z.shape[-1])]
+
+    def width(self, head_rows: int) -> int:
+        """The number of classes the family's logits have for a head of ``head_rows`` rows."""
+        return head_rows if self.n_classes is None else min(self.n_classes, head_rows)
 
 
 def output_head(model: nn.Module) -> nn.Module:
@@ -59,37 +65,110 @@ def base_model(model: nn.Module) -> nn.Module:
                     "hidden state")
 
 
-def logit_transform(config) -> LogitTransform:
-    """The post-head transform a family's config declares:
+# Config attributes of a post-head transform, and how each enters ``LogitTransform``.
+DECLARED = {
+    "final_logit_softcapping": "softcap",          # Gemma 2/3/4, PaliGemma 2: softcap * tanh(x / softcap)
+    "logit_scale": "scale",                         # Cohere, Cohere 2: x * s
+    "lm_head_multiplier": "scale",                  # FalconH1: x * s
+    "logits_scaling": "inverse scale",              # Granite (and its vision models): x / s
+    "unpadded_vocab_size": "classes",               # Inkling: x[..., :n] (a head padded beyond V)
+}
 
-    - ``final_logit_softcapping`` (Gemma 2, Gemma 3): softcap.
-    - ``logit_scale`` (Cohere, Cohere 2: ``logits * logit_scale``): scale.
-    - ``logits_scaling`` (Granite: ``logits / logits_scaling``): scale = 1 / logits_scaling.
-    Llama, Mistral, Qwen2/3, Gemma, Phi3, GPT-2 declare none.
-    """
-    softcap = getattr(config, "final_logit_softcapping", None)
+
+def _declared(*configs) -> dict:
+    """``DECLARED`` attributes set to a number, from the first of ``configs`` that sets each."""
+    found = {}
+    for name in DECLARED:
+        for config in configs:
+            value = getattr(config, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                found[name] = value
+                break
+    return found
+
+
+def _transform(found: dict) -> LogitTransform:
     scale = 1.0
-    if isinstance(getattr(config, "logit_scale", None), (int, float)):
-        scale = float(config.logit_scale)
-    if isinstance(getattr(config, "logits_scaling", None), (int, float)):
-        scale = 1.0 / float(config.logits_scaling)
+    for name, value in found.items():
+        if DECLARED[name] == "scale":
+            scale *= float(value)
+        elif DECLARED[name] == "inverse scale":
+            scale = scale / float(value) if value != 0 else math.inf
     if not math.isfinite(scale) or scale == 0.0:
         raise ValueError(f"the config's logit scale {scale} is not a finite non-zero number")
-    return LogitTransform(scale=scale, softcap=None if softcap is None else float(softcap))
+    softcap = found.get("final_logit_softcapping")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"the config's final_logit_softcapping {softcap} is not a finite number > 0")
+    n_classes = found.get("unpadded_vocab_size")
+    if n_classes is not None and (not float(n_classes).is_integer() or n_classes < 1):
+        raise ValueError(f"the config's unpadded_vocab_size {n_classes} is not an integer >= 1")
+    return LogitTransform(scale=scale, softcap=None if softcap is None else float(softcap),
+                          n_classes=None if n_classes is None else int(n_classes))
 
 
-def verify_transform(capture, logits, transform: LogitTransform, model_name: str) -> None:
-    """Check that the forward turned the placeholder into ``transform.apply(placeholder)`` (one host sync;
-    run once per patch). ``ValueError`` if the family does something else to its logits."""
-    placeholder = capture.placeholder
-    if not isinstance(logits, torch.Tensor) or logits.shape != placeholder.shape:
+def logit_transforms(config) -> tuple:
+    """The post-head transforms ``config`` declares (``DECLARED``, the scales multiplied together), as
+    candidates for ``choose_transform``: first the text config's (``get_text_config()``, where multimodal
+    models keep them; an attribute it lacks is taken from the top level), then, if different, the top-level
+    config's alone (multimodal wrappers such as LLaVA-NeXT, Aya Vision or Cohere 2 Vision ignore their
+    text config's). Llama, Mistral, Qwen2/3, Gemma, Phi3, GPT-2 declare none: ``(LogitTransform(),)``.
+    ``ValueError`` for a scale that is not a finite non-zero number, a softcap <= 0 or a vocabulary
+    size < 1."""
+    if config is None:
+        return (LogitTransform(),)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
+    if text is None or text is config:
+        return (_transform(_declared(config)),)
+    first, top = _transform(_declared(text, config)), _transform(_declared(config))
+    return (first,) if first == top else (first, top)
+
+
+# Agreement required between the family's logits and ``LogitTransform.apply`` of what the head returned,
+# per dtype of those logits: a few roundings of that dtype (the family may compute its transform in it).
+_VERIFY_RTOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _describe(transform: LogitTransform) -> str:
+    return f"scale={transform.scale}, softcap={transform.softcap}, classes={transform.n_classes or 'all'}"
+
+
+def _mismatch(logits, head_row, transform: LogitTransform, probe: bool):
+    """Why ``logits`` is not ``transform.apply(head_row)`` (a sentence), or None."""
+    expected = transform.apply(head_row.detach().float())
+    if logits.shape[-1] != expected.shape[-1]:
+        return (f"it turns its LM head's {head_row.shape[-1]} columns into {logits.shape[-1]} logit columns, "
+                f"not {expected.shape[-1]} (a vocabulary slice such as logits[..., :unpadded_vocab_size] that "
+                "the config does not declare?)")
+    if probe and logits.numel() != logits.shape[-1]:
+        return (f"it turned one probe row of its LM head's output into logits of shape {tuple(logits.shape)}: "
+                "what it does to its logits depends on the position")
+    got = logits.detach()[(0,) * (logits.dim() - 1)].float()
+    rtol = _VERIFY_RTOL.get(logits.dtype, 3e-2)
+    if torch.allclose(got, expected, rtol=rtol, atol=rtol * float(expected.abs().max())):
+        return None
+    worst = int((got - expected).abs().argmax())
+    return (f"at column {worst} the head gave {float(head_row[worst]):.6g}, the model returned "
+            f"{float(got[worst]):.6g}, the declared transform gives {float(expected[worst]):.6g}")
+
+
+def choose_transform(logits, head_row: torch.Tensor, transforms: tuple, model_name: str, probe: bool) -> int:
+    """The index of the first of ``transforms`` (``logit_transforms``) that the family applied: its
+    ``logits`` (its output) must be ``transform.apply`` of what its head returned, ``head_row`` = the
+    head's output at position 0 (``(V,)``, all V columns). With ``probe``, the head returned that row
+    alone (``(1, ..., 1, V)``, ``hf_call.probe_row``) and the output must keep that shape but for its
+    width; else they are the real logits. Checked: the width, and position 0's values (one host sync; run
+    once per patch). ``ValueError`` if none matches: a transform or vocabulary slice the config does not
+    declare, one it declares but the forward does not apply, or one that depends on the position."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise ValueError(f"{model_name}.forward does not return its LM head's output as `logits`: "
                          "patch_causal_lm cannot tell what it does to the logits")
-    got = logits.detach().reshape(-1, placeholder.shape[-1])[:1].float()
-    expected = transform.apply(placeholder.reshape(-1, placeholder.shape[-1])[:1].float())
-    if not torch.allclose(got, expected, rtol=1e-2, atol=1e-3):
-        raise ValueError(
-            f"{model_name}.forward transforms the LM head's output in a way its config does not declare "
-            f"(probe {list(PROBE_VALUES)} -> {got[0].tolist()}, expected {expected[0].tolist()} for "
-            f"scale={transform.scale}, softcap={transform.softcap}): patch_causal_lm would train a "
-            "different loss, so it refuses; call the model unpatched")
+    reasons = []
+    for index, transform in enumerate(transforms):
+        reason = _mismatch(logits, head_row, transform, probe)
+        if reason is None:
+            return index
+        reasons.append(f"against {_describe(transform)}: {reason}")
+    raise ValueError(
+        f"{model_name}.forward transforms the LM head's output in a way that does not match what its config "
+        f"declares (read from the config and its text config; {'; '.join(reasons)}). patch_causal_lm would "
+        "train a different loss, so it refuses; call the model unpatched")

@@ -75,7 +75,7 @@ def forward(model: nn.Module, settings: Settings, args: tuple, kwargs: dict, fus
         per_token.update(_head_outputs(h, weight, bias, labels, settings, where))
         grads = [per_token[k] for k in ("log_probs", "entropy") if per_token.get(k) is not None]
         return grads[0] if len(grads) == 1 else torch.stack(grads)
-    with autocast, HeadCall(head, where, compute, keep_logits=False) as call:
+    with autocast, HeadCall(head, where, compute, keep_logits=False, verify=False) as call:
         placeholder = head(hidden)
     tied = call.final_loss(placeholder)   # the backward reaches the head's output (hooks) before the loss
     if per_token.get("entropy") is None:

@@ -2,8 +2,9 @@
 
 - mean / sum: the forward computes the loss and every gradient chunk by chunk with the per-row upstream
   gradients already applied (``1/D`` for the cross-entropy and ``1/N`` for the z-loss with mean, 1 with
-  sum); the first backward only multiplies the saved gradients by the scalar upstream gradient (a
-  device tensor: no sync, no recompute). A later backward through a retained graph (``retain_graph=True``,
+  sum), times a power of two ``P`` (``headroom``); the first backward only multiplies the saved
+  gradients by ``g / P``, ``g`` the scalar upstream gradient (a device tensor: no sync, no recompute).
+  A later backward through a retained graph (``retain_graph=True``,
   or ``torch.autograd.grad`` then ``backward``) recomputes them from the saved inputs, as "none" does;
   for that the Function keeps its (compacted) ``hidden`` until the graph is freed: BT' x H, a copy only
   when some rows are ignored (otherwise the caller's tensor itself).
@@ -31,6 +32,28 @@ from .heads import ChunkedHead, TiledHead
 from .protocols import ChunkCE, TiledCE
 from .tuning import chunk_rows, resolve_method
 
+# Headroom of the forward-made gradients. The chunk kernels round dL/dlogits to hidden's dtype in the
+# forward, before the upstream gradient g exists; with fp16 and loss scaling (g = S = 2^16) a dlogit
+# (p_c - y_c) / D below fp16's smallest subnormal (2^-24) would be 0 before S arrives: the underflow
+# loss scaling exists to prevent. So the forward forms P dL/dlogits, with (K = HEADROOM_EXP)
+#     m = |logit_scale| max(max_c |w_c| / D, 1 / N),   m = f 2^e (frexp, f in [0.5, 1)),   P = 2^(K - e),
+# i.e. P m in [2^(K-1), 2^K): dlogits of about 2^K |p_c - y_c| whatever D, the class weights and
+# logit_scale; grad_hidden is rounded to its dtype at that scale, grad_weight / grad_bias accumulate at
+# it, and the backward multiplies them by g / P in fp32. P is a power of two, so for a power-of-two g
+# (a GradScaler's) that is exact: each result is rounded once, as stock's is, but from dlogits at a
+# scale where fp16 keeps |p_c - y_c| down to ~2^-(24+K) (normal down to ~2^-(14+K)), not 2^-24 D / S. Overflow would need a per-logit |dL/dz| beyond ~2^(16-K) = 64 times (p - y)'s bound 1,
+# or |grad_hidden| at unit scale (<= 2 max |W|) beyond 2^(16-K). bf16 / fp32: P changes no bit.
+HEADROOM_EXP = 10
+
+
+def headroom(scales: MeanScales, w: Optional[torch.Tensor], opts: LossOptions) -> torch.Tensor:
+    """``P`` above: a 0-dim fp32 power of two on the scales' device (no host sync). ``w``: (V,) fp32
+    class weights or None."""
+    ce = scales.ce.abs() if w is None else scales.ce.abs() * w.abs().amax()
+    m = torch.maximum(ce, scales.z.abs()) * abs(opts.logit_scale)
+    _, e = torch.frexp(m)   # m = 0 gives e = 0: P = 2^K, harmless (every gradient is 0)
+    return torch.ldexp(torch.ones_like(m), HEADROOM_EXP - e).to(m.dtype)
+
 
 class _LinearCE(torch.autograd.Function):
     @staticmethod
@@ -44,11 +67,13 @@ class _LinearCE(torch.autograd.Function):
         if reduction == "none" or not head.grads_in_forward:
             loss, lse, lse_lo, predicted, token_weight, _ = head.forward(hidden, weight, bias, target, w,
                                                                          weight_sum, opts, stats)
-        else:
+        else:   # gradients made here, times P (``headroom``); the backward applies g / P
             n = hidden.shape[0]
+            p = headroom(scales, w, opts)
+            ctx.unscale = 1.0 / p   # exact: a power of two
             loss, lse, lse_lo, predicted, token_weight, *ctx.grads = head.grads(
-                hidden, weight, bias, target, w, weight_sum, opts, scales.ce.expand(n), scales.z.expand(n), needs,
-                accum_dtype, stats=stats)
+                hidden, weight, bias, target, w, weight_sum, opts, (scales.ce * p).expand(n),
+                (scales.z * p).expand(n), needs, accum_dtype, stats=stats)
         out = reduce(*token_scaled(loss, z_rows(lse, opts), token_weight), reduction, scales, loss.shape)
         if token_weight is None:
             token_weight = lse.new_empty(0)
@@ -64,8 +89,8 @@ class _LinearCE(torch.autograd.Function):
         check_backward_allowed(ctx, "fusedce.linear_cross_entropy")
         if ctx.grads is not None:   # the first backward of chunked mean / sum: scale what the forward made
             (g_h, g_w, g_b), ctx.grads = ctx.grads, None
-            g = grad_out.float()    # scale in place: no second V x H buffer
-            g_h, g_w, g_b = (None if t is None else t.mul_(g) for t in (g_h, g_w, g_b))
+            g = grad_out.float() * ctx.unscale
+            g_h, g_w, g_b = (_scaled_(t, g) for t in (g_h, g_w, g_b))
         else:                       # "none", tiled, or a second backward: recompute from the saved inputs
             hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair, token_weight = ctx.saved_tensors
             ce_scale, z_scale = scale_pair[0], scale_pair[1]
@@ -84,6 +109,18 @@ class _LinearCE(torch.autograd.Function):
 
 
 _N_INPUTS = len(inspect.signature(_LinearCE.forward).parameters) - 1   # forward's inputs, ctx excluded
+
+
+def _scaled_(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t * g`` (``g`` a 0-dim fp32 device tensor), the product formed in fp32 and rounded once to
+    ``t``'s dtype. fp32 / fp64 ``t`` is scaled in place (no second V x H buffer); a bf16 / fp16 ``t``
+    goes through one fp32 copy, since ``t.mul_(g)`` on CUDA first rounds ``g`` itself to ``t``'s dtype
+    (a 0-dim device tensor is an operand, not a scalar): ``g / P`` = 2^-34 would be 0 in fp16."""
+    if t is None:
+        return None
+    if t.dtype in (torch.float32, torch.float64):
+        return t.mul_(g)
+    return t.float().mul_(g).to(t.dtype)
 
 
 def scatter_rows(values: torch.Tensor, index: Optional[torch.Tensor], n: int, fill) -> torch.Tensor:
@@ -106,18 +143,20 @@ def compact_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int):
 
 
 def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, hidden_size: int,
-              vocab_size: int, chunk_size: Optional[int]):
-    """The ``heads.py`` object for ``method`` ("auto" resolved by ``tuning.resolve_method``)."""
+              vocab_size: int, chunk_size: Optional[int], deterministic: bool = False):
+    """The ``heads.py`` object for ``method`` ("auto" resolved by ``tuning.resolve_method``).
+    ``deterministic`` selects the tiled backward without float atomics; the chunk loop has none (its
+    kernels own their outputs, its matmuls are torch's), so it is deterministic anyway."""
     if resolve_method(method) == "tiled":
         if tiled is None:
             raise RuntimeError("this backend has no method='tiled' (no TiledCE); use method='chunked'")
-        return TiledHead(tiled)
+        return TiledHead(tiled, deterministic)
     return ChunkedHead(ce, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size))
 
 
 def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, opts: LossOptions, reduction: str,
                          scales: Optional[MeanScales], chunk_size, accum_dtype, stats: bool, method: str = "auto",
-                         *, tiled: Optional[TiledCE] = None):
+                         *, tiled: Optional[TiledCE] = None, deterministic: bool = False):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> (loss, lse, predicted,
     token_weight).
 
@@ -125,12 +164,14 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
     (BT,) per-row for "none"; lse (BT,) fp32 is 0 on ignored rows (their logits are never computed);
     predicted (BT,) int64, -1 on ignored rows; token_weight (BT,) fp32 ``p_t`` with
     ``use_token_scaling`` (0 on ignored rows), else None. ``method``: "chunked" / "tiled" / "auto"
-    (``heads.py``; ``tiled`` is the backend's ``TiledCE``, required for "tiled").
+    (``heads.py``; ``tiled`` is the backend's ``TiledCE``, required for "tiled"); ``deterministic``:
+    bitwise-reproducible gradients (``make_head``).
     """
     n = hidden.shape[0]
     w, weight_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
-    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size)
+    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
+                     deterministic)
     if scales is None:
         one = torch.ones((), device=hidden.device)
         scales = MeanScales(one, one)

@@ -40,8 +40,8 @@ class ChunkedHead:
 class TiledHead:
     grads_in_forward = False
 
-    def __init__(self, tiled: TiledCE):
-        self.tiled = tiled
+    def __init__(self, tiled: TiledCE, deterministic: bool = False):
+        self.tiled, self.deterministic = tiled, deterministic
 
     def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
                 entropy: bool = False):
@@ -61,5 +61,5 @@ class TiledHead:
             grad_row, z_grad_row = grad_row * token_weight, z_grad_row * token_weight
         g_h, g_w, g_b = self.tiled.backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row,
                                             loop.grad_lse(lse, z_grad_row, opts), opts, needs, accum_dtype,
-                                            grad_entropy, entropy)
+                                            grad_entropy, entropy, deterministic=self.deterministic)
         return None, lse, lse_lo, None, token_weight, g_h, g_w, g_b

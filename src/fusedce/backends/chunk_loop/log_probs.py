@@ -141,12 +141,13 @@ def token_log_probs(ce: ChunkCE, logits: torch.Tensor, target: torch.Tensor, opt
 
 def linear_token_log_probs(ce: ChunkCE, hidden, weight, target, bias, opts: LossOptions, want_entropy: bool,
                            chunk_size: Optional[int], method: str, want_stats: bool = False, *,
-                           tiled: Optional[TiledCE] = None):
+                           tiled: Optional[TiledCE] = None, deterministic: bool = False):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> as ``token_log_probs``
-    (the five per-row outputs); ignored rows compacted away."""
+    (the five per-row outputs); ignored rows compacted away; ``deterministic`` as in ``api.make_head``."""
     n = hidden.shape[0]
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
-    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size)
+    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
+                     deterministic)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     log_probs, entropy, *stats = _LinearLogProbs.apply(hidden, weight, bias, target, head, opts, want_entropy,
                                                        want_stats, needs)

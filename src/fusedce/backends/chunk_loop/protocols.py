@@ -81,9 +81,12 @@ class TiledCE(Protocol):
 
     def backward(self, hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
                  opts: LossOptions, needs: Tuple[bool, bool, bool], accum_dtype: torch.dtype,
-                 grad_entropy: Opt = None, entropy: Opt = None) -> Tuple[Opt, Opt, Opt]:
+                 grad_entropy: Opt = None, entropy: Opt = None, deterministic: bool = False
+                 ) -> Tuple[Opt, Opt, Opt]:
         """``(grad_hidden, grad_weight, grad_bias)`` of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i +
         grad_entropy[i] entropy_i`` (per-row upstream gradients (n,), any float dtype and strides);
         ``needs`` says which of the three to compute (None for the others). ``grad_hidden`` in
-        hidden's dtype, ``grad_weight`` / ``grad_bias`` in ``accum_dtype``."""
+        hidden's dtype, ``grad_weight`` / ``grad_bias`` in ``accum_dtype``. ``deterministic``: results
+        bitwise identical run to run on the same device (no float atomics; a backend without atomics
+        ignores it)."""
         ...

@@ -139,7 +139,8 @@ class TorchTiledCE:
 
     @staticmethod
     def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
-                 needs, accum_dtype, grad_entropy=None, entropy=None):
+                 needs, accum_dtype, grad_entropy=None, entropy=None, deterministic=False):
+        # deterministic: nothing to select, this loop has no atomics (a fixed order of torch ops)
         n, n_classes = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         fp32 = hidden.dtype == torch.float32

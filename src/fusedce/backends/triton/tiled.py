@@ -1,15 +1,18 @@
 """The tiled LM-head loss (``method="tiled"``) on Triton: launchers, torch custom ops, and ``TRITON_TILED``
 (the ``TiledCE`` of ``chunk_loop/protocols.py``).
 
-Layering as for the row kernels: ``kernels/tiled_forward.py`` / ``tiled_backward.py`` (the kernels, their
-design and their bytes / FLOPs per token) -> ``tiled_forward_launch`` / ``tiled_backward_launch`` (grid,
-arguments and meta-parameters in one place; ``fusedce inspect`` compiles exactly these on meta tensors)
--> the custom ops ``fusedce::tiled_forward`` / ``fusedce::tiled_backward`` (allocate + launch, with fakes,
-so torch.compile traces them) -> ``TRITON_TILED`` (typed entry points). No autograd here: the shared
+Layering as for the row kernels: ``kernels/tiled_forward.py`` / ``tiled_backward.py`` /
+``tiled_backward_owned.py`` (the kernels, their design and their bytes / FLOPs per token) ->
+``tiled_forward_launch`` / ``tiled_backward_launch`` / ``tiled_grad_hidden_launch`` /
+``tiled_grad_weight_launch`` (grid, arguments and meta-parameters in one place; ``fusedce inspect``
+compiles exactly these on meta tensors; ``tiled_backward_launches`` picks the atomic kernel or, with
+``deterministic``, the two atomic-free ones) -> the custom ops ``fusedce::tiled_forward`` /
+``fusedce::tiled_backward`` (allocate + launch, with fakes, so torch.compile traces them; ``deterministic``
+is an argument of the op) -> ``TRITON_TILED`` (typed entry points). No autograd here: the shared
 Functions of ``chunk_loop`` call ``forward`` / ``backward``.
 
 Memory: besides the (n,) per-row outputs, forward allocates nothing; backward allocates the fp32
-accumulators the atomics need: grad_hidden (n x H fp32, cast to hidden's dtype afterwards when that is
+accumulators (both variants): grad_hidden (n x H fp32, cast to hidden's dtype afterwards when that is
 not fp32), grad_weight (V x H fp32) and grad_bias (V fp32), cast to ``accum_dtype`` when that is not fp32.
 No tensor of n x V (or any other V-sized tensor besides the weight / bias gradients) exists.
 
@@ -27,6 +30,7 @@ from ...types import LossOptions
 from ..chunk_loop.protocols import TiledRows
 from . import tuning
 from .kernels.tiled_backward import tiled_backward_kernel
+from .kernels.tiled_backward_owned import tiled_grad_hidden_kernel, tiled_grad_weight_kernel
 from .kernels.tiled_forward import tiled_forward_kernel
 from .launch import INTERPRETED
 
@@ -42,10 +46,13 @@ def _dot_meta(dtype: torch.dtype) -> dict:
     return meta
 
 
-def _grid_meta(n_rows, n_cols, n_hidden, backward, dtype):
-    cfg = tuning.tiled_config(n_rows, n_cols, n_hidden, backward, torch.empty((), dtype=dtype).element_size())
-    return cfg, dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
-                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_meta(dtype))
+def _grid_meta(n_rows, n_cols, n_hidden, kernel, dtype):
+    cfg = tuning.tiled_config(n_rows, n_cols, n_hidden, kernel, torch.empty((), dtype=dtype).element_size())
+    meta = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_meta(dtype))
+    if "maxnreg" in cfg:
+        meta["maxnreg"] = cfg["maxnreg"]
+    return cfg, meta
 
 
 def tiled_forward_launch(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, loss, lse, lse_lo,
@@ -54,7 +61,7 @@ def tiled_forward_launch(hidden, weight, bias, target, w, weight_sum, opts: Loss
     ``token_stats``: (log_sum_sq, mean, is_top1 as uint8) buffers, or None (COMPUTE_TOKEN_STATS off)."""
     (n_rows, n_hidden), n_cols = hidden.shape, weight.shape[0]
     dummy = loss
-    cfg, meta = _grid_meta(n_rows, n_cols, n_hidden, False, hidden.dtype)
+    cfg, meta = _grid_meta(n_rows, n_cols, n_hidden, "tiled_forward", hidden.dtype)
     args = (hidden, weight, dummy if bias is None else bias, target, dummy if w is None else w,
             dummy if weight_sum is None else weight_sum, loss, lse, lse_lo,
             dummy if predicted is None else predicted, target_logit, dummy if entropy is None else entropy,
@@ -67,27 +74,81 @@ def tiled_forward_launch(hidden, weight, bias, target, w, weight_sum, opts: Loss
     return tiled_forward_kernel, (triton.cdiv(n_rows, cfg["BLOCK_N"]),), args, meta
 
 
+def _backward_parts(kernel, hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
+                    grad_entropy: Opt, entropy: Opt, opts: LossOptions):
+    """What every backward kernel takes: ``(cfg, meta, inputs, sizes)``, the pointer arguments before the
+    outputs and the size / stride / option arguments after them (the kernels' shared parameter list)."""
+    (n_rows, n_hidden), n_cols = hidden.shape, weight.shape[0]
+    cfg, meta = _grid_meta(n_rows, n_cols, n_hidden, kernel, hidden.dtype)
+    opt = lambda t: lse if t is None else t   # noqa: E731 - a dummy pointer for an absent tensor
+    inputs = (hidden, weight, opt(bias), target, opt(w), opt(weight_sum), lse, lse_lo, grad_row, opt(grad_lse),
+              opt(grad_entropy), opt(None if grad_entropy is None else entropy))
+    sizes = (n_rows, n_cols, n_hidden, hidden.stride(0), weight.stride(0), target.stride(0), grad_row.stride(0),
+             0 if grad_lse is None else grad_lse.stride(0), 0 if grad_entropy is None else grad_entropy.stride(0),
+             opts.kernel_scalars())
+    meta.update(FLAGS=opts.kernel_flags(w is not None), HAS_BIAS=bias is not None,
+                HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_ENTROPY=grad_entropy is not None)
+    return cfg, meta, inputs, sizes
+
+
 def tiled_backward_launch(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
                           grad_entropy: Opt, entropy: Opt, opts: LossOptions, grad_hidden: Opt, grad_weight: Opt,
                           grad_bias: Opt):
-    """``(kernel, grid, args, meta)`` of the tiled backward; ``grad_*``: zeroed fp32 accumulators or None
-    (not computed)."""
-    (n_rows, n_hidden), n_cols = hidden.shape, weight.shape[0]
+    """``(kernel, grid, args, meta)`` of the tiled backward with atomics; ``grad_*``: zeroed fp32
+    accumulators or None (not computed)."""
+    cfg, meta, inputs, sizes = _backward_parts("tiled_backward", hidden, weight, bias, target, w, weight_sum, lse,
+                                               lse_lo, grad_row, grad_lse, grad_entropy, entropy, opts)
     dummy = lse
-    cfg, meta = _grid_meta(n_rows, n_cols, n_hidden, True, hidden.dtype)
-    opt = lambda t: dummy if t is None else t   # noqa: E731
-    args = (hidden, weight, opt(bias), target, opt(w), opt(weight_sum), lse, lse_lo, grad_row, opt(grad_lse),
-            opt(grad_entropy), opt(None if grad_entropy is None else entropy),
-            opt(grad_hidden), opt(grad_weight), opt(grad_bias),
-            n_rows, n_cols, n_hidden, hidden.stride(0), weight.stride(0), target.stride(0), grad_row.stride(0),
-            0 if grad_lse is None else grad_lse.stride(0), 0 if grad_entropy is None else grad_entropy.stride(0),
-            opts.kernel_scalars())
-    meta.update(FLAGS=opts.kernel_flags(w is not None), HAS_BIAS=bias is not None,
-                HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
-                NEED_GRAD_HIDDEN=grad_hidden is not None, NEED_GRAD_WEIGHT=grad_weight is not None,
+    args = inputs + tuple(dummy if t is None else t for t in (grad_hidden, grad_weight, grad_bias)) + sizes
+    meta.update(NEED_GRAD_HIDDEN=grad_hidden is not None, NEED_GRAD_WEIGHT=grad_weight is not None,
                 NEED_GRAD_BIAS=grad_bias is not None)
-    grid = (triton.cdiv(n_rows, cfg["BLOCK_N"]), triton.cdiv(n_cols, cfg["BLOCK_V"]))
+    grid = (triton.cdiv(hidden.shape[0], cfg["BLOCK_N"]), triton.cdiv(weight.shape[0], cfg["BLOCK_V"]))
     return tiled_backward_kernel, grid, args, meta
+
+
+def tiled_grad_hidden_launch(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
+                             grad_entropy: Opt, entropy: Opt, opts: LossOptions, grad_hidden):
+    """``(kernel, grid, args, meta)`` of the deterministic grad_hidden kernel (``tiled_backward_owned``);
+    ``grad_hidden``: a zeroed (n, H) fp32 buffer."""
+    cfg, meta, inputs, sizes = _backward_parts("tiled_grad_hidden", hidden, weight, bias, target, w, weight_sum,
+                                               lse, lse_lo, grad_row, grad_lse, grad_entropy, entropy, opts)
+    return (tiled_grad_hidden_kernel, (triton.cdiv(hidden.shape[0], cfg["BLOCK_N"]),),
+            inputs + (grad_hidden,) + sizes, meta)
+
+
+def tiled_grad_weight_launch(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
+                             grad_entropy: Opt, entropy: Opt, opts: LossOptions, grad_weight: Opt, grad_bias: Opt):
+    """``(kernel, grid, args, meta)`` of the deterministic grad_weight / grad_bias kernel
+    (``tiled_backward_owned``); ``grad_weight``: a zeroed (V, H) fp32 buffer, ``grad_bias`` (V,) fp32
+    (written whole), or None (not computed)."""
+    cfg, meta, inputs, sizes = _backward_parts("tiled_grad_weight", hidden, weight, bias, target, w, weight_sum,
+                                               lse, lse_lo, grad_row, grad_lse, grad_entropy, entropy, opts)
+    args = inputs + tuple(lse if t is None else t for t in (grad_weight, grad_bias)) + sizes
+    meta.update(NEED_GRAD_WEIGHT=grad_weight is not None, NEED_GRAD_BIAS=grad_bias is not None)
+    return tiled_grad_weight_kernel, (triton.cdiv(weight.shape[0], cfg["BLOCK_V"]),), args, meta
+
+
+def tiled_backward_launches(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
+                            grad_entropy: Opt, entropy: Opt, opts: LossOptions, grad_hidden: Opt, grad_weight: Opt,
+                            grad_bias: Opt, deterministic: bool) -> list:
+    """The launches of one tiled backward: the atomic kernel, or (``deterministic``) the grad_hidden
+    kernel and / or the grad_weight kernel, for the gradients asked for (``grad_*`` not None)."""
+    common = (hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, grad_entropy, entropy,
+              opts)
+    if not deterministic:
+        return [tiled_backward_launch(*common, grad_hidden, grad_weight, grad_bias)]
+    launches = []
+    if grad_hidden is not None:
+        launches.append(tiled_grad_hidden_launch(*common, grad_hidden))
+    if grad_weight is not None or grad_bias is not None:
+        launches.append(tiled_grad_weight_launch(*common, grad_weight, grad_bias))
+    return launches
+
+
+def run_launches(launches) -> None:
+    """Launch each ``(kernel, grid, args, meta)`` in order (one place, so tests can see what runs)."""
+    for kernel, grid, args, meta in launches:
+        kernel[grid](*args, **meta)
 
 
 def _rows_last(t: torch.Tensor) -> torch.Tensor:
@@ -139,27 +200,28 @@ def _grad_shapes(hidden, weight, needs_h, needs_w, needs_b):
 def tiled_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, target: torch.Tensor, w: Opt,
                       weight_sum: Opt, lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor,
                       grad_lse: Opt, grad_entropy: Opt, entropy: Opt, ignore_index: int, scalars: list[float],
-                      needs_h: bool, needs_w: bool, needs_b: bool, accum_dtype: torch.dtype
+                      needs_h: bool, needs_w: bool, needs_b: bool, accum_dtype: torch.dtype, deterministic: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_hidden, grad_weight, grad_bias)``: hidden's dtype, accum_dtype, accum_dtype; (0,) for a
-    gradient not asked for. fp32 atomic accumulation (``kernels/tiled_backward.py``)."""
+    gradient not asked for. fp32 accumulation, atomic (``kernels/tiled_backward.py``) or, with
+    ``deterministic``, by one owner per gradient row (``kernels/tiled_backward_owned.py``: bitwise
+    reproducible)."""
     sh, sw, sb = _grad_shapes(hidden, weight, needs_h, needs_w, needs_b)
     acc_h = hidden.new_zeros(sh, dtype=torch.float32)
     acc_w = hidden.new_zeros(sw, dtype=torch.float32)
     acc_b = hidden.new_zeros(sb, dtype=torch.float32)
     if hidden.shape[0] and weight.shape[0]:
-        kernel, grid, args, meta = tiled_backward_launch(
+        run_launches(tiled_backward_launches(
             _rows_last(hidden), _rows_last(weight), _opt_c(bias), target, _opt_c(w),
             None if weight_sum is None else weight_sum.reshape(1).float(), lse.contiguous(), lse_lo.contiguous(),
             grad_row, grad_lse, grad_entropy, _opt_c(entropy), LossOptions.from_op_args(ignore_index, scalars),
-            acc_h if needs_h else None, acc_w if needs_w else None, acc_b if needs_b else None)
-        kernel[grid](*args, **meta)
+            acc_h if needs_h else None, acc_w if needs_w else None, acc_b if needs_b else None, deterministic))
     return acc_h.to(hidden.dtype), acc_w.to(accum_dtype), acc_b.to(accum_dtype)
 
 
 @tiled_backward_op.register_fake
 def _(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, grad_entropy, entropy,
-      ignore_index, scalars, needs_h, needs_w, needs_b, accum_dtype):
+      ignore_index, scalars, needs_h, needs_w, needs_b, accum_dtype, deterministic):
     sh, sw, sb = _grad_shapes(hidden, weight, needs_h, needs_w, needs_b)
     return (hidden.new_empty(sh), hidden.new_empty(sw, dtype=accum_dtype), hidden.new_empty(sb, dtype=accum_dtype))
 
@@ -190,12 +252,13 @@ class TritonTiledCE:
     @staticmethod
     def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
                  opts: LossOptions, needs: Tuple[bool, bool, bool], accum_dtype: torch.dtype,
-                 grad_entropy: Opt = None, entropy: Opt = None) -> Tuple[Opt, Opt, Opt]:
+                 grad_entropy: Opt = None, entropy: Opt = None, deterministic: bool = False
+                 ) -> Tuple[Opt, Opt, Opt]:
         needs_b = bool(needs[2]) and bias is not None
         gh, gw, gb = torch.ops.fusedce.tiled_backward(
             hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
             grad_entropy, entropy if grad_entropy is not None else None, *opts.op_args(),
-            bool(needs[0]), bool(needs[1]), needs_b, accum_dtype)
+            bool(needs[0]), bool(needs[1]), needs_b, accum_dtype, bool(deterministic))
         return gh if needs[0] else None, gw if needs[1] else None, gb if needs_b else None
 
 

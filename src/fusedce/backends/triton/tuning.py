@@ -35,8 +35,9 @@ def backward_config(n_cols: int) -> dict:
 
 # ---------------------------------------------------------------- tiled LM head (method="tiled")
 #
-# Chosen by reasoning and by the static sm_90 report (``fusedce inspect --kernel tiled_forward
-# --kernel tiled_backward``: registers, spills, wgmma), not by GPU timing (none was available; re-tune on a
+# Chosen by reasoning and by the static sm_90 / sm_100 report (``fusedce inspect --kernel tiled_forward
+# --kernel tiled_backward --kernel tiled_grad_hidden --kernel tiled_grad_weight``: registers, spills,
+# wgmma), not by GPU timing (none was available; re-tune on a
 # lent H100 / H200):
 # - BLOCK_N = 64 tokens: the weight is streamed once per token tile, so its arithmetic intensity is
 #   2 BLOCK_N / s FLOP per byte (64 for bf16), served from L2 since the concurrent token tiles walk the
@@ -50,18 +51,38 @@ def backward_config(n_cols: int) -> dict:
 # - fp32 inputs: their dots are IEEE fp32 (FMA, no tensor cores) unless torch allows TF32; FMA dots hold
 #   their operands in registers, and with the bf16 tiles ptxas spilled (fp32 forward with every option 64 B,
 #   backward 800 B at 255 registers; BLOCK_H = 32: 4-24 B at 128; 4 warps: worse), so fp32 uses
-#   BLOCK_V = 64, BLOCK_H = 16 and 2 stages: no spills, except 12 B in the backward with every option.
+#   BLOCK_V = 64, BLOCK_H = 16 and 2 stages: no spills (the backward with every option: see maxnreg).
+# - backward kernels: ``maxnreg = 255``. Without it ptxas (Triton 3.9) held the atomic backward at 128
+#   registers in some configurations and spilled (sm_100 bf16 without options 32 B, the main B200
+#   training case; every option in fp32: sm_90 24 B, sm_100 32 B); with 255 allowed it takes 128-238
+#   and spills nothing. The price on sm_100: one CTA of 8 warps per SM where two fitted (its 98 KiB of
+#   shared memory allowed two); with no GPU timing either way, the report's rule (no spills) decides.
+# - deterministic backward (``tiled_grad_hidden`` / ``tiled_grad_weight``, bf16 / fp16): each program also
+#   holds its accumulator tile through a read-modify-write next to the logits tile; with the tiles above,
+#   ptxas spilled at 255 registers with every option (sm_100: grad_hidden 24 B, grad_weight 1264 B;
+#   sm_90: grad_weight 204 B). grad_hidden uses BLOCK_H = 32 (its logits tile stays 64 x 128; sm_100 230
+#   registers) and grad_weight BLOCK_V = 64 (sm_100 220, sm_90 224): no spills. fp32 keeps its tiles.
 # Under the interpreter (CPU tests) the same tiles, which the tests shrink to exercise several tiles.
 TILED_BLOCK_N = 64
 TILED_BLOCK_V = 128
 TILED_BLOCK_H = 64
+TILED_BACKWARD_MAX_REGISTERS = 255
 
 
-def tiled_config(n_rows: int, n_cols: int, n_hidden: int, backward: bool, elem_size: int = 2) -> dict:
-    """Tiles and launch options of ``kernels/tiled_forward.py`` / ``tiled_backward.py`` for inputs of
-    ``elem_size`` bytes (see the comment above)."""
+def tiled_config(n_rows: int, n_cols: int, n_hidden: int, kernel: str, elem_size: int = 2) -> dict:
+    """Tiles and launch options of ``kernel`` ("tiled_forward", "tiled_backward", or the deterministic
+    backward's "tiled_grad_hidden" / "tiled_grad_weight") for inputs of ``elem_size`` bytes (see the
+    comment above)."""
     if elem_size >= 4:
-        return {"BLOCK_N": TILED_BLOCK_N, "BLOCK_V": TILED_BLOCK_V // 2, "BLOCK_H": TILED_BLOCK_H // 4,
-                "num_warps": 8, "num_stages": 2}
-    return {"BLOCK_N": TILED_BLOCK_N, "BLOCK_V": TILED_BLOCK_V, "BLOCK_H": TILED_BLOCK_H, "num_warps": 8,
-            "num_stages": 3}
+        cfg = {"BLOCK_N": TILED_BLOCK_N, "BLOCK_V": TILED_BLOCK_V // 2, "BLOCK_H": TILED_BLOCK_H // 4,
+               "num_warps": 8, "num_stages": 2}
+    else:
+        cfg = {"BLOCK_N": TILED_BLOCK_N, "BLOCK_V": TILED_BLOCK_V, "BLOCK_H": TILED_BLOCK_H, "num_warps": 8,
+               "num_stages": 3}
+    if kernel != "tiled_forward":
+        cfg["maxnreg"] = TILED_BACKWARD_MAX_REGISTERS
+    if elem_size < 4 and kernel == "tiled_grad_hidden":
+        cfg["BLOCK_H"] = TILED_BLOCK_H // 2
+    if elem_size < 4 and kernel == "tiled_grad_weight":
+        cfg["BLOCK_V"] = TILED_BLOCK_V // 2
+    return cfg

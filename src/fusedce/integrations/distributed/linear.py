@@ -110,7 +110,7 @@ def vocab_parallel_linear_cross_entropy(
     ce_weight_shard: Optional[torch.Tensor] = None, reduction: str = "mean",
     num_items_in_batch: Union[int, torch.Tensor, None] = None, chunk_size: Optional[int] = None,
     accum_dtype: torch.dtype = torch.float32, return_stats: bool = False, backend: Optional[str] = None,
-    **options: Unpack[LossOptionValues],
+    deterministic: Optional[bool] = None, **options: Unpack[LossOptionValues],
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """``fusedce.linear_cross_entropy`` with the LM head split by vocabulary over the ranks of ``group``.
 
@@ -133,6 +133,10 @@ def vocab_parallel_linear_cross_entropy(
         return_stats: ``CrossEntropyOutput``; as in the single-process op, ``lse`` is 0 on ignored rows.
         backend: as in ``fusedce.linear_cross_entropy``: the kernels of this rank's statistics and
             gradients (Triton on CUDA by default; the matmuls are torch's).
+        deterministic: accepted as in ``fusedce.linear_cross_entropy`` (None, or a bool); this op is
+            deterministic whatever its value: per chunk torch matmuls and the backend's slice kernels
+            (no float atomics), and collectives whose reduction order is fixed for a given group, sizes
+            and backend settings (gloo; NCCL with the same algorithm / protocol choice).
 
     Returns:
         The fp32 loss or ``CrossEntropyOutput``. Gradients of ``hidden`` (complete, the same on every
@@ -157,6 +161,7 @@ def vocab_parallel_linear_cross_entropy(
         integer or ``accum_dtype`` is not a floating-point ``torch.dtype``.
     """
     _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype)
+    val.deterministic_mode(deterministic)   # checked; nothing to select (see the docstring)
     opts = val.loss_options(reduction, **options)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)

@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from .common import target_terms
-from .row_math import grad_block
-from .tile_math import logits_tile, round_like
+from .tile_math import logits_tile
+from .tiled_dlogits import dlogits_tile, row_upstreams
 
 
 @triton.jit
@@ -92,22 +92,12 @@ def tiled_backward_kernel(
         x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
                         stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
                         UPCAST, ROUND_BF16)
-        lse = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
-        lse_lo = tl.load(lse_lo_ptr + rows, mask=in_rows, other=0.0)
-        g = tl.load(grad_row_ptr + rows * stride_grad_row, mask=in_rows, other=0.0).to(tl.float32)
-        h = tl.zeros((BLOCK_N,), tl.float32)
-        if HAS_GRAD_LSE:
-            h = tl.load(grad_lse_ptr + rows * stride_grad_lse, mask=in_rows, other=0.0).to(tl.float32)
-        k = tl.zeros((BLOCK_N,), tl.float32)
-        entropy = tl.zeros((BLOCK_N,), tl.float32)
-        if HAS_GRAD_ENTROPY:
-            k = tl.load(grad_entropy_ptr + rows * stride_grad_entropy, mask=in_rows, other=0.0).to(tl.float32)
-            entropy = tl.load(entropy_ptr + rows, mask=in_rows, other=0.0)
-        dz = grad_block(x, cols[None, :], col_mask[None, :], target[:, None], w_t[:, None], lse[:, None],
-                        lse_lo[:, None], g[:, None], h[:, None], class_weight_ptr, weight_sum_ptr, n_cols,
-                        scalars, FLAGS, HAS_GRAD_LSE, k[:, None], entropy[:, None], HAS_GRAD_ENTROPY)
-        dz = tl.where(is_valid[:, None] & col_mask[None, :], dz, 0.0)
-        dx = round_like(dz, hidden_ptr, ROUND_BF16)          # fp32 holding hidden-dtype values
+        lse, lse_lo, g, h, k, entropy = row_upstreams(
+            rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
+            stride_grad_row, stride_grad_lse, stride_grad_entropy, BLOCK_N, HAS_GRAD_LSE, HAS_GRAD_ENTROPY)
+        dx = dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k, entropy,
+                          class_weight_ptr, weight_sum_ptr, hidden_ptr, n_cols, scalars, FLAGS, HAS_GRAD_LSE,
+                          HAS_GRAD_ENTROPY, ROUND_BF16)   # fp32 holding hidden-dtype values
         if tl.sum((dx != 0.0).to(tl.int32)) > 0:             # an exactly-zero tile adds nothing
             if NEED_GRAD_BIAS:
                 tl.atomic_add(grad_bias_ptr + cols, tl.sum(dx, axis=0), mask=col_mask)

@@ -1,0 +1,182 @@
+"""Deterministic tiled LM-head cross-entropy backward: two kernels, each the only writer of its gradient
+(``method="tiled"`` with ``deterministic=True`` or ``torch.are_deterministic_algorithms_enabled()``).
+
+``tiled_backward.py`` accumulates both products of one logits tile with fp32 atomics, whose order of
+arrival changes from run to run. Here each accumulator has one owner that adds its terms in a fixed
+order, so two runs give bitwise-identical gradients (no atomics anywhere):
+
+- ``tiled_grad_hidden_kernel``: one program per tile of BLOCK_N tokens, walking the vocabulary in
+  BLOCK_V-class tiles in order; per tile it recomputes the logits (``tile_math.logits_tile``), forms
+  ``dx`` (``tiled_dlogits.dlogits_tile``) and adds ``dx @ weight[cols, k]`` to its own rows of the fp32
+  ``grad_hidden`` (a plain load / dot / store per BLOCK_H slice of H).
+- ``tiled_grad_weight_kernel``: one program per tile of BLOCK_V classes, walking the token tiles in
+  order; per tile the same recompute and ``dx``, then ``dx.T @ hidden[rows, k]`` into its own rows of
+  the fp32 ``grad_weight``, and the column sums of ``dx`` into a register vector stored once as
+  ``grad_bias``.
+
+The accumulators live in global memory (BLOCK_N x H or BLOCK_V x H fp32 does not fit on chip for
+H = 4096) and each program reads back what it wrote one tile earlier: a ``tl.debug_barrier()`` (bar.sync,
+which orders the CTA's global writes before its later reads) ends each tile's update, so the result does
+not depend on which thread of the program stored which element. Tiles skipped as in ``tiled_backward.py``
+(all rows ignored, or ``dx`` exactly 0) add nothing: skipping an exact zero changes nothing.
+
+Cost per token (n tokens, V classes, H hidden, s bytes per element), against the atomic kernel's 6 V H:
+    FLOPs  8 V H (each kernel recomputes the logits, 2 V H, and forms one product, 2 V H) + ~40 V
+           (the fp32 epilogue, twice); 4 V H when only one of the two gradients is asked for (a frozen
+           head: only grad_hidden) -- the same as the atomic kernel then.
+    bytes  as the atomic kernel, twice over for the recompute (H s + V H s / BLOCK_N of operands per
+           kernel, L2-resident), and the same accumulator read-modify-write traffic, now plain loads and
+           stores: 8 H V / BLOCK_V (grad_hidden) + 8 V H / BLOCK_N (grad_weight) bytes per token.
+    Parallelism: grad_hidden has n / BLOCK_N programs (as the forward), grad_weight V / BLOCK_V.
+"""
+import triton
+import triton.language as tl
+
+from .common import target_terms
+from .tile_math import logits_tile
+from .tiled_dlogits import dlogits_tile, row_upstreams
+
+
+@triton.jit
+def tiled_grad_hidden_kernel(
+    # pointers
+    hidden_ptr,        # [n_rows, n_hidden] fp32/bf16/fp16, last dim contiguous
+    weight_ptr,        # [n_cols, n_hidden] hidden's dtype, last dim contiguous
+    bias_ptr,          # [n_cols] hidden's dtype (HAS_BIAS)
+    target_ptr,        # [n_rows] int32/int64
+    class_weight_ptr,  # [n_cols] fp32 class weights (FLAGS.HAS_WEIGHT)
+    weight_sum_ptr,    # [1] fp32 sum of the class weights (FLAGS: HAS_WEIGHT and HAS_SMOOTHING)
+    lse_ptr,           # [n_rows] fp32 from the forward
+    lse_lo_ptr,        # [n_rows] fp32 from the forward
+    grad_row_ptr,      # [n_rows] upstream gradient of the loss (any float dtype, any stride)
+    grad_lse_ptr,      # [n_rows] upstream gradient of the lse (HAS_GRAD_LSE)
+    grad_entropy_ptr,  # [n_rows] upstream gradient of the entropy (HAS_GRAD_ENTROPY)
+    entropy_ptr,       # [n_rows] fp32 entropy from the forward (HAS_GRAD_ENTROPY)
+    grad_hidden_ptr,   # [n_rows, n_hidden] fp32, zeroed; this program's rows written by it alone
+    # sizes
+    n_rows, n_cols, n_hidden,
+    # strides (elements)
+    stride_hidden, stride_weight, stride_target, stride_grad_row, stride_grad_lse, stride_grad_entropy,
+    # loss options (``types.LossScalars``: runtime values)
+    scalars,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags)
+    HAS_BIAS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr = False,            # interpreter only (tile_math.logits_tile)
+    ROUND_BF16: tl.constexpr = False,        # interpreter only (tile_math.round_like)
+):
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    in_rows = rows < n_rows
+    target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=scalars.ignore_index).to(tl.int64)
+    is_valid, _in_range, _safe, w_t = target_terms(target, n_cols, class_weight_ptr, scalars, FLAGS)
+    w_t = tl.zeros((BLOCK_N,), tl.float32) + w_t    # a (BLOCK_N,) vector also without class weights
+    n_scan = tl.where(tl.max(is_valid.to(tl.int32), axis=0) > 0, n_cols, 0)   # all ignored: no work
+    lse, lse_lo, g, h, k, entropy = row_upstreams(
+        rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
+        stride_grad_row, stride_grad_lse, stride_grad_entropy, BLOCK_N, HAS_GRAD_LSE, HAS_GRAD_ENTROPY)
+    out_rows = grad_hidden_ptr + rows[:, None] * n_hidden
+    out_mask = (in_rows & is_valid)[:, None]
+    for v0 in range(0, n_scan, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < n_cols
+        x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
+                        stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
+                        UPCAST, ROUND_BF16)
+        dx = dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k, entropy,
+                          class_weight_ptr, weight_sum_ptr, hidden_ptr, n_cols, scalars, FLAGS, HAS_GRAD_LSE,
+                          HAS_GRAD_ENTROPY, ROUND_BF16)
+        if tl.sum((dx != 0.0).to(tl.int32)) > 0:             # an exactly-zero tile adds nothing
+            if UPCAST:
+                op = dx
+            else:
+                op = dx.to(hidden_ptr.dtype.element_ty)      # exact: dx already holds such values
+            w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight
+            for k0 in range(0, n_hidden, BLOCK_H):
+                ks = k0 + tl.arange(0, BLOCK_H)
+                k_mask = ks < n_hidden
+                wt = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+                if UPCAST:
+                    wt = wt.to(tl.float32)
+                mask = out_mask & k_mask[None, :]
+                acc = tl.load(out_rows + ks[None, :], mask=mask, other=0.0)
+                acc = tl.dot(op, wt, acc, input_precision=DOT_PRECISION)
+                tl.store(out_rows + ks[None, :], acc, mask=mask)
+            tl.debug_barrier()   # this tile's stores before the next tile's loads (see the docstring)
+
+
+@triton.jit
+def tiled_grad_weight_kernel(
+    # pointers
+    hidden_ptr,        # [n_rows, n_hidden] fp32/bf16/fp16, last dim contiguous
+    weight_ptr,        # [n_cols, n_hidden] hidden's dtype, last dim contiguous
+    bias_ptr,          # [n_cols] hidden's dtype (HAS_BIAS)
+    target_ptr,        # [n_rows] int32/int64
+    class_weight_ptr,  # [n_cols] fp32 class weights (FLAGS.HAS_WEIGHT)
+    weight_sum_ptr,    # [1] fp32 sum of the class weights (FLAGS: HAS_WEIGHT and HAS_SMOOTHING)
+    lse_ptr,           # [n_rows] fp32 from the forward
+    lse_lo_ptr,        # [n_rows] fp32 from the forward
+    grad_row_ptr,      # [n_rows] upstream gradient of the loss (any float dtype, any stride)
+    grad_lse_ptr,      # [n_rows] upstream gradient of the lse (HAS_GRAD_LSE)
+    grad_entropy_ptr,  # [n_rows] upstream gradient of the entropy (HAS_GRAD_ENTROPY)
+    entropy_ptr,       # [n_rows] fp32 entropy from the forward (HAS_GRAD_ENTROPY)
+    grad_weight_ptr,   # [n_cols, n_hidden] fp32, zeroed; this program's rows written by it alone (NEED_GRAD_WEIGHT)
+    grad_bias_ptr,     # [n_cols] fp32 out, this program's columns (NEED_GRAD_BIAS)
+    # sizes
+    n_rows, n_cols, n_hidden,
+    # strides (elements)
+    stride_hidden, stride_weight, stride_target, stride_grad_row, stride_grad_lse, stride_grad_entropy,
+    # loss options (``types.LossScalars``: runtime values)
+    scalars,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags)
+    HAS_BIAS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    NEED_GRAD_WEIGHT: tl.constexpr, NEED_GRAD_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr = False,            # interpreter only (tile_math.logits_tile)
+    ROUND_BF16: tl.constexpr = False,        # interpreter only (tile_math.round_like)
+):
+    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < n_cols
+    out_cols = grad_weight_ptr + cols.to(tl.int64)[:, None] * n_hidden
+    grad_bias = tl.zeros((BLOCK_V,), tl.float32)
+    for n0 in range(0, n_rows, BLOCK_N):
+        rows = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        in_rows = rows < n_rows
+        target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=scalars.ignore_index).to(tl.int64)
+        is_valid, _in_range, _safe, w_t = target_terms(target, n_cols, class_weight_ptr, scalars, FLAGS)
+        w_t = tl.zeros((BLOCK_N,), tl.float32) + w_t
+        if tl.max(is_valid.to(tl.int32), axis=0) > 0:   # a tile of ignored rows: zero gradient, no work
+            x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
+                            stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
+                            UPCAST, ROUND_BF16)
+            lse, lse_lo, g, h, k, entropy = row_upstreams(
+                rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
+                stride_grad_row, stride_grad_lse, stride_grad_entropy, BLOCK_N, HAS_GRAD_LSE, HAS_GRAD_ENTROPY)
+            dx = dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k, entropy,
+                              class_weight_ptr, weight_sum_ptr, hidden_ptr, n_cols, scalars, FLAGS, HAS_GRAD_LSE,
+                              HAS_GRAD_ENTROPY, ROUND_BF16)
+            if tl.sum((dx != 0.0).to(tl.int32)) > 0:         # an exactly-zero tile adds nothing
+                if NEED_GRAD_BIAS:
+                    grad_bias += tl.sum(dx, axis=0)
+                if NEED_GRAD_WEIGHT:
+                    if UPCAST:
+                        op = dx
+                    else:
+                        op = dx.to(hidden_ptr.dtype.element_ty)   # exact: dx already holds such values
+                    h_rows = hidden_ptr + rows[:, None] * stride_hidden
+                    for k0 in range(0, n_hidden, BLOCK_H):
+                        ks = k0 + tl.arange(0, BLOCK_H)
+                        k_mask = ks < n_hidden
+                        ht = tl.load(h_rows + ks[None, :], mask=is_valid[:, None] & k_mask[None, :], other=0.0)
+                        if UPCAST:
+                            ht = ht.to(tl.float32)
+                        mask = col_mask[:, None] & k_mask[None, :]
+                        acc = tl.load(out_cols + ks[None, :], mask=mask, other=0.0)
+                        acc = tl.dot(tl.trans(op), ht, acc, input_precision=DOT_PRECISION)
+                        tl.store(out_cols + ks[None, :], acc, mask=mask)
+                    tl.debug_barrier()   # this tile's stores before the next tile's loads
+    if NEED_GRAD_BIAS:
+        tl.store(grad_bias_ptr + cols, grad_bias, mask=col_mask)

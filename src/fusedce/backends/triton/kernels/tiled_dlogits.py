@@ -1,0 +1,50 @@
+"""The gradient of one logits tile, shared by the tiled backward kernels (``tiled_backward.py``, with
+atomics; ``tiled_backward_owned.py``, deterministic).
+
+``row_upstreams`` loads the per-token values the gradient needs (the forward's lse pair and entropy, the
+upstream gradients of loss, lse and entropy); ``dlogits_tile`` turns a recomputed logits tile into
+``dL/dx`` (``row_math.grad_block`` on the 2-D tile: smoothing, class weights, softcap, logit_scale, the
+z-loss's and the entropy's upstreams), zero on ignored rows and on columns past V, rounded to hidden's
+dtype: the value the chunked path stores in its logits buffer, and the operand of the two products.
+"""
+import triton
+import triton.language as tl
+
+from .row_math import grad_block
+from .tile_math import round_like
+
+
+@triton.jit
+def row_upstreams(rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
+                  stride_grad_row, stride_grad_lse, stride_grad_entropy, BLOCK_N: tl.constexpr,
+                  HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr):
+    """``(lse, lse_lo, g, h, k, entropy)``, fp32 (BLOCK_N,) each for the token indices ``rows``: ``g``,
+    ``h``, ``k`` the upstream gradients of the loss, the lse (0 without HAS_GRAD_LSE) and the entropy
+    (0 without HAS_GRAD_ENTROPY); ``entropy`` the forward's (0 without HAS_GRAD_ENTROPY)."""
+    lse = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
+    lse_lo = tl.load(lse_lo_ptr + rows, mask=in_rows, other=0.0)
+    g = tl.load(grad_row_ptr + rows * stride_grad_row, mask=in_rows, other=0.0).to(tl.float32)
+    h = tl.zeros((BLOCK_N,), tl.float32)
+    if HAS_GRAD_LSE:
+        h = tl.load(grad_lse_ptr + rows * stride_grad_lse, mask=in_rows, other=0.0).to(tl.float32)
+    k = tl.zeros((BLOCK_N,), tl.float32)
+    entropy = tl.zeros((BLOCK_N,), tl.float32)
+    if HAS_GRAD_ENTROPY:
+        k = tl.load(grad_entropy_ptr + rows * stride_grad_entropy, mask=in_rows, other=0.0).to(tl.float32)
+        entropy = tl.load(entropy_ptr + rows, mask=in_rows, other=0.0)
+    return lse, lse_lo, g, h, k, entropy
+
+
+@triton.jit
+def dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k, entropy, class_weight_ptr,
+                 weight_sum_ptr, hidden_ptr, n_cols, scalars, FLAGS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+                 HAS_GRAD_ENTROPY: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """fp32 (BLOCK_N, BLOCK_V) ``dL/dx`` of the logits tile ``x`` at columns ``cols`` (``col_mask``: < V)
+    for tokens with targets ``target``, holding values of hidden's dtype (rounded once, to nearest);
+    exactly 0 on rows not ``is_valid`` and on masked columns. The per-row arguments are (BLOCK_N,)
+    vectors (``w_t`` the target's class weight, the rest from ``row_upstreams``)."""
+    dz = grad_block(x, cols[None, :], col_mask[None, :], target[:, None], w_t[:, None], lse[:, None],
+                    lse_lo[:, None], g[:, None], h[:, None], class_weight_ptr, weight_sum_ptr, n_cols,
+                    scalars, FLAGS, HAS_GRAD_LSE, k[:, None], entropy[:, None], HAS_GRAD_ENTROPY)
+    dz = tl.where(is_valid[:, None] & col_mask[None, :], dz, 0.0)
+    return round_like(dz, hidden_ptr, ROUND_BF16)
