@@ -2,11 +2,12 @@
 from . import distributed  # noqa: F401  (fusedce.distributed.vocab_parallel_*)
 from .functional import cross_entropy, linear_cross_entropy
 from .integrations.hf import patch_causal_lm, unpatch_causal_lm
+from .integrations.trl_patch import patch_trl, unpatch_trl
 from .log_probs import linear_token_log_probs, token_log_probs
 from .modules import CrossEntropyLoss, LinearCrossEntropyLoss
-from .types import CrossEntropyOutput, TokenLogProbs
+from .types import CrossEntropyOutput, TokenLogProbs, TokenStats
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "token_log_probs", "linear_token_log_probs",
-           "CrossEntropyLoss", "LinearCrossEntropyLoss", "CrossEntropyOutput", "TokenLogProbs",
-           "patch_causal_lm", "unpatch_causal_lm"]
+           "CrossEntropyLoss", "LinearCrossEntropyLoss", "CrossEntropyOutput", "TokenLogProbs", "TokenStats",
+           "patch_causal_lm", "unpatch_causal_lm", "patch_trl", "unpatch_trl"]
 __version__ = "0.1.0"

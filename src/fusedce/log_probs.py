@@ -8,7 +8,7 @@ import torch
 from . import backends, validation as val
 from .autocast import fp32_op, linear_op
 from .functional import rows_view
-from .types import TokenLogProbs
+from .types import TokenLogProbs, TokenStats
 
 
 def _backend(backend, device: torch.device, entry: str):
@@ -19,20 +19,24 @@ def _backend(backend, device: torch.device, entry: str):
     return impl
 
 
-def _result(log_probs, entropy, shape, return_entropy: bool):
-    log_probs = log_probs.reshape(shape)
+def _result(out, shape, return_entropy: bool, return_stats: bool):
+    log_probs, entropy, *stats = (t.reshape(shape) if t.numel() or not shape.numel() else t for t in out)
+    if return_stats:
+        return TokenStats(log_probs, entropy if return_entropy else None, *stats)
     if not return_entropy:
         return log_probs
-    return TokenLogProbs(log_probs, entropy.reshape(shape))
+    return TokenLogProbs(log_probs, entropy)
 
 
 @fp32_op   # under autocast: fp32 math, as the loss
 def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0,
-                    softcap: Optional[float] = None, ignore_index: int = -100, return_entropy: bool = False,
-                    backend: Optional[str] = None) -> Union[torch.Tensor, TokenLogProbs]:
+                    softcap: Optional[float] = None, logit_scale: float = 1.0, ignore_index: int = -100,
+                    return_entropy: bool = False, return_stats: bool = False,
+                    backend: Optional[str] = None) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
     """Per-token ``log softmax(q)[target]`` (and the entropy of ``softmax(q)``) for policy-gradient RL.
 
-    ``z = softcap * tanh(logits / softcap)`` when ``softcap`` is given (else ``z = logits``), then
+    ``z = softcap * tanh(s * logits / softcap)`` when ``softcap`` is given (else ``z = s * logits``;
+    ``s`` = ``logit_scale``, as in the losses), then
     ``q = z / temperature``; ``log_probs[i] = q[i, t_i] - logsumexp(q[i])`` and ``entropy[i] =
     logsumexp(q[i]) - sum_c softmax(q[i])_c q[i, c]`` (the Shannon entropy, in nats).
 
@@ -43,12 +47,18 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
             padding) that get 0 in both outputs and exactly zero gradient.
         temperature: > 0, finite (the sampling temperature of the rollout).
         softcap: optional > 0, applied before the temperature (Gemma 2's final-logit softcapping).
+        logit_scale: > 0, multiplies the logits first (Cohere's ``logit_scale``, Granite's ``1 /
+            logits_scaling``; TRL's fused head applies it the same way).
         ignore_index: default -100.
         return_entropy: also return the entropy.
+        return_stats: return ``TokenStats(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``
+            (TRL's per-token fields, defined in ``fusedce.TokenStats``; entropy None without
+            ``return_entropy``); the three statistics have no gradient and cost nothing unless asked.
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
 
     Returns:
-        fp32 ``log_probs`` of ``target.shape``, or ``TokenLogProbs(log_probs, entropy)``. Both are
+        fp32 ``log_probs`` of ``target.shape``, ``TokenLogProbs(log_probs, entropy)``, or (with
+        ``return_stats``) ``TokenStats``. Both are
         differentiable with any upstream gradients (e.g. ``-(advantage * log_probs).sum() - beta *
         entropy.mean()``); the gradient of ``logits`` has their dtype and shape. Memory: the forward
         keeps O(BT) statistics; the backward writes one ``logits``-shaped gradient.
@@ -64,33 +74,35 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (the classes, last)")
     val.check_nonzero("logits", logits.shape, -1, "V")
-    opts = val.log_prob_options(ignore_index, temperature, softcap)
+    opts = val.log_prob_options(ignore_index, temperature, softcap, logit_scale)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
     val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
     target = val.widen_target(target, opts.ignore_index)
     val.check_flag("return_entropy", return_entropy)
+    val.check_flag("return_stats", return_stats)
     impl = _backend(backend, logits.device, "token_log_probs")
     val.check_target_range(target, n_classes, opts.ignore_index)
-    log_probs, entropy = impl.token_log_probs(rows_view(logits, False), target.reshape(-1), opts,
-                                              return_entropy)
-    return _result(log_probs, entropy, shape, return_entropy)
+    out = impl.token_log_probs(rows_view(logits, False), target.reshape(-1), opts, return_entropy, return_stats)
+    return _result(out, shape, return_entropy, return_stats)
 
 
 @linear_op   # under autocast: matmul in the autocast dtype as F.linear, math fp32
 def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                            bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0,
-                           softcap: Optional[float] = None, ignore_index: int = -100, return_entropy: bool = False,
+                           softcap: Optional[float] = None, logit_scale: float = 1.0, ignore_index: int = -100,
+                           return_entropy: bool = False, return_stats: bool = False,
                            chunk_size: Optional[int] = None, method: str = "auto",
                            backend: Optional[str] = None, deterministic: Optional[bool] = None
-                           ) -> Union[torch.Tensor, TokenLogProbs]:
+                           ) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
     """:func:`token_log_probs` of ``hidden @ weight.T + bias`` without ever allocating BT x V logits.
 
     Args:
         hidden: ``(..., H)`` float32 / bfloat16 / float16; ``weight``: ``(V, H)`` and ``bias``
             (optional) ``(V,)`` of the same dtype. The logits are computed in that dtype with fp32
             accumulation (as ``F.linear``), the rest in fp32.
-        target, temperature, softcap, ignore_index, return_entropy, backend: as in
-            :func:`token_log_probs`.
+        target, temperature, softcap, logit_scale, ignore_index, return_entropy, return_stats, backend:
+            as in :func:`token_log_probs` (the statistics come from the same pass as the log-probs with
+            ``"tiled"``, from each chunk's logits right after its loss with ``"chunked"``).
         chunk_size, method: as in :func:`fusedce.linear_cross_entropy` (``"chunked"``: one chunk of
             logits at a time; ``"tiled"``: no tensor of V or more elements besides ``weight``,
             ``bias`` and their gradients). Ignored rows cost no matmul FLOPs (compacted first: one
@@ -107,16 +119,17 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
         The errors of :func:`token_log_probs` and of :func:`fusedce.linear_cross_entropy` for the
         shapes, ``chunk_size``, ``method`` and ``deterministic``.
     """
-    opts = val.log_prob_options(ignore_index, temperature, softcap)
+    opts = val.log_prob_options(ignore_index, temperature, softcap, logit_scale)
     val.check_linear(hidden, weight, target, bias, None, chunk_size)
     val.check_method(method, chunk_size)
     deterministic = val.deterministic_mode(deterministic)
     target = val.widen_target(target, opts.ignore_index)
     val.check_flag("return_entropy", return_entropy)
+    val.check_flag("return_stats", return_stats)
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
     impl = _backend(backend, hidden.device, "linear_token_log_probs")
     val.check_target_range(target, n_classes, opts.ignore_index)
-    log_probs, entropy = impl.linear_token_log_probs(
+    out = impl.linear_token_log_probs(
         hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, opts, return_entropy,
-        None if chunk_size is None else int(chunk_size), method, deterministic=deterministic)
-    return _result(log_probs, entropy, shape, return_entropy)
+        None if chunk_size is None else int(chunk_size), method, return_stats, deterministic=deterministic)
+    return _result(out, shape, return_entropy, return_stats)

@@ -39,6 +39,28 @@ class TokenLogProbs(NamedTuple):
     entropy: torch.Tensor
 
 
+class TokenStats(NamedTuple):
+    """What ``token_log_probs`` / ``linear_token_log_probs`` return with ``return_stats=True`` (the
+    per-token fields of TRL's fused LM head, defined as its kernel does). Tensors of ``target.shape``,
+    all 0 / False on ignored rows; with ``q`` the logits after logit scale, softcap and temperature and
+    ``p = softmax(q)`` over the V classes:
+
+    - ``log_probs`` fp32 ``log p_t`` and ``entropy`` fp32 ``-sum_c p_c log p_c`` (None without
+      ``return_entropy``): differentiable, as in ``TokenLogProbs``;
+    - ``log_sum_sq_probs`` fp32 ``log sum_c p_c**2 = logsumexp(2 q) - 2 logsumexp(q)`` (the log
+      collision probability, minus the Renyi-2 entropy); no gradient;
+    - ``mean_logits`` fp32 ``sum_c q_c / V`` (-inf if some logit is -inf); no gradient;
+    - ``is_top1`` bool, ``argmax_c q_c == t`` with the lowest index winning ties (a tie with an
+      earlier class is not a top-1 hit); no gradient.
+    """
+
+    log_probs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    log_sum_sq_probs: torch.Tensor
+    mean_logits: torch.Tensor
+    is_top1: torch.Tensor
+
+
 def _option(default, doc: str, check):
     """A field of ``LossOptions``: its default, its documentation (the public docstrings show it) and
     ``check(name, value) -> value`` (raises ``TypeError`` / ``ValueError``; returns the normalized value)."""

@@ -206,23 +206,26 @@ def deterministic_mode(deterministic) -> bool:
     return deterministic
 
 
-def log_prob_options(ignore_index, temperature, softcap) -> LossOptions:
+def log_prob_options(ignore_index, temperature, softcap, logit_scale=1.0) -> LossOptions:
     """The ``LossOptions`` whose cross-entropy is ``-log_softmax(z / temperature)[t]`` with ``z =
-    softcap * tanh(x / softcap)``: ``logit_scale = 1 / temperature`` and softcap ``softcap /
-    temperature``, since ``(c / T) tanh((x / T) / (c / T)) = (c tanh(x / c)) / T``. ``TypeError`` /
-    ``ValueError`` as ``loss_options``; ``ValueError`` for a temperature that is not a finite number
-    > 0 or whose inverse is not a normal fp32 number."""
+    softcap * tanh(logit_scale * x / softcap)`` (``z = logit_scale * x`` without softcap): logit scale
+    ``logit_scale / temperature`` and softcap ``softcap / temperature``, since ``(c / T) tanh((s x / T) /
+    (c / T)) = (c tanh(s x / c)) / T``. ``TypeError`` / ``ValueError`` as ``loss_options``; ``ValueError``
+    for a temperature that is not a finite number > 0 or a ``logit_scale / temperature`` that is not a
+    normal fp32 number."""
     temperature = real_option("temperature", temperature)
     if not temperature > 0.0:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    scale = 1.0 / temperature
+    logit_scale = LossOptions.checked(logit_scale=logit_scale).logit_scale
+    scale = logit_scale * (1.0 / temperature)   # exactly 1 / temperature for logit_scale = 1
     if not FP32_NORMAL[0] <= scale <= FP32_NORMAL[1]:
-        raise ValueError(f"temperature must lie in [{1 / FP32_NORMAL[1]:.3g}, {1 / FP32_NORMAL[0]:.3g}], so that "
-                         f"1 / temperature is a normal fp32 number (the kernels multiply by it), got {temperature}")
+        raise ValueError(f"temperature must lie in [{1 / FP32_NORMAL[1]:.3g}, {1 / FP32_NORMAL[0]:.3g}] times "
+                         f"logit_scale, so that logit_scale / temperature is a normal fp32 number (the kernels "
+                         f"multiply by it), got temperature={temperature}, logit_scale={logit_scale}")
     opts = LossOptions.checked(ignore_index=ignore_index, softcap=softcap, logit_scale=scale)
     if opts.softcap is not None:
-        opts = dataclasses.replace(opts, softcap=fp32_range("softcap / temperature", opts.softcap * scale,
-                                                            FP32_NORMAL[0]))
+        capped = opts.softcap * (1.0 / temperature)
+        opts = dataclasses.replace(opts, softcap=fp32_range("softcap / temperature", capped, FP32_NORMAL[0]))
     return opts
 
 

@@ -11,7 +11,8 @@ returns a tiny placeholder instead of the ``(B, T, V)`` logits, and the model's 
 that the backward passes through the head's backward hooks (which re-gather a sharded weight) before the
 loss's backward reads the weight again. With ``labels`` and autograd off (``Trainer.evaluate``), the real
 logits are returned too by default (``keep_logits=None``). Without ``labels`` (``generate``) the original
-forward runs untouched, as does a call with TRL's ``fused_lm_head=True`` (TRL's own fused head then runs).
+forward runs untouched, as does a call with TRL's ``fused_lm_head=True`` (TRL's fused head then runs:
+TRL's kernel, or fusedce's under ``fusedce.patch_trl``).
 """
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
     first call when the head is replaced after patching (``get_peft_model`` on a patched model).
 
     Without ``labels`` the original forward runs unchanged (``generate``), as does a call with TRL's
-    ``fused_lm_head=True`` (TRL's own fused head computes its outputs then). The Trainer's evaluation
+    ``fused_lm_head=True`` (TRL's fused head computes its outputs then: TRL's kernel, or fusedce's under
+    ``fusedce.patch_trl``). The Trainer's evaluation
     passes labels with autograd off: by default the logits are returned there, so ``compute_metrics``
     works as on the stock model.
 

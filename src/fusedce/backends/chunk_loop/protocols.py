@@ -41,6 +41,10 @@ class ChunkCE(Protocol):
         ((n, V), logits' dtype; default ``logits`` itself). ``entropy`` (the forward's) is read only
         with ``grad_entropy``."""
 
+    def token_stats(self, logits, target, lse, lse_lo, opts: LossOptions):
+        """-> ``(log_sum_sq_probs, mean_logits, is_top1)`` (n,) fp32, fp32, bool (``types.TokenStats``)
+        of the chunk ``logits`` from its lse pair; 0 / False on ignored rows. No gradient."""
+
     def loss_and_grad_(self, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions,
                        stats: bool):
         """``loss`` then ``grad_`` in one call (``loop.loss_then_grad_`` composes them; a backend may fuse
@@ -58,6 +62,7 @@ class TiledRows(NamedTuple):
     predicted: torch.Tensor
     target_logit: torch.Tensor
     entropy: Opt
+    token_stats: Optional[tuple] = None   # (log_sum_sq_probs, mean_logits, is_top1) when asked
 
 
 class TiledCE(Protocol):
@@ -70,7 +75,8 @@ class TiledCE(Protocol):
     """
 
     def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
-                entropy: bool = False) -> TiledRows:
+                entropy: bool = False, token_stats: bool = False) -> TiledRows:
+        """With ``token_stats`` the rows' ``TiledRows.token_stats`` too, in the same pass."""
         ...
 
     def backward(self, hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,

@@ -8,6 +8,7 @@ from ..chunk_loop import log_probs as _log_probs
 from ..chunk_loop.loop import loss_then_grad_
 from .cross_entropy import chunk_grad_, chunk_loss
 from .tiled import TORCH_TILED
+from .token_stats import chunk_token_stats
 
 
 class TorchChunkCE:
@@ -22,6 +23,10 @@ class TorchChunkCE:
               entropy=None, out=None):
         chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts, out=out,
                     grad_entropy=grad_entropy, entropy=entropy)
+
+    @staticmethod
+    def token_stats(logits, target, lse, lse_lo, opts):
+        return chunk_token_stats(logits, target, lse, lse_lo, opts)
 
     @classmethod
     def loss_and_grad_(cls, logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats):

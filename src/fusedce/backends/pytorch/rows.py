@@ -210,3 +210,19 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
         # a CPU tensor (no device sync): touch only the ignored rows (exact zeros even over inf/NaN)
         return grad.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
     return grad.masked_fill_(~valid[:, None], 0.0)
+
+
+def token_stats(z: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
+                valid: torch.Tensor):
+    """TRL's per-token statistics (``types.TokenStats``) of fp32 ``z`` ((n, V), the transformed logits
+    ``q``) with its exact lse pair: ``(log_sum_sq_probs, mean_logits, is_top1)``, (n,) fp32, fp32, bool,
+    0 / False where ``valid`` is False.
+
+    ``log sum_c p_c**2 = log sum_c exp(2 u_c)``, ``u_c = (z_c - lse) - lse_lo = log p_c`` (every term
+    at most 1, the largest at least 1/V**2: no overflow or underflow of the sum; -inf logits add 0);
+    ``mean = sum_c z_c / V``; ``is_top1``: ``z.argmax()`` (the first maximum) equals the target."""
+    u = (z - lse[:, None]) - lse_lo[:, None]
+    log_sum_sq = u.mul_(2.0).exp_().sum(dim=1).log_()
+    mean = z.sum(dim=1) / z.shape[1]
+    top1 = valid & (z.argmax(dim=1) == target)
+    return torch.where(valid, log_sum_sq, 0.0), torch.where(valid, mean, 0.0), top1

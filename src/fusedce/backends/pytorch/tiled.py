@@ -40,7 +40,7 @@ def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 class _Running:
     """Online row statistics of one token block (fp32 (n,) each, ``T`` only for the entropy)."""
 
-    def __init__(self, n: int, device, smoothing: bool, entropy: bool, stats: bool):
+    def __init__(self, n: int, device, smoothing: bool, entropy: bool, stats: bool, token_stats: bool = False):
         self.m = torch.full((n,), _NEG_INF, device=device)
         self.s = torch.zeros(n, device=device)
         self.t = torch.zeros(n, device=device) if entropy else None
@@ -48,6 +48,11 @@ class _Running:
         self.z_t = torch.zeros(n, device=device)
         self.best = torch.full((n,), _NEG_INF, device=device) if stats else None
         self.best_idx = torch.zeros(n, dtype=torch.int64, device=device) if stats else None
+        # token_stats: q = sum exp(2 (z - m)), sum_c z_c, and the first argmax of z (``rows.token_stats``)
+        self.q = torch.zeros(n, device=device) if token_stats else None
+        self.zsum_all = torch.zeros(n, device=device) if token_stats else None
+        self.zbest = torch.full((n,), _NEG_INF, device=device) if token_stats else None
+        self.zbest_idx = torch.zeros(n, dtype=torch.int64, device=device) if token_stats else None
 
     def add(self, x: torch.Tensor, z: torch.Tensor, col_start: int, owned: torch.Tensor, col: torch.Tensor,
             w: Optional[torch.Tensor]) -> None:
@@ -62,6 +67,13 @@ class _Running:
             zs = torch.where(z == _NEG_INF, 0.0, (z - shift[:, None]) * e)
             self.t = alpha * (self.t + d * self.s) + zs.sum(dim=1)
         self.s = alpha * self.s + e.sum(dim=1)
+        if self.q is not None:   # sum exp(2 (z - m)) re-based like s, by alpha**2
+            self.q = alpha * alpha * self.q + (e * e).sum(dim=1)
+            self.zsum_all += z.sum(dim=1)
+            zmax, zidx = z.max(dim=1)                         # first index among ties
+            take = zmax > self.zbest
+            self.zbest_idx = torch.where(take, zidx + col_start, self.zbest_idx)
+            self.zbest = torch.where(take, zmax, self.zbest)
         self.m = m_new
         self.z_t += torch.where(owned, z.gather(1, col[:, None])[:, 0], 0.0)
         if self.zsum is not None:
@@ -83,20 +95,22 @@ class TorchTiledCE:
 
     @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
-                entropy: bool = False) -> TiledRows:
+                entropy: bool = False, token_stats: bool = False) -> TiledRows:
         n, n_classes = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         loss = torch.zeros(n, device=dev)
         lse, lse_lo, z_t = torch.zeros_like(loss), torch.zeros_like(loss), torch.zeros_like(loss)
         ent = torch.zeros_like(loss) if entropy else None
         predicted = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        if token_stats:
+            tstats = (torch.zeros_like(loss), torch.zeros_like(loss), torch.zeros(n, dtype=torch.bool, device=dev))
         valid_all = opts.kept(target)
         smoothing = opts.label_smoothing > 0.0
         tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
         for r0 in range(0, n, tile_rows):
             r = slice(r0, r0 + tile_rows)
             h, t, valid = hidden[r], target[r], valid_all[r]
-            run = _Running(h.shape[0], dev, smoothing, entropy, stats)
+            run = _Running(h.shape[0], dev, smoothing, entropy, stats, token_stats)
             w_t = None if w is None else torch.zeros(h.shape[0], device=dev)
             for v0 in range(0, n_classes, tile_vocab):
                 cols = slice(v0, v0 + tile_vocab)
@@ -117,7 +131,11 @@ class TorchTiledCE:
                 ent[r] = torch.where(valid, torch.log(run.s) - run.t / run.s, 0.0)
             if stats:
                 predicted[r] = torch.where(valid, run.best_idx, -1)
-        return TiledRows(loss, lse, lse_lo, predicted, z_t, ent)
+            if token_stats:   # log sum p**2 = log Q - 2 log S (both shifted by the same m)
+                tstats[0][r] = torch.where(valid, torch.log(run.q) - 2.0 * torch.log(run.s), 0.0)
+                tstats[1][r] = torch.where(valid, run.zsum_all / n_classes, 0.0)
+                tstats[2][r] = valid & (run.zbest_idx == t)
+        return TiledRows(loss, lse, lse_lo, predicted, z_t, ent, tstats if token_stats else None)
 
     @staticmethod
     def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,

@@ -32,6 +32,11 @@ class TritonChunkCE:
         return custom_ops.forward(logits, target, *_w(w, weight_sum), opts, stats)
 
     @staticmethod
+    def token_stats(logits, target, lse, lse_lo, opts):
+        from .token_stats import chunk_token_stats
+        return chunk_token_stats(logits, target, lse, lse_lo, opts)
+
+    @staticmethod
     def loss_and_grad_(logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats):
         return custom_ops.loss_and_grad_(logits, target, *_w(w, weight_sum), grad_row, z_grad_row, opts, stats)
 

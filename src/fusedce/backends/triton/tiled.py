@@ -56,17 +56,21 @@ def _grid_meta(n_rows, n_cols, n_hidden, kernel, dtype):
 
 
 def tiled_forward_launch(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, loss, lse, lse_lo,
-                         predicted: Opt, target_logit, entropy: Opt):
-    """``(kernel, grid, args, meta)`` of the tiled forward for these buffers (see ``tiled_forward``)."""
+                         predicted: Opt, target_logit, entropy: Opt, token_stats: Optional[tuple] = None):
+    """``(kernel, grid, args, meta)`` of the tiled forward for these buffers (see ``tiled_forward``);
+    ``token_stats``: (log_sum_sq, mean, is_top1 as uint8) buffers, or None (COMPUTE_TOKEN_STATS off)."""
     (n_rows, n_hidden), n_cols = hidden.shape, weight.shape[0]
     dummy = loss
     cfg, meta = _grid_meta(n_rows, n_cols, n_hidden, "tiled_forward", hidden.dtype)
     args = (hidden, weight, dummy if bias is None else bias, target, dummy if w is None else w,
             dummy if weight_sum is None else weight_sum, loss, lse, lse_lo,
             dummy if predicted is None else predicted, target_logit, dummy if entropy is None else entropy,
+            *(token_stats or (dummy,) * 3),
             n_rows, n_cols, n_hidden, hidden.stride(0), weight.stride(0), target.stride(0), opts.kernel_scalars())
     meta.update(FLAGS=opts.kernel_flags(w is not None), HAS_BIAS=bias is not None,
                 COMPUTE_STATS=predicted is not None, COMPUTE_ENTROPY=entropy is not None)
+    if token_stats is not None:
+        meta["COMPUTE_TOKEN_STATS"] = True
     return tiled_forward_kernel, (triton.cdiv(n_rows, cfg["BLOCK_N"]),), args, meta
 
 
@@ -230,7 +234,15 @@ class TritonTiledCE:
 
     @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
-                entropy: bool = False) -> TiledRows:
+                entropy: bool = False, token_stats: bool = False) -> TiledRows:
+        if token_stats:   # the RL ops: no class weights, no argmax of the raw logits
+            from .token_stats import tiled_forward_token_stats
+            if w is not None or stats:
+                raise AssertionError("token_stats goes with the RL ops' options only")
+            loss, lse, lse_lo, target_logit, ent, tstats = tiled_forward_token_stats(hidden, weight, bias, target,
+                                                                                    opts, entropy)
+            return TiledRows(loss, lse, lse_lo, torch.full_like(target, -1, dtype=torch.int64), target_logit, ent,
+                             tstats)
         loss, lse, lse_lo, predicted, target_logit, ent = torch.ops.fusedce.tiled_forward(
             hidden, weight, bias, target, w, weight_sum, *opts.op_args(), stats, entropy)
         if not stats:

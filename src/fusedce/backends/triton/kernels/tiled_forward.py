@@ -6,7 +6,10 @@ accumulation, + bias, rounded once to hidden's dtype) and lives only in register
 the online softmax of the row kernels (``row_math``, Milakov & Gimelshein 2018) as (BLOCK_N,) vectors:
 the running max ``m`` of z and ``s = sum exp(z - m)``; ``t = sum exp(z - m)(z - m)`` for the entropy
 (COMPUTE_ENTROPY); ``sum_c w_c z_c`` (smoothing); ``z_t`` (the target's z, picked from the tile that
-holds it); the max of the raw logits and its lowest index (COMPUTE_STATS). After the last tile the row
+holds it); the max of the raw logits and its lowest index (COMPUTE_STATS); with COMPUTE_TOKEN_STATS
+(TRL's statistics, ``types.TokenStats``) ``q = sum exp(2 (z - m))`` (re-based by ``exp(m_old - m)**2``
+like ``s``), ``sum_c z_c`` and the first argmax of z, giving ``log sum p**2 = log q - 2 log s``, the
+mean of z and ``argmax == target``. After the last tile the row
 results come from the same functions as the row kernels (``row_lse``, ``row_loss``, ``entropy_of``).
 A tile whose logits are all -inf (a -inf bias block) adds exactly 0 (``row_math`` shift rule).
 
@@ -46,6 +49,9 @@ def tiled_forward_kernel(
     predicted_ptr,     # [n_rows] int64 out: argmax of the logits (COMPUTE_STATS)
     target_logit_ptr,  # [n_rows] fp32 out: z_t (0 on ignored rows and out-of-range targets)
     entropy_ptr,       # [n_rows] fp32 out (COMPUTE_ENTROPY)
+    log_sum_sq_ptr,    # [n_rows] fp32 out: log sum_c p_c**2 (COMPUTE_TOKEN_STATS)
+    mean_ptr,          # [n_rows] fp32 out: sum_c z_c / V (COMPUTE_TOKEN_STATS)
+    is_top1_ptr,       # [n_rows] uint8 out: first argmax of z == target (COMPUTE_TOKEN_STATS)
     # sizes
     n_rows, n_cols, n_hidden,
     # strides (elements)
@@ -60,6 +66,7 @@ def tiled_forward_kernel(
     DOT_PRECISION: tl.constexpr,             # "ieee" (fp32 FMA) or "tf32" for fp32 inputs
     UPCAST: tl.constexpr = False,            # interpreter only (tile_math.logits_tile)
     ROUND_BF16: tl.constexpr = False,        # interpreter only (tile_math.round_like)
+    COMPUTE_TOKEN_STATS: tl.constexpr = False,
 ):
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     in_rows = rows < n_rows
@@ -74,6 +81,10 @@ def tiled_forward_kernel(
     z_t = tl.zeros((BLOCK_N,), tl.float32)
     best = tl.full((BLOCK_N,), -float("inf"), tl.float32)
     best_idx = tl.zeros((BLOCK_N,), tl.int32)
+    q = tl.zeros((BLOCK_N,), tl.float32)
+    z_all = tl.zeros((BLOCK_N,), tl.float32)
+    z_best = tl.full((BLOCK_N,), -float("inf"), tl.float32)
+    z_best_idx = tl.zeros((BLOCK_N,), tl.int32)
     for v0 in range(0, n_scan, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < n_cols
@@ -93,6 +104,14 @@ def tiled_forward_kernel(
         e = tl.exp(z - shift[:, None])
         if COMPUTE_ENTROPY:
             t = entropy_rebase(m, s, t, shift) + tl.sum(entropy_terms(e, z, shift[:, None]), axis=1)
+        if COMPUTE_TOKEN_STATS:
+            rebase = tl.exp(m - shift)
+            q = q * rebase * rebase + tl.sum(e * e, axis=1)
+            z_all += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
+            zmax, zidx = tl.max(z, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            take_z = zmax > z_best   # strict: an earlier tile keeps a tie
+            z_best_idx = tl.where(take_z, v0 + zidx, z_best_idx)
+            z_best = tl.where(take_z, zmax, z_best)
         s = s * tl.exp(m - shift) + tl.sum(e, axis=1)
         m = m_new
         if COMPUTE_STATS:
@@ -113,3 +132,8 @@ def tiled_forward_kernel(
         tl.store(predicted_ptr + rows, tl.where(is_valid, best_idx.to(tl.int64), -1), mask=in_rows)
     if COMPUTE_ENTROPY:
         tl.store(entropy_ptr + rows, entropy_of(s, t, is_valid), mask=in_rows)
+    if COMPUTE_TOKEN_STATS:
+        log_sum_sq = tl.log(tl.where(is_valid, q, 1.0)) - 2.0 * tl.log(tl.where(is_valid, s, 1.0))
+        tl.store(log_sum_sq_ptr + rows, tl.where(is_valid, log_sum_sq, 0.0), mask=in_rows)
+        tl.store(mean_ptr + rows, tl.where(is_valid, z_all / n_cols, 0.0), mask=in_rows)
+        tl.store(is_top1_ptr + rows, (is_valid & (z_best_idx.to(tl.int64) == target)).to(tl.uint8), mask=in_rows)

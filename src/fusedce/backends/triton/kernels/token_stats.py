@@ -1,0 +1,70 @@
+"""TRL's per-token statistics of a chunk of logits whose lse is known (``types.TokenStats``): one
+program per row, one pass over it in BLOCK_V blocks (the same ``logit_transform`` as the loss).
+
+Per row, with ``z`` the transformed logits (``q`` after logit scale, softcap and temperature: the RL
+ops fold those into the options) and the forward's exact lse pair ``lse + lse_lo``:
+
+    log_sum_sq_probs = log sum_c p_c**2 = log sum_c exp(2 u_c),  u_c = (z_c - lse) - lse_lo = log p_c
+    mean_logits      = sum_c z_c / V
+    is_top1          = (first index of max_c z_c) == target
+
+Every ``exp(2 u_c)`` is at most 1 and the largest at least 1 / V**2, so the sum neither overflows nor
+underflows; no rescaling is needed since the lse is known. Ignored rows are not read: 0, 0, False.
+
+Bytes per row: V s read (the chunk's logits, usually still in L2 after the forward) + 16 (target, lse
+pair); 9 written. Launched only when the caller asks for the statistics (``ChunkCE.token_stats``).
+"""
+import triton
+import triton.language as tl
+
+from .common import aligned
+from .row_math import logit_transform
+
+
+@triton.jit
+def token_stats_kernel(
+    # pointers
+    logits_ptr,        # [n_rows, n_cols] fp32/bf16/fp16, last dim contiguous
+    target_ptr,        # [n_rows] int32/int64
+    lse_ptr,           # [n_rows] fp32: the forward's lse
+    lse_lo_ptr,        # [n_rows] fp32: its rounding error
+    log_sum_sq_ptr,    # [n_rows] fp32 out
+    mean_ptr,          # [n_rows] fp32 out
+    is_top1_ptr,       # [n_rows] uint8 out (0 / 1; the caller views it as bool)
+    # sizes
+    n_cols,
+    # strides (elements)
+    stride_logits_row, stride_target,
+    # loss options (``types.LossScalars``; runtime)
+    scalars,
+    # meta-parameters
+    BLOCK_V: tl.constexpr,
+    ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (common.aligned)
+    FLAGS: tl.constexpr,  # types.LossFlags
+):
+    n_cols = aligned(n_cols, ALIGN)
+    stride_logits_row = aligned(stride_logits_row, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_logits_row
+    target = tl.load(target_ptr + row * stride_target).to(tl.int64)
+    is_valid = target != scalars.ignore_index
+    lse = tl.load(lse_ptr + row)
+    lse_lo = tl.load(lse_lo_ptr + row)
+    sq = 0.0
+    zsum = 0.0
+    best = -float("inf")
+    best_idx = 0
+    for start in range(0, tl.where(is_valid, n_cols, 0), BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < n_cols
+        x = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        z = tl.where(mask, logit_transform(x, scalars, FLAGS), -float("inf"))   # softcap maps -inf to -c
+        sq += tl.sum(tl.exp(2.0 * ((z - lse) - lse_lo)), axis=0)
+        zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        bmax, bidx = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        take = bmax > best   # strict: an earlier block keeps a tie
+        best_idx = tl.where(take, start + bidx, best_idx)
+        best = tl.where(take, bmax, best)
+    tl.store(log_sum_sq_ptr + row, tl.where(is_valid, tl.log(tl.where(is_valid, sq, 1.0)), 0.0))
+    tl.store(mean_ptr + row, tl.where(is_valid, zsum / n_cols, 0.0))
+    tl.store(is_top1_ptr + row, (is_valid & (best_idx == target)).to(tl.uint8))
