@@ -23,6 +23,7 @@ import torch
 
 import fusedce
 from fusedce.backends.triton import tiled as triton_tiled
+from fusedce.distributed import vocab_parallel_linear_cross_entropy
 from fusedce.backends.triton import tuning
 from inputs import make_target, make_weight
 from reference64_linear import check_linear, make_linear
@@ -235,6 +236,8 @@ def test_keyword_errors():
             fusedce.linear_token_log_probs(hidden, weight, target, deterministic=bad)
         with pytest.raises(TypeError, match="deterministic"):
             fusedce.LinearCrossEntropyLoss(deterministic=bad)
+        with pytest.raises(TypeError, match="deterministic"):   # checked before the group is read
+            vocab_parallel_linear_cross_entropy(hidden, weight, target, deterministic=bad)
 
 
 # ---------------------------------------------------------------- the paths that are deterministic anyway

@@ -20,7 +20,8 @@ Why atomics (Cut Cross-Entropy's choice, Wijmans et al. 2024), and what they cos
 reduce over different axes (grad_hidden over classes, grad_weight over tokens), and neither accumulator
 fits on chip (BLOCK_N x H or BLOCK_V x H fp32 for H = 4096 is 1-2 MiB per program). The alternatives are
 two kernels that each own one accumulator (deterministic, but the logits are recomputed twice: 8 V H
-FLOPs per token instead of 6, plus the same read-modify-write traffic of the owned accumulator), or
+FLOPs per token instead of 6, plus the same read-modify-write traffic of the owned accumulator; that is
+``tiled_backward_owned.py``, run when determinism is asked for), or
 split reductions into per-tile partial buffers (n x H x V / BLOCK_V floats: a tensor larger than the
 logits). Atomics keep the FLOPs at the floor (6 V H per token: recompute, grad_hidden, grad_weight) and
 one launch, at the price of
