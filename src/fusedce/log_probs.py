@@ -7,6 +7,7 @@ import torch
 
 from . import backends, validation as val
 from .autocast import fp32_op, linear_op
+from .dtensor import dtensor_op
 from .functional import rows_view
 from .types import TokenLogProbs
 
@@ -26,6 +27,7 @@ def _result(log_probs, entropy, shape, return_entropy: bool):
     return TokenLogProbs(log_probs, entropy.reshape(shape))
 
 
+@dtensor_op   # replicated DTensors: computed on their local tensors (dtensor.py)
 @fp32_op   # under autocast: fp32 math, as the loss
 def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0,
                     softcap: Optional[float] = None, ignore_index: int = -100, return_entropy: bool = False,
@@ -76,6 +78,7 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     return _result(log_probs, entropy, shape, return_entropy)
 
 
+@dtensor_op
 @linear_op   # under autocast: matmul in the autocast dtype as F.linear, math fp32
 def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                            bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0,
