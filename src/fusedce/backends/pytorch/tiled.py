@@ -26,7 +26,7 @@ import torch
 from ...types import LossOptions
 from ..chunk_loop.protocols import TiledRows
 from .rows import row_loss, rows_grad, transform, two_sum
-from . import tuning
+from . import block_threads, tuning
 
 _NEG_INF = float("-inf")
 
@@ -79,7 +79,8 @@ def _target_columns(target: torch.Tensor, valid: torch.Tensor, start: int, width
 
 
 class TorchTiledCE:
-    """``TiledCE`` (``backends/chunk_loop/protocols.py``) in plain PyTorch."""
+    """``TiledCE`` (``backends/chunk_loop/protocols.py``) in plain PyTorch (called through the custom ops
+    of ``custom_ops.py``: ``TORCH_TILED``)."""
 
     @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
@@ -93,30 +94,33 @@ class TorchTiledCE:
         valid_all = opts.kept(target)
         smoothing = opts.label_smoothing > 0.0
         tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
-        for r0 in range(0, n, tile_rows):
-            r = slice(r0, r0 + tile_rows)
-            h, t, valid = hidden[r], target[r], valid_all[r]
-            run = _Running(h.shape[0], dev, smoothing, entropy, stats)
-            w_t = None if w is None else torch.zeros(h.shape[0], device=dev)
-            for v0 in range(0, n_classes, tile_vocab):
-                cols = slice(v0, v0 + tile_vocab)
-                x = _block_logits(h, weight, bias, cols)
-                owned, col = _target_columns(t, valid, v0, x.shape[1])
-                run.add(x, transform(x, opts), v0, owned, col, None if w is None else w[cols])
-                if w_t is not None:
-                    w_t += torch.where(owned, w[cols][col], 0.0)
-            shift = torch.where(run.m == _NEG_INF, 0.0, run.m)
-            hi, lo = two_sum(shift, torch.log(run.s))
-            row = row_loss(hi, lo, run.z_t, w_t, run.zsum, n_classes if w is None else weight_sum, n_classes,
-                           opts)
-            in_range = (t >= 0) & (t < n_classes)
-            loss[r] = torch.where(valid, torch.where(in_range, row, float("nan")), 0.0)
-            lse[r], lse_lo[r] = torch.where(valid, hi, 0.0), torch.where(valid, lo, 0.0)
-            z_t[r] = torch.where(valid, run.z_t, 0.0)
-            if entropy:
-                ent[r] = torch.where(valid, torch.log(run.s) - run.t / run.s, 0.0)
-            if stats:
-                predicted[r] = torch.where(valid, run.best_idx, -1)
+        def row_blocks(k, workers):   # share k: row blocks k, k + workers, ... (disjoint outputs)
+            for r0 in range(k * tile_rows, n, workers * tile_rows):
+                r = slice(r0, r0 + tile_rows)
+                h, t, valid = hidden[r], target[r], valid_all[r]
+                run = _Running(h.shape[0], dev, smoothing, entropy, stats)
+                w_t = None if w is None else torch.zeros(h.shape[0], device=dev)
+                for v0 in range(0, n_classes, tile_vocab):
+                    cols = slice(v0, v0 + tile_vocab)
+                    x = _block_logits(h, weight, bias, cols)
+                    owned, col = _target_columns(t, valid, v0, x.shape[1])
+                    run.add(x, transform(x, opts), v0, owned, col, None if w is None else w[cols])
+                    if w_t is not None:
+                        w_t += torch.where(owned, w[cols][col], 0.0)
+                shift = torch.where(run.m == _NEG_INF, 0.0, run.m)
+                hi, lo = two_sum(shift, torch.log(run.s))
+                row = row_loss(hi, lo, run.z_t, w_t, run.zsum, n_classes if w is None else weight_sum, n_classes,
+                               opts)
+                in_range = (t >= 0) & (t < n_classes)
+                loss[r] = torch.where(valid, torch.where(in_range, row, float("nan")), 0.0)
+                lse[r], lse_lo[r] = torch.where(valid, hi, 0.0), torch.where(valid, lo, 0.0)
+                z_t[r] = torch.where(valid, run.z_t, 0.0)
+                if entropy:
+                    ent[r] = torch.where(valid, torch.log(run.s) - run.t / run.s, 0.0)
+                if stats:
+                    predicted[r] = torch.where(valid, run.best_idx, -1)
+
+        block_threads.run(row_blocks, -(-n // tile_rows))
         return TiledRows(loss, lse, lse_lo, predicted, z_t, ent)
 
     @staticmethod
@@ -134,30 +138,36 @@ class TorchTiledCE:
         safe_all = torch.where(valid_all & (target >= 0) & (target < n_classes), target, 0).long()
         w_t_all = None if w is None else w[safe_all]
         tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
-        for r0 in range(0, n, tile_rows):
-            r = slice(r0, r0 + tile_rows)
-            h, t = hidden[r], target[r]
-            h32 = h if fp32 else h.float()
-            for v0 in range(0, n_classes, tile_vocab):
-                cols = slice(v0, v0 + tile_vocab)
-                x = _block_logits(h, weight, bias, cols)
-                dz = rows_grad(x, t, None if w is None else w[cols], weight_sum, lse[r], lse_lo[r], grad_row[r],
-                               None if grad_lse is None else grad_lse[r], opts, out=x, n_classes=n_classes,
-                               col_start=v0, target_weight=None if w_t_all is None else w_t_all[r],
-                               grad_entropy=None if grad_entropy is None else grad_entropy[r],
-                               entropy=None if entropy is None else entropy[r])
-                if not fp32:   # the gradient of the logits in their dtype, as the chunked and stock paths
-                    dz = dz.to(hidden.dtype).float()
-                if grad_h is not None:
-                    w_blk = weight[cols]
-                    grad_h[r].addmm_(dz, w_blk if fp32 else w_blk.float())
-                if grad_w is not None:
-                    grad_w[cols].addmm_(dz.t().to(accum_dtype), h32.to(accum_dtype))
-                if grad_b is not None:
-                    grad_b[cols] += dz.sum(dim=0, dtype=accum_dtype)
+        def vocab_blocks(k, workers):   # share k: vocabulary blocks k, k + workers, ... of every row block
+            acc_h = grad_h if k == 0 or grad_h is None else torch.zeros_like(grad_h)
+            for r0 in range(0, n, tile_rows):
+                r = slice(r0, r0 + tile_rows)
+                h, t = hidden[r], target[r]
+                h32 = h if fp32 else h.float()
+                for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):
+                    cols = slice(v0, v0 + tile_vocab)
+                    x = _block_logits(h, weight, bias, cols)
+                    dz = rows_grad(x, t, None if w is None else w[cols], weight_sum, lse[r], lse_lo[r], grad_row[r],
+                                   None if grad_lse is None else grad_lse[r], opts, out=x, n_classes=n_classes,
+                                   col_start=v0, target_weight=None if w_t_all is None else w_t_all[r],
+                                   grad_entropy=None if grad_entropy is None else grad_entropy[r],
+                                   entropy=None if entropy is None else entropy[r])
+                    if not fp32:   # the gradient of the logits in their dtype, as the chunked and stock paths
+                        dz = dz.to(hidden.dtype).float()
+                    if acc_h is not None:
+                        w_blk = weight[cols]
+                        acc_h[r].addmm_(dz, w_blk if fp32 else w_blk.float())
+                    if grad_w is not None:
+                        grad_w[cols].addmm_(dz.t().to(accum_dtype), h32.to(accum_dtype))
+                    if grad_b is not None:
+                        grad_b[cols] += dz.sum(dim=0, dtype=accum_dtype)
+            return acc_h
+
+        partial_h = block_threads.run(vocab_blocks, -(-n_classes // tile_vocab))
+        for part in partial_h[1:]:   # the other shares' grad_h, added in a fixed order (deterministic)
+            if part is not None:
+                grad_h += part
         if grad_h is not None and not fp32:
             grad_h = grad_h.to(hidden.dtype)
         return grad_h, grad_w, grad_b
 
-
-TORCH_TILED = TorchTiledCE()
