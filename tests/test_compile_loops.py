@@ -134,3 +134,44 @@ def test_compile_does_not_grow_with_vocabulary(case, request):
     assert counts[V_REAL] == counts[V_SMALL], counts
     print(f"{case}: compile + first call {compile_s:.2f} s, eager call {eager_s:.2f} s")
     assert compile_s <= COMPILE_OVER_EAGER * eager_s, (compile_s, eager_s)
+
+
+def test_torch_loop_ops_opcheck():
+    """``torch.library.opcheck`` of every ``fusedce_torch`` op (schema, declared mutations, fake impls,
+    AOT dispatch) with the strides Inductor may hand over: logits with a row stride > V, an expanded
+    stride-0 upstream gradient, a stride-2 one."""
+    from fusedce.backends.pytorch import custom_ops  # noqa: F401  (registers the ops)
+    from fusedce.types import LossOptions
+
+    n_rows, n_classes, hidden_size = 6, 40, 8
+    logits = torch.randn(n_rows, n_classes + 8)[:, :n_classes]
+    target = torch.randint(0, n_classes, (n_rows,))
+    target[1] = -100
+    w = torch.rand(n_classes) + 0.5
+    weight_sum = w.sum()
+    lse, lse_lo = torch.logsumexp(logits, dim=1), torch.zeros(n_rows)
+    grad_row = torch.randn(1).expand(n_rows)
+    grad_lse = torch.randn(n_rows * 2)[::2]
+    hidden, weight, bias = torch.randn(n_rows, hidden_size), torch.randn(n_classes, hidden_size), torch.randn(n_classes)
+    smooth = LossOptions(-100, 0.1, 1e-3, 30.0).op_args()
+    plain = LossOptions(-100).op_args()
+    ops = torch.ops.fusedce_torch
+    checks = [
+        (ops.chunk_loss.default, (logits, target, w, weight_sum, *smooth, True, True)),
+        (ops.chunk_loss.default, (logits, target, None, None, *plain, False, False)),
+        (ops.chunk_grad_inplace.default, (logits.clone(), target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
+                                          *smooth)),
+        (ops.chunk_grad_out.default, (logits, torch.empty(n_rows, n_classes), target, None, None, lse, lse_lo,
+                                      grad_row, None, *plain, grad_lse, lse)),
+        (ops.tiled_forward.default, (hidden, weight, bias, target, w, weight_sum, *smooth, True, True)),
+        (ops.tiled_backward.default, (hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
+                                      *smooth, True, True, True, torch.float32, grad_lse, lse)),
+        (ops.tiled_backward.default, (hidden, weight, None, target, None, None, lse, lse_lo, grad_row, None,
+                                      *plain, True, False, False, torch.float64, None, None)),
+        (ops.slice_stats.default, (logits, target, w, *smooth, 100)),
+        (ops.slice_grad.default, (logits, target, w, weight_sum, None, lse, lse_lo, grad_row, grad_lse, *smooth,
+                                  0, n_classes)),
+    ]
+    for op, args in checks:
+        result = torch.library.opcheck(op, args)
+        assert all(v == "SUCCESS" for v in result.values()), (op, result)
