@@ -3,6 +3,8 @@
 Memory: the stock path keeps an fp32 softmax (BT x V) for backward and builds fp32 temporaries of the
 same size; this one holds fp32 temporaries of one chunk of rows (``tuning.chunk_rows``) at a time and
 writes the gradient straight into its output (or into ``logits`` with ``inplace_backward``).
+The two loops here (``chunk_loss``, ``chunk_grad_``) are called as torch custom ops (``custom_ops.py``)
+by the autograd Function (``functions.py``) and by the chunk loop of the linear ops.
 """
 from __future__ import annotations
 

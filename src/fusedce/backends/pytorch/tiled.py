@@ -16,6 +16,11 @@ FLOPs: 2 BT V H forward, 6 BT V H backward (recomputed logits, grad_h, grad_W). 
 inputs and the returned gradients: a few fp32 blocks of fewer than V values each, fp32 copies of one
 weight block and one hidden block for non-fp32 inputs, O(BT) row statistics, and for non-fp32 hidden
 an fp32 ``BT x H`` accumulator of its gradient.
+Threads (``block_threads.py``): the forward's row blocks and the backward's vocabulary blocks are shared
+out among ``n`` threads (``n = torch.get_num_threads()``, each with one intra-op thread); the forward's
+shares write disjoint rows, the backward's disjoint columns of grad_W / grad_b, and each backward share
+past the first accumulates grad_h in its own fp32 ``BT x H`` buffer, added in share order at the end
+(so results are deterministic for a given ``n``; grad_W and grad_b are bitwise those of one thread).
 """
 from __future__ import annotations
 
@@ -94,6 +99,7 @@ class TorchTiledCE:
         valid_all = opts.kept(target)
         smoothing = opts.label_smoothing > 0.0
         tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
+
         def row_blocks(k, workers):   # share k: row blocks k, k + workers, ... (disjoint outputs)
             for r0 in range(k * tile_rows, n, workers * tile_rows):
                 r = slice(r0, r0 + tile_rows)
@@ -138,6 +144,7 @@ class TorchTiledCE:
         safe_all = torch.where(valid_all & (target >= 0) & (target < n_classes), target, 0).long()
         w_t_all = None if w is None else w[safe_all]
         tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
+
         def vocab_blocks(k, workers):   # share k: vocabulary blocks k, k + workers, ... of every row block
             acc_h = grad_h if k == 0 or grad_h is None else torch.zeros_like(grad_h)
             for r0 in range(0, n, tile_rows):
