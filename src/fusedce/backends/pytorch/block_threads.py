@@ -35,11 +35,15 @@ def _no_grad(work: Callable, k: int, n: int):
         return work(k, n)
 
 
-def run(work: Callable[[int, int], object], n_items: int) -> List[object]:
+def run(work: Callable[[int, int], object], n_items: int, device: torch.device) -> List[object]:
     """Call ``work(k, n)`` for ``k`` in ``range(n)`` on ``n = min(torch.get_num_threads(), n_items)``
     threads (at least 1; ``k = 0`` in the calling thread), each with one intra-op thread and grad mode
     off; returns the ``n`` results in order. ``work(k, n)`` must touch only its own share of the
-    outputs (e.g. items ``k, k + n, ...``); an exception in any share is re-raised here."""
+    outputs (e.g. items ``k, k + n, ...``); an exception in any share is re-raised here. On a device
+    other than the CPU ``work(0, 1)`` runs in the calling thread as it is (its current stream is per
+    thread)."""
+    if device.type != "cpu":
+        return [_no_grad(work, 0, 1)]
     with _LOCK:
         threads = torch.get_num_threads()
         n = max(1, min(threads, n_items))

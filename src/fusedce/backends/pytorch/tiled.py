@@ -126,7 +126,7 @@ class TorchTiledCE:
                 if stats:
                     predicted[r] = torch.where(valid, run.best_idx, -1)
 
-        block_threads.run(row_blocks, -(-n // tile_rows))
+        block_threads.run(row_blocks, -(-n // tile_rows), dev)
         return TiledRows(loss, lse, lse_lo, predicted, z_t, ent)
 
     @staticmethod
@@ -170,7 +170,7 @@ class TorchTiledCE:
                         grad_b[cols] += dz.sum(dim=0, dtype=accum_dtype)
             return acc_h
 
-        partial_h = block_threads.run(vocab_blocks, -(-n_classes // tile_vocab))
+        partial_h = block_threads.run(vocab_blocks, -(-n_classes // tile_vocab), dev)
         for part in partial_h[1:]:   # the other shares' grad_h, added in a fixed order (deterministic)
             if part is not None:
                 grad_h += part
