@@ -9,6 +9,7 @@ forward and backward:
 import pytest
 import torch
 from torch.utils import _pytree as pytree
+from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedce
@@ -25,14 +26,33 @@ def _storage(t):
 
 
 class OpRecorder(TorchDispatchMode):
-    """Records the size (elements) of every tensor an op allocates and the FLOPs of every matmul."""
+    """Records the size (elements) of every tensor an op allocates and the FLOPs of every matmul.
+
+    The PyTorch backend's loops are custom ops (``fusedce_torch::*``) whose Python implementations run
+    ATen ops: the recorder runs those implementations itself, under the recorder, so that every block
+    they allocate is seen (a mode does not see inside an op it dispatches). Modes are per thread, so
+    while recording the intra-op thread count is 1: the block loops (``block_threads.py``) then run in
+    the calling thread."""
 
     def __init__(self):
         super().__init__()
         self.largest, self.largest_op, self.flops, self.sizes = 0, None, 0, []
 
+    def __enter__(self):
+        self._threads = getattr(self, "_threads", []) + [torch.get_num_threads()]   # re-entered below
+        torch.set_num_threads(1)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self._threads.pop())
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "fusedce_torch":   # a torch-backend loop: record what its body allocates
+            with self:
+                out = OPDEFS[func.name()]._init_fn(*args, **kwargs)
+            return out
         out = func(*args, **kwargs)
         # views and in-place / out= results share an input's storage: not an allocation
         inputs = {_storage(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}

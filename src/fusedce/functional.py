@@ -7,6 +7,7 @@ import torch
 
 from . import backends, reduction as red, validation as val
 from .autocast import fp32_op, linear_op
+from .dtensor import dtensor_op
 from .backends.pytorch.rows import target_probability
 from .signatures import keyword_hints, with_loss_options
 from .types import CrossEntropyOutput, LossOptionValues
@@ -25,6 +26,7 @@ def rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
     return flat
 
 
+@dtensor_op   # replicated DTensors: computed on their local tensors (dtensor.py)
 @fp32_op   # under autocast: as stock F.cross_entropy (fp32), see autocast.py
 @with_loss_options
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
@@ -109,6 +111,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
                               return_stats, token_weight)
 
 
+@dtensor_op
 @keyword_hints(weight="the second argument is the LM head's weight (V, H); class weights of the loss are "
                       "`ce_weight=`")
 @linear_op   # under autocast: matmul in the autocast dtype as F.linear, loss fp32 (autocast.py)

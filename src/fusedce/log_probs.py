@@ -7,6 +7,7 @@ import torch
 
 from . import backends, validation as val
 from .autocast import fp32_op, linear_op
+from .dtensor import dtensor_op
 from .functional import rows_view
 from .types import TokenLogProbs, TokenStats
 
@@ -28,6 +29,7 @@ def _result(out, shape, return_entropy: bool, return_stats: bool):
     return TokenLogProbs(log_probs, entropy)
 
 
+@dtensor_op   # replicated DTensors: computed on their local tensors (dtensor.py)
 @fp32_op   # under autocast: fp32 math, as the loss
 def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0,
                     softcap: Optional[float] = None, logit_scale: float = 1.0, ignore_index: int = -100,
@@ -86,6 +88,7 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     return _result(out, shape, return_entropy, return_stats)
 
 
+@dtensor_op
 @linear_op   # under autocast: matmul in the autocast dtype as F.linear, math fp32
 def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                            bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0,

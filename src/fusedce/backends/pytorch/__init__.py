@@ -1,8 +1,8 @@
 """The backend named ``"torch"``: pure PyTorch, the CPU path (the tests' oracle is the float64 composition
 in ``tests/reference64.py``)."""
-from .cross_entropy import cross_entropy_rows
+from .custom_ops import slice_grad, slice_stats
+from .functions import cross_entropy_rows
 from .linear import linear_cross_entropy, linear_token_log_probs, token_log_probs
-from .slices import slice_grad, slice_stats
 
 __all__ = ["cross_entropy_rows", "linear_cross_entropy", "linear_token_log_probs", "slice_grad", "slice_stats",
            "token_log_probs"]

@@ -3,6 +3,8 @@
 Memory: the stock path keeps an fp32 softmax (BT x V) for backward and builds fp32 temporaries of the
 same size; this one holds fp32 temporaries of one chunk of rows (``tuning.chunk_rows``) at a time and
 writes the gradient straight into its output (or into ``logits`` with ``inplace_backward``).
+The two loops here (``chunk_loss``, ``chunk_grad_``) are called as torch custom ops (``custom_ops.py``)
+by the autograd Function (``functions.py``) and by the chunk loop of the linear ops.
 """
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ from typing import Optional
 
 import torch
 
-from ...autograd_checks import check_backward_allowed
 from ...types import LossOptions
 from .rows import rows_forward, rows_grad
 from .tuning import chunk_rows
@@ -93,40 +94,3 @@ def chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, 
         if scratch is not None:
             dst.copy_(grad)
     return out
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, weight, opts: LossOptions, inplace_backward: bool, stats: bool):
-        w, weight_sum = class_weights(weight)
-        loss, lse, lse_lo, predicted = chunk_loss(logits, target, w, weight_sum, opts, stats)
-        if predicted is None:
-            predicted = torch.empty(0, dtype=torch.int64, device=logits.device)
-        ctx.save_for_backward(logits, target, lse, lse_lo, w, weight_sum)
-        ctx.opts, ctx.inplace, ctx.consumed = opts, inplace_backward, False
-        ctx.mark_non_differentiable(lse_lo, predicted)
-        return loss, lse, lse_lo, predicted
-
-    @staticmethod
-    def backward(ctx, grad_row, grad_lse, _grad_lse_lo, _grad_pred):
-        check_backward_allowed(ctx, "fusedce.cross_entropy")
-        logits, target, lse, lse_lo, w, weight_sum = ctx.saved_tensors
-        if grad_row is None:
-            grad_row = lse.new_zeros(()).expand(lse.shape)
-        out = None if ctx.inplace else torch.empty_like(logits)
-        grad = chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, ctx.opts, out=out)
-        ctx.consumed = ctx.inplace
-        return grad, None, None, None, None, None
-
-
-def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
-                       opts: LossOptions, inplace_backward: bool = False, stats: bool = True):
-    """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against ``target`` ((BT,)).
-
-    Returns ``(loss (BT,) fp32, lse (BT,) fp32, lse_lo (BT,) fp32, predicted (BT,) int64)``: the
-    cross-entropy without z-loss and the lse (0 on ignored rows), both differentiable w.r.t. ``logits``,
-    and lse's rounding error (``rows.py``; no gradient). With
-    ``inplace_backward`` the backward pass overwrites ``logits`` with the gradient (a second backward
-    then raises ``RuntimeError``). Without ``stats`` no argmax is computed and ``predicted`` is empty.
-    """
-    return _ChunkedCrossEntropy.apply(logits, target, weight, opts, inplace_backward, stats)

@@ -6,27 +6,25 @@ import functools
 from ..chunk_loop import linear_cross_entropy as _linear_cross_entropy
 from ..chunk_loop import log_probs as _log_probs
 from ..chunk_loop.loop import loss_then_grad_
-from .cross_entropy import chunk_grad_, chunk_loss
-from .tiled import TORCH_TILED
-from .token_stats import chunk_token_stats
+from .custom_ops import TORCH_TILED, rows_grad_, rows_loss, rows_token_stats
 
 
 class TorchChunkCE:
-    """``ChunkCE`` in plain PyTorch (row sub-chunks keep the fp32 temporaries small)."""
+    """``ChunkCE`` in plain PyTorch (row sub-chunks keep the fp32 temporaries small; each loop one custom op)."""
 
     @staticmethod
     def loss(logits, target, w, weight_sum, opts, stats, entropy=False):
-        return chunk_loss(logits, target, w, weight_sum, opts, stats, entropy)
+        return rows_loss(logits, target, w, weight_sum, opts, stats, entropy)
 
     @staticmethod
     def grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts, grad_entropy=None,
               entropy=None, out=None):
-        chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts, out=out,
-                    grad_entropy=grad_entropy, entropy=entropy)
+        rows_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts, out=out,
+                   grad_entropy=grad_entropy, entropy=entropy)
 
     @staticmethod
     def token_stats(logits, target, lse, lse_lo, opts):
-        return chunk_token_stats(logits, target, lse, lse_lo, opts)
+        return rows_token_stats(logits, target, lse, lse_lo, opts)
 
     @classmethod
     def loss_and_grad_(cls, logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats):

@@ -16,6 +16,11 @@ FLOPs: 2 BT V H forward, 6 BT V H backward (recomputed logits, grad_h, grad_W). 
 inputs and the returned gradients: a few fp32 blocks of fewer than V values each, fp32 copies of one
 weight block and one hidden block for non-fp32 inputs, O(BT) row statistics, and for non-fp32 hidden
 an fp32 ``BT x H`` accumulator of its gradient.
+Threads (``block_threads.py``): the forward's row blocks and the backward's vocabulary blocks are shared
+out among ``n`` threads (``n = torch.get_num_threads()``, each with one intra-op thread); the forward's
+shares write disjoint rows, the backward's disjoint columns of grad_W / grad_b, and each backward share
+past the first accumulates grad_h in its own fp32 ``BT x H`` buffer, added in share order at the end
+(so results are deterministic for a given ``n``; grad_W and grad_b are bitwise those of one thread).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import torch
 from ...types import LossOptions
 from ..chunk_loop.protocols import TiledRows
 from .rows import row_loss, rows_grad, transform, two_sum
-from . import tuning
+from . import block_threads, tuning
 
 _NEG_INF = float("-inf")
 
@@ -91,7 +96,8 @@ def _target_columns(target: torch.Tensor, valid: torch.Tensor, start: int, width
 
 
 class TorchTiledCE:
-    """``TiledCE`` (``backends/chunk_loop/protocols.py``) in plain PyTorch."""
+    """``TiledCE`` (``backends/chunk_loop/protocols.py``) in plain PyTorch (called through the custom ops
+    of ``custom_ops.py``: ``TORCH_TILED``)."""
 
     @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
@@ -107,34 +113,38 @@ class TorchTiledCE:
         valid_all = opts.kept(target)
         smoothing = opts.label_smoothing > 0.0
         tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
-        for r0 in range(0, n, tile_rows):
-            r = slice(r0, r0 + tile_rows)
-            h, t, valid = hidden[r], target[r], valid_all[r]
-            run = _Running(h.shape[0], dev, smoothing, entropy, stats, token_stats)
-            w_t = None if w is None else torch.zeros(h.shape[0], device=dev)
-            for v0 in range(0, n_classes, tile_vocab):
-                cols = slice(v0, v0 + tile_vocab)
-                x = _block_logits(h, weight, bias, cols)
-                owned, col = _target_columns(t, valid, v0, x.shape[1])
-                run.add(x, transform(x, opts), v0, owned, col, None if w is None else w[cols])
-                if w_t is not None:
-                    w_t += torch.where(owned, w[cols][col], 0.0)
-            shift = torch.where(run.m == _NEG_INF, 0.0, run.m)
-            hi, lo = two_sum(shift, torch.log(run.s))
-            row = row_loss(hi, lo, run.z_t, w_t, run.zsum, n_classes if w is None else weight_sum, n_classes,
-                           opts)
-            in_range = (t >= 0) & (t < n_classes)
-            loss[r] = torch.where(valid, torch.where(in_range, row, float("nan")), 0.0)
-            lse[r], lse_lo[r] = torch.where(valid, hi, 0.0), torch.where(valid, lo, 0.0)
-            z_t[r] = torch.where(valid, run.z_t, 0.0)
-            if entropy:
-                ent[r] = torch.where(valid, torch.log(run.s) - run.t / run.s, 0.0)
-            if stats:
-                predicted[r] = torch.where(valid, run.best_idx, -1)
-            if token_stats:   # log sum p**2 = log Q - 2 log S (both shifted by the same m)
-                tstats[0][r] = torch.where(valid, torch.log(run.q) - 2.0 * torch.log(run.s), 0.0)
-                tstats[1][r] = torch.where(valid, run.zsum_all / n_classes, 0.0)
-                tstats[2][r] = valid & (run.zbest_idx == t)
+
+        def row_blocks(k, workers):   # share k: row blocks k, k + workers, ... (disjoint outputs)
+            for r0 in range(k * tile_rows, n, workers * tile_rows):
+                r = slice(r0, r0 + tile_rows)
+                h, t, valid = hidden[r], target[r], valid_all[r]
+                run = _Running(h.shape[0], dev, smoothing, entropy, stats, token_stats)
+                w_t = None if w is None else torch.zeros(h.shape[0], device=dev)
+                for v0 in range(0, n_classes, tile_vocab):
+                    cols = slice(v0, v0 + tile_vocab)
+                    x = _block_logits(h, weight, bias, cols)
+                    owned, col = _target_columns(t, valid, v0, x.shape[1])
+                    run.add(x, transform(x, opts), v0, owned, col, None if w is None else w[cols])
+                    if w_t is not None:
+                        w_t += torch.where(owned, w[cols][col], 0.0)
+                shift = torch.where(run.m == _NEG_INF, 0.0, run.m)
+                hi, lo = two_sum(shift, torch.log(run.s))
+                row = row_loss(hi, lo, run.z_t, w_t, run.zsum, n_classes if w is None else weight_sum, n_classes,
+                               opts)
+                in_range = (t >= 0) & (t < n_classes)
+                loss[r] = torch.where(valid, torch.where(in_range, row, float("nan")), 0.0)
+                lse[r], lse_lo[r] = torch.where(valid, hi, 0.0), torch.where(valid, lo, 0.0)
+                z_t[r] = torch.where(valid, run.z_t, 0.0)
+                if entropy:
+                    ent[r] = torch.where(valid, torch.log(run.s) - run.t / run.s, 0.0)
+                if stats:
+                    predicted[r] = torch.where(valid, run.best_idx, -1)
+                if token_stats:   # log sum p**2 = log Q - 2 log S (both shifted by the same m)
+                    tstats[0][r] = torch.where(valid, torch.log(run.q) - 2.0 * torch.log(run.s), 0.0)
+                    tstats[1][r] = torch.where(valid, run.zsum_all / n_classes, 0.0)
+                    tstats[2][r] = valid & (run.zbest_idx == t)
+
+        block_threads.run(row_blocks, -(-n // tile_rows), dev)
         return TiledRows(loss, lse, lse_lo, predicted, z_t, ent, tstats if token_stats else None)
 
     @staticmethod
@@ -153,30 +163,36 @@ class TorchTiledCE:
         safe_all = torch.where(valid_all & (target >= 0) & (target < n_classes), target, 0).long()
         w_t_all = None if w is None else w[safe_all]
         tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
-        for r0 in range(0, n, tile_rows):
-            r = slice(r0, r0 + tile_rows)
-            h, t = hidden[r], target[r]
-            h32 = h if fp32 else h.float()
-            for v0 in range(0, n_classes, tile_vocab):
-                cols = slice(v0, v0 + tile_vocab)
-                x = _block_logits(h, weight, bias, cols)
-                dz = rows_grad(x, t, None if w is None else w[cols], weight_sum, lse[r], lse_lo[r], grad_row[r],
-                               None if grad_lse is None else grad_lse[r], opts, out=x, n_classes=n_classes,
-                               col_start=v0, target_weight=None if w_t_all is None else w_t_all[r],
-                               grad_entropy=None if grad_entropy is None else grad_entropy[r],
-                               entropy=None if entropy is None else entropy[r])
-                if not fp32:   # the gradient of the logits in their dtype, as the chunked and stock paths
-                    dz = dz.to(hidden.dtype).float()
-                if grad_h is not None:
-                    w_blk = weight[cols]
-                    grad_h[r].addmm_(dz, w_blk if fp32 else w_blk.float())
-                if grad_w is not None:
-                    grad_w[cols].addmm_(dz.t().to(accum_dtype), h32.to(accum_dtype))
-                if grad_b is not None:
-                    grad_b[cols] += dz.sum(dim=0, dtype=accum_dtype)
+
+        def vocab_blocks(k, workers):   # share k: vocabulary blocks k, k + workers, ... of every row block
+            acc_h = grad_h if k == 0 or grad_h is None else torch.zeros_like(grad_h)
+            for r0 in range(0, n, tile_rows):
+                r = slice(r0, r0 + tile_rows)
+                h, t = hidden[r], target[r]
+                h32 = h if fp32 else h.float()
+                for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):
+                    cols = slice(v0, v0 + tile_vocab)
+                    x = _block_logits(h, weight, bias, cols)
+                    dz = rows_grad(x, t, None if w is None else w[cols], weight_sum, lse[r], lse_lo[r], grad_row[r],
+                                   None if grad_lse is None else grad_lse[r], opts, out=x, n_classes=n_classes,
+                                   col_start=v0, target_weight=None if w_t_all is None else w_t_all[r],
+                                   grad_entropy=None if grad_entropy is None else grad_entropy[r],
+                                   entropy=None if entropy is None else entropy[r])
+                    if not fp32:   # the gradient of the logits in their dtype, as the chunked and stock paths
+                        dz = dz.to(hidden.dtype).float()
+                    if acc_h is not None:
+                        w_blk = weight[cols]
+                        acc_h[r].addmm_(dz, w_blk if fp32 else w_blk.float())
+                    if grad_w is not None:
+                        grad_w[cols].addmm_(dz.t().to(accum_dtype), h32.to(accum_dtype))
+                    if grad_b is not None:
+                        grad_b[cols] += dz.sum(dim=0, dtype=accum_dtype)
+            return acc_h
+
+        partial_h = block_threads.run(vocab_blocks, -(-n_classes // tile_vocab), dev)
+        for part in partial_h[1:]:   # the other shares' grad_h, added in a fixed order (deterministic)
+            if part is not None:
+                grad_h += part
         if grad_h is not None and not fp32:
             grad_h = grad_h.to(hidden.dtype)
         return grad_h, grad_w, grad_b
-
-
-TORCH_TILED = TorchTiledCE()

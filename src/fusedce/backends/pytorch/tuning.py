@@ -19,6 +19,9 @@ def chunk_rows(n_classes: int) -> int:
 # min(TILE_ROWS, (V - 1) // vocab). Measured on the 2-core dev machine, BT=4096, H=576, V=49152, fp32
 # fwd+bwd (chunked: 4.4 s): 512 x 2048 blocks (8 V each) 5.7 s; 47 x 1024 (< V) 8.4 s; 23 x 2048 11.3 s;
 # 11 x 4096 23.2 s: short blocks are dominated by per-op overheads, so the vocabulary block stays 1024.
+# The blocks are processed by one Python thread per intra-op thread, each running its ops with one
+# intra-op thread (``block_threads.py``): on the same machine at load ~12, BT=1024, the OpenMP pool took
+# 137 s, one thread 20 s, the threads 21 s (chunked: 13 s).
 TILE_ROWS = 512
 TILE_VOCAB = 1024
 

@@ -1,0 +1,255 @@
+"""The PyTorch backend's loops as torch custom ops (namespace ``fusedce_torch``), so that torch.compile
+sees one opaque node per loop, as it sees one per Triton launch, instead of unrolling the Python loop
+into the graph.
+
+Why: every loop of this backend walks blocks whose count grows with V or BT (row chunks of 2**24 / V
+rows; the tiled method's token x vocabulary blocks, ``BT V / 2**10 / 47`` of them at V = 49152).
+Traced, each iteration became ~20 graph nodes: 64 tokens x V = 32256 took 349 s to compile and its
+compiled step 7.0 s (2-core machine). As custom ops the graph holds one node per loop whatever V, BT
+and the block sizes are, and the loop runs eagerly inside it (its own buffers reused, as in eager).
+
+Ops (``<options>`` = ``ignore_index: int, scalars: float[]``, ``LossOptions.op_args``; an output that
+the call does not make is a (0,) tensor, mapped back to None by the typed entry points below):
+
+- ``chunk_loss(logits, target, w?, weight_sum?, <options>, stats, entropy) -> (loss, lse, lse_lo,
+  predicted, entropy)``: ``cross_entropy.chunk_loss`` (per-row results, (n,) each);
+- ``chunk_grad_inplace(logits!, ...)`` / ``chunk_grad_out(logits, out!, ...)``: ``cross_entropy.chunk_grad_``
+  into ``logits`` / ``out`` (a custom op may not return an alias of its input: the mutation is declared);
+- ``tiled_forward(hidden, weight, bias?, target, w?, weight_sum?, <options>, stats, entropy, token_stats)
+  -> (loss, lse, lse_lo, predicted, target_logit, entropy, log_sum_sq_probs, mean_logits, is_top1)`` (the
+  optional outputs empty when not asked) and ``tiled_backward(..., needs_hidden, needs_weight, needs_bias,
+  accum_dtype, grad_entropy?, entropy?) -> (grad_hidden, grad_weight, grad_bias)``:
+  ``tiled.TorchTiledCE`` (``method="tiled"``);
+- ``chunk_token_stats``: ``token_stats.chunk_token_stats`` (the RL ops' ``return_stats``);
+- ``slice_stats`` / ``slice_grad``: ``slices.py`` (vocab parallelism).
+
+No autograd formula: the autograd Functions that call them (``functions.py``, ``chunk_loop``, the
+vocab-parallel Functions) differentiate through the backward ops themselves. Inputs may have any
+strides (Inductor passes e.g. stride-0 upstream gradients): the loops index rows only.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...types import LossOptions, SliceStats
+from ..chunk_loop.protocols import TiledRows
+from .cross_entropy import chunk_grad_, chunk_loss
+from .slices import slice_grad as _slice_grad
+from .slices import slice_stats as _slice_stats
+from .tiled import TorchTiledCE
+from .token_stats import chunk_token_stats
+
+Opt = Optional[torch.Tensor]
+Tensor = torch.Tensor
+
+
+def _f32(like: Tensor, n: int) -> Tensor:
+    return like.new_empty(n, dtype=torch.float32)
+
+
+def _i64(like: Tensor, n: int) -> Tensor:
+    return like.new_empty(n, dtype=torch.int64)
+
+
+def _or_empty(t: Opt, like: Tensor, dtype=torch.float32) -> Tensor:
+    return like.new_empty(0, dtype=dtype) if t is None else t
+
+
+def _none_if_empty(t: Tensor, made: bool) -> Opt:
+    return t if made else None
+
+
+# ---------------------------------------------------------------- row chunks (cross_entropy, chunked, RL)
+
+@torch.library.custom_op("fusedce_torch::chunk_loss", mutates_args=())
+def _chunk_loss(logits: Tensor, target: Tensor, w: Opt, weight_sum: Opt, ignore_index: int, scalars: list[float],
+                stats: bool, entropy: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    out = chunk_loss(logits, target, w, weight_sum, LossOptions.from_op_args(ignore_index, scalars), stats, entropy)
+    loss, lse, lse_lo, predicted = out[:4]
+    return loss, lse, lse_lo, _or_empty(predicted, logits, torch.int64), out[4] if entropy else _f32(logits, 0)
+
+
+@_chunk_loss.register_fake
+def _(logits, target, w, weight_sum, ignore_index, scalars, stats, entropy):
+    n = logits.shape[0]
+    return _f32(logits, n), _f32(logits, n), _f32(logits, n), _i64(logits, n if stats else 0), \
+        _f32(logits, n if entropy else 0)
+
+
+@torch.library.custom_op("fusedce_torch::chunk_grad_inplace", mutates_args=("logits",))
+def _chunk_grad_inplace(logits: Tensor, target: Tensor, w: Opt, weight_sum: Opt, lse: Tensor, lse_lo: Tensor,
+                        grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
+                        grad_entropy: Opt = None, entropy: Opt = None) -> None:
+    chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
+                LossOptions.from_op_args(ignore_index, scalars), grad_entropy=grad_entropy, entropy=entropy)
+
+
+@_chunk_grad_inplace.register_fake
+def _(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars, grad_entropy=None,
+      entropy=None):
+    return None
+
+
+@torch.library.custom_op("fusedce_torch::chunk_grad_out", mutates_args=("out",))
+def _chunk_grad_out(logits: Tensor, out: Tensor, target: Tensor, w: Opt, weight_sum: Opt, lse: Tensor,
+                    lse_lo: Tensor, grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
+                    grad_entropy: Opt = None, entropy: Opt = None) -> None:
+    chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
+                LossOptions.from_op_args(ignore_index, scalars), out=out, grad_entropy=grad_entropy, entropy=entropy)
+
+
+@_chunk_grad_out.register_fake
+def _(logits, out, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars,
+      grad_entropy=None, entropy=None):
+    return None
+
+
+def rows_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = True, entropy: bool = False):
+    """``cross_entropy.chunk_loss`` as one op: ``(loss, lse, lse_lo, predicted)`` (predicted None without
+    ``stats``), with ``entropy`` a fifth element."""
+    loss, lse, lse_lo, predicted, ent = torch.ops.fusedce_torch.chunk_loss(logits, target, w, weight_sum,
+                                                                           *opts.op_args(), stats, entropy)
+    out = (loss, lse, lse_lo, _none_if_empty(predicted, stats))
+    return out + (ent,) if entropy else out
+
+
+def rows_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions, out=None,
+               grad_entropy=None, entropy=None) -> Tensor:
+    """``cross_entropy.chunk_grad_`` as one op: the gradient written into ``out`` (default ``logits``),
+    which is returned."""
+    if grad_entropy is None:
+        entropy = None
+    if out is None or out is logits:
+        torch.ops.fusedce_torch.chunk_grad_inplace(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
+                                                   *opts.op_args(), grad_entropy, entropy)
+        return logits
+    torch.ops.fusedce_torch.chunk_grad_out(logits, out, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
+                                           *opts.op_args(), grad_entropy, entropy)
+    return out
+
+
+@torch.library.custom_op("fusedce_torch::chunk_token_stats", mutates_args=())
+def _chunk_token_stats(logits: Tensor, target: Tensor, lse: Tensor, lse_lo: Tensor, ignore_index: int,
+                       scalars: list[float]) -> tuple[Tensor, Tensor, Tensor]:
+    return chunk_token_stats(logits, target, lse, lse_lo, LossOptions.from_op_args(ignore_index, scalars))
+
+
+@_chunk_token_stats.register_fake
+def _(logits, target, lse, lse_lo, ignore_index, scalars):
+    n = logits.shape[0]
+    return _f32(logits, n), _f32(logits, n), logits.new_empty(n, dtype=torch.bool)
+
+
+def rows_token_stats(logits, target, lse, lse_lo, opts: LossOptions):
+    """``token_stats.chunk_token_stats`` as one op: ``(log_sum_sq_probs, mean_logits, is_top1)``."""
+    return tuple(torch.ops.fusedce_torch.chunk_token_stats(logits, target, lse, lse_lo, *opts.op_args()))
+
+
+# ---------------------------------------------------------------- method="tiled"
+
+@torch.library.custom_op("fusedce_torch::tiled_forward", mutates_args=())
+def _tiled_forward(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, weight_sum: Opt,
+                   ignore_index: int, scalars: list[float], stats: bool, entropy: bool, token_stats: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    rows = TorchTiledCE.forward(hidden, weight, bias, target, w, weight_sum,
+                                LossOptions.from_op_args(ignore_index, scalars), stats, entropy, token_stats)
+    extra = rows.token_stats if token_stats else (hidden.new_empty(0, dtype=torch.float32),
+                                                   hidden.new_empty(0, dtype=torch.float32),
+                                                   hidden.new_empty(0, dtype=torch.bool))
+    return (*rows[:5], _or_empty(rows.entropy, hidden), *extra)
+
+
+@_tiled_forward.register_fake
+def _(hidden, weight, bias, target, w, weight_sum, ignore_index, scalars, stats, entropy, token_stats):
+    n = hidden.shape[0]
+    k = n if token_stats else 0
+    return (*(_f32(hidden, n) for _ in range(3)), _i64(hidden, n), _f32(hidden, n), _f32(hidden, n if entropy else 0),
+            _f32(hidden, k), _f32(hidden, k), hidden.new_empty(k, dtype=torch.bool))
+
+
+@torch.library.custom_op("fusedce_torch::tiled_backward", mutates_args=())
+def _tiled_backward(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, weight_sum: Opt, lse: Tensor,
+                    lse_lo: Tensor, grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
+                    needs_hidden: bool, needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype,
+                    grad_entropy: Opt, entropy: Opt) -> tuple[Tensor, Tensor, Tensor]:
+    grads = TorchTiledCE.backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
+                                  LossOptions.from_op_args(ignore_index, scalars),
+                                  (needs_hidden, needs_weight, needs_bias), accum_dtype, grad_entropy, entropy)
+    return tuple(_or_empty(g, hidden, dtype) for g, dtype in zip(grads, (hidden.dtype, accum_dtype, accum_dtype)))
+
+
+@_tiled_backward.register_fake
+def _(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars,
+      needs_hidden, needs_weight, needs_bias, accum_dtype, grad_entropy, entropy):
+    return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
+            weight.new_empty(weight.shape if needs_weight else (0,), dtype=accum_dtype),
+            weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=accum_dtype))
+
+
+class TorchTiledOps:
+    """``TiledCE`` (``chunk_loop/protocols.py``) through the two ops above."""
+
+    @staticmethod
+    def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
+                entropy: bool = False, token_stats: bool = False) -> TiledRows:
+        *rows, ent, lssp, mean, top1 = torch.ops.fusedce_torch.tiled_forward(
+            hidden, weight, bias, target, w, weight_sum, *opts.op_args(), stats, entropy, token_stats)
+        return TiledRows(*rows, _none_if_empty(ent, entropy), (lssp, mean, top1) if token_stats else None)
+
+    @staticmethod
+    def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
+                 needs, accum_dtype, grad_entropy=None, entropy=None, deterministic=False):
+        # deterministic: nothing to select, the loop has no atomics (``TorchTiledCE.backward``)
+        grads = torch.ops.fusedce_torch.tiled_backward(
+            hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, *opts.op_args(),
+            *needs, accum_dtype, grad_entropy, None if grad_entropy is None else entropy)
+        return tuple(_none_if_empty(g, need) for g, need in zip(grads, needs))
+
+
+TORCH_TILED = TorchTiledOps()
+
+
+# ---------------------------------------------------------------- vocabulary slices (vocab parallelism)
+
+@torch.library.custom_op("fusedce_torch::slice_stats", mutates_args=())
+def _slice_stats_op(logits: Tensor, target: Tensor, weight: Opt, ignore_index: int, scalars: list[float],
+                    col_start: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    st = _slice_stats(logits, target, weight, LossOptions.from_op_args(ignore_index, scalars), col_start)
+    return (*st[:5], _or_empty(st.zsum, logits))
+
+
+@_slice_stats_op.register_fake
+def _(logits, target, weight, ignore_index, scalars, col_start):
+    n = logits.shape[0]
+    smoothing = LossOptions.from_op_args(ignore_index, scalars).label_smoothing > 0.0
+    return _f32(logits, n), _i64(logits, n), _f32(logits, n), _f32(logits, n), _f32(logits, n), \
+        _f32(logits, n if smoothing else 0)
+
+
+@torch.library.custom_op("fusedce_torch::slice_grad", mutates_args=())
+def _slice_grad_op(logits: Tensor, target: Tensor, weight: Opt, weight_sum: Opt, target_weight: Opt, lse: Tensor,
+                   lse_lo: Tensor, grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
+                   col_start: int, n_total: int) -> Tensor:
+    return _slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, grad_lse,
+                       LossOptions.from_op_args(ignore_index, scalars), col_start, n_total)
+
+
+@_slice_grad_op.register_fake
+def _(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars,
+      col_start, n_total):
+    return logits.new_empty(logits.shape)
+
+
+def slice_stats(logits, target, weight, opts: LossOptions, col_start: int) -> SliceStats:
+    """``slices.slice_stats`` as one op."""
+    *st, zsum = torch.ops.fusedce_torch.slice_stats(logits, target, weight, *opts.op_args(), col_start)
+    return SliceStats(*st, _none_if_empty(zsum, opts.label_smoothing > 0.0))
+
+
+def slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, grad_lse,
+               opts: LossOptions, col_start: int, n_total: int) -> Tensor:
+    """``slices.slice_grad`` as one op."""
+    return torch.ops.fusedce_torch.slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo,
+                                              grad_row, grad_lse, *opts.op_args(), col_start, n_total)
