@@ -97,7 +97,8 @@ def linear_token_log_probs(ce: ChunkCE, hidden, weight, target, bias, opts: Loss
     entropy)`` (BT,) fp32 each (entropy empty unless ``want_entropy``); ignored rows compacted away."""
     n = hidden.shape[0]
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
-    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size)
+    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
+                     hidden.device.type)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     log_probs, entropy = _LinearLogProbs.apply(hidden, weight, bias, target, head, opts, want_entropy, needs)
     log_probs = scatter_rows(log_probs, index, n, 0.0)
