@@ -14,13 +14,14 @@ from pathlib import Path
 HELP = "compare fused and stock cross-entropy: parity vs float64, time, peak memory"
 DESCRIPTION = """\
 Compare the stock PyTorch cross-entropy with every fusedce path available on the device, for two ops:
-cross_entropy on logits, and linear_cross_entropy (the LM head fused with the loss): loss and
-gradient parity against float64, forward+backward time, peak memory and (timed rows) GB/s over the byte
-floor. By default on real input: SmolLM2-135M-Instruct's final hidden states on King James Bible
+cross_entropy on logits, and linear_cross_entropy (the LM head fused with the loss, next to the peers'
+fused heads: torch's F.linear_cross_entropy with LinearCrossEntropyOptions() and TRL's
+ChunkedLogProbFunction, and a table of fusedce against them): loss and gradient parity against float64,
+forward+backward time, peak memory and (timed rows) GB/s over the byte floor. By default on real input: SmolLM2-135M-Instruct's final hidden states on King James Bible
 verses (SFT-style masking; built once, then cached under .cache/). On CPU the Triton kernels run under
 the interpreter on a slice of rows, for parity only. On CPU a memory sweep follows (--no-sweep skips
-it): stock vs fused linear cross-entropy at SmolLM2's and Llama-3's vocabulary shapes, 0% and 50% of
-targets ignored, peak memory and time with their ratios. Writes OUT/bench.json and OUT/bench.png."""
+it): stock, fused (chunked, tiled) and the peers' linear cross-entropy at SmolLM2's and Llama-3's
+vocabulary shapes, 0% and 50% of targets ignored, peak memory and time with their ratios. Writes OUT/bench.json and OUT/bench.png."""
 DTYPES = ("float32", "bfloat16")
 # fusedce's chunked and tiled paths per device, judged against the peers (``goals.real_goals``)
 CHUNKED_TILED = {"cpu": ("linear-fusedce-torch", "linear-fusedce-torch-tiled"),
