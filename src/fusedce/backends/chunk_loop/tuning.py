@@ -18,7 +18,10 @@ Rule for ``chunk_size=None``, per device type (``chunk_rows``):
   2864 scored, H = 576, V = 49152, fp32, fwd+bwd, peak RSS beyond the inputs and their .grad buffers,
   ``fusedce bench``'s sweep method): 1024 rows (the GPU rule) 384 MiB, 256 rows 225 MiB, 128 rows 178 MiB,
   PyTorch's ``F.linear_cross_entropy`` (32-row chunks) 243 MiB; the process CPU time of 128-1024 rows
-  within 20 % (20-24 s for one warm-up and two fwd+bwd, against 55 s for PyTorch's).
+  within 20 % (20-24 s for one warm-up and two fwd+bwd, against 55 s for PyTorch's). With this rule (144
+  rows there), ``fusedce bench``'s real-input row: 184 MiB (harness method, .grad included); forward+backward
+  in rotation with the peers in one process: 8.1-8.7 s, PyTorch's 20.9-22.0 s, TRL's 11.9-12.5 s (README,
+  "Measured").
 """
 MIN_ROWS = 1024
 CPU_MIN_ROWS = 64
