@@ -348,7 +348,7 @@ def main(argv=None) -> int:
         for line in gpu_check_linear.summary_lines(linear):
             log(line)
     log(f"CUDA graph capture+replay: {'OK' if graph['ok'] else 'FAIL'}; sync-free hot path: "
-        f"{'OK' if sync_res['ok'] else 'FAIL'}; linear (stock/chunked/tiled): "
+        f"{'OK' if sync_res['ok'] else 'FAIL'}; linear (stock/chunked/tiled; peers torch-lce, trl shown): "
         f"{linear.get('skipped') or ('OK' if linear['ok'] else 'FAIL: ' + linear.get('error', 'see above'))}"
         f"{f' ({n} skipped for time)' if (n := linear.get('skipped_paths')) else ''}; "
         f"total {results['seconds']:.0f} s; overall {'OK' if ok else 'FAIL'}")

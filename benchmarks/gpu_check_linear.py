@@ -12,7 +12,11 @@ does not stop the others):
 - ``chunked``: ``fusedce.linear_cross_entropy(..., method="chunked", backend="triton")``;
 - ``tiled``: the bench's ``linear-fusedce-triton-tiled`` path (``method="tiled"``, backend triton);
 - ``tiled-det``: the same with ``deterministic=True`` (the atomic-free backward, 8 instead of 6 V H FLOPs
-  per token in backward).
+  per token in backward);
+- the peers (``fusedce.bench.peers``), measured the same way but never part of the verdict:
+  ``torch-lce``, PyTorch's ``F.linear_cross_entropy(options=LinearCrossEntropyOptions())`` (its CUDA
+  chunked path; what its ``"auto"`` resolved to is saved as ``resolved``), and ``trl``, TRL's
+  ``ChunkedLogProbFunction`` (its Triton kernels; ``unavailable`` without TRL).
 
 Per path: forward+backward time (``harness.median_ms``: ``triton.testing.do_bench`` median; a path whose
 single run takes over ``SLOW_S`` seconds is reported from that one run instead, to keep the budget),
@@ -31,11 +35,13 @@ coefficient on the entropy): time, peak memory, log-prob / entropy error against
 (next to torch's own bf16 error, ``parity.linear_token_log_probs``) and how far the two methods'
 gradients are apart.
 
-Estimated H200 time (at an assumed 300 dense bf16 TFLOP/s; 6 N V H FLOPs chunked and stock-matmuls,
+The peers run after fusedce's paths, so a tight ``deadline`` skips them first. Estimated H200 time (at an assumed 300 dense bf16 TFLOP/s; 6 N V H FLOPs chunked and stock-matmuls,
 8 N V H tiled; N = 6144 scored tokens, stock does all 8192): one fwd+bwd ~ 65-120 ms, so each path's
 warm-up + peak run + do_bench (~7 runs) + subset parity is ~1-2 s plus its first compile; both shapes,
-3 paths: ~15 s + compiles (~10-30 s); log-probs: ~5 s; float64 references on 2048 rows: ~1 s each. About
-30-60 s in all; a path is not started once ``deadline`` (from ``gpu_check.py``) has passed.
+3 paths: ~15 s + compiles (~10-30 s); the two peers ~10 s more (torch's computes every row, TRL's
+recomputes the logits: 8 N V H) plus TRL's Triton compile (~10-20 s); log-probs: ~5 s; float64 references
+on 2048 rows: ~1 s each. About 60-100 s in all; a path is not started once ``deadline`` (from
+``gpu_check.py``) has passed.
 """
 from __future__ import annotations
 
@@ -80,7 +86,9 @@ def _fused(method: str, **kw):
 # The registry's ``linear-fusedce-triton`` is method="auto"; the chunked kernels are asked for by name.
 PATH_FNS = {"stock": PATHS["linear-torch"].forward, "chunked": _fused("chunked"),
             "tiled": PATHS["linear-fusedce-triton-tiled"].forward,
-            "tiled-det": _fused("tiled", deterministic=True)}
+            "tiled-det": _fused("tiled", deterministic=True),
+            "torch-lce": PATHS["linear-torch-lce"].forward, "trl": PATHS["linear-trl"].forward}
+PEERS = {"torch-lce": PATHS["linear-torch-lce"], "trl": PATHS["linear-trl"]}   # reported, never in the verdict
 
 
 def run_determinism(data: inputs.Inputs) -> dict:
@@ -178,6 +186,13 @@ def run_shape(rows: int, hidden: int, vocab: int, device, dry: bool, parity_rows
             m["loss"] = float(m.pop("last"))
             m["tflops"] = flops / (m["ms"] * 1e-3) / 1e12
             m["parity"] = _subset_parity(fn, data, sub_rows)
+            if name == "torch-lce":
+                m["resolved"] = PEERS[name].extra(data)
+        except ImportError as exc:   # a peer's library is not installed
+            _reset(data.hidden, data.weight)
+            out["paths"][name] = dict(unavailable=_error(exc), peer=True)
+            _log(f"[linear V={vocab}] {name:8s} unavailable: {_error(exc)}")
+            continue
         except Exception as exc:  # noqa: BLE001 - one failing path must not hide the others
             _reset(data.hidden, data.weight)
             out["paths"][name] = dict(error=_error(exc))
@@ -187,13 +202,14 @@ def run_shape(rows: int, hidden: int, vocab: int, device, dry: bool, parity_rows
         if "loss" in stock:
             m["loss_diff_vs_stock"] = abs(m["loss"] - stock["loss"])
         m["ok"] = _verdict(m["parity"], stock.get("parity"))
+        m["peer"] = name in PEERS
         out["paths"][name] = m
         par = m["parity"]
         _log(f"[linear V={vocab}] {name:8s} {m['ms']:9.2f} ms  {m['tflops']:6.1f} TFLOP/s  "
              f"peak +{_gib(m['peak_bytes'])} GiB  loss {m['loss']:.6f}  vs fp64 on {out['parity_rows']} rows: "
              f"loss {par['loss_abs_err']:.1e}, grad rel {par['grad_rel_err']:.2e} "
              f"(h {par['grads']['hidden']['rel_err']:.1e}, W {par['grads']['weight']['rel_err']:.1e}) "
-             f"-> {'OK' if m['ok'] else 'FAIL'}  [{m['timing']}]")
+             f"-> {_mark(m)}  [{m['timing']}]" + (f" resolved {m['resolved']}" if "resolved" in m else ""))
     out["data"] = data
     out["sub_rows"] = sub_rows
     return out
@@ -251,6 +267,13 @@ def run_log_probs(data: inputs.Inputs, sub_rows, device, dry: bool, deadline: fl
     return out
 
 
+def _mark(m: dict) -> str:
+    """OK / FAIL for fusedce's paths; a peer's parity against the same rule is information only."""
+    if m.get("peer"):
+        return "peer, " + ("within" if m["ok"] else "outside") + " the 4x-stock rule"
+    return "OK" if m["ok"] else "FAIL"
+
+
 def _gib(b) -> str:
     return "n/a" if b is None else f"{b / 2**30:.2f}"
 
@@ -290,7 +313,7 @@ def run(device, dry: bool, deadline: float = float("inf")) -> dict:
             torch.cuda.empty_cache()
     measured = []                      # a failed shape or log-probs section counts as one failed entry
     for shape in result["shapes"].values():
-        measured += list(shape["paths"].values()) if "paths" in shape else [shape]
+        measured += [m for m in shape["paths"].values() if not m.get("peer")] if "paths" in shape else [shape]
     lp = result["log_probs"]
     if lp:
         measured += list(lp["methods"].values()) if "methods" in lp else [lp]
@@ -303,7 +326,7 @@ def run(device, dry: bool, deadline: float = float("inf")) -> dict:
 
 def summary_lines(result: dict) -> list[str]:
     """The section's rows of the summary table."""
-    lines = [f"{'linear BTxHxV':>17}  {'path':8s} {'fwd+bwd ms':>10} {'TFLOP/s':>7} {'peak GiB':>8} "
+    lines = [f"{'linear BTxHxV':>17}  {'path':9s} {'fwd+bwd ms':>10} {'TFLOP/s':>7} {'peak GiB':>8} "
              f"{'|loss-stock|':>12}  parity (fp64 row subset; 6NVH useful FLOPs)"]
     for key, shape in result.get("shapes", {}).items():
         if "error" in shape:
@@ -311,12 +334,14 @@ def summary_lines(result: dict) -> list[str]:
             continue
         for name, m in shape["paths"].items():
             if "ms" not in m:
-                lines.append(f"{key:>17}  {name:8s} {m.get('skipped') or 'FAILED: ' + m.get('error', '?')}")
+                why = m.get("skipped") or ("unavailable: " + m["unavailable"] if "unavailable" in m
+                                           else "FAILED: " + m.get("error", "?"))
+                lines.append(f"{key:>17}  {name:9s} {why}")
                 continue
             par = m["parity"]
             diff = m.get("loss_diff_vs_stock")
-            lines.append(f"{key:>17}  {name:8s} {m['ms']:10.2f} {m['tflops']:7.1f} {_gib(m['peak_bytes']):>8} "
-                         f"{'' if diff is None else f'{diff:.1e}':>12}  {'OK' if m['ok'] else 'FAIL'} "
+            lines.append(f"{key:>17}  {name:9s} {m['ms']:10.2f} {m['tflops']:7.1f} {_gib(m['peak_bytes']):>8} "
+                         f"{'' if diff is None else f'{diff:.1e}':>12}  {_mark(m)} "
                          f"(loss {par['loss_abs_err']:.1e}, grad rel {par['grad_rel_err']:.1e})")
     det = result.get("determinism")
     if det:

@@ -33,13 +33,19 @@ def test_gpu_check_dry_run(tmp_path):
     for shape in ("32x96x1000", "32x40x520"):               # the linear section's summary rows
         for path in ("stock", "chunked", "tiled", "tiled-det"):
             assert any(line.split()[:2] == [shape, path] and " OK " in line for line in lines), (shape, path)
+        for path in ("torch-lce", "trl"):                   # the peers: measured, never in the verdict
+            assert any(line.split()[:2] == [shape, path] and "peer, " in line for line in lines), (shape, path)
     report = json.loads(out.read_text())
     assert set(report["vocabs"]) == {"1000", "4112"} and report["cuda_graph"]["ok"]
     linear = report["linear"]
     assert linear["ok"] and set(linear["shapes"]) == {"32x96x1000", "32x40x520"}
     for shape in linear["shapes"].values():
-        assert set(shape["paths"]) == {"stock", "chunked", "tiled", "tiled-det"}
-        assert all(m["ok"] and m["ms"] > 0 and m["parity"]["scored_rows"] > 0 for m in shape["paths"].values())
+        assert set(shape["paths"]) == {"stock", "chunked", "tiled", "tiled-det", "torch-lce", "trl"}
+        assert all(m["ok"] and m["ms"] > 0 and m["parity"]["scored_rows"] > 0 for name, m in shape["paths"].items()
+                   if name not in ("torch-lce", "trl"))
+        peers = [shape["paths"][name] for name in ("torch-lce", "trl")]
+        assert all(m["peer"] and m["ms"] > 0 and m["parity"]["grad_rel_err"] < 2e-2 for m in peers)
+        assert shape["paths"]["torch-lce"]["resolved"]["acc_policy"] == "accurate"   # CPU bf16's "auto"
     assert linear["determinism"]["ok"] and linear["determinism"]["tiled-det"]["bitwise_equal"]
     methods = linear["log_probs"]["methods"]
     assert set(methods) == {"chunked", "tiled"} and all(m["ok"] for m in methods.values())

@@ -13,7 +13,7 @@ from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedce
-from fusedce.backends.chunk_loop.tuning import MIN_ROWS
+from fusedce.backends.chunk_loop.tuning import CPU_MIN_ROWS, MIN_ROWS, chunk_rows
 from inputs import make_target
 from reference64_linear import make_linear
 
@@ -101,18 +101,27 @@ def test_no_bt_by_v_tensor(backend, reduction):
     assert hidden.grad is not None and weight.grad is not None and bias.grad is not None
 
 
-@pytest.mark.parametrize("shape", [(3000, 8, 3000), (3000, 64, 100)], ids=["min_rows", "bt_h_over_v"])
-def test_automatic_chunk_size_rule(shape):
-    """chunk_size=None (torch backend): rows = min(BT, max(MIN_ROWS, ceil(BT H / V))), the documented
-    rule: 1024 rows of 3000 for (3000, 8, 3000) (BT x V = 9e6, a chunk 3.1e6); BT H / V = 1920 rows for
-    (3000, 64, 100) (the chunk's logits as large as the hidden states, 1.92e5 < BT x V = 3e5)."""
+@pytest.mark.parametrize("shape", [(3000, 8, 3000), (3000, 400, 1000)], ids=["min_rows", "h_over_4"])
+def test_automatic_chunk_size_rule_cpu(shape):
+    """chunk_size=None on CPU (torch backend): rows = min(BT, max(64, ceil(H / 4))), the documented rule,
+    whatever BT and V: 64 rows for (3000, 8, 3000) (a chunk 1.9e5 < BT x V = 9e6); H / 4 = 100 rows for
+    (3000, 400, 1000) (1e5 < 3e6)."""
     bt, n_hidden, n_classes = shape
-    rows = min(bt, max(MIN_ROWS, -(-bt * n_hidden // n_classes)))
+    rows = min(bt, max(CPU_MIN_ROWS, -(-n_hidden // 4)))
     hidden, weight, _ = make_linear((bt,), n_hidden, n_classes)
     target = torch.randint(0, n_classes, (bt,))
     rec, _ = _fwd_bwd(hidden, weight, target, backend="torch", chunk_size=None)
     assert rec.largest <= max(rows * n_classes, bt * n_hidden, n_classes * n_hidden) < bt * n_classes, rec.largest_op
     assert rows * n_classes in rec.sizes, "the chunk's logits have the documented number of rows"
+
+
+def test_automatic_chunk_size_rule_gpu():
+    """On CUDA (and any device but the CPU): rows = min(BT, max(1024, ceil(BT H / V))): 1024 rows of 3000
+    for (3000, 8, 3000); BT H / V = 1920 rows for (3000, 64, 100); BT itself when it is smaller."""
+    assert chunk_rows(3000, 8, 3000, "cuda") == MIN_ROWS == 1024
+    assert chunk_rows(3000, 64, 100, "cuda") == 1920
+    assert chunk_rows(500, 64, 100, "cuda") == 500
+    assert chunk_rows(3000, 8, 3000, "cpu") == 64 and chunk_rows(30, 8, 3000, "cpu") == 30
 
 
 def test_no_gradient_buffers_under_no_grad(backend):

@@ -136,8 +136,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             :func:`cross_entropy`, on logits computed in ``hidden``'s dtype with fp32 accumulation (as
             ``F.linear``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
-            None = automatic: ``max(1024, BT * H / V)`` rows, capped at BT (rule and its measurement in
-            ``backends/chunk_loop/tuning.py``). Only with ``method="chunked"`` (or "auto").
+            None = automatic: ``max(64, H / 4)`` rows on CPU, ``max(1024, BT * H / V)`` elsewhere, capped
+            at BT (rule and its measurement in ``backends/chunk_loop/tuning.py``). Only with ``method="chunked"`` (or "auto").
         method: ``"chunked"``: logits of one chunk of tokens at a time (3 matmuls per token);
             ``"tiled"``: no tensor with V or more elements besides ``weight``, ``bias``, ``ce_weight``
             and their gradients (Triton: tiles on chip; PyTorch: blocks of tokens x a vocabulary block

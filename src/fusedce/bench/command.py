@@ -14,14 +14,18 @@ from pathlib import Path
 HELP = "compare fused and stock cross-entropy: parity vs float64, time, peak memory"
 DESCRIPTION = """\
 Compare the stock PyTorch cross-entropy with every fusedce path available on the device, for two ops:
-cross_entropy on logits, and linear_cross_entropy (the LM head fused with the loss): loss and
-gradient parity against float64, forward+backward time, peak memory and (timed rows) GB/s over the byte
-floor. By default on real input: SmolLM2-135M-Instruct's final hidden states on King James Bible
+cross_entropy on logits, and linear_cross_entropy (the LM head fused with the loss, next to the peers'
+fused heads: torch's F.linear_cross_entropy with LinearCrossEntropyOptions() and TRL's
+ChunkedLogProbFunction, and a table of fusedce against them): loss and gradient parity against float64,
+forward+backward time, peak memory and (timed rows) GB/s over the byte floor. By default on real input: SmolLM2-135M-Instruct's final hidden states on King James Bible
 verses (SFT-style masking; built once, then cached under .cache/). On CPU the Triton kernels run under
 the interpreter on a slice of rows, for parity only. On CPU a memory sweep follows (--no-sweep skips
-it): stock vs fused linear cross-entropy at SmolLM2's and Llama-3's vocabulary shapes, 0% and 50% of
-targets ignored, peak memory and time with their ratios. Writes OUT/bench.json and OUT/bench.png."""
+it): stock, fused (chunked, tiled) and the peers' linear cross-entropy at SmolLM2's and Llama-3's
+vocabulary shapes, 0% and 50% of targets ignored, peak memory and time with their ratios. Writes OUT/bench.json and OUT/bench.png."""
 DTYPES = ("float32", "bfloat16")
+# fusedce's chunked and tiled paths per device, judged against the peers (``goals.real_goals``)
+CHUNKED_TILED = {"cpu": ("linear-fusedce-torch", "linear-fusedce-torch-tiled"),
+                 "cuda": ("linear-fusedce-triton", "linear-fusedce-triton-tiled")}
 
 
 def _csv(text: str) -> list[str]:
@@ -36,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=",".join(DTYPES), help=f"comma list of {', '.join(DTYPES)}")
     parser.add_argument("--tokens", type=int, default=4096, help="BT, tokens per batch")
     parser.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs (CPU)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (CPU)")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="untimed runs before timing (CPU), besides the peak-memory run, which is one")
     parser.add_argument("--paths", default=None,
                         help="comma list of bench paths to run; None: every registered path")
     parser.add_argument("--interpret-rows", type=int, default=32,
@@ -47,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per measurement")
     parser.add_argument("--no-sweep", action="store_true",
                         help="skip the memory sweep (runs by default with --device cpu; about 5-10 min)")
-    parser.add_argument("--sweep-repeats", type=int, default=3, help="timed fwd+bwd runs per sweep row")
+    parser.add_argument("--sweep-repeats", type=int, default=2,
+                        help="timed fwd+bwd runs per sweep row (after its peak-memory run)")
 
 
 def _check_args(args) -> list[str]:
@@ -159,7 +165,8 @@ def _jobs(shapes, dtypes, plan, sources, args) -> list:
                 env = {"TRITON_INTERPRET": "1"} if interpret else None
                 suffix = " (interp.)" if interpret else " (slice)" if mode == "parity" else ""
                 row = {"shape": shape.name, "dtype": dtype, "path": path.name, "label": path.label + suffix,
-                       "op": path.op.name, "mode": mode, "baseline": path.name == path.op.baseline}
+                       "op": path.op.name, "mode": mode, "baseline": path.name == path.op.baseline,
+                       "peer": path.peer}
                 jobs.append((row, spec, env))
     return jobs
 
@@ -189,7 +196,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.panel import Panel
     import torch
-    from . import machine, paths, report, shapes as shape_table
+    from . import goals, machine, paths, report, shapes as shape_table
     from .real_input import RealInputError
 
     began = time.perf_counter()
@@ -227,6 +234,7 @@ def run(args) -> int:
         "methods": _methods(rows, plan, args),
         "inputs": inputs_meta,
         "results": rows,
+        "goals": goals.real_goals(rows, *CHUNKED_TILED[args.device]),
         "sweep": sweep,
         "failures": failures,
         "wall_seconds": round(time.perf_counter() - began, 1),

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from . import parity
+from . import parity, peers
 from .inputs import IGNORE_INDEX, Inputs
 
 
@@ -104,6 +104,10 @@ class Path:
     method: str
     devices: tuple[str, ...] = ("cpu", "cuda")
     interpreter: bool = False
+    peer: bool = False   # another library's implementation (``peers.py``), measured next to fusedce
+    # facts about this run worth saving with it (e.g. what a peer's "auto" resolved to), computed from the
+    # inputs after the measurement, outside the timing; JSON-able dict
+    extra: Optional[Callable[[Inputs], dict]] = None
 
 
 PATHS: dict[str, Path] = {}
@@ -189,3 +193,12 @@ register(Path("linear-fusedce-triton-tiled", "fusedce triton tiled", LINEAR_CROS
 # No interpreter parity run for the tiled kernels on CPU: on the real input's 32-row slice (V=49152,
 # H=576) the interpreter takes about 150 s (one program per vocabulary tile, tl.dot per H block, each a
 # Python-level step); tests/test_triton_tiled.py and test_linear_tiled.py check them at small sizes.
+register(Path("linear-torch-lce", "torch F.linear_cross_entropy", LINEAR_CROSS_ENTROPY,
+              peers.torch_linear_cross_entropy,
+              "torch.nn.functional.linear_cross_entropy(hidden, weight, target, ignore_index=-100, "
+              "options=torch.nn.LinearCrossEntropyOptions()): torch's chunked path, 'auto' policy and chunking, "
+              "mean; every row computed", peer=True, extra=peers.torch_lce_resolved))
+register(Path("linear-trl", "trl ChunkedLogProb", LINEAR_CROSS_ENTROPY, peers.trl_mean_nll,
+              "trl.kernels.ChunkedLogProbFunction on the scored rows (ignored ones dropped first), "
+              f"vocabulary tiles of {peers.TRL_VOCAB_TILE} (TRL's), -log_probs.sum() / scored; Triton on CUDA, "
+              "torch ops on CPU", peer=True, extra=peers.trl_log_probs_check))

@@ -64,6 +64,10 @@ COLUMNS = (  # header, justify; the caption says what each error column means
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
+def _fact(value) -> str:
+    return format(value, ".1e") if isinstance(value, float) else str(value)
+
+
 def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     """The rich table of one shape's rows of one op; long reasons go to numbered notes in the caption."""
     rows = [r for r in report["results"] if r["shape"] == shape and r.get("op", "cross_entropy") == op]
@@ -87,6 +91,10 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
                     _gbps(r.get("floor_gbps"), machine.get("peak_gbps")),
                     _num(None if peak is None else peak / 2**20, ".0f"),
                     status, style={"error": "red", "unavailable": "yellow"}.get(r["status"]))
+    for r in rows:
+        if r.get("extra"):
+            reasons.append(f"{r['label']} {r['dtype']}: " + ", ".join(
+                f"{k}={_fact(v)}" for k, v in r["extra"].items()))
     methods = report["methods"]
     notes = [f"Δloss, max Δgrad, grad rel: vs {_per_op(methods['parity'], op)}",
              f"ms: {_per_op(methods['time'], op)}", f"MiB: {methods['memory']}",
@@ -101,9 +109,26 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     return out
 
 
+def goals_table(report: dict) -> Table:
+    """fusedce against the peers on the bench's own inputs (``report["goals"]``, ``goals.real_goals``)."""
+    out = Table(title=f"fusedce vs the peers (same run; shown, not enforced)\n{report['device']}: "
+                      f"{report['machine']['name']}", title_justify="left")
+    for name in ("shape", "dtype", "goal", "met", "numbers"):
+        out.add_column(name, no_wrap=name != "numbers")
+    marks = {True: "[green]met[/]", False: "[red]MISSED[/]", None: "[yellow]n/a[/]"}
+    for entry in report.get("goals") or []:
+        for i, goal in enumerate(entry["goals"].values()):
+            out.add_row(entry["shape"] if i == 0 else "", DTYPE_SHORT.get(entry["dtype"], entry["dtype"])
+                        if i == 0 else "", goal["want"], marks[goal["met"]], goal["detail"])
+    return out
+
+
 def print_report(report: dict, console: Console) -> None:
     for shape, op in _groups(report):
         console.print(table(report, shape, op))
+        console.print()
+    if report.get("goals"):
+        console.print(goals_table(report))
         console.print()
     real = report["inputs"].get("real")
     if real:
@@ -157,7 +182,8 @@ def write_png(report: dict, out: Path) -> Path:
                                                   ("peak_bytes", 2.0**-20, "peak memory (MiB)"))):
             ax = axes[row][col]
             values = [r[key] * scale for r in timed]
-            colors = ["tab:gray" if r.get("baseline", r["path"] == "torch") else "tab:blue" for r in timed]
+            colors = ["tab:orange" if r.get("peer") else "tab:gray" if r.get("baseline", r["path"] == "torch")
+                      else "tab:blue" for r in timed]
             ax.barh(range(len(values)), values, color=colors)
             ax.set_yticks(range(len(values)), labels, fontsize=8)
             ax.invert_yaxis()
@@ -171,8 +197,8 @@ def write_png(report: dict, out: Path) -> Path:
         from .report_sweep import plot_sweep
         plot_sweep(sweep, axes[-1])
     fig.suptitle(f"fusedce bench, {report['device']}: {report['machine']['name']}; gray: stock PyTorch, "
-                 "blue: fusedce\ntime: median fwd+bwd; memory: peak beyond the inputs "
-                 "(methods in bench.json)", fontsize=9)
+                 "orange: peers (torch F.linear_cross_entropy, TRL), blue: fusedce\n"
+                 "time: median fwd+bwd; memory: peak beyond the inputs (methods in bench.json)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

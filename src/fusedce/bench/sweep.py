@@ -1,11 +1,14 @@
 """The CPU memory sweep of ``fusedce bench``: the LM head + loss, stock against fused, at training
 shapes, each configuration measured in a fresh process (``harness.run_isolated``).
 
-- Configurations: ``SHAPES`` x ``IGNORE_FRACTIONS`` x (stock, fused, tiled), where stock is the
-  ``linear-torch`` path (``F.cross_entropy(F.linear(hidden, weight).float(), target)``), fused the
-  ``linear-fusedce-torch`` path (``fusedce.linear_cross_entropy(..., backend="torch")``, chunk_size=None)
-  and tiled the same with ``method="tiled"``. The paths of one configuration run back to back, so their
-  ratios are measured under the same load. Tiled is judged against the floor (``floor_bytes``).
+- Configurations: ``SHAPES`` x ``IGNORE_FRACTIONS`` x (stock, fused, tiled, torch-lce, trl), where stock
+  is the ``linear-torch`` path (``F.cross_entropy(F.linear(hidden, weight).float(), target)``), fused the
+  ``linear-fusedce-torch`` path (``fusedce.linear_cross_entropy(..., backend="torch")``, chunk_size=None),
+  tiled the same with ``method="tiled"``, and the peers (``peers.py``) PyTorch's
+  ``F.linear_cross_entropy(options=LinearCrossEntropyOptions())`` and TRL's ``ChunkedLogProbFunction``
+  (a peer whose library is missing is ``"unavailable"``). The paths of one configuration run back to
+  back, so their ratios are measured under the same load. Tiled is judged against the floor
+  (``floor_bytes``); fused and tiled against the peers by ``goals.versus_peers``.
 - Data (``inputs`` source ``"random"``): fp32, seeded; hidden ~ N(0, 1), weight ~ N(0, 1) * 0.02,
   targets uniform over the vocabulary with ``round(fraction * BT)`` random positions ignored.
 - Memory: after one forward+backward on a tiny problem (so the libraries' one-time set-up is not
@@ -27,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import harness
-from .inputs import IGNORE_INDEX, Inputs
+from . import goals, harness
+from .inputs import Inputs
 from .paths import Path
 
 
@@ -46,10 +49,12 @@ SHAPES = (
 )
 IGNORE_FRACTIONS = (0.0, 0.5)
 STOCK, FUSED, TILED = "linear-torch", "linear-fusedce-torch", "linear-fusedce-torch-tiled"
-LABELS = ((STOCK, "stock"), (FUSED, "fused"), (TILED, "tiled"))
+TORCH_LCE, TRL = "linear-torch-lce", "linear-trl"    # the peers (``peers.py``)
+LABELS = ((STOCK, "stock"), (FUSED, "fused"), (TILED, "tiled"), (TORCH_LCE, "torch-lce"), (TRL, "trl"))
+PEERS = ("torch-lce", "trl")
 WEIGHT_STD = 0.02
 SEED = 0
-REPEATS = 3
+REPEATS = 2   # 5 paths x 4 configurations, each 1 + REPEATS fwd+bwd: ~7 min of the bench on 2 quiet cores
 
 # (ignore fraction -> test on the ratios stock / fused, as text and as a predicate)
 MEMORY_TARGET = ("stock/fused >= 3", lambda ratio: ratio >= 3.0)
@@ -87,7 +92,7 @@ def source(shape: SweepShape, ignore_fraction: float) -> dict:
 
 
 def jobs(repeats: int = REPEATS, shapes=None, fractions=None) -> list:
-    """(row, worker spec, extra env) per shape x ignored fraction x (stock, fused), in that order;
+    """(row, worker spec, extra env) per shape x ignored fraction x ``LABELS``, in that order;
     ``shapes`` / ``fractions`` default to ``SHAPES`` / ``IGNORE_FRACTIONS``."""
     out = []
     for shape in SHAPES if shapes is None else shapes:
@@ -101,24 +106,11 @@ def jobs(repeats: int = REPEATS, shapes=None, fractions=None) -> list:
     return out
 
 
-def _tiny_run(path: Path, inputs: Inputs) -> None:
-    """One forward+backward of ``path`` on 16 rows x 32 classes of ``inputs``' dtype and hidden size,
-    half the targets ignored: loads and sets up what a first call needs, at no memory cost."""
-    gen = torch.Generator().manual_seed(SEED)
-    target = torch.randint(0, 32, (16,), generator=gen)
-    target[::2] = IGNORE_INDEX
-    size, dtype = inputs.hidden.shape[1], inputs.hidden.dtype
-    tiny = Inputs(target=target,
-                  hidden=torch.randn(16, size, generator=gen).to(dtype).requires_grad_(True),
-                  weight=torch.randn(32, size, generator=gen).to(dtype).requires_grad_(True))
-    harness.forward_backward(path, tiny)
-
-
 def measure(path: Path, inputs: Inputs, repeats: int = REPEATS, warmup: int = 0) -> dict:
     """Peak memory (over inputs + preallocated ``.grad``) and fwd+bwd time of ``path`` on CPU.
 
     Call it in a fresh process (``run_isolated`` with a spec from ``jobs``)."""
-    _tiny_run(path, inputs)
+    harness.tiny_run(path, inputs, SEED)
     leaves = {name: getattr(inputs, name) for name in path.op.leaves}
     for tensor in leaves.values():
         tensor.grad = torch.zeros_like(tensor)
@@ -135,6 +127,7 @@ def measure(path: Path, inputs: Inputs, repeats: int = REPEATS, warmup: int = 0)
                                        repeats, warmup)
     in_place = in_place and all(t.grad.data_ptr() == buffers[n].data_ptr() for n, t in leaves.items())
     result = {"status": "ok", "loss": float(loss), "grad_norms": norms, "grad_in_place": in_place,
+              **({"extra": harness.extra_facts(path, inputs)} if path.extra is not None else {}),
               "peak_bytes": mem.bytes, "peak_rss_bytes": mem.peak, "base_rss_bytes": mem.base,
               "time_ms": time_ms, "times_ms": times,
               "method": {"what": path.method, "memory": mem.method,
@@ -146,8 +139,9 @@ def measure(path: Path, inputs: Inputs, repeats: int = REPEATS, warmup: int = 0)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """One entry per shape x ignored fraction: stock and fused side by side, ratios stock / fused and
-    whether each target is met (None when a row failed)."""
+    """One entry per shape x ignored fraction: stock and fused side by side, ratios stock / fused, the
+    tiled and peer rows' memory and time, whether each target is met (None when a row failed) and the
+    goals against the peers (``peer_goals``, ``goals.versus_peers``)."""
     out = []
     keys = dict.fromkeys((r["shape"], r["ignore_fraction"]) for r in rows)
     for shape, fraction in keys:
@@ -176,5 +170,13 @@ def summarize(rows: list[dict]) -> list[dict]:
             "tiled": {"want": TILED_TARGET[0],
                       "met": None if not tiled_ok else bool(TILED_TARGET[1](entry["tiled_floor_ratio"]))},
         }
+        for label in PEERS:
+            row = pair.get(label, {})
+            key = label.replace("-", "_")
+            entry[f"{key}_peak_bytes"], entry[f"{key}_ms"] = row.get("peak_bytes"), row.get("time_ms")
+            entry[f"{key}_status"] = row.get("status")
+        entry["peer_goals"] = goals.versus_peers(
+            pair.get("fused"), pair.get("tiled"), {label: pair[label] for label in PEERS if label in pair},
+            {"stock": stock} if stock else {})
         out.append(entry)
     return out

@@ -143,15 +143,17 @@ def compact_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int):
 
 
 def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, hidden_size: int,
-              vocab_size: int, chunk_size: Optional[int], deterministic: bool = False):
+              vocab_size: int, chunk_size: Optional[int], deterministic: bool = False,
+              device_type: str = "cuda"):
     """The ``heads.py`` object for ``method`` ("auto" resolved by ``tuning.resolve_method``).
     ``deterministic`` selects the tiled backward without float atomics; the chunk loop has none (its
-    kernels own their outputs, its matmuls are torch's), so it is deterministic anyway."""
+    kernels own their outputs, its matmuls are torch's), so it is deterministic anyway. ``device_type``
+    picks the chunk rule (``tuning.chunk_rows``)."""
     if resolve_method(method) == "tiled":
         if tiled is None:
             raise RuntimeError("this backend has no method='tiled' (no TiledCE); use method='chunked'")
         return TiledHead(tiled, deterministic)
-    return ChunkedHead(ce, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size))
+    return ChunkedHead(ce, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size, device_type))
 
 
 def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, opts: LossOptions, reduction: str,
@@ -171,7 +173,7 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
     w, weight_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
     head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
-                     deterministic)
+                     deterministic, hidden.device.type)
     if scales is None:
         one = torch.ones((), device=hidden.device)
         scales = MeanScales(one, one)

@@ -147,7 +147,7 @@ def linear_token_log_probs(ce: ChunkCE, hidden, weight, target, bias, opts: Loss
     n = hidden.shape[0]
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
     head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
-                     deterministic)
+                     deterministic, hidden.device.type)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     log_probs, entropy, *stats = _LinearLogProbs.apply(hidden, weight, bias, target, head, opts, want_entropy,
                                                        want_stats, needs)

@@ -174,7 +174,8 @@ def vocab_parallel_linear_cross_entropy(
     n = math.prod(shape)
     flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1),
                                                    opts.ignore_index)
-    rows = int(chunk_size) if chunk_size is not None else chunk_rows(flat_hidden.shape[0], size, layout.size)
+    rows = int(chunk_size) if chunk_size is not None else chunk_rows(flat_hidden.shape[0], size, layout.size,
+                                                                           flat_hidden.device.type)
     loss_rows, lse, predicted, w_t, target_prob = _VocabParallelLinearCE.apply(
         flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, rows, accum_dtype,
         impl)
