@@ -50,12 +50,12 @@ def headroom(scales: MeanScales, w: Optional[torch.Tensor], opts: LossOptions,
              token_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``P`` above: a 0-dim fp32 power of two on the scales' device (no host sync). ``w``: (V,) fp32
     class weights or None; ``token_weights``: (n,) fp32 per-row loss weights or None, whose largest
-    magnitude multiplies ``m`` like the class weights' (a NaN / inf weight makes ``m`` NaN / inf: ``P =
-    2^K``, and that row's gradient carries it)."""
+    finite magnitude multiplies ``m`` like the class weights' (a NaN / inf weight, not caught where the
+    host check is skipped, reaches only its own row's gradients and the sums over rows, as in stock)."""
     ce = scales.ce.abs() if w is None else scales.ce.abs() * w.abs().amax()
     m = torch.maximum(ce, scales.z.abs()) * abs(opts.logit_scale)
     if token_weights is not None and token_weights.numel() > 0:
-        m = m * token_weights.abs().amax()
+        m = m * torch.where(torch.isfinite(token_weights), token_weights.abs(), 0.0).amax()
     _, e = torch.frexp(m)   # m = 0 gives e = 0: P = 2^K, harmless (every gradient is 0)
     return torch.ldexp(torch.ones_like(m), HEADROOM_EXP - e).to(m.dtype)
 
