@@ -30,7 +30,8 @@ def rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
                   reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                   inplace_backward: bool = False, return_stats: bool = False, backend: Optional[str] = None,
-                  token_weights: Optional[torch.Tensor] = None, **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
+                  token_weights: Optional[torch.Tensor] = None,
+                  **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """Cross-entropy over the LAST dimension of ``logits`` (the LLM layout), computed in fp32.
 
     Args:
@@ -135,7 +136,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          chunk_size: Optional[int] = None, method: str = "auto",
                          accum_dtype: torch.dtype = torch.float32, return_stats: bool = False,
                          backend: Optional[str] = None, deterministic: Optional[bool] = None,
-                         token_weights: Optional[torch.Tensor] = None, **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
+                         token_weights: Optional[torch.Tensor] = None,
+                         **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """The LM head fused with the loss: ``cross_entropy(hidden @ weight.T + bias, target)`` without
     ever allocating the BT x V logits.
 
@@ -166,7 +168,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             ``torch.are_deterministic_algorithms_enabled()``; False allows the faster atomic backward.
         token_weights: optional ``(...)`` = ``target.shape`` float per-token loss weights, as in
             :func:`cross_entropy` (both methods, every backend: they scale each row's upstream gradient,
-            so no kernel sees them; the chunked method's gradient headroom includes their largest
+            so no kernel sees them; the chunked method's gradient headroom includes their largest finite
             magnitude, on the device). The NaN / infinity check shares the target-range check's sync.
 
     Returns:

@@ -3,8 +3,8 @@
 - mean / sum: the forward computes the loss and every gradient chunk by chunk with the per-row upstream
   gradients already applied (``1/D`` for the cross-entropy and ``1/N`` for the z-loss with mean, 1 with
   sum; times the user's ``token_weights`` per row), times a power of two ``P`` (``headroom``); the first
-  backward only multiplies the saved gradients by ``g / P``, ``g`` the scalar upstream gradient (a device tensor: no sync, no recompute).
-  A later backward through a retained graph (``retain_graph=True``,
+  backward only multiplies the saved gradients by ``g / P``, ``g`` the scalar upstream gradient (a device
+  tensor: no sync, no recompute). A later backward through a retained graph (``retain_graph=True``,
   or ``torch.autograd.grad`` then ``backward``) recomputes them from the saved inputs, as "none" does;
   for that the Function keeps its (compacted) ``hidden`` until the graph is freed: BT' x H, a copy only
   when some rows are ignored (otherwise the caller's tensor itself).
