@@ -236,20 +236,21 @@ def test_module_signature_order():
                       "inplace_backward", "return_stats", "backend",
                       "logit_scale", "use_token_scaling"]   # added by the one-path redesign, after the rest
     assert list(inspect.signature(fusedce.CrossEntropyLoss.forward).parameters)[1:] == [
-        "logits", "target", "num_items_in_batch"]
+        "logits", "target", "num_items_in_batch", "token_weights"]   # token_weights keyword-only
     sig = inspect.signature(fusedce.cross_entropy)
     assert list(sig.parameters)[:3] == ["logits", "target", "weight"]
     # keyword-only: their order is not part of a call (the loss options come last, from LossOptions)
     keyword_only = [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert sorted(keyword_only) == sorted(["ignore_index", "reduction", "label_smoothing", "lse_square_scale",
                                            "softcap", "logit_scale", "use_token_scaling",
-                                           "num_items_in_batch", "inplace_backward", "return_stats", "backend"])
+                                           "num_items_in_batch", "inplace_backward", "return_stats", "backend",
+                                           "token_weights"])
     assert len(sig.parameters) == 3 + len(keyword_only)
     defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
     assert defaults == {"weight": None, "ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0,
                         "lse_square_scale": 0.0, "softcap": None, "logit_scale": 1.0,
                         "use_token_scaling": False, "num_items_in_batch": None,
-                        "inplace_backward": False, "return_stats": False, "backend": None}
+                        "inplace_backward": False, "return_stats": False, "backend": None, "token_weights": None}
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -76,7 +76,9 @@ def test_argument_order():
     assert fn["bias"].default is None
 
     fwd = list(inspect.signature(fusedce.LinearCrossEntropyLoss.forward).parameters)
-    assert fwd == ["self", "hidden", "weight", "target", "bias", "num_items_in_batch"]
+    assert fwd == ["self", "hidden", "weight", "target", "bias", "num_items_in_batch", "token_weights"]
+    forward = inspect.signature(fusedce.LinearCrossEntropyLoss.forward).parameters
+    assert forward["token_weights"].kind == inspect.Parameter.KEYWORD_ONLY   # per-call tensor, keyword-only
 
     init = inspect.signature(fusedce.LinearCrossEntropyLoss.__init__).parameters
     names = [n for n in init if n != "self"]
@@ -90,7 +92,7 @@ def test_argument_order():
     for n in names:
         assert n in fn, f"constructor option {n!r} is not an option of linear_cross_entropy"
         assert init[n].default == fn[n].default, n
-    missing = set(fn) - set(names) - {"hidden", "weight", "target", "bias", "num_items_in_batch"}
+    missing = set(fn) - set(names) - {"hidden", "weight", "target", "bias", "num_items_in_batch", "token_weights"}
     assert not missing, f"options of the function the module lacks: {missing}"
     # the loss options come in CrossEntropyLoss's order
     ce_init = [n for n in inspect.signature(fusedce.CrossEntropyLoss.__init__).parameters

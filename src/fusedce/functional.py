@@ -32,6 +32,7 @@ def rows_view(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
                   reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                   inplace_backward: bool = False, return_stats: bool = False, backend: Optional[str] = None,
+                  token_weights: Optional[torch.Tensor] = None,
                   **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """Cross-entropy over the LAST dimension of ``logits`` (the LLM layout), computed in fp32.
 
@@ -49,6 +50,17 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             their count (so the z-loss is not class-weighted); a zero denominator gives 0.0 for its part
             and zero gradient.
         num_items_in_batch: int or 0-dim tensor, the mean's denominator under gradient accumulation.
+        token_weights: optional ``(...)`` = ``target.shape`` float tensor (any float dtype, same device;
+            used in fp32): each non-ignored row's loss and z-loss (and its ``z_loss`` stat) is
+            multiplied by it, after ``use_token_scaling``'s ``p_t`` if both are given (they multiply);
+            per-token loss weights (curriculum, reward-weighted SFT, confidence masking). A constant:
+            detached, no gradient reaches it (as the class weights). The mean's denominators ``D`` and
+            ``N`` are unchanged (divide by ``sum(token_weights)`` yourself through
+            ``num_items_in_batch`` for a weighted average). Values on ignored rows are never read
+            (NaN there is fine); a NaN or infinite weight on a non-ignored row is a ``ValueError`` in
+            the target-range check's host sync (no extra sync), and where that check is skipped
+            (torch.compile, CUDA-graph capture) it propagates: that row's loss, the reduced loss and
+            that row's gradient become NaN / inf.
         inplace_backward: the backward pass writes the gradient into ``logits``' storage (destroys the
             caller's logits after backward, saves one BT x V buffer). Default: nothing of the caller's
             is ever modified.
@@ -68,12 +80,13 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             wrong kind (``ignore_index`` not an integer, e.g. a float or a bool: nothing is rounded; a
             real option not a real number, e.g. a string, or a tensor that requires grad; a flag not a
             bool); ``inplace_backward`` / ``return_stats`` not a bool; ``num_items_in_batch`` a bool or
-            neither a number nor a tensor.
+            neither a number nor a tensor; ``token_weights`` not a floating-point tensor.
         ValueError: shape mismatch, V = 0 (``logits`` of shape ``(..., 0)``), bad reduction, a loss
             option outside its domain (below; NaN and infinities never are, nor numbers beyond fp32's
             range: the kernels compute in fp32), ``num_items_in_batch`` negative, non-finite or beyond fp32
             (a number or a CPU tensor; a CUDA tensor is not read), weight not (V,), tensors on
-            different devices, unknown backend.
+            different devices, unknown backend; ``token_weights`` not of ``target.shape`` or on
+            another device, or (host-checked, see ``token_weights``) NaN / infinite on a non-ignored row.
             (An int32 ``target`` with an ``ignore_index`` outside int32 is fine: it is converted to
             int64 once, a BT-element copy.)
         IndexError: a target neither ``ignore_index`` nor in [0, V), naming the first bad position
@@ -93,11 +106,15 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     val.check_num_items(num_items_in_batch, logits.device)
     val.check_flag("inplace_backward", inplace_backward)
     val.check_flag("return_stats", return_stats)
+    val.check_token_weights(token_weights, target)
     weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
     impl = backends.get(backend, logits.device)
-    val.check_target_range(target, n_classes, opts.ignore_index)
+    flat_target = target.reshape(-1)
+    token_weights = red.row_token_weights(token_weights, flat_target, opts.ignore_index)
+    val.check_target_range(target, n_classes, opts.ignore_index,
+                           None if token_weights is None else token_weights.reshape(target.shape))
 
-    rows, flat_target = rows_view(logits, inplace_backward), target.reshape(-1)
+    rows = rows_view(logits, inplace_backward)
     ce_rows, lse, lse_lo, predicted = impl.cross_entropy_rows(
         rows, flat_target, weight, opts, inplace_backward, return_stats)
     scales = None
@@ -108,7 +125,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     if opts.use_token_scaling:
         token_weight = target_probability(rows, flat_target, lse.detach(), lse_lo, opts)
     return red.loss_and_stats(ce_rows, lse, predicted, flat_target, opts, reduction, scales, shape,
-                              return_stats, token_weight)
+                              return_stats, red.times(token_weight, token_weights))
 
 
 @dtensor_op
@@ -122,6 +139,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          chunk_size: Optional[int] = None, method: str = "auto",
                          accum_dtype: torch.dtype = torch.float32, return_stats: bool = False,
                          backend: Optional[str] = None, deterministic: Optional[bool] = None,
+                         token_weights: Optional[torch.Tensor] = None,
                          **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """The LM head fused with the loss: ``cross_entropy(hidden @ weight.T + bias, target)`` without
     ever allocating the BT x V logits.
@@ -151,6 +169,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             with ``method="tiled"`` on Triton the backward runs two atomic-free kernels, 8 instead of 6
             V H FLOPs per token; every other path is deterministic anyway). None (default) follows
             ``torch.are_deterministic_algorithms_enabled()``; False allows the faster atomic backward.
+        token_weights: optional ``(...)`` = ``target.shape`` float per-token loss weights, as in
+            :func:`cross_entropy` (both methods, every backend: they scale each row's upstream gradient,
+            so no kernel sees them; the chunked method's gradient headroom includes their largest finite
+            magnitude, on the device). The NaN / infinity check shares the target-range check's sync.
 
     Returns:
         The fp32 loss, or ``CrossEntropyOutput``. Gradients of ``hidden``, ``weight``, ``bias`` have their
@@ -176,12 +198,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     val.check_flag("return_stats", return_stats)
+    val.check_token_weights(token_weights, target)
     ce_weight = None if ce_weight is None else ce_weight.detach()   # class weights are constants
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
     impl = backends.get(backend, hidden.device)
-    val.check_target_range(target, n_classes, opts.ignore_index)
-
     flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    token_weights = red.row_token_weights(token_weights, flat_target, opts.ignore_index)
+    val.check_target_range(target, n_classes, opts.ignore_index,
+                           None if token_weights is None else token_weights.reshape(target.shape))
+
     scales = None
     if reduction == "mean":
         scales = red.mean_scales(flat_target, red.target_weights(flat_target, ce_weight, opts.ignore_index),
@@ -189,7 +214,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     loss, lse, predicted, token_weight = impl.linear_cross_entropy(
         flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scales,
         None if chunk_size is None else int(chunk_size), accum_dtype, return_stats, method,
-        deterministic=deterministic)
+        deterministic=deterministic, token_weights=token_weights)
     if reduction == "none":
         loss = loss.reshape(shape)
     if not return_stats:

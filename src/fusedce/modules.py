@@ -48,8 +48,8 @@ def _extra_repr(module: nn.Module, *names: str) -> str:
 class CrossEntropyLoss(nn.Module):
     """Module form of :func:`fusedce.cross_entropy`; ``weight`` is registered as a buffer.
 
-    ``forward(logits (..., V), target (...), num_items_in_batch=None)``; see ``cross_entropy`` for
-    shapes, dtypes, the in-place option and errors.
+    ``forward(logits (..., V), target (...), num_items_in_batch=None, *, token_weights=None)``; see
+    ``cross_entropy`` for shapes, dtypes, the in-place option, the per-token loss weights and errors.
 
     The loss options after the contract's positional ones (``logit_scale``, ``use_token_scaling``, and
     any added later) are keyword-only (listed below); every option is an attribute of the module.
@@ -78,18 +78,21 @@ class CrossEntropyLoss(nn.Module):
     def extra_repr(self) -> str:
         return _extra_repr(self, "inplace_backward", "return_stats", "backend")
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None):
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None, *,
+                token_weights: Optional[torch.Tensor] = None):
         return cross_entropy(logits, target, self.weight, reduction=self.reduction,
                              num_items_in_batch=num_items_in_batch, inplace_backward=self.inplace_backward,
-                             return_stats=self.return_stats, backend=self.backend, **_options(self))
+                             return_stats=self.return_stats, backend=self.backend, token_weights=token_weights,
+                             **_options(self))
 
 
 @with_loss_options
 class LinearCrossEntropyLoss(nn.Module):
     """Module form of :func:`fusedce.linear_cross_entropy` (the LM head's weight is passed to forward).
 
-    ``forward(hidden (..., H), weight (V, H), target (...), bias=None, num_items_in_batch=None)``; see
-    ``linear_cross_entropy`` for shapes, dtypes, chunking and errors. ``ce_weight`` is a buffer.
+    ``forward(hidden (..., H), weight (V, H), target (...), bias=None, num_items_in_batch=None, *,
+    token_weights=None)``; see ``linear_cross_entropy`` for shapes, dtypes, chunking, the per-token loss
+    weights and errors. ``ce_weight`` is a buffer.
 
     The options are checked at construction, as in :class:`CrossEntropyLoss` (``ce_weight`` for
     ``weight``), plus ``chunk_size`` (``TypeError`` unless an integer or None, ``ValueError`` when < 1),
@@ -124,9 +127,10 @@ class LinearCrossEntropyLoss(nn.Module):
                            "deterministic")
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                bias: Optional[torch.Tensor] = None, num_items_in_batch=None):
+                bias: Optional[torch.Tensor] = None, num_items_in_batch=None, *,
+                token_weights: Optional[torch.Tensor] = None):
         return linear_cross_entropy(
             hidden, weight, target, bias, ce_weight=self.ce_weight, reduction=self.reduction,
             num_items_in_batch=num_items_in_batch, chunk_size=self.chunk_size, method=self.method,
             accum_dtype=self.accum_dtype, return_stats=self.return_stats, backend=self.backend,
-            deterministic=self.deterministic, **_options(self))
+            deterministic=self.deterministic, token_weights=token_weights, **_options(self))

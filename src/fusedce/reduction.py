@@ -86,21 +86,41 @@ def reduce(ce_rows: torch.Tensor, z: Optional[torch.Tensor], reduction: str,
 
 
 def token_scaled(ce_rows: torch.Tensor, z: Optional[torch.Tensor], token_weight: Optional[torch.Tensor]):
-    """``use_token_scaling`` (Dynamic Fine-Tuning; Liger's flag, TRL's ``loss_type="dft"``): each row's
-    cross-entropy and z-loss times ``token_weight`` = ``p_t`` (detached, so the gradient is ``p_t``
-    times the row's gradient); unchanged when ``token_weight`` is None."""
+    """Each row's cross-entropy and z-loss times ``token_weight`` (detached, so the gradient is
+    ``token_weight`` times the row's gradient): ``use_token_scaling``'s ``p_t`` (Dynamic Fine-Tuning;
+    Liger's flag, TRL's ``loss_type="dft"``) and / or the user's ``token_weights`` (``times``);
+    unchanged when ``token_weight`` is None."""
     if token_weight is None:
         return ce_rows, z
     token_weight = token_weight.detach()
     return ce_rows * token_weight, None if z is None else z * token_weight
 
 
+def row_token_weights(token_weights: Optional[torch.Tensor], target: torch.Tensor,
+                      ignore_index: int) -> Optional[torch.Tensor]:
+    """The user's ``token_weights`` ((...) float, checked by ``validation.check_token_weights``) as the
+    (BT,) fp32 constant each row's loss is multiplied by: detached (no gradient, as class weights) and
+    0 on ignored rows (whatever they held there, NaN included); None stays None."""
+    if token_weights is None:
+        return None
+    return torch.where(target.reshape(-1) != ignore_index, token_weights.detach().reshape(-1).float(), 0.0)
+
+
+def times(token_weight: Optional[torch.Tensor], token_weights: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The per-row factor of the loss: ``use_token_scaling``'s ``p_t`` (or None) times the user's
+    ``token_weights`` (``row_token_weights``, or None); None when neither is given."""
+    if token_weights is None:
+        return token_weight
+    return token_weights if token_weight is None else token_weight * token_weights
+
+
 def loss_and_stats(ce_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor,
                    target: torch.Tensor, opts: LossOptions, reduction: str, scales: Optional[MeanScales],
                    shape, return_stats: bool, token_weight: Optional[torch.Tensor] = None):
     """The public result of an op from its per-row cross-entropy and lse (both (BT,) fp32, lse 0 on
-    ignored rows) and, with ``use_token_scaling``, the per-row ``p_t``: the reduced loss, or
-    ``CrossEntropyOutput`` with ``return_stats``."""
+    ignored rows) and the per-row factor of the loss (``use_token_scaling``'s ``p_t`` and / or the user's
+    ``token_weights``, see ``times``; None: none): the reduced loss, or ``CrossEntropyOutput`` with
+    ``return_stats``."""
     loss = reduce(*token_scaled(ce_rows, z_rows(lse, opts), token_weight), reduction, scales, shape)
     if not return_stats:
         return loss

@@ -126,23 +126,51 @@ class TargetOutOfRange(IndexError):
         self.position, self.value, self.n_classes, self.ignore_index = position, value, n_classes, ignore_index
 
 
-def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Raise ``IndexError`` (``TargetOutOfRange``) naming the first target that is neither
-    ``ignore_index`` nor in ``[0, V)``.
+def check_token_weights(token_weights, target: torch.Tensor) -> None:
+    """``token_weights``: None, or a floating-point tensor of ``target.shape`` on its device (``TypeError``
+    for a non-tensor or a non-float dtype, ``ValueError`` for another shape or device). Its values are
+    checked by :func:`check_target_range` (in the same host sync)."""
+    if token_weights is None:
+        return
+    if not isinstance(token_weights, torch.Tensor) or not token_weights.is_floating_point():
+        kind = token_weights.dtype if isinstance(token_weights, torch.Tensor) else type(token_weights).__name__
+        raise TypeError(f"token_weights must be a floating-point tensor, got {kind}")
+    if tuple(token_weights.shape) != tuple(target.shape):
+        raise ValueError(f"token_weights shape {tuple(token_weights.shape)} must equal the target's "
+                         f"{tuple(target.shape)}")
+    if token_weights.device != target.device:
+        raise ValueError(f"token_weights is on {token_weights.device} but the target is on {target.device}")
 
-    This is the contract's one documented host sync of ``cross_entropy``; skipped (a bad row then
-    gives a NaN loss row, never an out-of-bounds read) while compiling or capturing a CUDA graph.
+
+def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
+                       token_weights: Optional[torch.Tensor] = None) -> None:
+    """Raise ``IndexError`` (``TargetOutOfRange``) naming the first target that is neither
+    ``ignore_index`` nor in ``[0, V)``; then ``ValueError`` naming the first non-ignored row whose
+    ``token_weights`` (fp32 of ``target.shape``, or None) is NaN or infinite.
+
+    This is the contract's one documented host sync of ``cross_entropy`` (both checks share it: one
+    read of one flag); skipped (a bad row then gives a NaN loss row, never an out-of-bounds read; a
+    non-finite weight propagates into the loss and that row's gradient) while compiling or capturing a
+    CUDA graph.
     """
     if target.numel() == 0 or not sync_allowed():
         return
-    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
-    if bool(bad.any()):
-        flat = bad.reshape(-1).nonzero()[0, 0]
-        pos = tuple(int(i) for i in torch.unravel_index(flat, tuple(target.shape)))
-        value = int(target.reshape(-1)[flat])
-        raise TargetOutOfRange(
-            f"target{list(pos)} = {value} is out of range: expected ignore_index={ignore_index} "
-            f"or a class in [0, {n_classes}) (V = {n_classes})", pos, value, n_classes, ignore_index)
+    kept = target != ignore_index
+    bad = kept & ((target < 0) | (target >= n_classes))
+    bad_weight = None if token_weights is None else kept & ~torch.isfinite(token_weights)
+    if not bool((bad if bad_weight is None else bad | bad_weight).any()):   # the one sync
+        return
+    if bad_weight is not None and not bool(bad.any()):   # (error paths only from here)
+        flat = bad_weight.reshape(-1).nonzero()[0, 0]
+        pos = [int(i) for i in torch.unravel_index(flat, tuple(target.shape))]
+        raise ValueError(f"token_weights{pos} = {float(token_weights.reshape(-1)[flat])} on a non-ignored row: "
+                         "token weights must be finite")
+    flat = bad.reshape(-1).nonzero()[0, 0]
+    pos = tuple(int(i) for i in torch.unravel_index(flat, tuple(target.shape)))
+    value = int(target.reshape(-1)[flat])
+    raise TargetOutOfRange(
+        f"target{list(pos)} = {value} is out of range: expected ignore_index={ignore_index} "
+        f"or a class in [0, {n_classes}) (V = {n_classes})", pos, value, n_classes, ignore_index)
 
 
 def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype=torch.float32,

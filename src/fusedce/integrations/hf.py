@@ -33,13 +33,14 @@ from .hf_adapters import kind as head_kind
 from .hf_call import HeadCall, module_name
 from .hf_head import LogitTransform, base_model, choose_transform, logit_transforms, output_head
 from .hf_output import as_tuple, bad_label_message, replace
+from .hf_token_weights import flat_token_weights
 
 _STATE = "_fusedce_patch"
-# linear_cross_entropy's options a patch may set. num_items_in_batch comes with each call (the Trainer
-# passes it to forward); return_stats would change what `loss` is.
+# linear_cross_entropy's options a patch may set. num_items_in_batch and token_weights come with each call
+# (forward keywords); return_stats would change what `loss` is.
 LOSS_OPTIONS = tuple(name for name, p in inspect.signature(linear_cross_entropy).parameters.items()
                      if p.kind is inspect.Parameter.KEYWORD_ONLY
-                     and name not in ("num_items_in_batch", "return_stats"))
+                     and name not in ("num_items_in_batch", "return_stats", "token_weights"))
 
 
 @dataclasses.dataclass
@@ -105,6 +106,10 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
     - MoE models: a returned ``aux_loss`` is added times ``router_aux_loss_coef``, as the families do;
     - ``use_token_scaling`` is also accepted as a forward keyword (as Liger-patched models accept it; TRL
       passes it for ``loss_type="dft"``): it overrides the patch-time option for that call;
+    - ``token_weights`` (a forward keyword, with ``labels``): per-token loss weights of the labels'
+      shape ``(B, T)``, float, shifted with them (the weight of ``labels[b, t]`` weighs the prediction
+      of that token; with ``shift_labels``, aligned with ``shift_labels`` as given), as in
+      ``linear_cross_entropy``: each non-ignored token's loss times its weight, denominators unchanged;
     - under autocast, hidden states and head are cast to the autocast dtype first (as ``F.linear`` is;
       ``linear_cross_entropy`` does it, see ``fusedce/autocast.py``);
     - the output is the family's usual class (e.g. ``CausalLMOutputWithPast``) with ``loss`` set and
@@ -221,8 +226,11 @@ def _forward(model, *args, **kwargs):
     if kwargs.get("fused_lm_head"):  # TRL's own fused LM head (add_fused_lm_head) answers this call
         return _call_original(model, state, (), kwargs)
     token_scaling = kwargs.pop("use_token_scaling", None)   # Liger's forward keyword (TRL's "dft")
+    token_weights = kwargs.pop("token_weights", None)
     labels = kwargs.pop("labels", None)
     if labels is None:
+        if token_weights is not None:
+            raise ValueError("token_weights weigh the loss of the labels: pass labels with them")
         return _call_original(model, state, (), kwargs)
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -241,8 +249,8 @@ def _forward(model, *args, **kwargs):
     candidates = state.transforms if verify else state.transforms[:1]
 
     def compute(hidden, weight, bias):  # runs inside the head's call (its hooks have run)
-        losses = [_loss(model, state, t, hidden, weight, bias, labels, shift_labels, num_items, token_scaling)
-                  for t in candidates]
+        losses = [_loss(model, state, t, hidden, weight, bias, labels, shift_labels, num_items, token_scaling,
+                        token_weights) for t in candidates]
         return losses[0] if len(losses) == 1 else torch.stack(losses)
     with HeadCall(head, module_name(model, head), compute, keep, verify) as call:
         out = _call_original(model, state, (), {**kwargs, "return_dict": True})
@@ -268,7 +276,7 @@ def _forward(model, *args, **kwargs):
 
 
 def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias, labels, shift_labels,
-          num_items, token_scaling) -> torch.Tensor:
+          num_items, token_scaling, token_weights=None) -> torch.Tensor:
     """``linear_cross_entropy`` of the head's pieces: ``hidden`` (..., H), ``weight`` (V, H), ``bias``, for
     the family's post-head ``transform``."""
     options = dict(state.loss_options)
@@ -281,6 +289,8 @@ def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias,
         options = {**options, "use_token_scaling": token_scaling}
     ignore_index = options.get("ignore_index", -100)
     given_shifted = shift_labels is not None
+    token_weights = flat_token_weights(token_weights, shift_labels if given_shifted else labels, given_shifted,
+                                       weight.device)
     if shift_labels is None:  # Hugging Face's ForCausalLMLoss: pad one ignored label, drop the first
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     n_classes = transform.width(weight.shape[0])
@@ -299,7 +309,7 @@ def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias,
         num_items = num_items.to(hidden.device)
     # under autocast, linear_cross_entropy casts hidden / head to the autocast dtype as F.linear would
     try:
-        return linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items, **options)
+        return linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items,
+                                    token_weights=token_weights, **options)
     except val.TargetOutOfRange as err:  # name the user's element, not the flattened shifted target's
         raise IndexError(bad_label_message(err, shift_labels.shape, given_shifted)) from None
-

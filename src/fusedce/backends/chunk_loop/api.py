@@ -2,9 +2,9 @@
 
 - mean / sum: the forward computes the loss and every gradient chunk by chunk with the per-row upstream
   gradients already applied (``1/D`` for the cross-entropy and ``1/N`` for the z-loss with mean, 1 with
-  sum), times a power of two ``P`` (``headroom``); the first backward only multiplies the saved
-  gradients by ``g / P``, ``g`` the scalar upstream gradient (a device tensor: no sync, no recompute).
-  A later backward through a retained graph (``retain_graph=True``,
+  sum; times the user's ``token_weights`` per row), times a power of two ``P`` (``headroom``); the first
+  backward only multiplies the saved gradients by ``g / P``, ``g`` the scalar upstream gradient (a device
+  tensor: no sync, no recompute). A later backward through a retained graph (``retain_graph=True``,
   or ``torch.autograd.grad`` then ``backward``) recomputes them from the saved inputs, as "none" does;
   for that the Function keeps its (compacted) ``hidden`` until the graph is freed: BT' x H, a copy only
   when some rows are ignored (otherwise the caller's tensor itself).
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ...autograd_checks import check_backward_allowed
-from ...reduction import MeanScales, reduce, token_scaled, z_rows
+from ...reduction import MeanScales, reduce, times, token_scaled, z_rows
 from ...types import LossOptions
 from ...validation import sync_allowed
 from .heads import ChunkedHead, TiledHead
@@ -46,11 +46,16 @@ from .tuning import chunk_rows, resolve_method
 HEADROOM_EXP = 10
 
 
-def headroom(scales: MeanScales, w: Optional[torch.Tensor], opts: LossOptions) -> torch.Tensor:
+def headroom(scales: MeanScales, w: Optional[torch.Tensor], opts: LossOptions,
+             token_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``P`` above: a 0-dim fp32 power of two on the scales' device (no host sync). ``w``: (V,) fp32
-    class weights or None."""
+    class weights or None; ``token_weights``: (n,) fp32 per-row loss weights or None, whose largest
+    finite magnitude multiplies ``m`` like the class weights' (a NaN / inf weight, not caught where the
+    host check is skipped, reaches only its own row's gradients and the sums over rows, as in stock)."""
     ce = scales.ce.abs() if w is None else scales.ce.abs() * w.abs().amax()
     m = torch.maximum(ce, scales.z.abs()) * abs(opts.logit_scale)
+    if token_weights is not None and token_weights.numel() > 0:
+        m = m * torch.where(torch.isfinite(token_weights), token_weights.abs(), 0.0).amax()
     _, e = torch.frexp(m)   # m = 0 gives e = 0: P = 2^K, harmless (every gradient is 0)
     return torch.ldexp(torch.ones_like(m), HEADROOM_EXP - e).to(m.dtype)
 
@@ -58,9 +63,10 @@ def headroom(scales: MeanScales, w: Optional[torch.Tensor], opts: LossOptions) -
 class _LinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, head, w, weight_sum, opts, reduction, scale_pair, accum_dtype,
-                stats, needs):
+                stats, needs, token_weights):
         # scale_pair (2,) = (1/D, 1/N): one tensor, since the two are often the same tensor and an
-        # autograd.Function may not take one tensor twice under torch.compile
+        # autograd.Function may not take one tensor twice under torch.compile. token_weights: (n,) fp32
+        # constants (0 on ignored rows) or None: every per-row upstream gradient is multiplied by them
         ctx.grads = None
         ce_scale, z_scale = scale_pair[0], scale_pair[1]
         scales = MeanScales(ce_scale, z_scale)
@@ -69,15 +75,18 @@ class _LinearCE(torch.autograd.Function):
                                                                          weight_sum, opts, stats)
         else:   # gradients made here, times P (``headroom``); the backward applies g / P
             n = hidden.shape[0]
-            p = headroom(scales, w, opts)
+            p = headroom(scales, w, opts, token_weights)
             ctx.unscale = 1.0 / p   # exact: a power of two
+            grad_row, z_grad_row = (_weighted((s * p).expand(n), token_weights) for s in scales)
             loss, lse, lse_lo, predicted, token_weight, *ctx.grads = head.grads(
-                hidden, weight, bias, target, w, weight_sum, opts, (scales.ce * p).expand(n),
-                (scales.z * p).expand(n), needs, accum_dtype, stats=stats)
-        out = reduce(*token_scaled(loss, z_rows(lse, opts), token_weight), reduction, scales, loss.shape)
+                hidden, weight, bias, target, w, weight_sum, opts, grad_row, z_grad_row, needs, accum_dtype,
+                stats=stats)
+        out = reduce(*token_scaled(loss, z_rows(lse, opts), times(token_weight, token_weights)), reduction, scales,
+                     loss.shape)
         if token_weight is None:
             token_weight = lse.new_empty(0)
-        ctx.save_for_backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair, token_weight)
+        ctx.save_for_backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair, token_weight,
+                              token_weights)
         ctx.head, ctx.opts, ctx.accum = head, opts, accum_dtype
         ctx.needs, ctx.reduction = needs, reduction
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -92,7 +101,8 @@ class _LinearCE(torch.autograd.Function):
             g = grad_out.float() * ctx.unscale
             g_h, g_w, g_b = (_scaled_(t, g) for t in (g_h, g_w, g_b))
         else:                       # "none", tiled, or a second backward: recompute from the saved inputs
-            hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair, token_weight = ctx.saved_tensors
+            hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair, token_weight, token_weights = (
+                ctx.saved_tensors)
             ce_scale, z_scale = scale_pair[0], scale_pair[1]
             n = hidden.shape[0]
             if ctx.reduction == "none":
@@ -100,6 +110,7 @@ class _LinearCE(torch.autograd.Function):
             else:
                 g = grad_out.float()
                 grad_row, z_grad_row = (ce_scale * g).expand(n), (z_scale * g).expand(n)
+            grad_row, z_grad_row = _weighted(grad_row, token_weights), _weighted(z_grad_row, token_weights)
             saved = (lse, lse_lo, token_weight if ctx.opts.use_token_scaling else None, None)
             *_, g_h, g_w, g_b = ctx.head.grads(hidden, weight, bias, target, w, weight_sum, ctx.opts, grad_row,
                                                z_grad_row, ctx.needs, ctx.accum, saved=saved)
@@ -109,6 +120,11 @@ class _LinearCE(torch.autograd.Function):
 
 
 _N_INPUTS = len(inspect.signature(_LinearCE.forward).parameters) - 1   # forward's inputs, ctx excluded
+
+
+def _weighted(grad_row: torch.Tensor, token_weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """A per-row upstream gradient times the user's per-row loss weights (None: unchanged)."""
+    return grad_row if token_weights is None else grad_row * token_weights
 
 
 def _scaled_(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Tensor]:
@@ -158,20 +174,24 @@ def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, h
 
 def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, opts: LossOptions, reduction: str,
                          scales: Optional[MeanScales], chunk_size, accum_dtype, stats: bool, method: str = "auto",
-                         *, tiled: Optional[TiledCE] = None, deterministic: bool = False):
+                         *, tiled: Optional[TiledCE] = None, deterministic: bool = False,
+                         token_weights: Optional[torch.Tensor] = None):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> (loss, lse, predicted,
     token_weight).
 
     ``loss`` is the reduced scalar (``scales`` = the mean's 1/D and 1/N for "mean", None otherwise) or
     (BT,) per-row for "none"; lse (BT,) fp32 is 0 on ignored rows (their logits are never computed);
-    predicted (BT,) int64, -1 on ignored rows; token_weight (BT,) fp32 ``p_t`` with
-    ``use_token_scaling`` (0 on ignored rows), else None. ``method``: "chunked" / "tiled" / "auto"
-    (``heads.py``; ``tiled`` is the backend's ``TiledCE``, required for "tiled"); ``deterministic``:
-    bitwise-reproducible gradients (``make_head``).
+    predicted (BT,) int64, -1 on ignored rows; token_weight (BT,) fp32, the factor each row's loss was
+    multiplied by (0 on ignored rows): ``p_t`` with ``use_token_scaling``, times ``token_weights``
+    ((BT,) fp32 constants, 0 on ignored rows, or None), or None when neither. ``method``: "chunked" /
+    "tiled" / "auto" (``heads.py``; ``tiled`` is the backend's ``TiledCE``, required for "tiled");
+    ``deterministic``: bitwise-reproducible gradients (``make_head``).
     """
     n = hidden.shape[0]
     w, weight_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
+    if index is not None and token_weights is not None:
+        token_weights = token_weights.index_select(0, index)
     head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
                      deterministic, hidden.device.type)
     if scales is None:
@@ -181,12 +201,13 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
     if torch.is_grad_enabled() and any(needs):
         out, lse, predicted, token_weight = _LinearCE.apply(hidden, weight, bias, target, head, w, weight_sum,
                                                             opts, reduction, torch.stack(scales), accum_dtype,
-                                                            stats, needs)
-        token_weight = token_weight if opts.use_token_scaling else None
+                                                            stats, needs, token_weights)
+        token_weight = times(token_weight if opts.use_token_scaling else None, token_weights)
     else:
         with torch.no_grad():
             loss, lse, _lse_lo, predicted, token_weight, _ = head.forward(hidden, weight, bias, target, w,
                                                                           weight_sum, opts, stats)
+        token_weight = times(token_weight, token_weights)
         out = reduce(*token_scaled(loss, z_rows(lse, opts), token_weight), reduction, scales, loss.shape)
     if reduction == "none":
         out = scatter_rows(out, index, n, 0.0)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from ... import validation as val
+from ... import reduction as red, validation as val
 from ...autocast import fp32_op
 from ...autograd_checks import check_backward_allowed
 from ... import backends
@@ -64,7 +64,8 @@ def vocab_parallel_cross_entropy(
     logits_shard: torch.Tensor, target: torch.Tensor, weight_shard: Optional[torch.Tensor] = None, *,
     group=None, vocab_start_index: Optional[int] = None, reduction: str = "mean",
     num_items_in_batch: Union[int, torch.Tensor, None] = None, return_stats: bool = False,
-    backend: Optional[str] = None, **options: Unpack[LossOptionValues],
+    backend: Optional[str] = None, token_weights: Optional[torch.Tensor] = None,
+    **options: Unpack[LossOptionValues],
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """``fusedce.cross_entropy`` on logits split by vocabulary over the ranks of ``group``.
 
@@ -87,6 +88,9 @@ def vocab_parallel_cross_entropy(
             ``predicted_tokens`` the global argmax (lowest global index on ties), -1 on ignored rows.
         backend: ``"auto"`` / ``"torch"`` / ``"triton"`` as in ``fusedce.cross_entropy``: the kernels that
             compute this rank's statistics and gradient.
+        token_weights: optional ``(...)`` = ``target.shape`` float per-token loss weights, identical on
+            every rank, as in ``fusedce.cross_entropy`` (applied to the replicated per-row loss: no
+            communication; NaN / inf on a non-ignored row checked in the target-range check's sync).
 
     Returns:
         The fp32 loss (scalar, or ``target.shape`` for ``"none"``) or ``CrossEntropyOutput``; the
@@ -121,9 +125,12 @@ def vocab_parallel_cross_entropy(
     val.check_vector("weight_shard", weight_shard, n_local, device)
     val.check_num_items(num_items_in_batch, device)
     val.check_flag("return_stats", return_stats)
+    val.check_token_weights(token_weights, target)
     impl = backends.get(backend, device)
     layout = vocab_layout(n_local, vocab_start_index, group, device)
-    val.check_target_range(target, layout.n_classes, opts.ignore_index)
+    token_weights = red.row_token_weights(token_weights, target, opts.ignore_index)
+    val.check_target_range(target, layout.n_classes, opts.ignore_index,
+                           None if token_weights is None else token_weights.reshape(target.shape))
 
     rows = logits_shard.reshape(math.prod(shape), n_local)
     if rows.stride(-1) != 1 and n_local > 1:
@@ -133,4 +140,4 @@ def vocab_parallel_cross_entropy(
         rows, flat_target, weight_shard, layout, opts, impl)
     return finish(loss_rows, lse, predicted, None if weight_shard is None else w_t, flat_target, opts,
                   reduction, num_items_in_batch, return_stats, shape,
-                  target_prob if opts.use_token_scaling else None)
+                  red.times(target_prob if opts.use_token_scaling else None, token_weights))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ... import validation as val
+from ... import reduction as red, validation as val
 from ...autocast import linear_op
 from ...autograd_checks import check_backward_allowed
 from ...backends.chunk_loop.api import compact_rows
@@ -110,7 +110,8 @@ def vocab_parallel_linear_cross_entropy(
     ce_weight_shard: Optional[torch.Tensor] = None, reduction: str = "mean",
     num_items_in_batch: Union[int, torch.Tensor, None] = None, chunk_size: Optional[int] = None,
     accum_dtype: torch.dtype = torch.float32, return_stats: bool = False, backend: Optional[str] = None,
-    deterministic: Optional[bool] = None, **options: Unpack[LossOptionValues],
+    deterministic: Optional[bool] = None, token_weights: Optional[torch.Tensor] = None,
+    **options: Unpack[LossOptionValues],
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """``fusedce.linear_cross_entropy`` with the LM head split by vocabulary over the ranks of ``group``.
 
@@ -137,6 +138,9 @@ def vocab_parallel_linear_cross_entropy(
             deterministic whatever its value: per chunk torch matmuls and the backend's slice kernels
             (no float atomics), and collectives whose reduction order is fixed for a given group, sizes
             and backend settings (gloo; NCCL with the same algorithm / protocol choice).
+        token_weights: optional ``(...)`` = ``target.shape`` float per-token loss weights, identical on
+            every rank, as in ``fusedce.linear_cross_entropy`` (they scale the replicated per-row loss,
+            so each rank's gradients; no communication).
 
     Returns:
         The fp32 loss or ``CrossEntropyOutput``. Gradients of ``hidden`` (complete, the same on every
@@ -166,9 +170,12 @@ def vocab_parallel_linear_cross_entropy(
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     val.check_flag("return_stats", return_stats)
+    val.check_token_weights(token_weights, target)
     impl = backends.get(backend, hidden.device)
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
-    val.check_target_range(target, layout.n_classes, opts.ignore_index)
+    token_weights = red.row_token_weights(token_weights, target, opts.ignore_index)
+    val.check_target_range(target, layout.n_classes, opts.ignore_index,
+                           None if token_weights is None else token_weights.reshape(target.shape))
 
     shape, size = target.shape, hidden.shape[-1]
     n = math.prod(shape)
@@ -188,4 +195,4 @@ def vocab_parallel_linear_cross_entropy(
             w_t = w_t.new_zeros(n).index_copy(0, index, w_t)
     return finish(loss_rows, lse, predicted, None if ce_weight_shard is None else w_t,
                   target.reshape(-1), opts, reduction, num_items_in_batch, return_stats, shape,
-                  target_prob if opts.use_token_scaling else None)
+                  red.times(target_prob if opts.use_token_scaling else None, token_weights))

@@ -21,7 +21,8 @@ def finish(loss_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor,
     ``D`` of ``"mean"``: ``num_items_in_batch`` if given, else ``sum(w_t)`` over non-ignored rows with
     ``w_t`` the global target weight from the exchange (None without class weights: the count of
     non-ignored rows, which is ``N``); a zero denominator gives 0.0 for its part and a zero gradient.
-    ``token_weight``: the per-row ``p_t`` of ``use_token_scaling`` (None: off).
+    ``token_weight``: the per-row factor of the loss (None: none): ``use_token_scaling``'s ``p_t``
+    and / or the user's ``token_weights`` (``reduction.times``).
     """
     scales = None
     if reduction == "mean":
