@@ -3,6 +3,7 @@ and the GGUF file). They check the plumbing: shapes parsing, SFT masking, the ha
 fresh-process worker (including its failure modes), the linear_cross_entropy op and its float64
 reference, the memory sweep (in-process and through the CLI, at a tiny shape) and the CLI writing
 tables, JSON and PNG."""
+import ctypes
 import json
 
 import pytest
@@ -70,9 +71,21 @@ def test_isolated_worker_crash_becomes_error_row():
     assert result["status"] == "error" and "KeyError" in result["reason"]
 
 
+def _fixed_mmap_threshold():
+    """glibc raises its mmap threshold to the size of a freed mapped block, so later blocks of that size
+    come from heap pages that are already resident: in a test worker that has run other tests, a tiny
+    sweep row can read 0 bytes of peak RSS. A fixed 64 KiB threshold (mallopt M_MMAP_THRESHOLD = -3)
+    maps every larger block afresh, as in the fresh process a real sweep row gets."""
+    try:
+        ctypes.CDLL(None).mallopt(-3, 64 * 1024)
+    except (OSError, AttributeError):   # not glibc: nothing to pin
+        pass
+
+
 def _sweep_in_process(monkeypatch):
     """Sweep specs run in this process (``worker.run_spec``, the code a fresh worker runs) instead of
     a fresh one each, to keep the test fast; bench rows still go through real worker processes."""
+    _fixed_mmap_threshold()
     isolated = harness.run_isolated
 
     def run(spec, env=None, timeout=None):

@@ -29,10 +29,13 @@ import fusedce.distributed as fd
 
 V_SMALL, V_REAL = 4096, 32256
 # (tokens, H): the ops on logits and the chunked linear ops take 600 tokens, more than one row chunk
-# of 2**24 elements at V_REAL (520 rows: 2 chunks; 1 at V_SMALL), at a small H to keep the matmuls
-# cheap; the tiled ops the 64 tokens x H = 256 (96 blocks of 31 x 1024 at V_REAL, 88 of 3 x 1024
-# at V_SMALL).
-ROWS, TILED = (600, 16), (64, 256)
+# of 2**24 elements at V_REAL (520 rows: 2 chunks; 1 at V_SMALL), at H = 128, so that the eager call
+# (0.2-0.5 s on the 2-core dev VM) is long against Dynamo's fixed cost; the tiled ops 192 tokens x H =
+# 256 (the H; 224 blocks of 31 x 1024 at V_REAL, 4 vocabulary blocks a row block at V_SMALL).
+ROWS, TILED = (600, 128), (192, 256)
+# the vocab-parallel ops graph-break at the layout exchange: several graphs, each with Dynamo's fixed
+# cost, so their eager call is made 4x longer (more tokens) for the ratio to measure growth, not that cost
+VP_ROWS = (2400, 128)
 COMPILE_OVER_EAGER = 8.0
 
 
@@ -61,10 +64,10 @@ CASES = {   # name -> (step, shape, fullgraph)
     "rl-chunked": (_rl("chunked"), ROWS, True),
     "rl-tiled": (_rl("tiled"), TILED, True),
     # the vocab-parallel ops graph-break at the layout exchange (all_gather_object), never inside a loop
-    "vocab-parallel": (lambda h, W, t: fd.vocab_parallel_cross_entropy(h @ W.t(), t, backend="torch"), ROWS,
+    "vocab-parallel": (lambda h, W, t: fd.vocab_parallel_cross_entropy(h @ W.t(), t, backend="torch"), VP_ROWS,
                        False),
     "vocab-parallel-linear": (lambda h, W, t: fd.vocab_parallel_linear_cross_entropy(h, W, t, backend="torch"),
-                              ROWS, False),
+                              VP_ROWS, False),
 }
 
 
