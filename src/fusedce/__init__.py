@@ -10,4 +10,4 @@ from .types import CrossEntropyOutput, TokenLogProbs, TokenStats
 __all__ = ["cross_entropy", "linear_cross_entropy", "token_log_probs", "linear_token_log_probs",
            "CrossEntropyLoss", "LinearCrossEntropyLoss", "CrossEntropyOutput", "TokenLogProbs", "TokenStats",
            "patch_causal_lm", "unpatch_causal_lm", "patch_trl", "unpatch_trl"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
