@@ -123,3 +123,12 @@ def test_empty_env_is_auto_for_every_entry_point(spies, monkeypatch):
     a = fusedce.linear_cross_entropy(hidden, weight, t)
     b = fusedce.linear_cross_entropy(hidden, weight, t, backend="torch")
     assert bit_identical(a, b)
+
+
+def test_unknown_backend_from_the_environment_names_the_variable(monkeypatch):
+    """No backend= passed, a bad $FUSEDCE_BACKEND: the message says where the name came from."""
+    monkeypatch.setenv("FUSEDCE_BACKEND", "bogus")
+    with pytest.raises(ValueError, match=r"\$FUSEDCE_BACKEND: unknown backend 'bogus'"):
+        fusedce.cross_entropy(make_logits((2, 5), torch.float32), make_target((2,), 5))
+    with pytest.raises(ValueError, match=r"^unknown backend 'bogus'"):   # passed explicitly: as before
+        fusedce.cross_entropy(make_logits((2, 5), torch.float32), make_target((2,), 5), backend="bogus")

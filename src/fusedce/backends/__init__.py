@@ -64,6 +64,10 @@ def resolve(name, device: torch.device) -> str:
     """
     if name is None:
         name = os.environ.get("FUSEDCE_BACKEND") or "auto"   # unset or empty: auto
+        try:
+            check_name(name)
+        except ValueError as exc:   # say where the name came from: no backend= was passed
+            raise ValueError(f"$FUSEDCE_BACKEND: {exc} (or unset it for 'auto')") from None
     check_name(name)
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
