@@ -16,7 +16,9 @@ TINY = {"kind": "synthetic", "hidden": 16, "vocab": 300, "tokens": 96, "seed": 0
 # The sweep's data at a tiny shape: half the targets ignored, as in the sweep's second setting.
 TINY_RANDOM = {"kind": "random", "hidden": 16, "vocab": 300, "tokens": 96, "ignore_fraction": 0.5,
                "weight_std": 0.02, "seed": 0}
-TINY_SWEEP = sweep.SweepShape("tiny", 64, 16, 300)
+# V = 16384: stock's 64 x V fp32 logits and their gradient (4 MiB each) rise clearly above the RSS noise of
+# a test worker (at V = 300, 77 KB, the in-process peak could read 0 bytes under load)
+TINY_SWEEP = sweep.SweepShape("tiny", 64, 16, 16384)
 
 
 def test_parse_shapes_named_custom_and_bad():
@@ -118,7 +120,7 @@ def test_cli_bench_writes_tables_json_png_and_the_sweep(tmp_path, capsys, monkey
                for r in rows)
     assert len(summary) == 1 and summary[0]["memory_ratio"] > 0 and summary[0]["time_ratio"] > 0
     assert summary[0]["loss_abs_diff"] < 1e-5
-    assert summary[0]["tiled_floor_ratio"] >= 0 and summary[0]["floor_bytes"] == (300 + 64) * 16 * 4
+    assert summary[0]["tiled_floor_ratio"] >= 0 and summary[0]["floor_bytes"] == (16384 + 64) * 16 * 4
     assert report["sweep"]["wall_seconds"] > 0 and report["wall_seconds"] >= report["sweep"]["wall_seconds"]
     assert set(summary[0]["peer_goals"]) == {"chunked_faster", "chunked_leaner", "tiled_least"}
     assert all(g["met"] is not None for g in summary[0]["peer_goals"].values())
