@@ -29,10 +29,10 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 --timeout 900
 
 # The CuTe DSL compile checks alone, every constexpr-flag combination for sm_90a and sm_100a (~2 min);
-# `make test` runs the representative subset (tests/test_cute_compile.py).
+# `make test` runs the representative subset (tests/cute/test_cute_compile.py).
 test-cute: $(STAMP)
 	$(VPY) -m pip install -q -e '.[cute]'
-	FUSEDCE_CUTE_EVERY=1 TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 tests/test_cute_compile.py tests/test_cute_backend.py tests/test_cute_custom_ops.py
+	FUSEDCE_CUTE_EVERY=1 TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 tests/cute/test_cute_compile.py tests/cute/test_cute_backend.py tests/cute/test_cute_custom_ops.py
 
 clean:
 	rm -rf $(VENV) .cache results

@@ -1,6 +1,6 @@
 """One GPU check of fusedce (made for a lent H200; < 5 minutes). Run through ``benchmarks/gpu_check.sh``.
 
-A thin driver over ``fusedce.bench``: inputs (``inputs.build``, source ``"random"``: logits ~ N(0, 2^2)
+A thin driver over ``fusedce.tools.bench``: inputs (``inputs.build``, source ``"random"``: logits ~ N(0, 2^2)
 drawn on the GPU, uniform targets, a given fraction ignored), parity (``parity.cross_entropy_rows``),
 timing and peak memory (``harness.median_ms`` / ``harness.peak_memory``) and the byte floor
 (``paths.ce_floor_bytes``) all live there. Sections, each printed as it finishes; a short summary table
@@ -28,7 +28,7 @@ comes last (the JSON of ``--out`` is rewritten after every section, so a killed 
    (b) with that one check replaced by a no-op, the whole eager public path must run clean. Wrapping only
    the kernels would miss syncs in the validation / reduction / stats glue, and running under
    torch.compile would test Inductor's code instead of ours (the compiled path is covered by
-   tests/test_compile.py and by the CUDA-graph section, where the check is skipped by contract).
+   tests/ce/test_compile.py and by the CUDA-graph section, where the check is skipped by contract).
 5. linear cross-entropy (``benchmarks/gpu_check_linear.py``): the LM head fused with the loss at
    BT = 8192, H = 4096, V = 128256 and H = 2304, V = 256000 (bf16, 25 % ignored): stock vs fusedce
    chunked vs tiled (Triton): parity vs float64 on a row subset, fwd+bwd time, TFLOP/s, peak memory; and
@@ -40,7 +40,7 @@ do_bench ~0.3 s each) plus torch.compile's compiles (two paths, ~10-30 s the fir
 CUDA graph and sync debug ~10 s; linear ~30-60 s. About 2-3 minutes in all.
 
 ``--dry-run``: small shapes on CPU with the Triton interpreter, so that the script is known to start
-(tests/test_gpu_check_dry_run.py); timings are then not measurements and CUDA-only sections are skipped.
+(tests/tools/test_gpu_check_dry_run.py); timings are then not measurements and CUDA-only sections are skipped.
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import fusedce  # noqa: E402
 from fusedce import validation  # noqa: E402
-from fusedce.bench import inputs, parity  # noqa: E402
-from fusedce.bench.paths import ce_floor_bytes  # noqa: E402
+from fusedce.tools.bench import inputs, parity  # noqa: E402
+from fusedce.tools.bench.paths import ce_floor_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_check_linear  # noqa: E402

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # fusedce GPU check for a lent H200 (finishes in < 9 minutes; gpu_check.py prints a short summary table):
-#   offline compile report (registers / spills / 128-bit loads, `python -m fusedce.inspect`, ~20 s), then
+#   offline compile report (registers / spills / 128-bit loads, `python -m fusedce.tools.inspect`, ~20 s), then
 #   benchmarks/gpu_check.py (~2-3 min, no linear path starts after --deadline-s, default 270 s):
 #   cross-entropy parity at LLM shapes, fwd+bwd speed and GB/s vs copy bandwidth, peak memory,
 #   CUDA-graph capture of a training step, sync-free hot path, and the LM head fused with the loss
@@ -36,7 +36,7 @@ if [[ $dry == 0 ]]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
   # Static report of what the kernels compile to for this GPU's arch (no timing; ~20 s). Not fatal:
   # it uses Triton internals that may differ in the machine's Triton version.
-  env -u TRITON_INTERPRET "$PY" -m fusedce.inspect --arch 90 --dtype bf16 --variant plain --variant all \
+  env -u TRITON_INTERPRET "$PY" -m fusedce.tools.inspect --arch 90 --dtype bf16 --variant plain --variant all \
     --vocab 32000 --vocab 128256 --vocab 262144 2>/dev/null || echo "(fusedce inspect failed; continuing)"
 fi
 rc=0

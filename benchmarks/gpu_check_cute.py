@@ -1,6 +1,6 @@
 """GPU check of backend="cute" (run by benchmarks/gpu_check.sh; ~2 minutes on an H200).
 
-1. parity: ``pytest tests/test_cute_gpu.py`` (float64 reference and the Triton backend, every option);
+1. parity: ``pytest tests/cute/test_cute_gpu.py`` (float64 reference and the Triton backend, every option);
 2. timing: forward+backward of ``fusedce.cross_entropy`` at BT = 8192 bf16, V = 128256 and 262144, for
    stock PyTorch (``F.cross_entropy`` on fp32-upcast logits), backend="triton" and backend="cute"
    (``triton.testing.do_bench`` median), with GB/s against the two-kernel floor 3 * BT * V * 2 bytes;
@@ -55,7 +55,7 @@ def main() -> int:
     from fusedce.backends.cute import launch as cute_launch
     from fusedce.backends.cute.tuning import onchip_cluster
     from fusedce.backends.triton import launch as triton_launch
-    from fusedce.types import LossOptions
+    from fusedce.options import LossOptions
 
     rows, timings = args.rows, []
     for v in args.vocab or (128256, 262144):

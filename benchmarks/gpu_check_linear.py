@@ -4,7 +4,7 @@ Run by ``benchmarks/gpu_check.py`` (its rows join the summary table); alone: ``p
 benchmarks/gpu_check_linear.py [--dry-run] [--out FILE]`` with ``src`` on ``PYTHONPATH``.
 
 Shapes (bf16, BT = 8192, 25 % of the targets ignored at random): H = 4096, V = 128256 (Llama 3) and
-H = 2304, V = 256000 (Gemma 2). Inputs: ``fusedce.bench.inputs`` source ``"random"`` drawn on the GPU,
+H = 2304, V = 256000 (Gemma 2). Inputs: ``fusedce.tools.bench.inputs`` source ``"random"`` drawn on the GPU,
 hidden ~ N(0, 1), weight ~ N(0, 1) * 0.02 (the memory sweep's data). Paths, each guarded (one failure
 does not stop the others):
 
@@ -13,7 +13,7 @@ does not stop the others):
 - ``tiled``: the bench's ``linear-fusedce-triton-tiled`` path (``method="tiled"``, backend triton);
 - ``tiled-det``: the same with ``deterministic=True`` (the atomic-free backward, 8 instead of 6 V H FLOPs
   per token in backward);
-- the peers (``fusedce.bench.peers``), measured the same way but never part of the verdict:
+- the peers (``fusedce.tools.bench.peers``), measured the same way but never part of the verdict:
   ``torch-lce``, PyTorch's ``F.linear_cross_entropy(options=LinearCrossEntropyOptions())`` (its CUDA
   chunked path; what its ``"auto"`` resolved to is saved as ``resolved``), and ``trl``, TRL's
   ``ChunkedLogProbFunction`` (its Triton kernels; ``unavailable`` without TRL).
@@ -23,7 +23,7 @@ single run takes over ``SLOW_S`` seconds is reported from that one run instead, 
 peak memory beyond the inputs (``harness.peak_memory``: gradients included), TFLOP/s of the useful work
 6 * N * V * H (N = scored tokens), the full-batch loss next to stock's, and parity against float64 on a
 row subset: the path runs on ``PARITY_ROWS`` rows of hidden (spread, ignored ones included) with the full
-weight, and ``fusedce.bench.parity.linear_cross_entropy`` compares its mean loss and both gradients
+weight, and ``fusedce.tools.bench.parity.linear_cross_entropy`` compares its mean loss and both gradients
 with float64 autograd over chunks of rows. Verdict (C6's rule, with stock as "torch"): gradient error
 <= 4x stock's, loss error <= 4x stock's + ``LOSS_SLACK``.
 
@@ -55,8 +55,8 @@ if __name__ == "__main__" and "--dry-run" in sys.argv:
 import torch  # noqa: E402
 
 import fusedce  # noqa: E402
-from fusedce.bench import harness, inputs, parity  # noqa: E402
-from fusedce.bench.paths import PATHS  # noqa: E402
+from fusedce.tools.bench import harness, inputs, parity  # noqa: E402
+from fusedce.tools.bench.paths import PATHS  # noqa: E402
 
 IGNORE = inputs.IGNORE_INDEX
 FULL = dict(shapes=((8192, 4096, 128256), (8192, 2304, 256000)), parity_rows=2048)

@@ -6,11 +6,11 @@ The same as the ``fusedce finetune`` command (``fusedce finetune --help`` lists 
     python examples/finetune_smollm2.py --steps 10 --batch 2
 
 Writes ``results/finetune.json`` and ``results/finetune.png`` (both loss curves and their difference).
-The runner is ``fusedce.finetune.smollm2``; this file only calls it.
+The runner is ``fusedce.tools.finetune.smollm2``; this file only calls it.
 """
 import sys
 
-from fusedce.finetune.smollm2 import main
+from fusedce.tools.finetune.smollm2 import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 import fusedce
-from fusedce.bench import harness, machine
-from fusedce.bench.real_input import find_gguf, find_kjv
+from fusedce.tools.bench import harness, machine
+from fusedce.tools.bench.real_input import find_gguf, find_kjv
 
 IGNORE = -100
 

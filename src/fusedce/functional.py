@@ -5,12 +5,15 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from . import backends, reduction as red, validation as val
+from . import backends, lm_head, reduction as red, validation as val
+from .options import check_flag, deterministic_mode, loss_options
+from .lm_head.method import check_method, resolve_method
 from .autocast import fp32_op, linear_op
 from .dtensor import dtensor_op
-from .backends.pytorch.rows import target_probability
-from .signatures import keyword_hints, with_loss_options
-from .types import CrossEntropyOutput, LossOptionValues
+from .row_math import target_probability
+from .options.signatures import keyword_hints, with_loss_options
+from .types import CrossEntropyOutput
+from .options import LossOptionValues
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -99,14 +102,14 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (the classes, last)")
     val.check_nonzero("logits", logits.shape, -1, "V")
-    opts = val.loss_options(reduction, **options)
+    opts = loss_options(reduction, **options)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
     val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight", weight, n_classes, logits.device)
     val.check_num_items(num_items_in_batch, logits.device)
-    val.check_flag("inplace_backward", inplace_backward)
-    val.check_flag("return_stats", return_stats)
+    check_flag("inplace_backward", inplace_backward)
+    check_flag("return_stats", return_stats)
     val.check_token_weights(token_weights, target)
     weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
     impl = backends.get(backend, logits.device)
@@ -156,12 +159,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             ``F.linear``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
             None = automatic: ``max(64, H / 4)`` rows on CPU, ``max(1024, BT * H / V)`` elsewhere, capped
-            at BT (rule and its measurement in ``backends/chunk_loop/tuning.py``). Only with ``method="chunked"`` (or "auto").
+            at BT (rule and its measurement in ``lm_head/method.py``). Only with ``method="chunked"`` (or "auto").
         method: ``"chunked"``: logits of one chunk of tokens at a time (3 matmuls per token);
             ``"tiled"``: no tensor with V or more elements besides ``weight``, ``bias``, ``ce_weight``
             and their gradients (Triton: tiles on chip; PyTorch: blocks of tokens x a vocabulary block
             smaller than V); its backward recomputes the logits tile by tile (4 matmuls per token);
-            ``"auto"``: the rule in ``backends/chunk_loop/tuning.py`` (chunked today).
+            ``"auto"``: the rule in ``lm_head/method.py`` (chunked today).
         accum_dtype: dtype in which the ``weight`` and ``bias`` gradients accumulate across chunks.
         return_stats: return ``CrossEntropyOutput``; its ``lse`` is 0 on ignored rows (never computed),
             as in :func:`cross_entropy`.
@@ -192,17 +195,17 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         ``ValueError`` for an unknown ``method`` or a ``chunk_size`` with ``method="tiled"``;
         ``TypeError`` for a ``deterministic`` that is neither None nor a bool.
     """
-    opts = val.loss_options(reduction, **options)
+    opts = loss_options(reduction, **options)
     val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype)
-    val.check_method(method, chunk_size)
-    deterministic = val.deterministic_mode(deterministic)
+    check_method(method, chunk_size)
+    deterministic = deterministic_mode(deterministic)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
-    val.check_flag("return_stats", return_stats)
+    check_flag("return_stats", return_stats)
     val.check_token_weights(token_weights, target)
     ce_weight = None if ce_weight is None else ce_weight.detach()   # class weights are constants
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
-    impl = backends.get(backend, hidden.device)
+    impl = backends.get(backend, hidden.device, tiled=resolve_method(method) == "tiled")
     flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     token_weights = red.row_token_weights(token_weights, flat_target, opts.ignore_index)
     val.check_target_range(target, n_classes, opts.ignore_index,
@@ -212,10 +215,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if reduction == "mean":
         scales = red.mean_scales(flat_target, red.target_weights(flat_target, ce_weight, opts.ignore_index),
                                  opts.ignore_index, num_items_in_batch)
-    loss, lse, predicted, token_weight = impl.linear_cross_entropy(
-        flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scales,
+    loss, lse, predicted, token_weight = lm_head.linear_cross_entropy(
+        impl.CHUNK_CE, flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scales,
         None if chunk_size is None else int(chunk_size), accum_dtype, return_stats, method,
-        deterministic=deterministic, token_weights=token_weights)
+        tiled=impl.TILED_CE, deterministic=deterministic, token_weights=token_weights)
     if reduction == "none":
         loss = loss.reshape(shape)
     if not return_stats:

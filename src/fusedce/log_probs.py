@@ -5,19 +5,13 @@ from typing import Optional, Union
 
 import torch
 
-from . import backends, validation as val
+from . import backends, lm_head, validation as val
+from .options import check_flag, deterministic_mode, log_prob_options
+from .lm_head.method import check_method, resolve_method
 from .autocast import fp32_op, linear_op
 from .dtensor import dtensor_op
 from .functional import rows_view
 from .types import TokenLogProbs, TokenStats
-
-
-def _backend(backend, device: torch.device, entry: str):
-    """The backend module, which must have ``entry`` (the CuTe backend has no entropy kernels yet)."""
-    impl = backends.get(backend, device)
-    if not hasattr(impl, entry):
-        raise RuntimeError(f"backend {backend!r} has no {entry} (no entropy kernels yet); use 'triton' or 'torch'")
-    return impl
 
 
 def _result(out, shape, return_entropy: bool, return_stats: bool):
@@ -76,15 +70,16 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (the classes, last)")
     val.check_nonzero("logits", logits.shape, -1, "V")
-    opts = val.log_prob_options(ignore_index, temperature, softcap, logit_scale)
+    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
     val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
     target = val.widen_target(target, opts.ignore_index)
-    val.check_flag("return_entropy", return_entropy)
-    val.check_flag("return_stats", return_stats)
-    impl = _backend(backend, logits.device, "token_log_probs")
+    check_flag("return_entropy", return_entropy)
+    check_flag("return_stats", return_stats)
+    impl = backends.get(backend, logits.device, entropy=True)
     val.check_target_range(target, n_classes, opts.ignore_index)
-    out = impl.token_log_probs(rows_view(logits, False), target.reshape(-1), opts, return_entropy, return_stats)
+    out = lm_head.token_log_probs(impl.CHUNK_CE, rows_view(logits, False), target.reshape(-1), opts, return_entropy,
+                                  return_stats)
     return _result(out, shape, return_entropy, return_stats)
 
 
@@ -122,17 +117,18 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
         The errors of :func:`token_log_probs` and of :func:`fusedce.linear_cross_entropy` for the
         shapes, ``chunk_size``, ``method`` and ``deterministic``.
     """
-    opts = val.log_prob_options(ignore_index, temperature, softcap, logit_scale)
+    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
     val.check_linear(hidden, weight, target, bias, None, chunk_size)
-    val.check_method(method, chunk_size)
-    deterministic = val.deterministic_mode(deterministic)
+    check_method(method, chunk_size)
+    deterministic = deterministic_mode(deterministic)
     target = val.widen_target(target, opts.ignore_index)
-    val.check_flag("return_entropy", return_entropy)
-    val.check_flag("return_stats", return_stats)
+    check_flag("return_entropy", return_entropy)
+    check_flag("return_stats", return_stats)
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
-    impl = _backend(backend, hidden.device, "linear_token_log_probs")
+    impl = backends.get(backend, hidden.device, entropy=True, tiled=resolve_method(method) == "tiled")
     val.check_target_range(target, n_classes, opts.ignore_index)
-    out = impl.linear_token_log_probs(
-        hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, opts, return_entropy,
-        None if chunk_size is None else int(chunk_size), method, return_stats, deterministic=deterministic)
+    out = lm_head.linear_token_log_probs(
+        impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, opts, return_entropy,
+        None if chunk_size is None else int(chunk_size), method, return_stats, tiled=impl.TILED_CE,
+        deterministic=deterministic)
     return _result(out, shape, return_entropy, return_stats)

@@ -8,9 +8,11 @@ import torch
 from torch import nn
 
 from . import backends, validation as val
+from .options import check_accum_dtype, check_chunk_size, check_flag, deterministic_mode, loss_options
+from .lm_head.method import check_method
 from .functional import cross_entropy, linear_cross_entropy
-from .signatures import with_loss_options
-from .types import LOSS_OPTION_NAMES, LossOptionValues
+from .options.signatures import with_loss_options
+from .options import LOSS_OPTION_NAMES, LossOptionValues
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -20,7 +22,7 @@ def _set_options(module: nn.Module, name: str, weight, reduction, backend, optio
     """The construction-time checks shared by both modules (the errors the functions raise), then
     every loss option as an attribute of ``module`` (checked, normalized; changing one later is seen
     by the next forward, as in ``torch.nn.CrossEntropyLoss``)."""
-    checked = val.loss_options(reduction, **options)
+    checked = loss_options(reduction, **options)
     val.check_class_weights(name, weight)
     if backend is not None:   # None reads $FUSEDCE_BACKEND at each call
         backends.check_name(backend)
@@ -65,8 +67,8 @@ class CrossEntropyLoss(nn.Module):
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, inplace_backward: bool = False, return_stats: bool = False,
                  backend: Optional[str] = None, **options: Unpack[LossOptionValues]):
-        val.check_flag("inplace_backward", inplace_backward)
-        val.check_flag("return_stats", return_stats)
+        check_flag("inplace_backward", inplace_backward)
+        check_flag("return_stats", return_stats)
         super().__init__()
         _set_options(self, "weight", weight, reduction, backend,
                      dict(options, ignore_index=ignore_index, label_smoothing=label_smoothing,
@@ -108,11 +110,11 @@ class LinearCrossEntropyLoss(nn.Module):
                  chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32, *,
                  method: str = "auto", deterministic: Optional[bool] = None,
                  **options: Unpack[LossOptionValues]):
-        val.check_chunk_size(chunk_size)
-        val.check_method(method, chunk_size)
-        val.deterministic_mode(deterministic)
-        val.check_flag("return_stats", return_stats)
-        val.check_accum_dtype(accum_dtype)
+        check_chunk_size(chunk_size)
+        check_method(method, chunk_size)
+        deterministic_mode(deterministic)
+        check_flag("return_stats", return_stats)
+        check_accum_dtype(accum_dtype)
         super().__init__()
         _set_options(self, "ce_weight", ce_weight, reduction, backend,
                      dict(options, ignore_index=ignore_index, label_smoothing=label_smoothing,

@@ -15,7 +15,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .types import CrossEntropyOutput, LossOptions
+from .types import CrossEntropyOutput
+from .options import LossOptions
 
 
 class MeanScales(NamedTuple):

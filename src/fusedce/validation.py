@@ -1,28 +1,18 @@
-"""Argument checks of the public contract. Every check runs before any kernel writes anything."""
+"""Tensor argument checks of the public contract (shapes, dtypes, devices, target range, token weights;
+the scalar options are checked by ``fusedce.options``). Every check runs before any kernel writes
+anything."""
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from typing import Callable, Optional
 
 import torch
 
-from .option_checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_flag, finite, fp32_range,  # noqa: F401
-                            integer_option, real_option)
-from .types import LossOptions
+from .options.checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_accum_dtype, check_chunk_size, finite,
+                             fp32_range)
 
-REDUCTIONS = ("mean", "sum", "none")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
-
-
-def loss_options(reduction, **options) -> LossOptions:
-    """Check ``reduction`` (``ValueError`` unless one of ``REDUCTIONS``) and the loss options
-    (``LossOptions.checked``: ``TypeError`` for an unknown name or a value of the wrong kind,
-    ``ValueError`` for one outside its domain)."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    return LossOptions.checked(**options)
 
 
 def widen_target(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -206,67 +196,6 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
                         f"{weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")
     check_chunk_size(chunk_size)
     check_accum_dtype(accum_dtype)
-
-
-METHODS = ("auto", "chunked", "tiled")
-
-
-def check_method(method, chunk_size) -> None:
-    """``ValueError`` for a ``method`` not in ``METHODS`` and for a ``chunk_size`` with ``"tiled"``
-    (which has no chunks; its tile sizes are the backend's)."""
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "tiled" and chunk_size is not None:
-        raise ValueError(f"chunk_size applies to method='chunked'; with method='tiled' it must be None, "
-                         f"got {chunk_size!r}")
-
-
-def deterministic_mode(deterministic) -> bool:
-    """The ``deterministic`` keyword of the linear ops resolved: None follows
-    ``torch.are_deterministic_algorithms_enabled()`` (a host flag: no sync; torch.compile guards on it),
-    a bool is taken as given; anything else is a ``TypeError``."""
-    if deterministic is None:
-        return torch.are_deterministic_algorithms_enabled()
-    if not isinstance(deterministic, bool):
-        kind = type(deterministic)
-        raise TypeError(f"deterministic must be None or a Python bool, got {deterministic!r} "
-                        f"({kind.__module__}.{kind.__qualname__})")
-    return deterministic
-
-
-def log_prob_options(ignore_index, temperature, softcap, logit_scale=1.0) -> LossOptions:
-    """The ``LossOptions`` whose cross-entropy is ``-log_softmax(z / temperature)[t]`` with ``z =
-    softcap * tanh(logit_scale * x / softcap)`` (``z = logit_scale * x`` without softcap): logit scale
-    ``logit_scale / temperature`` and softcap ``softcap / temperature``, since ``(c / T) tanh((s x / T) /
-    (c / T)) = (c tanh(s x / c)) / T``. ``TypeError`` / ``ValueError`` as ``loss_options``; ``ValueError``
-    for a temperature that is not a finite number > 0 or a ``logit_scale / temperature`` that is not a
-    normal fp32 number."""
-    temperature = real_option("temperature", temperature)
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    logit_scale = LossOptions.checked(logit_scale=logit_scale).logit_scale
-    scale = logit_scale * (1.0 / temperature)   # exactly 1 / temperature for logit_scale = 1
-    if not FP32_NORMAL[0] <= scale <= FP32_NORMAL[1]:
-        raise ValueError(f"temperature must lie in [{1 / FP32_NORMAL[1]:.3g}, {1 / FP32_NORMAL[0]:.3g}] times "
-                         f"logit_scale, so that logit_scale / temperature is a normal fp32 number (the kernels "
-                         f"multiply by it), got temperature={temperature}, logit_scale={logit_scale}")
-    opts = LossOptions.checked(ignore_index=ignore_index, softcap=softcap, logit_scale=scale)
-    if opts.softcap is not None:
-        capped = opts.softcap * (1.0 / temperature)
-        opts = dataclasses.replace(opts, softcap=fp32_range("softcap / temperature", capped, FP32_NORMAL[0]))
-    return opts
-
-
-def check_chunk_size(chunk_size) -> None:
-    """None or a positive integer (``TypeError`` for a float or a bool, ``ValueError`` for < 1)."""
-    if chunk_size is not None and integer_option("chunk_size", chunk_size) < 1:
-        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
-
-
-def check_accum_dtype(accum_dtype) -> None:
-    """``accum_dtype`` must be a floating-point ``torch.dtype`` (``TypeError``)."""
-    if not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
-        raise TypeError(f"accum_dtype must be a floating-point torch.dtype, got {accum_dtype!r}")
 
 
 def check_num_items(num_items_in_batch, device: torch.device) -> None:

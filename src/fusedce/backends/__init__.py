@@ -1,23 +1,15 @@
-"""Backend selection. Each backend package exposes the same small interface:
+"""Backend selection: ``resolve`` maps ``backend=`` to a name, ``get`` returns the backend package and
+checks that it has what the call needs (``protocol.Capabilities``).
 
-- ``cross_entropy_rows(logits2d, target1d, weight, opts, inplace_backward, stats)``
-  -> ``(ce_row, lse, lse_lo, predicted)``: per-row fp32 cross-entropy WITHOUT the z-loss and per-row
-  fp32 lse (both differentiable w.r.t. ``logits2d``; 0 on ignored rows), lse's fp32 rounding error
-  (``lse + lse_lo`` exact; no gradient), int64 argmax (-1 on ignored rows); no reduction. The z-loss
-  is built from ``lse`` by ``reduction.py``, so its gradient reaches the backend as the upstream
-  gradient of ``lse``.
-- ``linear_cross_entropy(..., reduction, scales, ..., method)``: the LM head fused with the loss,
-  reduced (``scales`` = the mean's 1/D and 1/N), chunked or tiled, see ``backends/chunk_loop/``.
-- ``token_log_probs`` / ``linear_token_log_probs``: per-row log-probs and entropy for RL, see
-  ``backends/chunk_loop/log_probs.py``.
-- ``slice_stats`` / ``slice_grad``: the same math on a vocabulary slice (partial row statistics out,
-  the slice's gradient from the global statistics in), for ``integrations/distributed``.
+Each backend package has the same interface, written once as ``protocol.Backend``: ``cross_entropy_rows``
+(per-row loss and lse of a logits matrix), ``CHUNK_CE`` / ``TILED_CE`` (what it plugs into the LM head
+of ``fusedce.lm_head``: ``linear_cross_entropy``, the RL log-probs), ``slice_stats`` / ``slice_grad``
+(vocabulary slices, for ``fusedce.distributed``) and its ``CAPABILITIES``.
 
 Packages: ``pytorch/`` is the backend named ``"torch"`` (the CPU path), ``triton/`` the backend named
 ``"triton"``, ``cute/`` the backend named ``"cute"`` (CuTe DSL kernels, CUDA only, the optional
-``fusedce[cute]`` extra; ``"auto"`` never picks it until verified on a GPU, see ``cute/tuning.py``);
-``chunk_loop/`` is not a backend but what they share: the backend-agnostic LM-head chunk loop of
-``linear_cross_entropy``, into which each backend plugs its per-chunk cross-entropy.
+``fusedce[cute]`` extra; ``"auto"`` never picks it until verified on a GPU, see ``cute/tuning.py``).
+``op_autograd.py`` is the autograd formula of the kernel backends' custom ops.
 """
 from __future__ import annotations
 
@@ -94,8 +86,10 @@ def _check_cute(device: torch.device) -> None:
         raise RuntimeError("backend='cute' needs " + " and ".join(missing))
 
 
-def get(name, device: torch.device):
-    """The backend module for ``name`` (see ``resolve``), imported on first use.
+def get(name, device: torch.device, *, tiled: bool = False, entropy: bool = False, slices: bool = False):
+    """The backend package for ``name`` (see ``resolve``), imported on first use, checked to have what the
+    call needs: ``tiled`` (``method="tiled"``), ``entropy`` (the RL ops), ``slices`` (vocab parallelism).
+    A backend without it is a ``RuntimeError`` naming both, raised before any work.
 
     Plain ``import`` statements rather than ``importlib.import_module``: torch.compile (Dynamo) traces an
     import statement but graph-breaks on ``importlib``, and this runs inside every compiled call.
@@ -107,4 +101,12 @@ def get(name, device: torch.device):
         from . import cute as module
     else:
         from . import pytorch as module
+    caps = module.CAPABILITIES
+    missing = [what for what, asked, has in (("method='tiled'", tiled, caps.tiled),
+                                             ("entropy / log-prob kernels (the RL ops)", entropy, caps.entropy),
+                                             ("vocabulary-slice kernels", slices, caps.slices)) if asked and not has]
+    if missing:
+        others = [n for n in ("triton", "torch") if n != resolved]
+        raise RuntimeError(f"backend={resolved!r} has no {' and no '.join(missing)} yet; use "
+                           + (" or ".join(repr(n) for n in others)) + (" or method='chunked'" if tiled else ""))
     return module

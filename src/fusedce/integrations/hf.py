@@ -28,7 +28,9 @@ from torch import nn
 from ..backends import BACKENDS
 from ..functional import linear_cross_entropy
 from .. import validation as val
-from ..types import LOSS_OPTION_NAMES
+from ..options import check_chunk_size, check_flag, deterministic_mode, loss_options
+from ..lm_head.method import check_method
+from ..options import LOSS_OPTION_NAMES
 from .hf_adapters import kind as head_kind
 from .hf_call import HeadCall, module_name
 from .hf_head import LogitTransform, base_model, choose_transform, logit_transforms, output_head
@@ -65,11 +67,11 @@ def _validate(model: nn.Module, options: dict, transform: LogitTransform) -> dic
     if transform.scale != 1.0 and logit_scale is not None and float(logit_scale) != transform.scale:
         raise ValueError(f"logit_scale={logit_scale} contradicts {type(model).__name__}'s config (logit scale "
                          f"{transform.scale})")
-    val.loss_options(options.get("reduction", "mean"),
+    loss_options(options.get("reduction", "mean"),
                      **{name: value for name, value in options.items() if name in LOSS_OPTION_NAMES})
-    val.check_chunk_size(options.get("chunk_size"))
-    val.check_method(options.get("method", "auto"), options.get("chunk_size"))
-    val.deterministic_mode(options.get("deterministic"))
+    check_chunk_size(options.get("chunk_size"))
+    check_method(options.get("method", "auto"), options.get("chunk_size"))
+    deterministic_mode(options.get("deterministic"))
     backend = options.get("backend")  # the name only: the device is known at the first call
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid names are {BACKENDS}")
@@ -168,7 +170,7 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
     transforms = logit_transforms(getattr(model, "config", None))
     options = _validate(model, loss_options, transforms[0])
     state = getattr(model, _STATE, None)
-    keep_logits = None if keep_logits is None else val.check_flag("keep_logits", keep_logits)
+    keep_logits = None if keep_logits is None else check_flag("keep_logits", keep_logits)
     if state is not None:  # idempotent: new options, same single wrapper
         state.loss_options, state.keep_logits, state.transforms = options, keep_logits, transforms
         state.verified = False
@@ -285,7 +287,7 @@ def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias,
     if transform.scale != 1.0:
         options["logit_scale"] = transform.scale
     if token_scaling is not None:
-        val.check_flag("use_token_scaling", token_scaling)
+        check_flag("use_token_scaling", token_scaling)
         options = {**options, "use_token_scaling": token_scaling}
     ignore_index = options.get("ignore_index", -100)
     given_shifted = shift_labels is not None

@@ -7,7 +7,7 @@ Four ops in the ``fusedce_cute`` namespace (the Triton backend's are ``fusedce::
 
 - ``fusedce_cute::ce_forward(logits, target, weight?, weight_sum?, ignore_index, scalars, stats,
   inplace_backward) -> (loss, lse, lse_lo, predicted)``: (BT,) fp32 x 3 and (BT,) int64, or (0,)
-  without ``stats``. The autograd formula is registered on it in ``ops.py``.
+  without ``stats``. The autograd formula is registered on it in ``cross_entropy.py``.
 - ``fusedce_cute::ce_backward(logits, target, weight?, weight_sum?, lse, lse_lo, grad_row, grad_lse?,
   ignore_index, scalars) -> grad``: (BT, V), logits' dtype, a new buffer.
 - ``fusedce_cute::ce_backward_inplace(logits!, ...same...) -> ()``: the gradient over ``logits`` (a
@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ...types import LossOptions
+from ...options import LossOptions
 from . import launch
 
 Opt = Optional[torch.Tensor]
@@ -47,7 +47,7 @@ def _row_buffers(logits: torch.Tensor, stats: bool, token_scaling: bool = False)
 def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
                ignore_index: int, scalars: list[float], stats: bool, inplace_backward: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # ``inplace_backward`` does not change the forward: the autograd formula (ops.py) reads it.
+    # ``inplace_backward`` does not change the forward: the autograd formula (cross_entropy.py) reads it.
     loss, lse, lse_lo, predicted, _ = _row_buffers(logits, stats)
     launch.ce_forward(_unit_stride(logits), target, weight, weight_sum, LossOptions.from_op_args(ignore_index, scalars),
                       loss, lse, lse_lo, predicted if stats else None)

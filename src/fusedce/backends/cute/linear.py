@@ -1,4 +1,4 @@
-"""The CuTe backend's per-chunk cross-entropy, plugged into the shared linear chunk loop.
+"""The CuTe backend's per-chunk cross-entropy, plugged into the chunked LM head (``fusedce.lm_head``).
 
 Per chunk one fused kernel (``kernels/ce_chunk_onchip.py`` when the row fits on chip, else
 ``kernels/ce_chunk.py``) writes loss / lse / lse_lo and overwrites the chunk's logits with their
@@ -7,11 +7,8 @@ gradient (read once, written once from HBM); a backward that recomputes
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..chunk_loop import linear_cross_entropy as _linear_cross_entropy
 from . import custom_ops  # noqa: F401 - registers the fusedce_cute ops
 
 
@@ -25,7 +22,7 @@ def _no_entropy(asked: bool) -> None:
 
 
 class CuteChunkCE:
-    """``ChunkCE`` (``backends/chunk_loop/protocols.py``) with the CuTe kernels (CUDA), through the
+    """``ChunkCE`` (``backends/protocol.py``) with the CuTe kernels (CUDA), through the
     ``fusedce_cute`` custom ops (``custom_ops.py``). No entropy kernels yet: the RL ops refuse this
     backend (``fusedce/log_probs.py``)."""
 
@@ -49,5 +46,3 @@ class CuteChunkCE:
         torch.ops.fusedce_cute.ce_backward_inplace(logits if out is None else out, target, *_w(w, weight_sum), lse,
                                                    lse_lo, grad_row, grad_lse, *opts.op_args())
 
-
-linear_cross_entropy = functools.partial(_linear_cross_entropy, CuteChunkCE)

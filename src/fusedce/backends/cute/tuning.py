@@ -26,10 +26,10 @@ of the 114 variants spilled 8-68 bytes at 46-48 registers: ptxas expands an IEEE
 (``div.rn.f32``) into a subroutine call whose calling convention saved registers to local memory,
 and the target's terms were held live across the row stream. Fixed by ``row_math.div_full``
 (``div.full.f32``, Triton's ``/``) and by forming the target terms after the stream;
-``tests/test_cute_compile.py`` fails on any spill.
+``tests/cute/test_cute_compile.py`` fails on any spill.
 
 ``backend="auto"`` never picks ``"cute"``: ``AUTO_PICKS_CUTE`` stays False until the GPU parity tests
-(``tests/test_cute_gpu.py``, run by ``benchmarks/gpu_check.sh``) have passed on a GPU and the timing
+(``tests/cute/test_cute_gpu.py``, run by ``benchmarks/gpu_check.sh``) have passed on a GPU and the timing
 shows it ahead of Triton; record the machine, date and result below when that happens.
 
 Evidence so far: compiled for sm_90a and sm_100a with nvidia-cutlass-dsl 4.8.1 on a CPU-only machine;

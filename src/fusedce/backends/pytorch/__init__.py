@@ -1,8 +1,12 @@
 """The backend named ``"torch"``: pure PyTorch, the CPU path (the tests' oracle is the float64 composition
-in ``tests/reference64.py``)."""
+in ``tests/references/reference64.py``). The interface: ``backends/protocol.py`` (``Backend``)."""
+from ..protocol import Capabilities
+from .cross_entropy import cross_entropy_rows
+from .custom_ops import TORCH_TILED as TILED_CE
 from .custom_ops import slice_grad, slice_stats
-from .functions import cross_entropy_rows
-from .linear import linear_cross_entropy, linear_token_log_probs, token_log_probs
+from .linear import TorchChunkCE as CHUNK_CE
 
-__all__ = ["cross_entropy_rows", "linear_cross_entropy", "linear_token_log_probs", "slice_grad", "slice_stats",
-           "token_log_probs"]
+NAME = "torch"
+CAPABILITIES = Capabilities(tiled=True, entropy=True, slices=True)
+
+__all__ = ["CAPABILITIES", "CHUNK_CE", "NAME", "TILED_CE", "cross_entropy_rows", "slice_grad", "slice_stats"]

@@ -23,7 +23,7 @@ the call does not make is a (0,) tensor, mapped back to None by the typed entry 
 - ``chunk_token_stats``: ``token_stats.chunk_token_stats`` (the RL ops' ``return_stats``);
 - ``slice_stats`` / ``slice_grad``: ``slices.py`` (vocab parallelism).
 
-No autograd formula: the autograd Functions that call them (``functions.py``, ``chunk_loop``, the
+No autograd formula: the autograd Functions that call them (``cross_entropy.py``, ``lm_head``, the
 vocab-parallel Functions) differentiate through the backward ops themselves. Inputs may have any
 strides (Inductor passes e.g. stride-0 upstream gradients): the loops index rows only.
 """
@@ -33,9 +33,10 @@ from typing import Optional
 
 import torch
 
-from ...types import LossOptions, SliceStats
-from ..chunk_loop.protocols import TiledRows
-from .cross_entropy import chunk_grad_, chunk_loss
+from ...options import LossOptions
+from ...types import SliceStats
+from ..protocol import TiledRows
+from .launch import chunk_grad_, chunk_loss
 from .slices import slice_grad as _slice_grad
 from .slices import slice_stats as _slice_stats
 from .tiled import TorchTiledCE
@@ -189,7 +190,7 @@ def _(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_l
 
 
 class TorchTiledOps:
-    """``TiledCE`` (``chunk_loop/protocols.py``) through the two ops above."""
+    """``TiledCE`` (``backends/protocol.py``) through the two ops above."""
 
     @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,

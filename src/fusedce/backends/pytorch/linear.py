@@ -1,12 +1,8 @@
-"""The PyTorch backend's per-chunk cross-entropy, plugged into the shared linear chunk loop."""
+"""The PyTorch backend's per-chunk cross-entropy, plugged into the chunked LM head (``fusedce.lm_head``)."""
 from __future__ import annotations
 
-import functools
-
-from ..chunk_loop import linear_cross_entropy as _linear_cross_entropy
-from ..chunk_loop import log_probs as _log_probs
-from ..chunk_loop.loop import loss_then_grad_
-from .custom_ops import TORCH_TILED, rows_grad_, rows_loss, rows_token_stats
+from ..protocol import loss_then_grad_
+from .custom_ops import rows_grad_, rows_loss, rows_token_stats
 
 
 class TorchChunkCE:
@@ -30,7 +26,3 @@ class TorchChunkCE:
     def loss_and_grad_(cls, logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats):
         return loss_then_grad_(cls, logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats)
 
-
-linear_cross_entropy = functools.partial(_linear_cross_entropy, TorchChunkCE, tiled=TORCH_TILED)
-token_log_probs = functools.partial(_log_probs.token_log_probs, TorchChunkCE)
-linear_token_log_probs = functools.partial(_log_probs.linear_token_log_probs, TorchChunkCE, tiled=TORCH_TILED)

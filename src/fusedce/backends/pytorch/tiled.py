@@ -8,9 +8,9 @@ Forward, per token block r and vocabulary block j (``tuning.tile_sizes``: fewer 
     smoothing sum, the raw max and its index, the target logit where the block holds the target)
     merged into the running ones (online softmax, Milakov & Gimelshein 2018; a block whose logits are
     all -inf in a row adds exactly 0 there);
-    at the end lse = m + log S as an exact pair, the loss (``rows.row_loss``), entropy = log S - T / S.
+    at the end lse = m + log S as an exact pair, the loss (``row_math.row_loss``), entropy = log S - T / S.
 Backward (from the saved lse pair; each block recomputed):
-    dz = ``rows.rows_grad`` on the block (the vocabulary-slice form: global V, w_t per row),
+    dz = ``row_math.rows_grad`` on the block (the vocabulary-slice form: global V, w_t per row),
     grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r and grad_b_j += sum_rows dz (``accum_dtype``).
 FLOPs: 2 BT V H forward, 6 BT V H backward (recomputed logits, grad_h, grad_W). Memory beyond the
 inputs and the returned gradients: a few fp32 blocks of fewer than V values each, fp32 copies of one
@@ -28,9 +28,9 @@ from typing import Optional
 
 import torch
 
-from ...types import LossOptions
-from ..chunk_loop.protocols import TiledRows
-from .rows import row_loss, rows_grad, transform, two_sum
+from ...options import LossOptions
+from ..protocol import TiledRows
+from ...row_math import row_loss, rows_grad, transform, two_sum
 from . import block_threads, tuning
 
 _NEG_INF = float("-inf")
@@ -53,7 +53,7 @@ class _Running:
         self.z_t = torch.zeros(n, device=device)
         self.best = torch.full((n,), _NEG_INF, device=device) if stats else None
         self.best_idx = torch.zeros(n, dtype=torch.int64, device=device) if stats else None
-        # token_stats: q = sum exp(2 (z - m)), sum_c z_c, and the first argmax of z (``rows.token_stats``)
+        # token_stats: q = sum exp(2 (z - m)), sum_c z_c, and the first argmax of z (``row_math.token_stats``)
         self.q = torch.zeros(n, device=device) if token_stats else None
         self.zsum_all = torch.zeros(n, device=device) if token_stats else None
         self.zbest = torch.full((n,), _NEG_INF, device=device) if token_stats else None
@@ -96,7 +96,7 @@ def _target_columns(target: torch.Tensor, valid: torch.Tensor, start: int, width
 
 
 class TorchTiledCE:
-    """``TiledCE`` (``backends/chunk_loop/protocols.py``) in plain PyTorch (called through the custom ops
+    """``TiledCE`` (``backends/protocol.py``) in plain PyTorch (called through the custom ops
     of ``custom_ops.py``: ``TORCH_TILED``)."""
 
     @staticmethod

@@ -1,13 +1,13 @@
 """TRL's per-token statistics (``types.TokenStats``) of a chunk of logits, in plain PyTorch: the
-``ChunkCE.token_stats`` of this backend (``chunk_loop/protocols.py``), run on a chunk whose lse pair the
-forward has just computed. Formulas: ``rows.token_stats``."""
+``ChunkCE.token_stats`` of this backend (``backends/protocol.py``), run on a chunk whose lse pair the
+forward has just computed. Formulas: ``row_math.token_stats``."""
 from __future__ import annotations
 
 import torch
 
-from ...types import LossOptions
-from .cross_entropy import Scratch
-from .rows import token_stats, transform
+from ...options import LossOptions
+from .launch import Scratch
+from ...row_math import token_stats, transform
 from .tuning import chunk_rows
 
 

@@ -1,8 +1,12 @@
-"""Triton backend: fused cross-entropy kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
-from .linear import linear_cross_entropy, linear_token_log_probs, token_log_probs
-from .ops import cross_entropy_rows
+"""Triton backend: fused cross-entropy kernels (CUDA, or CPU under TRITON_INTERPRET=1). The interface:
+``backends/protocol.py`` (``Backend``)."""
+from ..protocol import Capabilities
+from .cross_entropy import cross_entropy_rows
+from .linear import TritonChunkCE as CHUNK_CE
 from .slices import slice_grad, slice_stats
-from .tiled import TRITON_TILED
+from .linear import TRITON_TILED as TILED_CE
 
-__all__ = ["TRITON_TILED", "cross_entropy_rows", "linear_cross_entropy", "linear_token_log_probs", "slice_grad",
-           "slice_stats", "token_log_probs"]
+NAME = "triton"
+CAPABILITIES = Capabilities(tiled=True, entropy=True, slices=True)
+
+__all__ = ["CAPABILITIES", "CHUNK_CE", "NAME", "TILED_CE", "cross_entropy_rows", "slice_grad", "slice_stats"]

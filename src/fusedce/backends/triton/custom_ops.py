@@ -13,7 +13,7 @@ call a launcher" (``launch.py``) plus a fake (meta) implementation that gives th
 - ``fusedce::ce_backward_inplace(logits!, ...same...) -> ()`` writes the gradient into ``logits``.
   A custom op may not return an alias of an input, so the in-place variant declares the mutation
   (``mutates_args=("logits",)``, schema ``Tensor(a!)``) and returns nothing; the autograd formula
-  (``ops.py``) then hands ``logits`` itself back as the gradient. Under torch.compile, functionalization
+  (``cross_entropy.py``) then hands ``logits`` itself back as the gradient. Under torch.compile, functionalization
   turns the mutation into ``auto_functionalized`` and Inductor re-inplaces it into ``logits``' buffer
   when that is safe (it is when nothing else reads the logits later), else it computes into a copy: the
   in-place write is then a memory hint, never a change of results.
@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from ...types import LossOptions
+from ...options import LossOptions
 from .launch import ce_backward as launch_backward
 from .launch import ce_chunk_ as launch_chunk
 from .launch import ce_forward as launch_forward
@@ -69,7 +69,7 @@ def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_s
                ignore_index: int, scalars: list[float], stats: bool, inplace_backward: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # ``inplace_backward`` does not change the forward; it is an input so that the autograd formula
-    # registered on this op (ops.py) can pick the backward variant.
+    # registered on this op (cross_entropy.py) can pick the backward variant.
     loss, lse, lse_lo, predicted = _forward_buffers(logits, stats)
     launch_forward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
                    LossOptions.from_op_args(ignore_index, scalars),
@@ -209,7 +209,7 @@ def forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum:
             stats: bool, inplace_backward: bool = False):
     """``fusedce::ce_forward`` with ``LossOptions``: ``(loss, lse, lse_lo, predicted)``, predicted (0,)
     without stats. loss and lse are differentiable w.r.t. ``logits`` (autograd registered in
-    ``ops.py``)."""
+    ``cross_entropy.py``)."""
     return torch.ops.fusedce.ce_forward(logits, target, weight, weight_sum, *opts.op_args(), stats,
                                         inplace_backward)
 

@@ -1,7 +1,7 @@
 """Launchers: validate -> launch into caller-supplied buffers. No allocation of BT x V here, no sync.
 
 The grid, the argument list and the meta-parameters of each kernel are computed in one place,
-``forward_launch`` / ``backward_launch``; the launchers run them and ``fusedce.inspect`` compiles them
+``forward_launch`` / ``backward_launch``; the launchers run them and ``fusedce.tools.inspect`` compiles them
 for a GPU target offline (with meta tensors), so the report shows exactly what a real launch compiles.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-from ...types import LossOptions
+from ...options import LossOptions
 from .kernels.ce_backward import ce_backward_kernel
 from .kernels.ce_chunk import ce_chunk_kernel
 from .kernels.ce_slice import ce_slice_stats_kernel

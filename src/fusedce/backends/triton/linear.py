@@ -1,4 +1,5 @@
-"""The Triton backend's per-chunk cross-entropy, plugged into the shared linear chunk loop.
+"""What the Triton backend plugs into the LM head (``fusedce.lm_head``): its per-chunk cross-entropy
+(``TritonChunkCE``) and its tiled LM head + loss (``TritonTiledCE``, the kernels of ``tiled.py``).
 
 Per chunk, one fused kernel (``kernels/ce_chunk.py``) writes loss/lse/lse_lo and overwrites the chunk's
 logits with their gradient: one launch, the chunk read once from HBM (the second read of each row hits
@@ -10,12 +11,17 @@ kernel with HAS_GRAD_ENTROPY, into ``out`` when given).
 """
 from __future__ import annotations
 
-import functools
+from typing import Optional, Tuple
 
-from ..chunk_loop import linear_cross_entropy as _linear_cross_entropy
-from ..chunk_loop import log_probs as _log_probs
+import torch
+
+from ...options import LossOptions
+from ..protocol import TiledRows
 from . import custom_ops
-from .tiled import TRITON_TILED
+from . import tiled as _tiled  # noqa: F401 - registers fusedce::tiled_forward / tiled_backward
+from .token_stats import chunk_token_stats, tiled_forward_token_stats
+
+Opt = Optional[torch.Tensor]
 
 
 def _w(w, weight_sum):
@@ -33,7 +39,6 @@ class TritonChunkCE:
 
     @staticmethod
     def token_stats(logits, target, lse, lse_lo, opts):
-        from .token_stats import chunk_token_stats
         return chunk_token_stats(logits, target, lse, lse_lo, opts)
 
     @staticmethod
@@ -47,6 +52,37 @@ class TritonChunkCE:
                              grad_entropy, entropy, out)
 
 
-linear_cross_entropy = functools.partial(_linear_cross_entropy, TritonChunkCE, tiled=TRITON_TILED)
-token_log_probs = functools.partial(_log_probs.token_log_probs, TritonChunkCE)
-linear_token_log_probs = functools.partial(_log_probs.linear_token_log_probs, TritonChunkCE, tiled=TRITON_TILED)
+class TritonTiledCE:
+    """``TiledCE`` (``backends/protocol.py``) with the tiled Triton kernels (CUDA, or the interpreter
+    in tests). ``hidden`` (n, H), ``weight`` (V, H), ``bias`` (V,) or None: one float dtype."""
+
+    @staticmethod
+    def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
+                entropy: bool = False, token_stats: bool = False) -> TiledRows:
+        if token_stats:   # the RL ops: no class weights, no argmax of the raw logits
+            if w is not None or stats:
+                raise AssertionError("token_stats goes with the RL ops' options only")
+            loss, lse, lse_lo, target_logit, ent, tstats = tiled_forward_token_stats(hidden, weight, bias, target,
+                                                                                    opts, entropy)
+            return TiledRows(loss, lse, lse_lo, torch.full_like(target, -1, dtype=torch.int64), target_logit, ent,
+                             tstats)
+        loss, lse, lse_lo, predicted, target_logit, ent = torch.ops.fusedce.tiled_forward(
+            hidden, weight, bias, target, w, weight_sum, *opts.op_args(), stats, entropy)
+        if not stats:
+            predicted = torch.full_like(target, -1, dtype=torch.int64)
+        return TiledRows(loss, lse, lse_lo, predicted, target_logit, ent if entropy else None)
+
+    @staticmethod
+    def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
+                 opts: LossOptions, needs: Tuple[bool, bool, bool], accum_dtype: torch.dtype,
+                 grad_entropy: Opt = None, entropy: Opt = None, deterministic: bool = False
+                 ) -> Tuple[Opt, Opt, Opt]:
+        needs_b = bool(needs[2]) and bias is not None
+        gh, gw, gb = torch.ops.fusedce.tiled_backward(
+            hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
+            grad_entropy, entropy if grad_entropy is not None else None, *opts.op_args(),
+            bool(needs[0]), bool(needs[1]), needs_b, accum_dtype, bool(deterministic))
+        return gh if needs[0] else None, gw if needs[1] else None, gb if needs_b else None
+
+
+TRITON_TILED = TritonTiledCE()   # the backend's TILED_CE

@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from ...types import LossOptions, SliceStats
+from ...options import LossOptions
+from ...types import SliceStats
 from .launch import VocabSlice, ce_backward, ce_slice_stats
 
 

@@ -1,5 +1,5 @@
 """The tiled LM-head loss (``method="tiled"``) on Triton: launchers, torch custom ops, and ``TRITON_TILED``
-(the ``TiledCE`` of ``chunk_loop/protocols.py``).
+(the ``TiledCE`` of ``backends/protocol.py``).
 
 Layering as for the row kernels: ``kernels/tiled_forward.py`` / ``tiled_backward.py`` /
 ``tiled_backward_owned.py`` (the kernels, their design and their bytes / FLOPs per token) ->
@@ -9,7 +9,7 @@ compiles exactly these on meta tensors; ``tiled_backward_launches`` picks the at
 ``deterministic``, the two atomic-free ones) -> the custom ops ``fusedce::tiled_forward`` /
 ``fusedce::tiled_backward`` (allocate + launch, with fakes, so torch.compile traces them; ``deterministic``
 is an argument of the op) -> ``TRITON_TILED`` (typed entry points). No autograd here: the shared
-Functions of ``chunk_loop`` call ``forward`` / ``backward``.
+Functions of ``lm_head`` call ``forward`` / ``backward``.
 
 Memory: besides the (n,) per-row outputs, forward allocates nothing; backward allocates the fp32
 accumulators (both variants): grad_hidden (n x H fp32, cast to hidden's dtype afterwards when that is
@@ -21,13 +21,12 @@ dots are IEEE fp32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set, as f
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import triton
 
-from ...types import LossOptions
-from ..chunk_loop.protocols import TiledRows
+from ...options import LossOptions
 from . import tuning
 from .kernels.tiled_backward import tiled_backward_kernel
 from .kernels.tiled_backward_owned import tiled_grad_hidden_kernel, tiled_grad_weight_kernel
@@ -225,41 +224,3 @@ def _(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_l
     sh, sw, sb = _grad_shapes(hidden, weight, needs_h, needs_w, needs_b)
     return (hidden.new_empty(sh), hidden.new_empty(sw, dtype=accum_dtype), hidden.new_empty(sb, dtype=accum_dtype))
 
-
-# ---------------------------------------------------------------- the TiledCE object
-
-class TritonTiledCE:
-    """``TiledCE`` (``chunk_loop/protocols.py``) with the tiled Triton kernels (CUDA, or the interpreter
-    in tests). ``hidden`` (n, H), ``weight`` (V, H), ``bias`` (V,) or None: one float dtype."""
-
-    @staticmethod
-    def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
-                entropy: bool = False, token_stats: bool = False) -> TiledRows:
-        if token_stats:   # the RL ops: no class weights, no argmax of the raw logits
-            from .token_stats import tiled_forward_token_stats
-            if w is not None or stats:
-                raise AssertionError("token_stats goes with the RL ops' options only")
-            loss, lse, lse_lo, target_logit, ent, tstats = tiled_forward_token_stats(hidden, weight, bias, target,
-                                                                                    opts, entropy)
-            return TiledRows(loss, lse, lse_lo, torch.full_like(target, -1, dtype=torch.int64), target_logit, ent,
-                             tstats)
-        loss, lse, lse_lo, predicted, target_logit, ent = torch.ops.fusedce.tiled_forward(
-            hidden, weight, bias, target, w, weight_sum, *opts.op_args(), stats, entropy)
-        if not stats:
-            predicted = torch.full_like(target, -1, dtype=torch.int64)
-        return TiledRows(loss, lse, lse_lo, predicted, target_logit, ent if entropy else None)
-
-    @staticmethod
-    def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
-                 opts: LossOptions, needs: Tuple[bool, bool, bool], accum_dtype: torch.dtype,
-                 grad_entropy: Opt = None, entropy: Opt = None, deterministic: bool = False
-                 ) -> Tuple[Opt, Opt, Opt]:
-        needs_b = bool(needs[2]) and bias is not None
-        gh, gw, gb = torch.ops.fusedce.tiled_backward(
-            hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
-            grad_entropy, entropy if grad_entropy is not None else None, *opts.op_args(),
-            bool(needs[0]), bool(needs[1]), needs_b, accum_dtype, bool(deterministic))
-        return gh if needs[0] else None, gw if needs[1] else None, gb if needs_b else None
-
-
-TRITON_TILED = TritonTiledCE()

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ...types import LossOptions
+from ...options import LossOptions
 from .kernels.token_stats import token_stats_kernel
 from .launch import _align
 from .tiled import _forward_buffers, _opt_c, _rows_last, tiled_forward_launch

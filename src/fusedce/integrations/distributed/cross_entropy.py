@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 
 from ... import reduction as red, validation as val
+from ...options import check_flag, loss_options
 from ...autocast import fp32_op
 from ...autograd_checks import check_backward_allowed
 from ... import backends
-from ...signatures import with_loss_options
-from ...types import CrossEntropyOutput, LossOptions, LossOptionValues
+from ...options.signatures import with_loss_options
+from ...types import CrossEntropyOutput
+from ...options import LossOptions, LossOptionValues
 from .exchange import Partials, exchange
 from .layout import VocabLayout, vocab_layout
 from .output import finish
@@ -118,13 +120,13 @@ def vocab_parallel_cross_entropy(
     val.check_float("logits_shard", logits_shard)
     if logits_shard.dim() < 1:
         raise ValueError("logits_shard must have at least one dimension (the classes, last)")
-    opts = val.loss_options(reduction, **options)
+    opts = loss_options(reduction, **options)
     shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
     val.check_target(target, shape, device)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight_shard", weight_shard, n_local, device)
     val.check_num_items(num_items_in_batch, device)
-    val.check_flag("return_stats", return_stats)
+    check_flag("return_stats", return_stats)
     val.check_token_weights(token_weights, target)
     impl = backends.get(backend, device)
     layout = vocab_layout(n_local, vocab_start_index, group, device)

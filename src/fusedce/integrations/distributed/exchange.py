@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...backends.pytorch.rows import row_loss, transform, two_sum
-from ...types import LossOptions
+from ...row_math import row_loss, transform, two_sum
+from ...options import LossOptions
 from .argmax_key import unpack_max_key
 from .layout import VocabLayout
 from .shard_rows import Columns
@@ -52,7 +52,7 @@ class Partials:
 class GlobalRows:
     """Per-row results on the global vocabulary, identical on every rank: ``loss`` (n,) fp32, the
     cross-entropy without z-loss (0 on ignored rows, NaN on a row whose target no rank holds), ``lse``
-    and ``lse_lo`` (n,) fp32 (lse as an exact pair, see ``backends/pytorch/rows.py``; 0 on ignored
+    and ``lse_lo`` (n,) fp32 (lse as an exact pair, see ``row_math.py``; 0 on ignored
     rows), ``predicted`` (n,) int64 (-1 on ignored rows), ``target_weight`` (n,) fp32 global w_t and
     ``weight_sum`` 0-dim global W (both None without class weights), ``target_prob`` (n,) fp32
     ``p_t = softmax(z)[t]`` (0 on ignored rows; the factor of ``use_token_scaling``)."""

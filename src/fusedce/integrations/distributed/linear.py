@@ -2,7 +2,8 @@
 
 Each rank holds ``weight[start:start + V_r]`` (and the same slice of ``bias`` and class weights) and
 the full, identical ``hidden`` and ``target``. Logits exist one chunk of tokens at a time, ``rows x V_r``
-(never BT x V_r), through the chunk helpers of the single-process path (``backends/chunk_loop``):
+(never BT x V_r), through the single-process LM head's chunk loop pieces (``lm_head/chunked.py``: the
+chunk buffer, the logits, the gradient buffers and the backprop of a chunk; ``lm_head/compaction.py``):
 
     forward   per chunk: logits_c = h_c @ W_r.T + b_r (hidden's dtype, fp32 accumulation, one reused
               chunk buffer); per-row partial statistics by the backend (``slice_stats``); then
@@ -22,14 +23,16 @@ import torch
 import torch.distributed as dist
 
 from ... import reduction as red, validation as val
+from ...options import check_flag, deterministic_mode, loss_options
 from ...autocast import linear_op
 from ...autograd_checks import check_backward_allowed
-from ...backends.chunk_loop.api import compact_rows
+from ...lm_head.compaction import compact_rows, scatter_rows
 from ... import backends
-from ...backends.chunk_loop.loop import accumulate_, chunk_buffer, logits_chunk
-from ...backends.chunk_loop.tuning import chunk_rows
-from ...signatures import with_loss_options
-from ...types import CrossEntropyOutput, LossOptions, LossOptionValues
+from ...lm_head.chunked import backprop_chunk_, chunk_buffer, grad_buffers, logits_chunk
+from ...lm_head.method import chunk_rows
+from ...options.signatures import with_loss_options
+from ...types import CrossEntropyOutput
+from ...options import LossOptions, LossOptionValues
 from .exchange import Partials, exchange
 from .layout import VocabLayout, vocab_layout
 from .output import finish
@@ -72,9 +75,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             grad_row = lse.new_zeros(()).expand(lse.shape)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, rows = hidden.shape[0], ctx.rows
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=ctx.accum, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=ctx.accum, device=weight.device) if need_b else None
+        grad_h, grad_w, grad_b = grad_buffers(hidden, weight, (need_h, need_w, need_b), ctx.accum)
         buffer = chunk_buffer(n, rows, weight, hidden.dtype)
         for start in range(0, n, rows):
             c = slice(start, start + rows)
@@ -83,12 +84,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             g = shard_grad(ctx.impl, x, target[c], w, weight_sum, None if w_t is None else w_t[c], lse[c],
                            lse_lo[c], grad_row[c], None if grad_lse is None else grad_lse[c], ctx.layout,
                            ctx.opts)  # the logits' gradient, in their (hidden's) dtype
-            if need_h:
-                torch.mm(g, weight, out=grad_h[c])
-            if need_w:
-                accumulate_(grad_w, g, h_c)
-            if need_b:
-                grad_b += g.sum(dim=0, dtype=ctx.accum)
+            backprop_chunk_(g, h_c, weight, c, grad_h, grad_w, grad_b)
         if need_h and n > 0:
             # each rank holds sum over its own classes of g_c W_c: add the partial sums
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)
@@ -129,7 +125,7 @@ def vocab_parallel_linear_cross_entropy(
         reduction, num_items_in_batch, **options (the loss options, listed below):
             as in ``fusedce.cross_entropy``, on logits computed in ``hidden``'s dtype (fp32 accumulation).
         chunk_size: tokens per chunk (logits are ``chunk_size x V_r``). None = the single-process rule
-            (``backends/chunk_loop/tuning.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
+            (``lm_head/method.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
         accum_dtype: dtype of the ``weight_shard`` / ``bias_shard`` gradient accumulators.
         return_stats: ``CrossEntropyOutput``; as in the single-process op, ``lse`` is 0 on ignored rows.
         backend: as in ``fusedce.linear_cross_entropy``: the kernels of this rank's statistics and
@@ -165,11 +161,11 @@ def vocab_parallel_linear_cross_entropy(
         integer or ``accum_dtype`` is not a floating-point ``torch.dtype``.
     """
     _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype)
-    val.deterministic_mode(deterministic)   # checked; nothing to select (see the docstring)
-    opts = val.loss_options(reduction, **options)
+    deterministic_mode(deterministic)   # checked; nothing to select (see the docstring)
+    opts = loss_options(reduction, **options)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
-    val.check_flag("return_stats", return_stats)
+    check_flag("return_stats", return_stats)
     val.check_token_weights(token_weights, target)
     impl = backends.get(backend, hidden.device)
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
@@ -186,13 +182,11 @@ def vocab_parallel_linear_cross_entropy(
     loss_rows, lse, predicted, w_t, target_prob = _VocabParallelLinearCE.apply(
         flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, rows, accum_dtype,
         impl)
-    if index is not None:  # back to every row: ignored rows have loss 0, lse 0, argmax -1, w_t 0
-        loss_rows = loss_rows.new_zeros(n).index_copy(0, index, loss_rows)
-        lse = lse.new_zeros(n).index_copy(0, index, lse)
-        predicted = predicted.new_full((n,), -1).index_copy(0, index, predicted)
-        target_prob = target_prob.new_zeros(n).index_copy(0, index, target_prob)
-        if ce_weight_shard is not None:
-            w_t = w_t.new_zeros(n).index_copy(0, index, w_t)
+    # back to every row: ignored rows have loss 0, lse 0, argmax -1, w_t 0
+    loss_rows, lse, target_prob = (scatter_rows(t, index, n, 0.0) for t in (loss_rows, lse, target_prob))
+    predicted = scatter_rows(predicted, index, n, -1)
+    if ce_weight_shard is not None:
+        w_t = scatter_rows(w_t, index, n, 0.0)
     return finish(loss_rows, lse, predicted, None if ce_weight_shard is None else w_t,
                   target.reshape(-1), opts, reduction, num_items_in_batch, return_stats, shape,
                   red.times(target_prob if opts.use_token_scaling else None, token_weights))

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ... import reduction as red
-from ...types import LossOptions
+from ...options import LossOptions
 
 
 def finish(loss_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor,

@@ -3,7 +3,7 @@ collectives, and the slice's gradient. No math of its own: the backend computes 
 ``slice_grad``, the same kernels as the single-process ops), this file only lays out the columns.
 
 A rank holds the columns ``[s, s + V_r)`` of the (transformed) logits ``z`` of every row. The row's
-statistics (``backends/pytorch/rows.py`` has the formulas; ``V`` the GLOBAL vocabulary size) are sums
+statistics (``row_math.py`` has the formulas; ``V`` the GLOBAL vocabulary size) are sums
 over classes, so each slice contributes partial sums that add up over ranks:
 
     sum_c exp(z_c - M) = sum_r exp(m_r - M) sum_{c in r} exp(z_c - m_r)   (m_r slice max, M global max)
@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ...types import LossOptions
+from ...options import LossOptions
 from .argmax_key import EMPTY_KEY, pack_max_key
 from .layout import VocabLayout
 

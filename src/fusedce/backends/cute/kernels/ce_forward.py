@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ....types import LossFlags, LossScalars
+from ....options import LossFlags, LossScalars
 from .row_io import store_row_results, target_terms, total_weight
 from .row_math import row_loss, row_stats, transform
 

@@ -1,10 +1,10 @@
 """The per-row cross-entropy math of the kernels, written once and shared by ``ce_forward``,
-``ce_backward`` and the fused ``ce_chunk`` kernel (see ``backends/pytorch/rows.py`` for the formulas
+``ce_backward`` and the fused ``ce_chunk`` kernel (see ``fusedce/row_math.py`` for the formulas
 and their sources; the PyTorch backend computes the same ones), and the Triton home of the loss
 options' element-wise math (``logit_transform`` / ``logit_slope``). Every function takes the options as
 the kernels do, ``scalars`` (``types.LossScalars``, runtime) and ``FLAGS`` (``types.LossFlags``,
 constexpr), whole, and reads the fields it needs: a new element-wise option changes this file (and
-``types.py``), no kernel parameter list and no launcher.
+``options/schema.py``), no kernel parameter list and no launcher.
 
 - ``logit_transform``: the logits ``x`` to the ``z`` the loss is taken on; ``logit_slope``: ``dz/dx``;
 - ``row_stats``: one pass over a row (or a vocabulary slice of it) in ``BLOCK_V`` blocks, online
@@ -16,7 +16,7 @@ constexpr), whole, and reads the fields it needs: a new element-wise option chan
   ``row_lse`` / ``row_loss`` (the results from the statistics) are shared with the tiled forward (``tiled_forward``).
 - ``grad_block``: ``dL/dx`` of one block of a row from the saved lse pair, with ``g`` the upstream
   gradient of the row's loss, ``h`` that of its lse (the z-loss arrives that way) and ``k`` that of its
-  entropy (RL entropy bonuses; ``chunk_loop/protocols.py``):
+  entropy (RL entropy bonuses; ``backends/protocol.py``):
 
       dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c - k p_c (u_c + entropy)
       u_c = (z_c - lse) - lse_lo,  p_c = exp(u_c)

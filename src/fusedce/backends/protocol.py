@@ -1,0 +1,144 @@
+"""The backend interface, written once: ``Backend`` (what ``backends.get`` returns: a backend package's
+public names, with its ``Capabilities``), and what a backend plugs into the LM head (``fusedce.lm_head``):
+``ChunkCE`` (the loss of one chunk of logits, for ``method="chunked"``) and ``TiledCE`` (the whole LM head
++ loss with no logits tensor, for ``method="tiled"``). Both also serve the RL ops (``token_log_probs``),
+which ask for the entropy.
+
+Per-row quantities (fp32 (n,) each; ``fusedce/row_math.py`` has the formulas and their sources):
+``loss`` the cross-entropy without z-loss (0 on ignored rows, NaN on a non-ignored row whose target is
+out of range), ``lse`` + ``lse_lo`` the exact lse pair (0 on ignored rows), ``predicted`` the argmax of
+the raw logits (int64, -1 on ignored rows), ``entropy = -sum_c p_c log p_c`` of ``p = softmax(z)``
+(0 on ignored rows), computed as ``log S - T / S`` with ``S = sum_c exp(z_c - m)``, ``T = sum_c
+exp(z_c - m) (z_c - m)`` (shifted, so no cancellation between lse and E[z]).
+
+The gradient of ``sum_i g_i loss_i + h_i lse_i + k_i entropy_i`` (``g`` = ``grad_row``, ``h`` =
+``grad_lse``, ``k`` = ``grad_entropy``; None means 0) w.r.t. ``z``, with ``u_c = (z_c - lse) - lse_lo``
+and ``p_c = exp(u_c)``:
+
+    dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c - k p_c (u_c + entropy)
+
+(``d entropy / d z_c = -p_c (z_c - E_p[z])`` and ``z_c - E_p[z] = u_c + entropy``), then ``dz/dx``.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional, Protocol, Tuple
+
+import torch
+
+from ..options import LossOptions
+from ..row_math import grad_lse, target_probability
+
+Opt = Optional[torch.Tensor]
+
+
+class ChunkCE(Protocol):
+    """A backend's cross-entropy on one chunk of logits ((n, V), last-dim stride 1)."""
+
+    def loss(self, logits, target, w, weight_sum, opts: LossOptions, stats: bool, entropy: bool = False):
+        """-> ``(loss, lse, lse_lo, predicted)``, (n,) each (``predicted`` None without ``stats``); with
+        ``entropy`` a fifth element, the entropy (n,) fp32."""
+
+    def grad_(self, logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
+              grad_entropy: Opt = None, entropy: Opt = None, out: Opt = None) -> None:
+        """Write d(sum grad_row * loss + grad_lse * lse + grad_entropy * entropy)/d logits into ``out``
+        ((n, V), logits' dtype; default ``logits`` itself). ``entropy`` (the forward's) is read only
+        with ``grad_entropy``."""
+
+    def token_stats(self, logits, target, lse, lse_lo, opts: LossOptions):
+        """-> ``(log_sum_sq_probs, mean_logits, is_top1)`` (n,) fp32, fp32, bool (``types.TokenStats``)
+        of the chunk ``logits`` from its lse pair; 0 / False on ignored rows. No gradient."""
+
+    def loss_and_grad_(self, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions,
+                       stats: bool):
+        """``loss`` then ``grad_`` in one call (``protocol.loss_then_grad_`` composes them; a backend may fuse
+        them in one kernel): ``(loss, lse, lse_lo, predicted, token_weight)``, the z-loss's upstream
+        ``z_grad_row`` and token scaling applied."""
+
+
+class TiledRows(NamedTuple):
+    """Per-row results of ``TiledCE.forward`` (see the module docstring). ``target_logit`` is ``z_t``
+    (0 on ignored rows); ``predicted`` is all -1 without stats; ``entropy`` None unless asked."""
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    lse_lo: torch.Tensor
+    predicted: torch.Tensor
+    target_logit: torch.Tensor
+    entropy: Opt
+    token_stats: Optional[tuple] = None   # (log_sum_sq_probs, mean_logits, is_top1) when asked
+
+
+class TiledCE(Protocol):
+    """A backend's LM head + loss with no logits tensor of V or more elements (``method="tiled"``).
+
+    ``hidden`` (n, H), ``weight`` (V, H), ``bias`` (V,) or None: one float dtype; the logits are
+    ``hidden @ weight.T + bias`` rounded to that dtype (fp32 accumulation, as ``F.linear``), then the
+    loss math in fp32. ``target`` (n,) int64; ``w`` (V,) fp32 class weights and ``weight_sum`` their
+    0-dim fp32 sum, or None. Ignored rows cost no loss math and get exactly zero gradient.
+    """
+
+    def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
+                entropy: bool = False, token_stats: bool = False) -> TiledRows:
+        """With ``token_stats`` the rows' ``TiledRows.token_stats`` too, in the same pass."""
+        ...
+
+    def backward(self, hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
+                 opts: LossOptions, needs: Tuple[bool, bool, bool], accum_dtype: torch.dtype,
+                 grad_entropy: Opt = None, entropy: Opt = None, deterministic: bool = False
+                 ) -> Tuple[Opt, Opt, Opt]:
+        """``(grad_hidden, grad_weight, grad_bias)`` of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i +
+        grad_entropy[i] entropy_i`` (per-row upstream gradients (n,), any float dtype and strides);
+        ``needs`` says which of the three to compute (None for the others). ``grad_hidden`` in
+        hidden's dtype, ``grad_weight`` / ``grad_bias`` in ``accum_dtype``. ``deterministic``: results
+        bitwise identical run to run on the same device (no float atomics; a backend without atomics
+        ignores it)."""
+        ...
+
+
+def loss_then_grad_(ce, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
+    """``ChunkCE.loss_and_grad_`` composed from ``ce.loss`` and ``ce.grad_`` (for a backend without a
+    fused kernel): ``(loss, lse, lse_lo, predicted, token_weight)``, ``logits`` overwritten with
+    d(sum_i grad_row[i] ce_i + z_grad_row[i] z_i)/d logits (both upstreams times ``p_t`` with token
+    scaling; ``token_weight`` is ``p_t``, or None)."""
+    loss, lse, lse_lo, predicted = ce.loss(logits, target, w, weight_sum, opts, stats)
+    token_weight = target_probability(logits, target, lse, lse_lo, opts) if opts.use_token_scaling else None
+    if token_weight is not None:
+        grad_row, z_grad_row = grad_row * token_weight, z_grad_row * token_weight
+    ce.grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse(lse, z_grad_row, opts), opts)
+    return loss, lse, lse_lo, predicted, token_weight
+
+
+class Capabilities(NamedTuple):
+    """What a backend can compute beyond ``cross_entropy_rows`` and the chunked LM head (which every
+    backend has). ``backends.get`` checks the ones a call needs, so an unsupported request fails at the
+    call, before any work, with a ``RuntimeError`` naming the backend and what it lacks."""
+
+    tiled: bool      # method="tiled": a TiledCE (``Backend.TILED_CE``)
+    entropy: bool    # the RL ops: ChunkCE.loss(entropy=True), grad_(grad_entropy=), token_stats
+    slices: bool     # vocabulary slices (``slice_stats`` / ``slice_grad``) for fusedce.distributed
+
+
+class Backend(Protocol):
+    """A backend package (``backends/pytorch``, ``backends/triton``, ``backends/cute``) as the layers
+    above see it. Every package has the same files for the same jobs: ``cross_entropy.py``
+    (``cross_entropy_rows``, autograd), ``custom_ops.py`` (the torch custom ops), ``launch.py`` (compute
+    into given buffers), ``linear.py`` (its ``ChunkCE``), ``tiled.py`` (its ``TiledCE``), ``slices.py``,
+    ``token_stats.py``, ``tuning.py`` (sizes), ``kernels/`` (the kernel language's code only)."""
+
+    NAME: str                       # "torch", "triton", "cute"
+    CAPABILITIES: Capabilities
+    CHUNK_CE: ChunkCE               # the per-chunk cross-entropy of the chunked LM head and the RL ops
+    TILED_CE: Optional[TiledCE]     # None unless CAPABILITIES.tiled
+
+    cross_entropy_rows: Callable
+    """``cross_entropy_rows(logits2d, target1d, weight, opts, inplace_backward, stats)`` -> ``(ce_row,
+    lse, lse_lo, predicted)``: per-row fp32 cross-entropy WITHOUT the z-loss and per-row fp32 lse (both
+    differentiable w.r.t. ``logits2d``; 0 on ignored rows), lse's fp32 rounding error (``lse + lse_lo``
+    exact; no gradient), int64 argmax (-1 on ignored rows, empty without ``stats``); no reduction (the
+    z-loss is built from ``lse`` by ``reduction.py``, so its gradient reaches the backend as the
+    upstream gradient of ``lse``)."""
+    slice_stats: Callable
+    """``slice_stats(logits, target, weight, opts, col_start) -> types.SliceStats`` on a vocabulary slice."""
+    slice_grad: Callable
+    """``slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, grad_lse,
+    opts, col_start, n_total)``: the slice's gradient from the global row statistics."""

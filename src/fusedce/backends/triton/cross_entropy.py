@@ -1,0 +1,39 @@
+"""Autograd for the Triton cross-entropy custom ops, and the backend interface ``cross_entropy_rows``.
+
+Layering: kernels/*.py -> launch.py (launch into given buffers) -> custom_ops.py (torch custom ops:
+allocate + launch, fake impls) -> this file (registers ``backends/op_autograd.py``'s formula on the
+forward op; per-row loss only, the reduction is applied by ``functional``). Because every launch is a
+custom op with a fake impl and a registered autograd formula, ``torch.compile(fullgraph=True)`` traces
+``fusedce.cross_entropy`` forward and backward without a graph break.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...options import LossOptions
+from ..op_autograd import register_ce_autograd
+from . import custom_ops
+
+register_ce_autograd("fusedce")   # the formula: backends/op_autograd.py
+
+
+def _weights(weight: Optional[torch.Tensor]):
+    if weight is None:
+        return None, None
+    return weight.contiguous(), weight.float().sum().reshape(1)
+
+
+def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                       opts: LossOptions, inplace_backward: bool = False, stats: bool = True):
+    """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against ``target`` ((BT,)).
+
+    Returns ``(loss (BT,) fp32, lse (BT,) fp32, lse_lo (BT,) fp32, predicted (BT,) int64 or empty if not
+    stats)``: the cross-entropy without z-loss and the lse (0 on ignored rows), both differentiable
+    w.r.t. ``logits``, and lse's rounding error (no gradient).
+    With ``inplace_backward`` the backward pass writes the gradient into ``logits``' storage (a second
+    backward then raises ``RuntimeError``).
+    """
+    w, weight_sum = _weights(weight)
+    return custom_ops.forward(logits, target, w, weight_sum, opts, stats, inplace_backward)

@@ -1,6 +1,0 @@
-"""``python -m fusedce.inspect`` = ``fusedce inspect``."""
-import sys
-
-from .report import main
-
-sys.exit(main())

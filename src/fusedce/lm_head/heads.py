@@ -1,0 +1,66 @@
+"""The two ways the LM head meets the loss, behind one interface used by ``function.py`` and ``log_probs.py``:
+
+- ``ChunkedHead`` (``method="chunked"``): the logits of ``rows`` tokens at a time (``chunked.py``), the
+  backend's ``ChunkCE`` on each chunk. With mean / sum its forward also makes the gradients
+  (``grads_in_forward``): 3 matmuls per token in all.
+- ``TiledHead`` (``method="tiled"``): the backend's ``TiledCE``, no logits tensor at all. Its forward
+  computes only the row statistics; every backward recomputes the logits tile by tile from the saved
+  lse: 4 matmuls per token in all (one more than chunked, in exchange for O(BT + tiles) memory).
+
+Both: ``forward(...) -> (loss, lse, lse_lo, predicted, token_weight, entropy)`` (per row, see
+``backends/protocol.py``; token_weight the detached ``p_t`` with ``use_token_scaling``, else None; entropy None
+unless asked) and ``grads(...)`` as ``chunked.grads``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..options import LossOptions
+from . import chunked as loop
+from ..backends.protocol import ChunkCE, TiledCE
+from ..row_math import grad_lse
+
+
+class ChunkedHead:
+    grads_in_forward = True
+
+    def __init__(self, ce: ChunkCE, rows: int):
+        self.ce, self.rows = ce, rows
+
+    def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
+                entropy: bool = False):
+        return loop.loss_only(self.ce, hidden, weight, bias, target, w, weight_sum, opts, self.rows, stats,
+                              entropy)
+
+    def grads(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, grad_row, z_grad_row, needs,
+              accum_dtype, saved=None, stats: bool = False, grad_entropy=None):
+        return loop.grads(self.ce, hidden, weight, bias, target, w, weight_sum, opts, self.rows, grad_row,
+                          z_grad_row, needs, accum_dtype, saved=saved, stats=stats, grad_entropy=grad_entropy)
+
+
+class TiledHead:
+    grads_in_forward = False
+
+    def __init__(self, tiled: TiledCE, deterministic: bool = False):
+        self.tiled, self.deterministic = tiled, deterministic
+
+    def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
+                entropy: bool = False):
+        rows = self.tiled.forward(hidden, weight, bias, target, w, weight_sum, opts, stats, entropy)
+        token_weight = None
+        if opts.use_token_scaling:   # p_t = exp((z_t - lse) - lse_lo), as ``row_math.target_probability``
+            token_weight = torch.where(opts.kept(target),
+                                       torch.exp((rows.target_logit - rows.lse) - rows.lse_lo), 0.0)
+        return rows.loss, rows.lse, rows.lse_lo, rows.predicted, token_weight, rows.entropy
+
+    def grads(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, grad_row, z_grad_row, needs,
+              accum_dtype, saved=None, stats: bool = False, grad_entropy=None):
+        if saved is None:
+            raise AssertionError("TiledHead.grads recomputes from a forward's saved statistics")
+        lse, lse_lo, token_weight, entropy = saved
+        if token_weight is not None:
+            grad_row, z_grad_row = grad_row * token_weight, z_grad_row * token_weight
+        g_h, g_w, g_b = self.tiled.backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row,
+                                            grad_lse(lse, z_grad_row, opts), opts, needs, accum_dtype,
+                                            grad_entropy, entropy, deterministic=self.deterministic)
+        return None, lse, lse_lo, None, token_weight, g_h, g_w, g_b

@@ -1,0 +1,215 @@
+"""Timing, peak memory and parity of one bench path; shared by ``fusedce bench`` and scripts.
+
+Methods (each result records the one it used):
+
+- time, CPU: median of ``repeats`` forward+backward runs timed with ``time.perf_counter`` after
+  ``warmup`` runs; gradients are reset outside the timed region. An op with ``max_cpu_repeats`` (the
+  fused LM head: seconds per run on a CPU) caps ``repeats`` there; the result records what was used.
+- time, CUDA: ``triton.testing.do_bench`` (median; it flushes the L2 cache between runs and sets the
+  gradients to None).
+- peak memory, CPU: run in a fresh process (``run_isolated``), after one forward+backward on a tiny
+  problem (``tiny_run``: the libraries' one-time set-up, lazy imports included, is not counted), the peak
+  resident set size during the first full forward+backward minus the resident size once the inputs
+  exist. The peak is the kernel's ``VmHWM`` after resetting it (``/proc/self/clear_refs``), else psutil
+  RSS sampled every millisecond.
+- peak memory, CUDA: ``torch.cuda.max_memory_allocated`` during one forward+backward (after a warm-up
+  that compiles the kernels) minus ``memory_allocated`` before it.
+
+Both memories are the loss's own: what exists beyond its inputs, the gradient included.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+from .inputs import IGNORE_INDEX, Inputs
+from .paths import Path
+
+RESULT_PREFIX = "FUSEDCE-BENCH-RESULT "
+TIME_METHOD = {
+    "cpu": "median of {repeats} fwd+bwd, time.perf_counter, after {warmup} warm-up",
+    "cuda": "triton.testing.do_bench, median, fwd+bwd",
+}
+
+
+def _status_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+        return int(match.group(1)) if match else None
+    except OSError:
+        return None
+
+
+class CpuPeakMemory:
+    """Context manager: ``self.bytes`` = peak RSS inside the block minus RSS at its start
+    (``self.base``); ``self.peak`` = that peak RSS itself."""
+
+    def __enter__(self):
+        import psutil
+        self._process = psutil.Process()
+        self._sampled, self._stop, self._thread = 0, threading.Event(), None
+        try:  # "5" resets the peak RSS (VmHWM) to the current RSS, Linux >= 4.0
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.method = "peak RSS (VmHWM, reset via /proc/self/clear_refs) minus RSS with inputs"
+        except OSError:
+            self.method = "peak RSS (psutil, sampled every 1 ms) minus RSS with inputs"
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._base = self._process.memory_info().rss
+        self._sampled = self._base
+        if self._thread:
+            self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.001):
+            self._sampled = max(self._sampled, self._process.memory_info().rss)
+
+    def __exit__(self, *exc):
+        if self._thread:
+            self._stop.set()
+            self._thread.join()
+            peak = max(self._sampled, self._process.memory_info().rss)
+        else:
+            peak = _status_kib("VmHWM") * 1024
+        self.base, self.peak = self._base, max(peak, self._base)
+        self.bytes = self.peak - self._base
+        return False
+
+
+def clear_grads(inputs: Inputs) -> None:
+    for tensor in inputs.tensors().values():
+        tensor.grad = None
+
+
+def forward_backward(path: Path, inputs: Inputs) -> torch.Tensor:
+    """One forward+backward of ``path``; returns the detached loss."""
+    loss = path.forward(inputs)
+    loss.backward()
+    return loss.detach()
+
+
+def tiny_run(path: Path, inputs: Inputs, seed: int = 0) -> None:
+    """One forward+backward of ``path`` on 16 rows x 32 classes of ``inputs``' dtype, device and hidden
+    size, half the targets ignored: loads and sets up what a first call needs, at no memory cost."""
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, 32, (16,), generator=gen)
+    target[::2] = IGNORE_INDEX
+    like = inputs.hidden if inputs.hidden is not None else inputs.logits
+    size = like.shape[1] if inputs.hidden is not None else 32
+    tiny = {"logits": (16, 32), "hidden": (16, size), "weight": (32, size)}
+    made = {name: torch.randn(*tiny[name], generator=gen).to(device=like.device, dtype=like.dtype)
+            .requires_grad_(True) for name in path.op.needs}
+    forward_backward(path, Inputs(target=target.to(like.device), **made))
+
+
+def extra_facts(path: Path, inputs: Inputs) -> dict:
+    """``path.extra(inputs)`` (facts saved with the row), or ``{"error": ...}``; never raises."""
+    try:
+        return path.extra(inputs)
+    except Exception as exc:  # noqa: BLE001 - a fact we could not get must not lose the measurement
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def peak_memory(fn: Callable[[], object], device: str) -> tuple[int, str]:
+    """(bytes, method): the memory ``fn`` needs beyond what exists when it starts."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, \
+            "torch.cuda.max_memory_allocated minus memory_allocated with inputs"
+    with CpuPeakMemory() as mem:
+        fn()
+    return mem.bytes, mem.method
+
+
+def median_ms(fn: Callable[[], object], reset: Callable[[], None], device: str, repeats: int,
+              warmup: int = 1, grad_to_none=None) -> tuple[float, list[float]]:
+    """(median ms, every timed ms) of ``fn``; ``reset`` runs before each call, outside the timing."""
+    if device == "cuda":
+        import triton.testing
+        ms = triton.testing.do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
+        return float(ms), [float(ms)]
+    times = []
+    for i in range(warmup + repeats):
+        reset()
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        if i >= warmup:
+            times.append(elapsed * 1e3)
+    return statistics.median(times), times
+
+
+def measure(path: Path, inputs: Inputs, device: str, mode: str = "timed", repeats: int = 5,
+            warmup: int = 1) -> dict:
+    """Parity (always), and for ``mode="timed"`` peak memory and time, of one path on ``inputs``.
+
+    On CPU call it in a fresh process (``run_isolated``) for a meaningful peak memory.
+    """
+    op = path.op
+    if device == "cpu" and op.max_cpu_repeats:
+        repeats = min(repeats, op.max_cpu_repeats)
+    leaves = {name: getattr(inputs, name) for name in op.leaves}
+    result = {"status": "ok", "method": {"what": path.method}}
+    run = lambda: forward_backward(path, inputs)  # noqa: E731
+    if mode == "timed" and device == "cuda":
+        run()  # compile and autotune before anything is measured
+        clear_grads(inputs)
+    elif mode == "timed":
+        tiny_run(path, inputs)
+    if mode == "timed":
+        box = {}
+        result["peak_bytes"], result["method"]["memory"] = peak_memory(
+            lambda: box.setdefault("loss", run()), device)
+        loss = box["loss"]
+    else:
+        loss = run()
+    result.update(op.parity(inputs, loss, {name: t.grad for name, t in leaves.items()}))
+    if mode == "timed":
+        result["time_ms"], result["times_ms"] = median_ms(
+            run, lambda: clear_grads(inputs), device, repeats, warmup, grad_to_none=list(leaves.values()))
+        result["method"]["time"] = TIME_METHOD[device].format(repeats=repeats, warmup=warmup)
+        result["floor_bytes"] = op.floor_bytes(inputs)
+        result["floor_gbps"] = result["floor_bytes"] / (result["time_ms"] * 1e-3) / 1e9
+        result["method"]["floor"] = f"{op.floor_formula} / time"
+    else:
+        result["method"]["time"] = "not timed: Triton interpreter (numpy on the CPU); its times mean nothing"
+    if path.extra is not None:
+        result["extra"] = extra_facts(path, inputs)
+    return result
+
+
+def run_isolated(spec: dict, env: Optional[dict] = None, timeout: Optional[float] = None) -> dict:
+    """Run ``spec`` (see ``worker.run_spec``) in a fresh ``python -m fusedce.tools.bench.worker`` process.
+
+    ``env``: extra environment variables (e.g. ``TRITON_INTERPRET=1``). A crash, a timeout or a missing
+    result becomes ``{"status": "error", "reason": ...}``; nothing is raised.
+    """
+    child_env = {**os.environ, **(env or {})}
+    command = [sys.executable, "-m", "fusedce.tools.bench.worker"]
+    try:
+        done = subprocess.run(command, input=json.dumps(spec), capture_output=True, text=True,
+                              env=child_env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "reason": f"timed out after {timeout:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    code = done.returncode
+    why = "killed (out of memory?)" if code in (-9, 137) else f"exit code {code}"
+    return {"status": "error", "reason": f"worker {why}: {' | '.join(tail)}"}

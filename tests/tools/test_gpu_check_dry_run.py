@@ -1,0 +1,103 @@
+"""``benchmarks/gpu_check.sh --dry-run`` starts and finishes on CPU (Triton interpreter, small shapes).
+
+The real run needs a lent GPU; this keeps the script from rotting between such loans: every section
+(parity, timing paths, CUDA-graph step, sync-debug hot path, the linear section's stock / chunked / tiled
+paths and log-probs) runs its code with tiny inputs, and the summary table is printed last. The
+``fusedce.tools.bench`` helpers the script is a driver over (the ``"random"`` source's direct logits, the
+row-subset parity) are checked here too.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fusedce.tools.bench import inputs, parity
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert any("DRY RUN" in line for line in lines)
+    assert "overall OK" in lines[-1]                        # the summary is the last thing printed
+    assert any(line.split()[:2] == ["1000", "fusedce"] for line in lines)
+    for shape in ("32x96x1000", "32x40x520"):               # the linear section's summary rows
+        for path in ("stock", "chunked", "tiled", "tiled-det"):
+            assert any(line.split()[:2] == [shape, path] and " OK " in line for line in lines), (shape, path)
+        for path in ("torch-lce", "trl"):                   # the peers: measured, never in the verdict
+            assert any(line.split()[:2] == [shape, path] and "peer, " in line for line in lines), (shape, path)
+    report = json.loads(out.read_text())
+    assert set(report["vocabs"]) == {"1000", "4112"} and report["cuda_graph"]["ok"]
+    linear = report["linear"]
+    assert linear["ok"] and set(linear["shapes"]) == {"32x96x1000", "32x40x520"}
+    for shape in linear["shapes"].values():
+        assert set(shape["paths"]) == {"stock", "chunked", "tiled", "tiled-det", "torch-lce", "trl"}
+        assert all(m["ok"] and m["ms"] > 0 and m["parity"]["scored_rows"] > 0 for name, m in shape["paths"].items()
+                   if name not in ("torch-lce", "trl"))
+        peers = [shape["paths"][name] for name in ("torch-lce", "trl")]
+        assert all(m["peer"] and m["ms"] > 0 and m["parity"]["grad_rel_err"] < 2e-2 for m in peers)
+        assert shape["paths"]["torch-lce"]["resolved"]["acc_policy"] == "accurate"   # CPU bf16's "auto"
+    assert linear["determinism"]["ok"] and linear["determinism"]["tiled-det"]["bitwise_equal"]
+    methods = linear["log_probs"]["methods"]
+    assert set(methods) == {"chunked", "tiled"} and all(m["ok"] for m in methods.values())
+    assert methods["tiled"]["grad_rel_diff_vs_chunked"] < 1e-2
+
+
+def _logits_source(ignore_fraction):
+    return {"kind": "random", "tokens": 64, "vocab": 300, "logit_std": 2.0, "ignore_fraction": ignore_fraction,
+            "seed": 3, "draw": "device"}
+
+
+def test_random_source_draws_logits_directly():
+    data = inputs.build(_logits_source(0.25), ("logits",), torch.float32, "cpu")
+    assert data.hidden is None and data.logits.shape == (64, 300) and data.logits.requires_grad
+    assert 1.8 < float(data.logits.detach().std()) < 2.2
+    assert int((data.target == -100).sum()) == 16
+    assert torch.equal(inputs.build(_logits_source(0.25), (), torch.float32, "cpu").target, data.target)
+
+
+def test_subset_rows_has_ignored_and_scored_rows():
+    target = torch.arange(40)
+    target[25] = -100                                   # the only ignored row, not on the even spread
+    rows = parity.subset_rows(target, 4)
+    assert rows.shape == (4,) and bool((target[rows] == -100).any()) and bool((target[rows] != -100).any())
+    assert parity.subset_rows(target, None).shape == (40,)
+
+
+def test_cross_entropy_rows_measures_torch_in_the_logits_dtype():
+    data = inputs.build(_logits_source(0.25), ("logits",), torch.bfloat16, "cpu")
+    logits, target = data.logits.detach(), data.target
+    x = logits.clone().requires_grad_()
+    row_loss = F.cross_entropy(x.float(), target, reduction="none")   # fp32 math: better than torch bf16
+    row_loss.sum().backward()
+    mean = F.cross_entropy(logits.float(), target)
+    rows = parity.subset_rows(target, 16)
+    good = parity.cross_entropy_rows(logits, target, row_loss.detach(), x.grad, rows, mean=mean)
+    assert good["mean_rel_err_vs_fp32"] == 0.0 and good["loss_rel_err_vs_fp64"] < 1e-6
+    assert good["torch_grad_err_vs_fp64"] > 0 and good["grad_err_ratio"] <= 1.0 and good["rows"] == 16
+    bad = parity.cross_entropy_rows(logits, target, row_loss.detach(), x.grad * 1.5, rows)
+    assert bad["grad_err_ratio"] > 4.0 and "mean_rel_err_vs_fp32" not in bad
+
+
+def test_linear_token_log_probs_reference_is_exact_in_float64():
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(12, 8, generator=gen, dtype=torch.float64), torch.randn(50, 8, generator=gen,
+                                                                                          dtype=torch.float64)
+    target = torch.randint(0, 50, (12,), generator=gen)
+    target[3] = -100
+    logp = torch.log_softmax(hidden @ weight.T / 0.7, dim=-1)
+    log_probs = logp.gather(1, target.clamp_min(0)[:, None]).squeeze(1).where(target != -100, 0.0)
+    entropy = (-(logp.exp() * logp).sum(-1)).where(target != -100, 0.0)
+    res = parity.linear_token_log_probs(hidden, weight, target, log_probs, entropy, temperature=0.7)
+    assert res["log_probs_max_abs_err"] < 1e-12 and res["entropy_max_abs_err"] < 1e-12 and res["rows"] == 12
+    off = parity.linear_token_log_probs(hidden, weight, target, log_probs + 0.1, None, temperature=0.7)
+    assert abs(off["log_probs_max_abs_err"] - 0.1) < 1e-9 and off["entropy_max_abs_err"] is None
