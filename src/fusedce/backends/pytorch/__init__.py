@@ -2,7 +2,8 @@
 in ``tests/reference64.py``)."""
 from .custom_ops import slice_grad, slice_stats
 from .functions import cross_entropy_rows
-from .linear import linear_cross_entropy, linear_token_log_probs, token_log_probs
+from .linear import (linear_cross_entropy, linear_token_log_probs, linear_token_log_probs_multi, token_log_probs,
+                     token_log_probs_multi)
 
-__all__ = ["cross_entropy_rows", "linear_cross_entropy", "linear_token_log_probs", "slice_grad", "slice_stats",
-           "token_log_probs"]
+__all__ = ["cross_entropy_rows", "linear_cross_entropy", "linear_token_log_probs", "linear_token_log_probs_multi",
+           "slice_grad", "slice_stats", "token_log_probs", "token_log_probs_multi"]

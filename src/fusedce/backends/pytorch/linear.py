@@ -5,6 +5,7 @@ import functools
 
 from ..chunk_loop import linear_cross_entropy as _linear_cross_entropy
 from ..chunk_loop import log_probs as _log_probs
+from ..chunk_loop import log_probs_multi as _log_probs_multi
 from ..chunk_loop.loop import loss_then_grad_
 from .custom_ops import TORCH_TILED, rows_grad_, rows_loss, rows_token_stats
 
@@ -34,3 +35,6 @@ class TorchChunkCE:
 linear_cross_entropy = functools.partial(_linear_cross_entropy, TorchChunkCE, tiled=TORCH_TILED)
 token_log_probs = functools.partial(_log_probs.token_log_probs, TorchChunkCE)
 linear_token_log_probs = functools.partial(_log_probs.linear_token_log_probs, TorchChunkCE, tiled=TORCH_TILED)
+token_log_probs_multi = functools.partial(_log_probs_multi.token_log_probs_multi, TorchChunkCE)
+linear_token_log_probs_multi = functools.partial(_log_probs_multi.linear_token_log_probs_multi, TorchChunkCE,
+                                               tiled=TORCH_TILED)

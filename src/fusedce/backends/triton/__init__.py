@@ -1,8 +1,9 @@
 """Triton backend: fused cross-entropy kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
-from .linear import linear_cross_entropy, linear_token_log_probs, token_log_probs
+from .linear import (linear_cross_entropy, linear_token_log_probs, linear_token_log_probs_multi, token_log_probs,
+                     token_log_probs_multi)
 from .ops import cross_entropy_rows
 from .slices import slice_grad, slice_stats
 from .tiled import TRITON_TILED
 
-__all__ = ["TRITON_TILED", "cross_entropy_rows", "linear_cross_entropy", "linear_token_log_probs", "slice_grad",
-           "slice_stats", "token_log_probs"]
+__all__ = ["TRITON_TILED", "cross_entropy_rows", "linear_cross_entropy", "linear_token_log_probs",
+           "linear_token_log_probs_multi", "slice_grad", "slice_stats", "token_log_probs", "token_log_probs_multi"]

@@ -14,6 +14,7 @@ import functools
 
 from ..chunk_loop import linear_cross_entropy as _linear_cross_entropy
 from ..chunk_loop import log_probs as _log_probs
+from ..chunk_loop import log_probs_multi as _log_probs_multi
 from . import custom_ops
 from .tiled import TRITON_TILED
 
@@ -50,3 +51,6 @@ class TritonChunkCE:
 linear_cross_entropy = functools.partial(_linear_cross_entropy, TritonChunkCE, tiled=TRITON_TILED)
 token_log_probs = functools.partial(_log_probs.token_log_probs, TritonChunkCE)
 linear_token_log_probs = functools.partial(_log_probs.linear_token_log_probs, TritonChunkCE, tiled=TRITON_TILED)
+token_log_probs_multi = functools.partial(_log_probs_multi.token_log_probs_multi, TritonChunkCE)
+linear_token_log_probs_multi = functools.partial(_log_probs_multi.linear_token_log_probs_multi, TritonChunkCE,
+                                               tiled=TRITON_TILED)
