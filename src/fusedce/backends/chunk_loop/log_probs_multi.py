@@ -25,9 +25,11 @@ everything but the first term when called with ``grad_row = 0`` and ``grad_lse =
   += g_k x'_k`` (``x'`` = dz/dx at the target, from the forward's saved target logits). ``grad_hidden``
   is then rounded a second time in a 16-bit dtype (at most one more half-ulp), and the index-add of
   ``grad_weight`` uses float atomics on CUDA (not bitwise deterministic for K > 1). The target logits
-  are dot products of ``hidden`` with gathered rows of ``weight`` in fp32 (rounded once to hidden's
-  dtype, as ``F.linear``), ``_GATHER_ELEMENTS`` at a time: the one temporary not bounded by the
-  tiles (at most 2^22 elements, or one row's K x H).
+  come from ``F.linear`` on gathered rows of ``weight`` (``_target_logits``); the kernels' own tile
+  matmul may sum in another order, so on a GPU a target logit can differ from the one the lse saw by
+  one rounding of hidden's dtype (the chunked method gathers them from the very logits the lse came
+  from). The gathers are the temporaries not bounded by the tiles: at most 2^22 elements (or one
+  row's K x H) at a time.
 
 Ignored entries give 0 and get no gradient; rows whose K entries are all ignored are skipped as
 ignored rows (0 entropy, zero gradient, in the linear form compacted away before the matmuls).
@@ -46,7 +48,8 @@ from .api import compact_rows, make_head, scatter_rows
 from .heads import TiledHead
 from .protocols import ChunkCE, TiledCE
 
-_GATHER_ELEMENTS = 1 << 22   # elements of the (rows, K, H) fp32 weight gather of the tiled method
+_GATHER_ELEMENTS = 1 << 22   # elements of the (rows, K, H) weight gathers of the tiled method
+_ROWS = 32                   # rows per F.linear of the target logits (``_target_logits``)
 
 
 class Entries(NamedTuple):
@@ -174,17 +177,20 @@ class _LogProbsK(torch.autograd.Function):
 
 
 def _target_logits(hidden, weight, bias, safe: torch.Tensor) -> torch.Tensor:
-    """``x_ik = hidden_i . weight[t_ik] + bias[t_ik]`` (n, K) in hidden's dtype: fp32 products and sums of
-    the gathered rows, rounded once (as ``F.linear``); ``_GATHER_ELEMENTS`` at a time."""
+    """``x_ik = hidden_i . weight[t_ik] + bias[t_ik]`` (n, K) in hidden's dtype, by ``F.linear`` itself (so
+    rounded as the backends' logits are): per chunk of r rows, ``F.linear`` of the r hidden rows with
+    their r K gathered weight rows, of which the (r, K) diagonal blocks are kept. r ``_ROWS`` at most,
+    and the gather below ``_GATHER_ELEMENTS``: O(r) times the FLOPs of the K dots (r K / V of the
+    tiled matmuls'), no tensor with a V dimension."""
     n, K = safe.shape
     x = torch.empty(n, K, dtype=hidden.dtype, device=hidden.device)
-    rows = max(1, _GATHER_ELEMENTS // max(1, K * hidden.shape[1]))
+    rows = max(1, min(_ROWS, _GATHER_ELEMENTS // max(1, K * hidden.shape[1])))
     for s in range(0, n, rows):
         c = slice(s, s + rows)
-        dots = torch.bmm(weight[safe[c]].float(), hidden[c].float()[:, :, None])[:, :, 0]
-        if bias is not None:
-            dots = dots + bias[safe[c]].float()
-        x[c] = dots.to(hidden.dtype)
+        idx = safe[c].reshape(-1)
+        logits = torch.nn.functional.linear(hidden[c], weight[idx], None if bias is None else bias[idx])
+        r = logits.shape[0]
+        x[c] = logits.reshape(r, r, K).diagonal(dim1=0, dim2=1).t()
     return x
 
 
