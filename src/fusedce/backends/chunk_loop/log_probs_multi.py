@@ -25,7 +25,7 @@ everything but the first term when called with ``grad_row = 0`` and ``grad_lse =
   += g_k x'_k`` (``x'`` = dz/dx at the target, from the forward's saved target logits). ``grad_hidden``
   is then rounded a second time in a 16-bit dtype (at most one more half-ulp), and the index-add of
   ``grad_weight`` uses float atomics on CUDA (not bitwise deterministic for K > 1). The target logits
-  come from ``F.linear`` on gathered rows of ``weight`` (``_target_logits``); the kernels' own tile
+  come from ``F.linear`` on gathered rows of ``weight`` (``log_probs_multi_tiled.py``); the kernels' own tile
   matmul may sum in another order, so on a GPU a target logit can differ from the one the lse saw by
   one rounding of hidden's dtype (the chunked method gathers them from the very logits the lse came
   from). The gathers are the temporaries not bounded by the tiles: at most 2^22 elements (or one
@@ -46,11 +46,8 @@ from ..pytorch.rows import transform
 from . import loop
 from .api import compact_rows, make_head, scatter_rows
 from .heads import TiledHead
+from .log_probs_multi_tiled import sparse_grads_, target_logits
 from .protocols import ChunkCE, TiledCE
-
-_GATHER_ELEMENTS = 1 << 22   # elements of the (rows, K, H) weight gathers of the tiled method
-_ROWS = 32                   # rows per F.linear of the target logits (``_target_logits``)
-
 
 class Entries(NamedTuple):
     """The K targets of n rows: ``valid`` (n, K) bool (not ``ignore_index`` and in [0, V)),
@@ -176,45 +173,6 @@ class _LogProbsK(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _target_logits(hidden, weight, bias, safe: torch.Tensor) -> torch.Tensor:
-    """``x_ik = hidden_i . weight[t_ik] + bias[t_ik]`` (n, K) in hidden's dtype, by ``F.linear`` itself (so
-    rounded as the backends' logits are): per chunk of r rows, ``F.linear`` of the r hidden rows with
-    their r K gathered weight rows, of which the (r, K) diagonal blocks are kept. r ``_ROWS`` at most,
-    and the gather below ``_GATHER_ELEMENTS``: O(r) times the FLOPs of the K dots (r K / V of the
-    tiled matmuls'), no tensor with a V dimension."""
-    n, K = safe.shape
-    x = torch.empty(n, K, dtype=hidden.dtype, device=hidden.device)
-    rows = max(1, min(_ROWS, _GATHER_ELEMENTS // max(1, K * hidden.shape[1])))
-    for s in range(0, n, rows):
-        c = slice(s, s + rows)
-        idx = safe[c].reshape(-1)
-        logits = torch.nn.functional.linear(hidden[c], weight[idx], None if bias is None else bias[idx])
-        r = logits.shape[0]
-        x[c] = logits.reshape(r, r, K).diagonal(dim1=0, dim2=1).t()
-    return x
-
-
-def _sparse_grads_(grads, hidden, weight, d: torch.Tensor, safe: torch.Tensor, needs) -> tuple:
-    """Add the sparse term ``d`` ((n, K) fp32 dL/dx at the target columns) to the tiled gradients."""
-    g_h, g_w, g_b = grads
-    n, K = safe.shape
-    rows = max(1, _GATHER_ELEMENTS // max(1, K * hidden.shape[1]))
-    if needs[0]:
-        g_h32 = g_h.float()
-        for s in range(0, n, rows):
-            c = slice(s, s + rows)
-            g_h32[c] += torch.bmm(d[c, None, :], weight[safe[c]].float())[:, 0]
-        g_h = g_h32.to(g_h.dtype)
-    if needs[1]:
-        for s in range(0, n, rows):
-            c = slice(s, s + rows)
-            rows_h = hidden[c].float()[:, None, :] * d[c, :, None]
-            g_w.index_add_(0, safe[c].reshape(-1), rows_h.reshape(-1, hidden.shape[1]).to(g_w.dtype))
-    if needs[2]:
-        g_b.index_add_(0, safe.reshape(-1), d.reshape(-1).to(g_b.dtype))
-    return g_h, g_w, g_b
-
-
 class _LinearLogProbsK(torch.autograd.Function):
     """``hidden @ weight.T + bias`` never materialized: a ``heads.py`` head (chunked or tiled)."""
 
@@ -224,7 +182,7 @@ class _LinearLogProbsK(torch.autograd.Function):
         if isinstance(head, TiledHead):
             rows = head.tiled.forward(hidden, weight, bias, e.rep, None, None, opts, False, want_entropy)
             lse, lse_lo, entropy = rows.lse, rows.lse_lo, rows.entropy
-            x = _target_logits(hidden, weight, bias, e.safe)
+            x = target_logits(hidden, weight, bias, e.safe)
         else:
             lse, lse_lo, entropy, x = _chunked_forward(head, hidden, weight, bias, e, opts, want_entropy)
         entropy = _entropy_or_empty(entropy, lse)
@@ -248,7 +206,7 @@ class _LinearLogProbsK(torch.autograd.Function):
                                         needs, torch.float32, k, entropy if k is not None else None,
                                         deterministic=head.deterministic)
             d = g * _slope(transform(x.float(), opts), opts)
-            g_h, g_w, g_b = _sparse_grads_(grads, hidden, weight, d, e.safe, needs)
+            g_h, g_w, g_b = sparse_grads_(grads, hidden, weight, d, e.safe, needs)
         else:
             saved = (lse, lse_lo, None, entropy if k is not None else None)
             *_, g_h, g_w, g_b = loop.grads(_KClassCE(head.ce, weight.shape[0]), hidden, weight, bias, target, None,
