@@ -202,3 +202,22 @@ def test_errors():
         fusedce.token_log_probs(logits, torch.zeros(3, 2, dtype=torch.int64), return_stats=True)
     with pytest.raises(ValueError, match="temperature"):
         fusedce.token_log_probs(logits, torch.zeros(3, 2, dtype=torch.int64), temperature=0.0)
+
+
+@pytest.mark.parametrize("method", [None, "chunked", "tiled"])
+def test_backward_twice(backend, method):
+    """A second backward through a retained graph gives the first one's gradient; create_graph raises."""
+    target = make_targets((7,))
+    if method is None:
+        leaf = (torch.randn(7, V) * 2).requires_grad_()
+        out = fusedce.token_log_probs(leaf, target, temperature=0.8, return_entropy=True, backend=backend)
+    else:
+        leaf, weight, _ = make_linear((7,), HIDDEN, V)
+        out = fusedce.linear_token_log_probs(leaf, weight, target, temperature=0.8, return_entropy=True,
+                                             method=method, backend=backend)
+    loss = objective(out.log_probs, out.entropy, torch.randn(target.shape), torch.rand(7))
+    first = torch.autograd.grad(loss, leaf, retain_graph=True)[0]
+    second = torch.autograd.grad(loss, leaf, retain_graph=True)[0]
+    assert torch.equal(first, second)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, leaf, create_graph=True)

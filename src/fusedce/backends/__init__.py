@@ -9,7 +9,8 @@
 - ``linear_cross_entropy(..., reduction, scales, ..., method)``: the LM head fused with the loss,
   reduced (``scales`` = the mean's 1/D and 1/N), chunked or tiled, see ``backends/chunk_loop/``.
 - ``token_log_probs`` / ``linear_token_log_probs``: per-row log-probs and entropy for RL, see
-  ``backends/chunk_loop/log_probs.py``.
+  ``backends/chunk_loop/log_probs.py``; ``token_log_probs_multi`` / ``linear_token_log_probs_multi``:
+  the same for K classes per row (``chunk_loop/log_probs_multi.py``, on the same kernels).
 - ``slice_stats`` / ``slice_grad``: the same math on a vocabulary slice (partial row statistics out,
   the slice's gradient from the global statistics in), for ``integrations/distributed``.
 
