@@ -120,8 +120,8 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
             host sync per call, skipped under torch.compile / CUDA-graph capture).
         deterministic: as in :func:`fusedce.linear_cross_entropy` (None follows
             ``torch.are_deterministic_algorithms_enabled()``; the tiled Triton backward then runs
-            without atomics; with a ``(..., K)`` target and K > 1 the tiled method's weight gradient
-            also gets an ``index_add_`` of the K classes' terms, which uses atomics on CUDA).
+            without atomics; with a ``(..., K)`` target the tiled method then also adds the K classes'
+            weight-gradient terms by a sorted segment sum, one more host sync, instead of ``index_add_``).
         A ``(..., K)`` target with ``"tiled"`` also computes the K target logits from gathered rows of
             ``weight`` (fp32 products, at most 2^22 elements at a time, or one row's K x H) and rounds
             the hidden gradient a second time in bf16 / fp16 (``backends/chunk_loop/log_probs_multi.py``).

@@ -23,8 +23,9 @@ everything but the first term when called with ``grad_row = 0`` and ``grad_lse =
 - ``method="tiled"`` (no logits): the sparse term is added to the tiled gradients,
   ``grad_hidden_i += sum_k g_k x'_k W[t_k]``, ``grad_weight[t_k] += g_k x'_k hidden_i``, ``grad_bias[t_k]
   += g_k x'_k`` (``x'`` = dz/dx at the target, from the forward's saved target logits). ``grad_hidden``
-  is then rounded a second time in a 16-bit dtype (at most one more half-ulp), and the index-add of
-  ``grad_weight`` uses float atomics on CUDA (not bitwise deterministic for K > 1). The target logits
+  is then rounded a second time in a 16-bit dtype (at most one more half-ulp); the index-add into
+  ``grad_weight`` / ``grad_bias`` uses float atomics on CUDA unless ``deterministic`` (then a sorted
+  segment sum per class, one more host sync; ``log_probs_multi_tiled.py``). The target logits
   come from ``F.linear`` on gathered rows of ``weight`` (``log_probs_multi_tiled.py``); the kernels' own tile
   matmul may sum in another order, so on a GPU a target logit can differ from the one the lse saw by
   one rounding of hidden's dtype (the chunked method gathers them from the very logits the lse came
@@ -206,7 +207,7 @@ class _LinearLogProbsK(torch.autograd.Function):
                                         needs, torch.float32, k, entropy if k is not None else None,
                                         deterministic=head.deterministic)
             d = g * _slope(transform(x.float(), opts), opts)
-            g_h, g_w, g_b = sparse_grads_(grads, hidden, weight, d, e.safe, needs)
+            g_h, g_w, g_b = sparse_grads_(grads, hidden, weight, d, e.safe, needs, head.deterministic)
         else:
             saved = (lse, lse_lo, None, entropy if k is not None else None)
             *_, g_h, g_w, g_b = loop.grads(_KClassCE(head.ce, weight.shape[0]), hidden, weight, bias, target, None,

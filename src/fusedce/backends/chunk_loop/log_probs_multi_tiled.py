@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ...validation import sync_allowed
+
 _GATHER_ELEMENTS = 1 << 22   # elements of the (rows, K, H) weight gathers
 _ROWS = 32                   # rows per F.linear of the target logits (``target_logits``)
 
@@ -28,8 +30,26 @@ def target_logits(hidden, weight, bias, safe: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def sparse_grads_(grads, hidden, weight, d: torch.Tensor, safe: torch.Tensor, needs) -> tuple:
-    """Add the sparse term ``d`` ((n, K) fp32 dL/dx at the target columns) to the tiled gradients."""
+def _add_rows_(acc: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, deterministic: bool) -> None:
+    """``acc[ids[e]] += values[e]`` for every entry e (``index_add_``: float atomics on CUDA, so the sum
+    of one class's entries is not bitwise reproducible). ``deterministic``: the entries are sorted by
+    class (stable), each class's run summed by ``segment_reduce``, then added once per class: no two
+    additions to one element race (one host sync for the number of classes; under torch.compile /
+    CUDA-graph capture, where it cannot sync, ``index_add_`` as above)."""
+    if not deterministic or not sync_allowed() or ids.numel() == 0:
+        acc.index_add_(0, ids, values.to(acc.dtype))
+        return
+    order = torch.argsort(ids, stable=True)
+    classes, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    acc.index_add_(0, classes, torch.segment_reduce(values[order], "sum", lengths=counts).to(acc.dtype))
+
+
+def sparse_grads_(grads, hidden, weight, d: torch.Tensor, safe: torch.Tensor, needs,
+                  deterministic: bool = False) -> tuple:
+    """Add the sparse term ``d`` ((n, K) fp32 dL/dx at the target columns) to the tiled gradients
+    ``(grad_hidden, grad_weight, grad_bias)``: ``grad_hidden_i += sum_k d_ik weight[t_ik]`` (formed in
+    fp32, rounded once more to its dtype), ``grad_weight[t_ik] += d_ik hidden_i``, ``grad_bias[t_ik] +=
+    d_ik`` (``_add_rows_``)."""
     g_h, g_w, g_b = grads
     n, K = safe.shape
     rows = max(1, _GATHER_ELEMENTS // max(1, K * hidden.shape[1]))
@@ -43,7 +63,7 @@ def sparse_grads_(grads, hidden, weight, d: torch.Tensor, safe: torch.Tensor, ne
         for s in range(0, n, rows):
             c = slice(s, s + rows)
             rows_h = hidden[c].float()[:, None, :] * d[c, :, None]
-            g_w.index_add_(0, safe[c].reshape(-1), rows_h.reshape(-1, hidden.shape[1]).to(g_w.dtype))
+            _add_rows_(g_w, safe[c].reshape(-1), rows_h.reshape(-1, hidden.shape[1]), deterministic)
     if needs[2]:
-        g_b.index_add_(0, safe.reshape(-1), d.reshape(-1).to(g_b.dtype))
+        _add_rows_(g_b, safe.reshape(-1), d.reshape(-1), deterministic)
     return g_h, g_w, g_b
