@@ -18,8 +18,8 @@ everything but the first term when called with ``grad_row = 0`` and ``grad_lse =
 - logits given, and ``method="chunked"`` (a chunk's logits are in a buffer): after the kernel, the K
   target columns of the row's gradient are recomputed in fp32 from the whole formula and written over
   (``_fix_columns_``): every element of the gradient is rounded once to the logits' dtype, as in the
-  one-class op. Duplicate classes in a row sum their ``g`` (in entry order: identical bits for every
-  copy, so the scatter is deterministic).
+  one-class op. Duplicate classes in a row sum their ``g`` (``_class_sums``: identical bits for every
+  copy, so the scatter is deterministic). Extra work O(BT K^2) (the class-equality mask), no V term.
 - ``method="tiled"`` (no logits): the sparse term is added to the tiled gradients,
   ``grad_hidden_i += sum_k g_k x'_k W[t_k]``, ``grad_weight[t_k] += g_k x'_k hidden_i``, ``grad_bias[t_k]
   += g_k x'_k`` (``x'`` = dz/dx at the target, from the forward's saved target logits). ``grad_hidden``
@@ -49,6 +49,8 @@ from .api import compact_rows, make_head, scatter_rows
 from .heads import TiledHead
 from .log_probs_multi_tiled import sparse_grads_, target_logits
 from .protocols import ChunkCE, TiledCE
+
+_SAME_CLASS_ELEMENTS = 1 << 22   # the (rows, K, K) class-equality temporary of ``_class_sums``
 
 class Entries(NamedTuple):
     """The K targets of n rows: ``valid`` (n, K) bool (not ``ignore_index`` and in [0, V)),
@@ -91,12 +93,17 @@ def _slope(z: torch.Tensor, opts: LossOptions) -> torch.Tensor:
 
 
 def _class_sums(e: Entries, g: torch.Tensor) -> torch.Tensor:
-    """``sum_{j: t_j = t_k} g_j`` per entry (n, K) fp32, added in entry order j = 0..K-1 (every copy of
-    a class gets the same bits). K passes over (n, K); no (n, K, K) temporary."""
+    """``sum_{j: t_j = t_k} g_j`` per entry (n, K) fp32: a masked (K, K) product per row, rows at a time
+    so that the (rows, K, K) temporary stays below ``_SAME_CLASS_ELEMENTS``. Every copy of a class sums
+    the same masked row in the same order: identical bits (the scatter below is then deterministic)."""
     ids = torch.where(e.valid, e.safe, -1)
-    total = torch.zeros_like(g)
-    for j in range(ids.shape[1]):
-        total += torch.where(ids == ids[:, j:j + 1], g[:, j:j + 1], 0.0)
+    n, K = ids.shape
+    total = torch.empty_like(g)
+    rows = max(1, _SAME_CLASS_ELEMENTS // (K * K))
+    for s in range(0, n, rows):
+        c = slice(s, s + rows)
+        same = ids[c, :, None] == ids[c, None, :]
+        total[c] = torch.where(same, g[c, None, :], 0.0).sum(dim=-1)
     return total
 
 
