@@ -5,7 +5,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import backends, lm_head, validation as val
+from . import backends, lm_head, log_probs_multi as multi, validation as val
 from .options import check_flag, deterministic_mode, log_prob_options
 from .lm_head.method import check_method, resolve_method
 from .autocast import fp32_op, linear_op
@@ -40,7 +40,12 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
         logits: ``(..., V)`` float32 / bfloat16 / float16; any row stride (last dim not stride 1: one
             copy). Never modified.
         target: ``(...)`` = ``logits.shape[:-1]``, int64 or int32; ``ignore_index`` marks rows (prompt,
-            padding) that get 0 in both outputs and exactly zero gradient.
+            padding) that get 0 in both outputs and exactly zero gradient. Or ``(..., K)`` (one more
+            dimension, K >= 1): the log-probs of K classes per token (TRL's ``selective_log_softmax``
+            with a ``(..., K)`` index; top-k distillation, ranking losses), ``log_probs[..., k] =
+            q[t_k] - logsumexp(q)`` from one pass of the row statistics; ``ignore_index`` entries give 0
+            and no gradient, a row whose K entries are all ignored is an ignored row (entropy 0);
+            duplicate classes in a row are allowed (their gradients add). Not with ``return_stats``.
         temperature: > 0, finite (the sampling temperature of the rollout).
         softcap: optional > 0, applied before the temperature (Gemma 2's final-logit softcapping).
         logit_scale: > 0, multiplies the logits first (Cohere's ``logit_scale``, Granite's ``1 /
@@ -53,7 +58,8 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
 
     Returns:
-        fp32 ``log_probs`` of ``target.shape``, ``TokenLogProbs(log_probs, entropy)``, or (with
+        fp32 ``log_probs`` of ``target.shape`` (with a ``(..., K)`` target: ``(..., K)``, and the entropy
+        ``(...)``), ``TokenLogProbs(log_probs, entropy)``, or (with
         ``return_stats``) ``TokenStats``. Both are
         differentiable with any upstream gradients (e.g. ``-(advantage * log_probs).sum() - beta *
         entropy.mean()``); the gradient of ``logits`` has their dtype and shape. Memory: the forward
@@ -71,6 +77,8 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
         raise ValueError("logits must have at least one dimension (the classes, last)")
     val.check_nonzero("logits", logits.shape, -1, "V")
     opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
+    if multi.is_multi(logits, target):
+        return multi.token_log_probs(logits, target, opts, return_entropy, return_stats, backend)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
     val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
     target = val.widen_target(target, opts.ignore_index)
@@ -107,7 +115,11 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
             host sync per call, skipped under torch.compile / CUDA-graph capture).
         deterministic: as in :func:`fusedce.linear_cross_entropy` (None follows
             ``torch.are_deterministic_algorithms_enabled()``; the tiled Triton backward then runs
-            without atomics).
+            without atomics; with a ``(..., K)`` target the tiled method then also adds the K classes'
+            weight-gradient terms by a sorted segment sum, one more host sync, instead of ``index_add_``).
+        A ``(..., K)`` target with ``"tiled"`` also computes the K target logits from gathered rows of
+            ``weight`` (fp32 products, at most 2^22 elements at a time, or one row's K x H) and rounds
+            the hidden gradient a second time in bf16 / fp16 (``lm_head/log_probs_multi.py``).
 
     Returns:
         As :func:`token_log_probs`; gradients of ``hidden``, ``weight``, ``bias`` in their dtypes. The
@@ -118,6 +130,9 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
         shapes, ``chunk_size``, ``method`` and ``deterministic``.
     """
     opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
+    if multi.is_multi(hidden, target):
+        return multi.linear_token_log_probs(hidden, weight, target, bias, opts, return_entropy, return_stats,
+                                            chunk_size, method, backend, deterministic_mode(deterministic))
     val.check_linear(hidden, weight, target, bias, None, chunk_size)
     check_method(method, chunk_size)
     deterministic = deterministic_mode(deterministic)
