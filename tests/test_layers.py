@@ -33,6 +33,8 @@ LAYERS = [
     ("fusedce.lm_head", 5),            # the LM head fused with the loss
     ("fusedce.functional", 6),
     ("fusedce.log_probs", 6),
+    ("fusedce.log_probs_multi", 6),
+    ("fusedce.distillation_topk", 6),
     ("fusedce.integrations.distributed", 7),
     ("fusedce.distributed", 8),
     ("fusedce.modules", 8),
