@@ -31,14 +31,15 @@ from typing import Optional, Union
 import torch
 
 from . import validation as val
+from .options import REDUCTIONS
 from .log_probs import linear_token_log_probs, token_log_probs
 from .options.checks import fp32_range, integer_option, real_option
 from .reduction import _given, mean_scale
 
 
 def _options(temperature, hard_label_weight, ignore_index, reduction, target, num_items_in_batch, device):
-    if reduction not in val.REDUCTIONS:
-        raise ValueError(f"reduction must be one of {val.REDUCTIONS}, got {reduction!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     temperature = real_option("temperature", temperature)
     if not temperature > 0.0:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")

@@ -170,14 +170,16 @@ def test_log_probs_only_and_int32(backend):
 
 
 def test_a_backend_without_the_k_form_is_refused(monkeypatch):
-    import types
+    """A backend without the RL kernels (``Capabilities.entropy`` False: CuTe) is refused at the call,
+    checked when the backend is resolved (the resolution itself is faked: no CUDA here)."""
     from fusedce import backends
-    monkeypatch.setattr(backends, "get", lambda name, device: types.SimpleNamespace())
+    real = backends.resolve
+    monkeypatch.setattr(backends, "resolve", lambda name, device: "cute" if name == "cute" else real(name, device))
     logits, target = torch.randn(3, 10), torch.randint(0, 10, (3, 2))
-    with pytest.raises(RuntimeError, match="token_log_probs_multi"):
+    with pytest.raises(RuntimeError, match="backend='cute' has no entropy"):
         fusedce.token_log_probs(logits, target, backend="cute")
     hidden, weight, _ = make_linear((3,), 4, 10)
-    with pytest.raises(RuntimeError, match="linear_token_log_probs_multi"):
+    with pytest.raises(RuntimeError, match="backend='cute' has no entropy"):
         fusedce.linear_token_log_probs(hidden, weight, target, backend="cute")
 
 
