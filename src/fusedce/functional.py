@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from . import backends, reduction as red, validation as val
+from . import backends, reduction as red, soft_targets as soft, validation as val
 from .autocast import fp32_op, linear_op
 from .dtensor import dtensor_op
 from .backends.pytorch.rows import target_probability
@@ -101,15 +101,24 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     val.check_nonzero("logits", logits.shape, -1, "V")
     opts = val.loss_options(reduction, **options)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
-    val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
-    target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
+    probabilities = soft.is_soft_target(target)
+    if probabilities:
+        soft.check_soft_target(target, logits, opts)
+    else:
+        val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t),
+                         probabilities=True)
+        target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight", weight, n_classes, logits.device)
     val.check_num_items(num_items_in_batch, logits.device)
     val.check_flag("inplace_backward", inplace_backward)
     val.check_flag("return_stats", return_stats)
-    val.check_token_weights(token_weights, target)
+    val.check_token_weights(token_weights, target, shape)
     weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
     impl = backends.get(backend, logits.device)
+    if probabilities:   # soft_targets.py: F.cross_entropy's probability targets
+        return soft.cross_entropy(soft.backend_rows(impl, backend), rows_view(logits, inplace_backward), target,
+                                  weight, opts, reduction, num_items_in_batch, inplace_backward, return_stats,
+                                  token_weights, shape)
     flat_target = target.reshape(-1)
     token_weights = red.row_token_weights(token_weights, flat_target, opts.ignore_index)
     val.check_target_range(target, n_classes, opts.ignore_index,

@@ -2,7 +2,8 @@
 from .linear import linear_cross_entropy, linear_token_log_probs, token_log_probs
 from .ops import cross_entropy_rows
 from .slices import slice_grad, slice_stats
+from .soft_ops import soft_cross_entropy_rows
 from .tiled import TRITON_TILED
 
 __all__ = ["TRITON_TILED", "cross_entropy_rows", "linear_cross_entropy", "linear_token_log_probs", "slice_grad",
-           "slice_stats", "token_log_probs"]
+           "slice_stats", "soft_cross_entropy_rows", "token_log_probs"]
