@@ -86,7 +86,7 @@ def soft_forward_kernel(
         # sums hold only exact zeros or -inf terms, which re-basing leaves as they are
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)
         d = tl.where(m == -float("inf"), 0.0, m - shift)
-        b = b + a * d + tl.sum(tl.where(u == 0.0, 0.0, u * (z - shift)), axis=0)
+        b = b + a * d + tl.sum(u * tl.where(u == 0.0, 0.0, z - shift), axis=0)
         a += tl.sum(u, axis=0)
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
         m = m_new
