@@ -116,7 +116,8 @@ def test_options(backend, name, reduction):
     check(backend, x, q, weight, reduction=reduction, **kw)
 
 
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["q32", "q-bf16"])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=["q32", "q-bf16", "q-fp16", "q64"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 def test_dtypes(backend, dtype, q_dtype):
     """Logits and target dtypes independent of each other; the math is fp32 on their exact values."""
