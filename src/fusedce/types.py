@@ -20,6 +20,10 @@ class CrossEntropyOutput(NamedTuple):
     - ``token_accuracy``: float32; fraction of non-ignored rows whose argmax (lowest index on ties)
       equals the target, 0.0 when no row counts; per-row 0/1 for ``reduction="none"`` (0 on ignored rows).
     - ``predicted_tokens``: int64 ``target.shape``, argmax of the logits per row, -1 on ignored rows.
+
+    With probability targets (a float ``target`` of ``logits.shape``) no row is ignored: ``lse`` and
+    ``predicted_tokens`` are set on every row, ``token_accuracy`` counts the rows whose argmax of the
+    logits equals the argmax of the target (lowest index on ties), and the shapes are ``logits.shape[:-1]``.
     """
 
     loss: torch.Tensor

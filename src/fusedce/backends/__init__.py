@@ -6,6 +6,9 @@
   (``lse + lse_lo`` exact; no gradient), int64 argmax (-1 on ignored rows); no reduction. The z-loss
   is built from ``lse`` by ``reduction.py``, so its gradient reaches the backend as the upstream
   gradient of ``lse``.
+- ``soft_cross_entropy_rows(logits2d, q2d, weight, opts, inplace_backward, stats)``: the same four
+  outputs for probability targets ``q2d`` ((BT, V), any float dtype; no row ignored), see
+  ``soft_targets.py``; a backend without it (``cute``) refuses them with ``NotImplementedError``.
 - ``linear_cross_entropy(..., reduction, scales, ..., method)``: the LM head fused with the loss,
   reduced (``scales`` = the mean's 1/D and 1/N), chunked or tiled, see ``backends/chunk_loop/``.
 - ``token_log_probs`` / ``linear_token_log_probs``: per-row log-probs and entropy for RL, see
