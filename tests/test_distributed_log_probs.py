@@ -273,6 +273,32 @@ def linear_masked_bias_shard(rank, world):
 
 
 @check
+def backward_twice(rank, world):
+    """A second backward through a retained graph gives twice the gradients (both forms; the linear one
+    all-reduces each time); create_graph=True raises a RuntimeError naming it."""
+    cols = _cols(rank, SIZES[world])
+    t = make_target(SHAPE, V, ignore_every=4)
+    up_lp, up_ent = torch.randn(SHAPE), torch.randn(SHAPE)
+    xs = (torch.randn(*SHAPE, V) * 3)[..., cols].requires_grad_()
+    h, W, b = _linear_inputs()
+    for leaves, op in (([xs], fd.vocab_parallel_token_log_probs),
+                       ([h.requires_grad_(), W[cols].clone().requires_grad_(), b[cols].clone().requires_grad_()],
+                        fd.vocab_parallel_linear_token_log_probs)):
+        args = leaves[:2] + [t] + leaves[2:] if len(leaves) == 3 else leaves + [t]
+        out = op(*args, temperature=2.0, return_entropy=True)
+        objective = _objective(out, up_lp, up_ent)
+        once = torch.autograd.grad(objective, leaves, retain_graph=True)
+        objective.backward(retain_graph=True)
+        for leaf, g in zip(leaves, once):
+            assert torch.allclose(leaf.grad, g, rtol=1e-6, atol=1e-7), op.__name__
+        objective.backward()
+        for leaf, g in zip(leaves, once):
+            assert torch.allclose(leaf.grad, 2 * g, rtol=1e-6, atol=1e-7), op.__name__
+    _raises(RuntimeError, "create_graph",
+            lambda: torch.autograd.grad(fd.vocab_parallel_token_log_probs(xs, t).sum(), xs, create_graph=True))
+
+
+@check
 def bad_inputs(rank, world):
     """Errors, raised the same way on every rank (so no rank waits in a collective)."""
     sizes, cols = SIZES[world], _cols(rank, SIZES[world])
@@ -284,6 +310,7 @@ def bad_inputs(rank, world):
     _raises(TypeError, "int64 or int32", lambda: vp(x, t.float()))
     _raises(ValueError, "temperature", lambda: vp(x, t, temperature=0.0))
     _raises(ValueError, "hidden.shape[-1]", lambda: lin(h, W[cols, :5], t))
+    _raises(ValueError, "bias_shard must have shape", lambda: lin(h, W[cols], t, torch.zeros(sizes[rank] + 1)))
     bad = t.clone()
     bad[1, 2] = V                                  # the global V: one past the last class
     _raises(IndexError, str(V), lambda: vp(x, bad))
