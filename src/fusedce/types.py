@@ -239,7 +239,8 @@ class SliceStats(NamedTuple):
     ``xmax`` fp32 raw max, ``argmax`` int64 global index (lowest on ties), ``zmax`` fp32 max of z (-inf
     where the slice is all -inf), ``sumexp`` fp32 ``sum exp(z - zmax)`` (0 there), ``target_logit`` fp32
     z_t where this slice holds the target (else 0), ``zsum`` fp32 ``sum w_c z_c`` (None without
-    smoothing)."""
+    smoothing), ``tsum`` fp32 ``sum exp(z - zmax) (z - zmax)`` (0 where the slice is all -inf; the
+    entropy's partial sum, None unless asked)."""
 
     xmax: torch.Tensor
     argmax: torch.Tensor
@@ -247,3 +248,4 @@ class SliceStats(NamedTuple):
     sumexp: torch.Tensor
     target_logit: torch.Tensor
     zsum: Optional[torch.Tensor]
+    tsum: Optional[torch.Tensor] = None

@@ -114,6 +114,7 @@ VARIANTS = {
     "slice": {
         "plain": _v(),
         "all": Variant(ALL),
+        "entropy+softcap": _v("softcap", entropy=True),   # the vocab-parallel RL ops' statistics
     },
     "soft_forward": {
         "plain": _v(),
@@ -183,8 +184,8 @@ def _launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant, rows:
         return _soft_launch(kernel, logits, meta(rows, vocab, dt=dtype), weight, opts, variant, rows, meta)
     if kernel == "forward":   # loss, lse, lse_lo, predicted, entropy
         return L.forward_launch(logits, target, weight, weight_sum, opts, *(meta(rows),) * 3, predicted, entropy)
-    if kernel == "slice":     # xmax, argmax, zmax, sumexp, target_logit, zsum; a slice from column 4096
-        out = (meta(rows), meta(rows, dt=torch.int64), *(meta(rows),) * 4)
+    if kernel == "slice":     # xmax, argmax, zmax, sumexp, target_logit, zsum[, tsum]; a slice from column 4096
+        out = (meta(rows), meta(rows, dt=torch.int64), *(meta(rows),) * 4) + ((entropy,) if variant.entropy else ())
         return L.slice_stats_launch(logits, target, weight, opts, 4096, out)
     if kernel == "chunk":     # grad_row, z_grad_row, loss, lse, lse_lo, predicted, token_weight
         return L.chunk_launch(logits, target, weight, weight_sum, meta(()).expand(rows), meta(rows), opts,
