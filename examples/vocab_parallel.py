@@ -1,4 +1,5 @@
-"""Vocab-parallel cross-entropy with fusedce: each rank holds a slice of the LM head's vocabulary.
+"""Vocab-parallel cross-entropy and RL log-probs with fusedce: each rank holds a slice of the LM head's
+vocabulary.
 
 On CPU (gloo), two processes:
 
@@ -12,7 +13,8 @@ With NCCL every rank puts its tensors on ``cuda:LOCAL_RANK`` (NCCL moves only de
 single-process comparison runs the Triton path (``backend="auto"``). The collectives are the same on
 both backends: per forward one ``all_reduce(MAX)`` of BT int64 and one ``all_reduce(SUM)`` of BT x 3..5
 fp32 (never the logits), no collective in the cross-entropy backward, and one ``all_reduce(SUM)`` of the
-BT x H hidden gradient in the linear backward.
+BT x H hidden gradient in the linear backward. The RL log-probs / entropy exchange the same statistics
+(one fp32 column more for the entropy).
 
 Every rank builds the same full problem from a fixed seed (a stand-in for a model whose LM head is
 split by vocabulary rows), keeps its own, uneven, slice of the vocabulary, and rank 0 prints the
@@ -27,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 import fusedce
-from fusedce.distributed import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+from fusedce.distributed import (vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy,
+                                 vocab_parallel_linear_token_log_probs)
 
 
 def my_slice(vocab: int, rank: int, world: int) -> slice:
@@ -84,7 +87,18 @@ def main() -> None:
     grad_err_h = (hid.grad - hid_1.grad).abs().max()
     grad_err_w = (w_shard.grad - w_1.grad[cols]).abs().max()
 
-    errs = torch.stack([grad_err_ce, grad_err_h, grad_err_w]).float()
+    # 3. RL: per-token log-probs and entropy at a temperature (a GRPO-style objective with an entropy bonus).
+    adv = torch.randn(bt, generator=gen).to(device)
+    hid_rl, w_rl = hidden.clone().requires_grad_(), weight[cols].clone().requires_grad_()
+    rl = vocab_parallel_linear_token_log_probs(hid_rl, w_rl, target, temperature=0.7, return_entropy=True)
+    (-(adv * rl.log_probs).sum() - 0.01 * rl.entropy.sum()).backward()
+    hid_2, w_2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    single_rl = fusedce.linear_token_log_probs(hid_2, w_2, target, temperature=0.7, return_entropy=True)
+    (-(adv * single_rl.log_probs).sum() - 0.01 * single_rl.entropy.sum()).backward()
+    rl_errs = [(rl.log_probs - single_rl.log_probs).abs().max(), (rl.entropy - single_rl.entropy).abs().max(),
+               (hid_rl.grad - hid_2.grad).abs().max(), (w_rl.grad - w_2.grad[cols]).abs().max()]
+
+    errs = torch.stack([grad_err_ce, grad_err_h, grad_err_w, *rl_errs]).float()
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)  # worst slice over the ranks
     sizes = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor(cols.stop - cols.start, device=device))
@@ -97,6 +111,9 @@ def main() -> None:
         print(f"linear_cross_entropy vocab-parallel {loss_lin.item():.7f}   single-process "
               f"{single_lin.item():.7f}   |diff| {abs(loss_lin.item() - single_lin.item()):.2e}   "
               f"max |grad diff| hidden {errs[1].item():.2e}, weight {errs[2].item():.2e}")
+        print(f"linear_token_log_probs (T = 0.7) vs single-process: max |diff| log-probs {errs[3].item():.2e}, "
+              f"entropy {errs[4].item():.2e}; max |grad diff| hidden {errs[5].item():.2e}, weight "
+              f"{errs[6].item():.2e}")
     dist.destroy_process_group()
 
 

@@ -34,6 +34,7 @@ LAYERS = [
     ("fusedce.functional", 6),
     ("fusedce.log_probs", 6),
     ("fusedce.log_probs_multi", 6),
+    ("fusedce.soft_targets", 6),
     ("fusedce.distillation_topk", 6),
     ("fusedce.integrations.distributed", 7),
     ("fusedce.distributed", 8),

@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from . import backends, lm_head, reduction as red, validation as val
+from . import backends, lm_head, reduction as red, soft_targets as soft, validation as val
 from .options import check_flag, deterministic_mode, loss_options
 from .lm_head.method import check_method, resolve_method
 from .autocast import fp32_op, linear_op
@@ -45,7 +45,21 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             stride 1, or rows overlap in memory (expanded) with ``inplace_backward``, it is copied once
             (``inplace_backward`` then writes into that copy).
         target: ``(...)`` = ``logits.shape[:-1]``, int64 or int32, same device; ``ignore_index`` marks
-            rows that contribute nothing.
+            rows that contribute nothing. Or class probabilities ("soft" targets: mixup, distillation
+            from stored teacher distributions): a float32 / bfloat16 / float16 / float64 tensor of
+            ``logits.shape`` (its dtype independent of the logits'; used in fp32), with
+            ``F.cross_entropy``'s semantics: per row ``-sum_c w_c q'_c log softmax(z)_c``, ``q' = (1 -
+            eps) q + eps / V`` (label smoothing mixes q with the uniform distribution first); no row is
+            ignored (``ignore_index`` does not apply); ``"mean"`` divides the loss and the z-loss by the
+            number of rows (torch's rule for probability targets, whatever the class weights) or
+            ``num_items_in_batch``. Softcap, logit scale, z-loss, ``token_weights``, ``inplace_backward``
+            and the stats as for class indices (``token_accuracy``: the argmax of the logits equals the
+            argmax of the target, every row counted); ``use_token_scaling`` is a ``ValueError`` (its
+            ``p_t`` needs a target class). The target is a constant (a tensor that requires grad is a
+            ``TypeError``); its rows need not sum to 1 (not checked, as in torch); a class with ``q'_c w_c
+            = 0`` adds exactly 0, also at a -inf logit (torch's composition gives NaN there). Both
+            ``"torch"`` and ``"triton"`` (a one-pass forward and a one-pass backward, no host sync);
+            ``"cute"``: ``NotImplementedError``. Source: ``soft_targets.py``.
         weight: optional ``(V,)`` float class weights (``F.cross_entropy`` semantics); constants: they
             get no gradient.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (fp32 tensor of ``target.shape``). The mean is
@@ -64,7 +78,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             (NaN there is fine); a NaN or infinite weight on a non-ignored row is a ``ValueError`` in
             the target-range check's host sync (no extra sync), and where that check is skipped
             (torch.compile, CUDA-graph capture) it propagates: that row's loss, the reduced loss and
-            that row's gradient become NaN / inf.
+            that row's gradient become NaN / inf. With probability targets there is no such sync: a
+            non-finite weight always propagates.
         inplace_backward: the backward pass writes the gradient into ``logits``' storage (destroys the
             caller's logits after backward, saves one BT x V buffer). Default: nothing of the caller's
             is ever modified.
@@ -80,7 +95,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
         The gradient w.r.t. ``logits`` has their dtype and shape; ignored rows get exactly 0.
 
     Raises:
-        TypeError: non-float logits or non-integer target; an unknown keyword; a loss option of the
+        TypeError: non-float logits; a target neither int64 / int32 nor float32 / bfloat16 / float16 /
+            float64 (bool, uint8, int16, float8, ...); a probability target that requires grad; an
+            unknown keyword; a loss option of the
             wrong kind (``ignore_index`` not an integer, e.g. a float or a bool: nothing is rounded; a
             real option not a real number, e.g. a string, or a tensor that requires grad; a flag not a
             bool); ``inplace_backward`` / ``return_stats`` not a bool; ``num_items_in_batch`` a bool or
@@ -90,13 +107,16 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             range: the kernels compute in fp32), ``num_items_in_batch`` negative, non-finite or beyond fp32
             (a number or a CPU tensor; a CUDA tensor is not read), weight not (V,), tensors on
             different devices, unknown backend; ``token_weights`` not of ``target.shape`` or on
-            another device, or (host-checked, see ``token_weights``) NaN / infinite on a non-ignored row.
+            another device, or (host-checked, see ``token_weights``) NaN / infinite on a non-ignored row;
+            a float (probability) target whose shape is not ``logits.shape`` (naming both), or with
+            ``use_token_scaling``.
             (An int32 ``target`` with an ``ignore_index`` outside int32 is fine: it is converted to
             int64 once, a BT-element copy.)
         IndexError: a target neither ``ignore_index`` nor in [0, V), naming the first bad position
             (a host sync; skipped under torch.compile / CUDA-graph capture, where that row's loss is NaN).
         RuntimeError: ``backend="triton"`` on CPU tensors without ``TRITON_INTERPRET=1``;
             ``backend="cute"`` on CPU tensors or without the ``cute`` extra (naming which is missing).
+        NotImplementedError: probability targets with ``backend="cute"``.
     """
     val.check_float("logits", logits)
     if logits.dim() < 1:
@@ -104,15 +124,24 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     val.check_nonzero("logits", logits.shape, -1, "V")
     opts = loss_options(reduction, **options)
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
-    val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
-    target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
+    probabilities = soft.is_soft_target(target)
+    if probabilities:
+        soft.check_soft_target(target, logits, opts)
+    else:
+        val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t),
+                         probabilities=True)
+        target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight", weight, n_classes, logits.device)
     val.check_num_items(num_items_in_batch, logits.device)
     check_flag("inplace_backward", inplace_backward)
     check_flag("return_stats", return_stats)
-    val.check_token_weights(token_weights, target)
+    val.check_token_weights(token_weights, target, shape)
     weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
     impl = backends.get(backend, logits.device)
+    if probabilities:   # soft_targets.py: F.cross_entropy's probability targets
+        return soft.cross_entropy(soft.backend_rows(impl, backend), rows_view(logits, inplace_backward), target,
+                                  weight, opts, reduction, num_items_in_batch, inplace_backward, return_stats,
+                                  token_weights, shape)
     flat_target = target.reshape(-1)
     token_weights = red.row_token_weights(token_weights, flat_target, opts.ignore_index)
     val.check_target_range(target, n_classes, opts.ignore_index,

@@ -50,8 +50,9 @@ def _extra_repr(module: nn.Module, *names: str) -> str:
 class CrossEntropyLoss(nn.Module):
     """Module form of :func:`fusedce.cross_entropy`; ``weight`` is registered as a buffer.
 
-    ``forward(logits (..., V), target (...), num_items_in_batch=None, *, token_weights=None)``; see
-    ``cross_entropy`` for shapes, dtypes, the in-place option, the per-token loss weights and errors.
+    ``forward(logits (..., V), target (...), num_items_in_batch=None, *, token_weights=None)``; ``target``
+    may also be class probabilities of ``logits.shape`` (float); see ``cross_entropy`` for shapes, dtypes,
+    probability targets, the in-place option, the per-token loss weights and errors.
 
     The loss options after the contract's positional ones (``logit_scale``, ``use_token_scaling``, and
     any added later) are keyword-only (listed below); every option is an attribute of the module.

@@ -66,6 +66,15 @@ def mean_scales(target: torch.Tensor, target_weight: Optional[torch.Tensor], ign
     return MeanScales(mean_scale(target_weight.sum()), count)
 
 
+def row_count_scales(n_rows: int, device: torch.device, num_items_in_batch) -> MeanScales:
+    """The mean's scales for probability targets (no row is ignored; torch divides by the number of rows
+    whatever the class weights): ``1 / num_items_in_batch`` if given, else ``1 / n_rows``, for both the
+    cross-entropy and the z-loss."""
+    given = num_items_in_batch is not None
+    scale = mean_scale(_given(num_items_in_batch if given else n_rows, device))
+    return MeanScales(scale, scale)
+
+
 def z_rows(lse: torch.Tensor, opts: LossOptions) -> Optional[torch.Tensor]:
     """Per-row z-loss ``lse_square_scale * lse**2`` (0 on ignored rows, whose lse the backends set to
     0), differentiable through ``lse``; None when the scale is 0."""
@@ -130,10 +139,12 @@ def loss_and_stats(ce_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Te
 
 def stats(loss: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor,
           opts: LossOptions, reduction: str, scales: Optional[MeanScales], shape,
-          token_weight: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
+          token_weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
     """Build ``CrossEntropyOutput`` from the per-row lse and argmax (BT,) and the reduced ``loss``
-    (``token_weight``: the z-loss rows are scaled like the loss)."""
-    valid = opts.kept(target)
+    (``token_weight``: the z-loss rows are scaled like the loss). ``valid``: the rows that count (bool
+    (BT,)); default ``target != ignore_index`` (probability targets pass all rows, and as ``target`` the
+    argmax of the target distribution)."""
+    valid = opts.kept(target) if valid is None else valid
     lse = lse.detach()
     z = token_scaled(lse, z_rows(lse, opts), token_weight)[1]
     z_loss = reduce(torch.zeros_like(lse) if z is None else z, None, reduction,

@@ -19,6 +19,10 @@ class CrossEntropyOutput(NamedTuple):
     - ``token_accuracy``: float32; fraction of non-ignored rows whose argmax (lowest index on ties)
       equals the target, 0.0 when no row counts; per-row 0/1 for ``reduction="none"`` (0 on ignored rows).
     - ``predicted_tokens``: int64 ``target.shape``, argmax of the logits per row, -1 on ignored rows.
+
+    With probability targets (a float ``target`` of ``logits.shape``) no row is ignored: ``lse`` and
+    ``predicted_tokens`` are set on every row, ``token_accuracy`` counts the rows whose argmax of the
+    logits equals the argmax of the target (lowest index on ties), and the shapes are ``logits.shape[:-1]``.
     """
 
     loss: torch.Tensor
@@ -65,7 +69,8 @@ class SliceStats(NamedTuple):
     ``xmax`` fp32 raw max, ``argmax`` int64 global index (lowest on ties), ``zmax`` fp32 max of z (-inf
     where the slice is all -inf), ``sumexp`` fp32 ``sum exp(z - zmax)`` (0 there), ``target_logit`` fp32
     z_t where this slice holds the target (else 0), ``zsum`` fp32 ``sum w_c z_c`` (None without
-    smoothing)."""
+    smoothing), ``tsum`` fp32 ``sum exp(z - zmax) (z - zmax)`` (0 where the slice is all -inf; the
+    entropy's partial sum, None unless asked)."""
 
     xmax: torch.Tensor
     argmax: torch.Tensor
@@ -73,3 +78,4 @@ class SliceStats(NamedTuple):
     sumexp: torch.Tensor
     target_logit: torch.Tensor
     zsum: Optional[torch.Tensor]
+    tsum: Optional[torch.Tensor] = None

@@ -31,14 +31,17 @@ def check_nonzero(name: str, shape, dim: int, what: str) -> None:
 
 
 def check_target(target: torch.Tensor, expected_shape, device: torch.device,
-                 hint: Optional[Callable[[tuple], str]] = None) -> None:
+                 hint: Optional[Callable[[tuple], str]] = None, probabilities: bool = False) -> None:
     """``target`` must be an int32/int64 tensor of ``expected_shape`` on ``device``. On a shape mismatch,
     ``hint(target.shape)`` is appended to the message: the likely mistake (:func:`class_dim_hint`,
-    :func:`swapped_hint`)."""
+    :func:`swapped_hint`). ``probabilities``: the op also takes float probability targets (checked by
+    :func:`check_soft_target`), which the dtype error then names."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor, got {type(target).__name__}")
     if target.dtype not in INDEX_DTYPES:
-        raise TypeError(f"target must be int64 or int32, got {target.dtype}")
+        also = (" class indices, or a float32 / bfloat16 / float16 / float64 tensor of the logits' shape "
+                "(class probabilities)") if probabilities else ""
+        raise TypeError(f"target must be int64 or int32{also}, got {target.dtype}")
     if tuple(target.shape) != tuple(expected_shape):
         raise ValueError(f"target shape {tuple(target.shape)} must equal {tuple(expected_shape)}"
                          + (hint(tuple(target.shape)) if hint is not None else ""))
@@ -116,18 +119,20 @@ class TargetOutOfRange(IndexError):
         self.position, self.value, self.n_classes, self.ignore_index = position, value, n_classes, ignore_index
 
 
-def check_token_weights(token_weights, target: torch.Tensor) -> None:
-    """``token_weights``: None, or a floating-point tensor of ``target.shape`` on its device (``TypeError``
-    for a non-tensor or a non-float dtype, ``ValueError`` for another shape or device). Its values are
-    checked by :func:`check_target_range` (in the same host sync)."""
+def check_token_weights(token_weights, target: torch.Tensor, shape=None) -> None:
+    """``token_weights``: None, or a floating-point tensor of ``shape`` (default ``target.shape``; the
+    logits' ``shape[:-1]`` for probability targets) on the target's device (``TypeError`` for a non-tensor
+    or a non-float dtype, ``ValueError`` for another shape or device). Its values are checked by
+    :func:`check_target_range` (in the same host sync; class-index targets only)."""
     if token_weights is None:
         return
     if not isinstance(token_weights, torch.Tensor) or not token_weights.is_floating_point():
         kind = token_weights.dtype if isinstance(token_weights, torch.Tensor) else type(token_weights).__name__
         raise TypeError(f"token_weights must be a floating-point tensor, got {kind}")
-    if tuple(token_weights.shape) != tuple(target.shape):
+    expected = tuple(target.shape if shape is None else shape)
+    if tuple(token_weights.shape) != expected:
         raise ValueError(f"token_weights shape {tuple(token_weights.shape)} must equal the target's "
-                         f"{tuple(target.shape)}")
+                         f"{expected}" + (" (logits.shape[:-1] for probability targets)" if shape is not None else ""))
     if token_weights.device != target.device:
         raise ValueError(f"token_weights is on {token_weights.device} but the target is on {target.device}")
 

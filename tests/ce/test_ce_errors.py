@@ -35,11 +35,19 @@ def test_logits_dtype(backend, dtype):
     _raises(TypeError, backend, x, make_target((ROWS,), V))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16, torch.uint8, torch.bool],
-                         ids=["float32", "bfloat16", "int16", "uint8", "bool"])
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.bool], ids=["int16", "uint8", "bool"])
 def test_target_dtype(backend, dtype):
     x, t = _good()
     _raises(TypeError, backend, x, t.clamp_min(0).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_float_class_indices(backend, dtype):
+    """A float target is a probability target of ``logits.shape``; class indices stored as floats
+    (``logits.shape[:-1]``) are a ValueError naming both shapes and the fix."""
+    x, t = _good()
+    _raises(ValueError, backend, x, t.clamp_min(0).to(dtype), match=rf"shape \({ROWS}, {V}\).*got \({ROWS},\).*"
+            r"target\.long\(\)")
 
 
 def test_non_tensor_arguments(backend):

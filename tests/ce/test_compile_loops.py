@@ -173,9 +173,12 @@ def test_torch_loop_ops_opcheck():
                                       *smooth, True, True, True, torch.float32, grad_lse, lse)),
         (ops.tiled_backward.default, (hidden, weight, None, target, None, None, lse, lse_lo, grad_row, None,
                                       *plain, True, False, False, torch.float64, None, None)),
-        (ops.slice_stats.default, (logits, target, w, *smooth, 100)),
+        (ops.slice_stats.default, (logits, target, w, *smooth, 100, False)),
+        (ops.slice_stats.default, (logits, target, None, *plain, 100, True)),
         (ops.slice_grad.default, (logits, target, w, weight_sum, None, lse, lse_lo, grad_row, grad_lse, *smooth,
-                                  0, n_classes)),
+                                  0, n_classes, None, None)),
+        (ops.slice_grad.default, (logits, target, None, None, None, lse, lse_lo, grad_row, None, *plain,
+                                  0, n_classes, grad_lse, lse)),
     ]
     for op, args in checks:
         result = torch.library.opcheck(op, args)

@@ -116,6 +116,7 @@ class Capabilities(NamedTuple):
     tiled: bool      # method="tiled": a TiledCE (``Backend.TILED_CE``)
     entropy: bool    # the RL ops: ChunkCE.loss(entropy=True), grad_(grad_entropy=), token_stats
     slices: bool     # vocabulary slices (``slice_stats`` / ``slice_grad``) for fusedce.distributed
+    soft_targets: bool   # probability targets: ``soft_cross_entropy_rows`` (``fusedce/soft_targets.py``)
 
 
 class Backend(Protocol):
@@ -137,6 +138,10 @@ class Backend(Protocol):
     exact; no gradient), int64 argmax (-1 on ignored rows, empty without ``stats``); no reduction (the
     z-loss is built from ``lse`` by ``reduction.py``, so its gradient reaches the backend as the
     upstream gradient of ``lse``)."""
+    soft_cross_entropy_rows: Optional[Callable]
+    """``soft_cross_entropy_rows(logits2d, q2d, weight, opts, inplace_backward, stats)``: the same four
+    outputs for probability targets ``q2d`` ((BT, V), any float dtype; no row ignored); only with
+    ``CAPABILITIES.soft_targets`` (``fusedce/soft_targets.py`` refuses the others)."""
     slice_stats: Callable
     """``slice_stats(logits, target, weight, opts, col_start) -> types.SliceStats`` on a vocabulary slice."""
     slice_grad: Callable

@@ -20,9 +20,10 @@ a GPU, so ``backend="auto"`` never picks it (``tuning.AUTO_PICKS_CUTE``).
 from ..protocol import Capabilities
 
 NAME = "cute"
-# No TiledCE and no entropy kernels yet; vocabulary slices run the Triton backend's kernels (slices.py).
-CAPABILITIES = Capabilities(tiled=False, entropy=False, slices=True)
+# No TiledCE, no entropy and no probability-target kernels yet; vocabulary slices run the Triton backend's kernels (slices.py).
+CAPABILITIES = Capabilities(tiled=False, entropy=False, slices=True, soft_targets=False)
 TILED_CE = None
+soft_cross_entropy_rows = None   # CAPABILITIES.soft_targets is False
 
 __all__ = ["CAPABILITIES", "CHUNK_CE", "NAME", "TILED_CE", "cross_entropy_rows", "slice_grad", "slice_stats"]
 

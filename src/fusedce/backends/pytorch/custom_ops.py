@@ -216,41 +216,44 @@ TORCH_TILED = TorchTiledOps()
 
 @torch.library.custom_op("fusedce_torch::slice_stats", mutates_args=())
 def _slice_stats_op(logits: Tensor, target: Tensor, weight: Opt, ignore_index: int, scalars: list[float],
-                    col_start: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    st = _slice_stats(logits, target, weight, LossOptions.from_op_args(ignore_index, scalars), col_start)
-    return (*st[:5], _or_empty(st.zsum, logits))
+                    col_start: int, entropy: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    st = _slice_stats(logits, target, weight, LossOptions.from_op_args(ignore_index, scalars), col_start, entropy)
+    return (*st[:5], _or_empty(st.zsum, logits), _or_empty(st.tsum, logits))
 
 
 @_slice_stats_op.register_fake
-def _(logits, target, weight, ignore_index, scalars, col_start):
+def _(logits, target, weight, ignore_index, scalars, col_start, entropy):
     n = logits.shape[0]
     smoothing = LossOptions.from_op_args(ignore_index, scalars).label_smoothing > 0.0
     return _f32(logits, n), _i64(logits, n), _f32(logits, n), _f32(logits, n), _f32(logits, n), \
-        _f32(logits, n if smoothing else 0)
+        _f32(logits, n if smoothing else 0), _f32(logits, n if entropy else 0)
 
 
 @torch.library.custom_op("fusedce_torch::slice_grad", mutates_args=())
 def _slice_grad_op(logits: Tensor, target: Tensor, weight: Opt, weight_sum: Opt, target_weight: Opt, lse: Tensor,
                    lse_lo: Tensor, grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
-                   col_start: int, n_total: int) -> Tensor:
+                   col_start: int, n_total: int, grad_entropy: Opt, entropy: Opt) -> Tensor:
     return _slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, grad_lse,
-                       LossOptions.from_op_args(ignore_index, scalars), col_start, n_total)
+                       LossOptions.from_op_args(ignore_index, scalars), col_start, n_total, grad_entropy, entropy)
 
 
 @_slice_grad_op.register_fake
 def _(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars,
-      col_start, n_total):
+      col_start, n_total, grad_entropy, entropy):
     return logits.new_empty(logits.shape)
 
 
-def slice_stats(logits, target, weight, opts: LossOptions, col_start: int) -> SliceStats:
+def slice_stats(logits, target, weight, opts: LossOptions, col_start: int, entropy: bool = False) -> SliceStats:
     """``slices.slice_stats`` as one op."""
-    *st, zsum = torch.ops.fusedce_torch.slice_stats(logits, target, weight, *opts.op_args(), col_start)
-    return SliceStats(*st, _none_if_empty(zsum, opts.label_smoothing > 0.0))
+    *st, zsum, tsum = torch.ops.fusedce_torch.slice_stats(logits, target, weight, *opts.op_args(), col_start,
+                                                          entropy)
+    return SliceStats(*st, _none_if_empty(zsum, opts.label_smoothing > 0.0), _none_if_empty(tsum, entropy))
 
 
 def slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, grad_lse,
-               opts: LossOptions, col_start: int, n_total: int) -> Tensor:
-    """``slices.slice_grad`` as one op."""
+               opts: LossOptions, col_start: int, n_total: int, grad_entropy: Opt = None,
+               entropy: Opt = None) -> Tensor:
+    """``slices.slice_grad`` as one op (``grad_entropy`` with the global ``entropy``: its term too)."""
     return torch.ops.fusedce_torch.slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo,
-                                              grad_row, grad_lse, *opts.op_args(), col_start, n_total)
+                                              grad_row, grad_lse, *opts.op_args(), col_start, n_total,
+                                              grad_entropy, None if grad_entropy is None else entropy)

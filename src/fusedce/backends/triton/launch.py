@@ -100,13 +100,17 @@ class VocabSlice(NamedTuple):
 def slice_stats_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                        opts: LossOptions, col_start: int, out: tuple):
     """``(kernel, grid, args, meta)`` of the slice-statistics launch (see ``ce_slice``); ``out`` =
-    (xmax, argmax, zmax, sumexp, target_logit, zsum) buffers of (n,) (zsum read only with smoothing)."""
+    (xmax, argmax, zmax, sumexp, target_logit, zsum[, tsum]) buffers of (n,) (zsum written only with
+    smoothing; tsum, the entropy's partial sum, given: COMPUTE_ENTROPY, written)."""
     n_rows, n_cols = logits.shape
     cfg = forward_config(n_cols)
-    args = (logits, target, out[0] if weight is None else weight, *out, n_cols, col_start,
-            logits.stride(0), target.stride(0), opts.kernel_scalars())
+    entropy = len(out) > 6
+    args = (logits, target, out[0] if weight is None else weight, *out[:6], out[6] if entropy else out[0],
+            n_cols, col_start, logits.stride(0), target.stride(0), opts.kernel_scalars())
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=_align(logits.element_size(), n_cols, logits.stride(0)),
                 FLAGS=opts.kernel_flags(weight is not None), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+    if entropy:
+        meta["COMPUTE_ENTROPY"] = True
     return ce_slice_stats_kernel, (n_rows,), args, meta
 
 

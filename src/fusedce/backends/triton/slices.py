@@ -13,12 +13,13 @@ from .launch import VocabSlice, ce_backward, ce_slice_stats
 
 
 def slice_stats(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], opts: LossOptions,
-                col_start: int) -> SliceStats:
+                col_start: int, entropy: bool = False) -> SliceStats:
     """Partial statistics of ``logits`` ((n, V_r), any strides with a unit last stride; global columns
-    from ``col_start``); ``weight`` this slice's class weights or None. One kernel launch."""
+    from ``col_start``); ``weight`` this slice's class weights or None; ``entropy``: ``tsum`` too. One
+    kernel launch."""
     n = logits.shape[0]
     new = lambda dtype=torch.float32: torch.empty(n, dtype=dtype, device=logits.device)   # noqa: E731
-    out = (new(), new(torch.int64), new(), new(), new(), new())
+    out = (new(), new(torch.int64), new(), new(), new(), new()) + ((new(),) if entropy else ())
     if logits.shape[1] == 0:   # an empty slice holds nothing
         for t in out[:3]:
             t.fill_(float("-inf") if t.dtype == torch.float32 else col_start)
@@ -26,20 +27,23 @@ def slice_stats(logits: torch.Tensor, target: torch.Tensor, weight: Optional[tor
             t.zero_()
     else:
         ce_slice_stats(logits, target, None if weight is None else weight.contiguous(), opts, col_start, out)
-    return SliceStats(*out[:5], out[5] if opts.label_smoothing > 0.0 else None)
+    return SliceStats(*out[:5], out[5] if opts.label_smoothing > 0.0 else None, out[6] if entropy else None)
 
 
 def slice_grad(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                weight_sum: Optional[torch.Tensor], target_weight: Optional[torch.Tensor], lse: torch.Tensor,
                lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor],
-               opts: LossOptions, col_start: int, n_total: int) -> torch.Tensor:
-    """d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i)/d logits for the slice, in the logits' dtype, from
-    the GLOBAL ``lse``/``lse_lo``, ``weight_sum`` (W, 0-dim) and per-row ``target_weight`` (w_t)."""
+               opts: LossOptions, col_start: int, n_total: int, grad_entropy: Optional[torch.Tensor] = None,
+               entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i [+ grad_entropy[i] entropy_i])/d logits for the
+    slice, in the logits' dtype, from the GLOBAL ``lse``/``lse_lo``, ``weight_sum`` (W, 0-dim), per-row
+    ``target_weight`` (w_t) and, with ``grad_entropy``, the global ``entropy`` (n,) fp32."""
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if logits.shape[1] == 0:
         return grad
     weight_sum = None if weight_sum is None else weight_sum.reshape(1).float()
     tw = None if target_weight is None else target_weight.float().contiguous()
     ce_backward(logits, target, None if weight is None else weight.contiguous(), weight_sum, lse.contiguous(),
-                lse_lo.contiguous(), grad_row, grad_lse, opts, grad, VocabSlice(col_start, n_total, tw))
+                lse_lo.contiguous(), grad_row, grad_lse, opts, grad, VocabSlice(col_start, n_total, tw),
+                grad_entropy, None if grad_entropy is None else entropy.float().contiguous())
     return grad

@@ -8,7 +8,8 @@ For ``n`` rows (tokens) and ``k`` = 3 (+1 with class weights, +1 with label smoo
    weights, one fp32 for ``W = sum_c w_c``: 4 (n k + 1) bytes. Before it, each rank rescales its
    ``sumexp`` from its slice max to the global max: ``sumexp_r *= exp(m_r - M)``, and a slice whose
    logits are all -inf in a row (masked or padded classes; an empty slice) contributes exactly 0 there
-   (never ``0 * exp(-inf - -inf)`` = NaN).
+   (never ``0 * exp(-inf - -inf)`` = NaN). With the entropy column (RL ops) its shifted sum is re-based
+   the same way: ``tsum_r = exp(m_r - M) (tsum_r + (m_r - M) sumexp_r)`` (``row_math.entropy_rebase``).
 
 After the two collectives every rank holds the same per-row loss, lse and argmax (the loss is
 replicated, not split). With ``n == 0`` rows no collective runs (every rank has the same ``n``, since
@@ -55,7 +56,9 @@ class GlobalRows:
     and ``lse_lo`` (n,) fp32 (lse as an exact pair, see ``row_math.py``; 0 on ignored
     rows), ``predicted`` (n,) int64 (-1 on ignored rows), ``target_weight`` (n,) fp32 global w_t and
     ``weight_sum`` 0-dim global W (both None without class weights), ``target_prob`` (n,) fp32
-    ``p_t = softmax(z)[t]`` (0 on ignored rows; the factor of ``use_token_scaling``)."""
+    ``p_t = softmax(z)[t]`` (0 on ignored rows; the factor of ``use_token_scaling``), ``entropy`` (n,)
+    fp32 ``log S - T / S`` of ``softmax(z)`` over the global vocabulary (0 on ignored rows; None unless
+    the ``Columns`` have ``tsum``)."""
 
     loss: torch.Tensor
     lse: torch.Tensor
@@ -64,6 +67,7 @@ class GlobalRows:
     predicted: torch.Tensor
     target_weight: Optional[torch.Tensor]
     weight_sum: Optional[torch.Tensor]
+    entropy: Optional[torch.Tensor] = None
 
 
 def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], layout: VocabLayout,
@@ -82,7 +86,12 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
         gmax = transform(xmax, opts)
         gmax = torch.where(gmax == float("-inf"), 0.0, gmax)   # a row -inf on every rank: lse = -inf
         # p.zmax = -inf: this slice's logits are all -inf in that row (sumexp = 0): it adds exactly 0
-        p.sums[:, Columns.SUMEXP] *= torch.where(p.zmax == float("-inf"), 0.0, torch.exp(p.zmax - gmax))
+        empty = p.zmax == float("-inf")
+        if cols.tsum is not None:   # re-based before sumexp is (it reads the slice's own sumexp)
+            d = torch.where(empty, 0.0, p.zmax - gmax)
+            p.sums[:, cols.tsum] = torch.where(
+                empty, 0.0, torch.exp(d) * (p.sums[:, cols.tsum] + d * p.sums[:, Columns.SUMEXP]))
+        p.sums[:, Columns.SUMEXP] *= torch.where(empty, 0.0, torch.exp(p.zmax - gmax))
         dist.all_reduce(p.flat, op=dist.ReduceOp.SUM, group=layout.group)         # collective 2
     else:
         gmax = torch.zeros(0, device=device)
@@ -100,8 +109,12 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
     loss = torch.where(valid, loss, 0.0)
     target_prob = torch.where(valid & (s[:, Columns.OWNED] > 0),
                               torch.exp((s[:, Columns.TARGET_LOGIT] - lse) - lse_lo), 0.0)
+    entropy = None
+    if cols.tsum is not None:   # -sum p log p = log S - T / S (both shifted by the global max: no cancellation)
+        sumexp = torch.where(valid, s[:, Columns.SUMEXP], 1.0)
+        entropy = torch.where(valid, torch.log(sumexp) - s[:, cols.tsum] / sumexp, 0.0)
     lse, lse_lo = torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)
     predicted = torch.where(valid, index, -1)
     return GlobalRows(loss=loss, lse=lse, lse_lo=lse_lo, target_prob=target_prob, predicted=predicted,
                       target_weight=None if w_t is None else w_t.clone(),
-                      weight_sum=None if weight_sum is None else weight_sum.clone())
+                      weight_sum=None if weight_sum is None else weight_sum.clone(), entropy=entropy)

@@ -31,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from .variants import (ARCHS, DEFAULT_VOCABS, DTYPES, KERNELS, ROWS, TILED, VARIANTS, VOCABS, Variant, every_variant, launch)
+from .variants import (ARCHS, DEFAULT_VOCABS, DTYPES, KERNELS, ROWS, SOFT, TILED, VARIANTS, VOCABS, Variant,
+                       every_variant, launch)
 
 @dataclass
 class Row:
@@ -89,9 +90,11 @@ def _needed(kernel: str, itemsize: int, meta: dict) -> tuple:
     threads = 32 * meta["num_warps"]
     per_stream = lambda size: max(1, meta["BLOCK_V"] * size // (16 * threads))   # noqa: E731
     loads = per_stream(itemsize)
-    if meta["FLAGS"].HAS_WEIGHT and meta["FLAGS"].HAS_SMOOTHING:
+    if kernel in SOFT:   # the target q (the logits' dtype here), and the class weights whenever given
+        loads += per_stream(itemsize) + (per_stream(4) if meta["FLAGS"].HAS_WEIGHT else 0)
+    elif meta["FLAGS"].HAS_WEIGHT and meta["FLAGS"].HAS_SMOOTHING:
         loads += per_stream(4)                       # fp32 class weights, read blockwise
-    stores = per_stream(itemsize) if kernel in ("backward", "chunk") else 0
+    stores = per_stream(itemsize) if kernel in ("backward", "chunk", "soft_backward") else 0
     if kernel in TILED:   # operand tiles go through shared memory (TMA / cp.async): no per-thread rule
         return 0, 0
     return loads, stores

@@ -11,8 +11,10 @@ from ...options import LossFlags, LossOptions
 # chunk: the fused loss + gradient of linear_cross_entropy; slice: the partial statistics of a vocabulary
 # slice (vocab parallelism; its gradient is the backward kernel with a column offset)
 # tiled_grad_hidden / tiled_grad_weight: the deterministic tiled backward (no atomics)
+# soft_forward / soft_backward: probability targets (``kernels/soft_*.py``; the target in the logits' dtype)
 KERNELS = ("forward", "backward", "chunk", "slice", "tiled_forward", "tiled_backward", "tiled_grad_hidden",
-           "tiled_grad_weight")
+           "tiled_grad_weight", "soft_forward", "soft_backward")
+SOFT = ("soft_forward", "soft_backward")
 TILED = ("tiled_forward", "tiled_backward", "tiled_grad_hidden", "tiled_grad_weight")   # the no-logits LM
 # head (method="tiled"): V is the head's rows
 TILED_HIDDEN = 4096         # H of the tiled kernels (Llama-3-8B); only the H loop's trip count depends on it
@@ -112,6 +114,19 @@ VARIANTS = {
     "slice": {
         "plain": _v(),
         "all": Variant(ALL),
+        "entropy+softcap": _v("softcap", entropy=True),   # the vocab-parallel RL ops' statistics
+    },
+    "soft_forward": {
+        "plain": _v(),
+        "stats": _v(stats=True),
+        "smooth+weight": _v("weight", "smoothing"),
+        "all": Variant(ALL, stats=True),
+    },
+    "soft_backward": {
+        "plain": _v(),
+        "softcap": _v("softcap"),
+        "smooth+weight": _v("weight", "smoothing"),
+        "all": Variant(ALL, zloss=True),
     },
     "chunk": {
         "plain": _v(),
@@ -125,6 +140,8 @@ _FEATURES = {"forward": ("stats",),
              "backward": ("zloss",),
              "chunk": ("stats", "zloss", "dft"),
              "slice": (),
+             "soft_forward": ("stats",),
+             "soft_backward": ("zloss",),
              "tiled_forward": ("stats", "entropy", "bias"),
              "tiled_backward": ("zloss", "entropy", "bias"),
              "tiled_grad_hidden": ("zloss", "entropy", "bias"),
@@ -163,10 +180,12 @@ def _launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant, rows:
     if kernel in TILED:
         return _tiled_launch(kernel, dtype, vocab, variant, rows, meta)
     logits = meta(rows, vocab, dt=dtype)
+    if kernel in SOFT:
+        return _soft_launch(kernel, logits, meta(rows, vocab, dt=dtype), weight, opts, variant, rows, meta)
     if kernel == "forward":   # loss, lse, lse_lo, predicted, entropy
         return L.forward_launch(logits, target, weight, weight_sum, opts, *(meta(rows),) * 3, predicted, entropy)
-    if kernel == "slice":     # xmax, argmax, zmax, sumexp, target_logit, zsum; a slice from column 4096
-        out = (meta(rows), meta(rows, dt=torch.int64), *(meta(rows),) * 4)
+    if kernel == "slice":     # xmax, argmax, zmax, sumexp, target_logit, zsum[, tsum]; a slice from column 4096
+        out = (meta(rows), meta(rows, dt=torch.int64), *(meta(rows),) * 4) + ((entropy,) if variant.entropy else ())
         return L.slice_stats_launch(logits, target, weight, opts, 4096, out)
     if kernel == "chunk":     # grad_row, z_grad_row, loss, lse, lse_lo, predicted, token_weight
         return L.chunk_launch(logits, target, weight, weight_sum, meta(()).expand(rows), meta(rows), opts,
@@ -198,3 +217,14 @@ def _tiled_launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant,
     if kernel == "tiled_grad_weight":
         return T.tiled_grad_weight_launch(*common, meta(vocab, TILED_HIDDEN), grad_bias)
     return T.tiled_backward_launch(*common, meta(rows, TILED_HIDDEN), meta(vocab, TILED_HIDDEN), grad_bias)
+
+
+def _soft_launch(kernel: str, logits, q, weight, opts: LossOptions, variant: Variant, rows: int, meta):
+    """The probability-target kernels' launch: ``q`` (BT, V) in the logits' dtype."""
+    from ...backends.triton import soft_launch as S
+
+    if kernel == "soft_forward":   # loss, lse, lse_lo, a, predicted
+        return S.soft_forward_launch(logits, q, weight, opts, *(meta(rows),) * 4,
+                                     meta(rows, dt=torch.int64) if variant.stats else None)
+    return S.soft_backward_launch(logits, q, weight, meta(rows), meta(rows), meta(rows), meta(()).expand(rows),
+                                  meta(rows) if variant.zloss else None, opts, meta(*logits.shape, dt=logits.dtype))

@@ -7,11 +7,12 @@ Per row it writes (fp32 unless noted): ``xmax`` the max of the raw logits and ``
 index, lowest on ties), ``zmax`` the max of z (-inf where the slice is all -inf in that row, which then
 adds exactly 0), ``sumexp = sum exp(z - zmax)`` (taken against 0 where ``zmax`` is -inf: 0),
 ``target_logit`` z_t when this slice holds the target (else 0) and, with smoothing,
-``zsum = sum_c w_c z_c``. Ignored rows are not read (all zeros, argmax at
-``col_start``).
+``zsum = sum_c w_c z_c`` and, with COMPUTE_ENTROPY (the RL ops' entropy), ``tsum = sum exp(z - zmax)
+(z - zmax)`` (``row_math.entropy_rebase``; 0 where the slice is all -inf). Ignored rows are not read
+(all zeros, argmax at ``col_start``).
 
 Bytes moved per token (row): read V_r * s (+ 4 V_r class weights with smoothing, L2-resident) + target;
-write 24 (+ 4 with smoothing).
+write 24 (+ 4 with smoothing, + 4 with the entropy).
 """
 import triton
 import triton.language as tl
@@ -27,6 +28,7 @@ def ce_slice_stats_kernel(
     target_ptr,          # [n_rows] int32/int64 GLOBAL class ids
     weight_ptr,          # [n_cols] this slice's class weights (FLAGS: HAS_WEIGHT and HAS_SMOOTHING)
     xmax_ptr, argmax_ptr, zmax_ptr, sumexp_ptr, target_logit_ptr, zsum_ptr,   # [n_rows] out
+    tsum_ptr,            # [n_rows] out (COMPUTE_ENTROPY)
     # sizes
     n_cols, col_start,
     # strides (elements)
@@ -37,6 +39,7 @@ def ce_slice_stats_kernel(
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
     FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
+    COMPUTE_ENTROPY: tl.constexpr = False,   # also write tsum
 ):
     n_cols = aligned(n_cols, ALIGN)
     stride_logits_row = aligned(stride_logits_row, ALIGN)
@@ -46,8 +49,8 @@ def ce_slice_stats_kernel(
     is_valid = target != scalars.ignore_index
     local = target - col_start
     owned = is_valid & (local >= 0) & (local < n_cols)
-    m, s, zsum, best, best_idx, _t = row_stats(row_ptr, n_cols, tl.where(is_valid, n_cols, 0), weight_ptr,
-                                               scalars, FLAGS, BLOCK_V, True, False)
+    m, s, zsum, best, best_idx, t = row_stats(row_ptr, n_cols, tl.where(is_valid, n_cols, 0), weight_ptr,
+                                              scalars, FLAGS, BLOCK_V, True, COMPUTE_ENTROPY)
     z_t = logit_transform(tl.load(row_ptr + tl.where(owned, local, 0)).to(tl.float32), scalars, FLAGS)
     tl.store(xmax_ptr + row, best)
     tl.store(argmax_ptr + row, best_idx.to(tl.int64) + col_start)
@@ -56,3 +59,5 @@ def ce_slice_stats_kernel(
     tl.store(target_logit_ptr + row, tl.where(owned, z_t, 0.0))
     if FLAGS.HAS_SMOOTHING:
         tl.store(zsum_ptr + row, zsum)
+    if COMPUTE_ENTROPY:
+        tl.store(tsum_ptr + row, t)
