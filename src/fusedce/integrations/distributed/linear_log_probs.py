@@ -23,7 +23,7 @@ from ...options import check_flag, deterministic_mode, log_prob_options
 from ...autocast import linear_op
 from ...autograd_checks import check_backward_allowed
 from ...lm_head.compaction import compact_rows, scatter_rows
-from ...lm_head.chunked import accumulate_, chunk_buffer, logits_chunk
+from ...lm_head.chunked import backprop_chunk_, chunk_buffer, grad_buffers, logits_chunk
 from ...lm_head.method import chunk_rows
 from ...options import LossOptions
 from ...types import TokenLogProbs
@@ -60,9 +60,7 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         grad_row, k = upstreams(grad_log_probs, grad_entropy, lse, ctx.want_entropy)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, rows = hidden.shape[0], ctx.rows
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        grad_h, grad_w, grad_b = grad_buffers(hidden, weight, (need_h, need_w, need_b), torch.float32)
         buffer = chunk_buffer(n, rows, weight, hidden.dtype)
         for start in range(0, n, rows):
             c = slice(start, start + rows)
@@ -71,12 +69,7 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
             g = shard_grad(ctx.impl, x, target[c], None, None, None, lse[c], lse_lo[c], grad_row[c], None,
                            ctx.layout, ctx.opts, grad_entropy=None if k is None else k[c],
                            entropy=None if k is None else entropy[c])   # in hidden's dtype
-            if need_h:
-                torch.mm(g, weight, out=grad_h[c])
-            if need_w:
-                accumulate_(grad_w, g, h_c)
-            if need_b:
-                grad_b += g.sum(dim=0, dtype=torch.float32)
+            backprop_chunk_(g, h_c, weight, c, grad_h, grad_w, grad_b)
         if need_h and n > 0:
             # each rank holds sum over its own classes of g_c W_c: add the partial sums
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)
