@@ -132,15 +132,16 @@ def test_all_ignored_and_empty(backend):
 
 
 def test_a_backend_without_entropy_kernels_is_refused(monkeypatch):
-    """A backend module without the RL entries (the CuTe one, on CUDA): RuntimeError naming it."""
-    import types
+    """A backend without the RL kernels (``Capabilities.entropy`` False: CuTe) is refused at the call,
+    checked when the backend is resolved (the resolution itself is faked: no CUDA here)."""
     from fusedce import backends
-    monkeypatch.setattr(backends, "get", lambda name, device: types.SimpleNamespace())
+    real = backends.resolve
+    monkeypatch.setattr(backends, "resolve", lambda name, device: "cute" if name == "cute" else real(name, device))
     logits, target = torch.randn(3, 10), torch.randint(0, 10, (3,))
-    with pytest.raises(RuntimeError, match="no token_log_probs"):
+    with pytest.raises(RuntimeError, match="backend='cute' has no entropy"):
         fusedce.token_log_probs(logits, target, backend="cute")
     hidden, weight, _ = make_linear((3,), 4, 10)
-    with pytest.raises(RuntimeError, match="no linear_token_log_probs"):
+    with pytest.raises(RuntimeError, match="backend='cute' has no entropy"):
         fusedce.linear_token_log_probs(hidden, weight, target, backend="cute")
 
 
