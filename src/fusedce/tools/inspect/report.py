@@ -31,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from .variants import (ARCHS, DEFAULT_VOCABS, DTYPES, KERNELS, ROWS, TILED, VARIANTS, VOCABS, Variant, every_variant, launch)
+from .variants import (ARCHS, DEFAULT_VOCABS, DTYPES, KERNELS, ROWS, TILED, VARIANTS, VOCABS, Variant,
+                       every_variant, launch)
 
 @dataclass
 class Row:
