@@ -107,6 +107,23 @@ def backprop_chunk_(g: torch.Tensor, h_c: torch.Tensor, weight: torch.Tensor, ro
         grad_b += g.sum(dim=0, dtype=grad_b.dtype)
 
 
+def backprop_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], rows: int, needs,
+                    accum_dtype: torch.dtype, grad_of_chunk) -> tuple:
+    """The backward of the LM head over chunks of ``rows`` tokens when each chunk's logits gradient comes
+    from ``grad_of_chunk(rows_slice, logits_c) -> g_c`` (n_c x V, hidden's dtype; it may overwrite and
+    return ``logits_c``): logits recomputed into one reused buffer, then ``backprop_chunk_``. Returns
+    ``grad_buffers``' three tensors (the vocab-parallel ops run their slice gradient through it)."""
+    n = hidden.shape[0]
+    grad_h, grad_w, grad_b = grad_buffers(hidden, weight, needs, accum_dtype)
+    buffer = chunk_buffer(n, rows, weight, hidden.dtype)
+    for s in range(0, n, rows):
+        c = slice(s, s + rows)
+        h_c = hidden[c]
+        g = grad_of_chunk(c, logits_chunk(h_c, weight, bias, buffer))
+        backprop_chunk_(g, h_c, weight, c, grad_h, grad_w, grad_b)
+    return grad_h, grad_w, grad_b
+
+
 def loss_only(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, stats: bool,
               entropy: bool = False):
     """Per-row ``(loss, lse, lse_lo, predicted, token_weight, entropy)`` for every token (cross-entropy

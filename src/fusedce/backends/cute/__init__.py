@@ -37,5 +37,5 @@ def __getattr__(name):
     if name not in _WHERE:
         raise AttributeError(name)
     import importlib
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), "CuteChunkCE" if name == "CHUNK_CE" else name)
-    return value
+    module = importlib.import_module(f"{__name__}.{_WHERE[name]}")
+    return getattr(module, "CuteChunkCE" if name == "CHUNK_CE" else name)

@@ -28,7 +28,7 @@ from ...autocast import linear_op
 from ...autograd_checks import check_backward_allowed
 from ...lm_head.compaction import compact_rows, scatter_rows
 from ... import backends
-from ...lm_head.chunked import backprop_chunk_, chunk_buffer, grad_buffers, logits_chunk
+from ...lm_head.chunked import backprop_chunks, chunk_buffer, logits_chunk
 from ...lm_head.method import chunk_rows
 from ...options.signatures import with_loss_options
 from ...types import CrossEntropyOutput
@@ -74,17 +74,14 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         if grad_row is None:
             grad_row = lse.new_zeros(()).expand(lse.shape)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        n, rows = hidden.shape[0], ctx.rows
-        grad_h, grad_w, grad_b = grad_buffers(hidden, weight, (need_h, need_w, need_b), ctx.accum)
-        buffer = chunk_buffer(n, rows, weight, hidden.dtype)
-        for start in range(0, n, rows):
-            c = slice(start, start + rows)
-            h_c = hidden[c]
-            x = logits_chunk(h_c, weight, bias, buffer)
-            g = shard_grad(ctx.impl, x, target[c], w, weight_sum, None if w_t is None else w_t[c], lse[c],
-                           lse_lo[c], grad_row[c], None if grad_lse is None else grad_lse[c], ctx.layout,
-                           ctx.opts)  # the logits' gradient, in their (hidden's) dtype
-            backprop_chunk_(g, h_c, weight, c, grad_h, grad_w, grad_b)
+        n = hidden.shape[0]
+
+        def slice_grad(c, x):   # the logits' gradient of the rank's vocabulary slice, in hidden's dtype
+            return shard_grad(ctx.impl, x, target[c], w, weight_sum, None if w_t is None else w_t[c], lse[c],
+                              lse_lo[c], grad_row[c], None if grad_lse is None else grad_lse[c], ctx.layout, ctx.opts)
+
+        grad_h, grad_w, grad_b = backprop_chunks(hidden, weight, bias, ctx.rows, (need_h, need_w, need_b), ctx.accum,
+                                                 slice_grad)
         if need_h and n > 0:
             # each rank holds sum over its own classes of g_c W_c: add the partial sums
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)
