@@ -43,6 +43,7 @@ import fusedce
 from fusedce.bench import harness, machine
 from fusedce.bench.real_input import find_gguf, find_kjv
 from fusedce.finetune.quiet_gguf import quiet_gguf_bars
+from fusedce.finetune.ticking import ticking
 
 IGNORE = -100
 
@@ -215,7 +216,8 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
     args = parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with tqdm(total=PHASES, unit="phase", file=sys.stderr, bar_format="{n}/{total} {desc} [{elapsed}]") as bar:
+    bar = tqdm(total=PHASES, unit="phase", file=sys.stderr, bar_format="{n}/{total} {desc} [{elapsed}]")
+    with bar, ticking(bar):   # the elapsed time keeps moving during a phase of minutes
         with phase(bar, "loading SmolLM2-135M (dequantizing the GGUF)"):
             tokenizer, model = load(device)
         prompts = kjv_prompts(args.prompts, args.prompt_words)

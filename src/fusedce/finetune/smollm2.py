@@ -84,10 +84,33 @@ def prepare_data(n_seq: int, seq_len: int, path: Path) -> None:
     torch.save(token_sequences(tokenizer, verses(find_kjv()), n_seq, seq_len), path)
 
 
+def _train(model, data, args, bar, losses, times, cpu_times) -> None:
+    """The optimizer steps of one run; appends each step's loss, wall and CPU seconds; one line and one
+    ``bar`` update per step."""
+    import torch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+    for step in range(args.steps):
+        first = (step % (data.shape[0] // args.batch)) * args.batch
+        ids = data[first:first + args.batch]
+        start, cpu_start = time.perf_counter(), time.process_time()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+        losses.append(float(loss.detach()))
+        bar.update(1)
+        bar.write(f"  {args.worker:7s} step {step + 1:3d}/{args.steps}  loss {losses[-1]:.4f}  "
+                  f"{times[-1]:.1f} s", file=sys.stdout)
+
+
 def worker(args) -> None:
     """One fine-tune; writes its losses, step times and peak RSS to ``args.result``."""
     import torch
     from tqdm.auto import tqdm
+    from .ticking import ticking
     torch.manual_seed(args.seed)
     began = time.perf_counter()
     print(f"  {args.worker:7s} loading SmolLM2-135M (dequantizing the GGUF)", flush=True)
@@ -100,24 +123,12 @@ def worker(args) -> None:
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     data = torch.load(args.data)  # (batches * batch, seq_len)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     losses, times, cpu_times, load_before = [], [], [], os.getloadavg()[0]
-    # one bar over the steps (each a few seconds or more on a CPU), with the elapsed time and an estimate
-    bar = tqdm(range(args.steps), desc=f"  {args.worker} steps", unit="step", file=sys.stderr, leave=False)
-    for step in bar:
-        first = (step % (data.shape[0] // args.batch)) * args.batch
-        ids = data[first:first + args.batch]
-        start, cpu_start = time.perf_counter(), time.process_time()
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
-        losses.append(float(loss.detach()))
-        bar.write(f"  {args.worker:7s} step {step + 1:3d}/{args.steps}  loss {losses[-1]:.4f}  "
-                  f"{times[-1]:.1f} s", file=sys.stdout)
+    # one bar over the steps (each a few seconds or more on a CPU), its elapsed time ticking during a step
+    bar = tqdm(total=args.steps, desc=f"  {args.worker} steps", unit="step", file=sys.stderr, leave=False)
+    with ticking(bar):
+        _train(model, data, args, bar, losses, times, cpu_times)
+    bar.close()
     # CPU seconds (all threads) next to wall seconds: on a shared machine the wall time mostly measures
     # the other jobs; the CPU time is what this run itself spent.
     result = {"losses": losses, "step_s": times, "median_step_s": statistics.median(times),

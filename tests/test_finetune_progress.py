@@ -1,6 +1,12 @@
-"""``quiet_gguf_bars``: inside it, transformers' GGUF dequantization bar (a plain ``tqdm`` that
-``disable_progress_bar()`` does not reach) prints nothing; on exit the GGUF module's ``tqdm`` is back."""
+"""The progress of ``fusedce finetune`` and the SmolLM2 examples. ``quiet_gguf_bars``: inside it,
+transformers' GGUF dequantization bar (a plain ``tqdm`` that ``disable_progress_bar()`` does not reach)
+prints nothing; on exit the GGUF module's ``tqdm`` is back. ``ticking``: a bar on a terminal is redrawn
+while a long step runs, and nothing extra is written into a log."""
+import time
+
 import pytest
+
+from fusedce.finetune.ticking import ticking
 
 transformers = pytest.importorskip("transformers")
 gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
@@ -42,3 +48,31 @@ def test_restored_after_an_error(restore_transformers_logging):
         with quiet_gguf_bars():
             raise RuntimeError("load failed")
     assert gguf_utils.tqdm is original
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+class _Bar:
+    def __init__(self, tty: bool):
+        self.fp, self.refreshes = _Stream(tty), 0
+
+    def refresh(self) -> None:
+        self.refreshes += 1
+
+
+def test_ticking_redraws_on_a_terminal_only():
+    on_terminal, into_log = _Bar(tty=True), _Bar(tty=False)
+    with ticking(on_terminal, every=0.01), ticking(into_log, every=0.01):
+        deadline = time.monotonic() + 10
+        while on_terminal.refreshes < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    after = on_terminal.refreshes
+    time.sleep(0.05)
+    assert after >= 3 and on_terminal.refreshes == after     # stopped with the block
+    assert into_log.refreshes == 0
