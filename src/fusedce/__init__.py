@@ -1,5 +1,6 @@
 """fusedce: fused cross-entropy kernels for LLM training."""
 from . import distributed  # noqa: F401  (fusedce.distributed.vocab_parallel_*)
+from .distillation import distillation_loss, linear_distillation_loss
 from .functional import cross_entropy, linear_cross_entropy
 from .integrations.hf import patch_causal_lm, unpatch_causal_lm
 from .integrations.trl_patch import patch_trl, unpatch_trl
@@ -9,5 +10,6 @@ from .types import CrossEntropyOutput, TokenLogProbs, TokenStats
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "token_log_probs", "linear_token_log_probs",
            "CrossEntropyLoss", "LinearCrossEntropyLoss", "CrossEntropyOutput", "TokenLogProbs", "TokenStats",
-           "patch_causal_lm", "unpatch_causal_lm", "patch_trl", "unpatch_trl"]
+           "patch_causal_lm", "unpatch_causal_lm", "patch_trl", "unpatch_trl",
+           "distillation_loss", "linear_distillation_loss"]
 __version__ = "0.2.0"
