@@ -8,15 +8,19 @@ it (``beta = 0``: ``KL(teacher || student)``; ``beta = 1``: ``KL(student || teac
 ``beta KL(t || m) + (1 - beta) KL(s || m)``, ``m = beta t + (1 - beta) s``), both distributions at the
 temperature, with no ``T**2`` factor (as TRL), plus ``hard_label_weight`` times the student's cross-entropy
 on the target computed WITHOUT the temperature. "mean" divides by the number of non-ignored tokens (all
-tokens without a target) or ``num_items_in_batch`` (TRL's ``reduction="batchmean"`` divides by the batch
-size, i.e. the row count when every row counts).
+tokens without a target) or ``num_items_in_batch``. TRL's ``reduction="batchmean"`` agrees with labels
+(it divides by their non-ignored count); without labels it divides by the size of the first dimension
+(sequences, for ``(B, S, V)`` logits): ``num_items_in_batch=B`` gives that here.
 
-Liger-Kernel's fused linear JSD (``LigerFusedLinearJSDLoss``, ``ops/fused_linear_jsd.py``) names the
-mixture the other way round: its ``beta`` weights the STUDENT in ``m`` and its ``beta = 0`` is the
-forward KL ``KL(t || s)`` while its ``beta = 1`` is the reverse KL, with ``m = (1 - beta) t + beta s``
-and loss ``beta KL(s || m) + (1 - beta) KL(t || m)`` in its current form, so for ``0 < beta < 1`` Liger's
-``beta`` equals ``1 - beta`` here; it divides the sum by the number of non-ignored tokens as here.
-``tests/test_distill_peers.py`` re-derives both and compares numbers on the same inputs.
+Liger-Kernel (read at its 2026-08 head): ``LigerFusedLinearJSDLoss`` (``chunked_loss/jsd_loss.py``) and
+``LigerFusedLinearJSD`` (``ops/jsd.py``) compute the same divergence with the same ``beta`` (``m = beta t +
+(1 - beta) s``; 0 forward, 1 reverse KL) at the temperature, and divide by the number of non-ignored
+tokens. The chunked loss returns ``w_soft * JSD + w_hard * CE`` (defaults 0.5 / 0.5; its CE without the
+temperature), i.e. ``w_soft`` times this loss with ``hard_label_weight = w_hard / w_soft``. Releases
+before 0.5.6 (``aa2d23dc``) mixed the other way round, ``m = beta s + (1 - beta) t``, with the same KL
+weights and no special case at 0 / 1 (their ``beta = 0`` was the reverse KL); before 0.6.5 the chunked
+loss did not mask ignored tokens out of the JSD sum. ``tests/test_distill_peers.py`` checks TRL's
+function itself and the re-derived Liger formulas on the same inputs.
 """
 from __future__ import annotations
 
