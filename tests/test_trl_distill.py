@@ -9,7 +9,6 @@ formula on the backbones' hidden states. No tensor of the fused step has V colum
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -85,11 +84,19 @@ def _oracle(trainer, inputs, num_items_in_batch, **kw):
                                       num_items_in_batch=num_items_in_batch, **kw)
 
 
+def _float64_copy(model):
+    """A float64 model with ``model``'s weights, built from its config (``copy.deepcopy`` would also copy
+    the instance ``forward`` that accelerate and TRL's forward redirection leave bound to the original)."""
+    copied = type(model)(model.config)
+    copied.load_state_dict(model.state_dict())
+    return copied.double().eval()
+
+
 def _reference_grads(trainer, inputs, num_items_in_batch, **kw):
     """Float64 gradients of the formula's loss w.r.t. every student parameter (a float64 copy of the
     student; the teacher's hidden states in float64 too)."""
-    student = copy.deepcopy(trainer.model).double()
-    teacher = copy.deepcopy(trainer.teacher_model).double()
+    student = _float64_copy(trainer.model)
+    teacher = _float64_copy(trainer.teacher_model)
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     h_s = trainer._get_last_hidden_state(student, ids, mask, COMPLETION)
@@ -211,3 +218,85 @@ def test_refusals(tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="overrides"):
         fusedce.patch_distillation_trainer(trainer)
     assert "_compute_loss" not in vars(trainer)
+
+
+# --- GKDTrainer: TRL computes both models' full logits in compute_loss -----------------------------------
+
+def _gkd(tmp_path, student, teacher, beta):
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+    args = GKDConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[],
+                     use_cpu=True, save_strategy="no", bf16=False, disable_tqdm=True, gradient_checkpointing=False,
+                     beta=beta)
+    dataset = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "t3"},
+                                                        {"role": "assistant", "content": "t4"}]] * 2})
+    return GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=dataset,
+                      processing_class=_tokenizer())
+
+
+def _gkd_inputs():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=g)
+    labels = ids.clone()
+    labels[:, :PROMPT] = -100              # prompt
+    labels[1, 7:] = -100                   # padding
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _gkd_step(trainer, inputs, num_items_in_batch=None):
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _gkd_reference(trainer, inputs, num_items_in_batch):
+    """Float64 loss and student gradients of the formula on float64 copies of both models' full logits
+    (temperature 1, as TRL's GKD calls its loss), the model's own logit transform included."""
+    student = _float64_copy(trainer.model)
+    teacher = _float64_copy(trainer.teacher_model)
+    from reference64_distill import distillation_loss64
+    z_s = student(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits[:, :-1]
+    with torch.no_grad():
+        z_t = teacher(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits[:, :-1]
+    loss = distillation_loss64(z_s, z_t, inputs["labels"][:, 1:], beta=trainer.beta,
+                               num_items_in_batch=num_items_in_batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in student.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("student_family,beta,num_items", [("llama", 0.5, None), ("gemma2", 0.0, None),
+                                                             ("llama", 1.0, torch.tensor(7.0))])
+def test_gkd_same_loss_and_gradients_as_trl_without_logits(tmp_path, student_family, beta, num_items):
+    from test_hf import build
+    student = build(student_family)         # gemma2: final_logit_softcapping 2.0, applied by its forward
+    teacher = _llama(48, 1)
+    trainer = _gkd(tmp_path, student, teacher, beta)
+    inputs = _gkd_inputs()
+    loss, grads = _gkd_step(trainer, inputs, num_items)
+    fusedce.patch_distillation_trainer(trainer, method="tiled", backend="torch")
+    with WidestOutput() as fused_step:
+        f_loss, f_grads = _gkd_step(trainer, inputs, num_items)
+    assert fused_step.widest < VOCAB, fused_step.widest
+    expected, reference = _gkd_reference(trainer, inputs, num_items)
+    assert float(loss) > 1e-3
+    assert float(f_loss) == pytest.approx(float(expected), rel=1e-5)
+    assert float(f_loss) == pytest.approx(float(loss), rel=1e-5)
+    assert grads.keys() == f_grads.keys() == reference.keys()
+    for name, g64 in reference.items():
+        stock_error = float((grads[name].double() - g64).norm())
+        fused_error = float((f_grads[name].double() - g64).norm())
+        assert fused_error <= 2 * stock_error + 1e-6 * float(g64.norm()), (name, fused_error, stock_error)
+
+
+def test_gkd_outputs_requested_run_trl_and_unpatch(tmp_path):
+    trainer = _gkd(tmp_path, _llama(32, 0), _llama(48, 1), 0.5)
+    inputs = _gkd_inputs()
+    fusedce.patch_distillation_trainer(trainer, backend="torch")
+    loss, outputs = trainer.compute_loss(trainer.model, inputs, return_outputs=True)
+    assert outputs.logits.shape == (2, 9, VOCAB)      # TRL's own path: the caller asked for the logits
+    assert float(loss) == pytest.approx(float(trainer.compute_loss(trainer.model, inputs)), rel=1e-5)
+    fusedce.unpatch_distillation_trainer(trainer)
+    assert "compute_loss" not in vars(trainer)
