@@ -87,14 +87,17 @@ class Row:
 def _needed(kernel: str, itemsize: int, meta: dict) -> tuple:
     """128-bit accesses per thread per block: (loads, stores) of the streams that must be vectorized
     (``meta["FLAGS"]``: the launch's ``types.LossFlags``)."""
+    if kernel in TILED:   # operand tiles go through shared memory (TMA / cp.async): no per-thread rule
+        return 0, 0
     threads = 32 * meta["num_warps"]
     per_stream = lambda size: max(1, meta["BLOCK_V"] * size // (16 * threads))   # noqa: E731
+    if kernel == "distill_rows":   # student and teacher streams of BLOCK_N rows; the gradient's stores
+        per_stream = lambda size: max(1, meta["BLOCK_N"] * meta["BLOCK_V"] * size // (16 * threads))  # noqa
+        return 2 * per_stream(itemsize), per_stream(itemsize) if meta["HAS_GRAD"] else 0
     loads = per_stream(itemsize)
     if meta["FLAGS"].HAS_WEIGHT and meta["FLAGS"].HAS_SMOOTHING:
         loads += per_stream(4)                       # fp32 class weights, read blockwise
     stores = per_stream(itemsize) if kernel in ("backward", "chunk") else 0
-    if kernel in TILED:   # operand tiles go through shared memory (TMA / cp.async): no per-thread rule
-        return 0, 0
     return loads, stores
 
 
@@ -114,7 +117,7 @@ def _atomics(ptx: str) -> int:
 
 
 # The one kernel allowed atomics: the tiled backward's fp32 accumulation (``deterministic=False``).
-NONDETERMINISTIC_KERNELS = ("tiled_backward",)
+NONDETERMINISTIC_KERNELS = ("tiled_backward", "distill_tiled_grad")
 _CACHE: dict = {}
 
 
@@ -192,7 +195,7 @@ def format_table(rows) -> str:
         lines.append((f"sm_{r.arch}", r.kernel, r.variant, r.dtype, str(r.vocab), str(r.block_v),
                       str(r.num_warps), str(r.align), _fmt(r.regs), _fmt(r.spill_bytes), str(r.smem),
                       f"{r.ld128}/{r.ld128_needed}", str(r.narrow_loads),
-                      f"{r.st128}/{r.st128_needed}" if r.kernel in ("backward", "chunk") else "-", r.mma,
+                      f"{r.st128}/{r.st128_needed}" if r.kernel in ("backward", "chunk", "distill_rows") else "-", r.mma,
                       str(r.atomics), check))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]

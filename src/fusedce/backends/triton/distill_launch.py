@@ -17,7 +17,7 @@ from .kernels.distill_rows import distill_rows_kernel
 from .kernels.distill_tiled_grad import (distill_tiled_grad_hidden_kernel, distill_tiled_grad_kernel,
                                          distill_tiled_grad_weight_kernel)
 from .kernels.distill_tiled_stats import distill_tiled_jsd_kernel, distill_tiled_stats_kernel
-from .launch import INTERPRETED
+from .launch import INTERPRETED, _align
 
 Opt = Optional[torch.Tensor]
 
@@ -62,7 +62,9 @@ def rows_launch(student, teacher, target: Opt, grad_factor: Opt, knobs: DistillK
             loss, dummy if grad is None else grad, n_rows, n_cols, student.stride(0), teacher.stride(0),
             0 if target is None else target.stride(0), 0 if grad_factor is None else grad_factor.stride(0),
             0 if grad is None else grad.stride(0), *knobs.scalars())
-    meta = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], HAS_GRAD=grad is not None,
+    elem = min(student.element_size(), teacher.element_size(), 4 if grad is None else grad.element_size())
+    align = _align(elem, n_cols, student.stride(0), teacher.stride(0), 0 if grad is None else grad.stride(0))
+    meta = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], ALIGN=align, HAS_GRAD=grad is not None,
                 num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], **knobs.flags())
     if INTERPRETED and grad is not None and grad.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .common import tanh_fp32
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))   # a jit global must be a constexpr
 
 
 @triton.jit

@@ -24,6 +24,7 @@ Bytes moved per row (V classes, s_s / s_t bytes per student / teacher logit, P p
 import triton
 import triton.language as tl
 
+from .common import aligned
 from .distill_math import NEG_INF, cap_logits, dlogits, jsd_terms, row_results, stats_update
 from .row_math import store_grad
 
@@ -57,11 +58,16 @@ def distill_rows_kernel(
     ignore_index,
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    ALIGN: tl.constexpr,          # n_cols and the row strides are multiples of ALIGN (common.aligned)
     MODE: tl.constexpr,           # 0: beta = 0, 1: beta = 1, 2: 0 < beta < 1 (distill_math)
     HAS_TARGET: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
     HAS_S_CAP: tl.constexpr, HAS_T_CAP: tl.constexpr, HAS_GRAD: tl.constexpr,
     ROUND_BF16: tl.constexpr = False,   # interpreter only (row_math.store_grad)
 ):
+    n_cols = aligned(n_cols, ALIGN)
+    stride_student = aligned(stride_student, ALIGN)
+    stride_teacher = aligned(stride_teacher, ALIGN)
+    stride_grad = aligned(stride_grad, ALIGN)
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     in_rows = rows < n_rows
     if HAS_TARGET:
