@@ -77,19 +77,22 @@ def distill_rows_op(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
         knobs = _knobs(target, beta, temperature, hard_label_weight, ignore_index, student_softcap, teacher_softcap)
         _run([rows_launch(_unit_last(student_logits), _unit_last(teacher_logits), target, grad_factor, knobs, loss,
                           grad if grad_factor is not None else None)])
-    elif grad_factor is not None:
+    else:   # no rows or no classes: nothing to launch
+        loss.zero_()
         grad.zero_()
-        loss.zero_()
-    else:
-        loss.zero_()
     return loss, grad
+
+
+def _new_rows(like: torch.Tensor, shape) -> torch.Tensor:
+    """An uninitialized fp32 buffer that the kernels write whole (tests poison it through this function)."""
+    return like.new_empty(shape, dtype=torch.float32)
 
 
 def _rows_buffers(student_logits: torch.Tensor, with_grad: bool):
     n = student_logits.shape[0]
-    grad = (student_logits.new_empty(student_logits.shape, memory_format=torch.contiguous_format) if with_grad
+    grad = (student_logits.new_empty(student_logits.shape) if with_grad
             else student_logits.new_empty(0))
-    return student_logits.new_empty(n, dtype=torch.float32), grad
+    return _new_rows(student_logits, n), grad
 
 
 @distill_rows_op.register_fake
@@ -143,7 +146,7 @@ def tiled_distill_op(student_hidden: torch.Tensor, student_weight: torch.Tensor,
     """``(loss_rows, grad_hidden, grad_weight, grad_bias)``; a gradient not computed is (0,)."""
     n, n_cols = student_hidden.shape[0], student_weight.shape[0]
     with_grad = grad_factor is not None
-    loss = student_hidden.new_zeros(n, dtype=torch.float32)
+    loss = _new_rows(student_hidden, n)
     sh, sw, sb = _tiled_grad_shapes(student_hidden, student_weight, student_bias, with_grad)
     acc_h = student_hidden.new_zeros(sh, dtype=torch.float32)
     acc_w = student_hidden.new_zeros(sw, dtype=torch.float32)
@@ -153,11 +156,13 @@ def tiled_distill_op(student_hidden: torch.Tensor, student_weight: torch.Tensor,
         heads = Heads(_unit_last(student_hidden), _unit_last(student_weight),
                       None if student_bias is None else student_bias.contiguous(), _unit_last(teacher_hidden),
                       _unit_last(teacher_weight), None if teacher_bias is None else teacher_bias.contiguous())
-        stats = student_hidden.new_empty((4, n), dtype=torch.float32)
+        stats = _new_rows(student_hidden, (4, n))
         _run(tiled_stats_launches(heads, target, knobs, loss, stats))
         if with_grad:
             _run(tiled_grad_launches(heads, target, knobs, stats, grad_factor, acc_h, acc_w,
                                      acc_b if student_bias is not None else None, bool(deterministic)))
+    else:
+        loss.zero_()
     return loss, acc_h.to(student_hidden.dtype), acc_w, acc_b
 
 
