@@ -331,7 +331,7 @@ def test_tiled_bad_inputs():
 def test_custom_ops_trace_under_torch_compile():
     """Both ops are torch custom ops with fakes: ``torch.compile(fullgraph=True)`` traces them (no graph
     break) and gives the eager numbers."""
-    zs, zt, target, gf = _row_inputs(n=6)
+    zs, zt, target, gf = _row_inputs(n=16)
     kw = _kw(0.3, 2.0, "hard+student_cap")
     rows = torch.compile(lambda a, b, c, d: _rows(a, b, c, d, kw), fullgraph=True)
     for x, y in zip(rows(zs, zt, target, gf), _rows(zs, zt, target, gf, kw)):
