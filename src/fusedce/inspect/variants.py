@@ -12,9 +12,10 @@ from . import distill_variants as DV
 # chunk: the fused loss + gradient of linear_cross_entropy; slice: the partial statistics of a vocabulary
 # slice (vocab parallelism; its gradient is the backward kernel with a column offset)
 # tiled_grad_hidden / tiled_grad_weight: the deterministic tiled backward (no atomics)
-# distill_*: the distillation kernels (``distill_variants.py``: their own variants and launches)
 KERNELS = ("forward", "backward", "chunk", "slice", "tiled_forward", "tiled_backward", "tiled_grad_hidden",
-           "tiled_grad_weight") + DV.DISTILL_KERNELS
+           "tiled_grad_weight")   # the cross-entropy kernels (they take the loss options: ``types.LossOptions``)
+# with the distillation kernels (``distill_variants.py``: their own options, variants and launches)
+ALL_KERNELS = KERNELS + DV.DISTILL_KERNELS
 TILED = ("tiled_forward", "tiled_backward", "tiled_grad_hidden", "tiled_grad_weight") + DV.DISTILL_TILED
 # the no-logits LM head (method="tiled", and tiled distillation): V is the head's rows
 TILED_HIDDEN = 4096         # H of the tiled kernels (Llama-3-8B); only the H loop's trip count depends on it
