@@ -65,6 +65,8 @@ def test_command_runs_the_row_in_fresh_processes_and_renders(real_file, monkeypa
     args = Namespace(device="cpu", timeout=300)
     console = Console(record=True, width=200)
     assert command._distillation(args, console, {}) is None          # no real input: no row
+    other = Namespace(device="cpu", timeout=300, paths="linear-fusedce-torch")
+    assert command._distillation(other, console, {"real": {"cache_file": real_file}}) is None   # not asked for
     section = command._distillation(args, console, {"real": {"cache_file": real_file}})
     rows = section["results"]
     assert [r["path"] for r in rows] == list(distill.PATHS) and all(r["status"] == "ok" for r in rows), rows

@@ -134,13 +134,15 @@ def _recheck_real(rows, inputs_meta) -> list[str]:
 
 
 def _distillation(args, console, inputs_meta):
-    """The distillation row on the real input (``distill``), or None without it."""
+    """The distillation row on the real input (``distill``), or None without it (or when ``--paths``
+    names none of ``distill.PATHS``)."""
     from . import distill
-    if "real" not in inputs_meta:
+    names = [name for name in _csv(args.paths) if name in distill.PATHS] if getattr(args, "paths", None) else None
+    if "real" not in inputs_meta or names == []:
         return None
     began, prepared = time.perf_counter(), distill.prepare(inputs_meta["real"]["cache_file"])
     try:
-        rows = _measure_all(distill.jobs(prepared, args.device), args, console, distill.describe)
+        rows = _measure_all(distill.jobs(prepared, args.device, names=names), args, console, distill.describe)
     finally:
         distill.cleanup(prepared)
     return distill.summarize(prepared, rows, time.perf_counter() - began)
@@ -263,8 +265,8 @@ def run(args) -> int:
     out.print(f"wrote {', '.join(str(p) for p in written)}")
     for failure in failures:
         err.print(Panel(failure, title="real input FAILED", style="bold red"))
-    errors = [r for r in rows + (sweep["results"] if sweep else []) + (distillation["results"] if distillation else [])
-              if r["status"] == "error"]
+    errors = [r for r in rows + (sweep["results"] if sweep else [])
+              + (distillation["results"] if distillation else []) if r["status"] == "error"]
     if errors:
         err.print(f"[red]{len(errors)} measurement(s) failed; see the status column")
     return 1 if failures or errors else 0
