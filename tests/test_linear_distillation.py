@@ -16,7 +16,7 @@ from inputs import poisoned_allocations
 from reference64_distill import distill_rows64, distillation_loss64
 from tolerances import FP32_UNITS, TOLERANCES, U32, _check
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")   # "triton" under the interpreter (conftest.py)
 METHODS = ("chunked", "tiled")
 BETAS = (0.0, 0.5, 1.0, 0.1)
 LEAD, H, HT, V = (3, 11), 24, 40, 96
