@@ -13,7 +13,7 @@ from distill_tol import assert_grad, assert_loss, row_scale
 from inputs import poisoned_allocations
 from reference64_distill import distillation_loss64
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")   # "triton" under the interpreter (conftest.py)
 BETAS = (0.0, 0.5, 1.0, 0.1)
 LEAD, V = (3, 17), 96
 
@@ -247,3 +247,16 @@ def test_bad_inputs(case):
     args.update(make(zs, zt, target))
     with pytest.raises(exc, match=match):
         fusedce.distillation_loss(args.pop("student_logits"), args.pop("teacher_logits"), args.pop("target"), **args)
+
+
+def test_torch_compile_smoke():
+    """Under torch.compile (no target-range sync, no compaction): the eager values and gradient."""
+    zs, zt, target = _inputs(lead=(8,), n_classes=32)
+    a, b = zs.clone().requires_grad_(), zs.clone().requires_grad_()
+    kw = dict(beta=0.5, temperature=2.0, hard_label_weight=0.5, backend="torch")
+    compiled = torch.compile(lambda s, t, y: fusedce.distillation_loss(s, t, y, **kw))
+    loss_c = compiled(a, zt, target)
+    loss_c.backward()
+    loss_e = fusedce.distillation_loss(b, zt, target, **kw)
+    loss_e.backward()
+    assert torch.allclose(loss_c.detach(), loss_e.detach(), rtol=1e-6) and torch.allclose(a.grad, b.grad, atol=1e-7)

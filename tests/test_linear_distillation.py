@@ -16,7 +16,7 @@ from inputs import poisoned_allocations
 from reference64_distill import distill_rows64, distillation_loss64
 from tolerances import FP32_UNITS, TOLERANCES, U32, _check
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")   # "triton" under the interpreter (conftest.py)
 METHODS = ("chunked", "tiled")
 BETAS = (0.0, 0.5, 1.0, 0.1)
 LEAD, H, HT, V = (3, 11), 24, 40, 96
@@ -231,7 +231,8 @@ def test_backward_twice_and_deterministic(backend, method):
 def test_upstream_scale_as_accurate_as_stock(backend, method, dtype):
     """GradScaler's S = 2^16 with a large mean denominator (gradient accumulation): each student gradient's
     relative error no worse than 2x stock's (F.linear in the dtype, then the oracle's formula on those
-    logits, backward with S: the logits' gradient rounded to the dtype once S is applied), as tests/test_loss_scaling.py asks of the CE paths."""
+    logits, backward with S: the logits' gradient rounded to the dtype once S is applied), as
+    tests/test_loss_scaling.py asks of the CE paths."""
     student, teacher, target = _inputs(dtype)
     s, d = 2.0 ** 16, 2 ** 16
     kw = dict(beta=0.5, temperature=2.0, hard_label_weight=0.5)

@@ -108,8 +108,9 @@ def check_target(target, shape, device: torch.device, n_classes: int, ignore_ind
 
 def row_ops(backend, device: torch.device):
     """``(distill_rows, tiled_distill)`` of the chosen backend. ``RuntimeError`` for ``"cute"`` (no
-    distillation kernels) and whatever ``backends.resolve`` raises; ``NotImplementedError`` for
-    ``"triton"`` until its distillation kernels are built in."""
+    distillation kernels) and whatever ``backends.resolve`` raises (``"triton"`` on CPU tensors without
+    ``TRITON_INTERPRET=1``); ``NotImplementedError`` for ``"triton"`` in a build without
+    ``backends/triton/distill.py``."""
     name = backend if backend is not None else (os.environ.get("FUSEDCE_BACKEND") or "auto")
     if name == "cute":
         raise RuntimeError("backend='cute' has no distillation kernels yet; use backend='triton' (CUDA) or 'torch'")
