@@ -113,13 +113,17 @@ def divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_states: 
     return loss, entropy_sum, n_valid
 
 
+def _unpeft(model):
+    """A peft model's underlying transformers model (as TRL's trainers unwrap it); else ``model``."""
+    from accelerate.utils import is_peft_model
+    return model.base_model.model if is_peft_model(model) else model
+
+
 def _last_hidden_state(model, input_ids, attention_mask):
     """The decoder's last hidden state ``(B, T, H)`` of a Hugging Face causal LM (a peft model: its
     underlying model), without the LM head."""
     from .hf_head import base_model
-    inner = getattr(getattr(model, "base_model", None), "model", None)
-    if type(model).__name__.startswith("Peft") and inner is not None:
-        model = inner
+    model = _unpeft(model)
     return base_model(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 
@@ -129,9 +133,7 @@ def _head(model, role: str):
     head that is not a plain ``nn.Linear`` (a peft adapter on it, which this path would not apply), a
     padded head (``unpadded_vocab_size``), or a config whose text and top-level parts disagree."""
     from .hf_head import logit_transforms, output_head
-    inner = getattr(getattr(model, "base_model", None), "model", None)
-    if type(model).__name__.startswith("Peft") and inner is not None:
-        model = inner
+    model = _unpeft(model)
     head = output_head(model)
     if type(head) is not torch.nn.Linear:
         raise ValueError(f"the {role}'s LM head is a {type(head).__name__}, not a plain nn.Linear: "
