@@ -157,6 +157,21 @@ def _recheck_real(rows, inputs_meta) -> list[str]:
     return failures
 
 
+def _distillation(args, console, inputs_meta):
+    """The distillation row on the real input (``distill``), or None without it (or when ``--paths``
+    names none of ``distill.PATHS``)."""
+    from . import distill
+    names = [name for name in _csv(args.paths) if name in distill.PATHS] if getattr(args, "paths", None) else None
+    if "real" not in inputs_meta or names == []:
+        return None
+    began, prepared = time.perf_counter(), distill.prepare(inputs_meta["real"]["cache_file"])
+    try:
+        rows = _measure_all(distill.jobs(prepared, args.device, names=names), args, console, distill.describe)
+    finally:
+        distill.cleanup(prepared)
+    return distill.summarize(prepared, rows, time.perf_counter() - began)
+
+
 def _describe_row(row) -> str:
     return f"{row['shape']} {row['dtype']} {row['op']}: {row['label']}"
 
@@ -247,6 +262,7 @@ def run(args) -> int:
     with machine.LoadSampler(LOAD_SAMPLE_SECONDS) as load:   # the busy-machine warning's worst load
         rows = _measure_all(_jobs(shapes, dtypes, plan, sources, args), args, err, _describe_row)
         failures += _recheck_real(rows, inputs_meta)
+        distillation = _distillation(args, err, inputs_meta)
         sweep = _sweep(args, err) if args.device == "cpu" and not args.no_sweep else None
 
     result = {
@@ -262,16 +278,21 @@ def run(args) -> int:
         "results": rows,
         "goals": goals.real_goals(rows, *CHUNKED_TILED[args.device]),
         "sweep": sweep,
+        "distillation": distillation,
         "failures": failures,
         "wall_seconds": round(time.perf_counter() - began, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     report.print_report(result, out)
+    if distillation:
+        from .report_distill import print_table
+        print_table(distillation, out)
     written = [report.write_json(result, args.out), report.write_png(result, args.out)]
     out.print(f"wrote {', '.join(str(p) for p in written)}")
     for failure in failures:
         err.print(Panel(failure, title="real input FAILED", style="bold red"))
-    errors = [r for r in rows + (sweep["results"] if sweep else []) if r["status"] == "error"]
+    errors = [r for r in rows + (sweep["results"] if sweep else [])
+              + (distillation["results"] if distillation else []) if r["status"] == "error"]
     if errors:
         err.print(f"[red]{len(errors)} measurement(s) failed; see the status column")
     return 1 if failures or errors else 0
