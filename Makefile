@@ -1,12 +1,16 @@
-# fusedce: two commands on a fresh machine.
-#   make bench   the main job: fused vs stock cross-entropy on SmolLM2-135M over KJV text
-#   make test    the test suite (CPU; Triton kernels run under TRITON_INTERPRET=1)
+# fusedce: two commands on a fresh machine (durations: the 2-core CPU dev VM, no GPU).
+#   make bench          the main job: fused vs stock cross-entropy on SmolLM2-135M over KJV text (~29 min)
+#   make test           the test suite on CPU; Triton kernels run under TRITON_INTERPRET=1
+#                       (~9-10 min with the cores to itself, 15+ min when other jobs share them)
+# Also: make install (the set-up alone), make test-cute (~5 min), make docs, make check-package.
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.fusedce-installed
+DOCS_STAMP := $(VENV)/.fusedce-docs-installed
+PKG_VENV   := build/package-check-venv
 
-.PHONY: bench test test-cute install clean
+.PHONY: bench test test-cute install docs check-package clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -28,11 +32,31 @@ bench: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 --timeout 900
 
-# The CuTe DSL compile checks alone, every constexpr-flag combination for sm_90a and sm_100a (~2 min);
-# `make test` runs the representative subset (tests/cute/test_cute_compile.py).
+# The CuTe DSL compile checks alone, every constexpr-flag combination for sm_90a and sm_100a
+# (~5 min: about 2.5 per arch); `make test` runs the representative subset (tests/cute/test_cute_compile.py).
 test-cute: $(STAMP)
 	$(VPY) -m pip install -q -e '.[cute]'
 	FUSEDCE_CUTE_EVERY=1 TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 tests/cute/test_cute_compile.py tests/cute/test_cute_backend.py tests/cute/test_cute_custom_ops.py
 
+# The API reference (from the docstrings) and the pages under docs/, into build/docs; any warning fails.
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(VPY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VPY) -m sphinx -W --keep-going -q -E -b html docs build/docs
+
+# Build the wheel and sdist (python -m build), check what they hold, install the wheel with [hf] into a
+# fresh venv (the CPU torch first, as above) and run the README's quickstart from outside the checkout.
+check-package: $(STAMP)
+	rm -rf dist $(PKG_VENV)
+	$(VPY) -m pip install -q build
+	$(VPY) -m build -q --outdir dist .
+	$(VPY) scripts/check_package.py contents dist
+	$(PY) -m venv $(PKG_VENV)
+	$(PKG_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(PKG_VENV)/bin/python -m pip install -q "$$(ls dist/*.whl)[hf]"
+	cd "$$(mktemp -d)" && $(CURDIR)/$(PKG_VENV)/bin/python $(CURDIR)/scripts/check_package.py quickstart $(CURDIR)/README.md
+
 clean:
-	rm -rf $(VENV) .cache results
+	rm -rf $(VENV) .cache results build dist

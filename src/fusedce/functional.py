@@ -183,7 +183,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         target: ``(...)`` = ``hidden.shape[:-1]``, int64 or int32.
         bias: optional ``(V,)``, same dtype as ``hidden``.
         ce_weight: optional ``(V,)`` class weights of the loss.
-        reduction, num_items_in_batch, **options (the loss options, listed below): as in
+        reduction, num_items_in_batch, ``**options`` (the loss options, listed below): as in
             :func:`cross_entropy`, on logits computed in ``hidden``'s dtype with fp32 accumulation (as
             ``F.linear``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).

@@ -17,7 +17,7 @@ from reference64_linear import make_linear
 
 HIDDEN, V, K = 16, 300, 5
 SETTINGS = {"plain": (1.0, None), "t0.7": (0.7, None), "t1.3_cap5": (1.3, 5.0)}
-# as tests/test_log_probs.py: fp32 math on values rounded to the input dtype (the reference rounds them
+# as tests/rl/test_log_probs.py: fp32 math on values rounded to the input dtype (the reference rounds them
 # the same way): a few fp32 ulps of O(1..10) values; gradients: two roundings to the dtype at most
 ATOL = 2e-5
 GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}

@@ -86,9 +86,11 @@ def _check_cute(device: torch.device) -> None:
         raise RuntimeError("backend='cute' needs " + " and ".join(missing))
 
 
-def get(name, device: torch.device, *, tiled: bool = False, entropy: bool = False, slices: bool = False):
+def get(name, device: torch.device, *, tiled: bool = False, entropy: bool = False, slices: bool = False,
+        distill: bool = False):
     """The backend package for ``name`` (see ``resolve``), imported on first use, checked to have what the
-    call needs: ``tiled`` (``method="tiled"``), ``entropy`` (the RL ops), ``slices`` (vocab parallelism).
+    call needs: ``tiled`` (``method="tiled"``), ``entropy`` (the RL ops), ``slices`` (vocab parallelism),
+    ``distill`` (the distillation losses).
     A backend without it is a ``RuntimeError`` naming both, raised before any work.
 
     Plain ``import`` statements rather than ``importlib.import_module``: torch.compile (Dynamo) traces an
@@ -104,7 +106,8 @@ def get(name, device: torch.device, *, tiled: bool = False, entropy: bool = Fals
     caps = module.CAPABILITIES
     missing = [what for what, asked, has in (("method='tiled'", tiled, caps.tiled),
                                              ("entropy / log-prob kernels (the RL ops)", entropy, caps.entropy),
-                                             ("vocabulary-slice kernels", slices, caps.slices)) if asked and not has]
+                                             ("vocabulary-slice kernels", slices, caps.slices),
+                                             ("distillation kernels", distill, caps.distill)) if asked and not has]
     if missing:
         others = [n for n in ("triton", "torch") if n != resolved]
         raise RuntimeError(f"backend={resolved!r} has no {' and no '.join(missing)} yet; use "

@@ -117,6 +117,7 @@ class Capabilities(NamedTuple):
     entropy: bool    # the RL ops: ChunkCE.loss(entropy=True), grad_(grad_entropy=), token_stats
     slices: bool     # vocabulary slices (``slice_stats`` / ``slice_grad``) for fusedce.distributed
     soft_targets: bool   # probability targets: ``soft_cross_entropy_rows`` (``fusedce/soft_targets.py``)
+    distill: bool    # distillation: ``distill_rows`` / ``tiled_distill`` (``fusedce/distillation.py``)
 
 
 class Backend(Protocol):
@@ -142,6 +143,12 @@ class Backend(Protocol):
     """``soft_cross_entropy_rows(logits2d, q2d, weight, opts, inplace_backward, stats)``: the same four
     outputs for probability targets ``q2d`` ((BT, V), any float dtype; no row ignored); only with
     ``CAPABILITIES.soft_targets`` (``fusedce/soft_targets.py`` refuses the others)."""
+    distill_rows: Optional[Callable]
+    """The distillation loss of rows of student / teacher logits (``lm_head/distill.py`` drives it); only
+    with ``CAPABILITIES.distill``."""
+    tiled_distill: Optional[Callable]
+    """The distillation loss of both LM heads with no logits tensor (``method="tiled"``); only with
+    ``CAPABILITIES.distill``."""
     slice_stats: Callable
     """``slice_stats(logits, target, weight, opts, col_start) -> types.SliceStats`` on a vocabulary slice."""
     slice_grad: Callable

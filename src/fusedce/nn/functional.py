@@ -58,9 +58,10 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     options: Optional[torch.nn.LinearCrossEntropyOptions] = None,
 ) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)`` through fusedce.
+    """``F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)`` through fusedce,
+    with torch's argument names and meanings.
 
-    Args (torch's names and meaning):
+    Args:
         input: ``(N, H)`` or ``(H,)`` float32 / bfloat16 / float16 hidden states.
         linear_weight: ``(C, H)``, ``nn.Linear`` layout, ``input``'s dtype.
         target: class indices, ``(N,)`` (or ``()`` for a 1-D ``input``), int64 (int32 accepted).

@@ -2,13 +2,15 @@
 in ``tests/references/reference64.py``). The interface: ``backends/protocol.py`` (``Backend``)."""
 from ..protocol import Capabilities
 from .cross_entropy import cross_entropy_rows
+from .distill_rows import distill_rows
+from .distill_tiled import tiled_distill
 from .custom_ops import TORCH_TILED as TILED_CE
 from .custom_ops import slice_grad, slice_stats
 from .linear import TorchChunkCE as CHUNK_CE
 from .soft_targets import soft_cross_entropy_rows
 
 NAME = "torch"
-CAPABILITIES = Capabilities(tiled=True, entropy=True, slices=True, soft_targets=True)
+CAPABILITIES = Capabilities(tiled=True, entropy=True, slices=True, soft_targets=True, distill=True)
 
-__all__ = ["CAPABILITIES", "CHUNK_CE", "NAME", "TILED_CE", "cross_entropy_rows", "slice_grad", "slice_stats",
-           "soft_cross_entropy_rows"]
+__all__ = ["CAPABILITIES", "CHUNK_CE", "NAME", "TILED_CE", "cross_entropy_rows", "distill_rows", "slice_grad",
+           "slice_stats", "soft_cross_entropy_rows", "tiled_distill"]

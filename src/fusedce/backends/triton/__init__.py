@@ -2,13 +2,14 @@
 ``backends/protocol.py`` (``Backend``)."""
 from ..protocol import Capabilities
 from .cross_entropy import cross_entropy_rows
+from .distill import distill_rows, tiled_distill
 from .linear import TritonChunkCE as CHUNK_CE
 from .slices import slice_grad, slice_stats
 from .linear import TRITON_TILED as TILED_CE
 from .soft_targets import soft_cross_entropy_rows
 
 NAME = "triton"
-CAPABILITIES = Capabilities(tiled=True, entropy=True, slices=True, soft_targets=True)
+CAPABILITIES = Capabilities(tiled=True, entropy=True, slices=True, soft_targets=True, distill=True)
 
-__all__ = ["CAPABILITIES", "CHUNK_CE", "NAME", "TILED_CE", "cross_entropy_rows", "slice_grad", "slice_stats",
-           "soft_cross_entropy_rows"]
+__all__ = ["CAPABILITIES", "CHUNK_CE", "NAME", "TILED_CE", "cross_entropy_rows", "distill_rows", "slice_grad",
+           "slice_stats", "soft_cross_entropy_rows", "tiled_distill"]

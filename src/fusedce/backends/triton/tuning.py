@@ -86,3 +86,39 @@ def tiled_config(n_rows: int, n_cols: int, n_hidden: int, kernel: str, elem_size
     if elem_size < 4 and kernel == "tiled_grad_weight":
         cfg["BLOCK_V"] = TILED_BLOCK_V // 2
     return cfg
+
+
+# ---------------------------------------------------------------- distillation (kernels/distill_*.py)
+#
+# Rows (``distill_rows``): two logits streams (student and teacher) per block instead of one, so half the
+# cross-entropy forward's block: 2048 columns at 8 warps (8 values per thread per stream per iteration,
+# one 128-bit bf16 load each). Small vocabularies put several rows in a program (BLOCK_N x BLOCK_V <= 2048)
+# so that a program still moves a few KiB. Chosen by reasoning and the static sm_90 report (``fusedce
+# inspect --kernel distill_rows``: registers, spills), not by GPU timing.
+DISTILL_ROWS_BLOCK = 2048
+
+
+def distill_rows_config(n_cols: int) -> dict:
+    """BLOCK_N rows x BLOCK_V columns and num_warps of ``distill_rows_kernel``."""
+    block_v = min(DISTILL_ROWS_BLOCK, triton.next_power_of_2(max(n_cols, 16)))
+    return {"BLOCK_N": max(1, min(16, DISTILL_ROWS_BLOCK // block_v)), "BLOCK_V": block_v,
+            "num_warps": 8 if block_v >= 1024 else 4, "maxnreg": MAX_REGISTERS}
+
+
+# Tiled (``distill_tiled_*``): the tiles of the tiled cross-entropy (``tiled_config``), with both heads'
+# logits tiles live at once in every kernel (the student's and the teacher's: twice the fp32 epilogue
+# registers of the cross-entropy kernels). Kernels: "distill_tiled_stats" (and "distill_tiled_jsd", same
+# tiles), "distill_tiled_grad" (atomics), "distill_tiled_grad_hidden" / "distill_tiled_grad_weight"
+# (deterministic). Set by the static sm_90 report (``fusedce inspect --kernel distill_tiled_stats ...``:
+# no spills), not by GPU timing.
+_DISTILL_AS_CE = {"distill_tiled_stats": "tiled_forward", "distill_tiled_jsd": "tiled_forward",
+                  "distill_tiled_grad": "tiled_backward", "distill_tiled_grad_hidden": "tiled_grad_hidden",
+                  "distill_tiled_grad_weight": "tiled_grad_weight"}
+
+
+def distill_tiled_config(kernel: str, elem_size: int = 2) -> dict:
+    """Tiles and launch options of the tiled distillation ``kernel`` for inputs of ``elem_size`` bytes
+    (the larger of the two heads' element sizes)."""
+    cfg = tiled_config(0, 0, 0, _DISTILL_AS_CE[kernel], elem_size)
+    cfg["maxnreg"] = TILED_BACKWARD_MAX_REGISTERS
+    return cfg

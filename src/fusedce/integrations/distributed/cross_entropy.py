@@ -84,7 +84,7 @@ def vocab_parallel_cross_entropy(
         group: the process group (None = default). gloo for CPU tensors, NCCL for CUDA tensors.
         vocab_start_index: first global class id of this slice; None on every rank = rank order
             (rank r's slice follows rank r-1's). Given, it must be given on every rank.
-        reduction, num_items_in_batch, return_stats, **options (the loss options, listed below): as in
+        reduction, num_items_in_batch, return_stats, ``**options`` (the loss options, listed below): as in
             ``fusedce.cross_entropy`` (mean denominator ``sum(w[t])`` uses the
             weight held by the rank owning ``t``). ``return_stats``: ``lse`` global (0 on ignored rows),
             ``predicted_tokens`` the global argmax (lowest global index on ties), -1 on ignored rows.
@@ -98,13 +98,15 @@ def vocab_parallel_cross_entropy(
         The fp32 loss (scalar, or ``target.shape`` for ``"none"``) or ``CrossEntropyOutput``; the
         gradient w.r.t. ``logits_shard`` has its dtype and shape (ignored rows exactly 0).
 
-    Collectives (all on ``group``, tensors on the logits' device; BT = number of rows, W = world size):
-        setup    ``all_gather`` of 3 int64 per rank (slice start and size): 24 W bytes, one host sync.
-        forward  ``all_reduce(MAX)`` of BT int64 (row max + argmax packed): 8 BT bytes;
-                 ``all_reduce(SUM)`` of BT x k fp32 (k = 3, +1 with class weights, +1 with label
+    Collectives (all on ``group``, tensors on the logits' device; BT = number of rows, W = world size)::
+
+        setup    all_gather of 3 int64 per rank (slice start and size): 24 W bytes, one host sync.
+        forward  all_reduce(MAX) of BT int64 (row max + argmax packed): 8 BT bytes;
+                 all_reduce(SUM) of BT x k fp32 (k = 3, +1 with class weights, +1 with label
                  smoothing: sum-exp, target logit, owner flag, w_t, sum_c w_c z_c) plus 1 fp32
                  (sum of class weights, with weights only): 4 (k BT + 1) bytes.
         backward none.
+
     Every rank must make the same calls with the same ``target`` (the collectives pair up by order).
 
     Raises:

@@ -119,7 +119,7 @@ def vocab_parallel_linear_cross_entropy(
         target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank.
         bias_shard, ce_weight_shard: optional ``(V_r,)`` slices of the bias and of the class weights.
         group, vocab_start_index: as in ``vocab_parallel_cross_entropy``.
-        reduction, num_items_in_batch, **options (the loss options, listed below):
+        reduction, num_items_in_batch, ``**options`` (the loss options, listed below):
             as in ``fusedce.cross_entropy``, on logits computed in ``hidden``'s dtype (fp32 accumulation).
         chunk_size: tokens per chunk (logits are ``chunk_size x V_r``). None = the single-process rule
             (``lm_head/method.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
@@ -142,11 +142,12 @@ def vocab_parallel_linear_cross_entropy(
     Ignored tokens cost no matmul FLOPs and no communication: non-ignored rows are gathered first (one
     host sync; skipped under torch.compile / CUDA-graph capture, where every row is computed).
 
-    Collectives (on ``group``; BT' = non-ignored rows, W = world size):
-        setup    ``all_gather`` of 3 int64 per rank: 24 W bytes, one host sync.
-        forward  ``all_reduce(MAX)`` of BT' int64: 8 BT' bytes; ``all_reduce(SUM)`` of BT' x k fp32
-                 (+1 fp32 with class weights), k = 3..5 as in ``vocab_parallel_cross_entropy``.
-        backward ``all_reduce(SUM)`` of grad_hidden, BT' x H in hidden's dtype (only when ``hidden``
+    Collectives (on ``group``; BT' = non-ignored rows, W = world size)::
+
+        setup    all_gather of 3 int64 per rank: 24 W bytes, one host sync.
+        forward  all_reduce(MAX) of BT' int64: 8 BT' bytes; all_reduce(SUM) of BT' x k fp32
+                 (+1 fp32 with class weights), k = 3..5 as in vocab_parallel_cross_entropy.
+        backward all_reduce(SUM) of grad_hidden, BT' x H in hidden's dtype (only when hidden
                  requires grad). No collective for the weight / bias gradients.
 
     Raises:

@@ -23,7 +23,7 @@ from ...options import check_flag, deterministic_mode, log_prob_options
 from ...autocast import linear_op
 from ...autograd_checks import check_backward_allowed
 from ...lm_head.compaction import compact_rows, scatter_rows
-from ...lm_head.chunked import backprop_chunk_, chunk_buffer, grad_buffers, logits_chunk
+from ...lm_head.chunked import backprop_chunks, chunk_buffer, logits_chunk
 from ...lm_head.method import chunk_rows
 from ...options import LossOptions
 from ...types import TokenLogProbs
@@ -59,17 +59,15 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         hidden, weight, bias, target, lse, lse_lo, entropy = ctx.saved_tensors
         grad_row, k = upstreams(grad_log_probs, grad_entropy, lse, ctx.want_entropy)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        n, rows = hidden.shape[0], ctx.rows
-        grad_h, grad_w, grad_b = grad_buffers(hidden, weight, (need_h, need_w, need_b), torch.float32)
-        buffer = chunk_buffer(n, rows, weight, hidden.dtype)
-        for start in range(0, n, rows):
-            c = slice(start, start + rows)
-            h_c = hidden[c]
-            x = logits_chunk(h_c, weight, bias, buffer)
-            g = shard_grad(ctx.impl, x, target[c], None, None, None, lse[c], lse_lo[c], grad_row[c], None,
-                           ctx.layout, ctx.opts, grad_entropy=None if k is None else k[c],
-                           entropy=None if k is None else entropy[c])   # in hidden's dtype
-            backprop_chunk_(g, h_c, weight, c, grad_h, grad_w, grad_b)
+        n = hidden.shape[0]
+
+        def slice_grad(c, x):   # the logits' gradient of the rank's vocabulary slice, in hidden's dtype
+            return shard_grad(ctx.impl, x, target[c], None, None, None, lse[c], lse_lo[c], grad_row[c], None,
+                              ctx.layout, ctx.opts, grad_entropy=None if k is None else k[c],
+                              entropy=None if k is None else entropy[c])
+
+        grad_h, grad_w, grad_b = backprop_chunks(hidden, weight, bias, ctx.rows, (need_h, need_w, need_b),
+                                                 torch.float32, slice_grad)
         if need_h and n > 0:
             # each rank holds sum over its own classes of g_c W_c: add the partial sums
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)

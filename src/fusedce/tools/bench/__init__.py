@@ -13,9 +13,11 @@ Files, one job each (imports go down this list, never up):
 - ``paths.py``       the registry: ops (cross_entropy, linear_cross_entropy) and paths (who computes them)
 - ``harness.py``     timing, peak memory and parity of one path; ``run_isolated`` runs it in a fresh process
 - ``sweep.py``       the CPU memory sweep: stock vs fused linear cross-entropy, memory over inputs + .grad
+- ``distill.py``     the distillation row: stock full-logits JSD vs ``linear_distillation_loss`` on the real input
 - ``worker.py``      the fresh process: ``python -m fusedce.tools.bench.worker`` (JSON spec in, JSON result out)
 - ``goals.py``       fusedce against the peers: chunked faster and leaner, tiled the least memory
-- ``report.py``      rich tables, JSON and PNG; ``report_sweep.py`` the sweep's table and panels
+- ``report.py``      rich tables, JSON and PNG; ``report_sweep.py`` the sweep's table and panels,
+  ``report_distill.py`` the distillation table
 - ``command.py``     the ``bench`` subcommand: arguments and orchestration
 
 Scripts reuse ``harness.measure`` / ``harness.run_isolated`` with their own paths: adding a path is one

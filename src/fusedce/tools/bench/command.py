@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -23,6 +24,15 @@ the interpreter on a slice of rows, for parity only. On CPU a memory sweep follo
 it): stock, fused (chunked, tiled) and the peers' linear cross-entropy at SmolLM2's and Llama-3's
 vocabulary shapes, 0% and 50% of targets ignored, peak memory and time with their ratios. Writes OUT/bench.json and OUT/bench.png."""
 DTYPES = ("float32", "bfloat16")
+LOAD_SAMPLE_SECONDS = 5.0
+# The names --paths accepts (``paths.PATHS``, which imports torch; tests/test_bench_cli.py keeps the two
+# equal), by op: fusedce's paths, stock PyTorch's and the peers'.
+PATH_NAMES = {
+    "cross_entropy": ("torch", "fusedce-torch", "fusedce-triton"),
+    "linear_cross_entropy": ("linear-torch", "linear-fusedce-torch", "linear-fusedce-triton",
+                             "linear-fusedce-torch-tiled", "linear-fusedce-triton-tiled",
+                             "linear-torch-lce", "linear-trl"),
+}
 # fusedce's chunked and tiled paths per device, judged against the peers (``goals.real_goals``)
 CHUNKED_TILED = {"cpu": ("linear-fusedce-torch", "linear-fusedce-torch-tiled"),
                  "cuda": ("linear-fusedce-triton", "linear-fusedce-triton-tiled")}
@@ -32,7 +42,15 @@ def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Wraps help text at spaces only, so that the path names in ``--paths`` stay whole."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _HelpFormatter
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--shapes", default="real",
                         help="comma list: 'real' (SmolLM2 on KJV), a named shape (smollm2, llama3-8b, "
@@ -43,7 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=0,
                         help="untimed runs before timing (CPU), besides the peak-memory run, which is one")
     parser.add_argument("--paths", default=None,
-                        help="comma list of bench paths to run; None: every registered path")
+                        help="comma list of bench paths to run (default: every path that runs on the "
+                             "device); " + "; ".join(f"{op}: {', '.join(names)}"
+                                                   for op, names in PATH_NAMES.items())
+                             + ". 'torch' / 'linear-torch' are stock PyTorch, 'linear-torch-lce' and "
+                             "'linear-trl' the peers (torch F.linear_cross_entropy, TRL); '-triton' paths "
+                             "need --device cuda (on CPU the untiled ones run under the Triton interpreter, "
+                             "for parity only)")
     parser.add_argument("--interpret-rows", type=int, default=32,
                         help="rows of the Triton interpreter's parity check (CPU)")
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for bench.json/png")
@@ -133,6 +157,21 @@ def _recheck_real(rows, inputs_meta) -> list[str]:
     return failures
 
 
+def _distillation(args, console, inputs_meta):
+    """The distillation row on the real input (``distill``), or None without it (or when ``--paths``
+    names none of ``distill.PATHS``)."""
+    from . import distill
+    names = [name for name in _csv(args.paths) if name in distill.PATHS] if getattr(args, "paths", None) else None
+    if "real" not in inputs_meta or names == []:
+        return None
+    began, prepared = time.perf_counter(), distill.prepare(inputs_meta["real"]["cache_file"])
+    try:
+        rows = _measure_all(distill.jobs(prepared, args.device, names=names), args, console, distill.describe)
+    finally:
+        distill.cleanup(prepared)
+    return distill.summarize(prepared, rows, time.perf_counter() - began)
+
+
 def _describe_row(row) -> str:
     return f"{row['shape']} {row['dtype']} {row['op']}: {row['label']}"
 
@@ -220,15 +259,18 @@ def run(args) -> int:
         err.print(Panel(str(exc), title="real input FAILED", style="bold red"))
         return 1
     load_before = machine.describe(args.device).get("load_average_1min")
-    rows = _measure_all(_jobs(shapes, dtypes, plan, sources, args), args, err, _describe_row)
-    failures += _recheck_real(rows, inputs_meta)
-    sweep = _sweep(args, err) if args.device == "cpu" and not args.no_sweep else None
+    with machine.LoadSampler(LOAD_SAMPLE_SECONDS) as load:   # the busy-machine warning's worst load
+        rows = _measure_all(_jobs(shapes, dtypes, plan, sources, args), args, err, _describe_row)
+        failures += _recheck_real(rows, inputs_meta)
+        distillation = _distillation(args, err, inputs_meta)
+        sweep = _sweep(args, err) if args.device == "cpu" and not args.no_sweep else None
 
     result = {
         "fusedce_bench": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": args.device,
-        "machine": {**machine.describe(args.device), "load_average_1min_before": load_before},
+        "machine": {**machine.describe(args.device), "load_average_1min_before": load_before,
+                    **load.summary()},
         "settings": {key: str(value) if isinstance(value, Path) else value
                      for key, value in vars(args).items() if key not in ("handler", "command")},
         "methods": _methods(rows, plan, args),
@@ -236,16 +278,21 @@ def run(args) -> int:
         "results": rows,
         "goals": goals.real_goals(rows, *CHUNKED_TILED[args.device]),
         "sweep": sweep,
+        "distillation": distillation,
         "failures": failures,
         "wall_seconds": round(time.perf_counter() - began, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     report.print_report(result, out)
+    if distillation:
+        from .report_distill import print_table
+        print_table(distillation, out)
     written = [report.write_json(result, args.out), report.write_png(result, args.out)]
     out.print(f"wrote {', '.join(str(p) for p in written)}")
     for failure in failures:
         err.print(Panel(failure, title="real input FAILED", style="bold red"))
-    errors = [r for r in rows + (sweep["results"] if sweep else []) if r["status"] == "error"]
+    errors = [r for r in rows + (sweep["results"] if sweep else [])
+              + (distillation["results"] if distillation else []) if r["status"] == "error"]
     if errors:
         err.print(f"[red]{len(errors)} measurement(s) failed; see the status column")
     return 1 if failures or errors else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import threading
 from importlib import metadata
 
 import torch
@@ -63,3 +64,61 @@ def peak_bandwidth_gbps(device_name: str):
         if key in device_name:
             return gbps
     return None
+
+
+def _load_1min():
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+class LoadSampler:
+    """Samples the 1-minute load average every ``interval`` seconds on a daemon thread while the bench
+    measures, so that its "busy machine" warning reports the worst load of the run, not the load at its
+    end. Use as a context manager; ``summary()`` gives the JSON fields (None where nothing was sampled).
+    ``read`` (a callable returning the load or None) is for tests."""
+
+    def __init__(self, interval: float = 5.0, read=_load_1min):
+        self.interval, self._read = interval, read
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fusedce-load-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        load = self._read()
+        if load is not None:
+            self.samples.append(round(float(load), 2))
+
+    def _run(self) -> None:
+        self._sample()
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()   # the load at the end, too
+
+    def summary(self) -> dict:
+        """``load_average_1min_max`` / ``_mean`` over the samples, their count and the interval."""
+        n = len(self.samples)
+        return {"load_average_1min_max": max(self.samples) if n else None,
+                "load_average_1min_mean": round(sum(self.samples) / n, 2) if n else None,
+                "load_samples": n, "load_sample_interval_s": self.interval}
+
+
+def busy_warning(machine: dict):
+    """The "machine was busy" sentence for a saved ``machine`` description, or None: the worst sampled
+    load of the run (``LoadSampler``) if there is one, else the load at the end, against the cores."""
+    cores = machine.get("cpu_cores")
+    worst = machine.get("load_average_1min_max")
+    load = worst if worst is not None else machine.get("load_average_1min")
+    if not (load and cores and load > cores):
+        return None
+    if worst is None:
+        return f"warning: the machine was busy (load average {load} on {cores} cores); times are noisy"
+    return (f"warning: the machine was busy (1-minute load average up to {worst}, mean "
+            f"{machine.get('load_average_1min_mean')}, on {cores} cores; sampled every "
+            f"{machine.get('load_sample_interval_s'):g} s through the run); times are noisy")

@@ -12,6 +12,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .colors import legend_text, path_color
+from .machine import busy_warning
+from .plot_axes import time_unit, value_axis
+
 INTERPRETER_NOTE = ("(interp.) rows: the Triton kernels under TRITON_INTERPRET=1 on a slice of rows, for "
                     "parity only; (slice): stock torch on the same rows, the yardstick for their errors. "
                     "The interpreter runs kernels in numpy on the CPU: its times mean nothing, so none "
@@ -101,10 +105,9 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
              f"GB/s: {_per_op(methods['floor'], op)}"]
     if any(r["mode"] == "parity" for r in rows):
         notes.append(INTERPRETER_NOTE)
-    load, cores = machine.get("load_average_1min"), machine.get("cpu_cores")
-    if report["device"] == "cpu" and load and cores and load > cores:
-        notes.append(f"warning: the machine was busy (load average {load} on {cores} cores); "
-                     "times are noisy.")
+    busy = busy_warning(machine)
+    if report["device"] == "cpu" and busy:
+        notes.append(busy + ".")
     out.caption = "\n".join(notes + reasons)
     return out
 
@@ -178,28 +181,30 @@ def write_png(report: dict, out: Path) -> Path:
         timed = [r for r in report["results"] if r["shape"] == shape and r.get("op", "cross_entropy") == op
                  and r["status"] == "ok" and r.get("time_ms") is not None]
         labels = [f"{r['label']}\n{r['dtype']}" for r in timed]
-        for col, (key, scale, unit) in enumerate((("time_ms", 1.0, "fwd+bwd time (ms)"),
-                                                  ("peak_bytes", 2.0**-20, "peak memory (MiB)"))):
+        colors = [path_color(r["path"]) for r in timed]
+        t_scale, t_unit, t_fmt = time_unit(r["time_ms"] for r in timed)
+        panels = (("time_ms", t_scale, f"fwd+bwd time ({t_unit})", t_fmt),
+                  ("peak_bytes", 2.0**-20, "peak memory (MiB)", ".0f"))
+        for col, (key, scale, unit, fmt) in enumerate(panels):
             ax = axes[row][col]
             values = [r[key] * scale for r in timed]
-            colors = ["tab:orange" if r.get("peer") else "tab:gray" if r.get("baseline", r["path"] == "torch")
-                      else "tab:blue" for r in timed]
             ax.barh(range(len(values)), values, color=colors)
             ax.set_yticks(range(len(values)), labels, fontsize=8)
             ax.invert_yaxis()
+            ax.margins(x=0.15)
+            value_axis(ax)
             ax.set_xlabel(unit)
             ax.set_title(f"{shape}, {op}: {unit}", fontsize=9)
             for i, v in enumerate(values):
-                ax.text(v, i, f" {v:.0f}", va="center", fontsize=8)
+                ax.text(v, i, f" {v:{fmt}}", va="center", fontsize=8)
             if not values:
                 ax.text(0.5, 0.5, "no timed rows", ha="center", transform=ax.transAxes)
     if sweep:
         from .report_sweep import plot_sweep
         plot_sweep(sweep, axes[-1])
-    fig.suptitle(f"fusedce bench, {report['device']}: {report['machine']['name']}; gray: stock PyTorch, "
-                 "orange: peers (torch F.linear_cross_entropy, TRL), blue: fusedce\n"
+    fig.suptitle(f"fusedce bench, {report['device']}: {report['machine']['name']}\n{legend_text()}\n"
                  "time: median fwd+bwd; memory: peak beyond the inputs (methods in bench.json)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path

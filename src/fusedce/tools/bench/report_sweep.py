@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from .colors import path_color
+from .machine import busy_warning
+from .plot_axes import time_unit, value_axis
+
 MIB = 2.0 ** -20
 # One line per configuration and path; the shapes' sizes go to the caption, so that the table fits 220
 # columns (the bench's width in logs and pipes).
@@ -14,8 +18,6 @@ COLUMNS = (
     ("shape", "left"), ("ignored", "right"), ("path", "left"), ("MiB", "right"), ("/floor", "right"),
     ("ms", "right"), ("stock/path\nmemory", "right"), ("stock/path\ntime", "right"), ("Δloss", "right"),
     ("status", "left"), ("targets (this configuration)", "left"))
-COLORS = {"stock": "tab:gray", "fused": "tab:blue", "tiled": "tab:green", "torch-lce": "tab:orange",
-          "trl": "tab:purple"}
 
 
 def _num(value, fmt: str, suffix: str = "") -> str:
@@ -83,10 +85,9 @@ def sweep_table(report: dict) -> Table:
         if r["label"] == "torch-lce" and r.get("extra")))
     reasons = [f"{r['shape']} {r['ignore_fraction']:.0%} {r['label']}: {r.get('reason', r['status'])}"
                for r in sweep["results"] if r["status"] != "ok"]
-    load, cores = machine.get("load_average_1min"), machine.get("cpu_cores")
-    if load and cores and load > cores:
-        notes.append(f"warning: the machine was busy (load average {load} on {cores} cores); "
-                     "times are noisy, ratios less so (the paths of a configuration run back to back).")
+    cores, busy = machine.get("cpu_cores"), busy_warning(machine)
+    if busy:
+        notes.append(busy + ", ratios less so (the paths of a configuration run back to back).")
     cpu = [r["process_cpu_s"] for r in sweep["results"] if r.get("process_cpu_s") is not None]
     if sweep.get("wall_seconds") is not None and cpu:
         notes.append(f"sweep: {sweep['wall_seconds']:.0f} s wall, its processes used {sum(cpu):.0f} CPU "
@@ -96,14 +97,16 @@ def sweep_table(report: dict) -> Table:
 
 
 def plot_sweep(sweep: dict, axes) -> None:
-    """Grouped bars per configuration, one per path (stock gray, fused chunked blue, tiled green, the
-    peers orange / purple), on ``axes`` = (memory, time)."""
+    """Grouped bars per configuration, one per path, each path in its ``colors.path_color`` (as in the
+    other panels), on ``axes`` = (memory, time); times in seconds once they reach 10 s."""
     summary = sweep["summary"]
-    labels = list(dict.fromkeys(r["label"] for r in sweep["results"]))
+    labels = list(dict.fromkeys((r["label"], r["path"]) for r in sweep["results"]))
     height = 0.8 / max(1, len(labels))
-    for ax, (key, scale, unit) in zip(axes, (("peak_bytes", MIB, "peak memory over inputs + .grad (MiB)"),
-                                             ("time_ms", 1.0, "fwd+bwd time (ms)"))):
-        for j, label in enumerate(labels):
+    t_scale, t_unit, t_fmt = time_unit(r.get("time_ms") for r in sweep["results"] if r["status"] == "ok")
+    panels = (("peak_bytes", MIB, "peak memory over inputs + .grad (MiB)", ".0f"),
+              ("time_ms", t_scale, f"fwd+bwd time ({t_unit})", t_fmt))
+    for ax, (key, scale, unit, fmt) in zip(axes, panels):
+        for j, (label, path) in enumerate(labels):
             offset = (j - (len(labels) - 1) / 2) * height
             values = []
             for s in summary:
@@ -111,13 +114,15 @@ def plot_sweep(sweep: dict, axes) -> None:
                             and (r["shape"], r["ignore_fraction"]) == (s["shape"], s["ignore_fraction"])), None)
                 values.append(0.0 if row is None or row.get(key) is None else row[key] * scale)
             ax.barh([i + offset for i in range(len(summary))], values, height=height,
-                    color=COLORS.get(label, "tab:red"), label=label)
+                    color=path_color(path), label=label)
             for i, v in enumerate(values):
-                ax.text(v, i + offset, f" {v:.0f}", va="center", fontsize=6)
+                ax.text(v, i + offset, f" {v:{fmt}}", va="center", fontsize=6)
         ax.set_yticks(range(len(summary)), [f"{s['shape']}\n{s['ignore_fraction']:.0%} ignored" for s in summary],
                       fontsize=8)
         ax.invert_yaxis()
-        ax.margins(x=0.12)
+        ax.margins(x=0.15)
+        value_axis(ax)
         ax.set_xlabel(unit)
         ax.set_title(f"memory sweep (fp32, CPU): {unit}", fontsize=9)
-        ax.legend(fontsize=7, loc="lower right")
+    # one legend, beside the panels, so that no bar is hidden under it
+    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)

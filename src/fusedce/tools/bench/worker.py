@@ -4,7 +4,7 @@ stdin and prints one ``harness.RESULT_PREFIX`` line with the JSON result.
 Spec: ``{"path": name, "mode": "timed" | "parity", "device": "cpu" | "cuda", "dtype": "float32" |
 "bfloat16", "source": inputs source, "rows": int | None, "repeats": int, "warmup": int}``; with
 ``"sweep": true`` the measurement is the memory sweep's (``sweep.measure``, CPU) instead of
-``harness.measure``.
+``harness.measure``; with ``"distill": true`` it is the distillation row's (``distill.measure``).
 A path that cannot be imported (e.g. a backend not written yet) is ``"unavailable"`` with the reason;
 any other exception is ``"error"``.
 """
@@ -24,6 +24,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def run_spec(spec: dict) -> dict:
     """Measure ``spec`` in this process (see the module docstring); never raises."""
+    if spec.get("distill"):   # the distillation row (``distill.measure``)
+        return _distill(spec)
     path = paths.PATHS[spec["path"]]
     try:
         data = inputs.build(spec["source"], path.op.needs, DTYPES[spec["dtype"]], spec["device"],
@@ -38,6 +40,17 @@ def run_spec(spec: dict) -> dict:
                                      spec.get("warmup", 1))
         result["inputs"] = shape
         return result
+    except ImportError as exc:
+        return {"status": "unavailable", "reason": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # reported in the table, the bench goes on
+        traceback.print_exc()
+        return {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+
+
+def _distill(spec: dict) -> dict:
+    try:
+        from . import distill
+        return distill.measure(spec)
     except ImportError as exc:
         return {"status": "unavailable", "reason": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:  # reported in the table, the bench goes on

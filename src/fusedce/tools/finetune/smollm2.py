@@ -65,10 +65,10 @@ def load_model():
     os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub reads its constants
     import transformers
     from fusedce.tools.bench.real_input import find_gguf
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    from .quiet_gguf import quiet_gguf_bars
     gguf = find_gguf()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with quiet_gguf_bars():   # transformers' bars, the GGUF dequantization's included
+        return transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def prepare_data(n_seq: int, seq_len: int, path: Path) -> None:
@@ -77,28 +77,18 @@ def prepare_data(n_seq: int, seq_len: int, path: Path) -> None:
     import torch
     import transformers
     from fusedce.tools.bench.real_input import find_gguf, find_kjv, token_sequences
-    transformers.logging.set_verbosity_error()
+    from .quiet_gguf import quiet_gguf_bars
     gguf = find_gguf()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with quiet_gguf_bars():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     torch.save(token_sequences(tokenizer, verses(find_kjv()), n_seq, seq_len), path)
 
 
-def worker(args) -> None:
-    """One fine-tune; writes its losses, step times and peak RSS to ``args.result``."""
+def _train(model, data, args, bar, losses, times, cpu_times) -> None:
+    """The optimizer steps of one run; appends each step's loss, wall and CPU seconds; one line and one
+    ``bar`` update per step."""
     import torch
-    torch.manual_seed(args.seed)
-    began = time.perf_counter()
-    model = load_model()
-    if args.worker == "patched":
-        import fusedce
-        options = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
-        fusedce.patch_causal_lm(model, **options)
-    load_s = time.perf_counter() - began
-    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    data = torch.load(args.data)  # (batches * batch, seq_len)
-    model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    losses, times, cpu_times, load_before = [], [], [], os.getloadavg()[0]
     for step in range(args.steps):
         first = (step % (data.shape[0] // args.batch)) * args.batch
         ids = data[first:first + args.batch]
@@ -111,8 +101,34 @@ def worker(args) -> None:
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         losses.append(float(loss.detach()))
-        print(f"  {args.worker:7s} step {step + 1:3d}/{args.steps}  loss {losses[-1]:.4f}  "
-              f"{times[-1]:.1f} s", flush=True)
+        bar.update(1)
+        bar.write(f"  {args.worker:7s} step {step + 1:3d}/{args.steps}  loss {losses[-1]:.4f}  "
+                  f"{times[-1]:.1f} s", file=sys.stdout)
+
+
+def worker(args) -> None:
+    """One fine-tune; writes its losses, step times and peak RSS to ``args.result``."""
+    import torch
+    from tqdm.auto import tqdm
+    from .ticking import ticking
+    torch.manual_seed(args.seed)
+    began = time.perf_counter()
+    print(f"  {args.worker:7s} loading SmolLM2-135M (dequantizing the GGUF)", flush=True)
+    model = load_model()
+    if args.worker == "patched":
+        import fusedce
+        options = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
+        fusedce.patch_causal_lm(model, **options)
+    load_s = time.perf_counter() - began
+    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    data = torch.load(args.data)  # (batches * batch, seq_len)
+    model.train()
+    losses, times, cpu_times, load_before = [], [], [], os.getloadavg()[0]
+    # one bar over the steps (each a few seconds or more on a CPU), its elapsed time ticking during a step
+    bar = tqdm(total=args.steps, desc=f"  {args.worker} steps", unit="step", file=sys.stderr, leave=False)
+    with ticking(bar):
+        _train(model, data, args, bar, losses, times, cpu_times)
+    bar.close()
     # CPU seconds (all threads) next to wall seconds: on a shared machine the wall time mostly measures
     # the other jobs; the CPU time is what this run itself spent.
     result = {"losses": losses, "step_s": times, "median_step_s": statistics.median(times),
@@ -169,7 +185,8 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens.pt"
         n_seq = min(args.batches, args.steps) * args.batch
-        print(f"tokenizing {n_seq} KJV sequences of {args.seq_len} tokens", flush=True)
+        print(f"tokenizing {n_seq} KJV sequences of {args.seq_len} tokens (loads the tokenizer from the GGUF)",
+              flush=True)
         prepare_data(n_seq, args.seq_len, data)
         for name in RUNS:
             result = Path(tmp) / f"{name}.json"

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .variants import (ARCHS, DEFAULT_VOCABS, DTYPES, KERNELS, ROWS, SOFT, TILED, VARIANTS, VOCABS, Variant,
+from .variants import (ALL_KERNELS, ARCHS, DEFAULT_VOCABS, DTYPES, ROWS, SOFT, TILED, VARIANTS, VOCABS, Variant,
                        every_variant, launch)
 
 @dataclass
@@ -87,16 +87,19 @@ class Row:
 def _needed(kernel: str, itemsize: int, meta: dict) -> tuple:
     """128-bit accesses per thread per block: (loads, stores) of the streams that must be vectorized
     (``meta["FLAGS"]``: the launch's ``types.LossFlags``)."""
+    if kernel in TILED:   # operand tiles go through shared memory (TMA / cp.async): no per-thread rule
+        return 0, 0
     threads = 32 * meta["num_warps"]
     per_stream = lambda size: max(1, meta["BLOCK_V"] * size // (16 * threads))   # noqa: E731
+    if kernel == "distill_rows":   # student and teacher streams of BLOCK_N rows; the gradient's stores
+        per_stream = lambda size: max(1, meta["BLOCK_N"] * meta["BLOCK_V"] * size // (16 * threads))  # noqa
+        return 2 * per_stream(itemsize), per_stream(itemsize) if meta["HAS_GRAD"] else 0
     loads = per_stream(itemsize)
     if kernel in SOFT:   # the target q (the logits' dtype here), and the class weights whenever given
         loads += per_stream(itemsize) + (per_stream(4) if meta["FLAGS"].HAS_WEIGHT else 0)
     elif meta["FLAGS"].HAS_WEIGHT and meta["FLAGS"].HAS_SMOOTHING:
         loads += per_stream(4)                       # fp32 class weights, read blockwise
     stores = per_stream(itemsize) if kernel in ("backward", "chunk", "soft_backward") else 0
-    if kernel in TILED:   # operand tiles go through shared memory (TMA / cp.async): no per-thread rule
-        return 0, 0
     return loads, stores
 
 
@@ -116,7 +119,7 @@ def _atomics(ptx: str) -> int:
 
 
 # The one kernel allowed atomics: the tiled backward's fp32 accumulation (``deterministic=False``).
-NONDETERMINISTIC_KERNELS = ("tiled_backward",)
+NONDETERMINISTIC_KERNELS = ("tiled_backward", "distill_tiled_grad")
 _CACHE: dict = {}
 
 
@@ -159,7 +162,7 @@ def arch_supported(arch: int) -> Optional[str]:
     return row.error or None
 
 
-def collect(archs=ARCHS, dtypes=tuple(DTYPES), vocabs=DEFAULT_VOCABS, kernels=KERNELS,
+def collect(archs=ARCHS, dtypes=tuple(DTYPES), vocabs=DEFAULT_VOCABS, kernels=ALL_KERNELS,
         variants=None, every=False, progress=None) -> tuple:
     """All rows for the requested configurations, and notes on targets that were skipped."""
     rows, notes = [], []
@@ -194,8 +197,8 @@ def format_table(rows) -> str:
         lines.append((f"sm_{r.arch}", r.kernel, r.variant, r.dtype, str(r.vocab), str(r.block_v),
                       str(r.num_warps), str(r.align), _fmt(r.regs), _fmt(r.spill_bytes), str(r.smem),
                       f"{r.ld128}/{r.ld128_needed}", str(r.narrow_loads),
-                      f"{r.st128}/{r.st128_needed}" if r.kernel in ("backward", "chunk") else "-", r.mma,
-                      str(r.atomics), check))
+                      f"{r.st128}/{r.st128_needed}" if r.kernel in ("backward", "chunk", "distill_rows") else "-",
+                      r.mma, str(r.atomics), check))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
@@ -211,7 +214,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", type=int, action="append", help="compute capability (default: 90 and 100)")
     p.add_argument("--dtype", action="append", choices=list(DTYPES), help="logits dtype (default: all)")
     p.add_argument("--vocab", type=int, action="append", help=f"V (default: {list(DEFAULT_VOCABS)})")
-    p.add_argument("--kernel", action="append", choices=list(KERNELS), help="default: all")
+    p.add_argument("--kernel", action="append", choices=list(ALL_KERNELS), help="default: all")
     p.add_argument("--variant", action="append", help="flag combination, e.g. plain, all (default: all)")
     p.add_argument("--every-variant", action="store_true",
                    help="every combination of the constexpr flags instead of the representative ones")
@@ -243,7 +246,7 @@ def run(args) -> int:
         return 2
     rows, notes = collect(archs=tuple(args.arch or ARCHS), dtypes=tuple(args.dtype or DTYPES),
                           vocabs=tuple(args.vocab or DEFAULT_VOCABS),
-                          kernels=tuple(args.kernel or KERNELS), variants=args.variant,
+                          kernels=tuple(args.kernel or ALL_KERNELS), variants=args.variant,
                           every=args.every_variant,
                           progress=lambda msg: print(f"compiling {msg}", file=sys.stderr, flush=True))
     print(f"Triton {triton.__version__}: kernels compiled offline (no GPU), BT = {ROWS}, "

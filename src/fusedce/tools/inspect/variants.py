@@ -7,16 +7,20 @@ from dataclasses import dataclass
 import torch
 
 from ...options import LossFlags, LossOptions
+from . import distill_variants as DV
 
 # chunk: the fused loss + gradient of linear_cross_entropy; slice: the partial statistics of a vocabulary
 # slice (vocab parallelism; its gradient is the backward kernel with a column offset)
 # tiled_grad_hidden / tiled_grad_weight: the deterministic tiled backward (no atomics)
 # soft_forward / soft_backward: probability targets (``kernels/soft_*.py``; the target in the logits' dtype)
 KERNELS = ("forward", "backward", "chunk", "slice", "tiled_forward", "tiled_backward", "tiled_grad_hidden",
-           "tiled_grad_weight", "soft_forward", "soft_backward")
+           "tiled_grad_weight", "soft_forward", "soft_backward")   # the cross-entropy kernels (they take the
+# loss options: ``options.LossOptions``) with the distillation kernels (``distill_variants.py``: their own
+# options, variants and launches)
 SOFT = ("soft_forward", "soft_backward")
-TILED = ("tiled_forward", "tiled_backward", "tiled_grad_hidden", "tiled_grad_weight")   # the no-logits LM
-# head (method="tiled"): V is the head's rows
+ALL_KERNELS = KERNELS + DV.DISTILL_KERNELS
+TILED = ("tiled_forward", "tiled_backward", "tiled_grad_hidden", "tiled_grad_weight") + DV.DISTILL_TILED
+# the no-logits LM head (method="tiled", and tiled distillation): V is the head's rows
 TILED_HIDDEN = 4096         # H of the tiled kernels (Llama-3-8B); only the H loop's trip count depends on it
 ROWS = 8192                 # BT: only the grid depends on it
 ARCHS = (90, 100)
@@ -134,6 +138,7 @@ VARIANTS = {
         "smooth+weight": _v("weight", "smoothing"),
         "all": Variant(ALL, stats=True, zloss=True, dft=True),
     },
+    **DV.VARIANTS,
 }
 # Each kernel's per-launch flags besides the loss options' (all of which every kernel takes).
 _FEATURES = {"forward": ("stats",),
@@ -150,6 +155,8 @@ _FEATURES = {"forward": ("stats",),
 
 def every_variant(kernel: str) -> dict:
     """Every combination of the kernel's constexpr flags, named by its flags ("plain" for none)."""
+    if kernel in DV.DISTILL_KERNELS:
+        return DV.every_variant(kernel)
     flags = tuple(LOSS_FLAGS) + _FEATURES[kernel]
     out = {}
     for bits in range(1 << len(flags)):
@@ -161,6 +168,8 @@ def every_variant(kernel: str) -> dict:
 
 def launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant, rows: int = ROWS):
     """``(kernel, grid, args, meta)`` the launcher would use, on meta tensors."""
+    if kernel in DV.DISTILL_KERNELS:
+        return DV.launch(kernel, dtype, vocab, variant, rows)
     fn, grid, args, meta = _launch(kernel, dtype, vocab, variant, rows)
     assert meta["FLAGS"] == variant.flags(), (kernel, meta["FLAGS"], variant)   # the variant is what it says
     return fn, grid, args, meta

@@ -1,0 +1,144 @@
+"""Distillation row op of the PyTorch backend: per-row loss and student-logit gradient (``distill_rows``),
+and the fp32 block math it shares with the tiled op (``distill_tiled.py``).
+
+Per row, with ``c(x) = cap * tanh(x / cap)`` (each model's softcap, when given), ``T`` the temperature,
+``u = c(z_s) / T``, ``ls = log_softmax(u)``, ``lt = log_softmax(c(z_t) / T)``, ``s = exp(ls)``, ``t = exp(lt)``
+(the generalized JSD of GKD, arXiv 2306.13649 Eq. 1, in TRL's ``generalized_jsd_loss`` form):
+
+- ``beta = 0``: ``KL(t || s) = sum t (lt - ls)``;               ``dL/du = s - t``;
+- ``beta = 1``: ``KL(s || t) = sum s (ls - lt)``;               ``dL/du = s (ls - lt - KL(s || t))``;
+- otherwise, ``lm = log(beta t + (1 - beta) s)`` (a ``logaddexp``, never ``log`` of a sum):
+  ``beta KL(t || m) + (1 - beta) KL(s || m)``;  with ``g = (1 - beta)(ls - lm)``: ``dL/du = s (g - sum s g)``
+  and ``sum s g = (1 - beta) KL(s || m)`` (the derivative of the ``m`` terms cancels: d/ds_v of the loss is
+  ``g_v`` plus a constant that the softmax Jacobian removes);
+
+plus ``hard_label_weight * (lse(c(z_s)) - c(z_s)[target])`` (no temperature), whose gradient w.r.t.
+``c(z_s)`` is ``hard_label_weight * (softmax(c(z_s)) - onehot(target))``. Chain rule: ``dL/dc = dL/du / T
++ hard``, ``dc/dz = 1 - tanh(z / cap)**2``. Terms with a zero probability are 0 (``0 log 0 = 0``; a
+``-inf`` teacher logit masks its class). Ignored rows (``target == ignore_index``) give loss 0 and an
+exactly zero gradient; a non-ignored target outside ``[0, V)`` (not checked here: the public API checks it
+where it may host-sync) gives a NaN loss row, never an out-of-bounds read.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+# Rows per block of ``distill_rows``: about this many fp32 values per temporary (8 MiB), whatever BT.
+BLOCK_ELEMENTS = 1 << 21
+
+
+def capped(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` (fp32), or ``x`` without a softcap."""
+    return x if cap is None else cap * torch.tanh(x / cap)
+
+
+def _masked_sum(p: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
+    """``sum_v p_v diff_v`` over the classes with ``p_v > 0`` (``0 * inf`` is 0 there, never NaN)."""
+    return torch.where(p > 0, p * diff, 0.0).sum(dim=1)
+
+
+def divergence(ls: torch.Tensor, lt: torch.Tensor, beta: float):
+    """``(div, row_sum)`` of fp32 ``(n, v)`` log-probability blocks (a block may be a vocabulary slice:
+    every quantity here is a sum over classes): ``div`` the block's part of the divergence, ``row_sum`` its
+    part of ``sum s g`` (None for ``beta = 0``, whose gradient needs none)."""
+    s, t = ls.exp(), lt.exp()
+    if beta == 0.0:
+        return _masked_sum(t, lt - ls), None
+    if beta == 1.0:
+        kl = _masked_sum(s, ls - lt)
+        return kl, kl
+    lm = log_mixture(ls, lt, beta)
+    kl_s = _masked_sum(s, ls - lm)
+    return beta * _masked_sum(t, lt - lm) + (1.0 - beta) * kl_s, (1.0 - beta) * kl_s
+
+
+def log_mixture(ls: torch.Tensor, lt: torch.Tensor, beta: float) -> torch.Tensor:
+    """``log(beta t + (1 - beta) s)`` from the log-probabilities, for ``0 < beta < 1``."""
+    return torch.logaddexp(lt + math.log(beta), ls + math.log1p(-beta))
+
+
+def grad_u(ls: torch.Tensor, lt: torch.Tensor, beta: float, row_sum: Optional[torch.Tensor]) -> torch.Tensor:
+    """``dL/du`` of the divergence (fp32 ``(n, v)``); ``row_sum`` = the whole row's ``sum s g``."""
+    s = ls.exp()
+    if beta == 0.0:
+        return s - lt.exp()
+    g = ls - lt if beta == 1.0 else (1.0 - beta) * (ls - log_mixture(ls, lt, beta))
+    return torch.where(s > 0, s * (g - row_sum[:, None]), 0.0)
+
+
+def chain(du: torch.Tensor, c: torch.Tensor, hard: Optional[torch.Tensor], temperature: float,
+          cap: Optional[float]) -> torch.Tensor:
+    """``dL/dz_s`` (fp32) from ``dL/du`` (``du``), the hard-label part w.r.t. ``c`` (``hard`` or None)
+    and the softcapped student logits ``c``."""
+    d = du if temperature == 1.0 else du * (1.0 / temperature)
+    if hard is not None:
+        d = d + hard
+    if cap is not None:
+        th = c * (1.0 / cap)   # tanh(x / cap)
+        d = d * (1.0 - th * th)
+    return d
+
+
+def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, target: Optional[torch.Tensor],
+                 grad_factor: Optional[torch.Tensor], *, beta: float, temperature: float, hard_label_weight: float,
+                 ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float]):
+    """Per-row distillation loss and, when ``grad_factor`` is given, the student logits' gradient.
+
+    Args:
+        student_logits, teacher_logits: ``(N, V)`` float tensors (dtypes may differ), stride 1 along V,
+            any row stride; never written.
+        target: ``(N,)`` int64 or None (no row ignored; ``hard_label_weight`` must then be 0).
+        grad_factor: ``(N,)`` fp32 per-row upstream gradient, or None (no gradient).
+        beta, temperature, hard_label_weight, ignore_index, student_softcap, teacher_softcap: the
+            checked options of :func:`fusedce.distillation_loss`.
+
+    Returns:
+        ``(loss_rows, grad)``: ``loss_rows`` ``(N,)`` fp32 (0 on ignored rows); ``grad`` ``(N, V)`` in
+        ``student_logits``' dtype = ``grad_factor[r] * d loss_rows[r] / d student_logits[r]`` (exactly 0
+        on ignored rows), or None. fp32 math on blocks of ``BLOCK_ELEMENTS`` values (no host sync).
+    """
+    n, n_classes = student_logits.shape
+    dev = student_logits.device
+    loss = torch.empty(n, dtype=torch.float32, device=dev)
+    grad = None
+    if grad_factor is not None:
+        grad = torch.empty((n, n_classes), dtype=student_logits.dtype, device=dev)
+    step = max(1, BLOCK_ELEMENTS // max(1, n_classes))
+    with torch.no_grad():
+        for r0 in range(0, n, step):
+            r = slice(r0, r0 + step)
+            t_r = None if target is None else target[r]
+            loss[r], d = _block(student_logits[r].float(), teacher_logits[r].float(), t_r,
+                                None if grad_factor is None else grad_factor[r], beta, temperature,
+                                hard_label_weight, ignore_index, student_softcap, teacher_softcap)
+            if grad is not None:
+                grad[r] = d
+    return loss, grad
+
+
+def _block(xs, xt, target, grad_factor, beta, temperature, hard_label_weight, ignore_index, s_cap, t_cap):
+    cs = capped(xs, s_cap)
+    ls = torch.log_softmax(cs if temperature == 1.0 else cs * (1.0 / temperature), dim=1)
+    lt = torch.log_softmax(capped(xt, t_cap) * (1.0 / temperature), dim=1)
+    div, row_sum = divergence(ls, lt, beta)
+    rows, hard = div, None
+    if target is not None:
+        valid = target != ignore_index
+        in_range = (target >= 0) & (target < xs.shape[1])
+        safe = torch.where(valid & in_range, target, 0).long()[:, None]
+        if hard_label_weight != 0.0:
+            l1 = ls if temperature == 1.0 else torch.log_softmax(cs, dim=1)
+            rows = rows - hard_label_weight * l1.gather(1, safe)[:, 0]
+            if grad_factor is not None:
+                hard = hard_label_weight * l1.exp()
+                hard.scatter_add_(1, safe, torch.full_like(safe, -hard_label_weight, dtype=hard.dtype))
+        rows = torch.where(valid, torch.where(in_range, rows, float("nan")), 0.0)
+    if grad_factor is None:
+        return rows, None
+    d = chain(grad_u(ls, lt, beta, row_sum), cs, hard, temperature, s_cap) * grad_factor[:, None]
+    if target is not None:
+        d = torch.where(valid[:, None], d, 0.0)
+    return rows, d

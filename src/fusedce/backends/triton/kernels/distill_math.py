@@ -1,0 +1,200 @@
+"""The per-element and per-row math of the distillation kernels (``distill_rows``, ``distill_tiled_*``),
+written once: the row kernel calls these on 1-D blocks of a row, the tiled kernels on 2-D tiles (rows x
+columns) with the per-row values as (rows, 1) columns. fp32 throughout.
+
+Notation (``tests/references/reference64_distill.py`` is the float64 oracle; GKD, arXiv 2306.13649, Eq. 1, in TRL's
+``generalized_jsd_loss`` form). ``c(z) = cap tanh(z / cap)`` per model (``cap_logits``), ``T`` the
+temperature, ``u = c(z_s) / T``, ``w = c(z_t) / T``, ``s = softmax(u)``, ``t = softmax(w)``:
+
+- MODE 0 (beta = 0), forward KL: ``KL(t || s) = sum t (log t - log s)``. With running maxes ``m_u, m_w``
+  and sums ``S_u = sum e^(u - m_u)``, ``S_w = sum e^(w - m_w)``, the third running sum
+  ``A = sum e^(w - m_w) ((w - m_w) - (u - m_u))`` gives ``KL = A / S_w - log S_w + log S_u`` in the
+  SAME pass as the two lse's (``pair_rebase`` re-bases A when either max moves:
+  ``A' = e^(dw) (A + (dw - du) S_w)``, ``dw = m_w - m_w'``, ``du = m_u - m_u'``). Terms with t = 0 add 0.
+  ``dKL/du = s - t``.
+- MODE 1 (beta = 1), reverse KL: the same with the roles swapped, ``B = sum e^(u - m_u) ((u - m_u) -
+  (w - m_w))``, ``KL(s || t) = B / S_u - log S_u + log S_w`` (one pass); ``dKL/du = s (log s - log t - KL)``.
+- MODE 2 (0 < beta < 1), generalized JSD ``beta KL(t || m) + (1 - beta) KL(s || m)``,
+  ``m = beta t + (1 - beta) s``: ``log m`` needs the normalized ``s`` and ``t`` (it does not factor
+  through a running max), so the divergence takes a second pass after the lse's (``jsd_terms``,
+  ``log m`` as a log-sum-exp of ``log beta + log t`` and ``log(1 - beta) + log s``: finite where the
+  probabilities underflow). With ``g = (1 - beta) (log s - log m)``:
+  ``dL/du = s (g - sum_v s_v g_v)`` and ``sum_v s_v g_v = (1 - beta) KL(s || m)``, which the second pass
+  also gives: the gradient is a third pass.
+- hard label: ``hard_label_weight (lse(c(z_s)) - c(z_s)[target])`` at temperature 1 (a third running
+  lse when T != 1, HARD_OWN_LSE), gradient ``hard_label_weight (softmax(c(z_s)) - onehot)``.
+
+Then ``dL/dz_s = (dL/du / T + hard term) * (1 - (c / cap)^2)`` (the softcap's slope), times the row's
+grad_factor. Every ``0 log 0`` (a -inf logit, or a masked column) is 0, never NaN.
+"""
+import triton
+import triton.language as tl
+
+from .common import tanh_fp32
+
+NEG_INF = tl.constexpr(float("-inf"))   # a jit global must be a constexpr
+
+
+@triton.jit
+def cap_logits(x, mask, cap, HAS_CAP: tl.constexpr):
+    """fp32 ``c(x) = cap tanh(x / cap)`` (or ``x``), -inf where not ``mask`` (padded columns)."""
+    if HAS_CAP:
+        x = cap * tanh_fp32(x / cap)
+    return tl.where(mask, x, NEG_INF)
+
+
+@triton.jit
+def cap_slope(c, cap, HAS_CAP: tl.constexpr):
+    """``dc/dz = 1 - (c / cap)^2`` written with ``c``, or 1.0."""
+    slope = 1.0
+    if HAS_CAP:
+        r = c / cap
+        slope = 1.0 - r * r
+    return slope
+
+
+@triton.jit
+def safe_shift(m):
+    """The shift of an online softmax: the running max, or 0 while it is -inf (nothing seen: exp(-inf - 0)
+    = 0 keeps the sums at 0 instead of NaN)."""
+    return tl.where(m == NEG_INF, 0.0, m)
+
+
+@triton.jit
+def pair_rebase(acc, m_p, sh_p, m_q, sh_q, s_p):
+    """``A = sum e^(p - m_p) ((p - m_p) - (q - m_q))`` re-based from the old maxes ``m_p``, ``m_q`` to the
+    new shifts ``sh_p``, ``sh_q``: ``e^(dp) (A + (dp - dq) S_p)``, 0 while nothing was seen of p
+    (``m_p = -inf``: A = S_p = 0)."""
+    dp = tl.where(m_p == NEG_INF, 0.0, m_p - sh_p)
+    dq = m_q - sh_q   # -inf if no q was finite yet: every earlier term of A was already +inf
+    return tl.where(m_p == NEG_INF, 0.0, tl.exp(dp) * (acc + (dp - dq) * s_p))
+
+
+@triton.jit
+def pair_terms(e_p, p, sh_p, q, sh_q):
+    """``e^(p - sh_p) ((p - sh_p) - (q - sh_q))`` per element, 0 where ``p = -inf`` (0 log 0)."""
+    return tl.where(p == NEG_INF, 0.0, e_p * ((p - sh_p) - (q - sh_q)))
+
+
+@triton.jit
+def finish_lse(m, s, live):
+    """``m + log s`` on live rows, 0 elsewhere (nothing scanned: m = -inf, s = 0)."""
+    return tl.where(live, safe_shift(m) + tl.log(tl.where(live, s, 1.0)), 0.0)
+
+
+@triton.jit
+def finish_pair(acc, s_p, s_q, live):
+    """``A / S_p - log S_p + log S_q`` (the one-pass KL of MODE 0 / 1), 0 on rows not ``live``."""
+    sp = tl.where(live, s_p, 1.0)
+    sq = tl.where(live, s_q, 1.0)
+    return tl.where(live, (acc / sp - tl.log(sp)) + tl.log(sq), 0.0)
+
+
+@triton.jit
+def log_mix(ls, lt, log_beta, log_1mb):
+    """``log m = log(beta t + (1 - beta) s)`` from ``log s``, ``log t``: a two-term log-sum-exp, -inf only
+    where both are -inf."""
+    a = lt + log_beta
+    b = ls + log_1mb
+    hi = tl.maximum(a, b)
+    lo = tl.minimum(a, b)
+    return tl.where(hi == NEG_INF, NEG_INF, hi + tl.log(1.0 + tl.exp(lo - hi)))
+
+
+@triton.jit
+def jsd_terms(u, w, lse_u, lse_w, log_beta, log_1mb):
+    """Per element ``(t (log t - log m), s (log s - log m))``, each 0 where its probability's logit is
+    -inf, and ``log s - log m`` (for the gradient)."""
+    ls = u - lse_u
+    lt = w - lse_w
+    lm = log_mix(ls, lt, log_beta, log_1mb)
+    kl_t = tl.where(lt == NEG_INF, 0.0, tl.exp(lt) * (lt - lm))
+    d_s = tl.where(ls == NEG_INF, 0.0, ls - lm)
+    kl_s = tl.exp(ls) * d_s
+    return kl_t, kl_s, d_s
+
+
+@triton.jit
+def dlogits(c, u, w, is_target, lse_u, lse_w, lse_c, rowsum, beta, inv_t, hard_w, s_cap,
+            MODE: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, HAS_S_CAP: tl.constexpr):
+    """fp32 ``dL/dz_s`` (before the grad_factor) of a block: ``c`` the capped student logits, ``u = c / T``,
+    ``w`` the teacher's at T, ``is_target`` the one-hot mask, the row's ``lse_u``, ``lse_w``, ``lse_c``
+    (lse of c; read with HARD_OWN_LSE) and ``rowsum`` (MODE 1: KL(s || t); MODE 2: (1 - beta) KL(s || m)).
+    Exactly 0 where both probabilities are 0 (a -inf column)."""
+    ls = u - lse_u
+    s = tl.exp(ls)
+    if MODE == 0:
+        du = s - tl.exp(w - lse_w)
+    elif MODE == 1:
+        du = tl.where(ls == NEG_INF, 0.0, s * (((ls - (w - lse_w))) - rowsum))
+    else:
+        lt = w - lse_w
+        log_beta = tl.log(beta)
+        log_1mb = tl.log(1.0 - beta)
+        lm = log_mix(ls, lt, log_beta, log_1mb)
+        du = tl.where(ls == NEG_INF, 0.0, s * ((1.0 - beta) * (ls - lm) - rowsum))
+    dz = du * inv_t
+    if HAS_HARD:
+        if HARD_OWN_LSE:
+            p = tl.exp(c - lse_c)
+        else:
+            p = s
+        dz += hard_w * (p - tl.where(is_target, 1.0, 0.0))
+    return dz * cap_slope(c, s_cap, HAS_S_CAP)
+
+
+@triton.jit
+def stats_update(u, w, c, is_target, m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t,
+                 MODE: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr):
+    """One (rows x columns) tile into the running per-row statistics (each (rows,)): the online softmax
+    of ``u`` (``m_u``, ``s_u``) and ``w`` (``m_w``, ``s_w``), the MODE 0 / 1 divergence sum ``acc`` (``A`` /
+    ``B`` of the module docstring; unchanged in MODE 2), with HAS_HARD the target's ``c`` (``c_t``, picked
+    from the tile that holds it) and with HARD_OWN_LSE the online softmax of ``c`` (``m_c``, ``s_c``).
+    Returns the nine updated values in that order."""
+    m_u_new = tl.maximum(m_u, tl.max(u, axis=1))
+    m_w_new = tl.maximum(m_w, tl.max(w, axis=1))
+    sh_u = safe_shift(m_u_new)
+    sh_w = safe_shift(m_w_new)
+    e_u = tl.exp(u - sh_u[:, None])
+    e_w = tl.exp(w - sh_w[:, None])
+    if MODE == 0:
+        acc = pair_rebase(acc, m_w, sh_w, m_u, sh_u, s_w) + tl.sum(
+            pair_terms(e_w, w, sh_w[:, None], u, sh_u[:, None]), axis=1)
+    elif MODE == 1:
+        acc = pair_rebase(acc, m_u, sh_u, m_w, sh_w, s_u) + tl.sum(
+            pair_terms(e_u, u, sh_u[:, None], w, sh_w[:, None]), axis=1)
+    s_u = s_u * tl.exp(m_u - sh_u) + tl.sum(e_u, axis=1)
+    s_w = s_w * tl.exp(m_w - sh_w) + tl.sum(e_w, axis=1)
+    if HAS_HARD:
+        c_t += tl.sum(tl.where(is_target, c, 0.0), axis=1)
+        if HARD_OWN_LSE:
+            m_c_new = tl.maximum(m_c, tl.max(c, axis=1))
+            sh_c = safe_shift(m_c_new)
+            s_c = s_c * tl.exp(m_c - sh_c) + tl.sum(tl.exp(c - sh_c[:, None]), axis=1)
+            m_c = m_c_new
+    return m_u_new, s_u, m_w_new, s_w, acc, m_c, s_c, c_t
+
+
+@triton.jit
+def row_results(m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t, live, hard_w,
+                MODE: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr):
+    """``(loss, lse_u, lse_w, lse_c, rowsum)`` per row from the first pass's statistics: in MODE 0 / 1 the
+    loss is final (divergence + hard-label CE) and ``rowsum`` is the divergence (MODE 1's gradient needs
+    it); in MODE 2 ``loss`` holds only the hard-label term and ``rowsum`` 0 (``jsd_terms`` adds the rest in
+    the second pass). ``lse_c`` = ``lse_u`` without HARD_OWN_LSE. All 0 on rows not ``live``."""
+    lse_u = finish_lse(m_u, s_u, live)
+    lse_w = finish_lse(m_w, s_w, live)
+    lse_c = lse_u
+    loss = tl.zeros_like(lse_u)
+    rowsum = tl.zeros_like(lse_u)
+    if MODE == 0:
+        rowsum = finish_pair(acc, s_w, s_u, live)
+    elif MODE == 1:
+        rowsum = finish_pair(acc, s_u, s_w, live)
+    if MODE != 2:
+        loss = rowsum
+    if HAS_HARD:
+        if HARD_OWN_LSE:
+            lse_c = finish_lse(m_c, s_c, live)
+        loss += tl.where(live, hard_w * (lse_c - c_t), 0.0)
+    return loss, lse_u, lse_w, lse_c, rowsum

@@ -1,0 +1,132 @@
+"""Tiled distillation, the statistics passes: per token, no logits of either model in memory.
+
+Grid: one program per tile of BLOCK_N tokens, walking the vocabulary in BLOCK_V-class tiles; each tile of
+both heads' logits is recomputed on chip (``distill_tiles.head_tiles``: two ``tl.dot`` mainloops, over
+the student's and the teacher's hidden sizes) and lives only in registers.
+
+- ``distill_tiled_stats_kernel`` (pass 1, always): ``distill_math.stats_update`` per tile, then
+  ``row_results``: the loss (final for beta = 0 and beta = 1: the divergence comes out of the same
+  online pass as the two lse's; for 0 < beta < 1 only its hard-label part) and the row statistics
+  ``lse_u``, ``lse_w``, ``lse_c``, ``rowsum`` that the gradient kernels (``distill_tiled_grad``) read.
+- ``distill_tiled_jsd_kernel`` (pass 2, only 0 < beta < 1): ``log m`` needs the normalized
+  probabilities, so the generalized JSD is a second walk over V from pass 1's lse's; it adds
+  ``beta KL(t || m) + (1 - beta) KL(s || m)`` to the loss and stores ``rowsum = (1 - beta) KL(s || m)``
+  (= ``sum_v s_v g_v`` of the gradient).
+
+Ignored rows read no hidden state and get loss and statistics 0; a tile of only ignored rows does no work.
+
+Cost per token (V classes, H / Ht the student / teacher hidden sizes, s bytes per element), per pass:
+    FLOPs  2 V (H + Ht) (both heads' logits, tensor cores for bf16 / fp16) + ~30 V (fp32 epilogue)
+    bytes  read (H + Ht) s + V (H + Ht) s / BLOCK_N (the weights, streamed once per token tile, L2-served
+           across concurrent tiles) + 8 (target); write 4 (loss) + 16 (statistics)
+    (the logits route reads and writes 2 V s per model and token on top of the same FLOPs)
+"""
+import triton
+import triton.language as tl
+
+from .distill_math import NEG_INF, jsd_terms, row_results, stats_update
+from .distill_tiles import head_tiles, row_targets
+
+
+@triton.jit
+def distill_tiled_stats_kernel(
+    # pointers
+    s_hidden_ptr,     # [n_rows, s_n_hidden] student hidden states, fp32/bf16/fp16, last dim contiguous
+    s_weight_ptr,     # [n_cols, s_n_hidden] student head, s_hidden's dtype, last dim contiguous
+    s_bias_ptr,       # [n_cols] student bias (HAS_S_BIAS)
+    t_hidden_ptr,     # [n_rows, t_n_hidden] teacher hidden states, last dim contiguous
+    t_weight_ptr,     # [n_cols, t_n_hidden] teacher head, t_hidden's dtype
+    t_bias_ptr,       # [n_cols] teacher bias (HAS_T_BIAS)
+    target_ptr,       # [n_rows] int64 (HAS_TARGET)
+    loss_ptr,         # [n_rows] fp32 out: the per-row loss (pass 1 of 2 for MODE 2)
+    stats_ptr,        # [4, n_rows] fp32 out: lse_u, lse_w, lse_c, rowsum (distill_math.row_results)
+    # sizes
+    n_rows, n_cols, s_n_hidden, t_n_hidden,
+    # strides (elements)
+    stride_s_hidden, stride_s_weight, stride_t_hidden, stride_t_weight, stride_target,
+    # options (runtime fp32; changing them does not recompile)
+    beta, inv_t, hard_w, s_cap, t_cap,
+    ignore_index,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    MODE: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
+    HAS_S_CAP: tl.constexpr, HAS_T_CAP: tl.constexpr, HAS_S_BIAS: tl.constexpr, HAS_T_BIAS: tl.constexpr,
+    S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
+    S_UPCAST: tl.constexpr = False, T_UPCAST: tl.constexpr = False,            # interpreter only
+    S_ROUND_BF16: tl.constexpr = False, T_ROUND_BF16: tl.constexpr = False,    # interpreter only
+):
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    in_rows = rows < n_rows
+    target, live = row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N, HAS_TARGET)
+    n_scan = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, n_cols, 0)   # all ignored: no work
+    m_u = tl.full((BLOCK_N,), NEG_INF, tl.float32)
+    m_w = tl.full((BLOCK_N,), NEG_INF, tl.float32)
+    m_c = tl.full((BLOCK_N,), NEG_INF, tl.float32)
+    s_u = tl.zeros((BLOCK_N,), tl.float32)
+    s_w = tl.zeros((BLOCK_N,), tl.float32)
+    s_c = tl.zeros((BLOCK_N,), tl.float32)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    c_t = tl.zeros((BLOCK_N,), tl.float32)
+    for v0 in range(0, n_scan, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        c, u, w = head_tiles(s_hidden_ptr, s_weight_ptr, s_bias_ptr, t_hidden_ptr, t_weight_ptr, t_bias_ptr,
+                             rows, live, cols, cols < n_cols, s_n_hidden, t_n_hidden, stride_s_hidden,
+                             stride_s_weight, stride_t_hidden, stride_t_weight, inv_t, s_cap, t_cap,
+                             BLOCK_N, BLOCK_V, BLOCK_H, HAS_S_BIAS, HAS_T_BIAS, HAS_S_CAP, HAS_T_CAP,
+                             S_DOT_PRECISION, T_DOT_PRECISION, S_UPCAST, T_UPCAST, S_ROUND_BF16, T_ROUND_BF16)
+        m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t = stats_update(
+            u, w, c, cols[None, :] == target[:, None], m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t,
+            MODE, HAS_HARD, HARD_OWN_LSE)
+    loss, lse_u, lse_w, lse_c, rowsum = row_results(m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t, live, hard_w,
+                                                    MODE, HAS_HARD, HARD_OWN_LSE)
+    tl.store(loss_ptr + rows, loss, mask=in_rows)
+    tl.store(stats_ptr + rows, lse_u, mask=in_rows)
+    tl.store(stats_ptr + n_rows + rows, lse_w, mask=in_rows)
+    tl.store(stats_ptr + 2 * n_rows + rows, lse_c, mask=in_rows)
+    tl.store(stats_ptr + 3 * n_rows + rows, rowsum, mask=in_rows)
+
+
+@triton.jit
+def distill_tiled_jsd_kernel(
+    # pointers (as distill_tiled_stats_kernel; loss and stats from its launch, updated in place)
+    s_hidden_ptr, s_weight_ptr, s_bias_ptr, t_hidden_ptr, t_weight_ptr, t_bias_ptr, target_ptr,
+    loss_ptr,         # [n_rows] fp32 in/out: the hard-label part in, the whole loss out
+    stats_ptr,        # [4, n_rows] fp32: lse_u, lse_w read; rowsum written
+    # sizes
+    n_rows, n_cols, s_n_hidden, t_n_hidden,
+    # strides (elements)
+    stride_s_hidden, stride_s_weight, stride_t_hidden, stride_t_weight, stride_target,
+    # options (runtime)
+    beta, inv_t, hard_w, s_cap, t_cap,
+    ignore_index,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_TARGET: tl.constexpr, HAS_S_CAP: tl.constexpr, HAS_T_CAP: tl.constexpr,
+    HAS_S_BIAS: tl.constexpr, HAS_T_BIAS: tl.constexpr,
+    S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
+    S_UPCAST: tl.constexpr = False, T_UPCAST: tl.constexpr = False,            # interpreter only
+    S_ROUND_BF16: tl.constexpr = False, T_ROUND_BF16: tl.constexpr = False,    # interpreter only
+):
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    in_rows = rows < n_rows
+    target, live = row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N, HAS_TARGET)
+    n_scan = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, n_cols, 0)
+    lse_u = tl.load(stats_ptr + rows, mask=in_rows, other=0.0)
+    lse_w = tl.load(stats_ptr + n_rows + rows, mask=in_rows, other=0.0)
+    log_beta = tl.log(beta)
+    log_1mb = tl.log(1.0 - beta)
+    kl_t = tl.zeros((BLOCK_N,), tl.float32)
+    kl_s = tl.zeros((BLOCK_N,), tl.float32)
+    for v0 in range(0, n_scan, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        c, u, w = head_tiles(s_hidden_ptr, s_weight_ptr, s_bias_ptr, t_hidden_ptr, t_weight_ptr, t_bias_ptr,
+                             rows, live, cols, cols < n_cols, s_n_hidden, t_n_hidden, stride_s_hidden,
+                             stride_s_weight, stride_t_hidden, stride_t_weight, inv_t, s_cap, t_cap,
+                             BLOCK_N, BLOCK_V, BLOCK_H, HAS_S_BIAS, HAS_T_BIAS, HAS_S_CAP, HAS_T_CAP,
+                             S_DOT_PRECISION, T_DOT_PRECISION, S_UPCAST, T_UPCAST, S_ROUND_BF16, T_ROUND_BF16)
+        term_t, term_s, _d = jsd_terms(u, w, lse_u[:, None], lse_w[:, None], log_beta, log_1mb)
+        kl_t += tl.sum(term_t, axis=1)
+        kl_s += tl.sum(term_s, axis=1)
+    loss = tl.load(loss_ptr + rows, mask=in_rows, other=0.0)
+    tl.store(loss_ptr + rows, loss + tl.where(live, beta * kl_t + (1.0 - beta) * kl_s, 0.0), mask=in_rows)
+    tl.store(stats_ptr + 3 * n_rows + rows, tl.where(live, (1.0 - beta) * kl_s, 0.0), mask=in_rows)
