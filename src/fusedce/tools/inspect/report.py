@@ -86,7 +86,7 @@ class Row:
 
 def _needed(kernel: str, itemsize: int, meta: dict) -> tuple:
     """128-bit accesses per thread per block: (loads, stores) of the streams that must be vectorized
-    (``meta["FLAGS"]``: the launch's ``types.LossFlags``)."""
+    (``meta["FLAGS"]``: the launch's ``options.LossFlags``)."""
     if kernel in TILED:   # operand tiles go through shared memory (TMA / cp.async): no per-thread rule
         return 0, 0
     threads = 32 * meta["num_warps"]

@@ -40,12 +40,12 @@ def soft_backward_kernel(
     n_cols,
     # strides (elements)
     stride_logits_row, stride_q_row, stride_grad_row, stride_grad_row_vec, stride_grad_lse,
-    # loss options (``types.LossScalars``: runtime fp32)
+    # loss options (``options.LossScalars``: runtime fp32)
     scalars,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and the three row strides are multiples of ALIGN (see common.aligned)
-    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags)
+    FLAGS: tl.constexpr,  # the loss options' code paths (options.LossFlags)
     HAS_GRAD_LSE: tl.constexpr,
     ROUND_BF16: tl.constexpr = False,  # interpreter only: round to nearest as GPUs do (common.to_bf16_rne)
 ):

@@ -53,12 +53,12 @@ def soft_forward_kernel(
     n_cols,
     # strides (elements)
     stride_logits_row, stride_q_row,
-    # loss options (``types.LossScalars``: runtime fp32; ignore_index unused: no row is ignored)
+    # loss options (``options.LossScalars``: runtime fp32; ignore_index unused: no row is ignored)
     scalars,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and both row strides are multiples of ALIGN (see common.aligned)
-    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags)
+    FLAGS: tl.constexpr,  # the loss options' code paths (options.LossFlags)
     COMPUTE_STATS: tl.constexpr,
 ):
     n_cols = aligned(n_cols, ALIGN)
