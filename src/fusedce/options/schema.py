@@ -79,7 +79,7 @@ class LossOptions:
     ``kernel_scalars`` / ``kernel_flags`` (and ``selecting``); every other form is derived here:
 
     - ``checked(**values)``: the validated options (the checks of the public functions and modules);
-      the public signatures list the fields (``signatures.with_loss_options``);
+      the public signatures list the fields (``options.with_loss_options``);
     - ``op_args()`` / ``from_op_args()``: the torch custom ops' arguments, ``(ignore_index: int,
       scalars: list[float])``, and back (a custom op cannot take this dataclass; a list keeps the ops'
       schemas unchanged when an option is added);
@@ -170,7 +170,7 @@ LOSS_OPTION_NAMES = tuple(_CHECKS)   # the fields' names, in order
 
 class LossOptionValues(TypedDict, total=False):
     """The loss options as keyword arguments, for static type checkers (``**options:
-    Unpack[LossOptionValues]`` in the public signatures; at run time ``signatures.with_loss_options``
+    Unpack[LossOptionValues]`` in the public signatures; at run time ``options.with_loss_options``
     builds the signatures from ``LossOptions`` itself). Mirrors its fields (a test checks it)."""
 
     ignore_index: int

@@ -2,7 +2,7 @@
 width, constexpr flags). Pure Python, no ``cutlass`` import: the launcher, the compile checks and
 ``fusedce inspect`` all build their keys here.
 
-A kernel's constexpr flags are of two sorts: the loss options' ``types.LossFlags`` (every kernel takes
+A kernel's constexpr flags are of two sorts: the loss options' ``options.LossFlags`` (every kernel takes
 them as one ``FLAGS`` argument; they are enumerated from ``LossFlags._fields``, so a new one needs no
 edit here) and the kernel's own features (``FEATURES[kind]``, its constructor's other flags)."""
 from __future__ import annotations

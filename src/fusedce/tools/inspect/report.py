@@ -86,7 +86,7 @@ class Row:
 
 def _needed(kernel: str, itemsize: int, meta: dict) -> tuple:
     """128-bit accesses per thread per block: (loads, stores) of the streams that must be vectorized
-    (``meta["FLAGS"]``: the launch's ``types.LossFlags``)."""
+    (``meta["FLAGS"]``: the launch's ``options.LossFlags``)."""
     threads = 32 * meta["num_warps"]
     per_stream = lambda size: max(1, meta["BLOCK_V"] * size // (16 * threads))   # noqa: E731
     loads = per_stream(itemsize)

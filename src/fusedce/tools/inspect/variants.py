@@ -30,7 +30,7 @@ VOCABS = {
 DEFAULT_VOCABS = (32000, 128256, 262144, 1000, 50257)
 
 
-# The loss options' flags (``types.LossFlags``) by short name: HAS_WEIGHT -> "weight". A new flag is
+# The loss options' flags (``options.LossFlags``) by short name: HAS_WEIGHT -> "weight". A new flag is
 # compiled by ``--every-variant`` and in every "all" variant with no edit here.
 LOSS_FLAGS = {f.lower().removeprefix("has_"): f for f in LossFlags._fields}
 ALL = frozenset(LOSS_FLAGS)

@@ -22,8 +22,8 @@ from .row_math import row_loss, row_stats, transform
 class CEForward:
     """``__call__(mX (M, V), mTarget (M,) int64, mW (V,) fp32 | None, mWSum (1,) fp32 | None, mLoss,
     mLse, mLseLo (M,) fp32, mPred (M,) int64 | None, scalars, stream)``; ``scalars``: the options'
-    ``types.LossScalars`` of DSL scalars (``kernels/scalars.py``; ``lse_square_scale`` unused here),
-    ``FLAGS``: their ``types.LossFlags``. ``vec`` must divide V and the row stride (the launcher's
+    ``options.LossScalars`` of DSL scalars (``kernels/scalars.py``; ``lse_square_scale`` unused here),
+    ``FLAGS``: their ``options.LossFlags``. ``vec`` must divide V and the row stride (the launcher's
     ALIGN)."""
 
     def __init__(self, vec: int, threads: int, FLAGS: LossFlags, compute_stats: bool):

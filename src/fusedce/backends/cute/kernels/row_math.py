@@ -17,8 +17,8 @@ allow it: one 128-bit access per vector) and keeps its own online-softmax state 
 smoothing sum and the argmax; the states are then merged across the warp (butterfly shuffles) and
 across the warps (``threads / 32`` slots of shared memory): ``row_reduce.py``.
 
-The loss options reach every helper as two arguments: ``scalars`` (``types.LossScalars`` of DSL
-scalars: ``scalars.softcap``, ...) and ``FLAGS`` (``types.LossFlags``, constexpr: ``FLAGS.HAS_SOFTCAP``,
+The loss options reach every helper as two arguments: ``scalars`` (``options.LossScalars`` of DSL
+scalars: ``scalars.softcap``, ...) and ``FLAGS`` (``options.LossFlags``, constexpr: ``FLAGS.HAS_SOFTCAP``,
 ...), so a new element-wise option is a field there and a formula here, with no kernel's parameter list
 changed.
 """

@@ -45,7 +45,7 @@ def block_merge(m: Float32, s: Float32, zsum: Float32, best: Float32, idx: Int32
                 sbuf_i: cute.Tensor, NWARPS: cutlass.Constexpr[int], FLAGS: cutlass.Constexpr,
                 COMPUTE_STATS: cutlass.Constexpr[bool]):
     """Merge every thread's row state; every thread gets the CTA's result. ``sbuf_f``: (4, NWARPS)
-    fp32 shared memory, ``sbuf_i``: (NWARPS,) int32. ``FLAGS``: ``types.LossFlags`` (the smoothing sum
+    fp32 shared memory, ``sbuf_i``: (NWARPS,) int32. ``FLAGS``: ``options.LossFlags`` (the smoothing sum
     ``zsum`` is merged only with ``HAS_SMOOTHING``)."""
     offset = 16
     for _ in cutlass.range_constexpr(5):      # butterfly over the warp: 16, 8, 4, 2, 1

@@ -1,5 +1,5 @@
 """The loss options' runtime scalars as every CuTe kernel takes them: ONE ``scalars`` argument, a
-``types.LossScalars`` of CuTe DSL scalars (the DSL passes a NamedTuple's fields as separate kernel
+``options.LossScalars`` of CuTe DSL scalars (the DSL passes a NamedTuple's fields as separate kernel
 parameters; a new value does not recompile). Built here only: by the launcher from
 ``LossOptions.kernel_scalars()``, by the compile checks from the default options' (placeholders)."""
 import typing

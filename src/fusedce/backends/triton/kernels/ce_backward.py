@@ -42,12 +42,12 @@ def ce_backward_kernel(
     # strides (elements)
     stride_logits_row, stride_grad_row, stride_target, stride_grad_row_vec, stride_grad_lse,
     stride_grad_entropy,
-    # loss options (``types.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
+    # loss options (``options.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
     scalars,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and both row strides are multiples of ALIGN (see common.aligned)
-    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
+    FLAGS: tl.constexpr,  # the loss options' code paths (options.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
     HAS_GRAD_LSE: tl.constexpr, HAS_TARGET_WEIGHT: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr = False,
     ROUND_BF16: tl.constexpr = False,  # interpreter only: round to nearest as GPUs do (common.to_bf16_rne)

@@ -39,12 +39,12 @@ def ce_chunk_kernel(
     n_cols,
     # strides (elements)
     stride_logits_row, stride_target, stride_grad_row, stride_z_grad_row,
-    # loss options (``types.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
+    # loss options (``options.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
     scalars,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
-    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
+    FLAGS: tl.constexpr,  # the loss options' code paths (options.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
     COMPUTE_STATS: tl.constexpr,
     HAS_ZLOSS: tl.constexpr,  # scalars.lse_square_scale != 0: read z_grad_row, add the z-loss' gradient
     TOKEN_SCALING: tl.constexpr,

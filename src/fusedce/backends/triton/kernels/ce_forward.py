@@ -38,12 +38,12 @@ def ce_forward_kernel(
     n_cols,
     # strides (elements)
     stride_logits_row, stride_target,
-    # loss options (``types.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
+    # loss options (``options.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
     scalars,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
-    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
+    FLAGS: tl.constexpr,  # the loss options' code paths (options.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
     COMPUTE_STATS: tl.constexpr,
     COMPUTE_ENTROPY: tl.constexpr = False,  # also t = sum exp(z - m)(z - m): entropy = log s - t / s
 ):

@@ -31,12 +31,12 @@ def ce_slice_stats_kernel(
     n_cols, col_start,
     # strides (elements)
     stride_logits_row, stride_target,
-    # loss options (``types.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
+    # loss options (``options.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
     scalars,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (see common.aligned)
-    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
+    FLAGS: tl.constexpr,  # the loss options' code paths (options.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
 ):
     n_cols = aligned(n_cols, ALIGN)
     stride_logits_row = aligned(stride_logits_row, ALIGN)

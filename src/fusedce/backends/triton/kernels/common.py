@@ -61,7 +61,7 @@ def two_sum(a, b):
 @triton.jit
 def target_terms(target, n_cols, weight_ptr, scalars, FLAGS: tl.constexpr, col_start=0):
     """(is_valid, in_range, safe_target, w_t) for one row's int64 target (or a vector of them), with the
-    loss options' ``scalars`` / ``FLAGS`` (``types.LossScalars`` / ``LossFlags``: ``ignore_index``,
+    loss options' ``scalars`` / ``FLAGS`` (``options.LossScalars`` / ``LossFlags``: ``ignore_index``,
     ``HAS_WEIGHT``); ``col_start``: the row's columns are a vocabulary slice from there (``in_range`` /
     ``safe_target`` are then local to the slice, ``weight_ptr`` the slice's class weights).
 

@@ -2,7 +2,7 @@
 ``ce_backward`` and the fused ``ce_chunk`` kernel (see ``fusedce/row_math.py`` for the formulas
 and their sources; the PyTorch backend computes the same ones), and the Triton home of the loss
 options' element-wise math (``logit_transform`` / ``logit_slope``). Every function takes the options as
-the kernels do, ``scalars`` (``types.LossScalars``, runtime) and ``FLAGS`` (``types.LossFlags``,
+the kernels do, ``scalars`` (``options.LossScalars``, runtime) and ``FLAGS`` (``options.LossFlags``,
 constexpr), whole, and reads the fields it needs: a new element-wise option changes this file (and
 ``options/schema.py``), no kernel parameter list and no launcher.
 

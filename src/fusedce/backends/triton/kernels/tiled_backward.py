@@ -70,11 +70,11 @@ def tiled_backward_kernel(
     n_rows, n_cols, n_hidden,
     # strides (elements)
     stride_hidden, stride_weight, stride_target, stride_grad_row, stride_grad_lse, stride_grad_entropy,
-    # loss options (``types.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
+    # loss options (``options.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
     scalars,
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
+    FLAGS: tl.constexpr,  # the loss options' code paths (options.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
     HAS_BIAS: tl.constexpr,
     HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     NEED_GRAD_HIDDEN: tl.constexpr, NEED_GRAD_WEIGHT: tl.constexpr, NEED_GRAD_BIAS: tl.constexpr,

@@ -57,11 +57,11 @@ def tiled_grad_hidden_kernel(
     n_rows, n_cols, n_hidden,
     # strides (elements)
     stride_hidden, stride_weight, stride_target, stride_grad_row, stride_grad_lse, stride_grad_entropy,
-    # loss options (``types.LossScalars``: runtime values)
+    # loss options (``options.LossScalars``: runtime values)
     scalars,
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags)
+    FLAGS: tl.constexpr,  # the loss options' code paths (options.LossFlags)
     HAS_BIAS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr = False,            # interpreter only (tile_math.logits_tile)
@@ -127,11 +127,11 @@ def tiled_grad_weight_kernel(
     n_rows, n_cols, n_hidden,
     # strides (elements)
     stride_hidden, stride_weight, stride_target, stride_grad_row, stride_grad_lse, stride_grad_entropy,
-    # loss options (``types.LossScalars``: runtime values)
+    # loss options (``options.LossScalars``: runtime values)
     scalars,
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags)
+    FLAGS: tl.constexpr,  # the loss options' code paths (options.LossFlags)
     HAS_BIAS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     NEED_GRAD_WEIGHT: tl.constexpr, NEED_GRAD_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,

@@ -56,11 +56,11 @@ def tiled_forward_kernel(
     n_rows, n_cols, n_hidden,
     # strides (elements)
     stride_hidden, stride_weight, stride_target,
-    # loss options (``types.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
+    # loss options (``options.LossScalars``: runtime, fp32 but ignore_index; changing them does not recompile)
     scalars,
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    FLAGS: tl.constexpr,  # the loss options' code paths (types.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
+    FLAGS: tl.constexpr,  # the loss options' code paths (options.LossFlags: HAS_WEIGHT, HAS_SMOOTHING, ...)
     HAS_BIAS: tl.constexpr,
     COMPUTE_STATS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,             # "ieee" (fp32 FMA) or "tf32" for fp32 inputs

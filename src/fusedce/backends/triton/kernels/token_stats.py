@@ -35,12 +35,12 @@ def token_stats_kernel(
     n_cols,
     # strides (elements)
     stride_logits_row, stride_target,
-    # loss options (``types.LossScalars``; runtime)
+    # loss options (``options.LossScalars``; runtime)
     scalars,
     # meta-parameters
     BLOCK_V: tl.constexpr,
     ALIGN: tl.constexpr,  # n_cols and stride_logits_row are multiples of ALIGN (common.aligned)
-    FLAGS: tl.constexpr,  # types.LossFlags
+    FLAGS: tl.constexpr,  # options.LossFlags
 ):
     n_cols = aligned(n_cols, ALIGN)
     stride_logits_row = aligned(stride_logits_row, ALIGN)
