@@ -1,6 +1,6 @@
 """The loss options, in one place: ``LossOptions`` (``schema.py``: every field's default, doc, check and
 kernel encoding), the checks of scalar arguments (``checks.py``) and the helper that writes the options
-into the public signatures and docstrings (``options/signatures.py``). Adding a loss option starts here
+into the public signatures and docstrings (``signatures.py``). Adding a loss option starts here
 (README, "Adding a loss option")."""
 from .checks import check_accum_dtype, check_chunk_size, check_flag, deterministic_mode
 from .schema import (LOSS_OPTION_NAMES, REDUCTIONS, LossFlags, LossOptions, LossOptionValues, LossScalars,
