@@ -121,4 +121,8 @@ def distill_tiled_config(kernel: str, elem_size: int = 2) -> dict:
     (the larger of the two heads' element sizes)."""
     cfg = tiled_config(0, 0, 0, _DISTILL_AS_CE[kernel], elem_size)
     cfg["maxnreg"] = TILED_BACKWARD_MAX_REGISTERS
+    if elem_size < 4:
+        cfg["BLOCK_V"] = TILED_BLOCK_V // 2    # two 64 x 64 fp32 logits tiles, as one 64 x 128 of the CE's
+    else:
+        cfg["BLOCK_N"] = TILED_BLOCK_N // 2    # fp32 FMA dots hold their operands in registers too
     return cfg
