@@ -17,9 +17,10 @@ Liger-Kernel (read at its 2026-08 head): ``LigerFusedLinearJSDLoss`` (``chunked_
 (1 - beta) s``; 0 forward, 1 reverse KL) at the temperature, and divide by the number of non-ignored
 tokens. The chunked loss returns ``w_soft * JSD + w_hard * CE`` (defaults 0.5 / 0.5; its CE without the
 temperature), i.e. ``w_soft`` times this loss with ``hard_label_weight = w_hard / w_soft``. Releases
-before 0.5.6 (``aa2d23dc``) mixed the other way round, ``m = beta s + (1 - beta) t``, with the same KL
-weights and no special case at 0 / 1 (their ``beta = 0`` was the reverse KL); before 0.6.5 the chunked
-loss did not mask ignored tokens out of the JSD sum. ``tests/test_distill_peers.py`` checks TRL's
+0.5.3-0.5.5 (its first JSD loss, ``aa2d23dc``) mixed the other way round, ``m = beta s + (1 - beta) t``,
+with the same KL weights and no special case at 0 / 1: their ``beta`` = 0 and 1 are our 1 and 0, 0.5 is
+ours, and between they match neither ours nor our ``1 - beta``; before 0.6.5 the chunked loss also
+summed the ignored tokens' JSD (divided by the non-ignored count). ``tests/test_distill_peers.py`` checks TRL's
 function itself and the re-derived Liger formulas on the same inputs.
 """
 from __future__ import annotations
