@@ -171,8 +171,9 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         teacher_hidden: ``(..., Ht)`` with the student's leading shape (Ht may differ from H);
             ``teacher_weight`` ``(V, Ht)`` (the same V) and ``teacher_bias`` ``(V,)`` of one dtype (may
             differ from the student's). Constants: they never receive a gradient.
-        target, beta, temperature, hard_label_weight, ignore_index, reduction, num_items_in_batch,
-            student_softcap, teacher_softcap, backend: as :func:`distillation_loss`.
+        target: as :func:`distillation_loss`, and so are ``beta``, ``temperature``,
+            ``hard_label_weight``, ``ignore_index``, ``reduction``, ``num_items_in_batch``,
+            ``student_softcap``, ``teacher_softcap`` and ``backend``.
         method: ``"chunked"`` (both models' logits ``chunk_size`` tokens at a time; with mean / sum the
             student's gradients are formed in the forward), ``"tiled"`` (vocabulary blocks smaller than V:
             no tensor of V or more elements besides the weights, biases and the student's gradients) or
