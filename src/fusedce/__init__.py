@@ -16,4 +16,4 @@ __all__ = ["cross_entropy", "linear_cross_entropy", "token_log_probs", "linear_t
            "topk_distillation_loss", "linear_topk_distillation_loss",
            "distillation_loss", "linear_distillation_loss",
            "patch_distillation_trainer", "unpatch_distillation_trainer"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

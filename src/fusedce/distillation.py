@@ -17,9 +17,10 @@ Liger-Kernel (read at its 2026-08 head): ``LigerFusedLinearJSDLoss`` (``chunked_
 (1 - beta) s``; 0 forward, 1 reverse KL) at the temperature, and divide by the number of non-ignored
 tokens. The chunked loss returns ``w_soft * JSD + w_hard * CE`` (defaults 0.5 / 0.5; its CE without the
 temperature), i.e. ``w_soft`` times this loss with ``hard_label_weight = w_hard / w_soft``. Releases
-before 0.5.6 (``aa2d23dc``) mixed the other way round, ``m = beta s + (1 - beta) t``, with the same KL
-weights and no special case at 0 / 1 (their ``beta = 0`` was the reverse KL); before 0.6.5 the chunked
-loss did not mask ignored tokens out of the JSD sum. ``tests/distill/test_distill_peers.py`` checks TRL's
+0.5.3-0.5.5 (its first JSD loss, ``aa2d23dc``) mixed the other way round, ``m = beta s + (1 - beta) t``,
+with the same KL weights and no special case at 0 / 1: their ``beta`` = 0 and 1 are our 1 and 0, 0.5 is
+ours, and between they match neither ours nor our ``1 - beta``; before 0.6.5 the chunked loss also
+summed the ignored tokens' JSD (divided by the non-ignored count). ``tests/distill/test_distill_peers.py`` checks TRL's
 function itself and the re-derived Liger formulas on the same inputs.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ from . import validation as val
 from .lm_head.method import check_method
 from .options import check_chunk_size, deterministic_mode
 from .lm_head.distill import distillation, linear_distillation
+from .distillation_topk import linear_topk_distillation_loss, topk_distillation_loss
 from .functional import rows_view
 from .reduction import _given, mean_scale
 
@@ -49,16 +51,39 @@ def _scale(reduction: str, target: Optional[torch.Tensor], n: int, ignore_index:
     return mean_scale((target != ignore_index).sum().to(torch.float32))
 
 
+def _topk_form(dense: tuple, teacher_ids, teacher_log_probs, beta: float, teacher_softcap,
+               teacher_bias=None) -> bool:
+    """True when the teacher comes as stored top-k log-probs (``teacher_ids`` / ``teacher_log_probs``)
+    instead of its logits / hidden states and head (``dense``); exactly one form must be given."""
+    if teacher_ids is None and teacher_log_probs is None:
+        if any(t is None for t in dense):
+            raise TypeError("the teacher is missing: pass its logits (or hidden states and head weight), or "
+                            "its stored top-k as teacher_ids= and teacher_log_probs=")
+        return False
+    if teacher_ids is None or teacher_log_probs is None:
+        raise ValueError("teacher_ids and teacher_log_probs go together (the top-k teacher form)")
+    if any(t is not None for t in dense) or teacher_bias is not None:
+        raise ValueError("give the teacher once: either its logits / hidden states and head, or teacher_ids= "
+                         "and teacher_log_probs=, not both")
+    if beta != 0.0:
+        raise ValueError(f"the top-k teacher form is the forward KL over the K stored classes: beta must be 0, "
+                         f"got {beta!r}")
+    if teacher_softcap is not None:
+        raise ValueError("teacher_softcap does not apply to stored teacher log-probs")
+    return True
+
+
 def _result(out: torch.Tensor, reduction: str, shape) -> torch.Tensor:
     return out.reshape(shape) if reduction == "none" else out
 
 
-def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: Optional[torch.Tensor] = None,
                       target: Optional[torch.Tensor] = None, *, beta: float = 0.0, temperature: float = 1.0,
                       hard_label_weight: float = 0.0, ignore_index: int = -100, reduction: str = "mean",
                       num_items_in_batch: Union[int, torch.Tensor, None] = None,
                       student_softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
-                      backend: Optional[str] = None) -> torch.Tensor:
+                      backend: Optional[str] = None, teacher_ids: Optional[torch.Tensor] = None,
+                      teacher_log_probs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Distillation loss between the student's and the teacher's logits over the same tokens.
 
     Per token, with ``c(x) = cap * tanh(x / cap)`` (each model's softcap, when given), ``s =
@@ -82,6 +107,11 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
         num_items_in_batch: replaces the mean's denominator (int or one-element tensor).
         student_softcap, teacher_softcap: None or > 0, applied before the temperature.
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
+        teacher_ids: the top-k teacher form, with ``teacher_log_probs``, in place of ``teacher_logits``:
+            ``(..., K)`` integer class ids and ``(..., K)`` float stored log-probs; the loss is then
+            :func:`fusedce.topk_distillation_loss` (forward KL over the K classes: ``beta`` must be 0, no
+            ``teacher_softcap``).
+        teacher_log_probs: see ``teacher_ids``.
 
     Returns:
         fp32 scalar, or fp32 ``(...)`` per token for ``"none"``; every reduction's backward is exact
@@ -97,6 +127,12 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
             torch.compile / CUDA-graph capture, where such a row gives a NaN loss).
         RuntimeError / NotImplementedError: a backend without distillation kernels (``"cute"``).
     """
+    if _topk_form((teacher_logits,), teacher_ids, teacher_log_probs, beta, teacher_softcap):
+        return topk_distillation_loss(student_logits, teacher_ids, teacher_log_probs, target,
+                                      temperature=temperature, hard_label_weight=hard_label_weight,
+                                      ignore_index=ignore_index, reduction=reduction,
+                                      num_items_in_batch=num_items_in_batch, student_softcap=student_softcap,
+                                      backend=backend)
     val.check_float("student_logits", student_logits)
     val.check_float("teacher_logits", teacher_logits)
     if student_logits.dim() < 1 or teacher_logits.dim() < 1:
@@ -118,14 +154,15 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 
 
 def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
-                             teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
-                             target: Optional[torch.Tensor] = None, *, student_bias: Optional[torch.Tensor] = None,
+                             teacher_hidden: Optional[torch.Tensor] = None,
+                             teacher_weight: Optional[torch.Tensor] = None, target: Optional[torch.Tensor] = None, *, student_bias: Optional[torch.Tensor] = None,
                              teacher_bias: Optional[torch.Tensor] = None, beta: float = 0.0,
                              temperature: float = 1.0, hard_label_weight: float = 0.0, ignore_index: int = -100,
                              reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                              student_softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
                              method: str = "auto", chunk_size: Optional[int] = None, backend: Optional[str] = None,
-                             deterministic: Optional[bool] = None) -> torch.Tensor:
+                             deterministic: Optional[bool] = None, teacher_ids: Optional[torch.Tensor] = None,
+                             teacher_log_probs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`distillation_loss` of ``student_hidden @ student_weight.T + student_bias`` and
     ``teacher_hidden @ teacher_weight.T + teacher_bias``, never allocating BT x V logits.
 
@@ -136,8 +173,9 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         teacher_hidden: ``(..., Ht)`` with the student's leading shape (Ht may differ from H);
             ``teacher_weight`` ``(V, Ht)`` (the same V) and ``teacher_bias`` ``(V,)`` of one dtype (may
             differ from the student's). Constants: they never receive a gradient.
-        target, beta, temperature, hard_label_weight, ignore_index, reduction, num_items_in_batch,
-            student_softcap, teacher_softcap, backend: as :func:`distillation_loss`.
+        target: as :func:`distillation_loss`, and so are ``beta``, ``temperature``,
+            ``hard_label_weight``, ``ignore_index``, ``reduction``, ``num_items_in_batch``,
+            ``student_softcap``, ``teacher_softcap`` and ``backend``.
         method: ``"chunked"`` (both models' logits ``chunk_size`` tokens at a time; with mean / sum the
             student's gradients are formed in the forward), ``"tiled"`` (vocabulary blocks smaller than V:
             no tensor of V or more elements besides the weights, biases and the student's gradients) or
@@ -147,6 +185,10 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
             ``"chunked"`` only.
         deterministic: None follows ``torch.are_deterministic_algorithms_enabled()``; True selects
             backward paths without float atomics (bitwise run-to-run identical results).
+        teacher_ids: with ``teacher_log_probs``, the top-k teacher form in place of ``teacher_hidden`` /
+            ``teacher_weight`` / ``teacher_bias``: the loss is then
+            :func:`fusedce.linear_topk_distillation_loss` (``beta`` must be 0, no ``teacher_softcap``).
+        teacher_log_probs: see ``teacher_ids``.
 
     Returns:
         As :func:`distillation_loss`; gradients of the student's hidden, weight and bias in their dtypes
@@ -158,6 +200,13 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         or ``chunk_size``; ``TypeError`` for a model whose hidden / weight / bias dtypes differ or a
         ``deterministic`` that is not None or a bool.
     """
+    if _topk_form((teacher_hidden, teacher_weight), teacher_ids, teacher_log_probs, beta, teacher_softcap,
+                  teacher_bias):
+        return linear_topk_distillation_loss(
+            student_hidden, student_weight, teacher_ids, teacher_log_probs, target, student_bias=student_bias,
+            temperature=temperature, hard_label_weight=hard_label_weight, ignore_index=ignore_index,
+            reduction=reduction, num_items_in_batch=num_items_in_batch, student_softcap=student_softcap,
+            method=method, chunk_size=chunk_size, backend=backend, deterministic=deterministic)
     dc.check_head(student_hidden, student_weight, student_bias, "student")
     dc.check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher")
     dc.check_vocab(student_weight.shape[0], teacher_weight.shape[0], "weight.shape[0]")

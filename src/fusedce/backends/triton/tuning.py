@@ -109,8 +109,11 @@ def distill_rows_config(n_cols: int) -> dict:
 # logits tiles live at once in every kernel (the student's and the teacher's: twice the fp32 epilogue
 # registers of the cross-entropy kernels). Kernels: "distill_tiled_stats" (and "distill_tiled_jsd", same
 # tiles), "distill_tiled_grad" (atomics), "distill_tiled_grad_hidden" / "distill_tiled_grad_weight"
-# (deterministic). Set by the static sm_90 report (``fusedce inspect --kernel distill_tiled_stats ...``:
-# no spills), not by GPU timing.
+# (deterministic). Set by the static sm_90 report (``fusedce inspect --kernel distill_tiled_stats ...``),
+# not by GPU timing: with the cross-entropy's tiles, the variants with every option (hard label at T != 1,
+# both softcaps, both biases) sat at 255 registers and spilled 8-32 B on sm_90 (grad_hidden / grad_weight,
+# bf16 and fp32) and up to 224 B on sm_100; halving the tile (bf16: BLOCK_V 128 -> 64; fp32: BLOCK_N
+# 64 -> 32) gives 130-255 registers and no spills in any of them on sm_90 and sm_100.
 _DISTILL_AS_CE = {"distill_tiled_stats": "tiled_forward", "distill_tiled_jsd": "tiled_forward",
                   "distill_tiled_grad": "tiled_backward", "distill_tiled_grad_hidden": "tiled_grad_hidden",
                   "distill_tiled_grad_weight": "tiled_grad_weight"}
@@ -121,4 +124,8 @@ def distill_tiled_config(kernel: str, elem_size: int = 2) -> dict:
     (the larger of the two heads' element sizes)."""
     cfg = tiled_config(0, 0, 0, _DISTILL_AS_CE[kernel], elem_size)
     cfg["maxnreg"] = TILED_BACKWARD_MAX_REGISTERS
+    if elem_size < 4:
+        cfg["BLOCK_V"] = TILED_BLOCK_V // 2    # two 64 x 64 fp32 logits tiles, as one 64 x 128 of the CE's
+    else:
+        cfg["BLOCK_N"] = TILED_BLOCK_N // 2    # fp32 FMA dots hold their operands in registers too
     return cfg
