@@ -14,7 +14,7 @@ import torch
 from reference64_distill import linear_distillation_loss64
 
 spec = importlib.util.spec_from_file_location("distill_smollm2",
-                                              Path(__file__).parents[1] / "examples" / "distill_smollm2.py")
+                                              Path(__file__).parents[2] / "examples" / "distill_smollm2.py")
 distill = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(distill)
 
