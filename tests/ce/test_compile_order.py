@@ -38,7 +38,7 @@ TESTS = Path(__file__).resolve().parents[1] / "references"   # reference64_linea
 SCRIPT = textwrap.dedent("""
     import sys
     import torch
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests_root!r}]
     import fusedce
     from reference64_linear import (assert_linear_grad_close, assert_linear_loss_close, make_linear,
                                     reference_linear_cross_entropy, stock_linear_cross_entropy)
@@ -90,7 +90,7 @@ SCRIPT = textwrap.dedent("""
 def _run(order: str, backend: str, reductions: tuple) -> None:
     env = {k: v for k, v in os.environ.items() if k != "FUSEDCE_BACKEND"}
     env["TRITON_INTERPRET"] = "1"
-    code = SCRIPT.format(tests=str(TESTS), order=order, backend=backend, reductions=reductions)
+    code = SCRIPT.format(tests=str(TESTS), tests_root=str(TESTS.parent), order=order, backend=backend, reductions=reductions)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and "ALL OK" in proc.stdout, (

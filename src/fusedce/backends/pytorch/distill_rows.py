@@ -36,8 +36,9 @@ def capped(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
 
 
 def _masked_sum(p: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
-    """``sum_v p_v diff_v`` over the classes with ``p_v > 0`` (``0 * inf`` is 0 there, never NaN)."""
-    return torch.where(p > 0, p * diff, 0.0).sum(dim=1)
+    """``sum_v p_v diff_v`` over the classes with ``p_v != 0`` (``0 * inf`` is 0 there; a NaN ``p``, from a
+    NaN or +inf logit, keeps its NaN: never a silent 0)."""
+    return torch.where(p != 0, p * diff, 0.0).sum(dim=1)
 
 
 def divergence(ls: torch.Tensor, lt: torch.Tensor, beta: float):
