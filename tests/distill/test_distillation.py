@@ -260,3 +260,16 @@ def test_torch_compile_smoke():
     loss_e = fusedce.distillation_loss(b, zt, target, **kw)
     loss_e.backward()
     assert torch.allclose(loss_c.detach(), loss_e.detach(), rtol=1e-6) and torch.allclose(a.grad, b.grad, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_teacher_logit_is_never_a_silent_zero(backend, bad):
+    """A NaN (or +inf) teacher logit makes that row's teacher distribution NaN: the row's loss must be NaN
+    (as the float64 formula and TRL give), never 0.0 with a NaN gradient (found by a fresh user)."""
+    g = torch.Generator().manual_seed(7)
+    student, teacher = torch.randn(5, 9, generator=g), torch.randn(5, 9, generator=g)
+    teacher[1, 4] = bad
+    rows = fusedce.distillation_loss(student, teacher, backend=backend, reduction="none")
+    assert torch.isnan(rows[1]), rows
+    assert torch.isfinite(rows[[0, 2, 3, 4]]).all(), rows
