@@ -25,26 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backends import BACKENDS
 from ..functional import linear_cross_entropy
 from .. import validation as val
-from ..options import check_chunk_size, check_flag, deterministic_mode, loss_options
-from ..lm_head.method import check_method
-from ..options import LOSS_OPTION_NAMES
+from ..options import check_flag
 from .hf_adapters import kind as head_kind
 from .hf_call import HeadCall, module_name
+from .hf_options import LOSS_OPTIONS, validate_options  # noqa: F401  (hf.LOSS_OPTIONS: the public list)
 from .hf_head import LogitTransform, base_model, choose_transform, logit_transforms, output_head
 from .hf_output import as_tuple, bad_label_message, replace
 from .hf_token_weights import flat_token_weights
 
 _STATE = "_fusedce_patch"
-# linear_cross_entropy's options a patch may set. num_items_in_batch and token_weights come with each call
-# (forward keywords); return_stats would change what `loss` is.
-LOSS_OPTIONS = tuple(name for name, p in inspect.signature(linear_cross_entropy).parameters.items()
-                     if p.kind is inspect.Parameter.KEYWORD_ONLY
-                     and name not in ("num_items_in_batch", "return_stats", "token_weights"))
-
-
 @dataclasses.dataclass
 class _Patch:
     original: Optional[object]   # the instance-level forward before patching (None: the class's)
@@ -53,29 +44,6 @@ class _Patch:
     keep_logits: Optional[bool]  # None: the logits when autograd is off (evaluation), not in training
     transforms: tuple            # the candidate post-head transforms (hf_head.logit_transforms); one once
     verified: bool = False       # checked against the family's forward (first labelled call)
-
-
-def _validate(model: nn.Module, options: dict, transform: LogitTransform) -> dict:
-    unknown = sorted(set(options) - set(LOSS_OPTIONS))
-    if unknown:
-        raise TypeError(f"patch_causal_lm got unknown loss option(s) {unknown}; valid: {list(LOSS_OPTIONS)}")
-    softcap = options.get("softcap")
-    if transform.softcap is not None and softcap is not None and float(softcap) != transform.softcap:
-        raise ValueError(f"softcap={softcap} contradicts {type(model).__name__}'s config "
-                         f"final_logit_softcapping={transform.softcap}")
-    logit_scale = options.get("logit_scale")
-    if transform.scale != 1.0 and logit_scale is not None and float(logit_scale) != transform.scale:
-        raise ValueError(f"logit_scale={logit_scale} contradicts {type(model).__name__}'s config (logit scale "
-                         f"{transform.scale})")
-    loss_options(options.get("reduction", "mean"),
-                     **{name: value for name, value in options.items() if name in LOSS_OPTION_NAMES})
-    check_chunk_size(options.get("chunk_size"))
-    check_method(options.get("method", "auto"), options.get("chunk_size"))
-    deterministic_mode(options.get("deterministic"))
-    backend = options.get("backend")  # the name only: the device is known at the first call
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; valid names are {BACKENDS}")
-    return dict(options)
 
 
 def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **loss_options) -> nn.Module:
@@ -168,7 +136,7 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
     head_kind(head, module_name(model, head))
     base_model(model)
     transforms = logit_transforms(getattr(model, "config", None))
-    options = _validate(model, loss_options, transforms[0])
+    options = validate_options(model, loss_options, transforms[0])
     state = getattr(model, _STATE, None)
     keep_logits = None if keep_logits is None else check_flag("keep_logits", keep_logits)
     if state is not None:  # idempotent: new options, same single wrapper
