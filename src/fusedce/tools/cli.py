@@ -12,6 +12,8 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
+from .help_format import DefaultsFormatter
+
 COMMANDS = {
     "bench": ("fusedce.tools.bench.command",
               "compare fused and stock cross-entropy: parity vs float64, time, peak memory"),
@@ -34,7 +36,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
             continue
         module = importlib.import_module(module_name)
         parser_ = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsFormatter)
         module.add_arguments(parser_)
         parser_.set_defaults(handler=module.run)
     return parser

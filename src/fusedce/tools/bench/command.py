@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-import textwrap
 import time
 from pathlib import Path
+
+from ..help_format import DefaultsFormatter
 
 HELP = "compare fused and stock cross-entropy: parity vs float64, time, peak memory"
 DESCRIPTION = """\
@@ -42,15 +43,8 @@ def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Wraps help text at spaces only, so that the path names in ``--paths`` stay whole."""
-
-    def _split_lines(self, text, width):
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = _HelpFormatter
+    parser.formatter_class = DefaultsFormatter
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--shapes", default="real",
                         help="comma list: 'real' (SmolLM2 on KJV), a named shape (smollm2, llama3-8b, "
