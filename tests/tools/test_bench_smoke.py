@@ -120,7 +120,8 @@ def test_cli_bench_writes_tables_json_png_and_the_sweep(tmp_path, capsys, monkey
                for r in rows)
     # In this one test process the paths' peaks are read from a process-wide high-water mark that earlier
     # tests may already have raised, so a path's peak can read 0 and the ratio 0 (seen on quiet and loaded
-    # machines alike); the CLI measures each path in a fresh process. Checked here: the ratio is computed.
+    # machines alike); the CLI measures each path in a fresh process. Checked here: the ratio is computed;
+    # its value in test_sweep_rows_in_fresh_processes_measure_the_logits_stock_holds.
     assert len(summary) == 1 and summary[0]["memory_ratio"] is not None and summary[0]["memory_ratio"] >= 0
     assert summary[0]["time_ratio"] > 0
     assert summary[0]["loss_abs_diff"] < 1e-5
@@ -259,6 +260,21 @@ def test_sweep_measure_accumulates_into_preallocated_grads(name):
     ref = parity.linear_cross_entropy(data.hidden, data.weight, data.target, torch.tensor(result["loss"]),
                                       {"hidden": data.hidden.grad, "weight": data.weight.grad})
     assert ref["grad_rel_err"] < 1e-5
+
+
+def test_sweep_rows_in_fresh_processes_measure_the_logits_stock_holds():
+    # The value check the in-process CLI test above cannot make: each row in its own process, as the CLI
+    # runs it. Stock holds at least its fp32 BT x V logits; tiled holds no logits at all, so its peak stays
+    # far below stock's (its floor, the returned gradients, is (V + BT) * H * 4 = 1.1 MiB here).
+    shape = sweep.SweepShape("fresh", 512, 16, 16384)   # stock's logits: 32 MiB
+    rows = {row["label"]: (row, spec) for row, spec, _ in sweep.jobs(1, (shape,), (0.0,))}
+    stock = harness.run_isolated(rows["stock"][1], timeout=300)
+    tiled = harness.run_isolated(rows["tiled"][1], timeout=300)
+    assert stock["status"] == "ok" and tiled["status"] == "ok", (stock, tiled)
+    logits_bytes = shape.tokens * shape.vocab * 4
+    assert stock["peak_bytes"] >= logits_bytes
+    assert tiled["peak_bytes"] < stock["peak_bytes"] / 4
+    assert abs(stock["loss"] - tiled["loss"]) < 1e-5
 
 
 def test_sweep_flags_a_replaced_grad_buffer(monkeypatch):
