@@ -16,6 +16,10 @@ scored rows (the contract's ``linear_distillation_loss``). Paths:
   recipe); autograd keeps the intermediates.
 - fusedce chunked / tiled: ``linear_distillation_loss(method=...)`` (torch backend on CPU, the default
   backend on CUDA).
+- TRL (the peer a TRL user has): ``trl.trainer.distillation_trainer._chunked_divergence_loss``, the head
+  + generalized JSD that TRL 1.16's ``DistillationTrainer`` runs (its ``ChunkedDivergenceFunction``: chunks
+  of both heads' logits, recomputed in backward; on CPU it projects every row, ignored ones too, as TRL
+  does off Triton devices). A missing or different TRL makes the row ``"unavailable"``.
 
 Measured per path: forward+backward time (median of ``REPEATS``; on CPU the first is the peak-memory
 run, which keeps the row to ~1-2 min on a 2-core CPU), peak memory of the first forward+backward beyond
@@ -50,6 +54,7 @@ PATHS = {  # name -> (label, fusedce method or None for stock)
     "distill-stock": ("stock: full logits of both + F.kl_div JSD (fp32)", None),
     "distill-fusedce-chunked": ("fusedce linear_distillation_loss (chunked)", "chunked"),
     "distill-fusedce-tiled": ("fusedce linear_distillation_loss (tiled)", "tiled"),
+    "distill-trl": ("TRL DistillationTrainer's _chunked_divergence_loss", "trl"),
 }
 
 
@@ -87,6 +92,16 @@ def stock_loss(hidden, student_weight, teacher_hidden, teacher_weight, target, b
     return torch.where(valid, rows, 0.0).sum() / valid.sum().clamp_min(1)
 
 
+def trl_loss(hidden, student_weight, teacher_hidden, teacher_weight, target) -> torch.Tensor:
+    """TRL 1.16's ``DistillationTrainer`` head + loss on the same rows (mean over the scored rows);
+    ``ImportError`` (the row is "unavailable") without that TRL function."""
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+    mask = (target != IGNORE_INDEX)[None]
+    loss, _entropy, _count = _chunked_divergence_loss(hidden[None], teacher_hidden[None], student_weight,
+                                                      teacher_weight, mask, BETA, temperature=TEMPERATURE)
+    return loss
+
+
 def forward(name: str, leaves: dict, data: dict) -> torch.Tensor:
     """The loss of path ``name`` on the student ``leaves`` (hidden, student_weight) and teacher ``data``."""
     method = PATHS[name][1]
@@ -94,6 +109,9 @@ def forward(name: str, leaves: dict, data: dict) -> torch.Tensor:
     if method is None:
         return stock_loss(leaves["hidden"], leaves["student_weight"], teacher_hidden, data["teacher_weight"],
                           data["target"])
+    if method == "trl":
+        return trl_loss(leaves["hidden"], leaves["student_weight"], teacher_hidden, data["teacher_weight"],
+                        data["target"])
     from ...distillation import linear_distillation_loss
     backend = "torch" if leaves["hidden"].device.type == "cpu" else None
     return linear_distillation_loss(leaves["hidden"], leaves["student_weight"], teacher_hidden,
