@@ -121,7 +121,15 @@ def _loss(log_s, p, lp, keep, target, hard, hard_label_weight, ignore_index, red
 def _student_log_probs(op, classes, target, temperature, hard_label_weight, fold_target: bool, **kw):
     """``(log_s (..., K[+1]), hard log-prob (...) or None)``: one call of the K-class op, plus a
     one-class call at temperature 1 for the hard label when it could not be folded in."""
-    log_s = op(classes, temperature=temperature, **kw)
+    try:
+        log_s = op(classes, temperature=temperature, **kw)
+    except val.TargetOutOfRange as error:   # the hard label was checked before: a teacher id is out of range
+        position, teacher_k = error.position, classes.shape[-1] - (1 if fold_target else 0)
+        if not position or position[-1] >= teacher_k:
+            raise
+        raise IndexError(f"teacher_ids{list(position)} = {error.value} is out of range: expected a class in "
+                         f"[0, {error.n_classes}) (V = {error.n_classes}), or ignore_index={error.ignore_index} "
+                         "(or a -inf log-prob) for a padding entry") from None
     if hard_label_weight == 0.0:
         return log_s, None
     if fold_target:

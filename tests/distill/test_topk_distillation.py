@@ -206,9 +206,11 @@ def test_errors():
         f(logits, ids[:2], lp[:2])
     with pytest.raises(ValueError, match="K >= 1"):
         f(logits, ids[:, :0], lp[:, :0])
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=r"teacher_ids\[1, 0\] = 10 is out of range"):
         f(logits, torch.tensor([[0, 1], [10, 2], [3, 4]]), lp)
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=r"teacher_ids\[2, 1\] = 10"):   # with a folded hard label too
+        f(logits, torch.tensor([[0, 1], [1, 2], [3, 10]]), lp, torch.tensor([0, 1, 2]), hard_label_weight=0.5)
+    with pytest.raises(IndexError, match=r"target\[1\] = 11"):
         f(logits, ids, lp, torch.tensor([0, 11, 2]))
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="temperature"):
@@ -221,7 +223,7 @@ def test_errors():
         f(logits, ids, lp, torch.zeros(4, dtype=torch.int64))
     hidden, weight, _ = make_linear((3,), 4, 10)
     g = fusedce.linear_topk_distillation_loss
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=r"teacher_ids\[1, 0\] = -5 is out of range"):
         g(hidden, weight, torch.tensor([[0, 1], [-5, 2], [3, 4]]), lp)
     with pytest.raises(ValueError, match="temperature"):
         g(hidden, weight, ids, lp, temperature=0.0)
