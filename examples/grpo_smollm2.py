@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import fusedce
 from fusedce.tools.bench import harness, machine
 from fusedce.tools.bench.real_input import find_gguf, find_kjv
-from fusedce.tools.finetune.quiet_gguf import quiet_gguf_bars
+from fusedce.tools.gguf_bars import quiet_gguf_bars
 from fusedce.tools.finetune.ticking import ticking
 
 IGNORE = -100

