@@ -23,13 +23,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..layout import unit_stride
 from .distill_launch import DistillKnobs, Heads, rows_launch, tiled_grad_launches, tiled_stats_launches
 
 Opt = Optional[torch.Tensor]
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def _check_options(beta, temperature, hard_label_weight, target, student_softcap, teacher_softcap) -> None:
@@ -75,7 +72,7 @@ def distill_rows_op(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     loss, grad = _rows_buffers(student_logits, grad_factor is not None)
     if student_logits.shape[0] and student_logits.shape[1]:
         knobs = _knobs(target, beta, temperature, hard_label_weight, ignore_index, student_softcap, teacher_softcap)
-        _run([rows_launch(_unit_last(student_logits), _unit_last(teacher_logits), target, grad_factor, knobs, loss,
+        _run([rows_launch(unit_stride(student_logits), unit_stride(teacher_logits), target, grad_factor, knobs, loss,
                           grad if grad_factor is not None else None)])
     else:   # no rows or no classes: nothing to launch
         loss.zero_()
@@ -153,9 +150,9 @@ def tiled_distill_op(student_hidden: torch.Tensor, student_weight: torch.Tensor,
     acc_b = student_hidden.new_zeros(sb, dtype=torch.float32)
     if n and n_cols:
         knobs = _knobs(target, beta, temperature, hard_label_weight, ignore_index, student_softcap, teacher_softcap)
-        heads = Heads(_unit_last(student_hidden), _unit_last(student_weight),
-                      None if student_bias is None else student_bias.contiguous(), _unit_last(teacher_hidden),
-                      _unit_last(teacher_weight), None if teacher_bias is None else teacher_bias.contiguous())
+        heads = Heads(unit_stride(student_hidden), unit_stride(student_weight),
+                      None if student_bias is None else student_bias.contiguous(), unit_stride(teacher_hidden),
+                      unit_stride(teacher_weight), None if teacher_bias is None else teacher_bias.contiguous())
         stats = _new_rows(student_hidden, (4, n))
         _run(tiled_stats_launches(heads, target, knobs, loss, stats))
         if with_grad:
