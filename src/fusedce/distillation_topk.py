@@ -129,6 +129,16 @@ def _student_log_probs(op, classes, target, temperature, hard_label_weight, fold
     return log_s, op(target, temperature=1.0, **kw)
 
 
+def _topk_loss(op, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index, reduction,
+               num_items_in_batch):
+    """The reduced loss of both public ops, once their arguments are checked: ``op(classes, temperature)``
+    gives the student's log-probs of ``classes`` (``token_log_probs`` on logits or on the LM head)."""
+    fold = hard_label_weight != 0.0 and temperature == 1.0
+    classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, ignore_index, fold)
+    log_s, hard = _student_log_probs(op, classes, target, temperature, hard_label_weight, fold)
+    return _loss(log_s, p, lp, keep, target, hard, hard_label_weight, ignore_index, reduction, num_items_in_batch)
+
+
 def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tensor,
                            teacher_log_probs: torch.Tensor, target: Optional[torch.Tensor] = None, *,
                            temperature: float = 1.0, hard_label_weight: float = 0.0, ignore_index: int = -100,
@@ -183,15 +193,13 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
                                                             target, num_items_in_batch, device)
     _check_teacher(teacher_ids, teacher_log_probs, lead, device)
     _check_hard_target(target, lead, device, student_logits.shape[-1], ignore_index, hard_label_weight)
-    fold = hard_label_weight != 0.0 and temperature == 1.0
-    classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, ignore_index, fold)
 
     def op(t, temperature):
         return token_log_probs(student_logits, t, temperature=temperature, softcap=student_softcap,
                                ignore_index=ignore_index, backend=backend)
 
-    log_s, hard = _student_log_probs(op, classes, target, temperature, hard_label_weight, fold)
-    return _loss(log_s, p, lp, keep, target, hard, hard_label_weight, ignore_index, reduction, num_items_in_batch)
+    return _topk_loss(op, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index,
+                      reduction, num_items_in_batch)
 
 
 def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
@@ -237,13 +245,11 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
     if student_weight.dim() != 2:
         raise ValueError(f"student_weight must be (V, H), got {tuple(student_weight.shape)}")
     _check_hard_target(target, lead, device, student_weight.shape[0], ignore_index, hard_label_weight)
-    fold = hard_label_weight != 0.0 and temperature == 1.0
-    classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, ignore_index, fold)
 
     def op(t, temperature):
         return linear_token_log_probs(student_hidden, student_weight, t, student_bias, temperature=temperature,
                                       softcap=student_softcap, ignore_index=ignore_index, chunk_size=chunk_size,
                                       method=method, backend=backend, deterministic=deterministic)
 
-    log_s, hard = _student_log_probs(op, classes, target, temperature, hard_label_weight, fold)
-    return _loss(log_s, p, lp, keep, target, hard, hard_label_weight, ignore_index, reduction, num_items_in_batch)
+    return _topk_loss(op, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index,
+                      reduction, num_items_in_batch)
