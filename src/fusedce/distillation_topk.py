@@ -82,6 +82,21 @@ def _check_hard_target(target, lead, device, n_classes: int, ignore_index: int, 
         val.check_target_range(target, n_classes, ignore_index)
 
 
+def _checked(name, student, shape_error, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight,
+             ignore_index, reduction, num_items_in_batch):
+    """The checks both public ops start with: ``student`` (their logits or hidden states, ``name``) a float
+    tensor of at least one dimension (else ``ValueError(shape_error)``), the scalar options, the teacher's
+    top-K. Returns ``(lead, temperature, hard_label_weight, ignore_index)``, ``lead`` the leading shape."""
+    val.check_float(name, student)
+    if student.dim() < 1:
+        raise ValueError(shape_error)
+    lead = student.shape[:-1]
+    options = _options(temperature, hard_label_weight, ignore_index, reduction, target, num_items_in_batch,
+                       student.device)
+    _check_teacher(teacher_ids, teacher_log_probs, lead, student.device)
+    return (lead, *options)
+
+
 def _classes(teacher_ids, teacher_log_probs, target, ignore_index: int, fold_target: bool):
     """The K-class target of the student op: the teacher's ids, ``ignore_index`` on padding entries
     (``teacher_log_probs == -inf`` or an id equal to ``ignore_index``) and on every entry of an ignored
@@ -185,13 +200,11 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
             capture, where such an entry gives a NaN loss).
         RuntimeError: a backend without the K-class op (``"cute"``).
     """
-    val.check_float("student_logits", student_logits)
-    if student_logits.dim() < 1:
-        raise ValueError("student_logits must have at least one dimension (the classes, last)")
-    lead, device = student_logits.shape[:-1], student_logits.device
-    temperature, hard_label_weight, ignore_index = _options(temperature, hard_label_weight, ignore_index, reduction,
-                                                            target, num_items_in_batch, device)
-    _check_teacher(teacher_ids, teacher_log_probs, lead, device)
+    lead, temperature, hard_label_weight, ignore_index = _checked(
+        "student_logits", student_logits, "student_logits must have at least one dimension (the classes, last)",
+        teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index, reduction,
+        num_items_in_batch)
+    device = student_logits.device
     _check_hard_target(target, lead, device, student_logits.shape[-1], ignore_index, hard_label_weight)
 
     def op(t, temperature):
@@ -234,13 +247,10 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
         The errors of :func:`topk_distillation_loss` and of :func:`fusedce.linear_token_log_probs` (head
         shapes, ``method``, ``chunk_size``).
     """
-    val.check_float("student_hidden", student_hidden)
-    if student_hidden.dim() < 1:
-        raise ValueError("student_hidden must be (..., H)")
-    lead, device = student_hidden.shape[:-1], student_hidden.device
-    temperature, hard_label_weight, ignore_index = _options(temperature, hard_label_weight, ignore_index, reduction,
-                                                            target, num_items_in_batch, device)
-    _check_teacher(teacher_ids, teacher_log_probs, lead, device)
+    lead, temperature, hard_label_weight, ignore_index = _checked(
+        "student_hidden", student_hidden, "student_hidden must be (..., H)", teacher_ids, teacher_log_probs, target,
+        temperature, hard_label_weight, ignore_index, reduction, num_items_in_batch)
+    device = student_hidden.device
     val.check_float("student_weight", student_weight)
     if student_weight.dim() != 2:
         raise ValueError(f"student_weight must be (V, H), got {tuple(student_weight.shape)}")

@@ -7,11 +7,13 @@ in one place (``distill.py`` and ``distill_tiled.py`` run them; ``fusedce inspec
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 
+from ...options.distill import DistillOptions
 from . import tuning
 from .kernels.distill_rows import distill_rows_kernel
 from .kernels.distill_tiled_grad import (distill_tiled_grad_hidden_kernel, distill_tiled_grad_kernel,
@@ -22,15 +24,11 @@ from .launch import INTERPRETED, _align
 Opt = Optional[torch.Tensor]
 
 
-class DistillKnobs(NamedTuple):
-    """The distillation options as the kernels take them (see ``tests/references/reference64_distill.py``)."""
+@dataclasses.dataclass(frozen=True)
+class DistillKnobs(DistillOptions):
+    """The distillation options as the kernels take them (see ``tests/references/reference64_distill.py``):
+    ``options.distill.DistillOptions``' fields, then ``has_target``."""
 
-    beta: float
-    temperature: float
-    hard_label_weight: float
-    ignore_index: int
-    student_softcap: Optional[float]
-    teacher_softcap: Optional[float]
     has_target: bool
 
     @property
