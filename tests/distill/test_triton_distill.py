@@ -1,6 +1,7 @@
-"""The Triton distillation row ops (``backends/triton/distill.py``: ``distill_rows`` with logits in memory;
-``distill_tiled.py``: ``tiled_distill`` with none) against the float64 oracle ``reference64_distill.py`` (written from the
-formulas; gradients by float64 autograd), under the Triton interpreter.
+"""The Triton distillation row ops (``backends/triton/distill.py``: ``distill_rows`` with logits in
+memory; ``distill_tiled.py``: ``tiled_distill`` with none) against the float64 oracle
+``reference64_distill.py`` (written from the formulas; gradients by float64 autograd), under the Triton
+interpreter.
 
 Shapes. Rows: N = 19 tokens, V = 300 classes with the tiles shrunk to 4 rows x 128 columns (a partial
 last row tile and column block; rows 8..11 are a whole tile of ignored rows, which the kernel skips; row 1

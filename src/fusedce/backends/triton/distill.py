@@ -5,9 +5,9 @@ either model, ``distill_tiled.py``).
 Layering as for the cross-entropy ops: ``kernels/distill_math.py`` (the formulas, once) ->
 ``kernels/distill_rows.py``, ``distill_tiled_stats.py``, ``distill_tiled_grad.py`` (the kernels, with
 their passes and bytes / FLOPs per token) -> ``distill_launch.py`` (grid, arguments and meta-parameters
-in one place; ``fusedce inspect`` compiles exactly these) -> the custom ops ``fusedce::distill_rows`` /
-``fusedce::tiled_distill`` (``distill_tiled.py``; allocate + launch; a gradient not asked for comes back as a (0,)
-tensor) -> ``distill_rows`` / ``tiled_distill`` (the typed entry points of the backend boundary, same
+in one place; ``fusedce inspect`` compiles exactly these) -> the custom ops ``fusedce::distill_rows`` here
+and ``fusedce::tiled_distill`` (``distill_tiled.py``; allocate + launch; a gradient not asked for comes
+back as a (0,) tensor) -> ``distill_rows`` / ``tiled_distill`` (the typed entry points of the backend boundary, same
 signatures as ``backends/pytorch``'s). No autograd here: the caller multiplies its upstream gradient into
 ``grad_factor`` before the call (forward and gradient are one call, as the fused chunk).
 
@@ -67,8 +67,8 @@ def distill_rows_op(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     loss, grad = _rows_buffers(student_logits, grad_factor is not None)
     if student_logits.shape[0] and student_logits.shape[1]:
         knobs = _knobs(target, beta, temperature, hard_label_weight, ignore_index, student_softcap, teacher_softcap)
-        run_launches([rows_launch(unit_stride(student_logits), unit_stride(teacher_logits), target, grad_factor, knobs, loss,
-                          grad if grad_factor is not None else None)])
+        run_launches([rows_launch(unit_stride(student_logits), unit_stride(teacher_logits), target, grad_factor,
+                                  knobs, loss, grad if grad_factor is not None else None)])
     else:   # no rows or no classes: nothing to launch
         loss.zero_()
         grad.zero_()

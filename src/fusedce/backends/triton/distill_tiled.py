@@ -42,7 +42,7 @@ def tiled_distill_op(student_hidden: torch.Tensor, student_weight: torch.Tensor,
         run_launches(tiled_stats_launches(heads, target, knobs, loss, stats))
         if with_grad:
             run_launches(tiled_grad_launches(heads, target, knobs, stats, grad_factor, acc_h, acc_w,
-                                     acc_b if student_bias is not None else None, bool(deterministic)))
+                                             acc_b if student_bias is not None else None, bool(deterministic)))
     else:
         loss.zero_()
     return loss, acc_h.to(student_hidden.dtype), acc_w, acc_b
