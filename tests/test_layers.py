@@ -26,6 +26,7 @@ LAYERS = [
     ("fusedce.dtensor", 1),
     ("fusedce.backends.protocol", 2),  # the backend interface
     ("fusedce.backends.op_autograd", 2),
+    ("fusedce.backends.layout", 2),    # unit-stride / contiguous inputs of the kernel backends' custom ops
     ("fusedce.backends.pytorch", 3),
     ("fusedce.backends.triton", 3),
     ("fusedce.backends.cute", 3),

@@ -33,6 +33,7 @@ from . import distill_checks as dc
 from . import validation as val
 from .lm_head.method import check_method
 from .options import check_chunk_size, deterministic_mode
+from .options.distill import distill_options
 from .lm_head.distill import distillation, linear_distillation
 from .distillation_topk import linear_topk_distillation_loss, topk_distillation_loss
 from .functional import rows_view
@@ -140,8 +141,8 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: Optional[tor
     val.check_nonzero("student_logits", student_logits.shape, -1, "V")
     dc.check_vocab(student_logits.shape[-1], teacher_logits.shape[-1], "the logits' last dimension")
     dc.check_pair(student_logits, teacher_logits, "student_logits", "teacher_logits")
-    opts = dc.options(beta, temperature, hard_label_weight, ignore_index, reduction, student_softcap,
-                      teacher_softcap, target)
+    opts = distill_options(beta, temperature, hard_label_weight, ignore_index, reduction, student_softcap,
+                           teacher_softcap, target)
     val.check_num_items(num_items_in_batch, student_logits.device)
     shape, n_classes = student_logits.shape[:-1], student_logits.shape[-1]
     rows_op, _ = dc.row_ops(backend, student_logits.device)
@@ -214,8 +215,8 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
     check_chunk_size(chunk_size)
     check_method(method, chunk_size)
     deterministic = deterministic_mode(deterministic)
-    opts = dc.options(beta, temperature, hard_label_weight, ignore_index, reduction, student_softcap,
-                      teacher_softcap, target)
+    opts = distill_options(beta, temperature, hard_label_weight, ignore_index, reduction, student_softcap,
+                           teacher_softcap, target)
     val.check_num_items(num_items_in_batch, student_hidden.device)
     shape, n_classes = student_hidden.shape[:-1], student_weight.shape[0]
     rows_op, tiled_op = dc.row_ops(backend, student_hidden.device)

@@ -82,6 +82,21 @@ def _check_hard_target(target, lead, device, n_classes: int, ignore_index: int, 
         val.check_target_range(target, n_classes, ignore_index)
 
 
+def _checked(name, student, shape_error, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight,
+             ignore_index, reduction, num_items_in_batch):
+    """The checks both public ops start with: ``student`` (their logits or hidden states, ``name``) a float
+    tensor of at least one dimension (else ``ValueError(shape_error)``), the scalar options, the teacher's
+    top-K. Returns ``(lead, temperature, hard_label_weight, ignore_index)``, ``lead`` the leading shape."""
+    val.check_float(name, student)
+    if student.dim() < 1:
+        raise ValueError(shape_error)
+    lead = student.shape[:-1]
+    options = _options(temperature, hard_label_weight, ignore_index, reduction, target, num_items_in_batch,
+                       student.device)
+    _check_teacher(teacher_ids, teacher_log_probs, lead, student.device)
+    return (lead, *options)
+
+
 def _classes(teacher_ids, teacher_log_probs, target, ignore_index: int, fold_target: bool):
     """The K-class target of the student op: the teacher's ids, ``ignore_index`` on padding entries
     (``teacher_log_probs == -inf`` or an id equal to ``ignore_index``) and on every entry of an ignored
@@ -137,6 +152,16 @@ def _student_log_probs(op, classes, target, temperature, hard_label_weight, fold
     return log_s, op(target, temperature=1.0, **kw)
 
 
+def _topk_loss(op, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index, reduction,
+               num_items_in_batch):
+    """The reduced loss of both public ops, once their arguments are checked: ``op(classes, temperature)``
+    gives the student's log-probs of ``classes`` (``token_log_probs`` on logits or on the LM head)."""
+    fold = hard_label_weight != 0.0 and temperature == 1.0
+    classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, ignore_index, fold)
+    log_s, hard = _student_log_probs(op, classes, target, temperature, hard_label_weight, fold)
+    return _loss(log_s, p, lp, keep, target, hard, hard_label_weight, ignore_index, reduction, num_items_in_batch)
+
+
 def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tensor,
                            teacher_log_probs: torch.Tensor, target: Optional[torch.Tensor] = None, *,
                            temperature: float = 1.0, hard_label_weight: float = 0.0, ignore_index: int = -100,
@@ -183,23 +208,19 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
             capture, where such an entry gives a NaN loss).
         RuntimeError: a backend without the K-class op (``"cute"``).
     """
-    val.check_float("student_logits", student_logits)
-    if student_logits.dim() < 1:
-        raise ValueError("student_logits must have at least one dimension (the classes, last)")
-    lead, device = student_logits.shape[:-1], student_logits.device
-    temperature, hard_label_weight, ignore_index = _options(temperature, hard_label_weight, ignore_index, reduction,
-                                                            target, num_items_in_batch, device)
-    _check_teacher(teacher_ids, teacher_log_probs, lead, device)
+    lead, temperature, hard_label_weight, ignore_index = _checked(
+        "student_logits", student_logits, "student_logits must have at least one dimension (the classes, last)",
+        teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index, reduction,
+        num_items_in_batch)
+    device = student_logits.device
     _check_hard_target(target, lead, device, student_logits.shape[-1], ignore_index, hard_label_weight)
-    fold = hard_label_weight != 0.0 and temperature == 1.0
-    classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, ignore_index, fold)
 
     def op(t, temperature):
         return token_log_probs(student_logits, t, temperature=temperature, softcap=student_softcap,
                                ignore_index=ignore_index, backend=backend)
 
-    log_s, hard = _student_log_probs(op, classes, target, temperature, hard_label_weight, fold)
-    return _loss(log_s, p, lp, keep, target, hard, hard_label_weight, ignore_index, reduction, num_items_in_batch)
+    return _topk_loss(op, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index,
+                      reduction, num_items_in_batch)
 
 
 def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
@@ -234,24 +255,19 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
         The errors of :func:`topk_distillation_loss` and of :func:`fusedce.linear_token_log_probs` (head
         shapes, ``method``, ``chunk_size``).
     """
-    val.check_float("student_hidden", student_hidden)
-    if student_hidden.dim() < 1:
-        raise ValueError("student_hidden must be (..., H)")
-    lead, device = student_hidden.shape[:-1], student_hidden.device
-    temperature, hard_label_weight, ignore_index = _options(temperature, hard_label_weight, ignore_index, reduction,
-                                                            target, num_items_in_batch, device)
-    _check_teacher(teacher_ids, teacher_log_probs, lead, device)
+    lead, temperature, hard_label_weight, ignore_index = _checked(
+        "student_hidden", student_hidden, "student_hidden must be (..., H)", teacher_ids, teacher_log_probs, target,
+        temperature, hard_label_weight, ignore_index, reduction, num_items_in_batch)
+    device = student_hidden.device
     val.check_float("student_weight", student_weight)
     if student_weight.dim() != 2:
         raise ValueError(f"student_weight must be (V, H), got {tuple(student_weight.shape)}")
     _check_hard_target(target, lead, device, student_weight.shape[0], ignore_index, hard_label_weight)
-    fold = hard_label_weight != 0.0 and temperature == 1.0
-    classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, ignore_index, fold)
 
     def op(t, temperature):
         return linear_token_log_probs(student_hidden, student_weight, t, student_bias, temperature=temperature,
                                       softcap=student_softcap, ignore_index=ignore_index, chunk_size=chunk_size,
                                       method=method, backend=backend, deterministic=deterministic)
 
-    log_s, hard = _student_log_probs(op, classes, target, temperature, hard_label_weight, fold)
-    return _loss(log_s, p, lp, keep, target, hard, hard_label_weight, ignore_index, reduction, num_items_in_batch)
+    return _topk_loss(op, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index,
+                      reduction, num_items_in_batch)

@@ -1,6 +1,7 @@
-"""The Triton distillation row ops (``backends/triton/distill.py``: ``distill_rows`` with logits in memory,
-``tiled_distill`` with none) against the float64 oracle ``reference64_distill.py`` (written from the
-formulas; gradients by float64 autograd), under the Triton interpreter.
+"""The Triton distillation row ops (``backends/triton/distill.py``: ``distill_rows`` with logits in
+memory; ``distill_tiled.py``: ``tiled_distill`` with none) against the float64 oracle
+``reference64_distill.py`` (written from the formulas; gradients by float64 autograd), under the Triton
+interpreter.
 
 Shapes. Rows: N = 19 tokens, V = 300 classes with the tiles shrunk to 4 rows x 128 columns (a partial
 last row tile and column block; rows 8..11 are a whole tile of ignored rows, which the kernel skips; row 1
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from fusedce.backends.triton import distill as D
+from fusedce.backends.triton import distill_tiled as DT
 from fusedce.backends.triton import tuning
 from reference64_distill import distill_rows64
 from tolerances import FP32_UNITS, TOLERANCES, U32, _check
@@ -52,7 +54,8 @@ def poisoned(monkeypatch):
     """Every output the kernels write whole starts as NaN: an element left unwritten fails."""
     rows_buffers, new_rows = D._rows_buffers, D._new_rows
     monkeypatch.setattr(D, "_rows_buffers", lambda *a: tuple(t.fill_(float("nan")) for t in rows_buffers(*a)))
-    monkeypatch.setattr(D, "_new_rows", lambda *a: new_rows(*a).fill_(float("nan")))
+    for module in (D, DT):
+        monkeypatch.setattr(module, "_new_rows", lambda *a: new_rows(*a).fill_(float("nan")))
 
 
 def _row_inputs(student_dtype=torch.float32, teacher_dtype=torch.float32, n=N, v=V):
@@ -197,7 +200,7 @@ def test_rows_bad_inputs():
 def test_rows_agree_with_torch_backend():
     """The Triton and torch row ops (same signature) on the same inputs, every beta (each against the
     oracle's bound; here against each other at the sum of the two bounds)."""
-    torch_rows = pytest.importorskip("fusedce.backends.pytorch.distill_rows").distill_rows
+    torch_rows = pytest.importorskip("fusedce.backends.pytorch.distill").distill_rows
     zs, zt, target, gf = _row_inputs()
     for beta in (0.0, 0.3, 1.0):
         kw = _kw(beta, 2.0, "hard+student_cap")
@@ -238,7 +241,7 @@ def _logits(h, w, b):
 
 
 def _tiled(s, t, target, gf, kw, deterministic):
-    return D.tiled_distill(*s, *t, target, gf, ignore_index=IGNORE, deterministic=deterministic, **kw)
+    return DT.tiled_distill(*s, *t, target, gf, ignore_index=IGNORE, deterministic=deterministic, **kw)
 
 
 def _assert_tiled(out, s, t, target, gf, kw):

@@ -1,10 +1,13 @@
-"""The autograd formula of a kernel backend's cross-entropy custom ops, written once for every backend
-whose ops follow the same schemas (``triton``: namespace ``fusedce``; ``cute``: ``fusedce_cute``):
+"""The autograd formula of a backend's row-loss custom ops, written once for every op family and backend
+whose ops follow the same schemas (``<op>`` = ``ce``: class-index targets, namespaces ``fusedce``
+(Triton) and ``fusedce_cute``; ``soft_ce``: probability targets, ``fusedce`` and ``fusedce_torch``):
 
-- ``<ns>::ce_forward(logits, target, weight?, weight_sum?, ignore_index, scalars, stats, inplace_backward)
-  -> (loss, lse, lse_lo, predicted)``;
-- ``<ns>::ce_backward(logits, target, weight?, weight_sum?, lse, lse_lo, grad_row, grad_lse?, ignore_index,
-  scalars) -> grad`` and ``<ns>::ce_backward_inplace(...)`` (same inputs, writes into ``logits``).
+- ``<ns>::<op>_forward(*tensors, ignore_index, scalars, stats, inplace_backward)
+  -> (loss, lse, lse_lo, *saved, predicted)``; ``tensors`` = ``(logits, target, weight?, weight_sum?)``
+  for ``ce``, ``(logits, q, weight?)`` for ``soft_ce``; ``saved`` the outputs the backward reads besides
+  lse and lse_lo (``soft_ce``: ``a``). Differentiable outputs: loss and lse (w.r.t. ``logits`` only);
+- ``<ns>::<op>_backward(*tensors, lse, lse_lo, *saved, grad_row, grad_lse?, ignore_index, scalars) -> grad``
+  and ``<ns>::<op>_backward_inplace(...)`` (same inputs, writes the gradient into ``logits``).
 
 Registered on the forward op (``torch.library.register_autograd``), so ``torch.compile(fullgraph=True)``
 traces forward and backward without a graph break.
@@ -15,42 +18,39 @@ import torch
 
 from ..autograd_checks import check_backward_allowed
 
-# Inputs of <ns>::ce_forward, in schema order (the formula returns one gradient for each).
-FORWARD_INPUTS = ("logits", "target", "weight", "weight_sum", "ignore_index", "scalars", "stats",
-                  "inplace_backward")
+N_OPTIONS = 4   # the forward's trailing non-tensor inputs: ignore_index, scalars, stats, inplace_backward
 
 
 def _setup_context(ctx, inputs, output):
-    logits, target, weight, weight_sum = inputs[:4]
-    _loss, lse, lse_lo, predicted = output
-    ctx.save_for_backward(logits, target, weight, weight_sum, lse, lse_lo)
-    named = dict(zip(FORWARD_INPUTS, inputs))
-    ctx.options = (named["ignore_index"], named["scalars"])   # LossOptions.op_args()
-    ctx.inplace, ctx.consumed = named["inplace_backward"], False
-    ctx.mark_non_differentiable(lse_lo, predicted)
+    tensors, (ignore_index, scalars, _stats, inplace_backward) = inputs[:-N_OPTIONS], inputs[-N_OPTIONS:]
+    ctx.save_for_backward(*tensors, *output[1:-1])   # + lse, lse_lo, *saved
+    ctx.n_inputs, ctx.n_tensors = len(inputs), len(tensors)
+    ctx.options = (ignore_index, scalars)   # LossOptions.op_args()
+    ctx.inplace, ctx.consumed = inplace_backward, False
+    ctx.mark_non_differentiable(*output[2:])
 
 
-def register_ce_autograd(namespace: str) -> None:
-    """Register d loss / d logits on ``<namespace>::ce_forward``."""
+def register_rows_autograd(namespace: str, op: str = "ce") -> None:
+    """Register d loss / d logits (and d lse / d logits) on ``<namespace>::<op>_forward``."""
     ops = getattr(torch.ops, namespace)
+    backward_op, inplace_op = getattr(ops, f"{op}_backward"), getattr(ops, f"{op}_backward_inplace")
 
-    def backward(ctx, grad_row, grad_lse, _grad_lse_lo, _grad_predicted):
+    def backward(ctx, grad_row, grad_lse, *_grad_no_grad_outputs):
         """For the upstream per-row gradients of ``loss`` and ``lse`` (any strides, e.g. stride 0; either
         may be None when that output took no part in the graph)."""
         check_backward_allowed(ctx, "fusedce.cross_entropy")
-        logits, target, weight, weight_sum, lse, lse_lo = ctx.saved_tensors
+        saved = ctx.saved_tensors
         if grad_row is None:
+            lse = saved[ctx.n_tensors]
             grad_row = lse.new_zeros(()).expand(lse.shape)
+        args = (*saved, grad_row, grad_lse, *ctx.options)
         if ctx.inplace:
             # A custom op may not return an alias of its input: the mutating op returns nothing and the
             # gradient handed to autograd is ``logits`` itself, now holding d loss / d logits.
-            ops.ce_backward_inplace(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse,
-                                    *ctx.options)
-            ctx.consumed = True
-            grad = logits
+            inplace_op(*args)
+            ctx.consumed, grad = True, saved[0]
         else:
-            grad = ops.ce_backward(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse,
-                                   *ctx.options)
-        return (grad,) + (None,) * (len(FORWARD_INPUTS) - 1)
+            grad = backward_op(*args)
+        return (grad,) + (None,) * (ctx.n_inputs - 1)
 
-    torch.library.register_autograd(f"{namespace}::ce_forward", backward, setup_context=_setup_context)
+    torch.library.register_autograd(f"{namespace}::{op}_forward", backward, setup_context=_setup_context)

@@ -1,5 +1,5 @@
 """Autograd of the distillation losses, on any backend's row op (``distill_rows``) and tiled op
-(``tiled_distill``); the signatures are in ``backends/pytorch/distill_rows.py`` / ``distill_tiled.py``.
+(``tiled_distill``); the signatures are in ``backends/pytorch/distill.py`` / ``distill_tiled.py``.
 
 - Logits given (``_Distill``): the forward computes the per-row loss only; the backward calls the row op
   once more with the per-row upstream gradient (``scale * g`` for mean / sum, the caller's per-row

@@ -13,10 +13,10 @@ from typing import Optional
 import torch
 
 from ...options import LossOptions
-from ..op_autograd import register_ce_autograd
+from ..op_autograd import register_rows_autograd
 from . import custom_ops  # noqa: F401 - registers the fusedce_cute ops
 
-register_ce_autograd("fusedce_cute")   # the formula: backends/op_autograd.py
+register_rows_autograd("fusedce_cute")   # the formula: backends/op_autograd.py
 
 
 def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],

@@ -27,14 +27,11 @@ from typing import Optional
 
 import torch
 
+from ..layout import unit_stride
 from ...options import LossOptions
 from . import launch
 
 Opt = Optional[torch.Tensor]
-
-
-def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
-    return logits if logits.stride(-1) == 1 or logits.shape[-1] <= 1 else logits.contiguous()
 
 
 def _row_buffers(logits: torch.Tensor, stats: bool, token_scaling: bool = False):
@@ -49,7 +46,7 @@ def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_s
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # ``inplace_backward`` does not change the forward: the autograd formula (cross_entropy.py) reads it.
     loss, lse, lse_lo, predicted, _ = _row_buffers(logits, stats)
-    launch.ce_forward(_unit_stride(logits), target, weight, weight_sum, LossOptions.from_op_args(ignore_index, scalars),
+    launch.ce_forward(unit_stride(logits), target, weight, weight_sum, LossOptions.from_op_args(ignore_index, scalars),
                       loss, lse, lse_lo, predicted if stats else None)
     return loss, lse, lse_lo, predicted
 
@@ -64,7 +61,7 @@ def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_
                 lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt, ignore_index: int,
                 scalars: list[float]) -> torch.Tensor:
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    launch.ce_backward(_unit_stride(logits), target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse,
+    launch.ce_backward(unit_stride(logits), target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse,
                        LossOptions.from_op_args(ignore_index, scalars), grad)
     return grad
 
@@ -78,7 +75,7 @@ def _(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, ignor
 def ce_backward_inplace(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
                         lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt,
                         ignore_index: int, scalars: list[float]) -> None:
-    rows = _unit_stride(logits)   # each vector is read before it is written: aliasing is safe
+    rows = unit_stride(logits)   # each vector is read before it is written: aliasing is safe
     launch.ce_backward(rows, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse,
                        LossOptions.from_op_args(ignore_index, scalars), rows)
     if rows is not logits:
@@ -96,7 +93,7 @@ def ce_chunk_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_su
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = LossOptions.from_op_args(ignore_index, scalars)
     loss, lse, lse_lo, predicted, token_weight = _row_buffers(logits, stats, opts.use_token_scaling)
-    rows = _unit_stride(logits)
+    rows = unit_stride(logits)
     launch.ce_chunk_(rows, target, weight, weight_sum, grad_row, z_grad_row, opts, loss, lse, lse_lo,
                      predicted if stats else None, token_weight if opts.use_token_scaling else None)
     if rows is not logits:

@@ -2,7 +2,7 @@
 in ``tests/references/reference64.py``). The interface: ``backends/protocol.py`` (``Backend``)."""
 from ..protocol import Capabilities
 from .cross_entropy import cross_entropy_rows
-from .distill_rows import distill_rows
+from .distill import distill_rows
 from .distill_tiled import tiled_distill
 from .custom_ops import TORCH_TILED as TILED_CE
 from .custom_ops import slice_grad, slice_stats

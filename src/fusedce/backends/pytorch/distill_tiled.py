@@ -2,13 +2,13 @@
 tokens x vocabulary (``tuning.tile_sizes``: fewer than V logits a block), never a tensor of V or more
 elements besides the weights, biases and the student's gradients.
 
-Block math: ``distill_rows.py``'s, on vocabulary slices. x_s = h_s @ W_s[j].T + b_s[j] and x_t likewise
+Block math: ``distill.py``'s, on vocabulary slices. x_s = h_s @ W_s[j].T + b_s[j] and x_t likewise
 (each in its model's dtype, fp32 accumulation, as ``F.linear``), then fp32.
     pass 1, per token block r and vocabulary block j: the online log-sum-exp (Milakov & Gimelshein 2018)
         of u = c(x_s) / T, of c(x_t) / T, of c(x_s) when the hard label needs it at T != 1, and the
         target's c(x_s);
     pass 2, each block again: its log-probabilities from those lse's, the divergence and, for beta > 0,
-        the row sum ``sum s g`` the gradient needs (``distill_rows.divergence``);
+        the row sum ``sum s g`` the gradient needs (``distill.divergence``);
     pass 3 (gradients), each block again: ``dz`` as ``distill_rows``, then grad_h[r] += dz @ W_s[j] (fp32),
         grad_W[j] += dz.T @ h_s[r] and grad_b[j] += sum_rows dz (fp32).
 FLOPs per token (student H, teacher Ht): 2 V (H + Ht) per pass, plus 4 V H for the gradients.
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from . import block_threads, tuning
-from .distill_rows import capped, chain, divergence, grad_u
+from .distill import capped, chain, divergence, grad_u
 from .tiled import _block_logits, _target_columns
 
 _NEG_INF = float("-inf")

@@ -44,21 +44,48 @@ class Scratch:
         return self._work[:n]
 
 
-def chunk_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = True, entropy: bool = False):
-    """Per-row ``(loss, lse, lse_lo, predicted)`` of ``logits`` ((n, V)), no gradient: fp32 (n,) each
-    (cross-entropy without z-loss; lse as the pair lse + lse_lo, see ``row_math.py``), predicted (n,) int64
-    or None without stats; with ``entropy`` a fifth element, the entropy (n,) fp32."""
+def row_chunks(logits: torch.Tensor):
+    """Yield ``(rows, block, work)`` for each row chunk of ``logits`` ((n, V), ``tuning.chunk_rows`` rows a
+    chunk): ``rows`` the chunk's slice, ``block`` its rows in fp32 (a reused buffer unless ``logits`` is
+    fp32), ``work`` a second fp32 buffer of ``block``'s shape (``Scratch``). The loops of every forward here."""
     n_rows, n_classes = logits.shape
-    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
-    ent = torch.empty_like(loss) if entropy else None
-    predicted = torch.empty(n_rows, dtype=torch.int64, device=logits.device) if stats else None
     step = min(chunk_rows(n_classes), max(n_rows, 1))
     scratch = Scratch(step, n_classes, logits.dtype, logits.device)
     for start in range(0, n_rows, step):
         rows = slice(start, start + step)
         block = scratch.upcast(logits[rows])
-        out = rows_forward(block, target[rows], w, weight_sum, opts, stats, scratch.work(block.shape[0]), entropy)
+        yield rows, block, scratch.work(block.shape[0])
+
+
+def grad_chunks_(logits: torch.Tensor, out: torch.Tensor, row_grad) -> torch.Tensor:
+    """``out[rows] = row_grad(rows, block, buf)`` for each row chunk of ``logits`` ((n, V)), returning
+    ``out`` ((n, V), may be ``logits``): ``block`` the chunk in fp32, ``buf`` where ``row_grad`` may write
+    its fp32 result (``out[rows]`` itself when ``out`` is fp32: no (n, V) temporary, else a reused chunk
+    buffer converted into ``out`` once per chunk). The loops of every backward here."""
+    n_rows, n_classes = logits.shape
+    step = min(chunk_rows(n_classes), max(n_rows, 1))
+    scratch = None if out.dtype == torch.float32 else Scratch(step, n_classes, logits.dtype, logits.device)
+    for start in range(0, n_rows, step):
+        rows = slice(start, start + step)
+        dst = out[rows]
+        block = logits[rows] if scratch is None else scratch.upcast(logits[rows])
+        grad = row_grad(rows, block, dst if scratch is None else scratch.work(dst.shape[0]))
+        if grad is not dst:
+            dst.copy_(grad)
+    return out
+
+
+def chunk_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = True, entropy: bool = False):
+    """Per-row ``(loss, lse, lse_lo, predicted)`` of ``logits`` ((n, V)), no gradient: fp32 (n,) each
+    (cross-entropy without z-loss; lse as the pair lse + lse_lo, see ``row_math.py``), predicted (n,) int64
+    or None without stats; with ``entropy`` a fifth element, the entropy (n,) fp32."""
+    n_rows = logits.shape[0]
+    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
+    ent = torch.empty_like(loss) if entropy else None
+    predicted = torch.empty(n_rows, dtype=torch.int64, device=logits.device) if stats else None
+    for rows, block, work in row_chunks(logits):
+        out = rows_forward(block, target[rows], w, weight_sum, opts, stats, work, entropy)
         loss[rows], lse[rows], lse_lo[rows] = out[:3]
         if stats:
             predicted[rows] = out[3]
@@ -78,19 +105,10 @@ def chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, 
     fp32 ``out``: the gradient is computed in it, no (n, V) temporary besides softcap's; other dtypes
     go through two reused fp32 chunk buffers (``Scratch``) and one conversion pass per chunk.
     """
-    out = logits if out is None else out
-    n_rows, n_classes = logits.shape
-    step = min(chunk_rows(n_classes), max(n_rows, 1))
-    scratch = None if out.dtype == torch.float32 else Scratch(step, n_classes, logits.dtype, logits.device)
-    for start in range(0, n_rows, step):
-        rows = slice(start, start + step)
-        dst = out[rows]
-        block = logits[rows] if scratch is None else scratch.upcast(logits[rows])
-        grad = rows_grad(block, target[rows], w, weight_sum, lse[rows], lse_lo[rows], grad_row[rows],
-                         None if grad_lse is None else grad_lse[rows], opts,
-                         out=dst if scratch is None else scratch.work(dst.shape[0]),
+    def row_grad(rows, block, buf):
+        return rows_grad(block, target[rows], w, weight_sum, lse[rows], lse_lo[rows], grad_row[rows],
+                         None if grad_lse is None else grad_lse[rows], opts, out=buf,
                          grad_entropy=None if grad_entropy is None else grad_entropy[rows],
                          entropy=None if grad_entropy is None else entropy[rows])
-        if scratch is not None:
-            dst.copy_(grad)
-    return out
+
+    return grad_chunks_(logits, logits if out is None else out, row_grad)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 
 from ...options import LossOptions
-from .launch import Scratch
+from .launch import row_chunks
 from ...row_math import token_stats, transform
-from .tuning import chunk_rows
 
 
 def chunk_token_stats(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
@@ -16,15 +15,12 @@ def chunk_token_stats(logits: torch.Tensor, target: torch.Tensor, lse: torch.Ten
     """``(log_sum_sq_probs, mean_logits, is_top1)`` of ``logits`` ((n, V), any float dtype) against
     ``target`` (n,), from the forward's lse pair (n,) fp32: (n,) fp32, fp32, bool; 0 / False on ignored
     rows. fp32 temporaries of one row sub-chunk at a time."""
-    n_rows, n_classes = logits.shape
+    n_rows = logits.shape[0]
     log_sum_sq = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     mean = torch.empty_like(log_sum_sq)
     top1 = torch.empty(n_rows, dtype=torch.bool, device=logits.device)
-    step = min(chunk_rows(n_classes), max(n_rows, 1))
-    scratch = Scratch(step, n_classes, logits.dtype, logits.device)
-    for start in range(0, n_rows, step):
-        rows = slice(start, start + step)
-        z = transform(scratch.upcast(logits[rows]), opts)
+    for rows, block, _work in row_chunks(logits):
+        z = transform(block, opts)
         t = target[rows]
         log_sum_sq[rows], mean[rows], top1[rows] = token_stats(z, t, lse[rows], lse_lo[rows], opts.kept(t))
     return log_sum_sq, mean, top1

@@ -2,7 +2,8 @@
 ``backends/protocol.py`` (``Backend``)."""
 from ..protocol import Capabilities
 from .cross_entropy import cross_entropy_rows
-from .distill import distill_rows, tiled_distill
+from .distill import distill_rows
+from .distill_tiled import tiled_distill
 from .linear import TritonChunkCE as CHUNK_CE
 from .slices import slice_grad, slice_stats
 from .linear import TRITON_TILED as TILED_CE

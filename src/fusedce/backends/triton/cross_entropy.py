@@ -13,10 +13,10 @@ from typing import Optional
 import torch
 
 from ...options import LossOptions
-from ..op_autograd import register_ce_autograd
+from ..op_autograd import register_rows_autograd
 from . import custom_ops
 
-register_ce_autograd("fusedce")   # the formula: backends/op_autograd.py
+register_rows_autograd("fusedce")   # the formula: backends/op_autograd.py
 
 
 def _weights(weight: Optional[torch.Tensor]):

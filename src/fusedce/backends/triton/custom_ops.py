@@ -46,20 +46,13 @@ from typing import Optional
 
 import torch
 
+from ..layout import opt_contiguous, unit_stride
 from ...options import LossOptions
 from .launch import ce_backward as launch_backward
 from .launch import ce_chunk_ as launch_chunk
 from .launch import ce_forward as launch_forward
 
 Opt = Optional[torch.Tensor]
-
-
-def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
-    return logits if logits.stride(-1) == 1 or logits.shape[-1] <= 1 else logits.contiguous()
-
-
-def _opt_contiguous(t: Opt) -> Opt:
-    return None if t is None else t.contiguous()
 
 
 # ---------------------------------------------------------------- forward
@@ -71,7 +64,7 @@ def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_s
     # ``inplace_backward`` does not change the forward; it is an input so that the autograd formula
     # registered on this op (cross_entropy.py) can pick the backward variant.
     loss, lse, lse_lo, predicted = _forward_buffers(logits, stats)
-    launch_forward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
+    launch_forward(unit_stride(logits), target, opt_contiguous(weight), opt_contiguous(weight_sum),
                    LossOptions.from_op_args(ignore_index, scalars),
                    loss, lse, lse_lo, predicted if stats else None)
     return loss, lse, lse_lo, predicted
@@ -96,7 +89,7 @@ def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_
                 lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt,
                 ignore_index: int, scalars: list[float]) -> torch.Tensor:
     grad = logits.new_empty(logits.shape)
-    launch_backward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
+    launch_backward(unit_stride(logits), target, opt_contiguous(weight), opt_contiguous(weight_sum),
                     lse.contiguous(), lse_lo.contiguous(), grad_row, grad_lse,
                     LossOptions.from_op_args(ignore_index, scalars), grad)
     return grad
@@ -115,10 +108,10 @@ def ce_backward_inplace(logits: torch.Tensor, target: torch.Tensor, weight: Opt,
                         ignore_index: int, scalars: list[float], grad_entropy: Opt = None,
                         entropy: Opt = None) -> None:
     opts = LossOptions.from_op_args(ignore_index, scalars)
-    rows = _unit_stride(logits)   # each program reads its block before writing it: aliasing is safe
-    launch_backward(rows, target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
+    rows = unit_stride(logits)   # each program reads its block before writing it: aliasing is safe
+    launch_backward(rows, target, opt_contiguous(weight), opt_contiguous(weight_sum),
                     lse.contiguous(), lse_lo.contiguous(), grad_row, grad_lse, opts, rows,
-                    grad_entropy=grad_entropy, entropy=_opt_contiguous(entropy))
+                    grad_entropy=grad_entropy, entropy=opt_contiguous(entropy))
     if rows is not logits:
         logits.copy_(rows)
 
@@ -139,10 +132,10 @@ def ce_backward_out(logits: torch.Tensor, out: torch.Tensor, target: torch.Tenso
     """The gradient written into ``out`` ((BT, V), any float dtype; must not overlap ``logits``: use
     ``ce_backward_inplace`` for that)."""
     opts = LossOptions.from_op_args(ignore_index, scalars)
-    dest = _unit_stride(out)
-    launch_backward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
+    dest = unit_stride(out)
+    launch_backward(unit_stride(logits), target, opt_contiguous(weight), opt_contiguous(weight_sum),
                     lse.contiguous(), lse_lo.contiguous(), grad_row, grad_lse, opts, dest,
-                    grad_entropy=grad_entropy, entropy=_opt_contiguous(entropy))
+                    grad_entropy=grad_entropy, entropy=opt_contiguous(entropy))
     if dest is not out:
         out.copy_(dest)
 
@@ -163,7 +156,7 @@ def ce_forward_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Opt, 
     its callers (the chunk loop's Functions) differentiate through ``backward_`` / ``backward_out``."""
     loss, lse, lse_lo, predicted = _forward_buffers(logits, stats)
     entropy = torch.empty_like(loss)
-    launch_forward(_unit_stride(logits), target, _opt_contiguous(weight), _opt_contiguous(weight_sum),
+    launch_forward(unit_stride(logits), target, opt_contiguous(weight), opt_contiguous(weight_sum),
                    LossOptions.from_op_args(ignore_index, scalars),
                    loss, lse, lse_lo, predicted if stats else None, entropy)
     return loss, lse, lse_lo, predicted, entropy
@@ -183,8 +176,8 @@ def ce_chunk_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_su
               stats: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = LossOptions.from_op_args(ignore_index, scalars)
     loss, lse, lse_lo, predicted, token_weight = _chunk_buffers(logits, stats, opts.use_token_scaling)
-    rows = _unit_stride(logits)
-    launch_chunk(rows, target, _opt_contiguous(weight), _opt_contiguous(weight_sum), grad_row, z_grad_row, opts,
+    rows = unit_stride(logits)
+    launch_chunk(rows, target, opt_contiguous(weight), opt_contiguous(weight_sum), grad_row, z_grad_row, opts,
                  loss, lse, lse_lo, predicted if stats else None,
                  token_weight if opts.use_token_scaling else None)
     if rows is not logits:

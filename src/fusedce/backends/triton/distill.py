@@ -1,12 +1,13 @@
-"""Distillation on Triton: the backend row ops ``distill_rows`` (logits in memory) and ``tiled_distill`` (no
-logits of either model), as torch custom ops with fakes so that ``torch.compile`` traces them.
+"""Distillation on Triton: the backend row op ``distill_rows`` (logits in memory) as a torch custom op with
+a fake so that ``torch.compile`` traces it, and the checks it shares with ``tiled_distill`` (no logits of
+either model, ``distill_tiled.py``).
 
 Layering as for the cross-entropy ops: ``kernels/distill_math.py`` (the formulas, once) ->
 ``kernels/distill_rows.py``, ``distill_tiled_stats.py``, ``distill_tiled_grad.py`` (the kernels, with
 their passes and bytes / FLOPs per token) -> ``distill_launch.py`` (grid, arguments and meta-parameters
-in one place; ``fusedce inspect`` compiles exactly these) -> the custom ops ``fusedce::distill_rows`` /
-``fusedce::tiled_distill`` here (allocate + launch; a gradient not asked for comes back as a (0,)
-tensor) -> ``distill_rows`` / ``tiled_distill`` (the typed entry points of the backend boundary, same
+in one place; ``fusedce inspect`` compiles exactly these) -> the custom ops ``fusedce::distill_rows`` here
+and ``fusedce::tiled_distill`` (``distill_tiled.py``; allocate + launch; a gradient not asked for comes
+back as a (0,) tensor) -> ``distill_rows`` / ``tiled_distill`` (the typed entry points of the backend boundary, same
 signatures as ``backends/pytorch``'s). No autograd here: the caller multiplies its upstream gradient into
 ``grad_factor`` before the call (forward and gradient are one call, as the fused chunk).
 
@@ -23,13 +24,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from .distill_launch import DistillKnobs, Heads, rows_launch, tiled_grad_launches, tiled_stats_launches
+from ..layout import unit_stride
+from .distill_launch import DistillKnobs, rows_launch
+from .tiled import run_launches
 
 Opt = Optional[torch.Tensor]
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def _check_options(beta, temperature, hard_label_weight, target, student_softcap, teacher_softcap) -> None:
@@ -59,13 +58,6 @@ def _knobs(target, beta, temperature, hard_label_weight, ignore_index, student_s
                         None if teacher_softcap is None else float(teacher_softcap), target is not None)
 
 
-def _run(launches) -> None:
-    for kernel, grid, args, meta in launches:
-        kernel[grid](*args, **meta)
-
-
-# ---------------------------------------------------------------- rows (logits in memory)
-
 @torch.library.custom_op("fusedce::distill_rows", mutates_args=())
 def distill_rows_op(student_logits: torch.Tensor, teacher_logits: torch.Tensor, target: Opt, grad_factor: Opt,
                     beta: float, temperature: float, hard_label_weight: float, ignore_index: int,
@@ -75,8 +67,8 @@ def distill_rows_op(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     loss, grad = _rows_buffers(student_logits, grad_factor is not None)
     if student_logits.shape[0] and student_logits.shape[1]:
         knobs = _knobs(target, beta, temperature, hard_label_weight, ignore_index, student_softcap, teacher_softcap)
-        _run([rows_launch(_unit_last(student_logits), _unit_last(teacher_logits), target, grad_factor, knobs, loss,
-                          grad if grad_factor is not None else None)])
+        run_launches([rows_launch(unit_stride(student_logits), unit_stride(teacher_logits), target, grad_factor,
+                                  knobs, loss, grad if grad_factor is not None else None)])
     else:   # no rows or no classes: nothing to launch
         loss.zero_()
         grad.zero_()
@@ -133,99 +125,3 @@ def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tar
                                                 float(temperature), float(hard_label_weight), int(ignore_index),
                                                 student_softcap, teacher_softcap)
     return loss, (grad if grad_factor is not None else None)
-
-
-# ---------------------------------------------------------------- tiled (no logits)
-
-@torch.library.custom_op("fusedce::tiled_distill", mutates_args=())
-def tiled_distill_op(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: Opt,
-                     teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: Opt,
-                     target: Opt, grad_factor: Opt, beta: float, temperature: float, hard_label_weight: float,
-                     ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float],
-                     deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss_rows, grad_hidden, grad_weight, grad_bias)``; a gradient not computed is (0,)."""
-    n, n_cols = student_hidden.shape[0], student_weight.shape[0]
-    with_grad = grad_factor is not None
-    loss = _new_rows(student_hidden, n)
-    sh, sw, sb = _tiled_grad_shapes(student_hidden, student_weight, student_bias, with_grad)
-    acc_h = student_hidden.new_zeros(sh, dtype=torch.float32)
-    acc_w = student_hidden.new_zeros(sw, dtype=torch.float32)
-    acc_b = student_hidden.new_zeros(sb, dtype=torch.float32)
-    if n and n_cols:
-        knobs = _knobs(target, beta, temperature, hard_label_weight, ignore_index, student_softcap, teacher_softcap)
-        heads = Heads(_unit_last(student_hidden), _unit_last(student_weight),
-                      None if student_bias is None else student_bias.contiguous(), _unit_last(teacher_hidden),
-                      _unit_last(teacher_weight), None if teacher_bias is None else teacher_bias.contiguous())
-        stats = _new_rows(student_hidden, (4, n))
-        _run(tiled_stats_launches(heads, target, knobs, loss, stats))
-        if with_grad:
-            _run(tiled_grad_launches(heads, target, knobs, stats, grad_factor, acc_h, acc_w,
-                                     acc_b if student_bias is not None else None, bool(deterministic)))
-    else:
-        loss.zero_()
-    return loss, acc_h.to(student_hidden.dtype), acc_w, acc_b
-
-
-def _tiled_grad_shapes(student_hidden, student_weight, student_bias, with_grad: bool):
-    if not with_grad:
-        return (0,), (0,), (0,)
-    return (tuple(student_hidden.shape), tuple(student_weight.shape),
-            (student_weight.shape[0],) if student_bias is not None else (0,))
-
-
-@tiled_distill_op.register_fake
-def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target,
-      grad_factor, beta, temperature, hard_label_weight, ignore_index, student_softcap, teacher_softcap,
-      deterministic):
-    sh, sw, sb = _tiled_grad_shapes(student_hidden, student_weight, student_bias, grad_factor is not None)
-    return (student_hidden.new_empty(student_hidden.shape[0], dtype=torch.float32), student_hidden.new_empty(sh),
-            student_hidden.new_empty(sw, dtype=torch.float32), student_hidden.new_empty(sb, dtype=torch.float32))
-
-
-def tiled_distill(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: Opt,
-                  teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: Opt,
-                  target: Opt, grad_factor: Opt, *, beta: float, temperature: float, hard_label_weight: float,
-                  ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float],
-                  deterministic: bool) -> Tuple[torch.Tensor, Opt, Opt, Opt]:
-    """Per-row distillation loss of two linear heads and the student head's gradients, with no logits of
-    either model in memory (tiles of both heads' logits formed on chip: ``kernels/distill_tiled_*.py``).
-
-    Args:
-        student_hidden: (N, H); student_weight: (V, H) in student_hidden's dtype; student_bias: (V,) or
-            None. teacher_hidden: (N, Ht); teacher_weight: (V, Ht) in teacher_hidden's dtype (H, Ht and the
-            two heads' dtypes may differ; V must match); teacher_bias: (V,) or None. fp32 / bf16 / fp16.
-        target, grad_factor, beta, temperature, hard_label_weight, ignore_index, student_softcap,
-            teacher_softcap: as ``distill_rows``.
-        deterministic: the gradient pass without atomics (bitwise identical run to run; one more
-            recompute of both heads' logits).
-    Returns:
-        ``(loss_rows (N,) fp32, grad_hidden, grad_weight, grad_bias)``, the gradients already multiplied
-        by ``grad_factor`` per row: grad_hidden (N, H) in student_hidden's dtype, grad_weight (V, H) and
-        grad_bias (V,) in fp32 (the tiled cross-entropy op's default ``accum_dtype``), grad_bias None
-        without a student bias; all three None without ``grad_factor``. Besides these, only (N,)- and
-        (4, N)-sized fp32 buffers are allocated (the gradients' fp32 accumulators when N x H in fp32 is
-        not the result). Logits are rounded to each head's dtype once (as ``F.linear``), then fp32 math.
-    Raises:
-        ValueError: mismatched shapes or dtypes (as listed), and the option errors of ``distill_rows``.
-    """
-    n, hs = student_hidden.shape if student_hidden.dim() == 2 else (None, None)
-    if (student_hidden.dim() != 2 or student_weight.dim() != 2 or student_weight.shape[1] != hs
-            or teacher_hidden.dim() != 2 or teacher_weight.dim() != 2 or teacher_hidden.shape[0] != n
-            or teacher_weight.shape != (student_weight.shape[0], teacher_hidden.shape[1])):
-        raise ValueError(f"expected student (N, H) x (V, H) and teacher (N, Ht) x (V, Ht), got "
-                         f"{tuple(student_hidden.shape)} x {tuple(student_weight.shape)} and "
-                         f"{tuple(teacher_hidden.shape)} x {tuple(teacher_weight.shape)}")
-    for name, h, w, b in (("student", student_hidden, student_weight, student_bias),
-                          ("teacher", teacher_hidden, teacher_weight, teacher_bias)):
-        if w.dtype != h.dtype or (b is not None and (b.dtype != h.dtype or b.shape != (w.shape[0],))):
-            raise ValueError(f"the {name}'s weight (and bias, shape (V,)) must have its hidden states' dtype "
-                             f"{h.dtype}")
-    _check_rows(n, target, grad_factor)
-    _check_options(beta, temperature, hard_label_weight, target, student_softcap, teacher_softcap)
-    loss, gh, gw, gb = torch.ops.fusedce.tiled_distill(
-        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target,
-        grad_factor, float(beta), float(temperature), float(hard_label_weight), int(ignore_index),
-        student_softcap, teacher_softcap, bool(deterministic))
-    if grad_factor is None:
-        return loss, None, None, None
-    return loss, gh, gw, (gb if student_bias is not None else None)

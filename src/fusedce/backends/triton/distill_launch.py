@@ -1,5 +1,6 @@
 """Launch builders of the distillation kernels: ``(kernel, grid, args, meta)`` for given buffers, computed
-in one place (``distill.py`` runs them; ``fusedce inspect`` compiles exactly these on meta tensors).
+in one place (``distill.py`` and ``distill_tiled.py`` run them; ``fusedce inspect`` compiles exactly these
+on meta tensors).
 
 ``DistillKnobs`` is the one description of the options that every launch reads: the runtime fp32 scalars
 (beta, 1 / T, hard_label_weight, the two softcaps, ignore_index) and the constexpr code paths they select
@@ -7,11 +8,13 @@ in one place (``distill.py`` runs them; ``fusedce inspect`` compiles exactly the
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 
+from ...options.distill import DistillOptions
 from . import tuning
 from .kernels.distill_rows import distill_rows_kernel
 from .kernels.distill_tiled_grad import (distill_tiled_grad_hidden_kernel, distill_tiled_grad_kernel,
@@ -22,15 +25,11 @@ from .launch import INTERPRETED, _align
 Opt = Optional[torch.Tensor]
 
 
-class DistillKnobs(NamedTuple):
-    """The distillation options as the kernels take them (see ``tests/references/reference64_distill.py``)."""
+@dataclasses.dataclass(frozen=True)
+class DistillKnobs(DistillOptions):
+    """The distillation options as the kernels take them (see ``tests/references/reference64_distill.py``):
+    ``options.distill.DistillOptions``' fields, then ``has_target``."""
 
-    beta: float
-    temperature: float
-    hard_label_weight: float
-    ignore_index: int
-    student_softcap: Optional[float]
-    teacher_softcap: Optional[float]
     has_target: bool
 
     @property

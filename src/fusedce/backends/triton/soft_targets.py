@@ -18,20 +18,13 @@ from typing import Optional
 
 import torch
 
-from ...autograd_checks import check_backward_allowed
+from ..layout import opt_contiguous, unit_stride
 from ...options import LossOptions
+from ..op_autograd import register_rows_autograd
 from .soft_launch import soft_backward, soft_forward
 
 Opt = Optional[torch.Tensor]
 Tensor = torch.Tensor
-
-
-def _unit_stride(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
-def _opt_contiguous(t: Opt) -> Opt:
-    return None if t is None else t.contiguous()
 
 
 def _buffers(logits: Tensor, stats: bool):
@@ -45,7 +38,7 @@ def soft_ce_forward(logits: Tensor, q: Tensor, weight: Opt, ignore_index: int, s
                     inplace_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     # ``inplace_backward`` does not change the forward: the autograd formula reads it
     loss, lse, lse_lo, a, predicted = _buffers(logits, stats)
-    soft_forward(_unit_stride(logits), _unit_stride(q), _opt_contiguous(weight),
+    soft_forward(unit_stride(logits), unit_stride(q), opt_contiguous(weight),
                  LossOptions.from_op_args(ignore_index, scalars), loss, lse, lse_lo, a, predicted if stats else None)
     return loss, lse, lse_lo, a, predicted
 
@@ -59,7 +52,7 @@ def _(logits, q, weight, ignore_index, scalars, stats, inplace_backward):
 def soft_ce_backward(logits: Tensor, q: Tensor, weight: Opt, lse: Tensor, lse_lo: Tensor, a: Tensor,
                      grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float]) -> Tensor:
     grad = logits.new_empty(logits.shape)
-    soft_backward(_unit_stride(logits), _unit_stride(q), _opt_contiguous(weight), lse.contiguous(),
+    soft_backward(unit_stride(logits), unit_stride(q), opt_contiguous(weight), lse.contiguous(),
                   lse_lo.contiguous(), a.contiguous(), grad_row, grad_lse,
                   LossOptions.from_op_args(ignore_index, scalars), grad)
     return grad
@@ -73,8 +66,8 @@ def _(logits, q, weight, lse, lse_lo, a, grad_row, grad_lse, ignore_index, scala
 @torch.library.custom_op("fusedce::soft_ce_backward_inplace", mutates_args=("logits",))
 def soft_ce_backward_inplace(logits: Tensor, q: Tensor, weight: Opt, lse: Tensor, lse_lo: Tensor, a: Tensor,
                              grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float]) -> None:
-    rows = _unit_stride(logits)   # each program reads its block before writing it: aliasing is safe
-    soft_backward(rows, _unit_stride(q), _opt_contiguous(weight), lse.contiguous(), lse_lo.contiguous(),
+    rows = unit_stride(logits)   # each program reads its block before writing it: aliasing is safe
+    soft_backward(rows, unit_stride(q), opt_contiguous(weight), lse.contiguous(), lse_lo.contiguous(),
                   a.contiguous(), grad_row, grad_lse, LossOptions.from_op_args(ignore_index, scalars), rows)
     if rows is not logits:
         logits.copy_(rows)
@@ -85,33 +78,7 @@ def _(logits, q, weight, lse, lse_lo, a, grad_row, grad_lse, ignore_index, scala
     return None
 
 
-# ---------------------------------------------------------------- autograd formula on soft_ce_forward
-
-def _setup_context(ctx, inputs, output):
-    logits, q, weight, ignore_index, scalars, _stats, inplace_backward = inputs
-    _loss, lse, lse_lo, a, predicted = output
-    ctx.save_for_backward(logits, q, weight, lse, lse_lo, a)
-    ctx.options, ctx.inplace, ctx.consumed = (ignore_index, scalars), inplace_backward, False
-    ctx.mark_non_differentiable(lse_lo, a, predicted)
-
-
-def _backward(ctx, grad_row, grad_lse, _grad_lse_lo, _grad_a, _grad_predicted):
-    """For the upstream per-row gradients of ``loss`` and ``lse`` (any strides; None when that output
-    took no part in the graph)."""
-    check_backward_allowed(ctx, "fusedce.cross_entropy")
-    logits, q, weight, lse, lse_lo, a = ctx.saved_tensors
-    if grad_row is None:
-        grad_row = lse.new_zeros(()).expand(lse.shape)
-    args = (logits, q, weight, lse, lse_lo, a, grad_row, grad_lse, *ctx.options)
-    if ctx.inplace:
-        torch.ops.fusedce.soft_ce_backward_inplace(*args)
-        ctx.consumed, grad = True, logits
-    else:
-        grad = torch.ops.fusedce.soft_ce_backward(*args)
-    return grad, None, None, None, None, None, None
-
-
-torch.library.register_autograd("fusedce::soft_ce_forward", _backward, setup_context=_setup_context)
+register_rows_autograd("fusedce", "soft_ce")   # the formula: backends/op_autograd.py
 
 
 def soft_cross_entropy_rows(logits: Tensor, q: Tensor, weight: Opt, opts: LossOptions,

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import triton
 
+from ..layout import opt_contiguous, unit_stride
 from ...options import LossOptions
 from . import tuning
 from .kernels.tiled_backward import tiled_backward_kernel
@@ -150,14 +151,6 @@ def run_launches(launches) -> None:
         kernel[grid](*args, **meta)
 
 
-def _rows_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
-def _opt_c(t: Opt) -> Opt:
-    return None if t is None else t.contiguous()
-
-
 # ---------------------------------------------------------------- custom ops
 
 def _forward_buffers(hidden, stats: bool, entropy: bool):
@@ -176,7 +169,7 @@ def tiled_forward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, targ
     out = _forward_buffers(hidden, stats, entropy)
     if hidden.shape[0]:
         kernel, grid, args, meta = tiled_forward_launch(
-            _rows_last(hidden), _rows_last(weight), _opt_c(bias), target, _opt_c(w),
+            unit_stride(hidden), unit_stride(weight), opt_contiguous(bias), target, opt_contiguous(w),
             None if weight_sum is None else weight_sum.reshape(1).float(),
             LossOptions.from_op_args(ignore_index, scalars), *out[:3], out[3] if stats else None, out[4],
             out[5] if entropy else None)
@@ -211,9 +204,9 @@ def tiled_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, tar
     acc_b = hidden.new_zeros(sb, dtype=torch.float32)
     if hidden.shape[0] and weight.shape[0]:
         run_launches(tiled_backward_launches(
-            _rows_last(hidden), _rows_last(weight), _opt_c(bias), target, _opt_c(w),
+            unit_stride(hidden), unit_stride(weight), opt_contiguous(bias), target, opt_contiguous(w),
             None if weight_sum is None else weight_sum.reshape(1).float(), lse.contiguous(), lse_lo.contiguous(),
-            grad_row, grad_lse, grad_entropy, _opt_c(entropy), LossOptions.from_op_args(ignore_index, scalars),
+            grad_row, grad_lse, grad_entropy, opt_contiguous(entropy), LossOptions.from_op_args(ignore_index, scalars),
             acc_h if needs_h else None, acc_w if needs_w else None, acc_b if needs_b else None, deterministic))
     return acc_h.to(hidden.dtype), acc_w.to(accum_dtype), acc_b.to(accum_dtype)
 

@@ -15,10 +15,11 @@ from typing import Optional
 
 import torch
 
+from ..layout import opt_contiguous, unit_stride
 from ...options import LossOptions
 from .kernels.token_stats import token_stats_kernel
 from .launch import _align
-from .tiled import _forward_buffers, _opt_c, _rows_last, tiled_forward_launch
+from .tiled import _forward_buffers, tiled_forward_launch
 from .tuning import forward_config
 
 Opt = Optional[torch.Tensor]
@@ -46,7 +47,7 @@ def token_stats_op(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor
     """``(log_sum_sq_probs, mean_logits, is_top1)`` of ``logits`` ((n, V)) from its lse pair."""
     log_sum_sq, mean, top1 = _stats_buffers(logits, logits.shape[0])
     if logits.shape[0]:
-        rows = logits if logits.stride(-1) == 1 or logits.shape[-1] <= 1 else logits.contiguous()
+        rows = unit_stride(logits)
         kernel, grid, args, meta = token_stats_launch(rows, target, lse.contiguous(), lse_lo.contiguous(),
                                                       LossOptions.from_op_args(ignore_index, scalars),
                                                       (log_sum_sq, mean, top1.view(torch.uint8)))
@@ -69,7 +70,7 @@ def tiled_forward_token_stats_op(hidden: torch.Tensor, weight: torch.Tensor, bia
     stats = _stats_buffers(hidden, hidden.shape[0])
     if hidden.shape[0]:
         kernel, grid, args, meta = tiled_forward_launch(
-            _rows_last(hidden), _rows_last(weight), _opt_c(bias), target, None, None,
+            unit_stride(hidden), unit_stride(weight), opt_contiguous(bias), target, None, None,
             LossOptions.from_op_args(ignore_index, scalars), *out[:3], None, out[4], out[5] if entropy else None,
             token_stats=(stats[0], stats[1], stats[2].view(torch.uint8)))
         kernel[grid](*args, **meta)

@@ -22,10 +22,10 @@ from ... import backends
 from ...options.signatures import with_loss_options
 from ...types import CrossEntropyOutput
 from ...options import LossOptions, LossOptionValues
-from .exchange import Partials, exchange
+from .exchange import ce_outputs, exchange_ce
 from .layout import VocabLayout, vocab_layout
 from .output import finish
-from .shard_rows import Columns, shard_forward, shard_grad
+from .shard_rows import shard_forward, shard_grad
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -37,17 +37,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, weight, layout: VocabLayout, opts: LossOptions, impl):
-        n = logits.shape[0]
-        w = None if weight is None else weight.float()
-        cols = Columns(w is not None, opts.label_smoothing > 0.0)
-        p = Partials.allocate(n, cols, w is not None, logits.device)
-        p.key, p.zmax, p.sums[:] = shard_forward(impl, logits, target, w, layout, opts, cols)
-        out = exchange(p, target, w, layout, opts, cols)
+        def fill(p, w, cols):
+            p.key, p.zmax, p.sums[:] = shard_forward(impl, logits, target, w, layout, opts, cols)
+
+        w, out = exchange_ce(logits.shape[0], weight, target, layout, opts, fill)
         ctx.save_for_backward(logits, target, w, out.weight_sum, out.target_weight, out.lse, out.lse_lo)
         ctx.layout, ctx.opts, ctx.impl = layout, opts, impl
-        w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
-        ctx.mark_non_differentiable(out.predicted, w_t, out.target_prob)
-        return out.loss, out.lse, out.predicted, w_t, out.target_prob
+        return ce_outputs(ctx, out)
 
     @staticmethod
     def backward(ctx, grad_row, grad_lse, _grad_pred, _grad_wt, _grad_target_prob):

@@ -118,3 +118,24 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
     return GlobalRows(loss=loss, lse=lse, lse_lo=lse_lo, target_prob=target_prob, predicted=predicted,
                       target_weight=None if w_t is None else w_t.clone(),
                       weight_sum=None if weight_sum is None else weight_sum.clone(), entropy=entropy)
+
+
+def exchange_ce(n: int, weight: Optional[torch.Tensor], target: torch.Tensor, layout: VocabLayout,
+                opts: LossOptions, fill) -> tuple:
+    """The cross-entropy ops' forward around the backend (``cross_entropy.py``, ``linear.py``): this
+    slice's class weights ``weight`` (V_r,) in fp32 (or None), the (n,) rows' partial statistics that
+    ``fill(p, w, cols)`` writes (``shard_forward`` on the logits, or chunk by chunk), then ``exchange``.
+    Returns ``(w, GlobalRows)``."""
+    w = None if weight is None else weight.float()
+    cols = Columns(w is not None, opts.label_smoothing > 0.0)
+    p = Partials.allocate(n, cols, w is not None, target.device)
+    fill(p, w, cols)
+    return w, exchange(p, target, w, layout, opts, cols)
+
+
+def ce_outputs(ctx, out: GlobalRows) -> tuple:
+    """The cross-entropy Functions' outputs ``(loss, lse, predicted, w_t, target_prob)`` (``w_t`` (0,)
+    without class weights); all but loss and lse marked non-differentiable on ``ctx``."""
+    w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
+    ctx.mark_non_differentiable(out.predicted, w_t, out.target_prob)
+    return out.loss, out.lse, out.predicted, w_t, out.target_prob

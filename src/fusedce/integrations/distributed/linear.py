@@ -33,10 +33,10 @@ from ...lm_head.method import chunk_rows
 from ...options.signatures import with_loss_options
 from ...types import CrossEntropyOutput
 from ...options import LossOptions, LossOptionValues
-from .exchange import Partials, exchange
+from .exchange import ce_outputs, exchange_ce
 from .layout import VocabLayout, vocab_layout
 from .output import finish
-from .shard_rows import Columns, shard_forward, shard_grad
+from .shard_rows import shard_forward, shard_grad
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -51,21 +51,19 @@ class _VocabParallelLinearCE(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, ce_weight, layout: VocabLayout, opts: LossOptions,
                 rows: int, accum_dtype, impl):
         n = hidden.shape[0]
-        w = None if ce_weight is None else ce_weight.float()
-        cols = Columns(w is not None, opts.label_smoothing > 0.0)
-        p = Partials.allocate(n, cols, w is not None, hidden.device)
-        buffer = chunk_buffer(n, rows, weight, hidden.dtype)
-        for start in range(0, n, rows):
-            c = slice(start, start + rows)
-            x = logits_chunk(hidden[c], weight, bias, buffer)   # hidden's dtype; the backend reads it as is
-            p.key[c], p.zmax[c], p.sums[c] = shard_forward(impl, x, target[c], w, layout, opts, cols)
-        out = exchange(p, target, w, layout, opts, cols)
+
+        def fill(p, w, cols):
+            buffer = chunk_buffer(n, rows, weight, hidden.dtype)
+            for start in range(0, n, rows):
+                c = slice(start, start + rows)
+                x = logits_chunk(hidden[c], weight, bias, buffer)   # hidden's dtype; the backend reads it as is
+                p.key[c], p.zmax[c], p.sums[c] = shard_forward(impl, x, target[c], w, layout, opts, cols)
+
+        w, out = exchange_ce(n, ce_weight, target, layout, opts, fill)
         ctx.save_for_backward(hidden, weight, bias, target, w, out.weight_sum, out.target_weight, out.lse,
                               out.lse_lo)
         ctx.layout, ctx.opts, ctx.rows, ctx.accum, ctx.impl = layout, opts, rows, accum_dtype, impl
-        w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
-        ctx.mark_non_differentiable(out.predicted, w_t, out.target_prob)
-        return out.loss, out.lse, out.predicted, w_t, out.target_prob
+        return ce_outputs(ctx, out)
 
     @staticmethod
     def backward(ctx, grad_row, grad_lse, _grad_pred, _grad_wt, _grad_target_prob):

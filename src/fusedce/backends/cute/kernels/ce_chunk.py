@@ -19,12 +19,12 @@ the rest: vectors narrower than 16 bytes (e.g. odd V) and rows over 8 x 96 KiB.
 """
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from ....options import LossFlags, LossScalars
 from .chunk_row import chunk_row_factors
 from .row_io import store_row_results, target_terms
-from .row_math import grad_coefs, grad_vector, row_stats, transform
+from .row_math import grad_coefs, grad_vector, target_row_stats, transform
 
 
 class CEChunk:
@@ -55,21 +55,12 @@ class CEChunk:
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         n_cols = Int32(mX.shape[1])
-        smem = cutlass.utils.SmemAllocator()
-        sbuf_f = smem.allocate_tensor(Float32, cute.make_layout((4, THREADS // 32)), byte_alignment=16)
-        sbuf_i = smem.allocate_tensor(Int32, cute.make_layout(THREADS // 32), byte_alignment=16)
-
-        target = Int64(mTarget[row])
-        is_valid = target != scalars.ignore_index
-        n_live = Int32(0)
-        if is_valid:
-            n_live = n_cols
         gRow = mX[row, None]
         gW = None
         if const_expr(FLAGS.HAS_WEIGHT):
             gW = mW
-        m, s, zsum, best, idx = row_stats(gRow, gW, n_live, tidx, scalars, sbuf_f, sbuf_i, THREADS, VEC, FLAGS,
-                                          COMPUTE_STATS)
+        target, is_valid, m, s, zsum, best, idx = target_row_stats(gRow, gW, mTarget, row, n_cols, tidx, scalars,
+                                                                   THREADS, VEC, FLAGS, COMPUTE_STATS)
         # the target's terms only now: nothing but the row state is live across the stream
         _, in_range, safe, w_t = target_terms(target, n_cols, scalars, mW, FLAGS)
         # every thread reads z_t (one broadcast load) before any thread overwrites the row

@@ -26,7 +26,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -130,6 +130,27 @@ def row_stats(gRow: cute.Tensor, gW, n_live: Int32, tidx: Int32, scalars, sbuf_f
     ``(m, s, zsum, best, best_idx)``; the row is read once, one ``VEC``-vector per thread per step."""
     return slice_stats(gRow, 0, gW, n_live // VEC, tidx, scalars, sbuf_f, sbuf_i, THREADS, VEC, FLAGS,
                        COMPUTE_STATS)
+
+
+@cute.jit
+def target_row_stats(gRow: cute.Tensor, gW, mTarget: cute.Tensor, row, n_cols: Int32, tidx: Int32, scalars,
+                     THREADS: cutlass.Constexpr[int], VEC: cutlass.Constexpr[int], FLAGS: cutlass.Constexpr,
+                     COMPUTE_STATS: cutlass.Constexpr[bool]):
+    """The first pass of the row-streaming kernels (``ce_forward``, ``ce_chunk``) over row ``row``: its target,
+    whether it is kept, and ``row_stats`` over the row's ``n_cols`` logits ``gRow`` (none read on an ignored
+    row), with the CTA's reduction buffers in static shared memory. Returns ``(target (Int64), is_valid,
+    m, s, zsum, best, best_idx)``."""
+    smem = cutlass.utils.SmemAllocator()
+    sbuf_f = smem.allocate_tensor(Float32, cute.make_layout((4, THREADS // 32)), byte_alignment=16)
+    sbuf_i = smem.allocate_tensor(Int32, cute.make_layout(THREADS // 32), byte_alignment=16)
+    target = Int64(mTarget[row])
+    is_valid = target != scalars.ignore_index
+    n_live = Int32(0)
+    if is_valid:
+        n_live = n_cols
+    m, s, zsum, best, idx = row_stats(gRow, gW, n_live, tidx, scalars, sbuf_f, sbuf_i, THREADS, VEC, FLAGS,
+                                      COMPUTE_STATS)
+    return target, is_valid, m, s, zsum, best, idx
 
 
 @cute.jit
