@@ -17,7 +17,7 @@ write 24 (+ 4 with smoothing, + 4 with the entropy).
 import triton
 import triton.language as tl
 
-from .common import aligned, target_terms
+from .common import aligned
 from .row_math import logit_transform, row_stats
 
 
@@ -46,13 +46,12 @@ def ce_slice_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_logits_row
     target = tl.load(target_ptr + row * stride_target).to(tl.int64)
-    # the target's column in this slice (in_range: the slice holds it); the class weight target_terms
-    # loads (with class weights) is unused here: dead code the compiler drops
-    is_valid, in_range, safe, _w_t = target_terms(target, n_cols, weight_ptr, scalars, FLAGS, col_start)
-    owned = is_valid & in_range
+    is_valid = target != scalars.ignore_index
+    local = target - col_start
+    owned = is_valid & (local >= 0) & (local < n_cols)
     m, s, zsum, best, best_idx, t = row_stats(row_ptr, n_cols, tl.where(is_valid, n_cols, 0), weight_ptr,
                                               scalars, FLAGS, BLOCK_V, True, COMPUTE_ENTROPY)
-    z_t = logit_transform(tl.load(row_ptr + safe).to(tl.float32), scalars, FLAGS)
+    z_t = logit_transform(tl.load(row_ptr + tl.where(owned, local, 0)).to(tl.float32), scalars, FLAGS)
     tl.store(xmax_ptr + row, best)
     tl.store(argmax_ptr + row, best_idx.to(tl.int64) + col_start)
     tl.store(zmax_ptr + row, m)

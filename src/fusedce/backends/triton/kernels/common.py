@@ -98,7 +98,8 @@ def running_argmax(best, best_idx, x, start, AXIS: tl.constexpr):
     (the lowest within the block; an earlier block keeps a tie)."""
     bmax, bidx = tl.max(x, axis=AXIS, return_indices=True, return_indices_tie_break_left=True)
     take = bmax > best
-    return tl.where(take, bmax, best), tl.where(take, start + bidx, best_idx)
+    best_idx = tl.where(take, start + bidx, best_idx)
+    return tl.where(take, bmax, best), best_idx
 
 
 @triton.jit

@@ -106,9 +106,9 @@ def distill_tiled_grad_kernel(
                       HAS_HARD, HARD_OWN_LSE, HAS_S_CAP, HAS_T_CAP, HAS_S_BIAS, HAS_T_BIAS, S_DOT_PRECISION,
                       T_DOT_PRECISION, S_UPCAST, T_UPCAST, S_ROUND_BF16, T_ROUND_BF16)
         if any_nonzero(dx):   # an exactly-zero tile adds nothing
-            atomic_products(dx, s_hidden_ptr, s_weight_ptr, rows, live, cols, col_mask, s_n_hidden, stride_s_hidden,
-                            stride_s_weight, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr, BLOCK_H,
-                            NEED_GRAD_HIDDEN, NEED_GRAD_WEIGHT, NEED_GRAD_BIAS, S_DOT_PRECISION, S_UPCAST)
+            atomic_products(dx, s_hidden_ptr, s_weight_ptr, rows, live, live, cols, col_mask, s_n_hidden,
+                            stride_s_hidden, stride_s_weight, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
+                            BLOCK_H, NEED_GRAD_HIDDEN, NEED_GRAD_WEIGHT, NEED_GRAD_BIAS, S_DOT_PRECISION, S_UPCAST)
 
 
 @triton.jit

@@ -50,15 +50,15 @@ from .tiled_dlogits import recompute_dx
 
 
 @triton.jit
-def atomic_products(dx, hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, n_hidden, stride_hidden,
-                    stride_weight, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr, BLOCK_H: tl.constexpr,
-                    NEED_GRAD_HIDDEN: tl.constexpr, NEED_GRAD_WEIGHT: tl.constexpr, NEED_GRAD_BIAS: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def atomic_products(dx, hidden_ptr, weight_ptr, rows, row_mask, out_mask, cols, col_mask, n_hidden,
+                    stride_hidden, stride_weight, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
+                    BLOCK_H: tl.constexpr, NEED_GRAD_HIDDEN: tl.constexpr, NEED_GRAD_WEIGHT: tl.constexpr,
+                    NEED_GRAD_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Add the tile's three products (``tile_grads``' docstring) with fp32 atomics into zeroed fp32
     ``grad_hidden`` (n, H), ``grad_weight`` (V, H) and ``grad_bias`` (V,), each only when asked for (also
     the atomic distillation gradient's, ``distill_tiled_grad``). ``rows`` (BLOCK_N,) int64 token indices,
-    ``row_mask`` the rows that count (never past n: their hidden state is not read and their grad_hidden
-    not written), ``cols`` (BLOCK_V,) class indices, ``col_mask`` ``cols < V``."""
+    ``row_mask`` the rows whose hidden state is read and ``out_mask`` those whose grad_hidden is written
+    (the rows that count, never past n), ``cols`` (BLOCK_V,) class indices, ``col_mask`` ``cols < V``."""
     if NEED_GRAD_BIAS:
         tl.atomic_add(grad_bias_ptr + cols, tl.sum(dx, axis=0), mask=col_mask)
     op = dot_operand(dx, hidden_ptr, UPCAST)
@@ -71,7 +71,7 @@ def atomic_products(dx, hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, 
             wt = operand_slice(w_rows, ks, col_mask, k_mask, UPCAST)
             dh = tl.dot(op, wt, input_precision=DOT_PRECISION)
             tl.atomic_add(grad_hidden_ptr + rows[:, None] * n_hidden + ks[None, :], dh,
-                          mask=row_mask[:, None] & k_mask[None, :])
+                          mask=out_mask[:, None] & k_mask[None, :])
         if NEED_GRAD_WEIGHT:
             ht = operand_slice(h_rows, ks, row_mask, k_mask, UPCAST)
             dw = tl.dot(tl.trans(op), ht, input_precision=DOT_PRECISION)
@@ -125,6 +125,6 @@ def tiled_backward_kernel(
                           stride_grad_row, stride_grad_lse, stride_grad_entropy, scalars, FLAGS, BLOCK_N, BLOCK_V,
                           BLOCK_H, HAS_BIAS, HAS_GRAD_LSE, HAS_GRAD_ENTROPY, DOT_PRECISION, UPCAST, ROUND_BF16)
         if any_nonzero(dx):   # an exactly-zero tile adds nothing
-            atomic_products(dx, hidden_ptr, weight_ptr, rows, is_valid, cols, col_mask, n_hidden, stride_hidden,
-                            stride_weight, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr, BLOCK_H,
-                            NEED_GRAD_HIDDEN, NEED_GRAD_WEIGHT, NEED_GRAD_BIAS, DOT_PRECISION, UPCAST)
+            atomic_products(dx, hidden_ptr, weight_ptr, rows, is_valid, in_rows & is_valid, cols, col_mask,
+                            n_hidden, stride_hidden, stride_weight, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
+                            BLOCK_H, NEED_GRAD_HIDDEN, NEED_GRAD_WEIGHT, NEED_GRAD_BIAS, DOT_PRECISION, UPCAST)
