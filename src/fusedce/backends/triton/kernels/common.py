@@ -78,3 +78,33 @@ def target_terms(target, n_cols, weight_ptr, scalars, FLAGS: tl.constexpr, col_s
     else:
         w_t = 1.0
     return is_valid, in_range, safe, w_t
+
+
+@triton.jit
+def softmax_shift(m, z, AXIS: tl.constexpr):
+    """``(m_new, shift)`` of one online-softmax step (Milakov & Gimelshein 2018): the running max of ``m``
+    and the block ``z`` along AXIS (0: a 1-D block of a row, scalars; 1: a (rows, columns) tile, (rows,)
+    vectors), and the shift to take ``exp(z - shift)`` against: ``m_new``, or 0 while it is -inf (every
+    logit so far -inf: ``exp(-inf - 0) = 0`` keeps the sums at 0, where ``exp(-inf - -inf)`` is NaN, so
+    such a block adds exactly 0)."""
+    m_new = tl.maximum(m, tl.max(z, axis=AXIS))
+    return m_new, tl.where(m_new == -float("inf"), 0.0, m_new)
+
+
+@triton.jit
+def running_argmax(best, best_idx, x, start, AXIS: tl.constexpr):
+    """``(best, best_idx)`` updated with the block ``x`` whose first column is ``start``: the running max
+    along AXIS (0: a 1-D block of a row; 1: a (rows, columns) tile, per row) and its lowest column index
+    (the lowest within the block; an earlier block keeps a tie)."""
+    bmax, bidx = tl.max(x, axis=AXIS, return_indices=True, return_indices_tie_break_left=True)
+    take = bmax > best
+    best_idx = tl.where(take, start + bidx, best_idx)
+    return tl.where(take, bmax, best), best_idx
+
+
+@triton.jit
+def tile_rows(n0, n_rows, BLOCK_N: tl.constexpr):
+    """``(rows, in_rows)`` of a tile of BLOCK_N rows (tokens) from ``n0``: the (BLOCK_N,) int64 indices and
+    which are < ``n_rows``."""
+    rows = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+    return rows, rows < n_rows

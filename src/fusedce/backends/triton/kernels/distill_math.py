@@ -30,7 +30,7 @@ grad_factor. Every ``0 log 0`` (a -inf logit, or a masked column) is 0, never Na
 import triton
 import triton.language as tl
 
-from .common import tanh_fp32
+from .common import softmax_shift, tanh_fp32
 
 NEG_INF = tl.constexpr(float("-inf"))   # a jit global must be a constexpr
 
@@ -41,6 +41,29 @@ def cap_logits(x, mask, cap, HAS_CAP: tl.constexpr):
     if HAS_CAP:
         x = cap * tanh_fp32(x / cap)
     return tl.where(mask, x, NEG_INF)
+
+
+@triton.jit
+def capped_pair(xs, xt, mask, inv_t, s_cap, t_cap, HAS_S_CAP: tl.constexpr, HAS_T_CAP: tl.constexpr):
+    """``(c, u, w)`` of a block of fp32 student logits ``xs`` and teacher logits ``xt``: the capped student
+    logits ``c``, ``u = c / T`` and the teacher's capped logits at T, -inf where not ``mask``."""
+    c = cap_logits(xs, mask, s_cap, HAS_S_CAP)
+    w = cap_logits(xt, mask, t_cap, HAS_T_CAP) * inv_t
+    return c, c * inv_t, w
+
+
+@triton.jit
+def row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N: tl.constexpr,
+                HAS_TARGET: tl.constexpr):
+    """``(target, live)`` of the row indices ``rows`` (BLOCK_N,): the int64 targets (-1 without
+    HAS_TARGET) and which rows count (``in_rows`` and not ``ignore_index``)."""
+    if HAS_TARGET:
+        target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=ignore_index).to(tl.int64)
+        live = in_rows & (target != ignore_index)
+    else:
+        target = tl.zeros((BLOCK_N,), tl.int64) - 1
+        live = in_rows
+    return target, live
 
 
 @triton.jit
@@ -115,6 +138,31 @@ def jsd_terms(u, w, lse_u, lse_w, log_beta, log_1mb):
 
 
 @triton.jit
+def jsd_init(beta, BLOCK_N: tl.constexpr):
+    """``(log_beta, log_1mb, kl_t, kl_s)`` before the MODE 2 second pass: ``log beta``, ``log(1 - beta)``
+    and its two running sums, (BLOCK_N,) fp32 zeros."""
+    zero = tl.zeros((BLOCK_N,), tl.float32)
+    return tl.log(beta), tl.log(1.0 - beta), zero, zero
+
+
+@triton.jit
+def jsd_update(kl_t, kl_s, u, w, lse_u, lse_w, log_beta, log_1mb):
+    """The MODE 2 second pass's running sums ``(kl_t, kl_s)`` ((rows,) each) plus one (rows x columns)
+    block: ``KL(t || m)`` and ``KL(s || m)`` summed over its columns (``jsd_terms``; ``lse_u``, ``lse_w``
+    (rows,) from the first pass)."""
+    term_t, term_s, _d = jsd_terms(u, w, lse_u[:, None], lse_w[:, None], log_beta, log_1mb)
+    return kl_t + tl.sum(term_t, axis=1), kl_s + tl.sum(term_s, axis=1)
+
+
+@triton.jit
+def jsd_finish(kl_t, kl_s, beta, live):
+    """``(divergence, rowsum)`` per row from the second pass: ``beta KL(t || m) + (1 - beta) KL(s || m)``
+    and the gradient's ``rowsum = (1 - beta) KL(s || m)``, 0 on rows not ``live``."""
+    rowsum = (1.0 - beta) * kl_s
+    return tl.where(live, beta * kl_t + rowsum, 0.0), tl.where(live, rowsum, 0.0)
+
+
+@triton.jit
 def dlogits(c, u, w, is_target, lse_u, lse_w, lse_c, rowsum, beta, inv_t, hard_w, s_cap,
             MODE: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, HAS_S_CAP: tl.constexpr):
     """fp32 ``dL/dz_s`` (before the grad_factor) of a block: ``c`` the capped student logits, ``u = c / T``,
@@ -144,6 +192,15 @@ def dlogits(c, u, w, is_target, lse_u, lse_w, lse_c, rowsum, beta, inv_t, hard_w
 
 
 @triton.jit
+def stats_init(BLOCK_N: tl.constexpr):
+    """``stats_update``'s running statistics before the first column, (BLOCK_N,) fp32 each: ``(m_u, s_u,
+    m_w, s_w, acc, m_c, s_c, c_t)`` = (-inf, 0, -inf, 0, 0, -inf, 0, 0)."""
+    neg = tl.full((BLOCK_N,), NEG_INF, tl.float32)
+    zero = tl.zeros((BLOCK_N,), tl.float32)
+    return neg, zero, neg, zero, zero, neg, zero, zero
+
+
+@triton.jit
 def stats_update(u, w, c, is_target, m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t,
                  MODE: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr):
     """One (rows x columns) tile into the running per-row statistics (each (rows,)): the online softmax
@@ -151,10 +208,8 @@ def stats_update(u, w, c, is_target, m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t,
     ``B`` of the module docstring; unchanged in MODE 2), with HAS_HARD the target's ``c`` (``c_t``, picked
     from the tile that holds it) and with HARD_OWN_LSE the online softmax of ``c`` (``m_c``, ``s_c``).
     Returns the nine updated values in that order."""
-    m_u_new = tl.maximum(m_u, tl.max(u, axis=1))
-    m_w_new = tl.maximum(m_w, tl.max(w, axis=1))
-    sh_u = safe_shift(m_u_new)
-    sh_w = safe_shift(m_w_new)
+    m_u_new, sh_u = softmax_shift(m_u, u, 1)
+    m_w_new, sh_w = softmax_shift(m_w, w, 1)
     e_u = tl.exp(u - sh_u[:, None])
     e_w = tl.exp(w - sh_w[:, None])
     if MODE == 0:
@@ -168,8 +223,7 @@ def stats_update(u, w, c, is_target, m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t,
     if HAS_HARD:
         c_t += tl.sum(tl.where(is_target, c, 0.0), axis=1)
         if HARD_OWN_LSE:
-            m_c_new = tl.maximum(m_c, tl.max(c, axis=1))
-            sh_c = safe_shift(m_c_new)
+            m_c_new, sh_c = softmax_shift(m_c, c, 1)
             s_c = s_c * tl.exp(m_c - sh_c) + tl.sum(tl.exp(c - sh_c[:, None]), axis=1)
             m_c = m_c_new
     return m_u_new, s_u, m_w_new, s_w, acc, m_c, s_c, c_t

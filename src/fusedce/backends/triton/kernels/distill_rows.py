@@ -24,8 +24,9 @@ Bytes moved per row (V classes, s_s / s_t bytes per student / teacher logit, P p
 import triton
 import triton.language as tl
 
-from .common import aligned
-from .distill_math import NEG_INF, cap_logits, dlogits, jsd_terms, row_results, stats_update
+from .common import aligned, tile_rows
+from .distill_math import (NEG_INF, capped_pair, dlogits, jsd_finish, jsd_init, jsd_update, row_results,
+                           row_targets, stats_init, stats_update)
 from .row_math import store_grad
 
 
@@ -35,9 +36,7 @@ def _load_tile(student_rows, teacher_rows, cols, mask, inv_t, s_cap, t_cap, HAS_
     """``(c, u, w)`` of a (rows x columns) block: the capped student logits, ``c / T``, the teacher's at T."""
     xs = tl.load(student_rows + cols[None, :], mask=mask, other=NEG_INF).to(tl.float32)
     xt = tl.load(teacher_rows + cols[None, :], mask=mask, other=NEG_INF).to(tl.float32)
-    c = cap_logits(xs, mask, s_cap, HAS_S_CAP)
-    w = cap_logits(xt, mask, t_cap, HAS_T_CAP) * inv_t
-    return c, c * inv_t, w
+    return capped_pair(xs, xt, mask, inv_t, s_cap, t_cap, HAS_S_CAP, HAS_T_CAP)
 
 
 @triton.jit
@@ -68,26 +67,13 @@ def distill_rows_kernel(
     stride_student = aligned(stride_student, ALIGN)
     stride_teacher = aligned(stride_teacher, ALIGN)
     stride_grad = aligned(stride_grad, ALIGN)
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    in_rows = rows < n_rows
-    if HAS_TARGET:
-        target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=ignore_index).to(tl.int64)
-        live = in_rows & (target != ignore_index)
-    else:
-        target = tl.zeros((BLOCK_N,), tl.int64) - 1
-        live = in_rows
+    rows, in_rows = tile_rows(tl.program_id(0) * BLOCK_N, n_rows, BLOCK_N)
+    target, live = row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N, HAS_TARGET)
     n_scan = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, n_cols, 0)   # all ignored: no reads
     student_rows = student_ptr + rows[:, None] * stride_student
     teacher_rows = teacher_ptr + rows[:, None] * stride_teacher
 
-    m_u = tl.full((BLOCK_N,), NEG_INF, tl.float32)
-    m_w = tl.full((BLOCK_N,), NEG_INF, tl.float32)
-    m_c = tl.full((BLOCK_N,), NEG_INF, tl.float32)
-    s_u = tl.zeros((BLOCK_N,), tl.float32)
-    s_w = tl.zeros((BLOCK_N,), tl.float32)
-    s_c = tl.zeros((BLOCK_N,), tl.float32)
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    c_t = tl.zeros((BLOCK_N,), tl.float32)
+    m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t = stats_init(BLOCK_N)
     for v0 in range(0, n_scan, BLOCK_V):   # pass 1
         cols = v0 + tl.arange(0, BLOCK_V)
         mask = live[:, None] & (cols < n_cols)[None, :]
@@ -98,20 +84,15 @@ def distill_rows_kernel(
     loss, lse_u, lse_w, lse_c, rowsum = row_results(m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t, live, hard_w,
                                                     MODE, HAS_HARD, HARD_OWN_LSE)
     if MODE == 2:   # pass 2: the generalized JSD from the normalized probabilities
-        log_beta = tl.log(beta)
-        log_1mb = tl.log(1.0 - beta)
-        kl_t = tl.zeros((BLOCK_N,), tl.float32)
-        kl_s = tl.zeros((BLOCK_N,), tl.float32)
+        log_beta, log_1mb, kl_t, kl_s = jsd_init(beta, BLOCK_N)
         for v0 in range(0, n_scan, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             mask = live[:, None] & (cols < n_cols)[None, :]
             c, u, w = _load_tile(student_rows, teacher_rows, cols, mask, inv_t, s_cap, t_cap, HAS_S_CAP,
                                  HAS_T_CAP)
-            term_t, term_s, _d = jsd_terms(u, w, lse_u[:, None], lse_w[:, None], log_beta, log_1mb)
-            kl_t += tl.sum(term_t, axis=1)
-            kl_s += tl.sum(term_s, axis=1)
-        loss += tl.where(live, beta * kl_t + (1.0 - beta) * kl_s, 0.0)
-        rowsum = (1.0 - beta) * kl_s
+            kl_t, kl_s = jsd_update(kl_t, kl_s, u, w, lse_u, lse_w, log_beta, log_1mb)
+        divergence, rowsum = jsd_finish(kl_t, kl_s, beta, live)
+        loss += divergence
     tl.store(loss_ptr + rows, loss, mask=in_rows)
 
     if HAS_GRAD:   # pass 3 (every column of every row: ignored rows get exact zeros)

@@ -22,9 +22,12 @@ Bytes as ``tiled_backward.py`` plus the teacher's operand tiles (Ht s + V Ht s /
 import triton
 import triton.language as tl
 
-from .distill_math import dlogits
-from .distill_tiles import head_tiles, row_targets
+from .common import tile_rows
+from .distill_math import dlogits, row_targets
+from .distill_tiles import head_tiles
+from .tile_grads import add_grad_hidden, add_grad_weight, any_nonzero
 from .tile_math import round_like
+from .tiled_backward import atomic_products
 
 
 @triton.jit
@@ -91,9 +94,8 @@ def distill_tiled_grad_kernel(
     S_UPCAST: tl.constexpr = False, T_UPCAST: tl.constexpr = False,            # interpreter only
     S_ROUND_BF16: tl.constexpr = False, T_ROUND_BF16: tl.constexpr = False,    # interpreter only
 ):
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rows, in_rows = tile_rows(tl.program_id(0) * BLOCK_N, n_rows, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    in_rows = rows < n_rows
     col_mask = cols < n_cols
     target, live = row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N, HAS_TARGET)
     if tl.max(live.to(tl.int32), axis=0) > 0:   # a tile of ignored rows: zero gradient, no work
@@ -103,32 +105,10 @@ def distill_tiled_grad_kernel(
                       stride_grad_factor, beta, inv_t, hard_w, s_cap, t_cap, BLOCK_N, BLOCK_V, BLOCK_H, MODE,
                       HAS_HARD, HARD_OWN_LSE, HAS_S_CAP, HAS_T_CAP, HAS_S_BIAS, HAS_T_BIAS, S_DOT_PRECISION,
                       T_DOT_PRECISION, S_UPCAST, T_UPCAST, S_ROUND_BF16, T_ROUND_BF16)
-        if tl.sum((dx != 0.0).to(tl.int32)) > 0:             # an exactly-zero tile adds nothing
-            if NEED_GRAD_BIAS:
-                tl.atomic_add(grad_bias_ptr + cols, tl.sum(dx, axis=0), mask=col_mask)
-            if S_UPCAST:
-                op = dx
-            else:
-                op = dx.to(s_hidden_ptr.dtype.element_ty)    # exact: dx already holds such values
-            h_rows = s_hidden_ptr + rows[:, None] * stride_s_hidden
-            w_rows = s_weight_ptr + cols.to(tl.int64)[:, None] * stride_s_weight
-            for k0 in range(0, s_n_hidden, BLOCK_H):
-                ks = k0 + tl.arange(0, BLOCK_H)
-                k_mask = ks < s_n_hidden
-                if NEED_GRAD_HIDDEN:
-                    wt = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-                    if S_UPCAST:
-                        wt = wt.to(tl.float32)
-                    dh = tl.dot(op, wt, input_precision=S_DOT_PRECISION)
-                    tl.atomic_add(grad_hidden_ptr + rows[:, None] * s_n_hidden + ks[None, :], dh,
-                                  mask=live[:, None] & k_mask[None, :])
-                if NEED_GRAD_WEIGHT:
-                    ht = tl.load(h_rows + ks[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
-                    if S_UPCAST:
-                        ht = ht.to(tl.float32)
-                    dw = tl.dot(tl.trans(op), ht, input_precision=S_DOT_PRECISION)
-                    tl.atomic_add(grad_weight_ptr + cols.to(tl.int64)[:, None] * s_n_hidden + ks[None, :], dw,
-                                  mask=col_mask[:, None] & k_mask[None, :])
+        if any_nonzero(dx):   # an exactly-zero tile adds nothing
+            atomic_products(dx, s_hidden_ptr, s_weight_ptr, rows, live, live, cols, col_mask, s_n_hidden,
+                            stride_s_hidden, stride_s_weight, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
+                            BLOCK_H, NEED_GRAD_HIDDEN, NEED_GRAD_WEIGHT, NEED_GRAD_BIAS, S_DOT_PRECISION, S_UPCAST)
 
 
 @triton.jit
@@ -152,8 +132,7 @@ def distill_tiled_grad_hidden_kernel(
     S_UPCAST: tl.constexpr = False, T_UPCAST: tl.constexpr = False,            # interpreter only
     S_ROUND_BF16: tl.constexpr = False, T_ROUND_BF16: tl.constexpr = False,    # interpreter only
 ):
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    in_rows = rows < n_rows
+    rows, in_rows = tile_rows(tl.program_id(0) * BLOCK_N, n_rows, BLOCK_N)
     target, live = row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N, HAS_TARGET)
     n_scan = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, n_cols, 0)   # all ignored: no work
     out_rows = grad_hidden_ptr + rows[:, None] * s_n_hidden
@@ -166,23 +145,9 @@ def distill_tiled_grad_hidden_kernel(
                       stride_grad_factor, beta, inv_t, hard_w, s_cap, t_cap, BLOCK_N, BLOCK_V, BLOCK_H, MODE,
                       HAS_HARD, HARD_OWN_LSE, HAS_S_CAP, HAS_T_CAP, HAS_S_BIAS, HAS_T_BIAS, S_DOT_PRECISION,
                       T_DOT_PRECISION, S_UPCAST, T_UPCAST, S_ROUND_BF16, T_ROUND_BF16)
-        if tl.sum((dx != 0.0).to(tl.int32)) > 0:             # an exactly-zero tile adds nothing
-            if S_UPCAST:
-                op = dx
-            else:
-                op = dx.to(s_hidden_ptr.dtype.element_ty)    # exact: dx already holds such values
-            w_rows = s_weight_ptr + cols.to(tl.int64)[:, None] * stride_s_weight
-            for k0 in range(0, s_n_hidden, BLOCK_H):
-                ks = k0 + tl.arange(0, BLOCK_H)
-                k_mask = ks < s_n_hidden
-                wt = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-                if S_UPCAST:
-                    wt = wt.to(tl.float32)
-                mask = live[:, None] & k_mask[None, :]
-                acc = tl.load(out_rows + ks[None, :], mask=mask, other=0.0)
-                acc = tl.dot(op, wt, acc, input_precision=S_DOT_PRECISION)
-                tl.store(out_rows + ks[None, :], acc, mask=mask)
-            tl.debug_barrier()   # this tile's stores before the next tile's loads (tiled_backward_owned.py)
+        if any_nonzero(dx):   # an exactly-zero tile adds nothing
+            add_grad_hidden(dx, s_hidden_ptr, s_weight_ptr, out_rows, live, cols, col_mask, s_n_hidden,
+                            stride_s_weight, BLOCK_H, S_DOT_PRECISION, S_UPCAST)
 
 
 @triton.jit
@@ -213,8 +178,7 @@ def distill_tiled_grad_weight_kernel(
     out_cols = grad_weight_ptr + cols.to(tl.int64)[:, None] * s_n_hidden
     grad_bias = tl.zeros((BLOCK_V,), tl.float32)
     for n0 in range(0, n_rows, BLOCK_N):
-        rows = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-        in_rows = rows < n_rows
+        rows, in_rows = tile_rows(n0, n_rows, BLOCK_N)
         target, live = row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N, HAS_TARGET)
         if tl.max(live.to(tl.int32), axis=0) > 0:   # a tile of ignored rows: zero gradient, no work
             dx = _dx_tile(s_hidden_ptr, s_weight_ptr, s_bias_ptr, t_hidden_ptr, t_weight_ptr, t_bias_ptr,
@@ -224,25 +188,11 @@ def distill_tiled_grad_weight_kernel(
                           BLOCK_V, BLOCK_H, MODE, HAS_HARD, HARD_OWN_LSE, HAS_S_CAP, HAS_T_CAP, HAS_S_BIAS,
                           HAS_T_BIAS, S_DOT_PRECISION, T_DOT_PRECISION, S_UPCAST, T_UPCAST, S_ROUND_BF16,
                           T_ROUND_BF16)
-            if tl.sum((dx != 0.0).to(tl.int32)) > 0:         # an exactly-zero tile adds nothing
+            if any_nonzero(dx):   # an exactly-zero tile adds nothing
                 if NEED_GRAD_BIAS:
                     grad_bias += tl.sum(dx, axis=0)
                 if NEED_GRAD_WEIGHT:
-                    if S_UPCAST:
-                        op = dx
-                    else:
-                        op = dx.to(s_hidden_ptr.dtype.element_ty)   # exact: dx already holds such values
-                    h_rows = s_hidden_ptr + rows[:, None] * stride_s_hidden
-                    for k0 in range(0, s_n_hidden, BLOCK_H):
-                        ks = k0 + tl.arange(0, BLOCK_H)
-                        k_mask = ks < s_n_hidden
-                        ht = tl.load(h_rows + ks[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
-                        if S_UPCAST:
-                            ht = ht.to(tl.float32)
-                        mask = col_mask[:, None] & k_mask[None, :]
-                        acc = tl.load(out_cols + ks[None, :], mask=mask, other=0.0)
-                        acc = tl.dot(tl.trans(op), ht, acc, input_precision=S_DOT_PRECISION)
-                        tl.store(out_cols + ks[None, :], acc, mask=mask)
-                    tl.debug_barrier()   # this tile's stores before the next tile's loads
+                    add_grad_weight(dx, s_hidden_ptr, rows, live, out_cols, col_mask, s_n_hidden, stride_s_hidden,
+                                    BLOCK_H, S_DOT_PRECISION, S_UPCAST)
     if NEED_GRAD_BIAS:
         tl.store(grad_bias_ptr + cols, grad_bias, mask=col_mask)

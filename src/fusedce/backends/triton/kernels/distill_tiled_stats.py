@@ -24,8 +24,10 @@ Cost per token (V classes, H / Ht the student / teacher hidden sizes, s bytes pe
 import triton
 import triton.language as tl
 
-from .distill_math import NEG_INF, jsd_terms, row_results, stats_update
-from .distill_tiles import head_tiles, row_targets
+from .common import tile_rows
+from .distill_math import (jsd_finish, jsd_init, jsd_update, row_results, row_targets, stats_init,
+                           stats_update)
+from .distill_tiles import head_tiles
 
 
 @triton.jit
@@ -55,18 +57,10 @@ def distill_tiled_stats_kernel(
     S_UPCAST: tl.constexpr = False, T_UPCAST: tl.constexpr = False,            # interpreter only
     S_ROUND_BF16: tl.constexpr = False, T_ROUND_BF16: tl.constexpr = False,    # interpreter only
 ):
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    in_rows = rows < n_rows
+    rows, in_rows = tile_rows(tl.program_id(0) * BLOCK_N, n_rows, BLOCK_N)
     target, live = row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N, HAS_TARGET)
     n_scan = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, n_cols, 0)   # all ignored: no work
-    m_u = tl.full((BLOCK_N,), NEG_INF, tl.float32)
-    m_w = tl.full((BLOCK_N,), NEG_INF, tl.float32)
-    m_c = tl.full((BLOCK_N,), NEG_INF, tl.float32)
-    s_u = tl.zeros((BLOCK_N,), tl.float32)
-    s_w = tl.zeros((BLOCK_N,), tl.float32)
-    s_c = tl.zeros((BLOCK_N,), tl.float32)
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    c_t = tl.zeros((BLOCK_N,), tl.float32)
+    m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t = stats_init(BLOCK_N)
     for v0 in range(0, n_scan, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         c, u, w = head_tiles(s_hidden_ptr, s_weight_ptr, s_bias_ptr, t_hidden_ptr, t_weight_ptr, t_bias_ptr,
@@ -107,16 +101,12 @@ def distill_tiled_jsd_kernel(
     S_UPCAST: tl.constexpr = False, T_UPCAST: tl.constexpr = False,            # interpreter only
     S_ROUND_BF16: tl.constexpr = False, T_ROUND_BF16: tl.constexpr = False,    # interpreter only
 ):
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    in_rows = rows < n_rows
+    rows, in_rows = tile_rows(tl.program_id(0) * BLOCK_N, n_rows, BLOCK_N)
     target, live = row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N, HAS_TARGET)
     n_scan = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, n_cols, 0)
     lse_u = tl.load(stats_ptr + rows, mask=in_rows, other=0.0)
     lse_w = tl.load(stats_ptr + n_rows + rows, mask=in_rows, other=0.0)
-    log_beta = tl.log(beta)
-    log_1mb = tl.log(1.0 - beta)
-    kl_t = tl.zeros((BLOCK_N,), tl.float32)
-    kl_s = tl.zeros((BLOCK_N,), tl.float32)
+    log_beta, log_1mb, kl_t, kl_s = jsd_init(beta, BLOCK_N)
     for v0 in range(0, n_scan, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         c, u, w = head_tiles(s_hidden_ptr, s_weight_ptr, s_bias_ptr, t_hidden_ptr, t_weight_ptr, t_bias_ptr,
@@ -124,9 +114,8 @@ def distill_tiled_jsd_kernel(
                              stride_s_weight, stride_t_hidden, stride_t_weight, inv_t, s_cap, t_cap,
                              BLOCK_N, BLOCK_V, BLOCK_H, HAS_S_BIAS, HAS_T_BIAS, HAS_S_CAP, HAS_T_CAP,
                              S_DOT_PRECISION, T_DOT_PRECISION, S_UPCAST, T_UPCAST, S_ROUND_BF16, T_ROUND_BF16)
-        term_t, term_s, _d = jsd_terms(u, w, lse_u[:, None], lse_w[:, None], log_beta, log_1mb)
-        kl_t += tl.sum(term_t, axis=1)
-        kl_s += tl.sum(term_s, axis=1)
+        kl_t, kl_s = jsd_update(kl_t, kl_s, u, w, lse_u, lse_w, log_beta, log_1mb)
+    divergence, rowsum = jsd_finish(kl_t, kl_s, beta, live)
     loss = tl.load(loss_ptr + rows, mask=in_rows, other=0.0)
-    tl.store(loss_ptr + rows, loss + tl.where(live, beta * kl_t + (1.0 - beta) * kl_s, 0.0), mask=in_rows)
-    tl.store(stats_ptr + 3 * n_rows + rows, tl.where(live, (1.0 - beta) * kl_s, 0.0), mask=in_rows)
+    tl.store(loss_ptr + rows, loss + divergence, mask=in_rows)
+    tl.store(stats_ptr + 3 * n_rows + rows, rowsum, mask=in_rows)

@@ -1,5 +1,5 @@
 """Tile helpers of the tiled (no-logits) distillation kernels (``distill_tiled_stats``,
-``distill_tiled_grad``): the two heads' logits tiles recomputed on chip, and the per-row inputs.
+``distill_tiled_grad``): the two heads' logits tiles recomputed on chip.
 
 ``head_tiles`` forms one (BLOCK_N tokens x BLOCK_V classes) tile of each model's logits with
 ``tile_math.logits_tile`` (a ``tl.dot`` mainloop over that model's hidden size, fp32 accumulation, + bias,
@@ -9,22 +9,8 @@ rounded once to that model's dtype: the logits ``F.linear`` gives), then the sof
 import triton
 import triton.language as tl
 
-from .distill_math import cap_logits
+from .distill_math import capped_pair
 from .tile_math import logits_tile
-
-
-@triton.jit
-def row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N: tl.constexpr,
-                HAS_TARGET: tl.constexpr):
-    """``(target, live)`` of the token indices ``rows``: the int64 targets (-1 without HAS_TARGET) and
-    which rows count (in range and not ``ignore_index``)."""
-    if HAS_TARGET:
-        target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=ignore_index).to(tl.int64)
-        live = in_rows & (target != ignore_index)
-    else:
-        target = tl.zeros((BLOCK_N,), tl.int64) - 1
-        live = in_rows
-    return target, live
 
 
 @triton.jit
@@ -45,7 +31,4 @@ def head_tiles(s_hidden_ptr, s_weight_ptr, s_bias_ptr, t_hidden_ptr, t_weight_pt
     xt = logits_tile(t_hidden_ptr, t_weight_ptr, t_bias_ptr, rows, live, cols, col_mask, t_n_hidden,
                      stride_t_hidden, stride_t_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_T_BIAS, T_DOT_PRECISION,
                      T_UPCAST, T_ROUND_BF16)
-    mask = live[:, None] & col_mask[None, :]
-    c = cap_logits(xs, mask, s_cap, HAS_S_CAP)
-    w = cap_logits(xt, mask, t_cap, HAS_T_CAP) * inv_t
-    return c, c * inv_t, w
+    return capped_pair(xs, xt, live[:, None] & col_mask[None, :], inv_t, s_cap, t_cap, HAS_S_CAP, HAS_T_CAP)

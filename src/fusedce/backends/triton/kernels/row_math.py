@@ -7,6 +7,7 @@ constexpr), whole, and reads the fields it needs: a new element-wise option chan
 ``options/schema.py``), no kernel parameter list and no launcher.
 
 - ``logit_transform``: the logits ``x`` to the ``z`` the loss is taken on; ``logit_slope``: ``dz/dx``;
+- ``z_block``: one block of a row's logits, loaded and transformed;
 - ``row_stats``: one pass over a row (or a vocabulary slice of it) in ``BLOCK_V`` blocks, online
   softmax (Milakov & Gimelshein 2018): max, sum-exp, the smoothing sum and the argmax; a block of -inf
   logits adds exactly 0; with COMPUTE_ENTROPY also ``t = sum exp(z - m)(z - m)`` for the entropy
@@ -28,7 +29,7 @@ constexpr), whole, and reads the fields it needs: a new element-wise option chan
 import triton
 import triton.language as tl
 
-from .common import tanh_fp32, two_sum
+from .common import running_argmax, softmax_shift, tanh_fp32, two_sum
 from .interpreter import to_bf16_rne
 
 
@@ -62,6 +63,20 @@ def logit_slope(z, scalars, FLAGS: tl.constexpr):
 
 
 @triton.jit
+def z_block(row_ptr, cols, mask, scalars, FLAGS: tl.constexpr):
+    """``(x, z)``, fp32 (BLOCK_V,), of one block of a row's logits at ``cols``: the raw logits (-inf on
+    columns not in ``mask``) and ``z = logit_transform(x)``, -inf there too."""
+    x = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    z = logit_transform(x, scalars, FLAGS)
+    # Padded columns load as -inf; a transform that maps -inf to a finite value (softcap: -softcap)
+    # must send them back. Only such options' flags belong in this test: an unconditional select
+    # measured up to +42 registers in some variants (sm_90, `fusedce inspect`), fewer in others.
+    if FLAGS.HAS_SOFTCAP:
+        z = tl.where(mask, z, -float("inf"))
+    return x, z
+
+
+@triton.jit
 def row_stats(row_ptr, n_cols, n_scan, weight_ptr, scalars, FLAGS: tl.constexpr,
               BLOCK_V: tl.constexpr, COMPUTE_STATS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
     """One pass over the first ``n_scan`` (0 or ``n_cols``) logits of a row: ``(m, s, zsum, best,
@@ -77,32 +92,20 @@ def row_stats(row_ptr, n_cols, n_scan, weight_ptr, scalars, FLAGS: tl.constexpr,
     for start in range(0, n_scan, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
-        x = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        z = logit_transform(x, scalars, FLAGS)
-        # Padded columns load as -inf; a transform that maps -inf to a finite value (softcap: -softcap)
-        # must send them back. Only such options' flags belong in this test: an unconditional select
-        # measured up to +42 registers in some variants (sm_90, `fusedce inspect`), fewer in others.
-        if FLAGS.HAS_SOFTCAP:
-            z = tl.where(mask, z, -float("inf"))
+        x, z = z_block(row_ptr, cols, mask, scalars, FLAGS)
         if FLAGS.HAS_SMOOTHING:
             if FLAGS.HAS_WEIGHT:
                 w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 zsum += tl.sum(w * tl.where(mask, z, 0.0), axis=0)
             else:
                 zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        # While every logit so far is -inf (a masked block), shift by 0 instead of m_new = -inf:
-        # exp(-inf - -inf) would be NaN; exp(-inf - 0) = 0 keeps s = 0: such a block adds exactly 0.
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        m_new, shift = softmax_shift(m, z, 0)   # a block of -inf logits adds exactly 0
         if COMPUTE_ENTROPY:   # (the compiler shares exp(z - shift) with the line below)
             t = entropy_rebase(m, s, t, shift) + tl.sum(entropy_terms(tl.exp(z - shift), z, shift), axis=0)
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
         m = m_new
         if COMPUTE_STATS:
-            bmax, bidx = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            take = bmax > best
-            best_idx = tl.where(take, start + bidx, best_idx)
-            best = tl.where(take, bmax, best)
+            best, best_idx = running_argmax(best, best_idx, x, start, 0)
     return m, s, zsum, best, best_idx, t
 
 

@@ -21,8 +21,8 @@ Bytes moved per row, V classes, s bytes per logit, r per target:
 import triton
 import triton.language as tl
 
-from .common import aligned, two_sum
-from .row_math import logit_transform
+from .common import aligned, running_argmax, softmax_shift, two_sum
+from .row_math import z_block
 
 
 @triton.jit
@@ -76,25 +76,18 @@ def soft_forward_kernel(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
-        x = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        z = logit_transform(x, scalars, FLAGS)
-        if FLAGS.HAS_SOFTCAP:   # padded columns: softcap maps -inf to -softcap, send them back
-            z = tl.where(mask, z, -float("inf"))
+        x, z = z_block(row_ptr, cols, mask, scalars, FLAGS)
         u = soft_target_block(q_row_ptr, weight_ptr, cols, mask, n_cols, scalars, FLAGS)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        # while every logit so far is -inf, shift by 0 (not -inf: exp(-inf - -inf) is NaN); then the
-        # sums hold only exact zeros or -inf terms, which re-basing leaves as they are
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        # while every logit so far is -inf the shift is 0: the sums hold only exact zeros or -inf
+        # terms, which re-basing leaves as they are
+        m_new, shift = softmax_shift(m, z, 0)
         d = tl.where(m == -float("inf"), 0.0, m - shift)
         b = b + a * d + tl.sum(u * tl.where(u == 0.0, 0.0, z - shift), axis=0)
         a += tl.sum(u, axis=0)
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
         m = m_new
         if COMPUTE_STATS:
-            bmax, bidx = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            take = bmax > best
-            best_idx = tl.where(take, start + bidx, best_idx)
-            best = tl.where(take, bmax, best)
+            best, best_idx = running_argmax(best, best_idx, x, start, 0)
     log_s = tl.log(s)
     lse, lse_lo = two_sum(m, log_s)
     tl.store(loss_ptr + row, a * log_s - b)

@@ -6,11 +6,28 @@ fp32 inputs use IEEE fp32 FMA unless torch allows TF32, see ``tiled.py``), the b
 ONE rounding to hidden's dtype: the logits the chunked path and ``F.linear`` produce (fp32 accumulation,
 result in the input dtype). Everything after that is the row kernels' fp32 math on 2-D tiles
 (``row_math`` / ``common`` functions broadcast over (rows, 1) x (1, columns)).
+
+``tile_targets`` is the token-tile prologue of the tiled cross-entropy kernels (the targets of BLOCK_N
+tokens, after ``common.tile_rows``).
 """
 import triton
 import triton.language as tl
 
+from .common import target_terms
 from .interpreter import to_bf16_rne
+
+
+@triton.jit
+def tile_targets(target_ptr, rows, in_rows, stride_target, class_weight_ptr, n_cols, scalars,
+                 FLAGS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(target, is_valid, in_range, w_t)`` of the token indices ``rows`` (BLOCK_N,), with the loss
+    options (``common.target_terms``): the int64 targets (``ignore_index`` past ``n_rows``, so
+    ``is_valid`` implies ``in_rows``), whether each is a class in [0, V), and the target's class weight
+    as an fp32 (BLOCK_N,) vector (1 without class weights)."""
+    target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=scalars.ignore_index).to(tl.int64)
+    is_valid, in_range, _safe, w_t = target_terms(target, n_cols, class_weight_ptr, scalars, FLAGS)
+    w_t = tl.zeros((BLOCK_N,), tl.float32) + w_t    # a (BLOCK_N,) vector also without class weights
+    return target, is_valid, in_range, w_t
 
 
 @triton.jit

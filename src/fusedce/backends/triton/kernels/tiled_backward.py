@@ -43,9 +43,40 @@ Cost per token (n tokens, V classes, H hidden, s bytes per element):
 import triton
 import triton.language as tl
 
-from .common import target_terms
-from .tile_math import logits_tile
-from .tiled_dlogits import dlogits_tile, row_upstreams
+from .common import tile_rows
+from .tile_grads import any_nonzero, dot_operand, operand_slice
+from .tile_math import tile_targets
+from .tiled_dlogits import recompute_dx
+
+
+@triton.jit
+def atomic_products(dx, hidden_ptr, weight_ptr, rows, row_mask, out_mask, cols, col_mask, n_hidden,
+                    stride_hidden, stride_weight, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
+                    BLOCK_H: tl.constexpr, NEED_GRAD_HIDDEN: tl.constexpr, NEED_GRAD_WEIGHT: tl.constexpr,
+                    NEED_GRAD_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Add the tile's three products (``tile_grads``' docstring) with fp32 atomics into zeroed fp32
+    ``grad_hidden`` (n, H), ``grad_weight`` (V, H) and ``grad_bias`` (V,), each only when asked for (also
+    the atomic distillation gradient's, ``distill_tiled_grad``). ``rows`` (BLOCK_N,) int64 token indices,
+    ``row_mask`` the rows whose hidden state is read and ``out_mask`` those whose grad_hidden is written
+    (the rows that count, never past n), ``cols`` (BLOCK_V,) class indices, ``col_mask`` ``cols < V``."""
+    if NEED_GRAD_BIAS:
+        tl.atomic_add(grad_bias_ptr + cols, tl.sum(dx, axis=0), mask=col_mask)
+    op = dot_operand(dx, hidden_ptr, UPCAST)
+    h_rows = hidden_ptr + rows[:, None] * stride_hidden
+    w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight
+    for k0 in range(0, n_hidden, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_mask = ks < n_hidden
+        if NEED_GRAD_HIDDEN:
+            wt = operand_slice(w_rows, ks, col_mask, k_mask, UPCAST)
+            dh = tl.dot(op, wt, input_precision=DOT_PRECISION)
+            tl.atomic_add(grad_hidden_ptr + rows[:, None] * n_hidden + ks[None, :], dh,
+                          mask=out_mask[:, None] & k_mask[None, :])
+        if NEED_GRAD_WEIGHT:
+            ht = operand_slice(h_rows, ks, row_mask, k_mask, UPCAST)
+            dw = tl.dot(tl.trans(op), ht, input_precision=DOT_PRECISION)
+            tl.atomic_add(grad_weight_ptr + cols.to(tl.int64)[:, None] * n_hidden + ks[None, :], dw,
+                          mask=col_mask[:, None] & k_mask[None, :])
 
 
 @triton.jit
@@ -82,46 +113,18 @@ def tiled_backward_kernel(
     UPCAST: tl.constexpr = False,            # interpreter only (tile_math.logits_tile)
     ROUND_BF16: tl.constexpr = False,        # interpreter only (tile_math.round_like)
 ):
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rows, in_rows = tile_rows(tl.program_id(0) * BLOCK_N, n_rows, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    in_rows = rows < n_rows
     col_mask = cols < n_cols
-    target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=scalars.ignore_index).to(tl.int64)
-    is_valid, _in_range, _safe, w_t = target_terms(target, n_cols, class_weight_ptr, scalars, FLAGS)
-    w_t = tl.zeros((BLOCK_N,), tl.float32) + w_t    # a (BLOCK_N,) vector also without class weights
+    target, is_valid, _in_range, w_t = tile_targets(target_ptr, rows, in_rows, stride_target, class_weight_ptr,
+                                                    n_cols, scalars, FLAGS, BLOCK_N)
     if tl.max(is_valid.to(tl.int32), axis=0) > 0:   # a tile of ignored rows: zero gradient, no work
-        x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
-                        stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
-                        UPCAST, ROUND_BF16)
-        lse, lse_lo, g, h, k, entropy = row_upstreams(
-            rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
-            stride_grad_row, stride_grad_lse, stride_grad_entropy, BLOCK_N, HAS_GRAD_LSE, HAS_GRAD_ENTROPY)
-        dx = dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k, entropy,
-                          class_weight_ptr, weight_sum_ptr, hidden_ptr, n_cols, scalars, FLAGS, HAS_GRAD_LSE,
-                          HAS_GRAD_ENTROPY, ROUND_BF16)   # fp32 holding hidden-dtype values
-        if tl.sum((dx != 0.0).to(tl.int32)) > 0:             # an exactly-zero tile adds nothing
-            if NEED_GRAD_BIAS:
-                tl.atomic_add(grad_bias_ptr + cols, tl.sum(dx, axis=0), mask=col_mask)
-            if UPCAST:
-                op = dx
-            else:
-                op = dx.to(hidden_ptr.dtype.element_ty)      # exact: dx already holds such values
-            h_rows = hidden_ptr + rows[:, None] * stride_hidden
-            w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight
-            for k0 in range(0, n_hidden, BLOCK_H):
-                ks = k0 + tl.arange(0, BLOCK_H)
-                k_mask = ks < n_hidden
-                if NEED_GRAD_HIDDEN:
-                    wt = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-                    if UPCAST:
-                        wt = wt.to(tl.float32)
-                    dh = tl.dot(op, wt, input_precision=DOT_PRECISION)
-                    tl.atomic_add(grad_hidden_ptr + rows[:, None] * n_hidden + ks[None, :], dh,
-                                  mask=(in_rows & is_valid)[:, None] & k_mask[None, :])
-                if NEED_GRAD_WEIGHT:
-                    ht = tl.load(h_rows + ks[None, :], mask=is_valid[:, None] & k_mask[None, :], other=0.0)
-                    if UPCAST:
-                        ht = ht.to(tl.float32)
-                    dw = tl.dot(tl.trans(op), ht, input_precision=DOT_PRECISION)
-                    tl.atomic_add(grad_weight_ptr + cols.to(tl.int64)[:, None] * n_hidden + ks[None, :], dw,
-                                  mask=col_mask[:, None] & k_mask[None, :])
+        dx = recompute_dx(hidden_ptr, weight_ptr, bias_ptr, rows, in_rows, is_valid, cols, col_mask, target,
+                          w_t, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
+                          class_weight_ptr, weight_sum_ptr, n_cols, n_hidden, stride_hidden, stride_weight,
+                          stride_grad_row, stride_grad_lse, stride_grad_entropy, scalars, FLAGS, BLOCK_N, BLOCK_V,
+                          BLOCK_H, HAS_BIAS, HAS_GRAD_LSE, HAS_GRAD_ENTROPY, DOT_PRECISION, UPCAST, ROUND_BF16)
+        if any_nonzero(dx):   # an exactly-zero tile adds nothing
+            atomic_products(dx, hidden_ptr, weight_ptr, rows, is_valid, in_rows & is_valid, cols, col_mask,
+                            n_hidden, stride_hidden, stride_weight, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
+                            BLOCK_H, NEED_GRAD_HIDDEN, NEED_GRAD_WEIGHT, NEED_GRAD_BIAS, DOT_PRECISION, UPCAST)

@@ -32,9 +32,10 @@ Cost per token (n tokens, V classes, H hidden, s bytes per element), against the
 import triton
 import triton.language as tl
 
-from .common import target_terms
-from .tile_math import logits_tile
-from .tiled_dlogits import dlogits_tile, row_upstreams
+from .common import tile_rows
+from .tile_grads import add_grad_hidden, add_grad_weight, any_nonzero
+from .tile_math import logits_tile, tile_targets
+from .tiled_dlogits import dlogits_tile, recompute_dx, row_upstreams
 
 
 @triton.jit
@@ -67,17 +68,15 @@ def tiled_grad_hidden_kernel(
     UPCAST: tl.constexpr = False,            # interpreter only (tile_math.logits_tile)
     ROUND_BF16: tl.constexpr = False,        # interpreter only (tile_math.round_like)
 ):
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    in_rows = rows < n_rows
-    target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=scalars.ignore_index).to(tl.int64)
-    is_valid, _in_range, _safe, w_t = target_terms(target, n_cols, class_weight_ptr, scalars, FLAGS)
-    w_t = tl.zeros((BLOCK_N,), tl.float32) + w_t    # a (BLOCK_N,) vector also without class weights
+    rows, in_rows = tile_rows(tl.program_id(0) * BLOCK_N, n_rows, BLOCK_N)
+    target, is_valid, _in_range, w_t = tile_targets(target_ptr, rows, in_rows, stride_target, class_weight_ptr,
+                                                    n_cols, scalars, FLAGS, BLOCK_N)
     n_scan = tl.where(tl.max(is_valid.to(tl.int32), axis=0) > 0, n_cols, 0)   # all ignored: no work
     lse, lse_lo, g, h, k, entropy = row_upstreams(
         rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
         stride_grad_row, stride_grad_lse, stride_grad_entropy, BLOCK_N, HAS_GRAD_LSE, HAS_GRAD_ENTROPY)
     out_rows = grad_hidden_ptr + rows[:, None] * n_hidden
-    out_mask = (in_rows & is_valid)[:, None]
+    out_mask = in_rows & is_valid
     for v0 in range(0, n_scan, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < n_cols
@@ -87,23 +86,9 @@ def tiled_grad_hidden_kernel(
         dx = dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k, entropy,
                           class_weight_ptr, weight_sum_ptr, hidden_ptr, n_cols, scalars, FLAGS, HAS_GRAD_LSE,
                           HAS_GRAD_ENTROPY, ROUND_BF16)
-        if tl.sum((dx != 0.0).to(tl.int32)) > 0:             # an exactly-zero tile adds nothing
-            if UPCAST:
-                op = dx
-            else:
-                op = dx.to(hidden_ptr.dtype.element_ty)      # exact: dx already holds such values
-            w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight
-            for k0 in range(0, n_hidden, BLOCK_H):
-                ks = k0 + tl.arange(0, BLOCK_H)
-                k_mask = ks < n_hidden
-                wt = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-                if UPCAST:
-                    wt = wt.to(tl.float32)
-                mask = out_mask & k_mask[None, :]
-                acc = tl.load(out_rows + ks[None, :], mask=mask, other=0.0)
-                acc = tl.dot(op, wt, acc, input_precision=DOT_PRECISION)
-                tl.store(out_rows + ks[None, :], acc, mask=mask)
-            tl.debug_barrier()   # this tile's stores before the next tile's loads (see the docstring)
+        if any_nonzero(dx):   # an exactly-zero tile adds nothing
+            add_grad_hidden(dx, hidden_ptr, weight_ptr, out_rows, out_mask, cols, col_mask, n_hidden, stride_weight,
+                            BLOCK_H, DOT_PRECISION, UPCAST)
 
 
 @triton.jit
@@ -143,40 +128,20 @@ def tiled_grad_weight_kernel(
     out_cols = grad_weight_ptr + cols.to(tl.int64)[:, None] * n_hidden
     grad_bias = tl.zeros((BLOCK_V,), tl.float32)
     for n0 in range(0, n_rows, BLOCK_N):
-        rows = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-        in_rows = rows < n_rows
-        target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=scalars.ignore_index).to(tl.int64)
-        is_valid, _in_range, _safe, w_t = target_terms(target, n_cols, class_weight_ptr, scalars, FLAGS)
-        w_t = tl.zeros((BLOCK_N,), tl.float32) + w_t
+        rows, in_rows = tile_rows(n0, n_rows, BLOCK_N)
+        target, is_valid, _in_range, w_t = tile_targets(target_ptr, rows, in_rows, stride_target, class_weight_ptr,
+                                                        n_cols, scalars, FLAGS, BLOCK_N)
         if tl.max(is_valid.to(tl.int32), axis=0) > 0:   # a tile of ignored rows: zero gradient, no work
-            x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
-                            stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
-                            UPCAST, ROUND_BF16)
-            lse, lse_lo, g, h, k, entropy = row_upstreams(
-                rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
-                stride_grad_row, stride_grad_lse, stride_grad_entropy, BLOCK_N, HAS_GRAD_LSE, HAS_GRAD_ENTROPY)
-            dx = dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k, entropy,
-                              class_weight_ptr, weight_sum_ptr, hidden_ptr, n_cols, scalars, FLAGS, HAS_GRAD_LSE,
-                              HAS_GRAD_ENTROPY, ROUND_BF16)
-            if tl.sum((dx != 0.0).to(tl.int32)) > 0:         # an exactly-zero tile adds nothing
+            dx = recompute_dx(hidden_ptr, weight_ptr, bias_ptr, rows, in_rows, is_valid, cols, col_mask, target,
+                              w_t, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
+                              class_weight_ptr, weight_sum_ptr, n_cols, n_hidden, stride_hidden, stride_weight,
+                              stride_grad_row, stride_grad_lse, stride_grad_entropy, scalars, FLAGS, BLOCK_N, BLOCK_V,
+                              BLOCK_H, HAS_BIAS, HAS_GRAD_LSE, HAS_GRAD_ENTROPY, DOT_PRECISION, UPCAST, ROUND_BF16)
+            if any_nonzero(dx):   # an exactly-zero tile adds nothing
                 if NEED_GRAD_BIAS:
                     grad_bias += tl.sum(dx, axis=0)
                 if NEED_GRAD_WEIGHT:
-                    if UPCAST:
-                        op = dx
-                    else:
-                        op = dx.to(hidden_ptr.dtype.element_ty)   # exact: dx already holds such values
-                    h_rows = hidden_ptr + rows[:, None] * stride_hidden
-                    for k0 in range(0, n_hidden, BLOCK_H):
-                        ks = k0 + tl.arange(0, BLOCK_H)
-                        k_mask = ks < n_hidden
-                        ht = tl.load(h_rows + ks[None, :], mask=is_valid[:, None] & k_mask[None, :], other=0.0)
-                        if UPCAST:
-                            ht = ht.to(tl.float32)
-                        mask = col_mask[:, None] & k_mask[None, :]
-                        acc = tl.load(out_cols + ks[None, :], mask=mask, other=0.0)
-                        acc = tl.dot(tl.trans(op), ht, acc, input_precision=DOT_PRECISION)
-                        tl.store(out_cols + ks[None, :], acc, mask=mask)
-                    tl.debug_barrier()   # this tile's stores before the next tile's loads
+                    add_grad_weight(dx, hidden_ptr, rows, is_valid, out_cols, col_mask, n_hidden, stride_hidden,
+                                    BLOCK_H, DOT_PRECISION, UPCAST)
     if NEED_GRAD_BIAS:
         tl.store(grad_bias_ptr + cols, grad_bias, mask=col_mask)

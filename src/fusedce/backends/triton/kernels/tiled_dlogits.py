@@ -6,12 +6,14 @@ upstream gradients of loss, lse and entropy); ``dlogits_tile`` turns a recompute
 ``dL/dx`` (``row_math.grad_block`` on the 2-D tile: smoothing, class weights, softcap, logit_scale, the
 z-loss's and the entropy's upstreams), zero on ignored rows and on columns past V, rounded to hidden's
 dtype: the value the chunked path stores in its logits buffer, and the operand of the two products.
+``recompute_dx`` is the whole step of a kernel that visits each (token tile, class tile) once: the
+logits tile (``tile_math.logits_tile``), the tile's ``row_upstreams``, then ``dlogits_tile``.
 """
 import triton
 import triton.language as tl
 
 from .row_math import grad_block
-from .tile_math import round_like
+from .tile_math import logits_tile, round_like
 
 
 @triton.jit
@@ -48,3 +50,26 @@ def dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k,
                     scalars, FLAGS, HAS_GRAD_LSE, k[:, None], entropy[:, None], HAS_GRAD_ENTROPY)
     dz = tl.where(is_valid[:, None] & col_mask[None, :], dz, 0.0)
     return round_like(dz, hidden_ptr, ROUND_BF16)
+
+
+@triton.jit
+def recompute_dx(hidden_ptr, weight_ptr, bias_ptr, rows, in_rows, is_valid, cols, col_mask, target, w_t,
+                 lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr, class_weight_ptr,
+                 weight_sum_ptr, n_cols, n_hidden, stride_hidden, stride_weight, stride_grad_row, stride_grad_lse,
+                 stride_grad_entropy, scalars, FLAGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+                 HAS_GRAD_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 ROUND_BF16: tl.constexpr):
+    """``dlogits_tile`` of the recomputed (BLOCK_N, BLOCK_V) logits tile of tokens ``rows`` (``in_rows``:
+    < n; ``is_valid``: not ignored, the only rows whose hidden state is read) and classes ``cols``
+    (``col_mask``: < V), with the tokens' upstreams loaded here (``row_upstreams``). fp32 holding values of
+    hidden's dtype."""
+    x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
+                    stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
+                    UPCAST, ROUND_BF16)
+    lse, lse_lo, g, h, k, entropy = row_upstreams(
+        rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
+        stride_grad_row, stride_grad_lse, stride_grad_entropy, BLOCK_N, HAS_GRAD_LSE, HAS_GRAD_ENTROPY)
+    return dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k, entropy,
+                        class_weight_ptr, weight_sum_ptr, hidden_ptr, n_cols, scalars, FLAGS, HAS_GRAD_LSE,
+                        HAS_GRAD_ENTROPY, ROUND_BF16)

@@ -29,9 +29,9 @@ Cost per token (n tokens, V classes, H hidden, s bytes per element of hidden / w
 import triton
 import triton.language as tl
 
-from .common import target_terms
+from .common import running_argmax, softmax_shift, tile_rows
 from .row_math import entropy_of, entropy_rebase, entropy_terms, logit_transform, row_lse, row_loss
-from .tile_math import logits_tile
+from .tile_math import logits_tile, tile_targets
 
 
 @triton.jit
@@ -68,10 +68,9 @@ def tiled_forward_kernel(
     ROUND_BF16: tl.constexpr = False,        # interpreter only (tile_math.round_like)
     COMPUTE_TOKEN_STATS: tl.constexpr = False,
 ):
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    in_rows = rows < n_rows
-    target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=scalars.ignore_index).to(tl.int64)
-    is_valid, in_range, safe, w_t = target_terms(target, n_cols, class_weight_ptr, scalars, FLAGS)
+    rows, in_rows = tile_rows(tl.program_id(0) * BLOCK_N, n_rows, BLOCK_N)
+    target, is_valid, in_range, w_t = tile_targets(target_ptr, rows, in_rows, stride_target, class_weight_ptr,
+                                                   n_cols, scalars, FLAGS, BLOCK_N)
     n_scan = tl.where(tl.max(is_valid.to(tl.int32), axis=0) > 0, n_cols, 0)   # all ignored: no work
 
     m = tl.full((BLOCK_N,), -float("inf"), tl.float32)
@@ -99,8 +98,7 @@ def tiled_forward_kernel(
                 zc = zc * tl.load(class_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             zsum += tl.sum(zc, axis=1)
         z_t += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)   # an all -inf tile adds exactly 0
+        m_new, shift = softmax_shift(m, z, 1)   # an all -inf tile adds exactly 0
         e = tl.exp(z - shift[:, None])
         if COMPUTE_ENTROPY:
             t = entropy_rebase(m, s, t, shift) + tl.sum(entropy_terms(e, z, shift[:, None]), axis=1)
@@ -108,18 +106,11 @@ def tiled_forward_kernel(
             rebase = tl.exp(m - shift)
             q = q * rebase * rebase + tl.sum(e * e, axis=1)
             z_all += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
-            zmax, zidx = tl.max(z, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            take_z = zmax > z_best   # strict: an earlier tile keeps a tie
-            z_best_idx = tl.where(take_z, v0 + zidx, z_best_idx)
-            z_best = tl.where(take_z, zmax, z_best)
+            z_best, z_best_idx = running_argmax(z_best, z_best_idx, z, v0, 1)
         s = s * tl.exp(m - shift) + tl.sum(e, axis=1)
         m = m_new
         if COMPUTE_STATS:
-            xm = tl.where(col_mask[None, :], x, -float("inf"))
-            bmax, bidx = tl.max(xm, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            take = bmax > best
-            best_idx = tl.where(take, v0 + bidx, best_idx)
-            best = tl.where(take, bmax, best)
+            best, best_idx = running_argmax(best, best_idx, tl.where(col_mask[None, :], x, -float("inf")), v0, 1)
 
     lse, lse_lo = row_lse(m, s, is_valid)
     z_t = tl.where(is_valid & in_range, z_t, 0.0)

@@ -17,8 +17,8 @@ pair); 9 written. Launched only when the caller asks for the statistics (``Chunk
 import triton
 import triton.language as tl
 
-from .common import aligned
-from .row_math import logit_transform
+from .common import aligned, running_argmax
+from .row_math import z_block
 
 
 @triton.jit
@@ -57,14 +57,10 @@ def token_stats_kernel(
     for start in range(0, tl.where(is_valid, n_cols, 0), BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
-        x = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        z = tl.where(mask, logit_transform(x, scalars, FLAGS), -float("inf"))   # softcap maps -inf to -c
+        _x, z = z_block(row_ptr, cols, mask, scalars, FLAGS)   # -inf on padded columns
         sq += tl.sum(tl.exp(2.0 * ((z - lse) - lse_lo)), axis=0)
         zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-        bmax, bidx = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        take = bmax > best   # strict: an earlier block keeps a tie
-        best_idx = tl.where(take, start + bidx, best_idx)
-        best = tl.where(take, bmax, best)
+        best, best_idx = running_argmax(best, best_idx, z, start, 0)
     tl.store(log_sum_sq_ptr + row, tl.where(is_valid, tl.log(tl.where(is_valid, sq, 1.0)), 0.0))
     tl.store(mean_ptr + row, tl.where(is_valid, zsum / n_cols, 0.0))
     tl.store(is_top1_ptr + row, (is_valid & (best_idx == target)).to(tl.uint8))

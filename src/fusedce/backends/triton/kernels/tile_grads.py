@@ -1,0 +1,86 @@
+"""The products of one ``dL/dx`` tile into the LM head's gradients, shared by the tiled backward kernels
+of cross-entropy (``tiled_backward_owned``: owned accumulators; ``tiled_backward``'s ``atomic_products``
+uses ``dot_operand`` / ``operand_slice``) and of distillation (``distill_tiled_grad``, both ways).
+
+``dx`` is an fp32 (BLOCK_N tokens x BLOCK_V classes) tile holding values of hidden's dtype (rounded once
+by the caller), exactly 0 on rows that do not count and on columns past V. Over H in BLOCK_H slices:
+
+    grad_hidden[rows, k] += dx @ weight[cols, k]        (BLOCK_N x BLOCK_H per slice)
+    grad_weight[cols, k] += dx.T @ hidden[rows, k]      (BLOCK_V x BLOCK_H per slice)
+    grad_bias[cols]      += sum_rows dx
+
+``tiled_backward.atomic_products`` adds all three with fp32 atomics (kept in that file: the tests check
+that only the two atomic kernels' files hold atomics); ``add_grad_hidden`` / ``add_grad_weight`` add one
+product (``add_product``) into rows of an fp32 accumulator the program owns (plain load / dot / store,
+then a ``tl.debug_barrier()`` so the next tile's loads see these stores: ``tiled_backward_owned.py``).
+bf16 / fp16 operands run on tensor cores; UPCAST (interpreter only) runs the dots in fp32 on exactly
+converted operands.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def any_nonzero(dx):
+    """Whether the tile ``dx`` holds a nonzero value (an exactly-zero tile adds nothing and is skipped)."""
+    return tl.sum((dx != 0.0).to(tl.int32)) > 0
+
+
+@triton.jit
+def dot_operand(dx, hidden_ptr, UPCAST: tl.constexpr):
+    """``dx`` as the products' operand: hidden's dtype (exact: ``dx`` already holds such values), or fp32
+    with UPCAST."""
+    if UPCAST:
+        op = dx
+    else:
+        op = dx.to(hidden_ptr.dtype.element_ty)
+    return op
+
+
+@triton.jit
+def operand_slice(row_ptrs, ks, row_mask, k_mask, UPCAST: tl.constexpr):
+    """(R, BLOCK_H) slice ``ks`` of a row-major operand (hidden or weight rows): ``row_ptrs`` (R, 1) the row
+    starts, ``row_mask`` (R,) the rows to read, ``k_mask`` (BLOCK_H,) ``ks < H``; 0 elsewhere."""
+    t = tl.load(row_ptrs + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    if UPCAST:
+        t = t.to(tl.float32)
+    return t
+
+
+@triton.jit
+def add_product(a, b_rows, b_mask, out_rows, out_mask, n_hidden, BLOCK_H: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``out[:, k] += a @ b[:, k]`` over H in BLOCK_H slices, into rows of an fp32 accumulator the program
+    owns: ``a`` (M, R) the dot operand, ``b_rows`` (R, 1) the row starts of the other operand (hidden or
+    weight rows; ``b_mask`` (R,) the rows to read), ``out_rows`` (M, 1) pointers to the accumulator's rows
+    (``out_mask`` (M,) the rows to write). Ends with a barrier: these stores before the next tile's loads."""
+    for k0 in range(0, n_hidden, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_mask = ks < n_hidden
+        b = operand_slice(b_rows, ks, b_mask, k_mask, UPCAST)
+        mask = out_mask[:, None] & k_mask[None, :]
+        acc = tl.load(out_rows + ks[None, :], mask=mask, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        tl.store(out_rows + ks[None, :], acc, mask=mask)
+    tl.debug_barrier()   # this tile's stores before the next tile's loads (tiled_backward_owned.py)
+
+
+@triton.jit
+def add_grad_hidden(dx, hidden_ptr, weight_ptr, out_rows, row_mask, cols, col_mask, n_hidden, stride_weight,
+                    BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``grad_hidden[rows] += dx @ weight[cols]`` into rows the program owns: ``out_rows`` (BLOCK_N, 1)
+    pointers to the fp32 accumulator's rows, ``row_mask`` (BLOCK_N,) the rows that count."""
+    w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight
+    add_product(dot_operand(dx, hidden_ptr, UPCAST), w_rows, col_mask, out_rows, row_mask, n_hidden, BLOCK_H,
+                DOT_PRECISION, UPCAST)
+
+
+@triton.jit
+def add_grad_weight(dx, hidden_ptr, rows, row_mask, out_cols, col_mask, n_hidden, stride_hidden,
+                    BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``grad_weight[cols] += dx.T @ hidden[rows]`` into rows the program owns: ``out_cols`` (BLOCK_V, 1)
+    pointers to the fp32 accumulator's rows, ``rows`` (BLOCK_N,) int64 token indices, ``row_mask`` the
+    rows that count (the others' hidden state is not read)."""
+    h_rows = hidden_ptr + rows[:, None] * stride_hidden
+    add_product(tl.trans(dot_operand(dx, hidden_ptr, UPCAST)), h_rows, row_mask, out_cols, col_mask, n_hidden,
+                BLOCK_H, DOT_PRECISION, UPCAST)
