@@ -42,6 +42,19 @@ def transform(x: torch.Tensor, opts: LossOptions) -> torch.Tensor:
     return x if opts.softcap is None else torch.tanh(x / opts.softcap) * opts.softcap
 
 
+def mul_slope_(grad: torch.Tensor, z: torch.Tensor, opts: LossOptions, z_scratch: bool = False) -> torch.Tensor:
+    """The chain rule of ``transform``, in place: ``grad *= dz/dx = logit_scale * (1 - (z / softcap)**2)``
+    (``logit_scale`` alone without softcap), ``z = transform(x)`` fp32 of ``grad``'s shape. With
+    ``z_scratch`` ``z`` is overwritten (no temporary of its size). Returns ``grad``. Every PyTorch
+    gradient of the loss and log-prob ops goes through it (the Triton / CuTe kernels' ``logit_slope``)."""
+    if opts.softcap is not None:
+        shifted = z.div_(opts.softcap) if z_scratch else z.div(opts.softcap)
+        grad.mul_(shifted.square_().neg_().add_(1.0))
+    if opts.logit_scale != 1.0:
+        grad.mul_(opts.logit_scale)
+    return grad
+
+
 def target_probability(x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
                        opts: LossOptions):
     """``p_t = softmax(z)[t] = exp((z_t - lse) - lse_lo)`` per row of logits ``x`` ((n, V) any float
@@ -203,10 +216,7 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
     if n_local:
         current = grad.gather(1, safe[:, None])[:, 0]
         grad.scatter_(1, safe[:, None], torch.where(owned, at_target, current)[:, None])
-    if opts.softcap is not None:
-        grad.mul_(z.div_(opts.softcap).square_().neg_().add_(1.0))   # z is a fresh tensor here
-    if opts.logit_scale != 1.0:
-        grad.mul_(opts.logit_scale)
+    mul_slope_(grad, z, opts, z_scratch=opts.softcap is not None)   # with softcap z is a fresh tensor here
     if grad.device.type == "cpu" and not torch.compiler.is_compiling():
         # a CPU tensor (no device sync): touch only the ignored rows (exact zeros even over inf/NaN)
         return grad.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)

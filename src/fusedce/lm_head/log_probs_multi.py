@@ -43,7 +43,7 @@ import torch
 
 from ..autograd_checks import check_backward_allowed
 from ..options import LossOptions
-from ..row_math import transform
+from ..row_math import mul_slope_, transform
 from . import chunked as loop
 from .compaction import compact_rows, scatter_rows
 from .method import make_head
@@ -85,14 +85,6 @@ def _log_probs(x: torch.Tensor, target: torch.Tensor, e: Entries, lse, lse_lo, o
     return torch.where(opts.kept(target), out, 0.0)
 
 
-def _slope(z: torch.Tensor, opts: LossOptions) -> torch.Tensor:
-    """dz/dx at fp32 ``z`` (``row_math.rows_grad``'s chain rule): ``logit_scale (1 - (z / softcap)**2)``."""
-    slope = torch.full_like(z, opts.logit_scale)
-    if opts.softcap is not None:
-        slope = (1.0 - (z / opts.softcap).square()) * opts.logit_scale
-    return slope
-
-
 def _class_sums(e: Entries, g: torch.Tensor) -> torch.Tensor:
     """``sum_{j: t_j = t_k} g_j`` per entry (n, K) fp32: a masked (K, K) product per row, rows at a time
     so that the (rows, K, K) temporary stays below ``_SAME_CLASS_ELEMENTS``. Every copy of a class sums
@@ -129,7 +121,7 @@ def _fix_columns_(grad: torch.Tensor, x: torch.Tensor, e: Entries, g, G, lse, ls
     if k is not None:
         kk = torch.where(e.any, k.float(), 0.0)
         dz = dz - kk[:, None] * torch.where(p == 0.0, 0.0, p * (u + entropy[:, None]))
-    dz = dz * _slope(z, opts)
+    dz = mul_slope_(dz, z, opts)   # dz is a fresh tensor
     cols = torch.where(e.valid, e.safe, e.safe.gather(1, e.first))
     dz = torch.where(e.valid, dz, dz.gather(1, e.first))
     dz = torch.where(e.any[:, None], dz, 0.0)
@@ -214,7 +206,7 @@ class _LinearLogProbsK(torch.autograd.Function):
             grads = head.tiled.backward(hidden, weight, bias, e.rep, None, None, lse, lse_lo, zero, -G, opts,
                                         needs, torch.float32, k, entropy if k is not None else None,
                                         deterministic=head.deterministic)
-            d = g * _slope(transform(x.float(), opts), opts)
+            d = mul_slope_(g.clone(), transform(x.float(), opts), opts)
             g_h, g_w, g_b = sparse_grads_(grads, hidden, weight, d, e.safe, needs, head.deterministic)
         else:
             saved = (lse, lse_lo, None, entropy if k is not None else None)

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from ...options import LossOptions
-from ...row_math import logsumexp_rows, transform
+from ...row_math import logsumexp_rows, mul_slope_, transform
 from .launch import grad_chunks_, row_chunks
 
 Opt = Optional[torch.Tensor]
@@ -56,11 +56,7 @@ def soft_rows_grad(x: Tensor, q: Tensor, weight: Opt, lse: Tensor, lse_lo: Tenso
     factor = g * a if grad_lse is None else g * a + grad_lse.float()
     u = mixed_target(q, weight, opts).mul_(g[:, None])
     grad = torch.sub(z, lse[:, None], out=out).sub_(lse_lo[:, None]).exp_().mul_(factor[:, None]).sub_(u)
-    if opts.softcap is not None:
-        grad.mul_(z.div(opts.softcap).square_().neg_().add_(1.0))
-    if opts.logit_scale != 1.0:
-        grad.mul_(opts.logit_scale)
-    return grad
+    return mul_slope_(grad, z, opts)
 
 
 def soft_chunk_loss(logits: Tensor, q: Tensor, w: Opt, opts: LossOptions, stats: bool):
