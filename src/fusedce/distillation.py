@@ -98,8 +98,9 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: Optional[tor
     Args:
         student_logits: ``(..., V)`` float32 / bfloat16 / float16; any row stride (last dim not stride 1:
             one copy). Never modified. Receives the gradient (its dtype and shape).
-        teacher_logits: ``(..., V)`` with the same leading shape and V, any float dtype; a constant
-            (never receives a gradient, even if it requires grad).
+        teacher_logits: ``(..., V)`` with the same leading shape and V, float32 / bfloat16 / float16 (its
+            own, not necessarily the student's; float64 is a ``TypeError``); a constant (never receives a
+            gradient, even if it requires grad).
         target: None (every token counts) or ``(...)`` int64 / int32 of the leading shape: rows equal to
             ``ignore_index`` contribute 0 and get exactly zero gradient; the hard labels.
         beta: in [0, 1]. temperature: finite, > 0. hard_label_weight: finite; != 0 needs a target.

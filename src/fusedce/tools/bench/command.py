@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="real-input cache folder; None: $FUSEDCE_CACHE_DIR, else the checkout's .cache/")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per measurement")
     parser.add_argument("--no-sweep", action="store_true",
-                        help="skip the memory sweep (runs by default with --device cpu; about 5-10 min)")
+                        help="skip the memory sweep (runs by default with --device cpu; about 7-20 min on 2 CPU "
+                             "cores, more under load)")
     parser.add_argument("--sweep-repeats", type=int, default=2,
                         help="timed fwd+bwd runs per sweep row (after its peak-memory run)")
 
