@@ -2,7 +2,7 @@
 from logits (``distillation_loss``) or from both models' hidden states and LM heads
 (``linear_distillation_loss``, no BT x V tensor).
 
-Conventions (contract, "Additions of 2026-12-01"): the per-token loss is the generalized Jensen-Shannon
+Conventions (contract, "Distillation losses"): the per-token loss is the generalized Jensen-Shannon
 divergence of GKD (arXiv 2306.13649, Eq. 1) exactly as TRL's ``GKDTrainer.generalized_jsd_loss`` computes
 it (``beta = 0``: ``KL(teacher || student)``; ``beta = 1``: ``KL(student || teacher)``; otherwise
 ``beta KL(t || m) + (1 - beta) KL(s || m)``, ``m = beta t + (1 - beta) s``), both distributions at the

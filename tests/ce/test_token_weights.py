@@ -339,7 +339,7 @@ def _worker(rank, port, out_dir):
 def test_vocab_parallel(tmp_path):
     """Both vocab-parallel ops on 2 gloo ranks (V = 20 + 25), torch and triton (interpreter) backends,
     against the float64 formula on the concatenated vocabulary."""
-    from test_distributed import _free_port
+    from dist_harness import _free_port
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
