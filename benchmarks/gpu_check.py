@@ -58,7 +58,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fusedce  # noqa: E402
-from fusedce import validation  # noqa: E402
+from fusedce.core import validation  # noqa: E402
 from fusedce.tools.bench import inputs, parity  # noqa: E402
 from fusedce.tools.bench.paths import ce_floor_bytes  # noqa: E402
 

@@ -55,7 +55,7 @@ def main() -> int:
     from fusedce.backends.cute import launch as cute_launch
     from fusedce.backends.cute.tuning import onchip_cluster
     from fusedce.backends.triton import launch as triton_launch
-    from fusedce.options import LossOptions
+    from fusedce.core.options import LossOptions
 
     rows, timings = args.rows, []
     for v in args.vocab or (128256, 262144):

@@ -16,36 +16,33 @@ SRC = Path(fusedce.__file__).resolve().parent
 
 # (module prefix, layer): a module may import only modules of its layer or below. Longest prefix wins.
 LAYERS = [
-    ("fusedce.options", 0),            # LossOptions, scalar checks, signature helper
-    ("fusedce.types", 0),              # result types
-    ("fusedce.autograd_checks", 0),
-    ("fusedce.row_math", 1),           # the reference row formulas (PyTorch)
-    ("fusedce.validation", 1),         # tensor checks
-    ("fusedce.reduction", 1),
-    ("fusedce.autocast", 1),
-    ("fusedce.dtensor", 1),
-    ("fusedce.backends.protocol", 2),  # the backend interface
-    ("fusedce.backends.op_autograd", 2),
-    ("fusedce.backends.layout", 2),    # unit-stride / contiguous inputs of the kernel backends' custom ops
-    ("fusedce.backends.pytorch", 3),
-    ("fusedce.backends.triton", 3),
-    ("fusedce.backends.cute", 3),
-    ("fusedce.backends", 4),           # selection (imports the backend packages)
-    ("fusedce.lm_head", 5),            # the LM head fused with the loss
-    ("fusedce.functional", 6),
-    ("fusedce.log_probs", 6),
-    ("fusedce.log_probs_multi", 6),
-    ("fusedce.soft_targets", 6),
-    ("fusedce.distillation_topk", 6),
-    ("fusedce.distill_checks", 6),
-    ("fusedce.distillation", 6),
-    ("fusedce.integrations.distributed", 7),
-    ("fusedce.distributed", 8),
-    ("fusedce.modules", 8),
-    ("fusedce.nn", 8),
-    ("fusedce.integrations", 9),       # Hugging Face, TRL
-    ("fusedce", 10),                   # __init__: the public names
-    ("fusedce.tools", 11),             # the command and its tools: import the library, never the reverse
+    ("fusedce.core.options", 0),       # LossOptions, scalar checks, signature helper
+    ("fusedce.core.types", 0),         # result types
+    ("fusedce.core.autograd_checks", 0),
+    ("fusedce.core.row_math", 1),      # the reference row formulas (PyTorch)
+    ("fusedce.core.validation", 1),    # tensor checks
+    ("fusedce.core.reduction", 1),
+    ("fusedce.core.rows", 1),
+    ("fusedce.core.autocast", 1),
+    ("fusedce.core.dtensor", 1),
+    ("fusedce.core.entrance", 2),      # the one entrance of every public op (autocast + DTensor + signature)
+    ("fusedce.core", 2),               # the package's docstring
+    ("fusedce.backends.protocol", 3),  # the backend interface
+    ("fusedce.backends.op_autograd", 3),
+    ("fusedce.backends.layout", 3),    # unit-stride / contiguous inputs of the kernel backends' custom ops
+    ("fusedce.backends.pytorch", 4),
+    ("fusedce.backends.triton", 4),
+    ("fusedce.backends.cute", 4),
+    ("fusedce.backends", 5),           # selection (imports the backend packages)
+    ("fusedce.lm_head", 6),            # the machinery the linear families share (chunk loop, heads, method)
+    ("fusedce.ce", 7),                 # cross-entropy: logits, linear, soft targets, modules
+    ("fusedce.rl", 7),                 # RL log-probs and entropy, the K-class op
+    ("fusedce.distill", 8),            # distillation (the top-k teacher composes the K-class op)
+    ("fusedce.distributed", 8),        # vocabulary-parallel ops over torch.distributed
+    ("fusedce.nn", 9),                 # torch drop-ins
+    ("fusedce.integrations", 10),      # Hugging Face, TRL
+    ("fusedce", 11),                   # __init__: the public names
+    ("fusedce.tools", 12),             # the command and its tools: import the library, never the reverse
 ]
 TOOLS = ("fusedce.tools",)
 
@@ -157,7 +154,48 @@ def test_only_the_tools_import_the_tools():
 
 def test_the_graph_is_read():
     """The checks above see real arrows (a sanity check of the parser, from known imports)."""
-    assert "fusedce.lm_head.function" in GRAPH["fusedce.functional"] or "fusedce.lm_head" in GRAPH["fusedce.functional"]
+    assert "fusedce.ce.linear_function" in GRAPH["fusedce.ce.functional"]
     assert "fusedce.backends.protocol" in GRAPH["fusedce.lm_head.heads"]
-    assert "fusedce.row_math" in GRAPH["fusedce.backends.pytorch.tiled"]
+    assert "fusedce.core.row_math" in GRAPH["fusedce.backends.pytorch.tiled"]
     assert "fusedce.tools.bench.harness" in GRAPH["fusedce.tools.bench.command"]   # a lazy import
+
+
+def _part(module: str) -> str:
+    """The top-level part a module belongs to: ``fusedce`` (``__init__``), a top-level module, or a folder."""
+    parts = module.split(".")
+    return "fusedce" if len(parts) == 1 else parts[1]
+
+
+def _outside_parts() -> dict:
+    """``benchmarks`` and ``scripts`` as parts: the package's parts each imports (any ``fusedce...`` import)."""
+    root = SRC.parent.parent
+    out = {}
+    for folder in ("benchmarks", "scripts"):
+        found = set()
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                for name in names:
+                    if name == "fusedce" or name.startswith("fusedce."):
+                        found.add(_part(name) if name.count(".") else "fusedce")
+        out[folder] = found
+    return out
+
+
+def part_pairs() -> set:
+    """Unordered pairs of parts tied by at least one import (issue 26's count)."""
+    pairs = {frozenset((_part(a), _part(b))) for a, targets in GRAPH.items() for b in targets if _part(a) != _part(b)}
+    for folder, found in _outside_parts().items():
+        pairs |= {frozenset((folder, p)) for p in found}
+    return pairs
+
+
+def test_the_top_level_shows_the_families():
+    """At most 3 modules beside ``__init__.py`` at the top of ``src/fusedce`` (the rest are folders, one per
+    family or shared layer), and at most 55 pairs of parts tied by an import (parts: each top-level module,
+    each top-level folder, ``benchmarks/`` and ``scripts/``; 79 before the family folders)."""
+    top = sorted(p.name for p in SRC.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 3, top
+    pairs = part_pairs()
+    assert len(pairs) <= 55, sorted(tuple(sorted(p)) for p in pairs)

@@ -1,14 +1,14 @@
 """fusedce: fused cross-entropy kernels for LLM training."""
-from . import distributed  # noqa: F401  (fusedce.distributed.vocab_parallel_*)
-from .distillation_topk import linear_topk_distillation_loss, topk_distillation_loss
-from .distillation import distillation_loss, linear_distillation_loss
-from .functional import cross_entropy, linear_cross_entropy
-from .integrations.hf import patch_causal_lm, unpatch_causal_lm
-from .integrations.trl_distill import patch_distillation_trainer, unpatch_distillation_trainer
-from .integrations.trl_patch import patch_trl, unpatch_trl
-from .log_probs import linear_token_log_probs, token_log_probs
-from .modules import CrossEntropyLoss, LinearCrossEntropyLoss
-from .types import CrossEntropyOutput, TokenLogProbs, TokenStats
+from fusedce import distributed  # noqa: F401  (fusedce.distributed.vocab_parallel_*)
+from fusedce.distill.topk import linear_topk_distillation_loss, topk_distillation_loss
+from fusedce.distill.distillation import distillation_loss, linear_distillation_loss
+from fusedce.ce.functional import cross_entropy, linear_cross_entropy
+from fusedce.integrations.hf.patch import patch_causal_lm, unpatch_causal_lm
+from fusedce.integrations.trl.distill import patch_distillation_trainer, unpatch_distillation_trainer
+from fusedce.integrations.trl.patch import patch_trl, unpatch_trl
+from fusedce.rl.log_probs import linear_token_log_probs, token_log_probs
+from fusedce.ce.modules import CrossEntropyLoss, LinearCrossEntropyLoss
+from fusedce.core.types import CrossEntropyOutput, TokenLogProbs, TokenStats
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "token_log_probs", "linear_token_log_probs",
            "CrossEntropyLoss", "LinearCrossEntropyLoss", "CrossEntropyOutput", "TokenLogProbs", "TokenStats",

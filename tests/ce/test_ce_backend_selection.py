@@ -1,7 +1,7 @@
 """Backend selection (ARCHITECTURE.md): backend=None reads $FUSEDCE_BACKEND (default "auto"); "auto" is
 "torch" on CPU tensors; "triton" on CPU needs TRITON_INTERPRET=1, else RuntimeError; unknown names
 raise ValueError listing the valid ones. Which backend ran is observed with a spy on its
-``cross_entropy_rows`` (the interface functional.py calls)."""
+``cross_entropy_rows`` (the interface ce/functional.py calls)."""
 import importlib
 
 import pytest

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedce
-from fusedce import soft_targets
+from fusedce.ce import soft_targets
 from inputs import DTYPE_IDS, DTYPES, make_weight, poisoned_allocations
 from reference64_soft import reference_soft
 from tolerances import assert_grad_close, assert_loss_close, assert_lse_close

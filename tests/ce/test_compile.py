@@ -168,7 +168,7 @@ def test_custom_ops_opcheck():
     lse_lo = torch.zeros(n_rows)
     grad_row = torch.randn(1).expand(n_rows)          # stride 0, as the gradient of loss.sum()
     grad_lse = torch.randn(n_rows * 2)[::2]            # stride 2: the z-loss's upstream through lse
-    from fusedce.options import LossOptions
+    from fusedce.core.options import LossOptions
     softcap_opts = LossOptions(IGNORE, 0.1, 1e-3, 30.0).op_args()
     plain_opts = LossOptions(IGNORE).op_args()
     dft_opts = LossOptions(IGNORE, 0.0, 1e-3, None, 0.5, True).op_args()

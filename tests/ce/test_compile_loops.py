@@ -144,7 +144,7 @@ def test_torch_loop_ops_opcheck():
     AOT dispatch) with the strides Inductor may hand over: logits with a row stride > V, an expanded
     stride-0 upstream gradient, a stride-2 one."""
     from fusedce.backends.pytorch import custom_ops  # noqa: F401  (registers the ops)
-    from fusedce.options import LossOptions
+    from fusedce.core.options import LossOptions
 
     n_rows, n_classes, hidden_size = 6, 40, 8
     logits = torch.randn(n_rows, n_classes + 8)[:, :n_classes]

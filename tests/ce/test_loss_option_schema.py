@@ -1,4 +1,4 @@
-"""The loss options have one description (``fusedce.options.LossOptions``): every public signature,
+"""The loss options have one description (``fusedce.core.options.LossOptions``): every public signature,
 docstring, check, custom-op argument list and kernel argument is derived from it. These tests fail when a
 public entry point, the type checkers' ``LossOptionValues`` or a kernel's parameter list drifts from it
 (the README's "Adding a loss option" relies on that)."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import fusedce
-from fusedce.integrations import hf
-from fusedce.integrations.distributed import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
-from fusedce.options import LossFlags, LossOptions, LossOptionValues, LossScalars
+from fusedce.integrations.hf import patch as hf
+from fusedce.distributed import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+from fusedce.core.options import LossFlags, LossOptions, LossOptionValues, LossScalars
 
 FIELDS = [f for f in dataclasses.fields(LossOptions)]
 NAMES = [f.name for f in FIELDS]

@@ -8,7 +8,7 @@ fused <= STOCK_FACTOR x stock + FLOOR.
 
 Why these numbers. Both paths compute the same fp32-accumulated matmuls and round the gradients to
 the inputs' dtype; what differs is when: stock rounds the logits' gradient once S is applied, the
-fused paths at an internal scale (``lm_head/function.py``: ``headroom``) or, like stock, with S
+fused paths at an internal scale (``ce/linear_function.py``: ``headroom``) or, like stock, with S
 applied. Without loss of information either is one rounding of relative size u (2^-11 fp16, 2^-8
 bf16, 2^-24 fp32) per value and per matmul output, plus a different summation order over chunks and
 vocabulary blocks: errors of the same size, measured at most 1.01x stock's in bf16 / fp16 here.

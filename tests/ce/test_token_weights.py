@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import fusedce
 import fusedce.distributed as fd
 from fusedce.lm_head import compaction
-from fusedce import validation
+from fusedce.core import validation
 from inputs import make_logits, make_target, make_weight
 
 RTOL = 2.0 ** -16
@@ -397,4 +397,4 @@ def test_hf_patch_matches_weighted_stock_loss():
         fused(input_ids=ids, attention_mask=mask, labels=labels, token_weights=weights[:, :-1])
     with pytest.raises(ValueError, match="pass labels"):
         fused(input_ids=ids, attention_mask=mask, token_weights=weights)
-    assert "token_weights" not in fusedce.integrations.hf.LOSS_OPTIONS   # a per-call keyword
+    assert "token_weights" not in fusedce.integrations.hf.patch.LOSS_OPTIONS   # a per-call keyword

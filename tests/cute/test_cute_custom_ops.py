@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fusedce.backends.cute import custom_ops, linear, cross_entropy as ops  # noqa: F401 - registers the ops
-from fusedce.options import LossOptions
+from fusedce.core.options import LossOptions
 
 OPTS = LossOptions(label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0, use_token_scaling=True)
 

@@ -106,7 +106,7 @@ def test_cute_inplace_backward_and_all_ignored():
 @pytest.mark.parametrize("weighted", [False, True])
 def test_cute_onchip_chunk_matches_two_read_chunk(v, dtype, opt, weighted, monkeypatch):
     from fusedce.backends.cute import launch, tuning
-    from fusedce.options import LossOptions
+    from fusedce.core.options import LossOptions
     rows = 48
     x, t = _inputs(rows, v, dtype, seed=3)
     kw = dict(OPTIONS[opt])

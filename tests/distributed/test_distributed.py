@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import fusedce
 import fusedce.distributed as fd
-from fusedce.integrations.distributed.argmax_key import pack_max_key, unpack_max_key
+from fusedce.distributed.argmax_key import pack_max_key, unpack_max_key
 from dist_harness import assert_passed, results
 from inputs import make_logits, make_target, make_weight
 from reference64 import reference_cross_entropy
@@ -510,7 +510,7 @@ def masked_shards(rank, world):
 
 @check
 def precision_and_exact_zeros(rank, world):
-    """Gradient precision (C14) on the vocab-parallel path (it shares row_math.py's gradient): fp32 logits x1e3 and
+    """Gradient precision (C14) on the vocab-parallel path (it shares core/row_math.py's gradient): fp32 logits x1e3 and
     x1e4, whole gradient (gathered from the ranks) within 2x the Frobenius error of stock fp32
     F.cross_entropy vs float64 (see test_gradient_precision.py); V = 1 on one rank (the others hold
     empty slices): loss and gradient exactly 0."""

@@ -1,9 +1,9 @@
-"""DTensor arguments passed straight to the ops (not through the patch's FSDP2 hooks), ``dtensor.py``.
+"""DTensor arguments passed straight to the ops (not through the patch's FSDP2 hooks), ``core/dtensor.py``.
 
 Replicated DTensors run as stock torch's composition runs on them: computed on the local tensor, the
 results and the gradients come back as DTensors of the same placement, with the values of the same call
 on plain tensors (which the other suites check against float64). Any other placement raises a
-``ValueError`` naming DTensor and the alternatives. Before ``dtensor.py`` both died inside torch
+``ValueError`` naming DTensor and the alternatives. Before ``core/dtensor.py`` both died inside torch
 ("mixed torch.Tensor and DTensor"). One in-process gloo group of world size 1: Replicate() and
 Shard(0) are both placements of a one-rank mesh, so no second process is needed for the refusal.
 

@@ -19,7 +19,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fusedce.integrations.hf import LOSS_OPTIONS, patch_causal_lm, unpatch_causal_lm  # noqa: E402
+from fusedce.integrations.hf.patch import LOSS_OPTIONS, patch_causal_lm, unpatch_causal_lm  # noqa: E402
 
 VOCAB, HIDDEN, SEQ, BATCH, PROMPT = 211, 32, 12, 3, 4
 RTOL, ATOL_SCALE = 2e-5, 1e-6

@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fusedce.integrations.hf import patch_causal_lm  # noqa: E402
+from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
 from test_hf import SEQ, VOCAB, assert_close, batch, build  # noqa: E402
 
 

@@ -20,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fusedce.integrations.hf import patch_causal_lm  # noqa: E402
+from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
 from test_hf import assert_close, assert_parity  # noqa: E402
 
 V, H, SEQ, REAL = 128, 32, 10, 97   # REAL: Inkling's unpadded vocabulary (the head has V rows)

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 
-from fusedce.integrations.hf import patch_causal_lm  # noqa: E402
+from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
 from test_hf import ATOL_SCALE, RTOL, batch, build  # noqa: E402
 
 WORLD = 2

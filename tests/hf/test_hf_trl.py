@@ -24,7 +24,7 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from fusedce.integrations.hf import patch_causal_lm  # noqa: E402
+from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
 from test_hf import VOCAB, assert_parity, build  # noqa: E402
 
 STEPS = 3

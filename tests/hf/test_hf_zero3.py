@@ -21,7 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fusedce.integrations.hf import patch_causal_lm  # noqa: E402
+from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
 from test_hf import assert_parity, batch, build  # noqa: E402
 
 

@@ -21,7 +21,7 @@ datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
 import fusedce  # noqa: E402
-from fusedce.integrations import trl_distill  # noqa: E402
+from fusedce.integrations.trl import distill as trl_distill  # noqa: E402
 from reference64_distill import linear_distillation_loss64  # noqa: E402
 from test_hf import VOCAB  # noqa: E402
 from test_hf_trl import _tokenizer  # noqa: E402

@@ -29,7 +29,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import fusedce  # noqa: E402
-from fusedce.integrations import trl_patch  # noqa: E402
+from fusedce.integrations.trl import patch as trl_patch  # noqa: E402
 from test_hf import VOCAB, batch, build  # noqa: E402
 from test_hf_trl import _dataset, _tokenizer  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from fusedce.backends.triton import tuning
 from fusedce.backends.triton.linear import TRITON_TILED
-from fusedce.options import LossOptions
+from fusedce.core.options import LossOptions
 
 N, V, H = 37, 150, 40
 IGNORE = -100

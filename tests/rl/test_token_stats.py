@@ -143,7 +143,7 @@ def test_stats_without_entropy_and_errors(backend):
 def test_custom_ops_opcheck():
     """The two Triton custom ops (schema, fakes, AOT dispatch), with a row stride > V."""
     from fusedce.backends.triton import token_stats  # noqa: F401  (registers the ops)
-    from fusedce.options import log_prob_options
+    from fusedce.core.options import log_prob_options
     x, target = _logits(9)
     logits = torch.cat([x, x[:, :8]], dim=1)[:, :V]   # row stride V + 8
     lse = torch.logsumexp(logits, dim=1)

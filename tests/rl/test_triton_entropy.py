@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedce.backends.triton.linear import TritonChunkCE
-from fusedce.options import LossOptions
+from fusedce.core.options import LossOptions
 from tolerances import TOLERANCES
 
 N, V, IGNORE = 9, 1000, -100

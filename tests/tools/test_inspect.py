@@ -131,7 +131,7 @@ def test_kernels_take_the_loss_options_as_two_arguments():
     import inspect
 
     from fusedce.tools.inspect.variants import DTYPES, KERNELS, every_variant, launch
-    from fusedce.options import LossFlags, LossScalars
+    from fusedce.core.options import LossFlags, LossScalars
 
     option_names = set(LossScalars._fields) | set(LossFlags._fields)
     for kernel in KERNELS:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..autograd_checks import check_backward_allowed
+from fusedce.core.autograd_checks import check_backward_allowed
 
 N_OPTIONS = 4   # the forward's trailing non-tensor inputs: ignore_index, scalars, stats, inplace_backward
 

@@ -4,7 +4,7 @@ public names, with its ``Capabilities``), and what a backend plugs into the LM h
 + loss with no logits tensor, for ``method="tiled"``). Both also serve the RL ops (``token_log_probs``),
 which ask for the entropy.
 
-Per-row quantities (fp32 (n,) each; ``fusedce/row_math.py`` has the formulas and their sources):
+Per-row quantities (fp32 (n,) each; ``fusedce/core/row_math.py`` has the formulas and their sources):
 ``loss`` the cross-entropy without z-loss (0 on ignored rows, NaN on a non-ignored row whose target is
 out of range), ``lse`` + ``lse_lo`` the exact lse pair (0 on ignored rows), ``predicted`` the argmax of
 the raw logits (int64, -1 on ignored rows), ``entropy = -sum_c p_c log p_c`` of ``p = softmax(z)``
@@ -25,8 +25,8 @@ from typing import Callable, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
-from ..options import LossOptions
-from ..row_math import grad_lse, target_probability
+from fusedce.core.options import LossOptions
+from fusedce.core.row_math import grad_lse, target_probability
 
 Opt = Optional[torch.Tensor]
 
@@ -116,8 +116,8 @@ class Capabilities(NamedTuple):
     tiled: bool      # method="tiled": a TiledCE (``Backend.TILED_CE``)
     entropy: bool    # the RL ops: ChunkCE.loss(entropy=True), grad_(grad_entropy=), token_stats
     slices: bool     # vocabulary slices (``slice_stats`` / ``slice_grad``) for fusedce.distributed
-    soft_targets: bool   # probability targets: ``soft_cross_entropy_rows`` (``fusedce/soft_targets.py``)
-    distill: bool    # distillation: ``distill_rows`` / ``tiled_distill`` (``fusedce/distillation.py``)
+    soft_targets: bool   # probability targets: ``soft_cross_entropy_rows`` (``fusedce/ce/soft_targets.py``)
+    distill: bool    # distillation: ``distill_rows`` / ``tiled_distill`` (``fusedce/distill/distillation.py``)
 
 
 class Backend(Protocol):
@@ -137,14 +137,14 @@ class Backend(Protocol):
     lse, lse_lo, predicted)``: per-row fp32 cross-entropy WITHOUT the z-loss and per-row fp32 lse (both
     differentiable w.r.t. ``logits2d``; 0 on ignored rows), lse's fp32 rounding error (``lse + lse_lo``
     exact; no gradient), int64 argmax (-1 on ignored rows, empty without ``stats``); no reduction (the
-    z-loss is built from ``lse`` by ``reduction.py``, so its gradient reaches the backend as the
+    z-loss is built from ``lse`` by ``core/reduction.py``, so its gradient reaches the backend as the
     upstream gradient of ``lse``)."""
     soft_cross_entropy_rows: Optional[Callable]
     """``soft_cross_entropy_rows(logits2d, q2d, weight, opts, inplace_backward, stats)``: the same four
     outputs for probability targets ``q2d`` ((BT, V), any float dtype; no row ignored); only with
-    ``CAPABILITIES.soft_targets`` (``fusedce/soft_targets.py`` refuses the others)."""
+    ``CAPABILITIES.soft_targets`` (``fusedce/ce/soft_targets.py`` refuses the others)."""
     distill_rows: Optional[Callable]
-    """The distillation loss of rows of student / teacher logits (``lm_head/distill.py`` drives it); only
+    """The distillation loss of rows of student / teacher logits (``distill/linear_head.py`` drives it); only
     with ``CAPABILITIES.distill``."""
     tiled_distill: Optional[Callable]
     """The distillation loss of both LM heads with no logits tensor (``method="tiled"``); only with

@@ -26,9 +26,9 @@ from typing import Optional
 
 import torch
 
-from ..options import LossOptions
-from ..row_math import grad_lse, target_probability
-from ..validation import sync_allowed
+from fusedce.core.options import LossOptions
+from fusedce.core.row_math import grad_lse, target_probability
+from fusedce.core.validation import sync_allowed
 
 _OUT_DTYPE_MM: dict = {}   # device type -> bool; filled only by eager calls on real tensors
 

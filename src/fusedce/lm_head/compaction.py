@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..validation import sync_allowed
+from fusedce.core.validation import sync_allowed
 
 
 def compact_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int):

@@ -1,4 +1,4 @@
-"""The two ways the LM head meets the loss, behind one interface used by ``function.py`` and ``log_probs.py``:
+"""The two ways the LM head meets the loss, behind one interface used by ``function.py`` and ``rl/log_probs.py``:
 
 - ``ChunkedHead`` (``method="chunked"``): the logits of ``rows`` tokens at a time (``chunked.py``), the
   backend's ``ChunkCE`` on each chunk. With mean / sum its forward also makes the gradients
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from ..options import LossOptions
+from fusedce.core.options import LossOptions
 from . import chunked as loop
 from ..backends.protocol import ChunkCE, TiledCE
-from ..row_math import grad_lse
+from fusedce.core.row_math import grad_lse
 
 
 class ChunkedHead:

@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as _torch_functional
 
-from ..functional import linear_cross_entropy as _fused_linear_cross_entropy
+from fusedce.core.entrance import public_op
+from fusedce.ce.functional import linear_cross_entropy as _fused_linear_cross_entropy
 
 __all__ = ["linear_cross_entropy"]
 
@@ -46,6 +47,7 @@ def _chunk_size(options) -> Optional[int]:
     return options.batch_chunk_size
 
 
+@public_op("linear", linear=(("input", "linear_weight", "linear_bias"),))
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,

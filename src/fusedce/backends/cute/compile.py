@@ -7,7 +7,7 @@ The static report of every variant (registers, spills, 128-bit accesses) is a to
 """
 from __future__ import annotations
 
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from .variants import ITEMSIZE, KernelKey
 
 

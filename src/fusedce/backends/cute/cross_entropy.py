@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from ..op_autograd import register_rows_autograd
 from . import custom_ops  # noqa: F401 - registers the fusedce_cute ops
 

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from ..layout import unit_stride
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from . import launch
 
 Opt = Optional[torch.Tensor]

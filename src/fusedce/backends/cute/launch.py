@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from .tuning import onchip_cluster
 from .variants import ITEMSIZE, KernelKey, full_vec
 

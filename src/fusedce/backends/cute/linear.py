@@ -24,7 +24,7 @@ def _no_entropy(asked: bool) -> None:
 class CuteChunkCE:
     """``ChunkCE`` (``backends/protocol.py``) with the CuTe kernels (CUDA), through the
     ``fusedce_cute`` custom ops (``custom_ops.py``). No entropy kernels yet: the RL ops refuse this
-    backend (``fusedce/log_probs.py``)."""
+    backend (``fusedce/rl/log_probs.py``)."""
 
     @staticmethod
     def loss(logits, target, w, weight_sum, opts, stats, entropy=False):

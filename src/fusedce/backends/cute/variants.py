@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Tuple
 
-from ...options import LossFlags
+from fusedce.core.options import LossFlags
 from .tuning import ONCHIP_CLUSTERS     # CTAs per row of the on-chip chunk kernel
 
 # The feature flags of each kernel that are not loss options, in its constructor's order (after FLAGS).

@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
-from ...autograd_checks import check_backward_allowed
-from ...options import LossOptions
+from fusedce.core.autograd_checks import check_backward_allowed
+from fusedce.core.options import LossOptions
 from .launch import class_weights
 from .custom_ops import rows_grad_, rows_loss
 
@@ -43,7 +43,7 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optio
 
     Returns ``(loss (BT,) fp32, lse (BT,) fp32, lse_lo (BT,) fp32, predicted (BT,) int64)``: the
     cross-entropy without z-loss and the lse (0 on ignored rows), both differentiable w.r.t. ``logits``,
-    and lse's rounding error (``row_math.py``; no gradient). With
+    and lse's rounding error (``core/row_math.py``; no gradient). With
     ``inplace_backward`` the backward pass overwrites ``logits`` with the gradient (a second backward
     then raises ``RuntimeError``). Without ``stats`` no argmax is computed and ``predicted`` is empty.
     """

@@ -33,8 +33,8 @@ from typing import Optional
 
 import torch
 
-from ...options import LossOptions
-from ...types import SliceStats
+from fusedce.core.options import LossOptions
+from fusedce.core.types import SliceStats
 from ..protocol import TiledRows
 from .launch import chunk_grad_, chunk_loss
 from .slices import slice_grad as _slice_grad

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from ...options import LossOptions
-from ...row_math import rows_forward, rows_grad
+from fusedce.core.options import LossOptions
+from fusedce.core.row_math import rows_forward, rows_grad
 from .tuning import chunk_rows
 
 
@@ -77,7 +77,7 @@ def grad_chunks_(logits: torch.Tensor, out: torch.Tensor, row_grad) -> torch.Ten
 
 def chunk_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = True, entropy: bool = False):
     """Per-row ``(loss, lse, lse_lo, predicted)`` of ``logits`` ((n, V)), no gradient: fp32 (n,) each
-    (cross-entropy without z-loss; lse as the pair lse + lse_lo, see ``row_math.py``), predicted (n,) int64
+    (cross-entropy without z-loss; lse as the pair lse + lse_lo, see ``core/row_math.py``), predicted (n,) int64
     or None without stats; with ``entropy`` a fifth element, the entropy (n,) fp32."""
     n_rows = logits.shape[0]
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)

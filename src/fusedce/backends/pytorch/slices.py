@@ -1,15 +1,15 @@
 """The PyTorch backend on a vocabulary slice (vocab parallelism), the same interface as
 ``backends/triton/slices.py``: partial row statistics out, the slice's gradient from the global
-statistics in, in row chunks of fp32 temporaries (``tuning.chunk_rows``); the math is ``row_math.py``'s."""
+statistics in, in row chunks of fp32 temporaries (``tuning.chunk_rows``); the math is ``core/row_math.py``'s."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from ...options import LossOptions
-from ...types import SliceStats
-from ...row_math import rows_grad, transform
+from fusedce.core.options import LossOptions
+from fusedce.core.types import SliceStats
+from fusedce.core.row_math import rows_grad, transform
 from .tuning import chunk_rows
 
 

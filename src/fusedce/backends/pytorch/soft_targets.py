@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from ..op_autograd import register_rows_autograd
 from .soft_launch import soft_chunk_grad_, soft_chunk_loss
 

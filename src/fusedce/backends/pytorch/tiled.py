@@ -28,9 +28,9 @@ from typing import Optional
 
 import torch
 
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from ..protocol import TiledRows
-from ...row_math import row_loss, rows_grad, transform, two_sum
+from fusedce.core.row_math import row_loss, rows_grad, transform, two_sum
 from . import block_threads, tuning
 
 _NEG_INF = float("-inf")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from .launch import row_chunks
-from ...row_math import token_stats, transform
+from fusedce.core.row_math import token_stats, transform
 
 
 def chunk_token_stats(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,

@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 
 from ..layout import opt_contiguous, unit_stride
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from .launch import ce_backward as launch_backward
 from .launch import ce_chunk_ as launch_chunk
 from .launch import ce_forward as launch_forward

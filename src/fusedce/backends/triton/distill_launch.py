@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-from ...options.distill import DistillOptions
+from fusedce.core.options.distill import DistillOptions
 from . import tuning
 from .kernels.distill_rows import distill_rows_kernel
 from .kernels.distill_tiled_grad import (distill_tiled_grad_hidden_kernel, distill_tiled_grad_kernel,

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from .kernels.ce_backward import ce_backward_kernel
 from .kernels.ce_chunk import ce_chunk_kernel
 from .kernels.ce_slice import ce_slice_stats_kernel

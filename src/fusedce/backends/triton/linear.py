@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from ..protocol import TiledRows
 from . import custom_ops
 from . import tiled as _tiled  # noqa: F401 - registers fusedce::tiled_forward / tiled_backward

@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
-from ...options import LossOptions
-from ...types import SliceStats
+from fusedce.core.options import LossOptions
+from fusedce.core.types import SliceStats
 from .launch import VocabSlice, ce_backward, ce_slice_stats
 
 

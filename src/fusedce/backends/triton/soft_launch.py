@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import triton
 
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from .kernels.soft_backward import soft_backward_kernel
 from .kernels.soft_forward import soft_forward_kernel
 from .launch import INTERPRETED, _align

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..layout import opt_contiguous, unit_stride
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from ..op_autograd import register_rows_autograd
 from .soft_launch import soft_backward, soft_forward
 

@@ -27,7 +27,7 @@ import torch
 import triton
 
 from ..layout import opt_contiguous, unit_stride
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from . import tuning
 from .kernels.tiled_backward import tiled_backward_kernel
 from .kernels.tiled_backward_owned import tiled_grad_hidden_kernel, tiled_grad_weight_kernel

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ..layout import opt_contiguous, unit_stride
-from ...options import LossOptions
+from fusedce.core.options import LossOptions
 from .kernels.token_stats import token_stats_kernel
 from .launch import _align
 from .tiled import _forward_buffers, tiled_forward_launch

@@ -112,7 +112,7 @@ def forward(name: str, leaves: dict, data: dict) -> torch.Tensor:
     if method == "trl":
         return trl_loss(leaves["hidden"], leaves["student_weight"], teacher_hidden, data["teacher_weight"],
                         data["target"])
-    from ...distillation import linear_distillation_loss
+    from fusedce.distill.distillation import linear_distillation_loss
     backend = "torch" if leaves["hidden"].device.type == "cpu" else None
     return linear_distillation_loss(leaves["hidden"], leaves["student_weight"], teacher_hidden,
                                     data["teacher_weight"], data["target"], beta=BETA, temperature=TEMPERATURE,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...options import LossFlags
+from fusedce.core.options import LossFlags
 
 DISTILL_TILED = ("distill_tiled_stats", "distill_tiled_jsd", "distill_tiled_grad", "distill_tiled_grad_hidden",
                  "distill_tiled_grad_weight")

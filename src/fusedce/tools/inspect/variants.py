@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...options import LossFlags, LossOptions
+from fusedce.core.options import LossFlags, LossOptions
 from . import distill_variants as DV
 
 # chunk: the fused loss + gradient of linear_cross_entropy; slice: the partial statistics of a vocabulary

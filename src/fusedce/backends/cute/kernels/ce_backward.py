@@ -18,7 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ....options import LossFlags, LossScalars
+from fusedce.core.options import LossFlags, LossScalars
 from .row_io import target_terms, total_weight
 from .row_math import grad_coefs, grad_vector
 

@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ....options import LossFlags, LossScalars
+from fusedce.core.options import LossFlags, LossScalars
 from .chunk_row import chunk_row_factors
 from .row_io import store_row_results, target_terms
 from .row_math import grad_coefs, grad_vector, target_row_stats, transform

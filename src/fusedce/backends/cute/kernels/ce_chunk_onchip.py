@@ -37,7 +37,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import dsl_user_op
 
-from ....options import LossFlags, LossScalars
+from fusedce.core.options import LossFlags, LossScalars
 from .chunk_row import chunk_row_factors
 from .row_io import store_row_results, target_terms
 from .row_math import grad_coefs, grad_vector_from, slice_stats, transform

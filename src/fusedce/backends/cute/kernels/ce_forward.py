@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ....options import LossFlags, LossScalars
+from fusedce.core.options import LossFlags, LossScalars
 from .row_io import store_row_results, target_terms, total_weight
 from .row_math import row_loss, target_row_stats, transform
 

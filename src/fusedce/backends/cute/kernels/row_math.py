@@ -1,7 +1,7 @@
 """The per-row cross-entropy math of the CuTe DSL kernels, written once (``@cute.jit`` helpers, inlined
 at trace time) and shared by ``ce_forward``, ``ce_backward``, ``ce_chunk`` and ``ce_chunk_onchip``. It
 mirrors the Triton backend's ``backends/triton/kernels/row_math.py`` formula for formula
-(``fusedce/row_math.py`` has the derivations and their sources):
+(``fusedce/core/row_math.py`` has the derivations and their sources):
 
     z      = softcap tanh(s x / softcap)   (or s x)            s = logit_scale
     lse    = m + log(sum_c exp(z_c - m)),  kept as the exact fp32 pair lse + lse_lo (TwoSum)

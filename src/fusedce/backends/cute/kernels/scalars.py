@@ -6,7 +6,7 @@ import typing
 
 from cutlass import Float32, Int64
 
-from ....options import LossScalars
+from fusedce.core.options import LossScalars
 
 _FIELD_TYPES = typing.get_type_hints(LossScalars)
 

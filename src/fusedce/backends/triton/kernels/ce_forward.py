@@ -1,6 +1,6 @@
 """Cross-entropy forward: one program per row, online softmax over vocabulary blocks.
 
-Per row (``row_math.row_forward``; ``fusedce/row_math.py`` has the formulas and their sources) it
+Per row (``row_math.row_forward``; ``fusedce/core/row_math.py`` has the formulas and their sources) it
 writes the fp32
 cross-entropy loss (without the z-loss, which the caller adds from ``lse``), the fp32 lse as a pair
 ``lse + lse_lo`` (``lse_lo`` is the rounding error of ``lse = max + log(sum)``, kept so that the

@@ -1,6 +1,6 @@
 """Partial row statistics of a vocabulary slice (vocab parallelism): one program per row of the slice's
 logits ``(n, V_r)``, global columns ``[col_start, col_start + V_r)``. The caller exchanges them over the
-ranks (``integrations/distributed/exchange.py``) into the global lse and loss; the gradient of the slice
+ranks (``distributed/exchange.py``) into the global lse and loss; the gradient of the slice
 is then ``ce_backward`` with the slice's ``col_start``, the global V and the global statistics.
 
 Per row it writes (fp32 unless noted): ``xmax`` the max of the raw logits and ``argmax`` (int64, global

@@ -1,10 +1,10 @@
 """The per-row cross-entropy math of the kernels, written once and shared by ``ce_forward``,
-``ce_backward`` and the fused ``ce_chunk`` kernel (see ``fusedce/row_math.py`` for the formulas
+``ce_backward`` and the fused ``ce_chunk`` kernel (see ``fusedce/core/row_math.py`` for the formulas
 and their sources; the PyTorch backend computes the same ones), and the Triton home of the loss
 options' element-wise math (``logit_transform`` / ``logit_slope``). Every function takes the options as
 the kernels do, ``scalars`` (``options.LossScalars``, runtime) and ``FLAGS`` (``options.LossFlags``,
 constexpr), whole, and reads the fields it needs: a new element-wise option changes this file (and
-``options/schema.py``), no kernel parameter list and no launcher.
+``core/options/schema.py``), no kernel parameter list and no launcher.
 
 - ``logit_transform``: the logits ``x`` to the ``z`` the loss is taken on; ``logit_slope``: ``dz/dx``;
 - ``z_block``: one block of a row's logits, loaded and transformed;

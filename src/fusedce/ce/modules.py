@@ -1,0 +1,140 @@
+"""``nn.Module`` wrappers with the same argument order and semantics as the functions."""
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from fusedce import backends
+from fusedce.core import validation as val
+from fusedce.core.options import check_accum_dtype, check_chunk_size, check_flag, deterministic_mode, loss_options
+from fusedce.lm_head.method import check_method
+from fusedce.ce.functional import cross_entropy, linear_cross_entropy
+from fusedce.core.options.signatures import with_loss_options
+from fusedce.core.options import LOSS_OPTION_NAMES, LossOptionValues
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+def _set_options(module: nn.Module, name: str, weight, reduction, backend, options: dict) -> None:
+    """The construction-time checks shared by both modules (the errors the functions raise), then
+    every loss option as an attribute of ``module`` (checked, normalized; changing one later is seen
+    by the next forward, as in ``torch.nn.CrossEntropyLoss``)."""
+    checked = loss_options(reduction, **options)
+    val.check_class_weights(name, weight)
+    if backend is not None:   # None reads $FUSEDCE_BACKEND at each call
+        backends.check_name(backend)
+    for name in LOSS_OPTION_NAMES:
+        setattr(module, name, getattr(checked, name))
+
+
+def _options(module: nn.Module) -> dict:
+    """The loss options of ``module``, as keywords of the functions."""
+    return {name: getattr(module, name) for name in LOSS_OPTION_NAMES}
+
+
+def _extra_repr(module: nn.Module, *names: str) -> str:
+    """``repr``'s inside: ``reduction`` and every other option that differs from its default."""
+    defaults = {n: p.default for n, p in inspect.signature(type(module)).parameters.items()}
+    shown = [f"reduction={module.reduction!r}"]
+    for name in (*LOSS_OPTION_NAMES, *names):
+        value = getattr(module, name)
+        if name in defaults and value != defaults[name]:
+            shown.append(f"{name}={value!r}")
+    return ", ".join(shown)
+
+
+@with_loss_options
+class CrossEntropyLoss(nn.Module):
+    """Module form of :func:`fusedce.cross_entropy`; ``weight`` is registered as a buffer.
+
+    ``forward(logits (..., V), target (...), num_items_in_batch=None, *, token_weights=None)``; ``target``
+    may also be class probabilities of ``logits.shape`` (float); see ``cross_entropy`` for shapes, dtypes,
+    probability targets, the in-place option, the per-token loss weights and errors.
+
+    The loss options after the contract's positional ones (``logit_scale``, ``use_token_scaling``, and
+    any added later) are keyword-only (listed below); every option is an attribute of the module.
+
+    The options are checked at construction, with the errors of ``cross_entropy``: ``ValueError`` for
+    a bad ``reduction``, a loss option outside its domain, a ``weight`` that is not 1-D or an unknown
+    ``backend`` name; ``TypeError`` for an unknown keyword, a loss option of the wrong kind, a non-bool
+    flag or a ``weight`` that is not a floating-point tensor. Shapes, devices, ``"triton"`` without CUDA or the interpreter and ``"cute"`` without CUDA or
+    its extra (``RuntimeError``) are checked at each call.
+    """
+
+    def __init__(self, weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                 softcap: Optional[float] = None, inplace_backward: bool = False, return_stats: bool = False,
+                 backend: Optional[str] = None, **options: Unpack[LossOptionValues]):
+        check_flag("inplace_backward", inplace_backward)
+        check_flag("return_stats", return_stats)
+        super().__init__()
+        _set_options(self, "weight", weight, reduction, backend,
+                     dict(options, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                          lse_square_scale=lse_square_scale, softcap=softcap))
+        self.register_buffer("weight", weight)
+        self.reduction, self.inplace_backward, self.return_stats, self.backend = (
+            reduction, inplace_backward, return_stats, backend)
+
+    def extra_repr(self) -> str:
+        return _extra_repr(self, "inplace_backward", "return_stats", "backend")
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None, *,
+                token_weights: Optional[torch.Tensor] = None):
+        return cross_entropy(logits, target, self.weight, reduction=self.reduction,
+                             num_items_in_batch=num_items_in_batch, inplace_backward=self.inplace_backward,
+                             return_stats=self.return_stats, backend=self.backend, token_weights=token_weights,
+                             **_options(self))
+
+
+@with_loss_options
+class LinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`fusedce.linear_cross_entropy` (the LM head's weight is passed to forward).
+
+    ``forward(hidden (..., H), weight (V, H), target (...), bias=None, num_items_in_batch=None, *,
+    token_weights=None)``; see ``linear_cross_entropy`` for shapes, dtypes, chunking, the per-token loss
+    weights and errors. ``ce_weight`` is a buffer.
+
+    The options are checked at construction, as in :class:`CrossEntropyLoss` (``ce_weight`` for
+    ``weight``), plus ``chunk_size`` (``TypeError`` unless an integer or None, ``ValueError`` when < 1),
+    ``method`` (keyword-only; ``ValueError`` unless "auto" / "chunked" / "tiled", or with a
+    ``chunk_size`` and "tiled"), ``deterministic`` (keyword-only, as in the function: None follows
+    ``torch.are_deterministic_algorithms_enabled()`` at each call; ``TypeError`` unless None or a bool)
+    and ``accum_dtype`` (``TypeError`` unless a floating-point ``torch.dtype``).
+    """
+
+    def __init__(self, ce_weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                 softcap: Optional[float] = None, return_stats: bool = False, backend: Optional[str] = None,
+                 chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32, *,
+                 method: str = "auto", deterministic: Optional[bool] = None,
+                 **options: Unpack[LossOptionValues]):
+        check_chunk_size(chunk_size)
+        check_method(method, chunk_size)
+        deterministic_mode(deterministic)
+        check_flag("return_stats", return_stats)
+        check_accum_dtype(accum_dtype)
+        super().__init__()
+        _set_options(self, "ce_weight", ce_weight, reduction, backend,
+                     dict(options, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                          lse_square_scale=lse_square_scale, softcap=softcap))
+        self.register_buffer("ce_weight", ce_weight)
+        self.reduction, self.return_stats, self.backend = reduction, return_stats, backend
+        self.chunk_size, self.accum_dtype, self.method = chunk_size, accum_dtype, method
+        self.deterministic = deterministic
+
+    def extra_repr(self) -> str:
+        return _extra_repr(self, "return_stats", "backend", "chunk_size", "accum_dtype", "method",
+                           "deterministic")
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, num_items_in_batch=None, *,
+                token_weights: Optional[torch.Tensor] = None):
+        return linear_cross_entropy(
+            hidden, weight, target, bias, ce_weight=self.ce_weight, reduction=self.reduction,
+            num_items_in_batch=num_items_in_batch, chunk_size=self.chunk_size, method=self.method,
+            accum_dtype=self.accum_dtype, return_stats=self.return_stats, backend=self.backend,
+            deterministic=self.deterministic, token_weights=token_weights, **_options(self))

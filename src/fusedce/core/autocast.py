@@ -1,0 +1,112 @@
+"""``torch.autocast`` at the public entry points: every op behaves as the stock composition does under
+the same autocast (CPU bf16 / fp16, CUDA bf16 / fp16, any device type autocast supports).
+
+- cross-entropy ops (stock: ``F.cross_entropy``, on autocast's fp32 list): the op runs with autocast
+  disabled for the logits' device type (:func:`fp32_op`), so that no internal matmul (e.g. the
+  label-smoothing term ``z @ weight``) is downcast. Its math is fp32 already; the logits are not cast
+  (fp32 math on bf16 logits equals fp32 math on their upcast); the gradient has the logits' dtype.
+- linear ops (stock: ``F.cross_entropy(F.linear(h, w, b).float(), t)``, ``F.linear`` on autocast's
+  lower-precision list): ``hidden``, ``weight`` and ``bias`` are cast to the autocast dtype exactly as
+  autocast casts ``F.linear``'s inputs (:func:`linear_inputs`: floating-point tensors on the autocast
+  device type, float64 excepted, not already in that dtype), then the op runs with autocast disabled
+  (:func:`linear_op`): logits in the autocast dtype with fp32 accumulation, loss math in fp32. The casts
+  are ordinary differentiable ``.to``, so the gradients flow back through them and the caller's tensors
+  get gradients in their own dtypes (an fp32 weight gets an fp32 gradient of the bf16 matmul, as under
+  stock autocast). The ops' dtype check (one dtype for hidden / weight / bias) sees the cast tensors:
+  fp32 hidden with a bf16 weight is accepted under autocast, as ``F.linear`` accepts it.
+  (Autocast's cache of cast weights is not used: the same cast, made once per call.)
+
+Only the forward is wrapped. A ``backward()`` called inside an autocast region runs the ops' backward
+formulas under that autocast (autograd replays the caller's state); they do their own dtype handling.
+
+Without autocast enabled for the tensors' device type the decorators call the op unchanged (one check).
+All of this traces under ``torch.compile(fullgraph=True)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Optional
+
+import torch
+
+
+def autocast_device_type(t) -> Optional[str]:
+    """``t``'s device type when ``t`` is a tensor and autocast is enabled for that device type, else None."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    device_type = t.device.type
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return device_type
+
+
+def disabled(device_type: Optional[str]):
+    """A context manager that disables autocast for ``device_type`` (None: does nothing)."""
+    return contextlib.nullcontext() if device_type is None else torch.autocast(device_type, enabled=False)
+
+
+def _cast(t, device_type: str, dtype: torch.dtype):
+    """Autocast's rule for an input of a lower-precision op: a floating-point tensor on the autocast
+    device type, not float64, is cast to the autocast dtype; anything else passes unchanged."""
+    if (isinstance(t, torch.Tensor) and t.device.type == device_type and t.is_floating_point()
+            and t.dtype not in (torch.float64, dtype)):
+        return t.to(dtype)
+    return t
+
+
+def linear_inputs(hidden, weight, bias):
+    """``(hidden, weight, bias)`` as autocast would hand them to ``F.linear`` (unchanged when autocast is
+    off for ``hidden``'s device type). Differentiable casts."""
+    device_type = autocast_device_type(hidden)
+    if device_type is None:
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(_cast(t, device_type, dtype) for t in (hidden, weight, bias))
+
+
+def fp32_op(fn):
+    """Decorator for an op on logits (its FIRST parameter): under autocast for the logits' device type,
+    run it with autocast disabled (stock ``F.cross_entropy`` runs in fp32 under autocast)."""
+    first = next(iter(inspect.signature(fn).parameters))
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device_type = autocast_device_type(args[0] if args else kwargs.get(first))
+        if device_type is None:
+            return fn(*args, **kwargs)
+        with disabled(device_type):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def linear_op(fn, groups=None):
+    """Decorator for a linear op: under autocast for the first group's hidden device type, cast each
+    group of ``(hidden, weight, bias)`` parameters (given by name, positional or keyword; default: the
+    op's parameters 1, 2 and 4, ``fn(hidden, weight, target, bias=None, ...)``) with
+    :func:`linear_inputs`, then run the op with autocast disabled. A distillation op has two groups (the
+    student's head and the teacher's), each cast as autocast casts its own ``F.linear``."""
+    names = list(inspect.signature(fn).parameters)
+    groups = groups or ((names[0], names[1], names[3]),)
+    slots = tuple(tuple((names.index(n), n) for n in group) for group in groups)   # (position, name)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        first = slots[0][0]
+        device_type = autocast_device_type(args[first[0]] if len(args) > first[0] else kwargs.get(first[1]))
+        if device_type is None:
+            return fn(*args, **kwargs)
+        args, kwargs = list(args), dict(kwargs)
+        for group in slots:
+            given = [args[i] if i < len(args) else kwargs.get(name) for i, name in group]
+            for (index, name), value in zip(group, linear_inputs(*given)):
+                if index < len(args):
+                    args[index] = value
+                elif name in kwargs:
+                    kwargs[name] = value
+        with disabled(device_type):
+            return fn(*args, **kwargs)
+
+    return wrapper

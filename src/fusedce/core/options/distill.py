@@ -1,0 +1,56 @@
+"""The scalar options of the distillation losses (``fusedce.distillation_loss``,
+``linear_distillation_loss``): ``DistillOptions`` and their checks (the tensor checks: ``distill/checks.py``)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from fusedce.core.options.checks import FP32_NORMAL, fp32_range, integer_option, real_option
+from fusedce.core.options.schema import REDUCTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillOptions:
+    """The checked scalar options, passed to the backends' row ops as keywords (``kwargs()``); the Triton
+    launches read them as ``backends/triton/distill_launch.DistillKnobs`` (these fields and ``has_target``)."""
+
+    beta: float
+    temperature: float
+    hard_label_weight: float
+    ignore_index: int
+    student_softcap: Optional[float]
+    teacher_softcap: Optional[float]
+
+    def kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _softcap(name: str, value) -> Optional[float]:
+    if value is None:
+        return None
+    value = real_option(name, value)
+    if not value > 0.0:
+        raise ValueError(f"{name} must be None or a number > 0, got {value}")
+    return fp32_range(name, value, FP32_NORMAL[0])
+
+
+def distill_options(beta, temperature, hard_label_weight, ignore_index, reduction, student_softcap, teacher_softcap,
+            target) -> DistillOptions:
+    """``ValueError`` for ``beta`` outside [0, 1], a ``temperature`` that is not a finite number > 0 (or
+    whose inverse is not a normal fp32 number), a non-finite ``hard_label_weight`` or one != 0 without a
+    target, a softcap <= 0, an unknown ``reduction``; ``TypeError`` for a value of the wrong kind."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    beta = real_option("beta", beta)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must lie in [0, 1] (0: forward KL(teacher || student), 1: reverse KL), got {beta}")
+    temperature = real_option("temperature", temperature)
+    if not temperature > 0.0 or not FP32_NORMAL[0] <= 1.0 / temperature <= FP32_NORMAL[1]:
+        raise ValueError(f"temperature must be a finite number > 0 whose inverse is a normal fp32 number, "
+                         f"got {temperature}")
+    hard_label_weight = real_option("hard_label_weight", hard_label_weight)
+    if hard_label_weight != 0.0 and target is None:
+        raise ValueError(f"hard_label_weight = {hard_label_weight} needs a target (the hard labels); got target=None")
+    return DistillOptions(beta, temperature, fp32_range("hard_label_weight", hard_label_weight),
+                          integer_option("ignore_index", ignore_index), _softcap("student_softcap", student_softcap),
+                          _softcap("teacher_softcap", teacher_softcap))

@@ -1,0 +1,73 @@
+"""The public signatures' loss options, derived from ``schema.LossOptions`` (the one description).
+
+A public function or module that takes the loss options declares ``**options`` and is decorated with
+``with_loss_options``: its ``__signature__`` (what ``help()``, IDEs, ``inspect.signature`` and the
+Hugging Face patch see) then lists every option as a keyword-only parameter with its default, and its
+docstring gains a "Loss options" section written from the fields' docs. Adding a field to
+``LossOptions`` therefore adds the keyword to every public signature and docstring at once; values are
+checked by ``LossOptions.checked`` (an unknown keyword is a ``TypeError``, as Python's own).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import textwrap
+from dataclasses import fields
+
+from fusedce.core.options.schema import LossOptions
+
+_KW = inspect.Parameter.KEYWORD_ONLY
+
+
+def loss_option_parameters() -> list:
+    """One keyword-only ``inspect.Parameter`` per ``LossOptions`` field (name, default, annotation)."""
+    return [inspect.Parameter(f.name, _KW, default=f.default, annotation=f.type) for f in fields(LossOptions)]
+
+
+def loss_options_doc(indent: str = "    ") -> str:
+    """The "Loss options" docstring section: each field and its doc, wrapped at 100 columns."""
+    lines = [f"{indent}Loss options (every cross-entropy op, module and vocab-parallel entry point; keyword-only"
+             f" unless the signature above takes them by position; ``fusedce.core.options.LossOptions``):"]
+    for f in fields(LossOptions):
+        head = f"{indent}    {f.name} (default {f.default!r}): "
+        body = textwrap.fill(f.metadata["doc"], 100, initial_indent=head,
+                             subsequent_indent=indent + " " * 8)
+        lines.append(body)
+    return "\n".join(lines)
+
+
+def with_loss_options(obj):
+    """Replace the ``**options`` parameter of a function (or of a class's ``__init__``), in its
+    ``__signature__``, by the loss options it does not name itself (placed after its other
+    parameters, keyword-only) and append ``loss_options_doc`` to its (the class's) docstring. ``obj`` is
+    returned itself (no wrapper: nothing runs per call)."""
+    fn = obj.__init__ if isinstance(obj, type) else obj
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    if not params or params[-1].kind is not inspect.Parameter.VAR_KEYWORD:
+        raise TypeError(f"{fn.__qualname__} must end with **options to take the loss options")
+    explicit = {p.name for p in params}
+    added = [p for p in loss_option_parameters() if p.name not in explicit]
+    fn.__signature__ = sig.replace(parameters=params[:-1] + added)
+    obj.__doc__ = inspect.cleandoc(obj.__doc__ or "") + "\n\n" + loss_options_doc(indent="")
+    return obj
+
+
+def keyword_hints(**hints: str):
+    """Decorator for a public function whose parameter name a caller may mean as another one (``weight``
+    of :func:`fusedce.linear_cross_entropy` is the LM head; its class weights are ``ce_weight``): a call
+    that fills a parameter of ``hints`` both by position and by keyword raises ``TypeError`` with the hint
+    (Python's own "got multiple values for argument" does not say what was meant). One length check per
+    call; the signature (``inspect.signature``) stays the function's."""
+    def decorate(fn):
+        names = list(inspect.signature(fn).parameters)
+        checks = tuple((names.index(name), name, hint) for name, hint in hints.items())
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            for position, name, hint in checks:
+                if len(args) > position and name in kwargs:
+                    raise TypeError(f"{fn.__name__}() got multiple values for argument {name!r}: {hint}")
+            return fn(*args, **kwargs)
+        return wrapper
+    return decorate

@@ -1,0 +1,157 @@
+"""Reductions shared by every op: the mean's two denominators, the z-loss, the reduced loss and the
+stats. Everything stays on the device (no host sync).
+
+The contract's mean is ``sum(ce_row) / D + sum(z_row) / N``: ``ce_row`` the cross-entropy of a row
+(class-weighted), ``z_row = lse_square_scale * lse**2`` its z-loss (not weighted), ``D`` the weighted
+count of non-ignored rows (or ``num_items_in_batch``), ``N`` their plain count (or
+``num_items_in_batch``). So scaling the class weights leaves the mean unchanged, as in
+``F.cross_entropy``, and the z-loss part matches Liger's and flash-attn's. The backends return ``ce_row``
+and a differentiable ``lse``; the z-loss is built here, and its gradient reaches the kernels through
+``lse``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from fusedce.core.types import CrossEntropyOutput
+from fusedce.core.options import LossOptions
+
+
+class MeanScales(NamedTuple):
+    """``1 / D`` and ``1 / N`` of ``reduction="mean"`` as 0-dim fp32 device tensors (0 where the
+    denominator is 0: the loss is then 0.0 and the gradient all zeros, not NaN)."""
+
+    ce: torch.Tensor
+    z: torch.Tensor
+
+
+def mean_scale(denominator: torch.Tensor) -> torch.Tensor:
+    """``1 / D``, or 0 when ``D == 0``."""
+    nonzero = denominator != 0
+    return torch.where(nonzero, 1.0 / torch.where(nonzero, denominator, 1.0), 0.0)
+
+
+def _given(num_items_in_batch, device: torch.device) -> torch.Tensor:
+    if isinstance(num_items_in_batch, torch.Tensor):
+        # A device tensor stays on the device (a CPU tensor with CUDA data is one small H2D copy).
+        return num_items_in_batch.to(device=device, dtype=torch.float32).reshape(())
+    # A Python number becomes a fill kernel, not an H2D copy of a CPU scalar (a pageable copy
+    # synchronizes the stream and cannot be captured in a CUDA graph).
+    return torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
+
+
+def target_weights(target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int):
+    """Per-row ``w[t]`` (fp32 (BT,), 0 on ignored rows), or None without class weights; never indexes
+    with ``ignore_index`` or an out-of-range target."""
+    if weight is None:
+        return None
+    valid = target != ignore_index
+    safe = torch.where(valid & (target >= 0) & (target < weight.shape[0]), target, 0).long()
+    return torch.where(valid, weight.float()[safe], 0.0)
+
+
+def mean_scales(target: torch.Tensor, target_weight: Optional[torch.Tensor], ignore_index: int,
+                num_items_in_batch) -> MeanScales:
+    """The two scales of the mean: ``D = num_items_in_batch`` if given, else ``sum(target_weight)`` (the
+    per-row ``w[t]``, 0 on ignored rows; None = no class weights: the count); ``N = num_items_in_batch``
+    if given, else the count of non-ignored rows."""
+    if num_items_in_batch is not None:
+        scale = mean_scale(_given(num_items_in_batch, target.device))
+        return MeanScales(scale, scale)
+    count = mean_scale((target != ignore_index).sum().to(torch.float32))
+    if target_weight is None:
+        return MeanScales(count, count)
+    return MeanScales(mean_scale(target_weight.sum()), count)
+
+
+def row_count_scales(n_rows: int, device: torch.device, num_items_in_batch) -> MeanScales:
+    """The mean's scales for probability targets (no row is ignored; torch divides by the number of rows
+    whatever the class weights): ``1 / num_items_in_batch`` if given, else ``1 / n_rows``, for both the
+    cross-entropy and the z-loss."""
+    given = num_items_in_batch is not None
+    scale = mean_scale(_given(num_items_in_batch if given else n_rows, device))
+    return MeanScales(scale, scale)
+
+
+def z_rows(lse: torch.Tensor, opts: LossOptions) -> Optional[torch.Tensor]:
+    """Per-row z-loss ``lse_square_scale * lse**2`` (0 on ignored rows, whose lse the backends set to
+    0), differentiable through ``lse``; None when the scale is 0."""
+    if opts.lse_square_scale == 0.0:
+        return None
+    return opts.lse_square_scale * lse * lse
+
+
+def reduce(ce_rows: torch.Tensor, z: Optional[torch.Tensor], reduction: str,
+           scales: Optional[MeanScales], shape) -> torch.Tensor:
+    """The loss from the (BT,) fp32 per-row cross-entropy and z-loss (None: none); ``scales`` for
+    "mean"."""
+    if reduction == "none":
+        return (ce_rows if z is None else ce_rows + z).reshape(shape)
+    if reduction == "sum":
+        return ce_rows.sum() if z is None else ce_rows.sum() + z.sum()
+    total = ce_rows.sum() * scales.ce
+    return total if z is None else total + z.sum() * scales.z
+
+
+def token_scaled(ce_rows: torch.Tensor, z: Optional[torch.Tensor], token_weight: Optional[torch.Tensor]):
+    """Each row's cross-entropy and z-loss times ``token_weight`` (detached, so the gradient is
+    ``token_weight`` times the row's gradient): ``use_token_scaling``'s ``p_t`` (Dynamic Fine-Tuning;
+    Liger's flag, TRL's ``loss_type="dft"``) and / or the user's ``token_weights`` (``times``);
+    unchanged when ``token_weight`` is None."""
+    if token_weight is None:
+        return ce_rows, z
+    token_weight = token_weight.detach()
+    return ce_rows * token_weight, None if z is None else z * token_weight
+
+
+def row_token_weights(token_weights: Optional[torch.Tensor], target: torch.Tensor,
+                      ignore_index: int) -> Optional[torch.Tensor]:
+    """The user's ``token_weights`` ((...) float, checked by ``validation.check_token_weights``) as the
+    (BT,) fp32 constant each row's loss is multiplied by: detached (no gradient, as class weights) and
+    0 on ignored rows (whatever they held there, NaN included); None stays None."""
+    if token_weights is None:
+        return None
+    return torch.where(target.reshape(-1) != ignore_index, token_weights.detach().reshape(-1).float(), 0.0)
+
+
+def times(token_weight: Optional[torch.Tensor], token_weights: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The per-row factor of the loss: ``use_token_scaling``'s ``p_t`` (or None) times the user's
+    ``token_weights`` (``row_token_weights``, or None); None when neither is given."""
+    if token_weights is None:
+        return token_weight
+    return token_weights if token_weight is None else token_weight * token_weights
+
+
+def loss_and_stats(ce_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor,
+                   target: torch.Tensor, opts: LossOptions, reduction: str, scales: Optional[MeanScales],
+                   shape, return_stats: bool, token_weight: Optional[torch.Tensor] = None):
+    """The public result of an op from its per-row cross-entropy and lse (both (BT,) fp32, lse 0 on
+    ignored rows) and the per-row factor of the loss (``use_token_scaling``'s ``p_t`` and / or the user's
+    ``token_weights``, see ``times``; None: none): the reduced loss, or ``CrossEntropyOutput`` with
+    ``return_stats``."""
+    loss = reduce(*token_scaled(ce_rows, z_rows(lse, opts), token_weight), reduction, scales, shape)
+    if not return_stats:
+        return loss
+    return stats(loss, lse, predicted, target, opts, reduction, scales, shape, token_weight)
+
+
+def stats(loss: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor,
+          opts: LossOptions, reduction: str, scales: Optional[MeanScales], shape,
+          token_weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
+    """Build ``CrossEntropyOutput`` from the per-row lse and argmax (BT,) and the reduced ``loss``
+    (``token_weight``: the z-loss rows are scaled like the loss). ``valid``: the rows that count (bool
+    (BT,)); default ``target != ignore_index`` (probability targets pass all rows, and as ``target`` the
+    argmax of the target distribution)."""
+    valid = opts.kept(target) if valid is None else valid
+    lse = lse.detach()
+    z = token_scaled(lse, z_rows(lse, opts), token_weight)[1]
+    z_loss = reduce(torch.zeros_like(lse) if z is None else z, None, reduction,
+                    None if scales is None else MeanScales(scales.z, scales.z), shape)
+    correct = (valid & (predicted == target)).to(torch.float32)
+    if reduction == "none":
+        accuracy = correct.reshape(shape)
+    else:
+        accuracy = correct.sum() / valid.sum().clamp_min(1).to(torch.float32)
+    return CrossEntropyOutput(loss, z_loss, lse.reshape(shape), accuracy, predicted.reshape(shape))

@@ -1,0 +1,247 @@
+"""Per-row cross-entropy math on an fp32 block of rows, in plain PyTorch: the reference formulas every
+layer may import (the PyTorch backend's math, the public ops' token scaling, the LM head's chunk loop, the
+vocab-parallel exchange). The Triton and CuTe kernels implement the same formulas in
+``backends/triton/kernels/row_math.py`` and ``backends/cute/kernels/row_math.py``.
+Notation per row, on ``z = softcap * tanh(s x / softcap)`` (or ``z = s x``; ``s`` = logit_scale),
+``eps`` = label_smoothing,
+``w`` = class weights (1 without), ``W = sum_c w_c``, ``t`` = target, ``a = (1 - eps) w_t``,
+``b = eps / V``:
+
+    lse  = log sum_c exp(z_c)
+    loss = a (lse - z_t) + b (W lse - sum_c w_c z_c)
+
+(``F.cross_entropy``'s smoothing formula). The z-loss ``s_z lse**2`` (PaLM, Chowdhery et al. 2022,
+sec. 5) is not part of ``loss``: the caller adds it from ``lse``, so its gradient arrives here as the
+upstream gradient ``h`` of ``lse``. With ``g`` the upstream gradient of ``loss`` and ``p = softmax(z)``:
+
+    dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c
+
+and the chain rule ``dz/dx = s (1 - (z / softcap)**2)`` (``s`` without softcap).
+
+Precision. ``lse`` is kept as an fp32 pair ``lse + lse_lo`` = ``max + log(sum)`` exactly (TwoSum), so
+``p_c = exp((z_c - lse) - lse_lo)`` and ``lse - z_t + lse_lo`` are as accurate as PyTorch's
+``exp((z - max) - log(sum))`` for any logit magnitude (a single fp32 lse carries an absolute error of
+|lse| 2^-24, which at |lse| ~ 1e3-1e4 is a relative error of 1e-4 on every probability). The target
+column is formed as ``p_t - 1`` before scaling, so the gradient is exactly 0 where the math says so
+(V = 1; a saturated softmax).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fusedce.core.options import LossOptions
+
+
+def transform(x: torch.Tensor, opts: LossOptions) -> torch.Tensor:
+    """``z`` of fp32 logits ``x``: ``softcap * tanh(logit_scale * x / softcap)``, or ``logit_scale * x``.
+    Returns ``x`` itself when there is nothing to do (callers that write into ``x`` rely on that)."""
+    if opts.logit_scale != 1.0:
+        x = x * opts.logit_scale
+    return x if opts.softcap is None else torch.tanh(x / opts.softcap) * opts.softcap
+
+
+def mul_slope_(grad: torch.Tensor, z: torch.Tensor, opts: LossOptions, z_scratch: bool = False) -> torch.Tensor:
+    """The chain rule of ``transform``, in place: ``grad *= dz/dx = logit_scale * (1 - (z / softcap)**2)``
+    (``logit_scale`` alone without softcap), ``z = transform(x)`` fp32 of ``grad``'s shape. With
+    ``z_scratch`` ``z`` is overwritten (no temporary of its size). Returns ``grad``. Every PyTorch
+    gradient of the loss and log-prob ops goes through it (the Triton / CuTe kernels' ``logit_slope``)."""
+    if opts.softcap is not None:
+        shifted = z.div_(opts.softcap) if z_scratch else z.div(opts.softcap)
+        grad.mul_(shifted.square_().neg_().add_(1.0))
+    if opts.logit_scale != 1.0:
+        grad.mul_(opts.logit_scale)
+    return grad
+
+
+def target_probability(x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
+                       opts: LossOptions):
+    """``p_t = softmax(z)[t] = exp((z_t - lse) - lse_lo)`` per row of logits ``x`` ((n, V) any float
+    dtype; ``lse``, ``lse_lo`` (n,) the exact lse pair of ``z``), fp32, 0 on ignored rows and rows whose
+    target is out of range; the factor of ``use_token_scaling``, as accurate as the softmax of the
+    gradient for any logit magnitude. Gathers one logit per row: O(n) work."""
+    valid = opts.kept(target) & (target >= 0) & (target < x.shape[1])
+    safe = torch.where(valid, target, 0).long()
+    z_t = transform(x.gather(1, safe[:, None])[:, 0].float(), opts)
+    return torch.where(valid, torch.exp((z_t - lse) - lse_lo), 0.0)
+
+
+def two_sum(a: torch.Tensor, b: torch.Tensor):
+    """``(s, e)``: ``s = fl(a + b)`` and ``s + e = a + b`` exactly (Knuth's TwoSum, TAOCP 4.2.2)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _target_terms(z, target, weight, opts: LossOptions):
+    """(valid, in_range, safe target, z_t, w_t) for a block; never indexes with a bad target."""
+    n_classes = z.shape[1]
+    valid = opts.kept(target)
+    in_range = (target >= 0) & (target < n_classes)
+    safe = torch.where(in_range, target, torch.zeros_like(target)).long()
+    z_t = z.gather(1, safe[:, None])[:, 0]
+    w_t = torch.ones_like(z_t) if weight is None else weight[safe]
+    return valid, in_range, safe, z_t, w_t
+
+
+def logsumexp_rows(z: torch.Tensor, scratch: Optional[torch.Tensor] = None):
+    """``(lse, lse_lo)`` per row, fp32, with ``lse + lse_lo = max + log(sum_c exp(z_c - max))`` exactly.
+
+    One max pass, one fused sub/exp pass (into ``scratch``, an fp32 buffer of ``z``'s shape, when given)
+    and a sum. A row whose logits are all -inf (a masked block) is shifted by 0 instead of -inf, so its
+    sum is 0 and its lse -inf (never NaN from -inf - -inf); a NaN anywhere in a row makes its lse NaN.
+    """
+    m = z.amax(dim=1)
+    shift = torch.where(m == float("-inf"), 0.0, m)
+    d = torch.sub(z, shift[:, None], out=scratch).exp_().sum(dim=1).log_()
+    return two_sum(shift, d)
+
+
+def row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes: int, opts: LossOptions) -> torch.Tensor:
+    """The row's cross-entropy (without z-loss) from its statistics, (n,) fp32: the one place of the
+    loss formula for the PyTorch backend and the vocab-parallel exchange (the kernels have theirs in
+    ``kernels/row_math.py``). ``lse_lo`` is added back to ``lse - z_t`` (as accurate as
+    ``-log_softmax[t]``); ``w_t`` None means 1; ``zsum = sum_c w_c z_c`` and ``total_w = W`` are read
+    only with smoothing."""
+    eps = opts.label_smoothing
+    loss = (1.0 - eps) * ((lse - z_t) + lse_lo)
+    if w_t is not None:
+        loss = loss * w_t
+    if eps > 0.0:
+        loss = loss + (eps / n_classes) * ((total_w * lse - zsum) + total_w * lse_lo)
+    return loss
+
+
+def entropy_rows(z: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor) -> torch.Tensor:
+    """``-sum_c p_c u_c`` per row of fp32 ``z`` ((n, V)), ``u_c = (z_c - lse) - lse_lo``, ``p = exp(u)``:
+    the entropy of ``softmax(z)``, a sum of non-negative terms (no cancellation); -inf logits add 0."""
+    u = (z - lse[:, None]) - lse_lo[:, None]
+    return -torch.where(z == float("-inf"), 0.0, torch.exp(u) * u).sum(dim=1)
+
+
+def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                 weight_sum: Optional[torch.Tensor], opts: LossOptions, stats: bool = True,
+                 scratch: Optional[torch.Tensor] = None, entropy: bool = False):
+    """Per-row cross-entropy (without z-loss), lse and argmax of ``x`` ((n, V) fp32; ``weight`` (V,)
+    fp32 or None).
+
+    Returns ``(loss, lse, lse_lo, predicted)``: (n,) fp32 each (0 on ignored rows; loss NaN on a row
+    whose target is out of range and not ignored), predicted (n,) int64 (-1 on ignored rows) or None
+    without stats; with ``entropy`` a fifth element, the entropy of ``softmax(z)`` (n,) fp32 (0 on
+    ignored rows). Reads ``x`` about twice (max, exp), once more for smoothing, the argmax and the
+    entropy.
+    """
+    n_classes = x.shape[1]
+    z = transform(x, opts)
+    lse, lse_lo = logsumexp_rows(z, scratch)
+    valid, in_range, _, z_t, w_t = _target_terms(z, target, weight, opts)
+    zsum = None
+    if opts.label_smoothing > 0.0:
+        zsum = z.sum(dim=1) if weight is None else z @ weight
+    total_w = n_classes if weight is None else weight_sum
+    loss = row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes, opts)
+    loss = torch.where(in_range, loss, torch.full_like(loss, float("nan")))
+    loss = torch.where(valid, loss, 0.0)
+    ent = torch.where(valid, entropy_rows(z, lse, lse_lo), 0.0) if entropy else None
+    lse, lse_lo = torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)
+    predicted = None
+    if stats:
+        predicted = torch.where(valid, x.argmax(dim=1), torch.full_like(target, -1, dtype=torch.long))
+    if entropy:
+        return loss, lse, lse_lo, predicted, ent
+    return loss, lse, lse_lo, predicted
+
+
+def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+              weight_sum: Optional[torch.Tensor], lse: torch.Tensor, lse_lo: torch.Tensor,
+              grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor], opts: LossOptions,
+              out: Optional[torch.Tensor] = None, *, n_classes: Optional[int] = None,
+              col_start: int = 0, target_weight: Optional[torch.Tensor] = None,
+              grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gradient of ``sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i (+ grad_entropy[i] * entropy_i)``
+    w.r.t. ``x`` ((n, V) fp32); the entropy term is ``-k p_c (u_c + entropy)``, ``u_c = (z_c - lse) -
+    lse_lo`` (``backends/protocol.py``), and needs the forward's ``entropy`` (n,).
+
+    Ignored rows get exactly 0. ``grad_row``, ``grad_lse`` (None: 0) are per-row upstream gradients
+    (any strides). The result is computed in ``out`` ((n, V) fp32, may be ``x`` itself, which is then
+    destroyed) or, without it, in one new (n, V) buffer. Without softcap no other temporary of that
+    size is made: 4 passes (two subtractions, exp, scale), one more with smoothing.
+
+    For a slice of a larger vocabulary (vocab parallelism), ``x`` holds the global columns
+    ``[col_start, col_start + x.shape[1])``, ``n_classes`` is the global V, ``weight`` the slice's class
+    weights, ``weight_sum`` their global sum and ``target_weight`` the per-row w_t (fp32 (n,), from the
+    rank that owns the target); ``lse``/``lse_lo`` are the global ones.
+    """
+    n_local = x.shape[1]
+    n_classes = n_local if n_classes is None else n_classes
+    z = transform(x, opts)
+    valid = opts.kept(target)
+    owned = (target >= col_start) & (target < col_start + n_local)
+    safe = torch.where(owned, target - col_start, torch.zeros_like(target)).long()
+    if target_weight is not None:
+        w_t = target_weight
+    else:
+        w_t = torch.ones_like(lse) if weight is None or n_local == 0 else weight[safe]
+    a, b = (1.0 - opts.label_smoothing) * w_t, opts.label_smoothing / n_classes
+    total_w = n_classes if weight is None else weight_sum
+    g = torch.where(valid, grad_row.float(), 0.0)
+    h = None if grad_lse is None else torch.where(valid, grad_lse.float(), 0.0)
+    row_factor = g * (a + b * total_w) if h is None else g * (a + b * total_w) + h
+    # p = exp((z - lse) - lse_lo): z - lse is exact near the row max; subtracting lse_lo there (not
+    # multiplying by exp(-lse_lo)) measured 1.2-1.6x torch's Frobenius error at logits x1e3-1e4, vs ~2x
+    grad = torch.sub(z, lse[:, None], out=torch.empty_like(z) if out is None else out)
+    grad.sub_(lse_lo[:, None])
+    k = None if grad_entropy is None else torch.where(valid, grad_entropy.float(), 0.0)
+    if k is not None:   # -k p (u + entropy): u + entropy kept in a second (n, V) buffer
+        ent_term = grad.add(torch.where(valid, entropy, 0.0)[:, None])
+    grad.exp_()
+    if n_local:  # the target column, exactly: g (a (p_t - 1) + b (W p_t - w_t)) + h p_t
+        p_t = grad.gather(1, safe[:, None])[:, 0]
+        at_target = g * (a * (p_t - 1.0) + b * (total_w * p_t - w_t))
+        if h is not None:
+            at_target = at_target + h * p_t
+        if k is not None:
+            at_target = at_target - k * p_t * ent_term.gather(1, safe[:, None])[:, 0]
+    if k is not None:   # k p (u + entropy), subtracted below; 0 where p = 0 (z = -inf: 0 * -inf)
+        ent_term.mul_(grad).masked_fill_(grad == 0.0, 0.0).mul_(k[:, None])
+    grad.mul_(row_factor[:, None])
+    if k is not None:
+        grad.sub_(ent_term)
+    if opts.label_smoothing > 0.0:
+        if weight is None:
+            grad.sub_((b * g)[:, None])
+        else:
+            grad.addr_(b * g, weight, alpha=-1.0)
+    if n_local:
+        current = grad.gather(1, safe[:, None])[:, 0]
+        grad.scatter_(1, safe[:, None], torch.where(owned, at_target, current)[:, None])
+    mul_slope_(grad, z, opts, z_scratch=opts.softcap is not None)   # with softcap z is a fresh tensor here
+    if grad.device.type == "cpu" and not torch.compiler.is_compiling():
+        # a CPU tensor (no device sync): touch only the ignored rows (exact zeros even over inf/NaN)
+        return grad.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
+    return grad.masked_fill_(~valid[:, None], 0.0)
+
+
+def token_stats(z: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
+                valid: torch.Tensor):
+    """TRL's per-token statistics (``types.TokenStats``) of fp32 ``z`` ((n, V), the transformed logits
+    ``q``) with its exact lse pair: ``(log_sum_sq_probs, mean_logits, is_top1)``, (n,) fp32, fp32, bool,
+    0 / False where ``valid`` is False.
+
+    ``log sum_c p_c**2 = log sum_c exp(2 u_c)``, ``u_c = (z_c - lse) - lse_lo = log p_c`` (every term
+    at most 1, the largest at least 1/V**2: no overflow or underflow of the sum; -inf logits add 0);
+    ``mean = sum_c z_c / V``; ``is_top1``: ``z.argmax()`` (the first maximum) equals the target."""
+    u = (z - lse[:, None]) - lse_lo[:, None]
+    log_sum_sq = u.mul_(2.0).exp_().sum(dim=1).log_()
+    mean = z.sum(dim=1) / z.shape[1]
+    top1 = valid & (z.argmax(dim=1) == target)
+    return torch.where(valid, log_sum_sq, 0.0), torch.where(valid, mean, 0.0), top1
+
+
+def grad_lse(lse: torch.Tensor, z_grad_row: torch.Tensor, opts: LossOptions) -> Optional[torch.Tensor]:
+    """Upstream gradient of a chunk's lse from the z-loss ``s lse**2``: ``2 s lse`` times the z-loss's
+    own per-row upstream gradient; None without z-loss."""
+    if opts.lse_square_scale == 0.0:
+        return None
+    return (2.0 * opts.lse_square_scale) * lse * z_grad_row

@@ -1,0 +1,238 @@
+"""Tensor argument checks of the public contract (shapes, dtypes, devices, target range, token weights;
+the scalar options are checked by ``fusedce.core.options``). Every check runs before any kernel writes
+anything."""
+from __future__ import annotations
+
+import numbers
+from typing import Callable, Optional
+
+import torch
+
+from fusedce.core.options.checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_accum_dtype, check_chunk_size, finite, fp32_range)
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def widen_target(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """An int32 ``target`` compared with an ``ignore_index`` outside int32 would wrap around: such a
+    target is converted to int64 once (a BT-element copy); otherwise it is returned as is."""
+    if target.dtype == torch.int32 and not INT32_RANGE[0] <= ignore_index <= INT32_RANGE[1]:
+        return target.long()
+    return target
+
+
+def check_nonzero(name: str, shape, dim: int, what: str) -> None:
+    """``ValueError`` when ``shape[dim]`` (``what``: "V", the classes, or "H", the hidden size) is 0."""
+    if shape[dim] == 0:
+        raise ValueError(f"{what} = 0: {name} has shape {tuple(shape)}; "
+                         f"{'the number of classes' if what == 'V' else 'the hidden size'} must be > 0")
+
+
+def check_target(target: torch.Tensor, expected_shape, device: torch.device,
+                 hint: Optional[Callable[[tuple], str]] = None, probabilities: bool = False) -> None:
+    """``target`` must be an int32/int64 tensor of ``expected_shape`` on ``device``. On a shape mismatch,
+    ``hint(target.shape)`` is appended to the message: the likely mistake (:func:`class_dim_hint`,
+    :func:`swapped_hint`). ``probabilities``: the op also takes float probability targets (checked by
+    :func:`check_soft_target`), which the dtype error then names."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a tensor, got {type(target).__name__}")
+    if target.dtype not in INDEX_DTYPES:
+        also = (" class indices, or a float32 / bfloat16 / float16 / float64 tensor of the logits' shape "
+                "(class probabilities)") if probabilities else ""
+        raise TypeError(f"target must be int64 or int32{also}, got {target.dtype}")
+    if tuple(target.shape) != tuple(expected_shape):
+        raise ValueError(f"target shape {tuple(target.shape)} must equal {tuple(expected_shape)}"
+                         + (hint(tuple(target.shape)) if hint is not None else ""))
+    if target.device != device:
+        raise ValueError(f"target is on {target.device} but the data is on {device}")
+
+
+def class_dim_hint(logits_shape: tuple, target_shape: tuple) -> str:
+    """The hint for a target that fits logits in ``F.cross_entropy``'s layout ``(N, C, d1, ...)`` (classes
+    in dimension 1), or ``""``."""
+    if len(logits_shape) < 3:
+        return ""
+    if target_shape != tuple(logits_shape[:1]) + tuple(logits_shape[2:]):
+        return ""
+    return (f" (logits.shape[:-1]): the class dimension is LAST here, logits (..., V); these logits "
+            f"{tuple(logits_shape)} with this target look like F.cross_entropy's layout (N, C, d1, ...) with "
+            f"C = {logits_shape[1]} classes in dimension 1: pass logits.movedim(1, -1)")
+
+
+def swapped_hint(hidden_shape: tuple, weight_shape: tuple, target_shape: tuple) -> str:
+    """The hint for ``linear_cross_entropy(weight, hidden, target)`` (the first two swapped), or ``""``:
+    ``weight`` has the target's shape but for H, and ``hidden`` is 2-D (a head's ``(V, H)``)."""
+    if len(hidden_shape) != 2 or tuple(weight_shape[:-1]) != tuple(target_shape):
+        return ""
+    return (f" (hidden.shape[:-1]); hidden {hidden_shape} and weight {weight_shape} look swapped: the "
+            "arguments are (hidden (..., H), weight (V, H), target (...)), the LM head's weight second")
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def check_vector(name: str, t: Optional[torch.Tensor], size: int, device: torch.device) -> None:
+    """An optional ``(size,)`` float tensor on ``device`` (class weights, bias)."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor")
+    if t.dim() != 1 or t.shape[0] != size:
+        raise ValueError(f"{name} must have shape ({size},), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the data is on {device}")
+
+
+def check_class_weights(name: str, t: Optional[torch.Tensor]) -> None:
+    """An optional 1-D float tensor whose length is not known yet (a module's class weights, checked
+    again against V at each call): ``TypeError`` unless a floating-point tensor, ``ValueError`` unless 1-D."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must have shape (V,), got {tuple(t.shape)}")
+
+
+def sync_allowed() -> bool:
+    """The target-range check host-syncs; skip it under torch.compile and CUDA-graph capture."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+class TargetOutOfRange(IndexError):
+    """The ``IndexError`` of :func:`check_target_range`; ``position`` (an index tuple into the target it
+    checked), ``value``, ``n_classes`` and ``ignore_index`` let a caller that made that target from the
+    user's (the Hugging Face patch: shifted, flattened labels) name the user's element instead."""
+
+    def __init__(self, message: str, position: tuple, value: int, n_classes: int, ignore_index: int):
+        super().__init__(message)
+        self.position, self.value, self.n_classes, self.ignore_index = position, value, n_classes, ignore_index
+
+
+def check_token_weights(token_weights, target: torch.Tensor, shape=None) -> None:
+    """``token_weights``: None, or a floating-point tensor of ``shape`` (default ``target.shape``; the
+    logits' ``shape[:-1]`` for probability targets) on the target's device (``TypeError`` for a non-tensor
+    or a non-float dtype, ``ValueError`` for another shape or device). Its values are checked by
+    :func:`check_target_range` (in the same host sync; class-index targets only)."""
+    if token_weights is None:
+        return
+    if not isinstance(token_weights, torch.Tensor) or not token_weights.is_floating_point():
+        kind = token_weights.dtype if isinstance(token_weights, torch.Tensor) else type(token_weights).__name__
+        raise TypeError(f"token_weights must be a floating-point tensor, got {kind}")
+    expected = tuple(target.shape if shape is None else shape)
+    if tuple(token_weights.shape) != expected:
+        raise ValueError(f"token_weights shape {tuple(token_weights.shape)} must equal the target's "
+                         f"{expected}" + (" (logits.shape[:-1] for probability targets)" if shape is not None else ""))
+    if token_weights.device != target.device:
+        raise ValueError(f"token_weights is on {token_weights.device} but the target is on {target.device}")
+
+
+def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
+                       token_weights: Optional[torch.Tensor] = None) -> None:
+    """Raise ``IndexError`` (``TargetOutOfRange``) naming the first target that is neither
+    ``ignore_index`` nor in ``[0, V)``; then ``ValueError`` naming the first non-ignored row whose
+    ``token_weights`` (fp32 of ``target.shape``, or None) is NaN or infinite.
+
+    This is the contract's one documented host sync of ``cross_entropy`` (both checks share it: one
+    read of one flag); skipped (a bad row then gives a NaN loss row, never an out-of-bounds read; a
+    non-finite weight propagates into the loss and that row's gradient) while compiling or capturing a
+    CUDA graph.
+    """
+    if target.numel() == 0 or not sync_allowed():
+        return
+    kept = target != ignore_index
+    bad = kept & ((target < 0) | (target >= n_classes))
+    bad_weight = None if token_weights is None else kept & ~torch.isfinite(token_weights)
+    if not bool((bad if bad_weight is None else bad | bad_weight).any()):   # the one sync
+        return
+    if bad_weight is not None and not bool(bad.any()):   # (error paths only from here)
+        flat = bad_weight.reshape(-1).nonzero()[0, 0]
+        pos = [int(i) for i in torch.unravel_index(flat, tuple(target.shape))]
+        raise ValueError(f"token_weights{pos} = {float(token_weights.reshape(-1)[flat])} on a non-ignored row: "
+                         "token weights must be finite")
+    flat = bad.reshape(-1).nonzero()[0, 0]
+    pos = tuple(int(i) for i in torch.unravel_index(flat, tuple(target.shape)))
+    value = int(target.reshape(-1)[flat])
+    raise TargetOutOfRange(
+        f"target{list(pos)} = {value} is out of range: expected ignore_index={ignore_index} "
+        f"or a class in [0, {n_classes}) (V = {n_classes})", pos, value, n_classes, ignore_index)
+
+
+def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype=torch.float32,
+                 names=("weight", "bias", "ce_weight"), sharded=False) -> None:
+    """Checks of ``linear_cross_entropy`` (and its vocab-parallel form, whose tensors are ``names``):
+    float tensors, ``weight`` (V, H) with ``hidden`` (..., H) on one device, ``H > 0`` and ``V > 0``
+    (``sharded``: this rank's ``V_r`` may be 0; the global V is checked by ``vocab_layout``),
+    ``target`` (...), ``bias`` and class weights (V,), one dtype for hidden/weight/bias, a positive
+    integer ``chunk_size`` or None, a floating ``accum_dtype``."""
+    w_name, b_name, cw_name = names
+    check_float("hidden", hidden)
+    check_float(w_name, weight)
+    if hidden.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"hidden must be (..., H) and {w_name} (V, H); got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}"
+                         + swapped_hint(tuple(hidden.shape), tuple(weight.shape),
+                                        tuple(getattr(target, "shape", ()))).replace(" (hidden.shape[:-1]);", ";"))
+    check_nonzero("hidden", hidden.shape, -1, "H")
+    check_nonzero(w_name, weight.shape, 1, "H")
+    if not sharded:
+        check_nonzero(w_name, weight.shape, 0, "V")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = "
+                         f"{weight.shape[1]}")
+    if weight.device != hidden.device:
+        raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
+    check_target(target, hidden.shape[:-1], hidden.device,
+                 lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape))
+    check_vector(b_name, bias, weight.shape[0], hidden.device)
+    check_vector(cw_name, ce_weight, weight.shape[0], hidden.device)
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise TypeError(f"hidden, {w_name} and {b_name} must share a dtype; got {hidden.dtype}, "
+                        f"{weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")
+    check_chunk_size(chunk_size)
+    check_accum_dtype(accum_dtype)
+
+
+def check_num_items(num_items_in_batch, device: torch.device) -> None:
+    """``num_items_in_batch``: None, a finite number >= 0, or a one-element real tensor on ``device`` or
+    the CPU. A CPU tensor's value is checked like a number (no device is involved); a CUDA tensor's is
+    not (reading it would sync the stream): a negative or non-finite one gives that loss. ``TypeError``
+    for a bool, a bool tensor or a non-number; ``ValueError`` for a negative or non-finite number or CPU
+    tensor, or a tensor of another size / device."""
+    if num_items_in_batch is None:
+        return
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.is_complex():
+            raise TypeError(f"num_items_in_batch must be a real number or tensor, got a tensor of dtype "
+                            f"{num_items_in_batch.dtype}")
+        if num_items_in_batch.requires_grad:   # a constant of the loss, as the loss options
+            raise TypeError("num_items_in_batch is a constant of the loss: a tensor that requires grad is not "
+                            "supported")
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch must be a number or a one-element tensor, got shape "
+                             f"{tuple(num_items_in_batch.shape)}")
+        if num_items_in_batch.device not in (device, torch.device("cpu")):
+            raise ValueError(f"num_items_in_batch is on {num_items_in_batch.device} but the data is on {device}")
+        if num_items_in_batch.device.type == "cpu" and sync_allowed():
+            value = float(num_items_in_batch)   # a CPU tensor: reading it syncs with no device
+            if not (finite(value) and value >= 0):
+                raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {value}")
+            fp32_range("num_items_in_batch", value, FP32_NORMAL[0])
+        return
+    number = isinstance(num_items_in_batch, (numbers.Real,) + SYMBOLIC)
+    if isinstance(num_items_in_batch, bool) or not number:
+        raise TypeError(f"num_items_in_batch must be a number, a one-element tensor or None, got "
+                        f"{num_items_in_batch!r} ({type(num_items_in_batch).__name__})")
+    if not (finite(num_items_in_batch) and num_items_in_batch >= 0):
+        raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {num_items_in_batch}")
+    if not isinstance(num_items_in_batch, SYMBOLIC):
+        fp32_range("num_items_in_batch", float(num_items_in_batch), FP32_NORMAL[0])

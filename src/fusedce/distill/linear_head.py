@@ -1,0 +1,202 @@
+"""Autograd of the distillation losses, on any backend's row op (``distill_rows``) and tiled op
+(``tiled_distill``); the signatures are in ``backends/pytorch/distill.py`` / ``distill_tiled.py``.
+
+- Logits given (``_Distill``): the forward computes the per-row loss only; the backward calls the row op
+  once more with the per-row upstream gradient (``scale * g`` for mean / sum, the caller's per-row
+  gradient for "none"), so every reduction's backward is exact and a second backward recomputes.
+- LM heads given (``_LinearDistill``): ``"chunked"`` (``ChunkedDistill``) computes the logits of both
+  models ``rows`` tokens at a time into one buffer each (``chunked.logits_chunk``), the row op on them, and
+  with mean / sum the student's gradients in the same pass (``grad_h_c = d_c @ W_s``, ``grad_W_s +=
+  d_c.T @ h_c``, ``grad_b_s += sum d_c``, fp32 accumulators, ``chunked.accumulate_``); ``"tiled"``
+  (``TiledDistill``) hands the whole thing to the backend's ``tiled_distill`` (no logits of either
+  model). With mean / sum the gradients are made in the forward, times a power of two ``P`` (the
+  headroom of ``function.py``: fp16 keeps dlogits far below ``2^-24 / S`` when a GradScaler's ``S`` arrives
+  in the backward), and the first backward multiplies them by ``g / P`` (exact for a power-of-two
+  ``g``); "none" and any later backward recompute with the exact per-row upstream gradient.
+- The teacher is a constant: its tensors enter detached (no gradient, whatever their ``requires_grad``).
+- Ignored rows are compacted away before any matmul when a target is given (``function.compact_rows``: one
+  host sync per call, skipped under torch.compile / CUDA-graph capture, where the row ops zero them).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+from fusedce.core.autograd_checks import check_backward_allowed
+from fusedce.lm_head import chunked as loop
+from fusedce.lm_head.headroom import HEADROOM_EXP, scaled_
+from fusedce.lm_head.compaction import compact_rows, scatter_rows
+from fusedce.lm_head.method import chunk_rows, resolve_method
+
+
+def reduce_rows(loss: torch.Tensor, reduction: str, scale: torch.Tensor) -> torch.Tensor:
+    """"none": the (N,) rows; "sum": their sum; "mean": the sum times ``scale`` (= 1 / denominator, 0 for 0)."""
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    return total if reduction == "sum" else total * scale
+
+
+def _upstream(grad_out: torch.Tensor, reduction: str, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """The (N,) fp32 per-row upstream gradient of the row losses."""
+    if reduction == "none":
+        return grad_out.float().reshape(n).contiguous()
+    g = grad_out.float() if reduction == "sum" else scale * grad_out.float()
+    return g.expand(n).contiguous()
+
+
+def distill_headroom(scale: torch.Tensor, temperature: float, hard_label_weight: float) -> torch.Tensor:
+    """``P`` (0-dim fp32 power of two, no host sync) for forward-made gradients: as ``function.headroom``, with
+    ``m = |scale| (1 / T + |hard_label_weight|)``, the bound of a row's ``|dL/dz|`` for ``beta = 0``
+    (``|s - t| / T + w |p - y|``; the log-ratio terms of ``beta > 0`` stay within the same order)."""
+    m = scale.abs() * (1.0 / temperature + abs(hard_label_weight))
+    _, e = torch.frexp(m)
+    return torch.ldexp(torch.ones_like(m), HEADROOM_EXP - e).to(m.dtype)
+
+
+class _Distill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student, teacher, target, rows_op, kw: dict, reduction: str, scale):
+        loss, _ = rows_op(student, teacher, target, None, **kw)
+        ctx.save_for_backward(student, teacher, target, scale)
+        ctx.rows_op, ctx.kw, ctx.reduction = rows_op, kw, reduction
+        return reduce_rows(loss, reduction, scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        check_backward_allowed(ctx, "fusedce.distillation_loss")
+        student, teacher, target, scale = ctx.saved_tensors
+        factor = _upstream(grad_out, ctx.reduction, scale, student.shape[0])
+        _, grad = ctx.rows_op(student, teacher, target, factor, **ctx.kw)
+        return grad, None, None, None, None, None, None
+
+
+def distillation(rows_op, student, teacher, target, kw: dict, reduction: str, scale: torch.Tensor):
+    """(N, V) logits of both models, (N,) target or None -> the reduced fp32 loss (or (N,) rows)."""
+    teacher = teacher.detach()
+    if torch.is_grad_enabled() and student.requires_grad:
+        return _Distill.apply(student, teacher, target, rows_op, kw, reduction, scale)
+    with torch.no_grad():
+        loss, _ = rows_op(student, teacher, target, None, **kw)
+    return reduce_rows(loss, reduction, scale)
+
+
+class ChunkedDistill:
+    """``method="chunked"``: both models' logits ``rows`` tokens at a time (``chunked.py``)."""
+
+    def __init__(self, rows_op, rows: int):
+        self.rows_op, self.rows = rows_op, rows
+
+    def run(self, hs, ws, bs, ht, wt, bt, target, grad_factor, kw: dict, needs):
+        """``(loss, grad_h, grad_w, grad_b)``: (N,) fp32 rows; the gradients (None unless ``needs`` and
+        ``grad_factor``) of ``sum_r grad_factor[r] loss[r]``, grad_h in hidden's dtype, the others fp32."""
+        n, rows = hs.shape[0], self.rows
+        loss = torch.empty(n, dtype=torch.float32, device=hs.device)
+        want = grad_factor is not None
+        g_h = torch.empty(hs.shape, dtype=hs.dtype, device=hs.device) if want and needs[0] else None
+        g_w = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if want and needs[1] else None
+        g_b = torch.zeros(ws.shape[0], dtype=torch.float32, device=ws.device) if want and needs[2] else None
+        buf_s = loop.chunk_buffer(n, rows, ws, hs.dtype)
+        buf_t = loop.chunk_buffer(n, rows, wt, ht.dtype)
+        with torch.no_grad():
+            for s in range(0, n, rows):
+                c = slice(s, s + rows)
+                zs = loop.logits_chunk(hs[c], ws, bs, buf_s)
+                zt = loop.logits_chunk(ht[c], wt, bt, buf_t)
+                loss[c], d = self.rows_op(zs, zt, None if target is None else target[c],
+                                          grad_factor[c] if want else None, **kw)
+                del zs, zt
+                if g_h is not None:
+                    torch.mm(d, ws, out=g_h[c])
+                if g_w is not None:
+                    loop.accumulate_(g_w, d, hs[c])
+                if g_b is not None:
+                    g_b += d.sum(dim=0, dtype=torch.float32)
+                del d
+        return loss, g_h, g_w, g_b
+
+
+class TiledDistill:
+    """``method="tiled"``: the backend's ``tiled_distill`` (no logits tensor of either model)."""
+
+    def __init__(self, tiled_op, deterministic: bool):
+        self.tiled_op, self.deterministic = tiled_op, deterministic
+
+    def run(self, hs, ws, bs, ht, wt, bt, target, grad_factor, kw: dict, needs):
+        with torch.no_grad():
+            loss, g_h, g_w, g_b = self.tiled_op(hs, ws, bs, ht, wt, bt, target, grad_factor, **kw,
+                                                deterministic=self.deterministic)
+        if grad_factor is None:
+            return loss, None, None, None
+        return (loss, g_h if needs[0] else None, None if g_w is None or not needs[1] else g_w.float(),
+                None if g_b is None or not needs[2] else g_b.float())
+
+
+class _LinearDistill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hs, ws, bs, ht, wt, bt, target, head, kw: dict, reduction: str, scale, needs):
+        ctx.grads = None
+        if reduction == "none":
+            loss = head.run(hs, ws, bs, ht, wt, bt, target, None, kw, needs)[0]
+        else:   # gradients made here, times P; the backward applies g / P
+            p = distill_headroom(scale, kw["temperature"], kw["hard_label_weight"])
+            ctx.unscale = 1.0 / p   # exact: a power of two
+            loss, *ctx.grads = head.run(hs, ws, bs, ht, wt, bt, target, (scale * p).expand(hs.shape[0]).contiguous(),
+                                        kw, needs)
+        ctx.save_for_backward(hs, ws, bs, ht, wt, bt, target, scale)
+        ctx.head, ctx.kw, ctx.reduction, ctx.needs = head, kw, reduction, needs
+        ctx.dtypes = (ws.dtype, None if bs is None else bs.dtype)
+        return reduce_rows(loss, reduction, scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        check_backward_allowed(ctx, "fusedce.linear_distillation_loss")
+        if ctx.grads is not None:   # first backward of mean / sum: scale what the forward made
+            (g_h, g_w, g_b), ctx.grads = ctx.grads, None
+            g = grad_out.float() * ctx.unscale
+            g_h, g_w, g_b = (scaled_(t, g) for t in (g_h, g_w, g_b))
+        else:                       # "none" or a second backward: recompute with the exact upstream
+            hs, ws, bs, ht, wt, bt, target, scale = ctx.saved_tensors
+            factor = _upstream(grad_out, ctx.reduction, scale, hs.shape[0])
+            _, g_h, g_w, g_b = ctx.head.run(hs, ws, bs, ht, wt, bt, target, factor, ctx.kw, ctx.needs)
+        g_w = None if g_w is None else g_w.to(ctx.dtypes[0])
+        g_b = None if g_b is None else g_b.to(ctx.dtypes[1])
+        return (g_h, g_w, g_b) + (None,) * (_N_INPUTS - 3)
+
+
+_N_INPUTS = len(inspect.signature(_LinearDistill.forward).parameters) - 1
+
+
+def make_distill_head(rows_op, tiled_op, method: str, n_rows: int, hidden_size: int, vocab_size: int,
+                      chunk_size: Optional[int], deterministic: bool, device_type: str):
+    """``ChunkedDistill`` / ``TiledDistill`` for ``method`` ("auto" as ``linear_cross_entropy``'s rule,
+    ``tuning.resolve_method``; the automatic chunk size is ``tuning.chunk_rows``'s)."""
+    if resolve_method(method) == "tiled":
+        return TiledDistill(tiled_op, deterministic)
+    return ChunkedDistill(rows_op, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size, device_type))
+
+
+def linear_distillation(rows_op, tiled_op, hs, ws, bs, ht, wt, bt, target, kw: dict, reduction: str,
+                        scale: torch.Tensor, method: str, chunk_size: Optional[int], deterministic: bool):
+    """(N, H) / (N, Ht) hidden states, (V, H) / (V, Ht) heads, (N,) target or None -> the reduced loss."""
+    n = hs.shape[0]
+    index = None
+    if target is not None:
+        hs, target, index = compact_rows(hs, target, kw["ignore_index"])
+        if index is not None:
+            ht = ht.index_select(0, index)
+    ht, wt = ht.detach(), wt.detach()
+    bt = None if bt is None else bt.detach()
+    head = make_distill_head(rows_op, tiled_op, method, hs.shape[0], max(hs.shape[1], ht.shape[1]), ws.shape[0],
+                             chunk_size, deterministic, hs.device.type)
+    needs = (hs.requires_grad, ws.requires_grad, bs is not None and bs.requires_grad)
+    if torch.is_grad_enabled() and any(needs):
+        out = _LinearDistill.apply(hs, ws, bs, ht, wt, bt, target, head, kw, reduction, scale, needs)
+    else:
+        with torch.no_grad():
+            out = reduce_rows(head.run(hs, ws, bs, ht, wt, bt, target, None, kw, needs)[0], reduction, scale)
+    if reduction == "none":
+        out = scatter_rows(out, index, n, 0.0)
+    return out

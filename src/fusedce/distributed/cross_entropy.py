@@ -1,0 +1,141 @@
+"""Vocab-parallel cross-entropy on logits whose class dimension is split over the ranks of a group.
+
+Each rank holds ``logits[..., start:start + V_r]`` of the global ``(..., V)`` logits (e.g. the output of
+a column-parallel LM head) and the same global ``target`` on every rank. Forward: the chosen backend's
+partial statistics of the local logits (``slice_stats``: one Triton kernel launch, or PyTorch in row
+chunks), then the two collectives of ``exchange.py``. Backward: no collective; the backend writes the
+gradient of the rank's slice from the saved global statistics (``slice_grad``: the single-process
+backward kernel with a column offset).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional, Union
+
+import torch
+
+from fusedce.core.entrance import public_op
+from fusedce.core import reduction as red, validation as val
+from fusedce.core.options import check_flag, loss_options
+from fusedce.core.autograd_checks import check_backward_allowed
+from fusedce import backends
+from fusedce.core.types import CrossEntropyOutput
+from fusedce.core.options import LossOptions, LossOptionValues
+from fusedce.distributed.exchange import ce_outputs, exchange_ce
+from fusedce.distributed.layout import VocabLayout, vocab_layout
+from fusedce.distributed.output import finish
+from fusedce.distributed.shard_rows import shard_forward, shard_grad
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """(BT, V_r) logits slice -> per-row global cross-entropy (BT,) fp32 and lse (both differentiable),
+    argmax, w_t."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, layout: VocabLayout, opts: LossOptions, impl):
+        def fill(p, w, cols):
+            p.key, p.zmax, p.sums[:] = shard_forward(impl, logits, target, w, layout, opts, cols)
+
+        w, out = exchange_ce(logits.shape[0], weight, target, layout, opts, fill)
+        ctx.save_for_backward(logits, target, w, out.weight_sum, out.target_weight, out.lse, out.lse_lo)
+        ctx.layout, ctx.opts, ctx.impl = layout, opts, impl
+        return ce_outputs(ctx, out)
+
+    @staticmethod
+    def backward(ctx, grad_row, grad_lse, _grad_pred, _grad_wt, _grad_target_prob):
+        check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_cross_entropy")
+        logits, target, w, weight_sum, w_t, lse, lse_lo = ctx.saved_tensors
+        if grad_row is None:
+            grad_row = lse.new_zeros(()).expand(lse.shape)
+        grad = shard_grad(ctx.impl, logits, target, w, weight_sum, w_t, lse, lse_lo, grad_row, grad_lse,
+                          ctx.layout, ctx.opts)
+        return grad, None, None, None, None, None
+
+
+@public_op("logits")
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, target: torch.Tensor, weight_shard: Optional[torch.Tensor] = None, *,
+    group=None, vocab_start_index: Optional[int] = None, reduction: str = "mean",
+    num_items_in_batch: Union[int, torch.Tensor, None] = None, return_stats: bool = False,
+    backend: Optional[str] = None, token_weights: Optional[torch.Tensor] = None,
+    **options: Unpack[LossOptionValues],
+) -> Union[torch.Tensor, CrossEntropyOutput]:
+    """``fusedce.cross_entropy`` on logits split by vocabulary over the ranks of ``group``.
+
+    The result equals ``fusedce.cross_entropy`` on the logits concatenated over the vocabulary, for
+    every option (label smoothing divides by the GLOBAL ``V``; z-loss uses the global lse; class
+    weights are split like the vocabulary). Every rank gets the same (replicated) loss; backward gives
+    each rank the gradient of its own slice.
+
+    Args:
+        logits_shard: ``(..., V_r)`` float32 / bfloat16 / float16, this rank's contiguous vocabulary slice
+            (class dim last); ``V_r`` may differ between ranks (uneven split, even 0).
+        target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank.
+        weight_shard: optional ``(V_r,)`` class weights of this rank's slice.
+        group: the process group (None = default). gloo for CPU tensors, NCCL for CUDA tensors.
+        vocab_start_index: first global class id of this slice; None on every rank = rank order
+            (rank r's slice follows rank r-1's). Given, it must be given on every rank.
+        reduction, num_items_in_batch, return_stats, ``**options`` (the loss options, listed below): as in
+            ``fusedce.cross_entropy`` (mean denominator ``sum(w[t])`` uses the
+            weight held by the rank owning ``t``). ``return_stats``: ``lse`` global (0 on ignored rows),
+            ``predicted_tokens`` the global argmax (lowest global index on ties), -1 on ignored rows.
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"`` as in ``fusedce.cross_entropy``: the kernels that
+            compute this rank's statistics and gradient.
+        token_weights: optional ``(...)`` = ``target.shape`` float per-token loss weights, identical on
+            every rank, as in ``fusedce.cross_entropy`` (applied to the replicated per-row loss: no
+            communication; NaN / inf on a non-ignored row checked in the target-range check's sync).
+
+    Returns:
+        The fp32 loss (scalar, or ``target.shape`` for ``"none"``) or ``CrossEntropyOutput``; the
+        gradient w.r.t. ``logits_shard`` has its dtype and shape (ignored rows exactly 0).
+
+    Collectives (all on ``group``, tensors on the logits' device; BT = number of rows, W = world size)::
+
+        setup    all_gather of 3 int64 per rank (slice start and size): 24 W bytes, one host sync.
+        forward  all_reduce(MAX) of BT int64 (row max + argmax packed): 8 BT bytes;
+                 all_reduce(SUM) of BT x k fp32 (k = 3, +1 with class weights, +1 with label
+                 smoothing: sum-exp, target logit, owner flag, w_t, sum_c w_c z_c) plus 1 fp32
+                 (sum of class weights, with weights only): 4 (k BT + 1) bytes.
+        backward none.
+
+    Every rank must make the same calls with the same ``target`` (the collectives pair up by order).
+
+    Raises:
+        The errors of ``fusedce.cross_entropy`` (``weight_shard`` must be ``(V_r,)``; the target range
+        check is against the global ``V``: ``IndexError`` naming the position, value and V; an int32
+        ``target`` with an ``ignore_index`` outside int32 is converted to int64 once), plus
+        ``ValueError`` for slices that do not tile ``[0, V)`` or a global V = 0 (every rank's slice
+        empty, raised on every rank after the setup ``all_gather``; one rank's ``V_r = 0`` is fine) and
+        ``RuntimeError`` when ``torch.distributed`` is not initialized. A shape/dtype error found on one
+        rank only is raised on that rank before any collective; the others then wait in the setup
+        ``all_gather``.
+    """
+    val.check_float("logits_shard", logits_shard)
+    if logits_shard.dim() < 1:
+        raise ValueError("logits_shard must have at least one dimension (the classes, last)")
+    opts = loss_options(reduction, **options)
+    shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
+    val.check_target(target, shape, device)
+    target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
+    val.check_vector("weight_shard", weight_shard, n_local, device)
+    val.check_num_items(num_items_in_batch, device)
+    check_flag("return_stats", return_stats)
+    val.check_token_weights(token_weights, target)
+    impl = backends.get(backend, device)
+    layout = vocab_layout(n_local, vocab_start_index, group, device)
+    token_weights = red.row_token_weights(token_weights, target, opts.ignore_index)
+    val.check_target_range(target, layout.n_classes, opts.ignore_index,
+                           None if token_weights is None else token_weights.reshape(target.shape))
+
+    rows = logits_shard.reshape(math.prod(shape), n_local)
+    if rows.stride(-1) != 1 and n_local > 1:
+        rows = rows.contiguous()  # one copy, only when the class dim is strided
+    flat_target = target.reshape(-1)
+    loss_rows, lse, predicted, w_t, target_prob = _VocabParallelCrossEntropy.apply(
+        rows, flat_target, weight_shard, layout, opts, impl)
+    return finish(loss_rows, lse, predicted, None if weight_shard is None else w_t, flat_target, opts,
+                  reduction, num_items_in_batch, return_stats, shape,
+                  red.times(target_prob if opts.use_token_scaling else None, token_weights))

@@ -1,0 +1,141 @@
+"""The forward's communication: two ``all_reduce`` of per-row statistics, O(BT) bytes, never logits.
+
+For ``n`` rows (tokens) and ``k`` = 3 (+1 with class weights, +1 with label smoothing) columns:
+
+1. ``all_reduce(MAX)`` of ``key`` (n,) int64, 8n bytes: the global row max of the logits and the lowest
+   global argmax among ties, packed into one int64 (``argmax_key.py``).
+2. ``all_reduce(SUM)`` of ``(n, k)`` fp32 per-row sums (``shard_rows.Columns``) plus, with class
+   weights, one fp32 for ``W = sum_c w_c``: 4 (n k + 1) bytes. Before it, each rank rescales its
+   ``sumexp`` from its slice max to the global max: ``sumexp_r *= exp(m_r - M)``, and a slice whose
+   logits are all -inf in a row (masked or padded classes; an empty slice) contributes exactly 0 there
+   (never ``0 * exp(-inf - -inf)`` = NaN). With the entropy column (RL ops) its shifted sum is re-based
+   the same way: ``tsum_r = exp(m_r - M) (tsum_r + (m_r - M) sumexp_r)`` (``row_math.entropy_rebase``).
+
+After the two collectives every rank holds the same per-row loss, lse and argmax (the loss is
+replicated, not split). With ``n == 0`` rows no collective runs (every rank has the same ``n``, since
+``target`` is the same on every rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from fusedce.core.row_math import row_loss, transform, two_sum
+from fusedce.core.options import LossOptions
+from fusedce.distributed.argmax_key import unpack_max_key
+from fusedce.distributed.layout import VocabLayout
+from fusedce.distributed.shard_rows import Columns
+
+
+@dataclass
+class Partials:
+    """This rank's per-row statistics before the exchange, filled block by block by ``shard_forward``:
+    ``key`` (n,) int64, ``zmax`` (n,) fp32, ``sums`` (n, k) fp32, a view of ``flat`` (n k [+ 1],) fp32,
+    whose last element holds this slice's ``sum_c w_c`` when there are class weights."""
+
+    key: torch.Tensor
+    zmax: torch.Tensor
+    flat: torch.Tensor
+    sums: torch.Tensor
+
+    @classmethod
+    def allocate(cls, n: int, cols: Columns, weighted: bool, device: torch.device) -> "Partials":
+        flat = torch.empty(n * cols.k + int(weighted), dtype=torch.float32, device=device)
+        return cls(key=torch.empty(n, dtype=torch.int64, device=device),
+                   zmax=torch.empty(n, dtype=torch.float32, device=device),
+                   flat=flat, sums=flat[: n * cols.k].view(n, cols.k))
+
+
+@dataclass
+class GlobalRows:
+    """Per-row results on the global vocabulary, identical on every rank: ``loss`` (n,) fp32, the
+    cross-entropy without z-loss (0 on ignored rows, NaN on a row whose target no rank holds), ``lse``
+    and ``lse_lo`` (n,) fp32 (lse as an exact pair, see ``core/row_math.py``; 0 on ignored
+    rows), ``predicted`` (n,) int64 (-1 on ignored rows), ``target_weight`` (n,) fp32 global w_t and
+    ``weight_sum`` 0-dim global W (both None without class weights), ``target_prob`` (n,) fp32
+    ``p_t = softmax(z)[t]`` (0 on ignored rows; the factor of ``use_token_scaling``), ``entropy`` (n,)
+    fp32 ``log S - T / S`` of ``softmax(z)`` over the global vocabulary (0 on ignored rows; None unless
+    the ``Columns`` have ``tsum``)."""
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    lse_lo: torch.Tensor
+    target_prob: torch.Tensor
+    predicted: torch.Tensor
+    target_weight: Optional[torch.Tensor]
+    weight_sum: Optional[torch.Tensor]
+    entropy: Optional[torch.Tensor] = None
+
+
+def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], layout: VocabLayout,
+             opts: LossOptions, cols: Columns) -> GlobalRows:
+    """Run the two collectives on ``p`` (modified in place) and finish the per-row loss.
+
+    ``target`` (n,) global class ids; ``weight`` this slice's class weights (V_r,) fp32 or None.
+    """
+    n, device = target.shape[0], target.device
+    weighted = weight is not None
+    if weighted:
+        p.flat[-1] = weight.sum()
+    if n > 0:
+        dist.all_reduce(p.key, op=dist.ReduceOp.MAX, group=layout.group)          # collective 1
+        xmax, index = unpack_max_key(p.key)
+        gmax = transform(xmax, opts)
+        gmax = torch.where(gmax == float("-inf"), 0.0, gmax)   # a row -inf on every rank: lse = -inf
+        # p.zmax = -inf: this slice's logits are all -inf in that row (sumexp = 0): it adds exactly 0
+        empty = p.zmax == float("-inf")
+        if cols.tsum is not None:   # re-based before sumexp is (it reads the slice's own sumexp)
+            d = torch.where(empty, 0.0, p.zmax - gmax)
+            p.sums[:, cols.tsum] = torch.where(
+                empty, 0.0, torch.exp(d) * (p.sums[:, cols.tsum] + d * p.sums[:, Columns.SUMEXP]))
+        p.sums[:, Columns.SUMEXP] *= torch.where(empty, 0.0, torch.exp(p.zmax - gmax))
+        dist.all_reduce(p.flat, op=dist.ReduceOp.SUM, group=layout.group)         # collective 2
+    else:
+        gmax = torch.zeros(0, device=device)
+        index = torch.zeros(0, dtype=torch.int64, device=device)
+
+    s = p.sums
+    lse, lse_lo = two_sum(gmax, torch.log(s[:, Columns.SUMEXP]))
+    w_t = s[:, cols.target_weight] if weighted else None
+    weight_sum = p.flat[-1] if weighted else None
+    zsum = None if cols.smooth is None else s[:, cols.smooth]
+    loss = row_loss(lse, lse_lo, s[:, Columns.TARGET_LOGIT], w_t, zsum,
+                    weight_sum if weighted else float(layout.n_classes), layout.n_classes, opts)
+    valid = opts.kept(target)
+    loss = torch.where(s[:, Columns.OWNED] > 0, loss, float("nan"))
+    loss = torch.where(valid, loss, 0.0)
+    target_prob = torch.where(valid & (s[:, Columns.OWNED] > 0),
+                              torch.exp((s[:, Columns.TARGET_LOGIT] - lse) - lse_lo), 0.0)
+    entropy = None
+    if cols.tsum is not None:   # -sum p log p = log S - T / S (both shifted by the global max: no cancellation)
+        sumexp = torch.where(valid, s[:, Columns.SUMEXP], 1.0)
+        entropy = torch.where(valid, torch.log(sumexp) - s[:, cols.tsum] / sumexp, 0.0)
+    lse, lse_lo = torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)
+    predicted = torch.where(valid, index, -1)
+    return GlobalRows(loss=loss, lse=lse, lse_lo=lse_lo, target_prob=target_prob, predicted=predicted,
+                      target_weight=None if w_t is None else w_t.clone(),
+                      weight_sum=None if weight_sum is None else weight_sum.clone(), entropy=entropy)
+
+
+def exchange_ce(n: int, weight: Optional[torch.Tensor], target: torch.Tensor, layout: VocabLayout,
+                opts: LossOptions, fill) -> tuple:
+    """The cross-entropy ops' forward around the backend (``cross_entropy.py``, ``linear.py``): this
+    slice's class weights ``weight`` (V_r,) in fp32 (or None), the (n,) rows' partial statistics that
+    ``fill(p, w, cols)`` writes (``shard_forward`` on the logits, or chunk by chunk), then ``exchange``.
+    Returns ``(w, GlobalRows)``."""
+    w = None if weight is None else weight.float()
+    cols = Columns(w is not None, opts.label_smoothing > 0.0)
+    p = Partials.allocate(n, cols, w is not None, target.device)
+    fill(p, w, cols)
+    return w, exchange(p, target, w, layout, opts, cols)
+
+
+def ce_outputs(ctx, out: GlobalRows) -> tuple:
+    """The cross-entropy Functions' outputs ``(loss, lse, predicted, w_t, target_prob)`` (``w_t`` (0,)
+    without class weights); all but loss and lse marked non-differentiable on ``ctx``."""
+    w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
+    ctx.mark_non_differentiable(out.predicted, w_t, out.target_prob)
+    return out.loss, out.lse, out.predicted, w_t, out.target_prob

@@ -1,0 +1,147 @@
+"""Vocab-parallel per-token log-probabilities and entropy from the hidden states (RL): the LM head split
+by vocabulary rows over the ranks, logits one chunk of tokens at a time (``rows x V_r``, never BT x V_r),
+as ``linear.py`` does for the cross-entropy:
+
+    forward   per chunk: logits_c = h_c @ W_r.T + b_r (hidden's dtype, fp32 accumulation, one reused
+              buffer); the backend's ``slice_stats`` (with the entropy's ``tsum``); then ``exchange.py``'s
+              two collectives (``log_probs.exchange_log_probs``)
+    backward  per chunk, logits recomputed: g_c = d/dlogits_c by the backend's ``slice_grad`` (the
+              log-probs' and the entropy's upstreams at once, hidden's dtype); grad_h_c = g_c @ W_r;
+              grad_W_r += g_c.T @ h_c; grad_b_r += sum g_c (fp32); then all_reduce(SUM) of grad_h
+FLOPs per rank: 2 BT V_r H forward, 6 BT V_r H backward.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from fusedce.core.entrance import public_op
+from fusedce import backends
+from fusedce.core import validation as val
+from fusedce.core.options import check_flag, deterministic_mode, log_prob_options
+from fusedce.core.autograd_checks import check_backward_allowed
+from fusedce.lm_head.compaction import compact_rows, scatter_rows
+from fusedce.lm_head.chunked import backprop_chunks, chunk_buffer, logits_chunk
+from fusedce.lm_head.method import chunk_rows
+from fusedce.core.options import LossOptions
+from fusedce.core.types import TokenLogProbs
+from fusedce.distributed.exchange import Partials
+from fusedce.distributed.layout import VocabLayout, vocab_layout
+from fusedce.distributed.log_probs import exchange_log_probs, finish, upstreams
+from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
+
+
+class _VocabParallelLinearLogProbs(torch.autograd.Function):
+    """hidden (n, H), weight slice (V_r, H), bias slice (V_r,) -> global per-row log-probs (n,) fp32
+    and entropy (n,) fp32 (empty unless asked), both differentiable."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, layout: VocabLayout, opts: LossOptions, rows: int, impl,
+                want_entropy: bool):
+        n = hidden.shape[0]
+        cols = Columns(False, False, want_entropy)
+        p = Partials.allocate(n, cols, False, hidden.device)
+        buffer = chunk_buffer(n, rows, weight, hidden.dtype)
+        for start in range(0, n, rows):
+            c = slice(start, start + rows)
+            x = logits_chunk(hidden[c], weight, bias, buffer)   # hidden's dtype; the backend reads it as is
+            p.key[c], p.zmax[c], p.sums[c] = shard_forward(impl, x, target[c], None, layout, opts, cols)
+        log_probs, entropy, lse, lse_lo = exchange_log_probs(p, target, layout, opts, cols)
+        ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy)
+        ctx.layout, ctx.opts, ctx.rows, ctx.impl, ctx.want_entropy = layout, opts, rows, impl, want_entropy
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_linear_token_log_probs")
+        hidden, weight, bias, target, lse, lse_lo, entropy = ctx.saved_tensors
+        grad_row, k = upstreams(grad_log_probs, grad_entropy, lse, ctx.want_entropy)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n = hidden.shape[0]
+
+        def slice_grad(c, x):   # the logits' gradient of the rank's vocabulary slice, in hidden's dtype
+            return shard_grad(ctx.impl, x, target[c], None, None, None, lse[c], lse_lo[c], grad_row[c], None,
+                              ctx.layout, ctx.opts, grad_entropy=None if k is None else k[c],
+                              entropy=None if k is None else entropy[c])
+
+        grad_h, grad_w, grad_b = backprop_chunks(hidden, weight, bias, ctx.rows, (need_h, need_w, need_b),
+                                                 torch.float32, slice_grad)
+        if need_h and n > 0:
+            # each rank holds sum over its own classes of g_c W_c: add the partial sums
+            dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return (grad_h, grad_w, grad_b) + (None,) * 6
+
+
+@public_op("linear")
+def vocab_parallel_linear_token_log_probs(
+    hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
+    bias_shard: Optional[torch.Tensor] = None, *, group=None, vocab_start_index: Optional[int] = None,
+    temperature: float = 1.0, softcap: Optional[float] = None, ignore_index: int = -100,
+    return_entropy: bool = False, backend: Optional[str] = None, logit_scale: float = 1.0,
+    chunk_size: Optional[int] = None, deterministic: Optional[bool] = None,
+) -> Union[torch.Tensor, TokenLogProbs]:
+    """``fusedce.linear_token_log_probs`` with the LM head split by vocabulary over the ranks of ``group``.
+
+    Equals ``fusedce.linear_token_log_probs(hidden, weight, target, bias, ...)`` with ``weight`` and
+    ``bias`` the concatenation of the slices (log-probs and entropy of ``softmax(q)``, ``q`` the
+    softcapped logits over the temperature, on the GLOBAL vocabulary). Outputs replicated on every rank.
+
+    Args:
+        hidden: ``(..., H)`` float32 / bfloat16 / float16, identical on every rank.
+        weight_shard: ``(V_r, H)``, this rank's contiguous rows of the LM head, ``hidden``'s dtype; ``V_r``
+            may differ between ranks (even 0).
+        target: ``(...)`` = ``hidden.shape[:-1]``, int64 / int32 GLOBAL class ids, identical on every rank.
+        bias_shard: optional ``(V_r,)`` slice of the bias (``-inf`` masks a class out).
+        group, vocab_start_index: as in ``vocab_parallel_cross_entropy``.
+        temperature, softcap, ignore_index, logit_scale, return_entropy: as in
+            ``fusedce.linear_token_log_probs``, on logits computed in ``hidden``'s dtype (fp32
+            accumulation), the rest in fp32.
+        backend: the kernels of this rank's statistics and gradients (the matmuls are torch's).
+        chunk_size: tokens per chunk (logits ``chunk_size x V_r``); None = ``max(1024, BT * H / V_r)``
+            rows (``lm_head/method.py``). The chunked method only (no tiled form).
+        deterministic: accepted as in ``fusedce.linear_token_log_probs``; this op is deterministic
+            whatever its value (as ``vocab_parallel_linear_cross_entropy``: no float atomics).
+
+    Returns:
+        fp32 ``log_probs`` of ``target.shape`` or ``TokenLogProbs(log_probs, entropy)``, both
+        differentiable. Gradients of ``hidden`` (complete, the same on every rank), ``weight_shard`` and
+        ``bias_shard`` (this rank's slice) in their tensors' dtypes (the slice's accumulate in fp32).
+
+    Ignored tokens cost no matmul FLOPs and no communication: non-ignored rows are gathered first (one
+    host sync, as in ``linear_token_log_probs``; skipped under torch.compile / CUDA-graph capture).
+
+    Collectives (on ``group``; BT' = non-ignored rows): setup ``all_gather`` of 3 int64 per rank; forward
+    ``all_reduce(MAX)`` of BT' int64 and ``all_reduce(SUM)`` of BT' x 3 fp32 (x 4 with the entropy);
+    backward ``all_reduce(SUM)`` of grad_hidden, BT' x H in hidden's dtype (only when ``hidden``
+    requires grad).
+
+    Raises:
+        The errors of ``vocab_parallel_token_log_probs`` and of ``vocab_parallel_linear_cross_entropy``
+        for the shapes, dtypes, ``chunk_size`` and ``deterministic``.
+    """
+    val.check_linear(hidden, weight_shard, target, bias_shard, None, chunk_size,
+                     names=("weight_shard", "bias_shard", "ce_weight_shard"), sharded=True)
+    deterministic_mode(deterministic)   # checked; nothing to select (see the docstring)
+    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
+    target = val.widen_target(target, opts.ignore_index)
+    check_flag("return_entropy", return_entropy)
+    impl = backends.get(backend, hidden.device)
+    layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
+    val.check_target_range(target, layout.n_classes, opts.ignore_index)
+
+    shape, size = target.shape, hidden.shape[-1]
+    n = math.prod(shape)
+    flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1), opts.ignore_index)
+    rows = int(chunk_size) if chunk_size is not None else chunk_rows(flat_hidden.shape[0], size, layout.size,
+                                                                           flat_hidden.device.type)
+    log_probs, entropy = _VocabParallelLinearLogProbs.apply(flat_hidden, weight_shard, bias_shard, flat_target,
+                                                            layout, opts, rows, impl, return_entropy)
+    log_probs = scatter_rows(log_probs, index, n, 0.0)   # ignored rows: 0 in both outputs
+    if return_entropy:
+        entropy = scatter_rows(entropy, index, n, 0.0)
+    return finish(log_probs, entropy, shape, return_entropy)

@@ -1,0 +1,142 @@
+"""Vocab-parallel per-token log-probabilities and entropy (RL) on logits split by vocabulary over ranks.
+
+The single-process ``fusedce.token_log_probs`` on the logits concatenated over the vocabulary, through
+the vocab-parallel cross-entropy's machinery: the log-prob options (temperature and softcap folded into
+the loss options, ``options.log_prob_options``) make the exchanged cross-entropy of a row
+``-log_probs``, and one more exchanged column, ``tsum`` (``shard_rows.Columns``), gives the entropy
+``log S - T / S`` of the global ``softmax(q)``. Forward: the backend's ``slice_stats`` (its kernels), then
+``exchange.py``'s two collectives. Backward: no collective; the backend's ``slice_grad`` writes the
+slice's gradient from the global lse pair and entropy:
+
+    dL/dq_c = -g (p_c - [c == t]) - k p_c (log p_c + entropy)     (g, k: upstreams of log_probs, entropy)
+
+(``lm_head/protocols.py``), times ``dq/dx``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from fusedce.core.entrance import public_op
+from fusedce import backends
+from fusedce.core import validation as val
+from fusedce.core.options import check_flag, log_prob_options
+from fusedce.core.autograd_checks import check_backward_allowed
+from fusedce.core.options import LossOptions
+from fusedce.core.types import TokenLogProbs
+from fusedce.distributed.exchange import Partials, exchange
+from fusedce.distributed.layout import VocabLayout, vocab_layout
+from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
+
+
+def exchange_log_probs(partials: Partials, target: torch.Tensor, layout: VocabLayout, opts: LossOptions,
+                       cols: Columns):
+    """The collectives on this rank's filled ``partials`` -> ``(log_probs, entropy, lse, lse_lo)`` (n,)
+    fp32 each, global and identical on every rank (0 on ignored rows; ``entropy`` empty without the
+    ``tsum`` column). Shared by the logits and the linear forms."""
+    out = exchange(partials, target, None, layout, opts, cols)
+    log_probs = torch.where(opts.kept(target), -out.loss, 0.0)   # +0.0 on ignored rows, as token_log_probs
+    entropy = out.lse.new_empty(0) if out.entropy is None else out.entropy
+    return log_probs, entropy, out.lse, out.lse_lo
+
+
+def upstreams(grad_log_probs, grad_entropy, like: torch.Tensor, want_entropy: bool):
+    """(grad_row, grad_entropy) for ``slice_grad``: the loss is ``-log_probs``, so ``grad_row = -g``."""
+    grad_row = like.new_zeros(()).expand(like.shape) if grad_log_probs is None else -grad_log_probs.float()
+    return grad_row, (grad_entropy if want_entropy else None)
+
+
+def finish(log_probs: torch.Tensor, entropy: torch.Tensor, shape, return_entropy: bool):
+    """Reshape to ``target.shape``: the log-probs, or ``TokenLogProbs``."""
+    log_probs = log_probs.reshape(shape)
+    return TokenLogProbs(log_probs, entropy.reshape(shape)) if return_entropy else log_probs
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    """(n, V_r) logits slice -> global per-row log-probs (n,) fp32 and entropy (n,) fp32 (empty unless
+    asked), both differentiable."""
+
+    @staticmethod
+    def forward(ctx, logits, target, layout: VocabLayout, opts: LossOptions, impl, want_entropy: bool):
+        cols = Columns(False, False, want_entropy)
+        p = Partials.allocate(logits.shape[0], cols, False, logits.device)
+        p.key, p.zmax, p.sums[:] = shard_forward(impl, logits, target, None, layout, opts, cols)
+        log_probs, entropy, lse, lse_lo = exchange_log_probs(p, target, layout, opts, cols)
+        ctx.save_for_backward(logits, target, lse, lse_lo, entropy)
+        ctx.layout, ctx.opts, ctx.impl, ctx.want_entropy = layout, opts, impl, want_entropy
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_token_log_probs")
+        logits, target, lse, lse_lo, entropy = ctx.saved_tensors
+        grad_row, k = upstreams(grad_log_probs, grad_entropy, lse, ctx.want_entropy)
+        grad = shard_grad(ctx.impl, logits, target, None, None, None, lse, lse_lo, grad_row, None, ctx.layout,
+                          ctx.opts, grad_entropy=k, entropy=entropy if k is not None else None)
+        return grad, None, None, None, None, None
+
+
+@public_op("logits")
+def vocab_parallel_token_log_probs(
+    logits_shard: torch.Tensor, target: torch.Tensor, *, group=None, vocab_start_index: Optional[int] = None,
+    temperature: float = 1.0, softcap: Optional[float] = None, ignore_index: int = -100,
+    return_entropy: bool = False, backend: Optional[str] = None, logit_scale: float = 1.0,
+) -> Union[torch.Tensor, TokenLogProbs]:
+    """``fusedce.token_log_probs`` on logits split by vocabulary over the ranks of ``group``.
+
+    With ``z = softcap * tanh(s x / softcap)`` (``z = s x`` without softcap, ``s = logit_scale``) and
+    ``q = z / temperature`` over the GLOBAL vocabulary (the slices concatenated): ``log_probs[i] =
+    q[i, t_i] - logsumexp(q[i])``, ``entropy[i] = logsumexp(q[i]) - sum_c softmax(q[i])_c q[i, c]``
+    (nats). Every rank gets the same (replicated) outputs; backward gives each rank the gradient of its
+    own slice (no collective).
+
+    Args:
+        logits_shard: ``(..., V_r)`` float32 / bfloat16 / float16, this rank's contiguous vocabulary slice
+            (class dim last); ``V_r`` may differ between ranks (uneven split, even 0). Never modified.
+        target: ``(...)`` = ``logits_shard.shape[:-1]``, int64 / int32 GLOBAL class ids, identical on every
+            rank; ``ignore_index`` marks rows (prompt, padding) that get 0 in both outputs and exactly
+            zero gradient.
+        group, vocab_start_index: as in ``vocab_parallel_cross_entropy`` (None: the default group; slices
+            in rank order).
+        temperature, softcap, ignore_index, logit_scale: as in ``fusedce.token_log_probs``.
+        return_entropy: also return the entropy (one more fp32 column in the exchange).
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"``: the kernels of this rank's statistics and
+            gradient (the single-process ops' row math on a vocabulary slice).
+
+    Returns:
+        fp32 ``log_probs`` of ``target.shape``, or ``TokenLogProbs(log_probs, entropy)``; both
+        differentiable with any upstream gradients; the gradient of ``logits_shard`` has its dtype and
+        shape.
+
+    Collectives (on ``group``; BT = rows, W = world size): setup ``all_gather`` of 3 int64 per rank (one
+    host sync, as ``vocab_parallel_cross_entropy``); forward ``all_reduce(MAX)`` of BT int64 (8 BT bytes)
+    and ``all_reduce(SUM)`` of BT x 3 fp32 (sum-exp, target logit, owner flag; x 4 with the entropy);
+    backward none. Every rank must make the same calls with the same ``target``. Host syncs: the setup's
+    and the target range check's (as ``token_log_probs``), none in the forward's math or the backward.
+
+    Raises:
+        The errors of ``fusedce.token_log_probs`` (shapes, dtypes, devices, ``temperature`` /
+        ``softcap``, ``IndexError`` for a target outside ``[0, V)`` of the global ``V``) and of
+        ``vocab_parallel_cross_entropy`` (slices that do not tile ``[0, V)``, ``vocab_start_index`` on
+        some ranks only, a global ``V = 0``, ``RuntimeError`` without an initialized process group).
+    """
+    val.check_float("logits_shard", logits_shard)
+    if logits_shard.dim() < 1:
+        raise ValueError("logits_shard must have at least one dimension (the classes, last)")
+    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
+    shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
+    val.check_target(target, shape, device, lambda t: val.class_dim_hint(tuple(logits_shard.shape), t))
+    target = val.widen_target(target, opts.ignore_index)
+    check_flag("return_entropy", return_entropy)
+    impl = backends.get(backend, device)
+    layout = vocab_layout(n_local, vocab_start_index, group, device)
+    val.check_target_range(target, layout.n_classes, opts.ignore_index)
+
+    rows = logits_shard.reshape(math.prod(shape), n_local)
+    if rows.stride(-1) != 1 and n_local > 1:
+        rows = rows.contiguous()  # one copy, only when the class dim is strided
+    log_probs, entropy = _VocabParallelLogProbs.apply(rows, target.reshape(-1), layout, opts, impl,
+                                                      return_entropy)
+    return finish(log_probs, entropy, shape, return_entropy)

@@ -1,0 +1,288 @@
+"""Hugging Face integration: one call makes a causal LM train through :func:`linear_cross_entropy`.
+
+``patch_causal_lm(model)`` replaces the forward of ONE model instance. With ``labels``, the family's own
+forward runs and, when it calls its LM head module, the loss is computed INSIDE that call
+(``hf_call.HeadCall``): the head's forward pre-hooks and hooks fire once, as in the stock forward, so
+whatever a sharding engine or adapter does around the head's forward is in effect while the loss reads
+the weight (DeepSpeed ZeRO-3 and FSDP2 gather it there; a peft LoRA head adds its low-rank update,
+applied exactly as an extra ``(s * A x, B)`` piece of the same fused matmul: ``hf_adapters``). The call
+returns a tiny placeholder instead of the ``(B, T, V)`` logits, and the model's ``loss`` is
+``linear_cross_entropy(hidden, head weight, shifted labels, head bias)``, tied to the head's output so
+that the backward passes through the head's backward hooks (which re-gather a sharded weight) before the
+loss's backward reads the weight again. With ``labels`` and autograd off (``Trainer.evaluate``), the real
+logits are returned too by default (``keep_logits=None``). Without ``labels`` (``generate``) the original
+forward runs untouched, as does a call with TRL's ``fused_lm_head=True`` (TRL's fused head then runs:
+TRL's kernel, or fusedce's under ``fusedce.patch_trl``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusedce.core.entrance import public_op
+from fusedce.ce.functional import linear_cross_entropy
+from fusedce.core import validation as val
+from fusedce.core.options import check_flag
+from fusedce.integrations.hf.adapters import kind as head_kind
+from fusedce.integrations.hf.call import HeadCall, module_name
+from fusedce.integrations.hf.options import LOSS_OPTIONS, validate_options  # noqa: F401  (hf.LOSS_OPTIONS: the public list)
+from fusedce.integrations.hf.head import LogitTransform, base_model, choose_transform, logit_transforms, output_head
+from fusedce.integrations.hf.output import as_tuple, bad_label_message, replace
+from fusedce.integrations.hf.token_weights import flat_token_weights
+
+_STATE = "_fusedce_patch"
+@dataclasses.dataclass
+class _Patch:
+    original: Optional[object]   # the instance-level forward before patching (None: the class's)
+    signature: inspect.Signature  # the original forward's, without self
+    loss_options: dict
+    keep_logits: Optional[bool]  # None: the logits when autograd is off (evaluation), not in training
+    transforms: tuple            # the candidate post-head transforms (hf_head.logit_transforms); one once
+    verified: bool = False       # checked against the family's forward (first labelled call)
+
+
+@public_op("integration")
+def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **loss_options) -> nn.Module:
+    """Make ``model`` (a Hugging Face ``*ForCausalLM``) compute its training loss with the fused
+    :func:`fusedce.linear_cross_entropy`. Patches this instance only, in place; returns it.
+
+    When ``forward`` receives ``labels``:
+
+    - the loss is ``linear_cross_entropy(hidden, W, target, b, ...)`` on the final hidden states (after the
+      family's ``logits_to_keep`` slicing) and the output embedding ``get_output_embeddings()`` (weight
+      ``W`` (V, H), bias ``b`` if any); the ``(B, T, V)`` logits are never made;
+    - Hugging Face's conventions: ``target`` = labels shifted by one (position t predicts labels[t + 1],
+      the last position predicts nothing), or the ``shift_labels`` kwarg as given (TRL's padding-free
+      batches: ``position_ids`` pass through to the family); ``ignore_index=-100``;
+      ``num_items_in_batch`` (the Trainer's kwarg under gradient accumulation) is the mean's denominator;
+    - the family's logit transform, read from the config and its text config (``get_text_config()``:
+      multimodal models keep it there; ``hf_head.DECLARED``): ``final_logit_softcapping`` (Gemma 2/3/4,
+      PaliGemma 2) becomes ``softcap``; the logit scales (Cohere ``logit_scale`` and FalconH1
+      ``lm_head_multiplier``: ``logits * s``; Granite and Granite vision ``logits_scaling``: ``logits /
+      s``) become ``logit_scale`` (applied inside the loss, in fp32); ``unpadded_vocab_size`` (Inkling: the
+      model keeps ``logits[..., :n]`` of a padded head) makes the loss run over the head's first ``n`` rows
+      (the padded rows get zero gradient, as in the stock model). The first labelled call checks that this
+      is exactly what the family does (one host sync): its head returns one probe row of all V columns
+      (``(1, ..., 1, V)``; with real logits under ``keep_logits``, position 0 of them), and the family's
+      output must be the declared transform of it, same width, same shape; else ``ValueError``
+      (an undeclared transform or vocabulary slice, a declared one it does not apply, one that depends on
+      the position). When the text config and the top-level config declare different transforms (some
+      wrappers, e.g. LLaVA-NeXT, ignore their text config's), that call computes the loss for both and
+      keeps the one the forward applied (one extra fused forward and backward, once);
+    - MoE models: a returned ``aux_loss`` is added times ``router_aux_loss_coef``, as the families do;
+    - ``use_token_scaling`` is also accepted as a forward keyword (as Liger-patched models accept it; TRL
+      passes it for ``loss_type="dft"``): it overrides the patch-time option for that call;
+    - ``token_weights`` (a forward keyword, with ``labels``): per-token loss weights of the labels'
+      shape ``(B, T)``, float, shifted with them (the weight of ``labels[b, t]`` weighs the prediction
+      of that token; with ``shift_labels``, aligned with ``shift_labels`` as given), as in
+      ``linear_cross_entropy``: each non-ignored token's loss times its weight, denominators unchanged;
+    - under autocast, hidden states and head are cast to the autocast dtype first (as ``F.linear`` is;
+      ``linear_cross_entropy`` does it, see ``fusedce/core/autocast.py``);
+    - the output is the family's usual class (e.g. ``CausalLMOutputWithPast``) with ``loss`` set and
+      **``logits=None``** in training; see ``keep_logits`` for when the logits are returned (computed the
+      normal way: the ``(B, T, V)`` tensor is back, the loss is still the fused one). With
+      ``return_dict=False`` the tuple keeps the stock layout: ``(loss, logits, ...)`` with None at index 1
+      when the logits are not kept (never the cache there).
+
+    Training stacks: the loss is computed inside the LM head module's call, so its forward pre-hooks
+    and hooks fire once per forward as in the stock model (DeepSpeed ZeRO-3 and FSDP2 gather a sharded
+    head there; backward passes through the head's output first, where they re-gather it). Heads:
+    ``nn.Linear`` (tied or not); a peft LoRA ``lm_head`` (active adapters, dropout with the same mask as
+    the stock forward, merged or not; the update ``s * B(A(dropout(x)))`` enters the fused matmul as
+    extra columns ``[x, s * A(dropout(x))] @ [W, B].T``, which costs one ``V x (H + r)`` copy of the head
+    weight and a full-width weight-gradient matmul); peft ``modules_to_save``. Anything else (DoRA,
+    other tuners, a quantized or custom head) is refused with ``ValueError`` at patch time, or at the
+    first call when the head is replaced after patching (``get_peft_model`` on a patched model).
+
+    Without ``labels`` the original forward runs unchanged (``generate``), as does a call with TRL's
+    ``fused_lm_head=True`` (TRL's fused head computes its outputs then: TRL's kernel, or fusedce's under
+    ``fusedce.patch_trl``). The Trainer's evaluation
+    passes labels with autograd off: by default the logits are returned there, so ``compute_metrics``
+    works as on the stock model.
+
+    Args:
+        model: a Hugging Face causal LM: ``get_output_embeddings()`` returns a linear head, a base model
+            (``.model`` / ``.transformer`` / ``.base_model``) returns the last hidden state, and its
+            forward calls the head once on it (every ``*ForCausalLM`` of transformers does).
+        keep_logits: also return the logits (computed by the original head): ``None`` (default) when
+            autograd is off (``torch.no_grad()`` / ``inference_mode``: ``Trainer.evaluate`` / ``predict``),
+            not in training; ``True`` always; ``False`` never (a fused-only evaluation: no ``(B, T, V)``
+            tensor, ``logits=None``). ``TypeError`` unless None or a bool.
+        **loss_options: passed to ``linear_cross_entropy``: ``ignore_index``, ``reduction``,
+            ``label_smoothing``, ``lse_square_scale``, ``softcap``, ``logit_scale``,
+            ``use_token_scaling``, ``ce_weight``, ``chunk_size``, ``method``, ``accum_dtype``,
+            ``backend``, ``deterministic`` (None: follow ``torch.are_deterministic_algorithms_enabled()``
+            at each call). Validated here.
+
+    Patching again replaces the options (never wraps twice). Undo with :func:`unpatch_causal_lm`.
+
+    Raises:
+        TypeError: unknown loss option; the model has no output embedding module or no base model. At
+            call time: the head's weight is not 2-D inside its own forward, the head is called with
+            extra arguments or not exactly once.
+        ValueError: a bad option value (as ``linear_cross_entropy``), ``softcap`` contradicting the
+            config, or a head / adapter on it that the patch cannot apply exactly (the message names the
+            module and why). At call time: the same for a head replaced after patching, labels that do
+            not match the kept positions, or (first call) a family whose logits go through a transform
+            other than one its config (or text config) declares.
+        IndexError: (call time) a label neither ``ignore_index`` nor in ``[0, V)``, named as the user's
+            ``labels[b, t]`` (or ``shift_labels[b, t]``).
+    """
+    head = output_head(model)
+    head_kind(head, module_name(model, head))
+    base_model(model)
+    transforms = logit_transforms(getattr(model, "config", None))
+    options = validate_options(model, loss_options, transforms[0])
+    state = getattr(model, _STATE, None)
+    keep_logits = None if keep_logits is None else check_flag("keep_logits", keep_logits)
+    if state is not None:  # idempotent: new options, same single wrapper
+        state.loss_options, state.keep_logits, state.transforms = options, keep_logits, transforms
+        state.verified = False
+        return model
+    original = model.__dict__.get("forward")
+    signature = inspect.signature(model.forward)
+
+    def forward(self, *args, **kwargs):
+        return _forward(self, *args, **kwargs)
+
+    # Bound method (not a closure): accelerate re-binds ``model.forward.__func__``, deepcopy re-binds to
+    # the copy. The original's signature keeps Trainer's column filter and generate's introspection right.
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
+    forward.__doc__ = f"{type(model).__name__}.forward, patched by fusedce.patch_causal_lm."
+    object.__setattr__(model, _STATE, _Patch(original, signature, options, keep_logits, transforms))
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+@public_op("integration")
+def unpatch_causal_lm(model: nn.Module) -> nn.Module:
+    """Restore the forward ``model`` had before :func:`patch_causal_lm` (no-op if not patched)."""
+    state = model.__dict__.pop(_STATE, None)
+    if state is None:
+        return model
+    if state.original is None:
+        model.__dict__.pop("forward", None)
+    else:
+        model.forward = state.original
+    return model
+
+
+def _call_original(model, state: _Patch, args, kwargs):
+    if state.original is not None:
+        return state.original(*args, **kwargs)
+    return type(model).forward(model, *args, **kwargs)
+
+
+def _as_kwargs(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """Positional arguments named by the original signature, so ``labels`` can be found and removed."""
+    if not args:
+        return dict(kwargs)
+    merged = {}
+    for name, value in signature.bind_partial(*args, **kwargs).arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            raise TypeError("patch_causal_lm: extra positional arguments are not supported; pass keywords")
+        merged.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+    return merged
+
+
+def _forward(model, *args, **kwargs):
+    state: _Patch = model.__dict__[_STATE]
+    kwargs = _as_kwargs(state.signature, args, kwargs)
+    if kwargs.get("fused_lm_head"):  # TRL's own fused LM head (add_fused_lm_head) answers this call
+        return _call_original(model, state, (), kwargs)
+    token_scaling = kwargs.pop("use_token_scaling", None)   # Liger's forward keyword (TRL's "dft")
+    token_weights = kwargs.pop("token_weights", None)
+    labels = kwargs.pop("labels", None)
+    if labels is None:
+        if token_weights is not None:
+            raise ValueError("token_weights weigh the loss of the labels: pass labels with them")
+        return _call_original(model, state, (), kwargs)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    config = getattr(model, "config", None)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:  # transformers' can_return_tuple rule
+        return_dict = getattr(config, "return_dict", True)
+    name = type(model).__name__
+    head = output_head(model)
+    keep = state.keep_logits if state.keep_logits is not None else not torch.is_grad_enabled()
+    verify = not state.verified and not torch.compiler.is_compiling()
+
+    # Several candidate transforms (a multimodal config whose text config declares one, which some wrappers
+    # ignore): the verifying call computes the loss for each, inside the head's call, and keeps the one the
+    # forward applied (the others get a zero gradient: one extra fused forward and backward, once).
+    candidates = state.transforms if verify else state.transforms[:1]
+
+    def compute(hidden, weight, bias):  # runs inside the head's call (its hooks have run)
+        losses = [_loss(model, state, t, hidden, weight, bias, labels, shift_labels, num_items, token_scaling,
+                        token_weights) for t in candidates]
+        return losses[0] if len(losses) == 1 else torch.stack(losses)
+    with HeadCall(head, module_name(model, head), compute, keep, verify) as call:
+        out = _call_original(model, state, (), {**kwargs, "return_dict": True})
+    if not hasattr(out, "logits"):
+        raise TypeError(f"{name}.forward(return_dict=True) returned {type(out).__name__}, not a model "
+                        "output with `logits`")
+    if call.calls != 1:
+        raise TypeError(f"{name}.forward called its output embeddings {call.calls} times (expected once, "
+                        "as self.lm_head(hidden_states)): patch_causal_lm cannot find the final hidden "
+                        "states of this model")
+    chosen = 0
+    if verify and call.head_row is not None:
+        chosen = choose_transform(out.logits, call.head_row, candidates, name, probe=not keep)
+        state.transforms, state.verified = (candidates[chosen],), True
+    loss = call.final_loss(out.logits)
+    if len(candidates) > 1:
+        loss = loss[chosen]
+    aux, coef = getattr(out, "aux_loss", None), getattr(config, "router_aux_loss_coef", None)
+    if aux is not None and coef:
+        loss = loss + coef * aux.to(loss.device)
+    out = replace(out, loss=loss, logits=out.logits if keep else None)
+    return out if return_dict else as_tuple(out)
+
+
+def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias, labels, shift_labels,
+          num_items, token_scaling, token_weights=None) -> torch.Tensor:
+    """``linear_cross_entropy`` of the head's pieces: ``hidden`` (..., H), ``weight`` (V, H), ``bias``, for
+    the family's post-head ``transform``."""
+    options = dict(state.loss_options)
+    if transform.softcap is not None:
+        options["softcap"] = transform.softcap
+    if transform.scale != 1.0:
+        options["logit_scale"] = transform.scale
+    if token_scaling is not None:
+        check_flag("use_token_scaling", token_scaling)
+        options = {**options, "use_token_scaling": token_scaling}
+    ignore_index = options.get("ignore_index", -100)
+    given_shifted = shift_labels is not None
+    token_weights = flat_token_weights(token_weights, shift_labels if given_shifted else labels, given_shifted,
+                                       weight.device)
+    if shift_labels is None:  # Hugging Face's ForCausalLMLoss: pad one ignored label, drop the first
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    n_classes = transform.width(weight.shape[0])
+    if n_classes < weight.shape[0]:  # the family keeps logits[..., :n_classes] (a padded head): those rows
+        weight = weight[:n_classes]  # (a view; the padded rows get a zero gradient, as in the stock model)
+        bias = None if bias is None else bias[:n_classes]
+    hidden = hidden.to(weight.device)
+    target = shift_labels.to(weight.device).reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if hidden.shape[0] != target.shape[0]:
+        raise ValueError(f"{type(model).__name__}: the labels give {target.shape[0]} targets after the "
+                         f"shift but the model kept {hidden.shape[0]} positions (logits_to_keep?); with "
+                         "logits_to_keep=k pass the labels of the kept positions only, labels[..., -k:] (or "
+                         "shift_labels of that shape)")
+    if isinstance(num_items, torch.Tensor):
+        num_items = num_items.to(hidden.device)
+    # under autocast, linear_cross_entropy casts hidden / head to the autocast dtype as F.linear would
+    try:
+        return linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items,
+                                    token_weights=token_weights, **options)
+    except val.TargetOutOfRange as err:  # name the user's element, not the flattened shifted target's
+        raise IndexError(bad_label_message(err, shift_labels.shape, given_shifted)) from None

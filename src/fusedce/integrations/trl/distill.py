@@ -1,0 +1,169 @@
+"""``fusedce.patch_distillation_trainer(trainer)``: TRL's distillation trainers compute their loss through
+:func:`fusedce.linear_distillation_loss`, so neither the student's nor the teacher's logits exist.
+
+Where TRL 1.16 forms the logits, and what the patch changes (per trainer object, nothing process-wide):
+
+- ``trl.DistillationTrainer`` (``trl/trainer/distillation_trainer.py``): ``_compute_loss`` runs both
+  backbones (``_get_last_hidden_state``), reads each config's logit scale and ``final_logit_softcapping``,
+  and calls the module function ``_chunked_divergence_loss``, whose ``ChunkedDivergenceFunction``
+  projects both heads on (4096 tokens x 32768 classes) fp32 tiles, twice for ``0 < beta < 1``, and again
+  in backward. The patch gives the trainer its own ``_compute_loss``: TRL's code object, unchanged, bound
+  to a copy of its module's globals in which ``_chunked_divergence_loss`` is
+  ``trl_distill_loss.divergence_loss`` (same signature, same results). Everything else (generation,
+  backbones, scales, device checks, entropy logging, ``num_items_in_batch``) stays TRL's.
+- ``trl.experimental.gkd.GKDTrainer``: ``compute_loss`` calls both models, so each returns its full
+  ``(B, T, V)`` logits, then ``generalized_jsd_loss`` (at temperature 1: TRL passes none there). The
+  patch gives the trainer its own ``compute_loss`` (``trl_distill_loss.gkd_loss``) that runs the
+  backbones instead and the same loss from their hidden states. Evaluation calls that ask for the model
+  outputs (``return_outputs=True``) run TRL's own ``compute_loss``: they need the logits.
+
+Because both rely on TRL's internals, the patch first checks the installed TRL: its version (1.16.x) and
+a SHA-256 fingerprint of the source of every TRL function whose semantics fusedce reproduces or whose
+code it rebinds. Any difference raises ``RuntimeError`` naming it: never a silent fallback. A trainer
+class that overrides the patched method is refused (``TypeError``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from typing import Optional
+
+from fusedce.core.entrance import public_op
+from fusedce.integrations.trl.distill_loss import Options, divergence_loss, gkd_loss
+from fusedce.integrations.trl.patch import SUPPORTED_TRL, _fingerprint
+
+# sha256 (first 16 hex digits) of inspect.getsource of what fusedce reproduces or rebinds, in TRL 1.16.0
+FINGERPRINTS = {
+    "trl.trainer.distillation_trainer._chunked_divergence_loss": "550cb45191ab1654",
+    "trl.trainer.distillation_trainer.DistillationTrainer._compute_loss": "9fc0021cbcc0b5e9",
+    "trl.experimental.gkd.gkd_trainer.GKDTrainer.compute_loss": "6c602000b7955e81",
+    "trl.experimental.gkd.gkd_trainer.GKDTrainer.generalized_jsd_loss": "fa445e28549d31b6",
+}
+_ATTR = "_fusedce_distillation"   # set on a patched trainer: (the patched method's name, Options)
+
+
+def _trl():
+    try:
+        import trl
+        from trl.trainer import distillation_trainer
+    except ImportError as err:
+        raise ImportError("fusedce.patch_distillation_trainer needs TRL (pip install 'fusedce[hf]')") from err
+    return trl, distillation_trainer
+
+
+def _gkd_module():
+    try:
+        from trl.experimental.gkd import gkd_trainer
+    except ImportError:   # an install without the experimental trainers
+        return None
+    return gkd_trainer
+
+
+def _check(trl, objects: dict) -> None:
+    version = str(getattr(trl, "__version__", "unknown"))
+    if version.split(".")[:2] != SUPPORTED_TRL.split("."):
+        raise RuntimeError(f"fusedce.patch_distillation_trainer was written against TRL {SUPPORTED_TRL}.x and "
+                           f"TRL {version} is installed: its distillation loss may differ, so fusedce refuses to "
+                           f"replace it (install trl=={SUPPORTED_TRL}.* or run TRL's own loss)")
+    for name, obj in objects.items():
+        try:
+            found = _fingerprint(obj)
+        except (OSError, TypeError) as err:
+            raise RuntimeError(f"fusedce.patch_distillation_trainer cannot read the source of {name} to check "
+                               f"it: {err}") from err
+        if found != FINGERPRINTS[name]:
+            raise RuntimeError(f"fusedce.patch_distillation_trainer: {name} in the installed TRL {version} "
+                               f"differs from the one fusedce reproduces (source fingerprint {found}, expected "
+                               f"{FINGERPRINTS[name]}); refusing to patch")
+
+
+def _not_overridden(trainer, base, name: str) -> None:
+    if getattr(type(trainer), name) is not getattr(base, name):
+        raise TypeError(f"{type(trainer).__name__} overrides {base.__name__}.{name}, which "
+                        "fusedce.patch_distillation_trainer replaces: refusing to patch it")
+
+
+def _distillation_compute_loss(module, options: Options):
+    """TRL's ``DistillationTrainer._compute_loss`` with ``_chunked_divergence_loss`` resolved to
+    fusedce's: the same code object over a copy of its module's globals."""
+    original = module.DistillationTrainer._compute_loss
+    scope = dict(vars(module))
+    scope["_chunked_divergence_loss"] = functools.partial(divergence_loss, options=options)
+    function = types.FunctionType(original.__code__, scope, original.__name__, original.__defaults__,
+                                  original.__closure__)
+    function.__kwdefaults__ = original.__kwdefaults__
+    return function
+
+
+def _gkd_compute_loss(original, options: Options):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:   # the caller wants the model outputs (logits): TRL's own loss
+            return original(self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        return gkd_loss(self, model, inputs, num_items_in_batch, options)
+    return compute_loss
+
+
+@public_op("integration")
+def patch_distillation_trainer(trainer, *, method: str = "auto", chunk_size: Optional[int] = None,
+                               backend: Optional[str] = None, deterministic: Optional[bool] = None,
+                               entropy: bool = True):
+    """Make ``trainer`` (a TRL 1.16 ``DistillationTrainer`` or ``experimental.gkd.GKDTrainer``) compute its
+    distillation loss with :func:`fusedce.linear_distillation_loss`: the same loss (TRL's ``beta``,
+    temperature, per-model logit scale and ``final_logit_softcapping``, completion / label masking,
+    ``num_items_in_batch`` normalization) and student gradients, without the student's or the teacher's
+    logits (mechanism and the one exception, GKD evaluation with outputs: the module docstring).
+    Call it once after building the trainer, before ``train()``; returns ``trainer``. Idempotent (a second
+    call replaces the options); undone by :func:`unpatch_distillation_trainer`.
+
+    Args:
+        trainer: the trainer object; only it is changed (an instance attribute), not its class or TRL.
+        method, chunk_size, backend, deterministic: as in :func:`fusedce.linear_distillation_loss`
+            (``"tiled"``: no logits at all; ``"chunked"``: one chunk of tokens' logits of each model).
+        entropy: ``DistillationTrainer`` logs the student's mean entropy; computing it costs one more
+            forward pass of the student head (no gradient). False skips it and logs NaN. GKD logs none.
+
+    Raises:
+        ImportError: TRL is not installed.
+        RuntimeError: the installed TRL is not 1.16.x, or the source of a TRL function fusedce reproduces
+            or rebinds differs from what it was written against.
+        TypeError: ``trainer`` is neither trainer, or its class overrides the method the patch replaces.
+    """
+    trl, module = _trl()
+    options = Options(method=method, chunk_size=chunk_size, backend=backend, deterministic=deterministic,
+                      entropy=bool(entropy))
+    gkd = _gkd_module()
+    if isinstance(trainer, module.DistillationTrainer):
+        _check(trl, {"trl.trainer.distillation_trainer._chunked_divergence_loss": module._chunked_divergence_loss,
+                     "trl.trainer.distillation_trainer.DistillationTrainer._compute_loss":
+                         module.DistillationTrainer._compute_loss})
+        _not_overridden(trainer, module.DistillationTrainer, "_compute_loss")
+        name, function = "_compute_loss", _distillation_compute_loss(module, options)
+    elif gkd is not None and isinstance(trainer, gkd.GKDTrainer):
+        _check(trl, {"trl.experimental.gkd.gkd_trainer.GKDTrainer.compute_loss": gkd.GKDTrainer.compute_loss,
+                     "trl.experimental.gkd.gkd_trainer.GKDTrainer.generalized_jsd_loss":
+                         gkd.GKDTrainer.generalized_jsd_loss})
+        _not_overridden(trainer, gkd.GKDTrainer, "compute_loss")
+        name, function = "compute_loss", _gkd_compute_loss(gkd.GKDTrainer.compute_loss, options)
+    else:
+        raise TypeError(f"fusedce.patch_distillation_trainer takes a trl.DistillationTrainer or a "
+                        f"trl.experimental.gkd.GKDTrainer, not {type(trainer).__name__}")
+    setattr(trainer, name, types.MethodType(function, trainer))
+    setattr(trainer, _ATTR, (name, options))
+    return trainer
+
+
+@public_op("integration")
+def unpatch_distillation_trainer(trainer):
+    """Undo :func:`patch_distillation_trainer` on ``trainer`` (no-op if not patched): TRL's own loss
+    again from the next step on. Returns ``trainer``."""
+    state = trainer.__dict__.pop(_ATTR, None)
+    if state is not None:
+        trainer.__dict__.pop(state[0], None)
+    return trainer
+
+
+def distillation_options(trainer) -> Optional[dict]:
+    """The fusedce options ``trainer`` was patched with (a dict), or None if it is not patched."""
+    state = trainer.__dict__.get(_ATTR)
+    return None if state is None else dataclasses.asdict(state[1])

@@ -1,0 +1,131 @@
+"""The body of TRL's fused-LM-head forward, computed through fusedce (installed by ``trl_patch``).
+
+TRL 1.16's ``add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)`` reads the model's
+config (softcap, logit scale, where the backbone is) and installs a closure ``_fused_forward`` as the
+model's forward. ``fusedce.patch_trl`` keeps that outer function and those settings, and swaps the
+closure's code for a trampoline that calls :func:`forward` here with the same eight settings, so every
+trainer (SFT, GRPO, RLOO, DPO, KTO, ...) and every model TRL has already patched takes this path.
+
+With ``fused_lm_head=True``: the backbone runs as in TRL (``use_cache=False``, router logits for MoE
+configs), the hidden states are shifted (or ``shift_labels`` taken as given: context / sequence
+parallelism and padding-free batches), and then the LM head MODULE is called on them under
+``hf_call.HeadCall``: inside its own call (its forward pre-hooks and hooks fire once: ZeRO-3 and FSDP2
+gather the weight there; a peft LoRA head is applied exactly or refused with ``ValueError``, as in
+``patch_causal_lm``), :func:`fusedce.linear_token_log_probs` computes what TRL asks for. Its outputs and
+their definitions are TRL's (``FusedCausalLMOutput``): per-token ``log_probs``, ``entropy``,
+``log_sum_sq_probs``, ``mean_logits``, ``is_top1`` (``fusedce.TokenStats``), 0 on positions whose label
+is -100, ``label_mask``, and ``loss = -sum(log_probs) / (num_items_in_batch or the count of labels)``
+plus the MoE load-balancing term. Without ``fused_lm_head`` the model's original forward runs, as in TRL.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fusedce.rl.log_probs import linear_token_log_probs
+from fusedce.integrations.hf.call import HeadCall, module_name
+
+STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+class Settings(NamedTuple):
+    """The eight values TRL 1.16's ``add_fused_lm_head`` closes over, in its closure's order."""
+
+    backbone_attr: str
+    cast_lm_head_to_fp32: bool
+    final_logit_softcapping: object
+    logit_scale: float
+    original_forward: object
+    outputs: tuple
+    temperature: float
+    text_config: object
+
+
+def forward(model: nn.Module, settings: Settings, args: tuple, kwargs: dict, fused_lm_head, labels, shift_labels,
+            num_items_in_batch):
+    """``model.forward`` as TRL's fused head defines it (module docstring), the head through fusedce."""
+    if not fused_lm_head:
+        extra = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+        return settings.original_forward(*args, **kwargs, **{k: v for k, v in extra.items() if v is not None})
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    config = settings.text_config
+    kwargs["use_cache"] = False
+    if getattr(config, "output_router_logits", False):
+        kwargs.setdefault("output_router_logits", True)
+    backbone = getattr(model, settings.backbone_attr)(*args, **kwargs)
+    if shift_labels is None:
+        hidden, labels = backbone.last_hidden_state[:, :-1], labels[:, 1:]
+    else:
+        hidden, labels = backbone.last_hidden_state, shift_labels
+    head = model.get_output_embeddings()
+    device = head.weight.device
+    hidden, labels = hidden.to(device), labels.to(device)
+    mask = labels != -100
+    autocast = contextlib.nullcontext()
+    if settings.cast_lm_head_to_fp32:
+        hidden = hidden.float()
+        autocast = torch.autocast(hidden.device.type, enabled=False)
+    per_token, where = {}, module_name(model, head)
+
+    def compute(h, weight, bias):   # inside the head's call: its hooks have run, the adapters recorded
+        per_token.update(_head_outputs(h, weight, bias, labels, settings, where))
+        grads = [per_token[k] for k in ("log_probs", "entropy") if per_token.get(k) is not None]
+        return grads[0] if len(grads) == 1 else torch.stack(grads)
+    with autocast, HeadCall(head, where, compute, keep_logits=False, verify=False) as call:
+        placeholder = head(hidden)
+    tied = call.final_loss(placeholder)   # the backward reaches the head's output (hooks) before the loss
+    if per_token.get("entropy") is None:
+        per_token["log_probs"] = tied
+    else:
+        per_token["log_probs"], per_token["entropy"] = tied.unbind(0)
+    per_token = {k: None if v is None else v.reshape(mask.shape) for k, v in per_token.items()}
+    log_probs = per_token["log_probs"]
+    loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+    aux_loss = None
+    if kwargs.get("output_router_logits"):
+        aux_loss = _load_balancing(model, config, backbone, kwargs.get("attention_mask"))
+        loss = loss + getattr(config, "router_aux_loss_coef", 0.0) * aux_loss
+    return FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=aux_loss, **per_token)
+
+
+def _head_outputs(hidden, weight, bias, labels, settings: Settings, where: str) -> dict:
+    """TRL's per-token fields (flattened, (N,)) of the head's pieces ``hidden`` (..., H'), ``weight``
+    (V, H'), ``bias``; the ones not in ``settings.outputs`` are None (``log_probs`` always)."""
+    outputs = settings.outputs
+    if settings.cast_lm_head_to_fp32:   # TRL: fp32 hidden states, the head's weight cast up for the matmul
+        if hidden.dtype != torch.float32:
+            raise ValueError(f"{where}: cast_lm_head_to_fp32 with an adapter on the LM head (its pieces are not "
+                             "fp32): fusedce cannot reproduce that head exactly")
+        weight = weight.float()
+        bias = None if bias is None else bias.float()
+    want_entropy, want_stats = "entropy" in outputs, any(name in outputs for name in STATS)
+    out = linear_token_log_probs(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), bias,
+        temperature=settings.temperature, softcap=settings.final_logit_softcapping,
+        logit_scale=settings.logit_scale, return_entropy=want_entropy, return_stats=want_stats)
+    fields = dict.fromkeys(("log_probs", "entropy") + STATS)
+    if want_stats:
+        fields.update({name: getattr(out, name) for name in STATS if name in outputs})
+    if want_stats or want_entropy:
+        fields.update(log_probs=out.log_probs, entropy=out.entropy)
+    else:
+        fields["log_probs"] = out
+    return fields
+
+
+def _load_balancing(model, config, backbone, attention_mask):
+    """The MoE load-balancing loss TRL 1.16 adds (Mixtral's formula, which the MoE families share)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    import transformers
+    from packaging.version import Version
+
+    version = Version(transformers.__version__)
+    if version < Version("5.0.0") or (config.model_type == "gpt_oss" and version < Version("5.6.0")):
+        experts, per_token = model.num_experts, model.num_experts_per_tok
+    else:
+        experts, per_token = config.num_experts, config.num_experts_per_tok
+    return load_balancing_loss_func(backbone.router_logits, experts, per_token, attention_mask)

@@ -1,0 +1,3 @@
+"""RL log-probs and entropy: the public ``token_log_probs`` / ``linear_token_log_probs`` (``rl/log_probs.py``),
+the internal K-class op (``multi.py``) and their LM-head Functions (``linear_head.py``, ``multi_head.py``,
+``multi_head_tiled.py``)."""

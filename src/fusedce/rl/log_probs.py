@@ -1,0 +1,149 @@
+"""Public RL functions: per-token log-probabilities and entropy, from logits or from the hidden states."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from fusedce.core.entrance import public_op
+from fusedce import backends
+from fusedce.rl import linear_head
+from fusedce.rl import multi
+from fusedce.core import validation as val
+from fusedce.core.options import check_flag, deterministic_mode, log_prob_options
+from fusedce.lm_head.method import check_method, resolve_method
+from fusedce.core.rows import rows_view
+from fusedce.core.types import TokenLogProbs, TokenStats
+
+
+def _result(out, shape, return_entropy: bool, return_stats: bool):
+    log_probs, entropy, *stats = (t.reshape(shape) if t.numel() or not shape.numel() else t for t in out)
+    if return_stats:
+        return TokenStats(log_probs, entropy if return_entropy else None, *stats)
+    if not return_entropy:
+        return log_probs
+    return TokenLogProbs(log_probs, entropy)
+
+
+@public_op("logits")
+def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0,
+                    softcap: Optional[float] = None, logit_scale: float = 1.0, ignore_index: int = -100,
+                    return_entropy: bool = False, return_stats: bool = False,
+                    backend: Optional[str] = None) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
+    """Per-token ``log softmax(q)[target]`` (and the entropy of ``softmax(q)``) for policy-gradient RL.
+
+    ``z = softcap * tanh(s * logits / softcap)`` when ``softcap`` is given (else ``z = s * logits``;
+    ``s`` = ``logit_scale``, as in the losses), then
+    ``q = z / temperature``; ``log_probs[i] = q[i, t_i] - logsumexp(q[i])`` and ``entropy[i] =
+    logsumexp(q[i]) - sum_c softmax(q[i])_c q[i, c]`` (the Shannon entropy, in nats).
+
+    Args:
+        logits: ``(..., V)`` float32 / bfloat16 / float16; any row stride (last dim not stride 1: one
+            copy). Never modified.
+        target: ``(...)`` = ``logits.shape[:-1]``, int64 or int32; ``ignore_index`` marks rows (prompt,
+            padding) that get 0 in both outputs and exactly zero gradient. Or ``(..., K)`` (one more
+            dimension, K >= 1): the log-probs of K classes per token (TRL's ``selective_log_softmax``
+            with a ``(..., K)`` index; top-k distillation, ranking losses), ``log_probs[..., k] =
+            q[t_k] - logsumexp(q)`` from one pass of the row statistics; ``ignore_index`` entries give 0
+            and no gradient, a row whose K entries are all ignored is an ignored row (entropy 0);
+            duplicate classes in a row are allowed (their gradients add). Not with ``return_stats``.
+        temperature: > 0, finite (the sampling temperature of the rollout).
+        softcap: optional > 0, applied before the temperature (Gemma 2's final-logit softcapping).
+        logit_scale: > 0, multiplies the logits first (Cohere's ``logit_scale``, Granite's ``1 /
+            logits_scaling``; TRL's fused head applies it the same way).
+        ignore_index: default -100.
+        return_entropy: also return the entropy.
+        return_stats: return ``TokenStats(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``
+            (TRL's per-token fields, defined in ``fusedce.TokenStats``; entropy None without
+            ``return_entropy``); the three statistics have no gradient and cost nothing unless asked.
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
+
+    Returns:
+        fp32 ``log_probs`` of ``target.shape`` (with a ``(..., K)`` target: ``(..., K)``, and the entropy
+        ``(...)``), ``TokenLogProbs(log_probs, entropy)``, or (with
+        ``return_stats``) ``TokenStats``. Both are
+        differentiable with any upstream gradients (e.g. ``-(advantage * log_probs).sum() - beta *
+        entropy.mean()``); the gradient of ``logits`` has their dtype and shape. Memory: the forward
+        keeps O(BT) statistics; the backward writes one ``logits``-shaped gradient.
+
+    Raises:
+        TypeError / ValueError / IndexError / RuntimeError: as :func:`fusedce.cross_entropy` (shapes,
+            dtypes, devices, a target neither ``ignore_index`` nor in [0, V), backends), plus
+            ``ValueError`` for a ``temperature`` that is not a finite number > 0 or whose inverse is
+            not a normal fp32 number, or a ``softcap / temperature`` beyond fp32's range, and
+            ``RuntimeError`` for ``backend="cute"`` (no entropy kernels yet).
+    """
+    val.check_float("logits", logits)
+    if logits.dim() < 1:
+        raise ValueError("logits must have at least one dimension (the classes, last)")
+    val.check_nonzero("logits", logits.shape, -1, "V")
+    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
+    if multi.is_multi(logits, target):
+        return multi.token_log_probs(logits, target, opts, return_entropy, return_stats, backend)
+    shape, n_classes = logits.shape[:-1], logits.shape[-1]
+    val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
+    target = val.widen_target(target, opts.ignore_index)
+    check_flag("return_entropy", return_entropy)
+    check_flag("return_stats", return_stats)
+    impl = backends.get(backend, logits.device, entropy=True)
+    val.check_target_range(target, n_classes, opts.ignore_index)
+    out = linear_head.token_log_probs(impl.CHUNK_CE, rows_view(logits, False), target.reshape(-1), opts, return_entropy,
+                                  return_stats)
+    return _result(out, shape, return_entropy, return_stats)
+
+
+@public_op("linear")
+def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                           bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0,
+                           softcap: Optional[float] = None, logit_scale: float = 1.0, ignore_index: int = -100,
+                           return_entropy: bool = False, return_stats: bool = False,
+                           chunk_size: Optional[int] = None, method: str = "auto",
+                           backend: Optional[str] = None, deterministic: Optional[bool] = None
+                           ) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
+    """:func:`token_log_probs` of ``hidden @ weight.T + bias`` without ever allocating BT x V logits.
+
+    Args:
+        hidden: ``(..., H)`` float32 / bfloat16 / float16; ``weight``: ``(V, H)`` and ``bias``
+            (optional) ``(V,)`` of the same dtype. The logits are computed in that dtype with fp32
+            accumulation (as ``F.linear``), the rest in fp32.
+        target, temperature, softcap, logit_scale, ignore_index, return_entropy, return_stats, backend:
+            as in :func:`token_log_probs` (the statistics come from the same pass as the log-probs with
+            ``"tiled"``, from each chunk's logits right after its loss with ``"chunked"``).
+        chunk_size, method: as in :func:`fusedce.linear_cross_entropy` (``"chunked"``: one chunk of
+            logits at a time; ``"tiled"``: no tensor of V or more elements besides ``weight``,
+            ``bias`` and their gradients). Ignored rows cost no matmul FLOPs (compacted first: one
+            host sync per call, skipped under torch.compile / CUDA-graph capture).
+        deterministic: as in :func:`fusedce.linear_cross_entropy` (None follows
+            ``torch.are_deterministic_algorithms_enabled()``; the tiled Triton backward then runs
+            without atomics; with a ``(..., K)`` target the tiled method then also adds the K classes'
+            weight-gradient terms by a sorted segment sum, one more host sync, instead of ``index_add_``).
+        A ``(..., K)`` target with ``"tiled"`` also computes the K target logits from gathered rows of
+            ``weight`` (fp32 products, at most 2^22 elements at a time, or one row's K x H) and rounds
+            the hidden gradient a second time in bf16 / fp16 (``rl/multi_head.py``).
+
+    Returns:
+        As :func:`token_log_probs`; gradients of ``hidden``, ``weight``, ``bias`` in their dtypes. The
+        backward recomputes the logits (chunk by chunk, or tile by tile).
+
+    Raises:
+        The errors of :func:`token_log_probs` and of :func:`fusedce.linear_cross_entropy` for the
+        shapes, ``chunk_size``, ``method`` and ``deterministic``.
+    """
+    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
+    if multi.is_multi(hidden, target):
+        return multi.linear_token_log_probs(hidden, weight, target, bias, opts, return_entropy, return_stats,
+                                            chunk_size, method, backend, deterministic_mode(deterministic))
+    val.check_linear(hidden, weight, target, bias, None, chunk_size)
+    check_method(method, chunk_size)
+    deterministic = deterministic_mode(deterministic)
+    target = val.widen_target(target, opts.ignore_index)
+    check_flag("return_entropy", return_entropy)
+    check_flag("return_stats", return_stats)
+    shape, n_classes = hidden.shape[:-1], weight.shape[0]
+    impl = backends.get(backend, hidden.device, entropy=True, tiled=resolve_method(method) == "tiled")
+    val.check_target_range(target, n_classes, opts.ignore_index)
+    out = linear_head.linear_token_log_probs(
+        impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, opts, return_entropy,
+        None if chunk_size is None else int(chunk_size), method, return_stats, tiled=impl.TILED_CE,
+        deterministic=deterministic)
+    return _result(out, shape, return_entropy, return_stats)

@@ -1,0 +1,267 @@
+"""Log-probabilities of K given classes per row (``token_log_probs`` with a ``target`` of shape
+``(..., K)``), on any backend's ``ChunkCE`` / ``TiledCE``, with no new kernel.
+
+The statistics are shared: the lse pair (and the entropy) of a row do not depend on the class asked,
+so each row goes once through the one-class kernels with a representative target ``rep`` (the row's
+first non-ignored entry; ``ignore_index`` when all K are ignored, which skips the row). Then
+``log p_k = (z_k - lse) - lse_lo`` with ``z_k`` the transformed logit at ``t_k`` (``log_prob_options``
+folds temperature and softcap into the transform): K gathers per row, O(BT K) work.
+
+Gradient of ``sum_k g_k log p_k`` (+ ``k entropy``), ``G = sum_k g_k`` over the non-ignored entries:
+
+    dL/dz_c = sum_{k: t_k = c} g_k - G p_c - k p_c (u_c + entropy)
+
+(``d log p_k / d z_c = [c == t_k] - p_c``), then ``dz/dx``. The one-class backward kernels give
+everything but the first term when called with ``grad_row = 0`` and ``grad_lse = -G`` (their
+``h p_c`` term, ``backends/protocol.py``): one extra row-sum of ``g``. The first term lives on K columns:
+
+- logits given, and ``method="chunked"`` (a chunk's logits are in a buffer): after the kernel, the K
+  target columns of the row's gradient are recomputed in fp32 from the whole formula and written over
+  (``_fix_columns_``): every element of the gradient is rounded once to the logits' dtype, as in the
+  one-class op. Duplicate classes in a row sum their ``g`` (``_class_sums``: identical bits for every
+  copy, so the scatter is deterministic). Extra work O(BT K^2) (the class-equality mask), no V term.
+- ``method="tiled"`` (no logits): the sparse term is added to the tiled gradients,
+  ``grad_hidden_i += sum_k g_k x'_k W[t_k]``, ``grad_weight[t_k] += g_k x'_k hidden_i``, ``grad_bias[t_k]
+  += g_k x'_k`` (``x'`` = dz/dx at the target, from the forward's saved target logits). ``grad_hidden``
+  is then rounded a second time in a 16-bit dtype (at most one more half-ulp); the index-add into
+  ``grad_weight`` / ``grad_bias`` uses float atomics on CUDA unless ``deterministic`` (then a sorted
+  segment sum per class, one more host sync; ``log_probs_multi_tiled.py``). The target logits
+  come from ``F.linear`` on gathered rows of ``weight`` (``log_probs_multi_tiled.py``); the kernels' own tile
+  matmul may sum in another order, so on a GPU a target logit can differ from the one the lse saw by
+  one rounding of hidden's dtype (the chunked method gathers them from the very logits the lse came
+  from). The gathers are the temporaries not bounded by the tiles: at most 2^22 elements (or one
+  row's K x H) at a time.
+
+Ignored entries give 0 and get no gradient; rows whose K entries are all ignored are skipped as
+ignored rows (0 entropy, zero gradient, in the linear form compacted away before the matmuls).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from fusedce.core.autograd_checks import check_backward_allowed
+from fusedce.core.options import LossOptions
+from fusedce.core.row_math import mul_slope_, transform
+from fusedce.lm_head import chunked as loop
+from fusedce.lm_head.compaction import compact_rows, scatter_rows
+from fusedce.lm_head.method import make_head
+from fusedce.lm_head.heads import TiledHead
+from fusedce.rl.multi_head_tiled import sparse_grads_, target_logits
+from fusedce.backends.protocol import ChunkCE, TiledCE
+
+_SAME_CLASS_ELEMENTS = 1 << 22   # the (rows, K, K) class-equality temporary of ``_class_sums``
+
+class Entries(NamedTuple):
+    """The K targets of n rows: ``valid`` (n, K) bool (not ``ignore_index`` and in [0, V)),
+    ``safe`` (n, K) int64 (the class, 0 where not valid), ``rep`` (n,) the representative target (the
+    first valid entry's class, ``ignore_index`` if none), ``first`` (n, 1) that entry's position (0 if
+    none), ``any`` (n,) bool: some entry is valid. A row whose non-ignored entries are all out of range
+    (possible only where the range check is skipped) is an ignored row with NaN log-probs there."""
+
+    valid: torch.Tensor
+    safe: torch.Tensor
+    rep: torch.Tensor
+    first: torch.Tensor
+    any: torch.Tensor
+
+
+def entries(target: torch.Tensor, opts: LossOptions, n_classes: int) -> Entries:
+    valid = opts.kept(target) & (target >= 0) & (target < n_classes)
+    safe = torch.where(valid, target, 0).long()
+    first = valid.to(torch.uint8).argmax(dim=1, keepdim=True)   # the first maximum: the first valid entry
+    any_valid = valid.any(dim=1)
+    rep = torch.where(any_valid, safe.gather(1, first)[:, 0], opts.ignore_index)
+    return Entries(valid, safe, rep, first, any_valid)
+
+
+def _log_probs(x: torch.Tensor, target: torch.Tensor, e: Entries, lse, lse_lo, opts: LossOptions):
+    """fp32 ``(z_k - lse) - lse_lo`` from the gathered logits ``x`` (n, K); 0 on ignored entries, NaN on
+    a non-ignored entry out of range (as the one-class loss)."""
+    z = transform(x.float(), opts)
+    out = (z - lse[:, None]) - lse_lo[:, None]
+    out = torch.where(e.valid, out, float("nan"))
+    return torch.where(opts.kept(target), out, 0.0)
+
+
+def _class_sums(e: Entries, g: torch.Tensor) -> torch.Tensor:
+    """``sum_{j: t_j = t_k} g_j`` per entry (n, K) fp32: a masked (K, K) product per row, rows at a time
+    so that the (rows, K, K) temporary stays below ``_SAME_CLASS_ELEMENTS``. Every copy of a class sums
+    the same masked row in the same order: identical bits (the scatter below is then deterministic)."""
+    ids = torch.where(e.valid, e.safe, -1)
+    n, K = ids.shape
+    total = torch.empty_like(g)
+    rows = max(1, _SAME_CLASS_ELEMENTS // (K * K))
+    for s in range(0, n, rows):
+        c = slice(s, s + rows)
+        same = ids[c, :, None] == ids[c, None, :]
+        total[c] = torch.where(same, g[c, None, :], 0.0).sum(dim=-1)
+    return total
+
+
+def _upstream(grad_log_probs: Optional[torch.Tensor], e: Entries):
+    """(g (n, K) fp32, 0 on ignored entries; G (n,) = sum_k g_k)."""
+    if grad_log_probs is None:
+        g = torch.zeros(e.valid.shape, dtype=torch.float32, device=e.valid.device)
+    else:
+        g = torch.where(e.valid, grad_log_probs.float(), 0.0)
+    return g, g.sum(dim=1)
+
+
+def _fix_columns_(grad: torch.Tensor, x: torch.Tensor, e: Entries, g, G, lse, lse_lo, k, entropy,
+                  opts: LossOptions) -> None:
+    """Overwrite the K target columns of ``grad`` ((n, V), any float dtype) with the exact fp32 value of
+    the module docstring's formula, rounded once. Ignored entries rewrite their row's first valid
+    entry with its own value; rows with no valid entry rewrite column 0 with 0 (the kernel's zeros)."""
+    z = transform(x.float(), opts)
+    u = (z - lse[:, None]) - lse_lo[:, None]
+    p = torch.exp(u)
+    dz = -G[:, None] * p + _class_sums(e, g)
+    if k is not None:
+        kk = torch.where(e.any, k.float(), 0.0)
+        dz = dz - kk[:, None] * torch.where(p == 0.0, 0.0, p * (u + entropy[:, None]))
+    dz = mul_slope_(dz, z, opts)   # dz is a fresh tensor
+    cols = torch.where(e.valid, e.safe, e.safe.gather(1, e.first))
+    dz = torch.where(e.valid, dz, dz.gather(1, e.first))
+    dz = torch.where(e.any[:, None], dz, 0.0)
+    grad.scatter_(1, cols, dz.to(grad.dtype))
+
+
+class _KClassCE:
+    """A ``ChunkCE`` whose ``grad_`` takes (n, K) targets and upstream gradients (``chunked.grads`` slices
+    both by rows): the one-class kernel with ``grad_lse = -G``, then ``_fix_columns_``."""
+
+    def __init__(self, ce: ChunkCE, n_classes: int):
+        self.ce, self.n_classes = ce, n_classes
+
+    def grad_(self, logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts, grad_entropy=None,
+              entropy=None, out=None):
+        e = entries(target, opts, self.n_classes)
+        x = logits.gather(1, e.safe)   # read before the kernel overwrites the chunk
+        g, G = _upstream(grad_row, e)
+        self.ce.grad_(logits, e.rep, None, None, lse, lse_lo, G.new_zeros(()).expand(G.shape[0]), -G, opts,
+                      grad_entropy=grad_entropy, entropy=entropy, out=out)
+        _fix_columns_(logits if out is None else out, x, e, g, G, lse, lse_lo, grad_entropy, entropy, opts)
+
+
+def _entropy_or_empty(entropy, like):
+    return like.new_empty(0) if entropy is None else entropy
+
+
+class _LogProbsK(torch.autograd.Function):
+    """Logits given: the backend's ChunkCE on all rows at once."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ce, opts: LossOptions, want_entropy: bool):
+        e = entries(target, opts, logits.shape[1])
+        out = ce.loss(logits, e.rep, None, None, opts, False, want_entropy)
+        lse, lse_lo = out[1], out[2]
+        entropy = _entropy_or_empty(out[4] if want_entropy else None, lse)
+        log_probs = _log_probs(logits.gather(1, e.safe), target, e, lse, lse_lo, opts)
+        ctx.save_for_backward(logits, target, lse, lse_lo, entropy)
+        ctx.ce, ctx.opts, ctx.want_entropy, ctx.consumed = ce, opts, want_entropy, False
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        check_backward_allowed(ctx, "fusedce.token_log_probs")
+        logits, target, lse, lse_lo, entropy = ctx.saved_tensors
+        k = grad_entropy if ctx.want_entropy else None
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        _KClassCE(ctx.ce, logits.shape[1]).grad_(logits, target, None, None, lse, lse_lo, grad_log_probs, None,
+                                                 ctx.opts, grad_entropy=k, entropy=entropy, out=grad)
+        return grad, None, None, None, None
+
+
+class _LinearLogProbsK(torch.autograd.Function):
+    """``hidden @ weight.T + bias`` never materialized: a ``heads.py`` head (chunked or tiled)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, head, opts: LossOptions, want_entropy: bool, needs):
+        e = entries(target, opts, weight.shape[0])
+        if isinstance(head, TiledHead):
+            rows = head.tiled.forward(hidden, weight, bias, e.rep, None, None, opts, False, want_entropy)
+            lse, lse_lo, entropy = rows.lse, rows.lse_lo, rows.entropy
+            x = target_logits(hidden, weight, bias, e.safe)
+        else:
+            lse, lse_lo, entropy, x = _chunked_forward(head, hidden, weight, bias, e, opts, want_entropy)
+        entropy = _entropy_or_empty(entropy, lse)
+        log_probs = _log_probs(x, target, e, lse, lse_lo, opts)
+        ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy, x)
+        ctx.head, ctx.opts, ctx.want_entropy, ctx.needs = head, opts, want_entropy, needs
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        check_backward_allowed(ctx, "fusedce.linear_token_log_probs")
+        hidden, weight, bias, target, lse, lse_lo, entropy, x = ctx.saved_tensors
+        opts, head, needs = ctx.opts, ctx.head, ctx.needs
+        k = grad_entropy if ctx.want_entropy else None
+        e = entries(target, opts, weight.shape[0])
+        g, G = _upstream(grad_log_probs, e)
+        if isinstance(head, TiledHead):
+            zero = G.new_zeros(()).expand(G.shape[0])
+            grads = head.tiled.backward(hidden, weight, bias, e.rep, None, None, lse, lse_lo, zero, -G, opts,
+                                        needs, torch.float32, k, entropy if k is not None else None,
+                                        deterministic=head.deterministic)
+            d = mul_slope_(g.clone(), transform(x.float(), opts), opts)
+            g_h, g_w, g_b = sparse_grads_(grads, hidden, weight, d, e.safe, needs, head.deterministic)
+        else:
+            saved = (lse, lse_lo, None, entropy if k is not None else None)
+            *_, g_h, g_w, g_b = loop.grads(_KClassCE(head.ce, weight.shape[0]), hidden, weight, bias, target, None,
+                                           None, opts, head.rows, g, g, needs, torch.float32, saved=saved,
+                                           grad_entropy=k)
+        g_w = None if g_w is None else g_w.to(ctx.dtypes[0])
+        g_b = None if g_b is None else g_b.to(ctx.dtypes[1])
+        return g_h, g_w, g_b, None, None, None, None, None
+
+
+def _chunked_forward(head, hidden, weight, bias, e: Entries, opts: LossOptions, want_entropy: bool):
+    """Per chunk of ``head.rows`` tokens: the logits once, ``ce.loss`` on the representative targets and
+    the K target logits gathered from the chunk. ``(lse, lse_lo, entropy or None, x (n, K))``."""
+    n = hidden.shape[0]
+    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lse_lo = torch.empty_like(lse)
+    entropy = torch.empty_like(lse) if want_entropy else None
+    x = torch.empty(e.safe.shape, dtype=hidden.dtype, device=hidden.device)
+    buffer = loop.chunk_buffer(n, head.rows, weight, hidden.dtype)
+    for s in range(0, n, head.rows):
+        c = slice(s, s + head.rows)
+        logits = loop.logits_chunk(hidden[c], weight, bias, buffer)
+        out = head.ce.loss(logits, e.rep[c], None, None, opts, False, want_entropy)
+        lse[c], lse_lo[c] = out[1], out[2]
+        if want_entropy:
+            entropy[c] = out[4]
+        x[c] = logits.gather(1, e.safe[c])
+        del logits
+    return lse, lse_lo, entropy, x
+
+
+def token_log_probs_multi(ce: ChunkCE, logits: torch.Tensor, target: torch.Tensor, opts: LossOptions,
+                          want_entropy: bool):
+    """Backend entry: ``logits`` (BT, V) last-dim stride 1, ``target`` (BT, K) -> ``(log_probs (BT, K),
+    entropy (BT,) or empty)`` fp32."""
+    return _LogProbsK.apply(logits, target, ce, opts, want_entropy)
+
+
+def linear_token_log_probs_multi(ce: ChunkCE, hidden, weight, target, bias, opts: LossOptions,
+                                 want_entropy: bool, chunk_size: Optional[int], method: str, *,
+                                 tiled: Optional[TiledCE] = None, deterministic: bool = False):
+    """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT, K) -> as
+    ``token_log_probs_multi``; rows whose K entries are all ignored are compacted away."""
+    n, K = target.shape
+    rep = entries(target, opts, weight.shape[0]).rep
+    hidden, _, index = compact_rows(hidden, rep, opts.ignore_index)
+    if index is not None:
+        target = target.index_select(0, index)
+    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
+                     deterministic, hidden.device.type)
+    needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    log_probs, entropy = _LinearLogProbsK.apply(hidden, weight, bias, target, head, opts, want_entropy, needs)
+    if index is not None:
+        log_probs = log_probs.new_zeros(n, K).index_copy(0, index, log_probs)
+        if want_entropy:
+            entropy = scatter_rows(entropy, index, n, 0.0)
+    return log_probs, entropy

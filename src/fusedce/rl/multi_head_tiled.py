@@ -1,0 +1,69 @@
+"""The ``method="tiled"`` side of the K-class log-probs (``rl/multi.py``): the K target logits of
+each row, and the sparse ``[c == t_k]`` term of the gradient added to the tiled gradients. Both gather
+rows of ``weight`` for the K classes of a few rows at a time (``_GATHER_ELEMENTS``): no tensor with a V
+dimension, O(BT K H) extra work (K / V of the tiled matmuls', times ``_ROWS`` for the logits)."""
+from __future__ import annotations
+
+import torch
+
+from fusedce.core.validation import sync_allowed
+
+_GATHER_ELEMENTS = 1 << 22   # elements of the (rows, K, H) weight gathers
+_ROWS = 32                   # rows per F.linear of the target logits (``target_logits``)
+
+
+def target_logits(hidden, weight, bias, safe: torch.Tensor) -> torch.Tensor:
+    """``x_ik = hidden_i . weight[t_ik] + bias[t_ik]`` (n, K) in hidden's dtype, by ``F.linear`` itself (so
+    rounded as the backends' logits are): per chunk of r rows, ``F.linear`` of the r hidden rows with
+    their r K gathered weight rows, of which the (r, K) diagonal blocks are kept. r ``_ROWS`` at most,
+    and the gather below ``_GATHER_ELEMENTS``: O(r) times the FLOPs of the K dots (r K / V of the
+    tiled matmuls'), no tensor with a V dimension."""
+    n, K = safe.shape
+    x = torch.empty(n, K, dtype=hidden.dtype, device=hidden.device)
+    rows = max(1, min(_ROWS, _GATHER_ELEMENTS // max(1, K * hidden.shape[1])))
+    for s in range(0, n, rows):
+        c = slice(s, s + rows)
+        idx = safe[c].reshape(-1)
+        logits = torch.nn.functional.linear(hidden[c], weight[idx], None if bias is None else bias[idx])
+        r = logits.shape[0]
+        x[c] = logits.reshape(r, r, K).diagonal(dim1=0, dim2=1).t()
+    return x
+
+
+def _add_rows_(acc: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, deterministic: bool) -> None:
+    """``acc[ids[e]] += values[e]`` for every entry e (``index_add_``: float atomics on CUDA, so the sum
+    of one class's entries is not bitwise reproducible). ``deterministic``: the entries are sorted by
+    class (stable), each class's run summed by ``segment_reduce``, then added once per class: no two
+    additions to one element race (one host sync for the number of classes; under torch.compile /
+    CUDA-graph capture, where it cannot sync, ``index_add_`` as above)."""
+    if not deterministic or not sync_allowed() or ids.numel() == 0:
+        acc.index_add_(0, ids, values.to(acc.dtype))
+        return
+    order = torch.argsort(ids, stable=True)
+    classes, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    acc.index_add_(0, classes, torch.segment_reduce(values[order], "sum", lengths=counts).to(acc.dtype))
+
+
+def sparse_grads_(grads, hidden, weight, d: torch.Tensor, safe: torch.Tensor, needs,
+                  deterministic: bool = False) -> tuple:
+    """Add the sparse term ``d`` ((n, K) fp32 dL/dx at the target columns) to the tiled gradients
+    ``(grad_hidden, grad_weight, grad_bias)``: ``grad_hidden_i += sum_k d_ik weight[t_ik]`` (formed in
+    fp32, rounded once more to its dtype), ``grad_weight[t_ik] += d_ik hidden_i``, ``grad_bias[t_ik] +=
+    d_ik`` (``_add_rows_``)."""
+    g_h, g_w, g_b = grads
+    n, K = safe.shape
+    rows = max(1, _GATHER_ELEMENTS // max(1, K * hidden.shape[1]))
+    if needs[0]:
+        g_h32 = g_h.float()
+        for s in range(0, n, rows):
+            c = slice(s, s + rows)
+            g_h32[c] += torch.bmm(d[c, None, :], weight[safe[c]].float())[:, 0]
+        g_h = g_h32.to(g_h.dtype)
+    if needs[1]:
+        for s in range(0, n, rows):
+            c = slice(s, s + rows)
+            rows_h = hidden[c].float()[:, None, :] * d[c, :, None]
+            _add_rows_(g_w, safe[c].reshape(-1), rows_h.reshape(-1, hidden.shape[1]), deterministic)
+    if needs[2]:
+        _add_rows_(g_b, safe.reshape(-1), d.reshape(-1), deterministic)
+    return g_h, g_w, g_b
