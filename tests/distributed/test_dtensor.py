@@ -7,7 +7,7 @@ on plain tensors (which the other suites check against float64). Any other place
 ("mixed torch.Tensor and DTensor"). One in-process gloo group of world size 1: Replicate() and
 Shard(0) are both placements of a one-rank mesh, so no second process is needed for the refusal.
 
-Shapes: 10 tokens (two ignored), H = 12, V = 37 (odd).
+Shapes (public_ops.py): 10 tokens (two ignored), H = 12, V = 37 (odd).
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fusedce
+from public_ops import CALLS, make_inputs, with_logits
 
 dt = pytest.importorskip("torch.distributed.tensor")
-BT, H, V = 10, 12, 37
+from public_ops import BT, H, V  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,39 +45,39 @@ def _target():
     return target
 
 
-def _scalar(out):
-    return out.log_probs.sum() + 0.3 * out.entropy.sum() if isinstance(out, fusedce.TokenLogProbs) else out
+def _total(outs):
+    """A weighted sum of the outputs (weights 1, 2, 3, 1, ... made like the output: a DTensor for DTensors)."""
+    return sum((o.float() * (torch.ones_like(o.float()).reshape(-1).cumsum(0).reshape(o.shape) % 3 + 1)).sum()
+               for o in outs if o.requires_grad)
 
 
-OPS = {
-    "cross_entropy": lambda h, w, t: fusedce.cross_entropy(h @ w.t(), t, label_smoothing=0.1, backend="torch"),
-    "linear-chunked": lambda h, w, t: fusedce.linear_cross_entropy(h, w, t, method="chunked", backend="torch"),
-    "linear-tiled": lambda h, w, t: fusedce.linear_cross_entropy(h, w, t, method="tiled", reduction="sum",
-                                                                 backend="torch"),
-    "linear-stats": lambda h, w, t: fusedce.linear_cross_entropy(h, w, t, return_stats=True, backend="torch").loss,
-    "token_log_probs": lambda h, w, t: fusedce.token_log_probs(h @ w.t(), t, return_entropy=True, backend="torch"),
-    "linear_token_log_probs": lambda h, w, t: fusedce.linear_token_log_probs(
-        h, w, t, method="tiled", return_entropy=True, backend="torch"),
-}
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_replicated_dtensors_match_plain_tensors(mesh, name, backend):
+    """Every public tensor op (``public_ops.CALLS``, the list the entrance test checks is complete): all
+    tensor arguments replicated DTensors -> replicated DTensor results and leaf gradients, bitwise the
+    values of the same call on plain tensors."""
+    kind, call = CALLS[name]
+    if name.startswith("fusedce.nn.") and backend != "torch":
+        pytest.skip("torch's drop-in takes no backend (the default backend: torch on CPU)")
+    x = make_inputs()
+    leaves = ("hidden", "weight", "bias")
+    plain = with_logits(x) if kind == "logits" else x
+    want = call(plain, backend)
+    want_grads = torch.autograd.grad(_total(want), [x[k] for k in leaves], allow_unused=True)
 
-
-@pytest.mark.parametrize("op", list(OPS))
-def test_replicated_dtensors_match_plain_tensors(mesh, op):
-    fn = OPS[op]
-    hidden, weight, target = torch.randn(BT, H, requires_grad=True), torch.randn(V, H, requires_grad=True), _target()
-    want = fn(hidden, weight, target)
-    _scalar(want).backward()
-
-    d_hidden, d_weight, d_target = _replicated(hidden, mesh), _replicated(weight, mesh), _replicated(target, mesh)
-    got = fn(d_hidden, d_weight, d_target)
-    outs = tuple(got) if isinstance(got, tuple) else (got,)
-    for t, w in zip(outs, tuple(want) if isinstance(want, tuple) else (want,)):
-        assert isinstance(t, dt.DTensor) and t.placements == (dt.Replicate(),)
-        torch.testing.assert_close(t.to_local(), w.detach(), rtol=0, atol=0)
-    _scalar(got).backward()
-    for d, plain in ((d_hidden, hidden), (d_weight, weight)):
-        assert isinstance(d.grad, dt.DTensor) and d.grad.placements == (dt.Replicate(),)
-        torch.testing.assert_close(d.grad.to_local(), plain.grad, rtol=0, atol=0)
+    d = {k: _replicated(v, mesh) for k, v in x.items()}
+    got = call(with_logits(d) if kind == "logits" else d, backend)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert isinstance(g, dt.DTensor) and g.placements == (dt.Replicate(),)
+        torch.testing.assert_close(g.to_local(), w.detach(), rtol=0, atol=0)
+    got_grads = torch.autograd.grad(_total(got), [d[k] for k in leaves], allow_unused=True)
+    for g, w in zip(got_grads, want_grads):
+        if w is None:
+            assert g is None
+            continue
+        assert isinstance(g, dt.DTensor) and g.placements == (dt.Replicate(),)
+        torch.testing.assert_close(g.to_local(), w, rtol=0, atol=0)
 
 
 def test_replicated_logits_and_plain_target_like_stock(mesh):

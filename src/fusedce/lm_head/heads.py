@@ -1,4 +1,4 @@
-"""The two ways the LM head meets the loss, behind one interface used by ``function.py`` and ``rl/log_probs.py``:
+"""The two ways the LM head meets the loss, behind one interface used by ``ce/linear_function.py``, ``rl/linear_head.py`` and ``distill/linear_head.py``:
 
 - ``ChunkedHead`` (``method="chunked"``): the logits of ``rows`` tokens at a time (``chunked.py``), the
   backend's ``ChunkCE`` on each chunk. With mean / sum its forward also makes the gradients

@@ -1,5 +1,5 @@
 """Probability ("soft") targets in PyTorch: the row math and its chunk loops (``launch.py``'s
-``row_chunks`` / ``grad_chunks_``), which ``ce/soft_targets.py`` calls as torch custom ops.
+``row_chunks`` / ``grad_chunks_``), which ``soft_targets.py`` calls as torch custom ops.
 
 Per row, on ``z`` (``row_math.transform``: logit scale, softcap), with the target ``q`` (any float dtype,
 used in fp32), ``eps`` = label_smoothing, ``w`` the class weights (1 without) and ``p = softmax(z)``

@@ -1,4 +1,4 @@
-"""The merges of the CuTe kernels' per-thread row states (``core/row_math.py`` forms them): online-softmax
+"""The merges of the CuTe kernels' per-thread row states (``row_math.py`` forms them): online-softmax
 states and argmax pairs, across a warp (butterfly shuffles) and across the warps of a CTA (one shared
 memory slot per warp). The on-chip chunk kernel merges its cluster's CTA states with the same
 ``merge_softmax`` / ``merge_argmax``."""
