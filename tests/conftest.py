@@ -14,6 +14,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  (import before any test patches torch.empty; see test_compile.py)
 
+import interpreter_math  # noqa: E402
+
+interpreter_math.install()   # the interpreter's exp / log correctly rounded on every CPU (interpreter_math.py)
+
 # Every backend of the contract that can run on this machine's CPU tensors. "triton" runs under the
 # interpreter; it is NOT skipped when its package is missing: that failure is real information.
 BACKENDS = ("torch", "triton")

@@ -25,6 +25,7 @@ from fusedce.backends.triton.kernels.common import tanh_fp32
 from inputs import make_weight
 
 SCALES = (1.0, 1e3, 1e4)
+DRAWS = 8   # independent 6 x 8 inputs per case (test_fp32_gradient_as_accurate_as_torch)
 OPTIONS = {
     "plain": {},
     "smoothing+weights": {"label_smoothing": 0.1, "weighted": True},
@@ -63,14 +64,23 @@ def _near_tie_logits(shape, scale):
 @pytest.mark.parametrize("scale", SCALES, ids=lambda s: f"x{s:g}")
 @pytest.mark.parametrize("shape", [(6, 8), (64, 100)], ids=lambda s: "x".join(map(str, s)))
 def test_fp32_gradient_as_accurate_as_torch(backend, shape, scale, options):
-    kw = dict(OPTIONS[options])
-    w = make_weight(shape[1]) if kw.pop("weighted", False) else None
-    x = _near_tie_logits(shape, scale)
-    t = torch.randint(0, shape[1], (shape[0],))
-    t[::4] = x[::4].argmax(1)          # some rows whose target is the (near-)saturated max
-    ours, stock, exact = _grads(x, t, w, backend, **kw)
-    err, stock_err = float((ours - exact).norm()), float((stock - exact).norm())
-    assert err <= 2.0 * stock_err, f"|grad - fp64| = {err:.3e}, stock fp32's {stock_err:.3e}"
+    """C14: the gradient's error against float64 no worse than 2x stock fp32's own, in Frobenius norm over
+    DRAWS independent inputs (the root of the summed squares). One 6 x 8 draw holds 48 elements whose
+    errors are a few fp32 ulps each: a single draw's ratio measured 0.2x-4.5x for stock-equivalent
+    arithmetic (40 draws at x1000 with smoothing and class weights: both backends 1.06x stock in rms,
+    worst single draw 4.5x, the PyTorch backend as much as Triton), so one draw tests luck, not accuracy."""
+    err2 = stock2 = 0.0
+    for _ in range(DRAWS if shape[0] * shape[1] < 1000 else 1):   # 64 x 100: 6400 elements a draw
+        kw = dict(OPTIONS[options])
+        w = make_weight(shape[1]) if kw.pop("weighted", False) else None
+        x = _near_tie_logits(shape, scale)
+        t = torch.randint(0, shape[1], (shape[0],))
+        t[::4] = x[::4].argmax(1)          # some rows whose target is the (near-)saturated max
+        ours, stock, exact = _grads(x, t, w, backend, **kw)
+        err2 += float((ours - exact).norm()) ** 2
+        stock2 += float((stock - exact).norm()) ** 2
+    err, stock_err = err2 ** 0.5, stock2 ** 0.5
+    assert err <= 2.0 * stock_err, f"|grad - fp64| = {err:.3e}, stock fp32's {stock_err:.3e} ({DRAWS} draws)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -95,21 +95,32 @@ def test_replicated_logits_and_plain_target_like_stock(mesh):
     torch.testing.assert_close(d_logits.grad.to_local(), plain_grad, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("placement", ["shard", "partial"])
+@pytest.mark.parametrize("placement", ["hidden_dim_shard", "partial"])
 def test_other_placements_raise_naming_the_alternatives(mesh, placement):
-    """A vocabulary-sharded head (weight Shard(0), logits Shard(1)) or a Partial sum: ValueError."""
+    """A head sharded over its hidden dimension (weight Shard(1), logits Shard(0)) or a Partial sum:
+    ValueError (a vocabulary shard, weight Shard(0) / logits Shard(-1), runs: test_dtensor_sharded.py)."""
     hidden, weight, target = torch.randn(BT, H), torch.randn(V, H), _target()
 
-    def placed(t, dim):
-        if placement == "shard":
-            return dt.distribute_tensor(t, mesh, [dt.Shard(dim)])
+    def placed(t, vocab_dim):
+        if placement == "hidden_dim_shard":
+            return dt.distribute_tensor(t, mesh, [dt.Shard(1 - vocab_dim)])
         return dt.DTensor.from_local(t, mesh, [dt.Partial()], run_check=False)
 
     calls = (lambda: fusedce.linear_cross_entropy(hidden, placed(weight, 0), target, backend="torch"),
              lambda: fusedce.linear_token_log_probs(hidden, placed(weight, 0), target, backend="torch"),
              lambda: fusedce.cross_entropy(placed(hidden @ weight.t(), 1), target, backend="torch"),
-             lambda: fusedce.token_log_probs(placed(hidden @ weight.t(), 1), target, backend="torch"))
+             lambda: fusedce.token_log_probs(placed(hidden @ weight.t(), 1), target, backend="torch"),
+             lambda: fusedce.linear_distillation_loss(hidden, placed(weight, 0), hidden, weight, target,
+                                                      backend="torch"))
     for call in calls:
         with pytest.raises(ValueError, match=r"DTensor with placements") as info:
             call()
         assert "vocab-parallel" in str(info.value) and "full_tensor" in str(info.value)
+
+
+def test_a_vocabulary_shard_without_a_vocab_parallel_form_raises(mesh):
+    """The distillation ops have no vocabulary-parallel form: a Shard(0) head is refused, naming it."""
+    hidden, weight, target = torch.randn(BT, H), torch.randn(V, H), _target()
+    with pytest.raises(ValueError, match=r"DTensor with placements"):
+        fusedce.linear_distillation_loss(hidden, dt.distribute_tensor(weight, mesh, [dt.Shard(0)]), hidden, weight,
+                                         target, backend="torch")

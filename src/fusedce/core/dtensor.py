@@ -8,10 +8,19 @@ composition does for replicated operands:
   its local tensor (``to_local``: differentiable, its gradient comes back as a DTensor of the same
   placements), the op runs on plain tensors, and every tensor it returns becomes a replicated DTensor
   on that mesh again (``from_local``, differentiable; no communication either way);
-- any other placement (``Shard``, ``Partial``) is a ``ValueError`` that says what to use instead: the
-  full tensor (``full_tensor()``, or ``patch_causal_lm``, whose module hooks let FSDP2 gather the head's
-  weight), or, for a head sharded over the vocabulary, the vocab-parallel ops of
-  ``fusedce.distributed`` on the local shard.
+- a vocabulary-sharded DTensor (an LM-head ``weight`` placed ``Shard(0)``, logits ``Shard(-1)``, on one
+  mesh dimension and ``Replicate()`` on the others; its ``bias`` / class weights sharded the same way or
+  absent) into an op that has a vocabulary-parallel form (``register_vocab_parallel``: cross_entropy,
+  linear_cross_entropy, token_log_probs, linear_token_log_probs) runs that form on the local shards over
+  the process group of that mesh dimension (``DeviceMesh.get_group(dim)``; each rank's slice follows the
+  group's rank order, as DTensor's ``Shard`` places it): replicated results; the gradients come back in
+  the inputs' placements (the shard's gradient ``Shard``, a replicated input's ``Replicate``), with the
+  single-process op's values on the concatenated vocabulary. ``method="tiled"`` is refused there (the
+  vocabulary-parallel linear ops are chunked);
+- any other placement (``Partial``, a shard of another dimension, a sharded argument of an op without a
+  vocabulary-parallel form) is a ``ValueError`` that says what to use instead: the full tensor
+  (``full_tensor()``, or ``patch_causal_lm``, whose module hooks let FSDP2 gather the head's weight), or,
+  for a head sharded over the vocabulary, the vocab-parallel ops of ``fusedce.distributed``.
 
 Plain tensors next to DTensors (e.g. a plain ``target``) are accepted as they are. Without any DTensor
 argument the decorator costs one type test per argument; under torch.compile it does nothing (eager only).
@@ -31,12 +40,74 @@ def _dtensor_class():
     return DTensor
 
 
+# "module.qualname" of a public op -> (its vocabulary-parallel form, {argument: (form's argument, vocab dim)})
+VOCAB_PARALLEL: dict = {}
+
+
+def register_vocab_parallel(op_key: str, form, shards: dict) -> None:
+    """Record ``form`` (a ``fusedce.distributed`` op) as the vocabulary-parallel form of the public op
+    ``op_key`` (``"module.qualname"``). ``shards``: ``{argument: (form's argument, vocab dim)}`` for the
+    arguments that may be sharded over the vocabulary (``weight``: ``("weight_shard", 0)``, logits:
+    ``(..., -1)``); every other argument is passed to ``form`` by its own name. Registered by
+    ``fusedce/distributed/__init__.py`` (above this layer), looked up per call."""
+    VOCAB_PARALLEL[op_key] = (form, dict(shards))
+
+
+def _vocab_shard_dim(value, vocab_dim: int):
+    """The mesh dimension over which ``value`` is sharded along its tensor dimension ``vocab_dim``, when
+    that is its only non-replicated placement; else None."""
+    sharded = [(i, p) for i, p in enumerate(value.placements) if not p.is_replicate()]
+    if len(sharded) != 1:
+        return None
+    i, p = sharded[0]
+    if not p.is_shard() or p.dim % value.ndim != vocab_dim % value.ndim:
+        return None
+    return i
+
+
+def _vocab_parallel_call(fn, named: dict, dtensor):
+    """Run ``fn``'s vocabulary-parallel form when its sharded DTensor arguments are vocabulary shards of
+    one mesh dimension (module docstring); None when ``fn`` has no such form or nothing is sharded."""
+    entry = VOCAB_PARALLEL.get(f"{fn.__module__}.{fn.__qualname__}")
+    sharded = {k: v for k, v in named.items() if isinstance(v, dtensor) and not all(p.is_replicate() for p in v.placements)}
+    if entry is None or not sharded:
+        return None
+    form, shards = entry
+    mesh, dims = None, set()
+    for name, value in sharded.items():
+        dim = _vocab_shard_dim(value, shards[name][1]) if name in shards else None
+        if dim is None or (mesh is not None and value.device_mesh != mesh):
+            return None
+        mesh, dims = value.device_mesh, dims | {dim}
+    if len(dims) != 1 or not any(shards[n][0] in ("weight_shard", "logits_shard") for n in sharded):
+        return None
+    for name, value in named.items():   # the rest: replicated on the same mesh, or plain tensors
+        if isinstance(value, dtensor) and name not in sharded:
+            _check_replicated(name, fn.__name__, value, mesh)
+    for name, (_, vocab_dim) in shards.items():
+        if name not in sharded and isinstance(named.get(name), torch.Tensor) and named[name].ndim:
+            raise ValueError(f"fusedce.{fn.__name__}: the LM head is sharded over the vocabulary, so {name} must be "
+                             f"sharded the same way (a DTensor placed Shard({vocab_dim}) on mesh dimension "
+                             f"{next(iter(dims))}), or None")
+    method = named.pop("method", "auto")
+    if method not in ("auto", "chunked"):
+        raise ValueError(f"fusedce.{fn.__name__}: method={method!r} with a vocabulary-sharded DTensor: the "
+                         "vocabulary-parallel linear ops are chunked; pass method='chunked' or 'auto'")
+    dim = next(iter(dims))
+    local = {shards[k][0] if k in shards else k: (v.to_local() if isinstance(v, dtensor) else v)
+             for k, v in named.items()}
+    out = form(**local, group=mesh.get_group(dim))
+    return _wrap(out, mesh, dtensor)
+
+
 def _check_replicated(name: str, op: str, value, mesh):
     bad = [p for p in value.placements if not p.is_replicate()]
     if bad:
         raise ValueError(
-            f"fusedce.{op}: {name} is a DTensor with placements {tuple(value.placements)}; only DTensors "
-            f"replicated on every mesh dimension (Replicate()) are accepted, computed on their local tensor. "
+            f"fusedce.{op}: {name} is a DTensor with placements {tuple(value.placements)}; accepted are DTensors "
+            f"replicated on every mesh dimension (Replicate(), computed on their local tensor) and, for the ops "
+            f"with a vocab-parallel form, an LM head sharded over the vocabulary on one mesh dimension (weight "
+            f"Shard(0), logits Shard(-1)). "
             f"Pass the full tensor instead ({name}.full_tensor(), or fusedce.patch_causal_lm, whose module "
             f"hooks let FSDP2 gather the LM head's weight), or, for an LM head sharded over the vocabulary "
             f"(weight Shard(0), logits Shard(-1)), the vocab-parallel ops of fusedce.distributed on "
@@ -71,6 +142,10 @@ def dtensor_op(fn):
         if dtensor is None or not any(isinstance(v, dtensor) for v in values):
             return fn(*args, **kwargs)
         names = list(inspect.signature(fn).parameters)
+        named = {(names[i] if i < len(names) else f"argument {i}"): v for i, v in enumerate(args)}
+        routed = _vocab_parallel_call(fn, {**named, **kwargs}, dtensor)
+        if routed is not None:
+            return routed
         mesh = None
         for index, value in enumerate(args):
             if isinstance(value, dtensor):

@@ -8,6 +8,7 @@ communication), ``exchange.py`` (the forward's two collectives), ``cross_entropy
 (autograd Functions and public functions), ``output.py`` (reduction and stats), ``log_probs.py`` and
 ``linear_log_probs.py`` (the RL ops: ``token_log_probs`` / ``linear_token_log_probs``).
 """
+from fusedce.core.dtensor import register_vocab_parallel
 from fusedce.distributed.cross_entropy import vocab_parallel_cross_entropy
 from fusedce.distributed.linear import vocab_parallel_linear_cross_entropy
 from fusedce.distributed.linear_log_probs import vocab_parallel_linear_token_log_probs
@@ -15,3 +16,14 @@ from fusedce.distributed.log_probs import vocab_parallel_token_log_probs
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
            "vocab_parallel_linear_token_log_probs", "vocab_parallel_token_log_probs"]
+
+# The public ops' vocabulary-sharded DTensor arguments run these forms (core/dtensor.py). Keys name the public
+# ops by module and name (strings: the families need not be imported here).
+register_vocab_parallel("fusedce.ce.functional.cross_entropy", vocab_parallel_cross_entropy,
+                        {"logits": ("logits_shard", -1), "weight": ("weight_shard", 0)})
+register_vocab_parallel("fusedce.ce.functional.linear_cross_entropy", vocab_parallel_linear_cross_entropy,
+                        {"weight": ("weight_shard", 0), "bias": ("bias_shard", 0), "ce_weight": ("ce_weight_shard", 0)})
+register_vocab_parallel("fusedce.rl.log_probs.token_log_probs", vocab_parallel_token_log_probs,
+                        {"logits": ("logits_shard", -1)})
+register_vocab_parallel("fusedce.rl.log_probs.linear_token_log_probs", vocab_parallel_linear_token_log_probs,
+                        {"weight": ("weight_shard", 0), "bias": ("bias_shard", 0)})
