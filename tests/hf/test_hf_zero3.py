@@ -6,7 +6,7 @@ does: outside the module's forward its weights hold ``torch.empty(0)``; a forwar
 weights in ``.data``, a forward hook puts the empty tensors back and registers a hook on the output that
 re-gathers them when the backward reaches it. The stock model runs under it (F.linear saves the weight
 tensor, whose data is full again when its backward runs); the patch must too, with every hook firing
-once per forward and the weight read only while gathered. Tolerances as in ``test_hf``.
+once per forward and the weight read only while gathered. Tolerances as in ``hf_models``.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
-from test_hf import assert_parity, batch, build  # noqa: E402
+from hf_models import assert_parity, batch, build  # noqa: E402
 
 
 class Zero3Hooks:
