@@ -145,7 +145,7 @@ def test_linear_second_backward_recomputes_with_the_weights(backend):
 
 def test_fp16_headroom_includes_the_largest_weight():
     """The chunked method forms its gradients in the forward at a power-of-two headroom P sized by the
-    largest per-logit gradient (function.py ``headroom``); a weight of 2^12 on one row must lower P, or that
+    largest per-logit gradient (``lm_head/headroom.py``); a weight of 2^12 on one row must lower P, or that
     row's fp16 gradient overflows (inf) before the backward divides by P."""
     hidden, weight, _, t = linear_inputs(bias=False)
     tw = torch.rand(SHAPE) + 0.5
