@@ -121,7 +121,9 @@ def test_deepspeed_zero3_matches_stock():
     outside their modules' forward), stock vs patched before and after ``deepspeed.initialize``. Runs in
     a subprocess (DeepSpeed initialises torch.distributed in-process)."""
     pytest.importorskip("deepspeed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    tests = str(Path(__file__).resolve().parents[1])   # hf_models.py, the shared tiny models
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, str(Path(__file__)), "deepspeed"], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
