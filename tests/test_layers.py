@@ -1,4 +1,4 @@
-"""The package's layers (README, "Architecture"): every import arrow inside ``src/fusedce`` points down
+"""The package's layers (docs/architecture.md, "Layers"): every import arrow inside ``src/fusedce`` points down
 or sideways, never up; no two modules import each other, directly or around a circle; and only the
 tools package (``fusedce.tools``) imports the tools (bench, inspect, finetune, the command line).
 

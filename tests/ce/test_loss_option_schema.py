@@ -1,7 +1,7 @@
 """The loss options have one description (``fusedce.core.options.LossOptions``): every public signature,
 docstring, check, custom-op argument list and kernel argument is derived from it. These tests fail when a
 public entry point, the type checkers' ``LossOptionValues`` or a kernel's parameter list drifts from it
-(the README's "Adding a loss option" relies on that)."""
+(docs/architecture.md's "Adding a loss option" relies on that)."""
 from __future__ import annotations
 
 import dataclasses
@@ -105,7 +105,7 @@ OPTION_PARAMS = set(NAMES) | set(LossFlags._fields) | {"eps", "lse_square_scale"
 
 def test_no_triton_kernel_names_a_loss_option():
     """Every Triton kernel takes the options as ``scalars`` and ``FLAGS`` only, so a new option changes
-    no kernel parameter list (README, "Adding a loss option")."""
+    no kernel parameter list (docs/architecture.md, "Adding a loss option")."""
     from fusedce.backends.triton.kernels import ce_backward, ce_chunk, ce_forward, ce_slice, tiled_backward, \
         tiled_forward
     kernels = [ce_forward.ce_forward_kernel, ce_backward.ce_backward_kernel, ce_chunk.ce_chunk_kernel,

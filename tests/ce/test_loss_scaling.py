@@ -26,7 +26,7 @@ range: both errors are ~1 and the check only says the fused path is no worse; bf
 Shapes: 32 tokens as (2, 16), every 8th ignored (so the linear paths compact rows), H = 32, V = 512:
 16384 logits, interpreter-sized; the chunked paths use chunks of 12 rows (28 kept rows: 3 chunks, the
 last partial). Vocab-parallel ops apply the upstream gradient in backward before any rounding, as
-stock does (``integrations/distributed``); they are not repeated here.
+stock does (``distributed/``); they are not repeated here.
 """
 from __future__ import annotations
 

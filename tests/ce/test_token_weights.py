@@ -3,10 +3,11 @@ z-loss times its weight (after ``use_token_scaling``'s ``p_t``), a constant (no 
 denominators unchanged; on ``cross_entropy``, ``linear_cross_entropy`` (both methods), the modules, the
 vocab-parallel ops and the Hugging Face patch, on every backend of this machine.
 
-The oracle (``reference``) is the formula in float64: ``F.cross_entropy(reduction="none")`` per row (class
-weights, smoothing), ``+ s lse**2``, both times ``tw`` (and the detached ``p_t``), ``"mean"`` dividing by
-``D = sum w[t]`` / ``N`` = the count of non-ignored rows (or ``num_items_in_batch``). Gradients by float64
-autograd through it (per-token and non-unit upstream gradients).
+The oracle is the shared float64 one (``tests/references/reference64.py``, ``reference_loss``):
+``F.cross_entropy(reduction="none")`` per row (class weights, smoothing), ``+ s lse**2``, both times ``tw``
+(and the detached ``p_t``), ``"mean"`` dividing by ``D = sum w[t]`` / ``N`` = the count of non-ignored rows
+(or ``num_items_in_batch``). Gradients by float64 autograd through it (per-token and non-unit upstream
+gradients).
 
 Shapes: V = 45 / 70 classes (not powers of two), (3, 7) = 21 tokens with every 4th ignored (the ignored
 rows hold NaN weights: they must not matter), chunk_size 8 (three chunks, a partial last one). Weights
@@ -33,6 +34,7 @@ import fusedce.distributed as fd
 from fusedce.lm_head import compaction
 from fusedce.core import validation
 from inputs import make_logits, make_target, make_weight
+from reference64 import reference_loss
 
 RTOL = 2.0 ** -16
 NAN = float("nan")
@@ -51,34 +53,6 @@ def token_weights(target, ignore_index=-100):
     tw = torch.rand(target.shape) * 4.0 - 1.0
     tw.view(-1)[2] = 0.0   # a kept row (make_target ignores flat 1, 5, 9, ...)
     return torch.where(target == ignore_index, NAN, tw)
-
-
-def reference(logits, target, cw=None, tw=None, *, reduction="mean", ignore_index=-100, label_smoothing=0.0,
-              lse_square_scale=0.0, softcap=None, logit_scale=1.0, use_token_scaling=False,
-              num_items_in_batch=None):
-    """``(loss, z_loss)`` in float64 from the formula (``logits`` float64, may require grad)."""
-    n_classes = logits.shape[-1]
-    z = logits.reshape(-1, n_classes) * logit_scale
-    z = z if softcap is None else softcap * torch.tanh(z / softcap)
-    t = target.reshape(-1)
-    kept = t != ignore_index
-    safe = torch.where(kept, t, 0)
-    cw64 = None if cw is None else cw.double()
-    ce = F.cross_entropy(z, safe, weight=cw64, reduction="none", label_smoothing=label_smoothing)
-    lse = torch.logsumexp(z, dim=1)
-    zr = lse_square_scale * lse * lse
-    f = torch.ones_like(lse) if tw is None else torch.where(kept, tw.reshape(-1).double(), 0.0)
-    if use_token_scaling:
-        f = f * torch.exp(z.gather(1, safe[:, None])[:, 0] - lse).detach()
-    ce, zr = torch.where(kept, ce * f, 0.0), torch.where(kept, zr * f, 0.0)
-    if reduction == "none":
-        return (ce + zr).reshape(target.shape), zr.reshape(target.shape)
-    if reduction == "sum":
-        return ce.sum() + zr.sum(), zr.sum()
-    w_t = torch.ones_like(lse) if cw is None else cw64[safe]
-    d = float(num_items_in_batch) if num_items_in_batch is not None else float(torch.where(kept, w_t, 0.0).sum())
-    n = float(num_items_in_batch) if num_items_in_batch is not None else float(kept.sum())
-    return ce.sum() / d + zr.sum() / n, zr.sum() / n
 
 
 def near(name, actual, expected, rtol=RTOL):
@@ -113,7 +87,7 @@ def test_cross_entropy(backend, options, reduction):
                                 token_weights=tw, **kw)
     (grad,) = torch.autograd.grad(out.loss, x, up)
     x64 = x.detach().double().requires_grad_()
-    loss, z_loss = reference(x64, t, cw, tw, reduction=reduction, **kw)
+    loss, z_loss = reference_loss(x64, t, cw, token_weights=tw, reduction=reduction, **kw)
     (grad64,) = torch.autograd.grad(loss, x64, up.double())
     near("loss", out.loss, loss)
     near("z_loss", out.z_loss, z_loss)
@@ -140,7 +114,7 @@ def check_linear(backend, method, reduction, kw, chunk_size=None, dtype=torch.fl
                                        token_weights=tw, **kw)
     grads = torch.autograd.grad(out.loss, leaves, up)
     leaves64 = [p.detach().double().requires_grad_() for p in leaves]
-    loss, z_loss = reference(F.linear(*leaves64), t, cw, tw, reduction=reduction, **kw)
+    loss, z_loss = reference_loss(F.linear(*leaves64), t, cw, token_weights=tw, reduction=reduction, **kw)
     grads64 = torch.autograd.grad(loss, leaves64, up.double())
     near("loss", out.loss, loss, rtol)
     near("z_loss", out.z_loss, z_loss, rtol)
@@ -171,7 +145,7 @@ def test_linear_second_backward_recomputes_with_the_weights(backend):
 
 def test_fp16_headroom_includes_the_largest_weight():
     """The chunked method forms its gradients in the forward at a power-of-two headroom P sized by the
-    largest per-logit gradient (function.py ``headroom``); a weight of 2^12 on one row must lower P, or that
+    largest per-logit gradient (``lm_head/headroom.py``); a weight of 2^12 on one row must lower P, or that
     row's fp16 gradient overflows (inf) before the backward divides by P."""
     hidden, weight, _, t = linear_inputs(bias=False)
     tw = torch.rand(SHAPE) + 0.5
@@ -181,7 +155,8 @@ def test_fp16_headroom_includes_the_largest_weight():
     loss = fusedce.linear_cross_entropy(*leaves, t, backend="torch", chunk_size=8, token_weights=tw)
     grads = torch.autograd.grad(loss, leaves)
     leaves64 = [p.detach().double().requires_grad_() for p in leaves]
-    grads64 = torch.autograd.grad(reference(F.linear(*leaves64), t, None, tw)[0], leaves64)
+    loss64 = reference_loss(F.linear(*leaves64), t, None, token_weights=tw)[0]
+    grads64 = torch.autograd.grad(loss64, leaves64)
     for name, g, e in zip(("hidden", "weight"), grads, grads64):
         near(f"fp16 grad_{name}", g, e, rtol=2.0 ** -8)
 
@@ -276,7 +251,7 @@ def test_modules(backend):
     module = fusedce.LinearCrossEntropyLoss(reduction="sum", backend=backend, chunk_size=8)
     got = module(hidden, weight, t, bias, token_weights=tw)
     leaves64 = [p.detach().double() for p in (hidden, weight, bias)]
-    near("module", got, reference(F.linear(*leaves64), t, None, tw, reduction="sum")[0])
+    near("module", got, reference_loss(F.linear(*leaves64), t, None, token_weights=tw, reduction="sum")[0])
 
 
 # ------------------------------------------------------------------------------------------ vocab-parallel
@@ -296,7 +271,7 @@ def _distributed_checks(rank, backend):
                                                    **kw)
             (grad,) = torch.autograd.grad(loss, xs, up)
             x64 = x.detach().double().requires_grad_()
-            loss64 = reference(x64, t, None, tw, reduction=reduction, **kw)[0]
+            loss64 = reference_loss(x64, t, None, token_weights=tw, reduction=reduction, **kw)[0]
             (grad64,) = torch.autograd.grad(loss64, x64, up.double())
             near(f"vp ce loss {reduction} {kw}", loss, loss64)
             near(f"vp ce grad {reduction} {kw}", grad, grad64[..., cols])
@@ -308,7 +283,7 @@ def _distributed_checks(rank, backend):
                                                           backend=backend, chunk_size=8, token_weights=tw, **kw)
             grads = torch.autograd.grad(loss, leaves, up)
             leaves64 = [p.detach().double().requires_grad_() for p in (hidden, weight, bias)]
-            loss64 = reference(F.linear(*leaves64), t, None, tw, reduction=reduction, **kw)[0]
+            loss64 = reference_loss(F.linear(*leaves64), t, None, token_weights=tw, reduction=reduction, **kw)[0]
             grads64 = torch.autograd.grad(loss64, leaves64, up.double())
             near(f"vp linear loss {reduction} {kw}", loss, loss64)
             for name, g, e in zip(("hidden", "weight", "bias"), grads, (grads64[0], grads64[1][cols],
@@ -357,7 +332,7 @@ def test_hf_patch_matches_weighted_stock_loss():
     pytest.importorskip("transformers")
     import copy
 
-    from test_hf import assert_close, batch, build
+    from hf_models import assert_close, batch, build
     stock = build("llama")
     fused = fusedce.patch_causal_lm(copy.deepcopy(stock))
     ids, mask, labels = batch()

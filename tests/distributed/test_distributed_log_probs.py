@@ -9,9 +9,9 @@ leading dims), every 4th row ignored (3 ignored, 9 kept), target 0 in row 0 and 
 last column) in row 1; H = 8 for the linear op, chunk_size None (one chunk) and 4 (9 kept rows: a
 partial last chunk). Settings: temperature 1 and 2, softcap 3 (strong capping of logits ~ N(0, 3^2)).
 
-Reference (``_reference``): ``z = c tanh(x / c)``, ``q = z / T``, ``log_probs = q_t - logsumexp(q)``,
-``entropy = logsumexp(q) - sum_c softmax(q)_c q_c`` (a -inf ``q_c`` adds 0), in float64 autograd; the
-upstream gradients of both outputs are random per token.
+Reference: the RL ops' one (``tests/references/reference64_log_probs.py``): ``z = c tanh(x / c)``,
+``q = z / T``, ``log_probs = q_t - logsumexp(q)``, ``entropy = logsumexp(q) - sum_c softmax(q)_c q_c`` (a
+-inf ``q_c`` adds 0), in float64 autograd; the upstream gradients of both outputs are random per token.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import fusedce
 import fusedce.distributed as fd
 from dist_harness import assert_passed, results
 from inputs import make_target
+from reference64_log_probs import reference_log_probs
 
 V, SHAPE, H = 11, (3, 4), 8
 SIZES = {2: (5, 6), 3: (3, 4, 4)}
@@ -46,19 +47,6 @@ def check(fn):
 def _cols(rank, sizes):
     start = sum(sizes[:rank])
     return slice(start, start + sizes[rank])
-
-
-def _reference(x64, target, temperature, softcap, ignore_index=-100):
-    """float64 (log_probs, entropy) of the full logits (differentiable), 0 on ignored rows."""
-    z = x64 if softcap is None else softcap * torch.tanh(x64 / softcap)
-    q = z / temperature
-    lse = torch.logsumexp(q, dim=-1)
-    valid = target != ignore_index
-    q_t = q.gather(-1, torch.where(valid, target, 0).long()[..., None])[..., 0]
-    p = torch.exp(q - lse[..., None])
-    finite_q = torch.where(q == float("-inf"), 0.0, q)   # p = 0 there: the term is 0, not 0 * -inf
-    entropy = lse - (p * finite_q).sum(dim=-1)
-    return torch.where(valid, q_t - lse, 0.0), torch.where(valid, entropy, 0.0)
 
 
 def _within(name, actual, expected, bound):
@@ -105,7 +93,7 @@ def _run_logits(rank, sizes, x, t, temperature, softcap, return_entropy, up_lp, 
                                             return_entropy=return_entropy,
                                             vocab_start_index=starts[rank] if starts else None)
     x64 = x.detach().double().requires_grad_()
-    ref_lp, ref_ent = _reference(x64, t, temperature, softcap)
+    ref_lp, ref_ent = reference_log_probs(x64, t, temperature, softcap)
     _check_outputs(out, ref_lp, ref_ent, return_entropy, t)
     _objective(out, up_lp, up_ent).backward()
     _objective(fusedce.TokenLogProbs(ref_lp, ref_ent) if return_entropy else ref_lp,
@@ -143,7 +131,7 @@ def _run_linear(rank, sizes, h, W, b, t, temperature, softcap, return_entropy, u
     if b is not None:
         full.append(b.double().requires_grad_())
     logits64 = torch.nn.functional.linear(*full)
-    ref_lp, ref_ent = _reference(logits64, t, temperature, softcap)
+    ref_lp, ref_ent = reference_log_probs(logits64, t, temperature, softcap)
     rel = LINEAR_MAX_RTOL * max(float(ref_lp.abs().max()), float(ref_ent.abs().max()), 1.0)
     if return_entropy:
         assert isinstance(out, fusedce.TokenLogProbs)

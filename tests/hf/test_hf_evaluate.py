@@ -1,5 +1,5 @@
 """A patched model in evaluation (``transformers.Trainer.evaluate``: labels given, autograd off) and the
-patch's label errors. Tiny random Llama of ``test_hf.py``; CPU, fp32; tolerances of ``test_hf.py``."""
+patch's label errors. Tiny random Llama of ``hf_models.py``; CPU, fp32; tolerances of ``hf_models.py``."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
-from test_hf import SEQ, VOCAB, assert_close, batch, build  # noqa: E402
+from hf_models import SEQ, VOCAB, assert_close, batch, build  # noqa: E402
 
 
 def _rows(n=6):

@@ -9,7 +9,7 @@ of a 128-row head), and LLaVA-NeXT around a Granite text config (Granite vision 
 forward ignores ``text_config.logits_scaling``). Each is one decoder layer, hidden 32, vocabulary (head
 rows) 128; the vision and audio towers are as small as their configs allow and are not run (text-only
 batches). Softcap 2.0 and scales far from 1 make each transform visible on O(1) logits. Tolerances:
-those of ``test_hf.py`` (fp32, summation order only).
+those of ``hf_models.py`` (fp32, summation order only).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
-from test_hf import assert_close, assert_parity  # noqa: E402
+from hf_models import assert_close, assert_parity  # noqa: E402
 
 V, H, SEQ, REAL = 128, 32, 10, 97   # REAL: Inkling's unpadded vocabulary (the head has V rows)
 TEXT = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

@@ -3,9 +3,9 @@
 Configurations: the head wrapped on its own (``fully_shard(model.lm_head)`` then the root: the head is
 unsharded only inside its own forward and re-gathered by FSDP2's pre-backward hook on its output), and
 the whole model wrapped once (tied and untied head); the patch applied before or after sharding. Each rank
-trains on its own batch (``test_hf.batch`` with a per-rank seed); FSDP2 averages the gradients over the
+trains on its own batch (``hf_models.batch`` with a per-rank seed); FSDP2 averages the gradients over the
 ranks, so the reference is the mean of the two single-process gradients of the unpatched, unsharded
-model. Loss (per rank) and every gradient (``full_tensor()``) are compared with ``test_hf``'s tolerance.
+model. Loss (per rank) and every gradient (``full_tensor()``) are compared with ``hf_models``' tolerance.
 The group is spawned once for the module (``_results``) and every configuration runs in it.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 transformers = pytest.importorskip("transformers")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
-from test_hf import ATOL_SCALE, RTOL, batch, build  # noqa: E402
+from hf_models import ATOL_SCALE, RTOL, batch, build  # noqa: E402
 
 WORLD = 2
 # name -> (tied head, shard the head on its own, patch before sharding)

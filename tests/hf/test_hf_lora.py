@@ -1,12 +1,12 @@
 """patch_causal_lm under peft: LoRA on the LM head is applied exactly, or refused (case C17).
 
-Models: the tiny random Llama of ``test_hf`` (hidden 32, 2 layers, vocabulary 211), tied and untied head.
+Models: the tiny random Llama of ``hf_models`` (hidden 32, 2 layers, vocabulary 211), tied and untied head.
 Adapters: ``r=4``, ``init_lora_weights=False`` (a zero-initialised B would make the update zero and the
 test prove nothing), on ``lm_head`` alone or with the attention projections, dropout 0 and 0.1 (the
 model in train mode; the same seed before each forward, so the stock and the patched forward must draw
 the same mask), merged, and ``modules_to_save``. The input embeddings are made trainable so the gradient
 of the hidden states (through the frozen decoder) is compared too; with a tied head that also makes the
-LoRA base weight trainable. Every trainable parameter's gradient is compared (``test_hf.assert_parity``).
+LoRA base weight trainable. Every trainable parameter's gradient is compared (``hf_models.assert_parity``).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 peft = pytest.importorskip("peft")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
-from test_hf import assert_parity, batch, build  # noqa: E402
+from hf_models import assert_parity, batch, build  # noqa: E402
 
 
 def lora_model(tied: bool, targets, dropout=0.0, **extra):

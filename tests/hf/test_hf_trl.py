@@ -1,4 +1,4 @@
-"""patch_causal_lm with TRL's SFTTrainer: a few steps on the tiny Llama of ``test_hf``, patched vs not.
+"""patch_causal_lm with TRL's SFTTrainer: a few steps on the tiny Llama of ``hf_models``, patched vs not.
 
 What TRL does with the patch: SFTTrainer (TRL >= 1.x) installs its own fused LM head on the model
 (``trl.trainer.utils.add_fused_lm_head``) and computes the training loss through
@@ -25,7 +25,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
-from test_hf import VOCAB, assert_parity, build  # noqa: E402
+from hf_models import VOCAB, assert_parity, build  # noqa: E402
 
 STEPS = 3
 

@@ -6,7 +6,7 @@ does: outside the module's forward its weights hold ``torch.empty(0)``; a forwar
 weights in ``.data``, a forward hook puts the empty tensors back and registers a hook on the output that
 re-gathers them when the backward reaches it. The stock model runs under it (F.linear saves the weight
 tensor, whose data is full again when its backward runs); the patch must too, with every hook firing
-once per forward and the weight read only while gathered. Tolerances as in ``test_hf``.
+once per forward and the weight read only while gathered. Tolerances as in ``hf_models``.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
-from test_hf import assert_parity, batch, build  # noqa: E402
+from hf_models import assert_parity, batch, build  # noqa: E402
 
 
 class Zero3Hooks:
@@ -121,7 +121,9 @@ def test_deepspeed_zero3_matches_stock():
     outside their modules' forward), stock vs patched before and after ``deepspeed.initialize``. Runs in
     a subprocess (DeepSpeed initialises torch.distributed in-process)."""
     pytest.importorskip("deepspeed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    tests = str(Path(__file__).resolve().parents[1])   # hf_models.py, the shared tiny models
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, str(Path(__file__)), "deepspeed"], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 import fusedce  # noqa: E402
 from fusedce.integrations.trl import distill as trl_distill  # noqa: E402
 from reference64_distill import linear_distillation_loss64  # noqa: E402
-from test_hf import VOCAB  # noqa: E402
+from hf_models import VOCAB  # noqa: E402
 from test_hf_trl import _tokenizer  # noqa: E402
 
 PROMPT, COMPLETION = 4, 5
@@ -270,7 +270,7 @@ def _gkd_reference(trainer, inputs, num_items_in_batch):
 @pytest.mark.parametrize("student_family,beta,num_items", [("llama", 0.5, None), ("gemma2", 0.0, None),
                                                              ("llama", 1.0, torch.tensor(7.0))])
 def test_gkd_same_loss_and_gradients_as_trl_without_logits(tmp_path, student_family, beta, num_items):
-    from test_hf import build
+    from hf_models import build
     student = build(student_family)         # gemma2: final_logit_softcapping 2.0, applied by its forward
     teacher = _llama(48, 1)
     trainer = _gkd(tmp_path, student, teacher, beta)

@@ -1,7 +1,7 @@
 """``fusedce.patch_trl``: TRL's fused-LM-head trainers through fusedce, against TRL alone.
 
 - ``SFTTrainer`` (patched after the trainer is built) and ``GRPOTrainer`` (patched before; a toy reward,
-  2 generations per prompt), 3 steps each on the tiny Llama of ``test_hf``: the same per-step losses and
+  2 generations per prompt), 3 steps each on the tiny Llama of ``hf_models``: the same per-step losses and
   gradients as TRL alone (fp32 noise: the two heads sum the same terms in different orders), and the
   peak of live bytes allocated by ops during each training step (forward + backward), which differs
   only by the head: TRL's kernel holds a (tokens x 32768) fp32 tile whatever the vocabulary, fusedce
@@ -30,7 +30,7 @@ datasets = pytest.importorskip("datasets")
 
 import fusedce  # noqa: E402
 from fusedce.integrations.trl import patch as trl_patch  # noqa: E402
-from test_hf import VOCAB, batch, build  # noqa: E402
+from hf_models import VOCAB, batch, build  # noqa: E402
 from test_hf_trl import _dataset, _tokenizer  # noqa: E402
 
 STEPS = 3

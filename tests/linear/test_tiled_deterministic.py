@@ -211,7 +211,7 @@ def test_compiled_follows_the_flag(torch_deterministic, launched):
 
 def test_hf_patch_takes_the_keyword(launched):
     pytest.importorskip("transformers")
-    from test_hf import batch, build
+    from hf_models import batch, build
 
     model = build("llama")
     ids, _, labels = batch()

@@ -11,6 +11,13 @@ Nothing here imports fusedce. The per-row math follows the contract (ARCHITECTUR
   count of non-ignored rows (the z-loss is not class-weighted); a zero denominator gives 0.0 for its
   part and zero gradient.
 - ``lse`` (the stat) is 0 on ignored rows.
+- ``token_weights`` (per-token weights, a constant): each non-ignored row's loss and z-loss times its
+  weight, after ``use_token_scaling``'s ``p_t``; the denominators of ``"mean"`` unchanged; the weight of an
+  ignored row never matters (NaN there changes nothing).
+
+``reference_loss`` is the same formula returning ``(loss, z_loss)`` differentiable through the float64
+logits it is given (for compositions such as ``F.linear`` of float64 leaves, whose gradients autograd then
+gives); ``reference_cross_entropy`` adds the gradient, the statistics and the error scales.
 
 The gradient comes from float64 autograd through that composition, with the upstream gradient given
 (``None`` = ones, a float = that scalar, a tensor = per-token for ``"none"``).
@@ -53,22 +60,28 @@ def _reduce(rows: torch.Tensor, reduction: str, scale: float) -> torch.Tensor:
     return total * scale if reduction == "mean" else total
 
 
-def reference_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
-    ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-    lse_square_scale: float = 0.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
-    use_token_scaling: bool = False, num_items_in_batch: Union[int, torch.Tensor, None] = None,
-    upstream: Union[None, float, torch.Tensor] = None, with_grad: bool = True,
-) -> Reference:
-    """The contract's answer for ``cross_entropy(logits, target, weight, ...)`` in float64.
+@dataclass
+class _Loss:
+    """What one float64 evaluation of the loss composition gives (differentiable through ``loss``)."""
+    loss: torch.Tensor      # reduced like the call; (BT,) for "none" (flat rows)
+    rows: torch.Tensor      # (BT,) per-row ce + z-loss, 0 on ignored rows
+    ce: torch.Tensor        # (BT,) per-row ce part (token-weighted)
+    z_rows: torch.Tensor    # (BT,) per-row z-loss part (token-weighted)
+    z2: torch.Tensor        # (BT, V) the transformed logits
+    lse: torch.Tensor       # (BT,)
+    valid: torch.Tensor     # (BT,) bool
+    w_t: torch.Tensor       # (BT,) class weight of the target, 0 on ignored rows
+    f: torch.Tensor         # (BT,) the token weight (1 without token_weights), 0 on ignored rows
+    scale: float            # 1 / D for "mean" (0 if D == 0), else 1
+    z_scale: float          # 1 / N for "mean" (0 if N == 0), else 1
+    denominator: float
+    z_denominator: float
 
-    ``logits`` (..., V) of any float dtype (its exact values are used), ``target`` (...) int.
-    """
-    shape, n_classes = tuple(logits.shape[:-1]), logits.shape[-1]
-    x = logits.detach().to("cpu", torch.float64).clone().requires_grad_(with_grad)
-    t = target.detach().to("cpu", torch.int64).reshape(-1)
-    w = None if weight is None else weight.detach().to("cpu", torch.float64)
 
+def _loss64(x, t, w, *, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, logit_scale,
+            use_token_scaling, num_items_in_batch, token_weights) -> _Loss:
+    """The formula once: ``x`` float64 (..., V) (gradients flow through it), ``t`` flat int64, ``w`` float64."""
+    n_classes = x.shape[-1]
     z = x * logit_scale
     z = z if softcap is None else softcap * torch.tanh(z / softcap)
     z2 = z.reshape(-1, n_classes)
@@ -81,6 +94,13 @@ def reference_cross_entropy(
         safe = torch.where(valid, t, torch.zeros_like(t))
         p_t = torch.where(valid, torch.exp(z2.detach().gather(1, safe[:, None])[:, 0] - lse.detach()), 0.0)
         ce, z_rows = ce * p_t, z_rows * p_t
+    # token_weights: each non-ignored row's loss and z-loss times its weight, a constant (after p_t); the
+    # weight of an ignored row (NaN, say) never takes part
+    f = torch.ones_like(lse)
+    if token_weights is not None:
+        f = torch.where(valid, token_weights.detach().to("cpu", torch.float64).reshape(-1), 0.0)
+        ce, z_rows = torch.where(valid, ce * f, 0.0), torch.where(valid, z_rows * f, 0.0)
+    f = torch.where(valid, f, 0.0)
     rows = ce + z_rows
 
     safe_t = torch.where(valid, t, torch.zeros_like(t))
@@ -96,11 +116,58 @@ def reference_cross_entropy(
     else:
         denominator = z_denominator = float("nan")
         scale = z_scale = 1.0
+    loss = rows if reduction == "none" else _reduce(ce, reduction, scale) + _reduce(z_rows, reduction, z_scale)
+    return _Loss(loss=loss, rows=rows, ce=ce, z_rows=z_rows, z2=z2, lse=lse, valid=valid, w_t=w_t, f=f,
+                 scale=scale, z_scale=z_scale, denominator=denominator, z_denominator=z_denominator)
 
+
+def reference_loss(
+    logits64: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
+    ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
+    use_token_scaling: bool = False, num_items_in_batch: Union[int, torch.Tensor, None] = None,
+    token_weights: Optional[torch.Tensor] = None,
+):
+    """``(loss, z_loss)`` of the contract in float64, differentiable through ``logits64`` (float64, e.g.
+    ``F.linear`` of float64 leaves, so a test takes the gradients of a composition by autograd). The same
+    formula as ``reference_cross_entropy`` (one implementation, ``_loss64``)."""
+    shape = tuple(logits64.shape[:-1])
+    t = target.detach().to("cpu", torch.int64).reshape(-1)
+    w = None if weight is None else weight.detach().to("cpu", torch.float64)
+    r = _loss64(logits64, t, w, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                lse_square_scale=lse_square_scale, softcap=softcap, logit_scale=logit_scale,
+                use_token_scaling=use_token_scaling, num_items_in_batch=num_items_in_batch,
+                token_weights=token_weights)
+    z_loss = _reduce(r.z_rows, reduction, r.z_scale)
     if reduction == "none":
-        loss = rows
-    else:
-        loss = _reduce(ce, reduction, scale) + _reduce(z_rows, reduction, z_scale)
+        return r.loss.reshape(shape), z_loss.reshape(shape)
+    return r.loss, z_loss
+
+
+def reference_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
+    ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
+    use_token_scaling: bool = False, num_items_in_batch: Union[int, torch.Tensor, None] = None,
+    token_weights: Optional[torch.Tensor] = None,
+    upstream: Union[None, float, torch.Tensor] = None, with_grad: bool = True,
+) -> Reference:
+    """The contract's answer for ``cross_entropy(logits, target, weight, ...)`` in float64.
+
+    ``logits`` (..., V) of any float dtype (its exact values are used), ``target`` (...) int,
+    ``token_weights`` (...) or None (its values on ignored rows never matter).
+    """
+    shape, n_classes = tuple(logits.shape[:-1]), logits.shape[-1]
+    x = logits.detach().to("cpu", torch.float64).clone().requires_grad_(with_grad)
+    t = target.detach().to("cpu", torch.int64).reshape(-1)
+    w = None if weight is None else weight.detach().to("cpu", torch.float64)
+
+    r = _loss64(x, t, w, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                lse_square_scale=lse_square_scale, softcap=softcap, logit_scale=logit_scale,
+                use_token_scaling=use_token_scaling, num_items_in_batch=num_items_in_batch,
+                token_weights=token_weights)
+    loss, rows, z_rows, z2, lse, valid, w_t = r.loss, r.rows, r.z_rows, r.z2, r.lse, r.valid, r.w_t
+    scale, z_scale, denominator, z_denominator = r.scale, r.z_scale, r.denominator, r.z_denominator
     if reduction == "none":
         loss = loss.reshape(shape)
     grad = grad_err_scale = None
@@ -123,8 +190,8 @@ def reference_cross_entropy(
         w_abs_sum = float(n_classes) if w is None else float(w.abs().sum())
         k_ce = (1.0 - label_smoothing) * w_t.abs() + label_smoothing / n_classes * w_abs_sum
         k_z = 2.0 * abs(lse_square_scale) * lse_d.abs().nan_to_num(0.0, 0.0, 0.0)
-        k_ce = torch.where(valid, k_ce, torch.zeros_like(k_ce))
-        k_z = torch.where(valid, k_z, torch.zeros_like(k_z))
+        k_ce = torch.where(valid, k_ce * r.f.abs(), torch.zeros_like(k_ce))   # a token weight scales the row
+        k_z = torch.where(valid, k_z * r.f.abs(), torch.zeros_like(k_z))
         loss_err_scale = _reduce(k_ce * m_r, reduction, scale) + _reduce(k_z * m_r, reduction, z_scale)
         if reduction == "none":
             loss_err_scale = loss_err_scale.reshape(shape)

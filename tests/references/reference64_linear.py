@@ -42,7 +42,7 @@ from tolerances import FP32_UNITS, TOLERANCES, TORCH_LOW_PRECISION_FACTOR, U32
 LINEAR_FACTOR = {torch.float32: TORCH_LOW_PRECISION_FACTOR, torch.bfloat16: TORCH_LOW_PRECISION_FACTOR,
                  torch.float16: TORCH_LOW_PRECISION_FACTOR}
 LOSS_OPTIONS = ("ignore_index", "reduction", "label_smoothing", "lse_square_scale", "softcap",
-                "logit_scale", "use_token_scaling", "num_items_in_batch")
+                "logit_scale", "use_token_scaling", "num_items_in_batch", "token_weights")
 
 
 @dataclass
@@ -107,6 +107,7 @@ def stock_linear_cross_entropy(hidden, weight, target, bias=None, *, ce_weight=N
     """Stock PyTorch at the inputs' dtype: ``F.linear`` -> ``.float()`` -> ``F.cross_entropy`` (+ softcap,
     z-loss, the contract's mean). Returns ``(loss fp32, lse fp32 per row, {name: grad})``."""
     opts = {k: v for k, v in opts.items() if k in LOSS_OPTIONS}
+    assert opts.get("token_weights") is None, "the stock path here has no token_weights (use reference64)"
     reduction, ignore_index = opts.get("reduction", "mean"), opts.get("ignore_index", -100)
     leaves = {"grad_hidden": hidden.detach().clone().requires_grad_(),
               "grad_weight": weight.detach().clone().requires_grad_()}

@@ -9,6 +9,7 @@ import fusedce
 from fusedce.backends.pytorch import tuning as torch_tuning
 from inputs import DTYPE_IDS, DTYPES, make_target
 from reference64_linear import make_linear
+from reference64_log_probs import reference_log_probs
 
 HIDDEN, V = 16, 300
 # (temperature, softcap)
@@ -23,16 +24,6 @@ GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 def tiny_tiles(monkeypatch):
     monkeypatch.setattr(torch_tuning, "TILE_ROWS", 4)
     monkeypatch.setattr(torch_tuning, "TILE_VOCAB", 64)
-
-
-def _reference(logits64, target, temperature, softcap, ignore_index=-100):
-    """float64 (log_probs, entropy) of ``logits64`` (differentiable), 0 on ignored rows."""
-    z = logits64 if softcap is None else softcap * torch.tanh(logits64 / softcap)
-    logp = (z / temperature).log_softmax(-1)
-    valid = target != ignore_index
-    lp = logp.gather(-1, torch.where(valid, target, 0)[..., None])[..., 0]
-    ent = -(logp.exp() * logp).sum(-1)
-    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
 
 
 def _objective(log_probs, entropy, adv, beta):
@@ -58,7 +49,7 @@ def test_token_log_probs(backend, setting, dtype):
     assert isinstance(out, fusedce.TokenLogProbs)
     assert out.log_probs.dtype == torch.float32 and out.log_probs.shape == target.shape
     x64 = logits.detach().double().requires_grad_()
-    ref_lp, ref_ent = _reference(x64, target, temperature, softcap)
+    ref_lp, ref_ent = reference_log_probs(x64, target, temperature, softcap)
     _check(out.log_probs, ref_lp.detach(), ATOL[dtype], name="log_probs")
     _check(out.entropy, ref_ent.detach(), ATOL[dtype], name="entropy")
     adv, beta = torch.randn(target.shape), torch.rand(target.shape)
@@ -69,6 +60,33 @@ def test_token_log_probs(backend, setting, dtype):
     ignored = target == -100
     assert bool((logits.grad[ignored] == 0).all()) and bool((out.log_probs[ignored] == 0).all())
     assert bool((out.entropy[ignored] == 0).all())
+
+
+@pytest.mark.parametrize("setting", ["plain", "t1.3_cap5"])
+def test_masked_vocabulary_logits(backend, setting):
+    """``-inf`` logits (a masked vocabulary; the reference's rule: probability 0, entropy term 0, gradient
+    0): finite log-probs and entropy equal to float64's, no NaN in any output or gradient, exactly 0
+    gradient on the masked columns."""
+    temperature, softcap = SETTINGS[setting]
+    x = torch.randn(6, V) * 4
+    x[:, 200:] = float("-inf")   # the last 100 classes masked on every row
+    x[2, :150] = float("-inf")   # and most of one row's other classes
+    target = make_target((6,), 200, ignore_every=4)
+    target[2] = 170
+    logits = x.clone().requires_grad_()
+    out = fusedce.token_log_probs(logits, target, temperature=temperature, softcap=softcap, return_entropy=True,
+                                  backend=backend)
+    x64 = x.double().requires_grad_()
+    ref_lp, ref_ent = reference_log_probs(x64, target, temperature, softcap)
+    assert not bool(ref_ent.isnan().any()) and not bool(out.entropy.isnan().any())
+    _check(out.log_probs, ref_lp.detach(), ATOL[torch.float32], name="log_probs")
+    _check(out.entropy, ref_ent.detach(), ATOL[torch.float32], name="entropy")
+    adv, beta = torch.randn(target.shape), torch.rand(target.shape)
+    _objective(out.log_probs, out.entropy, adv, beta).backward()
+    _objective(ref_lp, ref_ent, adv.double(), beta.double()).backward()
+    assert not bool(x64.grad.isnan().any()) and not bool(logits.grad.isnan().any())
+    _check(logits.grad, x64.grad, 1e-6, GRAD_RTOL[torch.float32], "grad")
+    assert bool((logits.grad[:, 200:] == 0).all()) and bool((logits.grad[2, :150] == 0).all())
 
 
 @pytest.mark.parametrize("method", ["chunked", "tiled"])
@@ -84,7 +102,7 @@ def test_linear_token_log_probs(backend, setting, dtype, method):
     leaves = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
     rounded = torch.nn.functional.linear(hidden, weight, bias).detach().double()   # in the inputs' dtype
     exact = torch.nn.functional.linear(*leaves)
-    ref_lp, ref_ent = _reference(exact + (rounded - exact).detach(), target, temperature, softcap)
+    ref_lp, ref_ent = reference_log_probs(exact + (rounded - exact).detach(), target, temperature, softcap)
     _check(out.log_probs, ref_lp.detach(), ATOL[dtype], name="log_probs")
     _check(out.entropy, ref_ent.detach(), ATOL[dtype], name="entropy")
     adv, beta = torch.randn(target.shape), torch.rand(target.shape)
@@ -104,7 +122,7 @@ def test_one_output_only(backend, which):
     out = fusedce.token_log_probs(logits, target, temperature=0.8, return_entropy=True, backend=backend)
     getattr(out, which).sum().backward()
     x64 = logits.detach().double().requires_grad_()
-    dict(zip(("log_probs", "entropy"), _reference(x64, target, 0.8, None)))[which].sum().backward()
+    dict(zip(("log_probs", "entropy"), reference_log_probs(x64, target, 0.8, None)))[which].sum().backward()
     _check(logits.grad, x64.grad, 1e-6, 1e-4, which)
 
 

@@ -14,6 +14,7 @@ import fusedce
 from fusedce.backends.pytorch import tuning as torch_tuning
 from inputs import DTYPE_IDS, DTYPES, poisoned_allocations
 from reference64_linear import make_linear
+from reference64_log_probs import reference_log_probs
 
 HIDDEN, V, K = 16, 300, 5
 SETTINGS = {"plain": (1.0, None), "t0.7": (0.7, None), "t1.3_cap5": (1.3, 5.0)}
@@ -42,17 +43,6 @@ def make_targets(lead, n_classes=V, k=K, ignore_index=-100):
     return t.reshape(*lead, k)
 
 
-def reference(logits64, target, temperature, softcap, ignore_index=-100):
-    """float64 ``(log_probs (..., K), entropy (...))``: log_softmax(q) at each class, 0 on ignored
-    entries; entropy of softmax(q), 0 on rows whose K entries are all ignored."""
-    z = logits64 if softcap is None else softcap * torch.tanh(logits64 / softcap)
-    logp = (z / temperature).log_softmax(-1)
-    valid = target != ignore_index
-    lp = torch.where(valid, logp.gather(-1, torch.where(valid, target, 0)), 0.0)
-    ent = -(logp.exp() * logp).sum(-1)
-    return lp, torch.where(valid.any(-1), ent, 0.0)
-
-
 def objective(log_probs, entropy, g, beta):
     return (g * log_probs).sum() - (beta * entropy).sum()
 
@@ -77,7 +67,7 @@ def test_token_log_probs_k(backend, setting, dtype):
     assert out.log_probs.dtype == torch.float32 and out.log_probs.shape == target.shape
     assert out.entropy.shape == target.shape[:-1]
     x64 = logits.detach().double().requires_grad_()
-    ref_lp, ref_ent = reference(x64, target, temperature, softcap)
+    ref_lp, ref_ent = reference_log_probs(x64, target, temperature, softcap)
     check(out.log_probs, ref_lp.detach(), ATOL, name="log_probs")
     check(out.entropy, ref_ent.detach(), ATOL, name="entropy")
     objective(ref_lp, ref_ent, g.double(), beta.double()).backward()
@@ -105,7 +95,7 @@ def test_linear_token_log_probs_k(backend, setting, dtype, method):
     leaves = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
     rounded = torch.nn.functional.linear(hidden, weight, bias).detach().double()   # in the inputs' dtype
     exact = torch.nn.functional.linear(*leaves)
-    ref_lp, ref_ent = reference(exact + (rounded - exact).detach(), target, temperature, softcap)
+    ref_lp, ref_ent = reference_log_probs(exact + (rounded - exact).detach(), target, temperature, softcap)
     check(out.log_probs, ref_lp.detach(), ATOL, name="log_probs")
     check(out.entropy, ref_ent.detach(), ATOL, name="entropy")
     objective(ref_lp, ref_ent, g.double(), beta.double()).backward()
@@ -166,7 +156,7 @@ def test_log_probs_only_and_int32(backend):
     lp = fusedce.token_log_probs(logits, target, temperature=1.5, backend=backend)
     assert isinstance(lp, torch.Tensor) and lp.shape == (6, K)
     assert torch.equal(target, before)
-    check(lp, reference(logits.double(), target.long(), 1.5, None)[0], ATOL, name="log_probs")
+    check(lp, reference_log_probs(logits.double(), target.long(), 1.5, None)[0], ATOL, name="log_probs")
 
 
 def test_a_backend_without_the_k_form_is_refused(monkeypatch):
@@ -236,7 +226,7 @@ def test_tiled_deterministic(backend):
     g = torch.randn(target.shape)
     (g * out).sum().backward()
     leaves = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
-    ref, _ = reference(torch.nn.functional.linear(*leaves), target, 0.9, None)
+    ref, _ = reference_log_probs(torch.nn.functional.linear(*leaves), target, 0.9, None)
     (g.double() * ref).sum().backward()
     for name, t, r in zip(("hidden", "weight", "bias"), (hidden, weight, bias), leaves):
         check(t.grad, r.grad, 1e-6, GRAD_RTOL[torch.float32], f"grad_{name}")

@@ -15,6 +15,7 @@ import fusedce
 from fusedce.backends.pytorch import tuning as torch_tuning
 from fusedce.backends.pytorch.linear import TorchChunkCE
 from inputs import make_target
+from reference64_log_probs import reference_log_probs, transformed_logits
 
 V = 300
 # (temperature, softcap, logit_scale)
@@ -42,13 +43,12 @@ def _logits(rows: int) -> tuple:
 
 
 def _reference(x64, target, temperature, softcap, scale):
-    """float64 TokenStats fields, 0 / False on ignored rows."""
-    z = x64 * scale
-    z = z if softcap is None else softcap * torch.tanh(z / softcap)
-    q = z / temperature
+    """float64 TokenStats fields, 0 / False on ignored rows: the log-probs and entropy from the RL ops' one
+    reference (reference64_log_probs), the statistics from their formulas."""
+    q = transformed_logits(x64, temperature, softcap, scale)
     valid = target != -100
-    logp = q.log_softmax(-1)
-    out = {"log_probs": logp.gather(-1, target.clamp(min=0)[:, None])[:, 0], "entropy": -(logp.exp() * logp).sum(-1),
+    log_probs, entropy = reference_log_probs(x64, target, temperature, softcap, logit_scale=scale)
+    out = {"log_probs": log_probs, "entropy": entropy,
            "log_sum_sq_probs": torch.logsumexp(2 * q, -1) - 2 * torch.logsumexp(q, -1), "mean_logits": q.mean(-1),
            "is_top1": q.argmax(-1) == target}
     return {k: v & valid if v.dtype == torch.bool else torch.where(valid, v, 0.0) for k, v in out.items()}

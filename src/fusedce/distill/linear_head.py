@@ -10,7 +10,7 @@
   d_c.T @ h_c``, ``grad_b_s += sum d_c``, fp32 accumulators, ``chunked.accumulate_``); ``"tiled"``
   (``TiledDistill``) hands the whole thing to the backend's ``tiled_distill`` (no logits of either
   model). With mean / sum the gradients are made in the forward, times a power of two ``P`` (the
-  headroom of ``function.py``: fp16 keeps dlogits far below ``2^-24 / S`` when a GradScaler's ``S`` arrives
+  headroom of ``lm_head/headroom.py``: fp16 keeps dlogits far below ``2^-24 / S`` when a GradScaler's ``S`` arrives
   in the backward), and the first backward multiplies them by ``g / P`` (exact for a power-of-two
   ``g``); "none" and any later backward recompute with the exact per-row upstream gradient.
 - The teacher is a constant: its tensors enter detached (no gradient, whatever their ``requires_grad``).

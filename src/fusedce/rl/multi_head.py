@@ -25,8 +25,8 @@ everything but the first term when called with ``grad_row = 0`` and ``grad_lse =
   += g_k x'_k`` (``x'`` = dz/dx at the target, from the forward's saved target logits). ``grad_hidden``
   is then rounded a second time in a 16-bit dtype (at most one more half-ulp); the index-add into
   ``grad_weight`` / ``grad_bias`` uses float atomics on CUDA unless ``deterministic`` (then a sorted
-  segment sum per class, one more host sync; ``log_probs_multi_tiled.py``). The target logits
-  come from ``F.linear`` on gathered rows of ``weight`` (``log_probs_multi_tiled.py``); the kernels' own tile
+  segment sum per class, one more host sync; ``multi_head_tiled.py``). The target logits
+  come from ``F.linear`` on gathered rows of ``weight`` (``multi_head_tiled.py``); the kernels' own tile
   matmul may sum in another order, so on a GPU a target logit can differ from the one the lse saw by
   one rounding of hidden's dtype (the chunked method gathers them from the very logits the lse came
   from). The gathers are the temporaries not bounded by the tiles: at most 2^22 elements (or one

@@ -1,5 +1,5 @@
 """The Triton backend on a vocabulary slice (vocab parallelism): partial row statistics out, the
-gradient of the slice from the global statistics in. ``integrations/distributed`` exchanges the
+gradient of the slice from the global statistics in. ``distributed/`` exchanges the
 statistics between the ranks; the math is the single-process kernels' (``kernels/row_math.py``)."""
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ Where TRL 1.16 forms the logits, and what the patch changes (per trainer object,
   projects both heads on (4096 tokens x 32768 classes) fp32 tiles, twice for ``0 < beta < 1``, and again
   in backward. The patch gives the trainer its own ``_compute_loss``: TRL's code object, unchanged, bound
   to a copy of its module's globals in which ``_chunked_divergence_loss`` is
-  ``trl_distill_loss.divergence_loss`` (same signature, same results). Everything else (generation,
+  ``distill_loss.divergence_loss`` (same signature, same results). Everything else (generation,
   backbones, scales, device checks, entropy logging, ``num_items_in_batch``) stays TRL's.
 - ``trl.experimental.gkd.GKDTrainer``: ``compute_loss`` calls both models, so each returns its full
   ``(B, T, V)`` logits, then ``generalized_jsd_loss`` (at temperature 1: TRL passes none there). The
-  patch gives the trainer its own ``compute_loss`` (``trl_distill_loss.gkd_loss``) that runs the
+  patch gives the trainer its own ``compute_loss`` (``distill_loss.gkd_loss``) that runs the
   backbones instead and the same loss from their hidden states. Evaluation calls that ask for the model
   outputs (``return_outputs=True``) run TRL's own ``compute_loss``: they need the logits.
 

@@ -1,5 +1,5 @@
 """TRL's distillation losses computed by :func:`fusedce.linear_distillation_loss` (installed on a trainer by
-``trl_distill.patch_distillation_trainer``): no logits of either model exist, not even a chunk of them
+``distill.patch_distillation_trainer``): no logits of either model exist, not even a chunk of them
 (``method="tiled"``; ``"chunked"`` holds one chunk of tokens' logits of each model at a time).
 
 - :func:`divergence_loss` has the signature and the results of TRL 1.16's

@@ -1,4 +1,4 @@
-"""The body of TRL's fused-LM-head forward, computed through fusedce (installed by ``trl_patch``).
+"""The body of TRL's fused-LM-head forward, computed through fusedce (installed by ``patch.py``).
 
 TRL 1.16's ``add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)`` reads the model's
 config (softcap, logit scale, where the backbone is) and installs a closure ``_fused_forward`` as the

@@ -1,5 +1,5 @@
 """``fusedce.patch_trl()`` / ``unpatch_trl()``: TRL's fused-LM-head trainers compute their head through
-fusedce (``trl_forward``).
+fusedce (``forward.py``).
 
 How it hooks in. TRL 1.16's trainers (SFT, GRPO, RLOO, DPO, KTO, async GRPO) call
 ``trl.trainer.utils.add_fused_lm_head(model, ...)`` once, at construction; it installs a closure
@@ -18,7 +18,7 @@ and nothing else:
    a trainer built earlier (and any accelerate / DDP wrapper around its forward) uses fusedce from its
    next step on.
 
-The trampoline calls ``trl_forward.forward`` with the closure's eight values. ``unpatch_trl`` restores
+The trampoline calls ``forward.forward`` with the closure's eight values. ``unpatch_trl`` restores
 both codes. Because the swap relies on TRL's internals, ``patch_trl`` first checks the installed TRL: its
 version (1.16.x) and a SHA-256 fingerprint of the source of the pieces whose semantics fusedce reproduces
 (``add_fused_lm_head``, ``FusedCausalLMOutput``, ``ChunkedLogProbFunction.forward`` and its logit
