@@ -10,6 +10,7 @@ from fusedce import backends
 from fusedce.ce import linear_function
 from fusedce.core import reduction as red, validation as val
 from fusedce.ce import soft_targets as soft
+from fusedce.ce import linear_soft
 from fusedce.core.options import check_flag, deterministic_mode, loss_options
 from fusedce.lm_head.method import check_method, resolve_method
 from fusedce.core.row_math import target_probability
@@ -210,9 +211,21 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         ``TypeError`` for a ``deterministic`` that is neither None nor a bool.
     """
     opts = loss_options(reduction, **options)
-    val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype)
+    probabilities = soft.is_soft_target(target)
+    val.check_linear(hidden, weight, linear_soft.index_stand_in(hidden, target) if probabilities else target,
+                     bias, ce_weight, chunk_size, accum_dtype)
     check_method(method, chunk_size)
     deterministic = deterministic_mode(deterministic)
+    if probabilities:   # ce/linear_soft.py: probability targets
+        linear_soft.check_linear_soft_target(target, hidden, weight, opts)
+        val.check_num_items(num_items_in_batch, hidden.device)
+        check_flag("return_stats", return_stats)
+        val.check_token_weights(token_weights, target, hidden.shape[:-1])
+        impl = backends.get(backend, hidden.device, tiled=resolve_method(method) == "tiled")
+        return linear_soft.linear_cross_entropy(impl, backend, hidden, weight, target, bias, ce_weight, opts,
+                                                reduction, num_items_in_batch,
+                                                None if chunk_size is None else int(chunk_size), method,
+                                                accum_dtype, return_stats, token_weights)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     check_flag("return_stats", return_stats)
