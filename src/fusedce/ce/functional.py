@@ -166,7 +166,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     Args:
         hidden: ``(..., H)`` float32 / bfloat16 / float16 (the last hidden states).
         weight: ``(V, H)``, the LM head in ``nn.Linear`` layout, same dtype as ``hidden``.
-        target: ``(...)`` = ``hidden.shape[:-1]``, int64 or int32.
+        target: ``(...)`` = ``hidden.shape[:-1]``, int64 or int32; or class probabilities: a float32 /
+            bfloat16 / float16 / float64 tensor of ``hidden.shape[:-1] + (V,)`` (dtype independent of the
+            operands'), with :func:`cross_entropy`'s probability-target semantics (label smoothing mixes
+            with the uniform first; ``ce_weight``, z-loss, softcap, ``logit_scale``, ``token_weights``,
+            ``return_stats``; no row ignored; ``"mean"`` over the rows or ``num_items_in_batch``), every
+            reduction with backward. ``method="chunked"``: the backend's probability-target row ops on
+            each chunk of logits; ``method="tiled"``: the target streamed block by block with the weight
+            (blocks of tokens x a vocabulary block smaller than V, torch ops on the tensors' device on
+            EVERY backend: no tiled Triton kernel for probability targets; ``backends/pytorch/
+            soft_tiled.py``). Backends ``"torch"`` / ``"triton"``; ``"cute"``: ``NotImplementedError``.
+            A constant: one that requires grad is a ``TypeError`` naming ``target.detach()``; its values
+            are not checked (no host sync). Source: ``ce/linear_soft.py``.
         bias: optional ``(V,)``, same dtype as ``hidden``.
         ce_weight: optional ``(V,)`` class weights of the loss.
         reduction, num_items_in_batch, ``**options`` (the loss options, listed below): as in
