@@ -151,3 +151,14 @@ def test_errors():
         fusedce.linear_cross_entropy(hidden, weight, q, backend="torch", use_token_scaling=True)
     with pytest.raises(ValueError, match="token_weights"):
         fusedce.linear_cross_entropy(hidden, weight, q, backend="torch", token_weights=torch.ones(3))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_module(backend, method):
+    """``LinearCrossEntropyLoss`` forwards a probability target as the function does (same values)."""
+    hidden, weight, bias, q = make_case()
+    module = fusedce.LinearCrossEntropyLoss(reduction="sum", label_smoothing=0.1, method=method, backend=backend)
+    got = module(hidden, weight, q, bias)
+    want = fusedce.linear_cross_entropy(hidden, weight, q, bias, reduction="sum", label_smoothing=0.1,
+                                        method=method, backend=backend)
+    assert torch.equal(got, want)
