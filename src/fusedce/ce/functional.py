@@ -10,6 +10,7 @@ from fusedce import backends
 from fusedce.ce import linear_function
 from fusedce.core import reduction as red, validation as val
 from fusedce.ce import soft_targets as soft
+from fusedce.ce import linear_soft
 from fusedce.core.options import check_flag, deterministic_mode, loss_options
 from fusedce.lm_head.method import check_method, resolve_method
 from fusedce.core.row_math import target_probability
@@ -165,7 +166,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     Args:
         hidden: ``(..., H)`` float32 / bfloat16 / float16 (the last hidden states).
         weight: ``(V, H)``, the LM head in ``nn.Linear`` layout, same dtype as ``hidden``.
-        target: ``(...)`` = ``hidden.shape[:-1]``, int64 or int32.
+        target: ``(...)`` = ``hidden.shape[:-1]``, int64 or int32; or class probabilities: a float32 /
+            bfloat16 / float16 / float64 tensor of ``hidden.shape[:-1] + (V,)`` (dtype independent of the
+            operands'), with :func:`cross_entropy`'s probability-target semantics (label smoothing mixes
+            with the uniform first; ``ce_weight``, z-loss, softcap, ``logit_scale``, ``token_weights``,
+            ``return_stats``; no row ignored; ``"mean"`` over the rows or ``num_items_in_batch``), every
+            reduction with backward. ``method="chunked"``: the backend's probability-target row ops on
+            each chunk of logits; ``method="tiled"``: the target streamed block by block with the weight
+            (blocks of tokens x a vocabulary block smaller than V, torch ops on the tensors' device on
+            EVERY backend: no tiled Triton kernel for probability targets; ``backends/pytorch/
+            soft_tiled.py``). Backends ``"torch"`` / ``"triton"``; ``"cute"``: ``NotImplementedError``.
+            A constant: one that requires grad is a ``TypeError`` naming ``target.detach()``; its values
+            are not checked (no host sync). Source: ``ce/linear_soft.py``.
         bias: optional ``(V,)``, same dtype as ``hidden``.
         ce_weight: optional ``(V,)`` class weights of the loss.
         reduction, num_items_in_batch, ``**options`` (the loss options, listed below): as in
@@ -210,9 +222,21 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         ``TypeError`` for a ``deterministic`` that is neither None nor a bool.
     """
     opts = loss_options(reduction, **options)
-    val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype)
+    probabilities = soft.is_soft_target(target)
+    val.check_linear(hidden, weight, linear_soft.index_stand_in(hidden, target) if probabilities else target,
+                     bias, ce_weight, chunk_size, accum_dtype)
     check_method(method, chunk_size)
     deterministic = deterministic_mode(deterministic)
+    if probabilities:   # ce/linear_soft.py: probability targets
+        linear_soft.check_linear_soft_target(target, hidden, weight, opts)
+        val.check_num_items(num_items_in_batch, hidden.device)
+        check_flag("return_stats", return_stats)
+        val.check_token_weights(token_weights, target, hidden.shape[:-1])
+        impl = backends.get(backend, hidden.device, tiled=resolve_method(method) == "tiled")
+        return linear_soft.linear_cross_entropy(impl, backend, hidden, weight, target, bias, ce_weight, opts,
+                                                reduction, num_items_in_batch,
+                                                None if chunk_size is None else int(chunk_size), method,
+                                                accum_dtype, return_stats, token_weights)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     check_flag("return_stats", return_stats)

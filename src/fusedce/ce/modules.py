@@ -95,7 +95,8 @@ class LinearCrossEntropyLoss(nn.Module):
     """Module form of :func:`fusedce.linear_cross_entropy` (the LM head's weight is passed to forward).
 
     ``forward(hidden (..., H), weight (V, H), target (...), bias=None, num_items_in_batch=None, *,
-    token_weights=None)``; see ``linear_cross_entropy`` for shapes, dtypes, chunking, the per-token loss
+    token_weights=None)`` (``target`` class indices, or class probabilities ``(..., V)`` as in
+    ``linear_cross_entropy``); see ``linear_cross_entropy`` for shapes, dtypes, chunking, the per-token loss
     weights and errors. ``ce_weight`` is a buffer.
 
     The options are checked at construction, as in :class:`CrossEntropyLoss` (``ce_weight`` for

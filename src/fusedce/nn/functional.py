@@ -20,8 +20,15 @@ Differences from torch, on purpose:
 - The loss is fp32 for every input dtype (torch returns bf16 / fp16 for bf16 / fp16 inputs).
 - ``reduction="mean"`` with every target ignored gives 0.0 with zero gradients (torch: NaN); fusedce's
   contract.
-- Probability targets (a float ``target`` of the logits' shape) raise ``NotImplementedError`` until
-  fusedce's soft targets cover the linear op; K-dimensional heads (``linear_weight`` (C, d1, ..., H)) too.
+- K-dimensional heads (``linear_weight`` (C, d1, ..., H)) raise ``NotImplementedError``.
+
+Probability targets (a float ``target`` of shape ``(N, C)``, or ``(C,)`` for a 1-D ``input``; float32 /
+bfloat16 / float16 / float64, any dtype independent of ``input``'s) have torch's semantics exactly: per row
+``-sum_c weight_c q'_c log softmax(z)_c`` with ``q' = (1 - label_smoothing) q + label_smoothing / C``,
+``"mean"`` dividing by the number of rows whatever the class weights, ``ignore_index`` not applying, every
+reduction with backward (``fusedce.linear_cross_entropy``'s probability targets; tested against torch's own
+function where it takes them). A target that requires grad is a ``TypeError`` (torch would give it a
+gradient; here the target is a constant).
 - Errors are fusedce's (``ValueError`` / ``TypeError`` / ``IndexError``, see the README) where torch
   raises ``RuntimeError``; torch's dimension checks (``input`` 1-D or 2-D) are kept, as ``RuntimeError``.
 """
@@ -66,7 +73,8 @@ def linear_cross_entropy(
     Args:
         input: ``(N, H)`` or ``(H,)`` float32 / bfloat16 / float16 hidden states.
         linear_weight: ``(C, H)``, ``nn.Linear`` layout, ``input``'s dtype.
-        target: class indices, ``(N,)`` (or ``()`` for a 1-D ``input``), int64 (int32 accepted).
+        target: class indices, ``(N,)`` (or ``()`` for a 1-D ``input``), int64 (int32 accepted); or class
+            probabilities ``(N, C)`` (``(C,)``), float32 / bfloat16 / float16 / float64 (module docstring).
         linear_bias: optional ``(C,)``.
         weight: optional ``(C,)`` class weights (``F.cross_entropy``'s).
         reduction: ``"mean"`` (sum over the scored rows / the sum of their class weights), ``"sum"``,
@@ -80,7 +88,7 @@ def linear_cross_entropy(
 
     Raises:
         ``RuntimeError`` for an ``input`` that is not 1-D or 2-D (torch's check); ``NotImplementedError``
-        for probability targets or a K-dimensional ``linear_weight``; ``TypeError`` for ``options`` of
+        for a K-dimensional ``linear_weight``; ``TypeError`` for a probability target that requires grad; ``TypeError`` for ``options`` of
         another type; otherwise ``fusedce.linear_cross_entropy``'s errors.
     """
     if input.dim() not in (1, 2):
@@ -89,10 +97,6 @@ def linear_cross_entropy(
         raise NotImplementedError(
             "fusedce.nn.functional.linear_cross_entropy: only a (C, in_features) linear_weight; got "
             f"{tuple(linear_weight.shape)} (K-dimensional loss: use torch.nn.functional.linear_cross_entropy)")
-    if target.is_floating_point() or tuple(target.shape) == (*input.shape[:-1], linear_weight.shape[0]):
-        raise NotImplementedError(
-            "fusedce.nn.functional.linear_cross_entropy: probability (soft) targets are not supported yet; "
-            "pass class indices, or use torch.nn.functional.linear_cross_entropy for soft targets")
     chunk_size = _chunk_size(options)
     return _fused_linear_cross_entropy(
         input, linear_weight, target, linear_bias, ce_weight=weight, reduction=reduction,

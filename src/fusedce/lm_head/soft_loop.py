@@ -1,0 +1,117 @@
+"""The LM head with probability ("soft") targets: the chunk loop over the backends' probability-target row
+ops and the tiled head over the PyTorch blocked loop, behind one small interface used by
+``ce/linear_soft.py`` (the shape of ``heads.py``, with the target a (BT, V) tensor and no row ignored).
+
+- ``SoftChunkedHead`` (``method="chunked"``): per chunk of ``rows`` tokens, ``logits_c = h_c @ W.T (+ b)``
+  into one reused buffer (``chunked.logits_chunk``), then the backend's ``soft_ce_forward`` op on
+  ``(logits_c, q[c])`` and, for mean / sum, its ``soft_ce_backward_inplace`` op writing dL/dlogits_c over
+  the chunk, then ``chunked.backprop_chunk_`` (3 matmuls per token; the same ops ``cross_entropy`` runs
+  with a float target: ``backends/pytorch/soft_targets.py``, ``backends/triton/soft_targets.py``).
+- ``SoftTiledHead`` (``method="tiled"``): ``backends/pytorch/soft_tiled.py`` (blocks of tokens x a
+  vocabulary block, the target read block by block) on every backend; 4 matmuls per token.
+
+``forward(...) -> (loss, lse, lse_lo, a, predicted)`` (fp32 (n,) each, ``a = sum_c w_c q'_c``; loss
+without the z-loss; predicted int64 or None without stats); ``grads(...)`` -> the same five (None where
+recomputed from ``saved``) plus ``(grad_hidden, grad_weight, grad_bias)``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fusedce.backends.pytorch import soft_tiled
+from fusedce.core.options import LossOptions
+from fusedce.core.row_math import grad_lse
+from . import chunked as loop
+from .method import chunk_rows, resolve_method
+
+_OP_NAMESPACES = {"torch": "fusedce_torch", "triton": "fusedce"}   # backends/*/soft_targets.py
+
+
+def soft_ops(impl):
+    """``(forward, backward_inplace)``: the backend's probability-target row ops (torch custom ops)."""
+    ns = getattr(torch.ops, _OP_NAMESPACES[impl.NAME])
+    return ns.soft_ce_forward, ns.soft_ce_backward_inplace
+
+
+class SoftChunkedHead:
+    grads_in_forward = True
+
+    def __init__(self, impl, rows: int):
+        self.forward_op, self.backward_op = soft_ops(impl)
+        self.rows = rows
+
+    def _chunks(self, hidden, weight, bias):
+        n = hidden.shape[0]
+        buffer = loop.chunk_buffer(n, self.rows, weight, hidden.dtype)
+        for s in range(0, n, self.rows):
+            c = slice(s, s + self.rows)
+            yield c, loop.logits_chunk(hidden[c], weight, bias, buffer)
+
+    def forward(self, hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
+        n = hidden.shape[0]
+        out = [torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4)]
+        predicted = torch.empty(n, dtype=torch.int64, device=hidden.device) if stats else None
+        for c, logits in self._chunks(hidden, weight, bias):
+            *rows, pred = self.forward_op(logits, q[c], w, *opts.op_args(), stats, False)
+            for dst, src in zip(out, rows):
+                dst[c] = src
+            if stats:
+                predicted[c] = pred
+        return (*out, predicted)
+
+    def grads(self, hidden, weight, bias, q, w, opts: LossOptions, grad_row, z_grad_row, needs, accum_dtype,
+              saved=None, stats: bool = False):
+        """``saved = (lse, lse_lo, a)`` from a forward: only the backward (each chunk recomputed);
+        None: the forward too, each chunk's gradient formed right after its loss."""
+        if saved is not None:
+            lse, lse_lo, a = saved
+            g_lse = grad_lse(lse, z_grad_row, opts)
+
+            def grad_of_chunk(c, logits):
+                self.backward_op(logits, q[c], w, lse[c], lse_lo[c], a[c], grad_row[c],
+                                 None if g_lse is None else g_lse[c], *opts.op_args())
+                return logits
+
+            grads = loop.backprop_chunks(hidden, weight, bias, self.rows, needs, accum_dtype, grad_of_chunk)
+            return (None, lse, lse_lo, a, None, *grads)
+        n = hidden.shape[0]
+        loss, lse, lse_lo, a = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4))
+        predicted = torch.empty(n, dtype=torch.int64, device=hidden.device) if stats else None
+        grad_h, grad_w, grad_b = loop.grad_buffers(hidden, weight, needs, accum_dtype)
+        for c, logits in self._chunks(hidden, weight, bias):
+            q_c = q[c]
+            loss_c, lse_c, lo_c, a_c, pred = self.forward_op(logits, q_c, w, *opts.op_args(), stats, False)
+            loss[c], lse[c], lse_lo[c], a[c] = loss_c, lse_c, lo_c, a_c
+            if stats:
+                predicted[c] = pred
+            self.backward_op(logits, q_c, w, lse_c, lo_c, a_c, grad_row[c], grad_lse(lse_c, z_grad_row[c], opts),
+                             *opts.op_args())
+            loop.backprop_chunk_(logits, hidden[c], weight, c, grad_h, grad_w, grad_b)
+            del logits
+        return loss, lse, lse_lo, a, predicted, grad_h, grad_w, grad_b
+
+
+class SoftTiledHead:
+    grads_in_forward = False
+
+    def forward(self, hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
+        return soft_tiled.soft_tiled_forward(hidden, weight, bias, q, w, opts, stats)
+
+    def grads(self, hidden, weight, bias, q, w, opts: LossOptions, grad_row, z_grad_row, needs, accum_dtype,
+              saved=None, stats: bool = False):
+        if saved is None:
+            raise AssertionError("SoftTiledHead.grads recomputes from a forward's saved statistics")
+        lse, lse_lo, a = saved
+        grads = soft_tiled.soft_tiled_backward(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row,
+                                               grad_lse(lse, z_grad_row, opts), opts, needs, accum_dtype)
+        return (None, lse, lse_lo, a, None, *grads)
+
+
+def make_soft_head(impl, method: str, n_rows: int, hidden_size: int, vocab_size: int,
+                   chunk_size: Optional[int], device_type: str):
+    """The head for ``method`` ("auto" resolved by ``method.resolve_method``)."""
+    if resolve_method(method) == "tiled":
+        return SoftTiledHead()
+    return SoftChunkedHead(impl, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size, device_type))
