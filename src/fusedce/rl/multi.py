@@ -46,11 +46,20 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, opts: LossOption
     check_flag("return_entropy", return_entropy)
     impl = backends.get(backend, logits.device, entropy=True)
     val.check_target_range(target, n_classes, opts.ignore_index)
+    return _result(*log_probs_rows(impl, logits, target, opts, return_entropy), target.shape, return_entropy)
+
+
+def log_probs_rows(impl, logits: torch.Tensor, classes: torch.Tensor, opts: LossOptions, return_entropy: bool):
+    """The internal K-class op on CHECKED arguments (no check, no entrance; the top-k distillation calls
+    it): ``logits`` ``(..., V)``, ``classes`` ``(..., K)`` int64-safe, in [0, V) or ``ignore_index``,
+    ``impl`` the backend (``backends.get(..., entropy=True)``). Returns ``(log_probs (N, K), entropy (N,)
+    or None)`` in fp32, N the number of tokens; differentiable w.r.t. ``logits``."""
+    n_classes = logits.shape[-1]
     flat = logits.reshape(-1, n_classes)
     if flat.stride(-1) != 1 and n_classes > 1:
         flat = flat.contiguous()
-    out = head_multi.token_log_probs_multi(impl.CHUNK_CE, flat, target.reshape(-1, target.shape[-1]), opts, return_entropy)
-    return _result(*out, target.shape, return_entropy)
+    return head_multi.token_log_probs_multi(impl.CHUNK_CE, flat, classes.reshape(-1, classes.shape[-1]), opts,
+                                            return_entropy)
 
 
 def linear_token_log_probs(hidden, weight, target, bias, opts: LossOptions, return_entropy: bool,
@@ -66,8 +75,18 @@ def linear_token_log_probs(hidden, weight, target, bias, opts: LossOptions, retu
     check_flag("return_entropy", return_entropy)
     impl = backends.get(backend, hidden.device, entropy=True, tiled=resolve_method(method) == "tiled")
     val.check_target_range(target, weight.shape[0], opts.ignore_index)
-    out = head_multi.linear_token_log_probs_multi(
-        impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1, target.shape[-1]), bias,
+    out = linear_log_probs_rows(impl, hidden, weight, target, bias, opts, return_entropy, chunk_size, method,
+                                deterministic)
+    return _result(*out, target.shape, return_entropy)
+
+
+def linear_log_probs_rows(impl, hidden, weight, classes, bias, opts: LossOptions, return_entropy: bool, chunk_size,
+                          method: str, deterministic: bool):
+    """The internal K-class op of the LM head on CHECKED arguments (no check, no entrance; the top-k
+    distillation calls it): ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` ``(V,)`` or None,
+    ``classes`` ``(..., K)`` as :func:`log_probs_rows`, ``impl`` from ``backends.get(..., entropy=True,
+    tiled=...)``. Returns ``(log_probs (N, K), entropy (N,) or None)``."""
+    return head_multi.linear_token_log_probs_multi(
+        impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, classes.reshape(-1, classes.shape[-1]), bias,
         opts, return_entropy, None if chunk_size is None else int(chunk_size), method, tiled=impl.TILED_CE,
         deterministic=deterministic)
-    return _result(*out, target.shape, return_entropy)
