@@ -1,7 +1,8 @@
-"""The contract's top-k teacher form of the distillation losses: ``teacher_ids=`` / ``teacher_log_probs=``
-in place of the teacher's logits (or hidden states and head), checked against the float64 formula
-``sum_k p_k (log p_k - log softmax(z_s / T)[id_k])`` (plus the hard-label CE), and the errors of a teacher
-given twice, half or not at all."""
+"""The top-k teacher has one door (issue 26): ``topk_distillation_loss`` / ``linear_topk_distillation_loss``,
+checked here against the float64 formula ``sum_k p_k (log p_k - log softmax(z_s / T)[id_k])`` (plus the
+hard-label CE); ``teacher_ids=`` / ``teacher_log_probs=`` on the dense distillation losses (their former
+top-k form) are a ``TypeError`` naming the top-k function, and a dense call without its teacher is
+Python's ``TypeError`` for a missing argument."""
 import pytest
 import torch
 
@@ -36,8 +37,8 @@ def _inputs(n=12, h=16, v=70, k=5, seed=0):
 def test_logits_form(backend, temperature, hard):
     hidden, weight, ids, lp, target = _inputs()
     zs = (hidden @ weight.T).requires_grad_(True)
-    loss = fusedce.distillation_loss(zs, target=target, teacher_ids=ids, teacher_log_probs=lp,
-                                     temperature=temperature, hard_label_weight=hard, backend=backend)
+    loss = fusedce.topk_distillation_loss(zs, ids, lp, target, temperature=temperature, hard_label_weight=hard,
+                                          backend=backend)
     loss.backward()
     z64 = zs.detach().double().requires_grad_(True)
     ref = _reference(z64, ids, lp, target, temperature, hard)
@@ -51,9 +52,8 @@ def test_logits_form(backend, temperature, hard):
 def test_linear_form(backend, method):
     hidden, weight, ids, lp, target = _inputs(seed=1)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    loss = fusedce.linear_distillation_loss(h, w, target=target, teacher_ids=ids, teacher_log_probs=lp,
-                                            temperature=2.0, hard_label_weight=0.25, method=method,
-                                            backend=backend)
+    loss = fusedce.linear_topk_distillation_loss(h, w, ids, lp, target, temperature=2.0, hard_label_weight=0.25,
+                                                 method=method, backend=backend)
     loss.backward()
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     ref = _reference(h64 @ w64.T, ids, lp, target, 2.0, 0.25)
@@ -66,18 +66,16 @@ def test_linear_form(backend, method):
 def test_errors():
     hidden, weight, ids, lp, target = _inputs()
     zs = hidden @ weight.T
-    with pytest.raises(TypeError, match="teacher is missing"):
+    for kw in (dict(teacher_ids=ids, teacher_log_probs=lp), dict(teacher_ids=ids), dict(teacher_log_probs=lp)):
+        with pytest.raises(TypeError, match=r"goes to fusedce\.topk_distillation_loss"):
+            fusedce.distillation_loss(zs, target=target, **kw)
+        with pytest.raises(TypeError, match=r"goes to fusedce\.topk_distillation_loss"):
+            fusedce.distillation_loss(zs, zs, target, **kw)
+        with pytest.raises(TypeError, match=r"goes to fusedce\.linear_topk_distillation_loss"):
+            fusedce.linear_distillation_loss(hidden, weight, target=target, **kw)
+        with pytest.raises(TypeError, match=r"goes to fusedce\.linear_topk_distillation_loss"):
+            fusedce.linear_distillation_loss(hidden, weight, hidden, weight, target, **kw)
+    with pytest.raises(TypeError, match="teacher_logits"):
         fusedce.distillation_loss(zs, target=target)
-    with pytest.raises(ValueError, match="go together"):
-        fusedce.distillation_loss(zs, target=target, teacher_ids=ids)
-    with pytest.raises(ValueError, match="give the teacher once"):
-        fusedce.distillation_loss(zs, zs, target, teacher_ids=ids, teacher_log_probs=lp)
-    with pytest.raises(ValueError, match="beta must be 0"):
-        fusedce.distillation_loss(zs, target=target, teacher_ids=ids, teacher_log_probs=lp, beta=0.5)
-    with pytest.raises(ValueError, match="teacher_softcap"):
-        fusedce.distillation_loss(zs, target=target, teacher_ids=ids, teacher_log_probs=lp, teacher_softcap=30.0)
-    with pytest.raises(ValueError, match="give the teacher once"):
-        fusedce.linear_distillation_loss(hidden, weight, teacher_bias=torch.zeros(70), target=target,
-                                         teacher_ids=ids, teacher_log_probs=lp)
-    with pytest.raises(TypeError, match="teacher is missing"):
+    with pytest.raises(TypeError, match="teacher_weight"):
         fusedce.linear_distillation_loss(hidden, weight, hidden, target=target)

@@ -42,6 +42,18 @@ def _given(num_items_in_batch, device: torch.device) -> torch.Tensor:
     return torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
 
 
+def token_mean_scale(target: Optional[torch.Tensor], n_rows: int, ignore_index: int, num_items_in_batch,
+                     device: torch.device) -> torch.Tensor:
+    """The one mean rule of the distillation losses (dense and top-k): 0-dim fp32 ``1 / D``, ``D =
+    num_items_in_batch`` if given, else the count of non-ignored tokens (``target != ignore_index``), else
+    (no target) ``n_rows``; 0 when ``D == 0`` (the loss is then 0.0 with zero gradient). No host sync."""
+    if num_items_in_batch is not None:
+        return mean_scale(_given(num_items_in_batch, device))
+    if target is None:
+        return mean_scale(torch.full((), float(n_rows), dtype=torch.float32, device=device))
+    return mean_scale((target != ignore_index).sum().to(torch.float32))
+
+
 def target_weights(target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int):
     """Per-row ``w[t]`` (fp32 (BT,), 0 on ignored rows), or None without class weights; never indexes
     with ``ignore_index`` or an out-of-range target."""

@@ -1,11 +1,22 @@
-"""Tensor checks of the distillation losses (``distill/distillation.py``; the scalar options: ``core/options/distill.py``);
-every check runs before any kernel."""
+"""The one checked call of each distillation op (``checked_distill`` for ``distillation_loss`` /
+``linear_distillation_loss``, ``checked_topk`` for ``topk_distillation_loss`` /
+``linear_topk_distillation_loss``): every argument check, in one walk down to ``core/validation.py``,
+before any kernel; each returns a small frozen dataclass of the normalized arguments. The scalar options:
+``core/options/distill.py`` (dense) and ``core/options`` (``check_temperature``, ``log_prob_options``)."""
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
 
 import torch
 
 from fusedce import backends
 from fusedce.core import validation as val
+from fusedce.core.options import (REDUCTIONS, LossOptions, check_chunk_size, check_temperature, deterministic_mode,
+                                  log_prob_options)
+from fusedce.core.options.checks import fp32_range, integer_option, real_option
+from fusedce.core.options.distill import DistillOptions, distill_options
+from fusedce.lm_head.method import check_method, resolve_method
 
 
 def check_pair(student: torch.Tensor, teacher: torch.Tensor, s_name: str, t_name: str) -> None:
@@ -61,3 +72,164 @@ def row_ops(backend, device: torch.device):
     ``RuntimeError`` for a backend without distillation kernels (``"cute"``, ``Capabilities.distill``)."""
     impl = backends.get(backend, device, distill=True)
     return impl.distill_rows, impl.tiled_distill
+
+
+def check_logit_scale(name: str, value) -> float:
+    """A ``logit_scale`` of a distillation op: the domain of the loss option of the same name
+    (``LossOptions``: a finite real > 0 within fp32), its messages naming ``name``."""
+    try:
+        return LossOptions.checked(logit_scale=value).logit_scale
+    except (TypeError, ValueError) as error:
+        raise type(error)(str(error).replace("logit_scale", name, 1)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillCall:
+    """The checked arguments of ``distillation_loss`` / ``linear_distillation_loss``."""
+
+    opts: DistillOptions
+    lead: tuple                      # the tokens' leading shape
+    target: Optional[torch.Tensor]   # flat, int64-safe, range-checked; or None
+    rows_op: Any                     # the backend's distill_rows
+    tiled_op: Any                    # the backend's tiled_distill
+    logit_scale: float
+    teacher_logit_scale: float
+    deterministic: bool = False
+
+
+def checked_distill(student, teacher, target, *, beta, temperature, hard_label_weight, ignore_index, reduction,
+                    num_items_in_batch, student_softcap, teacher_softcap, logit_scale, teacher_logit_scale,
+                    backend, heads=None, method=None, chunk_size=None, deterministic=None) -> DistillCall:
+    """Every check of a dense distillation op, in this order: the tensors (``student`` / ``teacher`` the
+    logits, or with ``heads = ((student_weight, student_bias), (teacher_weight, teacher_bias))`` the hidden
+    states of the linear form), the vocabularies, the tokens, ``chunk_size`` / ``method`` /
+    ``deterministic`` (linear form), the scalar options, ``num_items_in_batch``, the logit scales, the
+    backend, the target (shape, dtype, device, then its range: the one host sync)."""
+    if heads is None:
+        s_name, t_name = "student_logits", "teacher_logits"
+        val.check_float(s_name, student)
+        val.check_float(t_name, teacher)
+        if student.dim() < 1 or teacher.dim() < 1:
+            raise ValueError("student_logits and teacher_logits must have at least one dimension (the classes, last)")
+        val.check_nonzero(s_name, student.shape, -1, "V")
+        n_classes = student.shape[-1]
+        check_vocab(n_classes, teacher.shape[-1], "the logits' last dimension")
+    else:
+        s_name, t_name = "student_hidden", "teacher_hidden"
+        (ws, bs), (wt, bt) = heads
+        check_head(student, ws, bs, "student")
+        check_head(teacher, wt, bt, "teacher")
+        n_classes = ws.shape[0]
+        check_vocab(n_classes, wt.shape[0], "weight.shape[0]")
+    check_pair(student, teacher, s_name, t_name)
+    if heads is not None:
+        check_chunk_size(chunk_size)
+        check_method(method, chunk_size)
+        deterministic = deterministic_mode(deterministic)
+    opts = distill_options(beta, temperature, hard_label_weight, ignore_index, reduction, student_softcap,
+                           teacher_softcap, target)
+    val.check_num_items(num_items_in_batch, student.device)
+    scales = (check_logit_scale("logit_scale", logit_scale),
+              check_logit_scale("teacher_logit_scale", teacher_logit_scale))
+    rows_op, tiled_op = row_ops(backend, student.device)
+    lead = tuple(student.shape[:-1])
+    flat_target = check_target(target, lead, student.device, n_classes, opts.ignore_index)
+    return DistillCall(opts, lead, flat_target, rows_op, tiled_op, *scales, bool(deterministic))
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkCall:
+    """The checked arguments of ``topk_distillation_loss`` / ``linear_topk_distillation_loss``."""
+
+    lead: tuple                      # the tokens' leading shape
+    n_classes: int                   # V
+    temperature: float
+    hard_label_weight: float
+    ignore_index: int
+    target: Optional[torch.Tensor]   # (*lead), int64-safe (its range: check_topk_ranges); or None
+    opts: LossOptions                # the student's log-probs at the temperature (log_prob_options)
+    hard_opts: Optional[LossOptions]   # ... at temperature 1 (the hard label), or None without one
+    impl: Any                        # the backend (entropy=True: the K-class op)
+    deterministic: bool = False
+
+
+def _check_teacher(teacher_ids, teacher_log_probs, lead, device) -> None:
+    """``teacher_ids`` int64 / int32 and ``teacher_log_probs`` float, both ``(*lead, K)`` on ``device``."""
+    for name, t in (("teacher_ids", teacher_ids), ("teacher_log_probs", teacher_log_probs)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if teacher_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"teacher_ids must be int64 or int32, got {teacher_ids.dtype}")
+    if not teacher_log_probs.is_floating_point():
+        raise TypeError(f"teacher_log_probs must be a float tensor, got {teacher_log_probs.dtype}")
+    if tuple(teacher_ids.shape) != tuple(teacher_log_probs.shape):
+        raise ValueError(f"teacher_ids {tuple(teacher_ids.shape)} and teacher_log_probs "
+                         f"{tuple(teacher_log_probs.shape)} must have the same shape (..., K)")
+    if teacher_ids.dim() != len(lead) + 1 or tuple(teacher_ids.shape[:-1]) != tuple(lead):
+        raise ValueError(f"teacher_ids / teacher_log_probs of shape {tuple(teacher_ids.shape)} must be (..., K) "
+                         f"with (...) = the student's leading shape {tuple(lead)}")
+    if teacher_ids.shape[-1] == 0:
+        raise ValueError("teacher_ids / teacher_log_probs have K = 0 classes per token; K >= 1 is needed")
+    for name, t in (("teacher_ids", teacher_ids), ("teacher_log_probs", teacher_log_probs)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the student is on {device}")
+
+
+def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_probs, target, *, temperature,
+                 hard_label_weight, ignore_index, reduction, num_items_in_batch, student_softcap, logit_scale,
+                 backend, method=None, chunk_size=None, deterministic=None) -> TopkCall:
+    """Every check of a top-k distillation op but the value ranges (``check_topk_ranges``, once the
+    classes are formed): ``student`` (its logits, or with ``weight`` its hidden states, ``name``), the
+    scalar options (``check_temperature``: the one temperature check), ``num_items_in_batch``, the
+    teacher's top-K, the student's head and ``method`` / ``chunk_size`` / ``deterministic`` (linear form),
+    the target's shape, softcap and ``logit_scale`` (``log_prob_options``), the backend."""
+    linear = weight is not None
+    val.check_float(name, student)
+    if student.dim() < 1:
+        raise ValueError(f"{name} must be (..., H)" if linear else
+                         f"{name} must have at least one dimension (the classes, last)")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    temperature = check_temperature(temperature)
+    hard_label_weight = fp32_range("hard_label_weight", real_option("hard_label_weight", hard_label_weight))
+    if hard_label_weight != 0.0 and target is None:
+        raise ValueError(f"hard_label_weight = {hard_label_weight} needs a target (the hard labels); got target=None")
+    val.check_num_items(num_items_in_batch, student.device)
+    ignore_index = integer_option("ignore_index", ignore_index)
+    lead = tuple(student.shape[:-1])
+    _check_teacher(teacher_ids, teacher_log_probs, lead, student.device)
+    if linear:
+        check_head(student, weight, bias, "student")
+        check_chunk_size(chunk_size)
+        check_method(method, chunk_size)
+        deterministic = deterministic_mode(deterministic)
+    n_classes = weight.shape[0] if linear else student.shape[-1]
+    if target is not None:
+        val.check_target(target, lead, student.device)
+        target = val.widen_target(target, ignore_index)
+    opts = log_prob_options(ignore_index, temperature, student_softcap, check_logit_scale("logit_scale", logit_scale))
+    hard_opts = None if hard_label_weight == 0.0 else log_prob_options(ignore_index, 1.0, student_softcap, logit_scale)
+    impl = backends.get(backend, student.device, entropy=True,
+                        tiled=linear and resolve_method(method) == "tiled")
+    return TopkCall(lead, n_classes, temperature, hard_label_weight, ignore_index, target, opts, hard_opts, impl,
+                    bool(deterministic))
+
+
+def check_topk_ranges(classes: torch.Tensor, target, call: TopkCall, folded: bool) -> None:
+    """``IndexError`` for a hard label (``target``) or a kept teacher id outside [0, V): the target first
+    when it is not folded into ``classes`` as their last column, then ``classes`` in one host sync (both
+    skipped under torch.compile / CUDA-graph capture: a NaN loss instead)."""
+    if target is not None and not folded:
+        val.check_target_range(target, call.n_classes, call.ignore_index)
+    try:
+        val.check_target_range(classes, call.n_classes, call.ignore_index)
+    except val.TargetOutOfRange as error:
+        position, teacher_k = error.position, classes.shape[-1] - (1 if folded else 0)
+        if not position or position[-1] >= teacher_k:   # the folded hard label
+            raise val.TargetOutOfRange(
+                f"target{list(position[:-1])} = {error.value} is out of range: expected ignore_index="
+                f"{error.ignore_index} or a class in [0, {error.n_classes}) (V = {error.n_classes})",
+                position[:-1], error.value, error.n_classes, error.ignore_index) from None
+        raise IndexError(f"teacher_ids{list(position)} = {error.value} is out of range: expected a class in "
+                         f"[0, {error.n_classes}) (V = {error.n_classes}), or ignore_index={error.ignore_index} "
+                         "(or a -inf log-prob) for a padding entry") from None

@@ -25,54 +25,48 @@ function itself and the re-derived Liger formulas on the same inputs.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Union
 
 import torch
 
 from fusedce.core.entrance import public_op
-from fusedce.distill import checks as dc
-from fusedce.core import validation as val
-from fusedce.lm_head.method import check_method
-from fusedce.core.options import check_chunk_size, deterministic_mode
-from fusedce.core.options.distill import distill_options
-from fusedce.distill.linear_head import distillation, linear_distillation
-from fusedce.distill.topk import linear_topk_distillation_loss, topk_distillation_loss
+from fusedce.core.reduction import token_mean_scale
 from fusedce.core.rows import rows_view
-from fusedce.core.reduction import _given, mean_scale
+from fusedce.distill import checks as dc
+from fusedce.distill.linear_head import distillation, linear_distillation
+
+_TOPK_KEYWORDS = ("teacher_ids", "teacher_log_probs")
 
 
-def _scale(reduction: str, target: Optional[torch.Tensor], n: int, ignore_index: int, num_items_in_batch,
-           device: torch.device) -> torch.Tensor:
-    """0-dim fp32 ``1 / D`` of "mean" (0 for D = 0), 1 otherwise; no host sync."""
+def _topk_door(topk_name: str):
+    """Decorator (inside the entrance): the top-k teacher has one door, ``topk_name``; a call passing
+    ``teacher_ids=`` / ``teacher_log_probs=`` (the form this op took until 2026-12-02) is a ``TypeError``
+    saying where to go, before anything runs (Python's own "unexpected keyword" would not)."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def op(*args, **kwargs):
+            given = [k for k in _TOPK_KEYWORDS if k in kwargs]
+            if given:
+                raise TypeError(f"{fn.__name__}() got {', '.join(repr(k) for k in given)}: a top-k teacher "
+                                f"(teacher_ids, teacher_log_probs) goes to fusedce.{topk_name}(...) instead "
+                                f"(the same options, forward KL over the K stored classes)")
+            return fn(*args, **kwargs)
+        return op
+    return decorate
+
+
+def _scale(reduction: str, call: dc.DistillCall, n: int, num_items_in_batch, device) -> torch.Tensor:
+    """0-dim fp32 ``1 / D`` of "mean" (the rule of every distillation loss, ``token_mean_scale``), 1
+    otherwise; no host sync."""
     if reduction != "mean":
         return torch.ones((), dtype=torch.float32, device=device)
-    if num_items_in_batch is not None:
-        return mean_scale(_given(num_items_in_batch, device))
-    if target is None:
-        return mean_scale(torch.full((), float(n), dtype=torch.float32, device=device))
-    return mean_scale((target != ignore_index).sum().to(torch.float32))
+    return token_mean_scale(call.target, n, call.opts.ignore_index, num_items_in_batch, device)
 
 
-def _topk_form(dense: tuple, teacher_ids, teacher_log_probs, beta: float, teacher_softcap,
-               teacher_bias=None) -> bool:
-    """True when the teacher comes as stored top-k log-probs (``teacher_ids`` / ``teacher_log_probs``)
-    instead of its logits / hidden states and head (``dense``); exactly one form must be given."""
-    if teacher_ids is None and teacher_log_probs is None:
-        if any(t is None for t in dense):
-            raise TypeError("the teacher is missing: pass its logits (or hidden states and head weight), or "
-                            "its stored top-k as teacher_ids= and teacher_log_probs=")
-        return False
-    if teacher_ids is None or teacher_log_probs is None:
-        raise ValueError("teacher_ids and teacher_log_probs go together (the top-k teacher form)")
-    if any(t is not None for t in dense) or teacher_bias is not None:
-        raise ValueError("give the teacher once: either its logits / hidden states and head, or teacher_ids= "
-                         "and teacher_log_probs=, not both")
-    if beta != 0.0:
-        raise ValueError(f"the top-k teacher form is the forward KL over the K stored classes: beta must be 0, "
-                         f"got {beta!r}")
-    if teacher_softcap is not None:
-        raise ValueError("teacher_softcap does not apply to stored teacher log-probs")
-    return True
+def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * x`` (autograd flows through it), ``x`` itself for 1."""
+    return x if scale == 1.0 or x is None else x * scale
 
 
 def _result(out: torch.Tensor, reduction: str, shape) -> torch.Tensor:
@@ -80,20 +74,22 @@ def _result(out: torch.Tensor, reduction: str, shape) -> torch.Tensor:
 
 
 @public_op("logits")
-def distillation_loss(student_logits: torch.Tensor, teacher_logits: Optional[torch.Tensor] = None,
+@_topk_door("topk_distillation_loss")
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                       target: Optional[torch.Tensor] = None, *, beta: float = 0.0, temperature: float = 1.0,
                       hard_label_weight: float = 0.0, ignore_index: int = -100, reduction: str = "mean",
                       num_items_in_batch: Union[int, torch.Tensor, None] = None,
                       student_softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
-                      backend: Optional[str] = None, teacher_ids: Optional[torch.Tensor] = None,
-                      teacher_log_probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      logit_scale: float = 1.0, teacher_logit_scale: float = 1.0,
+                      backend: Optional[str] = None) -> torch.Tensor:
     """Distillation loss between the student's and the teacher's logits over the same tokens.
 
     Per token, with ``c(x) = cap * tanh(x / cap)`` (each model's softcap, when given), ``s =
-    softmax(c(z_s) / T)``, ``t = softmax(c(z_t) / T)``: ``beta = 0`` gives ``KL(t || s)`` (forward KL),
+    softmax(c(a_s z_s) / T)``, ``t = softmax(c(a_t z_t) / T)`` (``a_s`` = ``logit_scale``, ``a_t`` =
+    ``teacher_logit_scale``): ``beta = 0`` gives ``KL(t || s)`` (forward KL),
     ``beta = 1`` ``KL(s || t)`` (reverse KL), otherwise ``beta KL(t || m) + (1 - beta) KL(s || m)`` with
     ``m = beta t + (1 - beta) s`` (GKD's generalized JSD, arXiv 2306.13649 Eq. 1, as TRL's
-    ``generalized_jsd_loss``; no ``T**2`` factor); plus ``hard_label_weight * CE(c(z_s), target)`` (no
+    ``generalized_jsd_loss``; no ``T**2`` factor); plus ``hard_label_weight * CE(c(a_s z_s), target)`` (no
     temperature). ``0 log 0 = 0``: a ``-inf`` teacher logit masks its class (with ``beta = 1`` the reverse
     KL is then infinite, as the formula says). Module docstring: TRL's and Liger's conventions.
 
@@ -105,17 +101,21 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: Optional[tor
             gradient, even if it requires grad).
         target: None (every token counts) or ``(...)`` int64 / int32 of the leading shape: rows equal to
             ``ignore_index`` contribute 0 and get exactly zero gradient; the hard labels.
-        beta: in [0, 1]. temperature: finite, > 0. hard_label_weight: finite; != 0 needs a target.
-        ignore_index: default -100. reduction: ``"mean"`` (over non-ignored tokens, or all tokens
-            without a target, or ``num_items_in_batch``; 0.0 for 0), ``"sum"``, ``"none"``.
+        beta: in [0, 1]. temperature: finite, > 0, with a normal fp32 inverse (the one temperature check,
+            ``core/options/checks.check_temperature``). hard_label_weight: finite; != 0 needs a target.
+        ignore_index: default -100. reduction: ``"mean"`` (``sum / D``, ``D`` = the non-ignored tokens,
+            all tokens without a target, or ``num_items_in_batch``; 0.0 for ``D = 0``:
+            ``core/reduction.token_mean_scale``, the rule of every distillation loss), ``"sum"``, ``"none"``.
         num_items_in_batch: replaces the mean's denominator (int or one-element tensor).
-        student_softcap, teacher_softcap: None or > 0, applied before the temperature.
+        student_softcap, teacher_softcap: None or > 0, applied after the logit scales, before the
+            temperature.
+        logit_scale, teacher_logit_scale: each model's logits are first multiplied by its scale (as in
+            :func:`fusedce.cross_entropy`; finite > 0, default 1.0). A scale != 1 costs one scaled copy of
+            that model's logits (its dtype; autograd carries the student's scale into the gradient).
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
-        teacher_ids: the top-k teacher form, with ``teacher_log_probs``, in place of ``teacher_logits``:
-            ``(..., K)`` integer class ids and ``(..., K)`` float stored log-probs; the loss is then
-            :func:`fusedce.topk_distillation_loss` (forward KL over the K classes: ``beta`` must be 0, no
-            ``teacher_softcap``).
-        teacher_log_probs: see ``teacher_ids``.
+
+    A top-k teacher (stored ``teacher_ids`` / ``teacher_log_probs``) has its own door,
+    :func:`fusedce.topk_distillation_loss`; passing those keywords here is a ``TypeError`` saying so.
 
     Returns:
         fp32 scalar, or fp32 ``(...)`` per token for ``"none"``; every reduction's backward is exact
@@ -123,52 +123,40 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: Optional[tor
         logits and writes one ``student_logits``-shaped gradient.
 
     Raises:
-        TypeError: non-float logits, a target that is not an integer tensor, an option of the wrong kind.
+        TypeError: non-float logits, a target that is not an integer tensor, an option of the wrong kind,
+            ``teacher_ids=`` / ``teacher_log_probs=`` (pointing to :func:`fusedce.topk_distillation_loss`).
         ValueError: different V, different leading shapes or devices, a target of another shape, ``beta``
             outside [0, 1], ``temperature`` not finite > 0, ``hard_label_weight != 0`` without a target,
-            a softcap <= 0, a bad ``reduction`` / ``num_items_in_batch``.
+            a softcap <= 0, a logit scale not finite > 0, a bad ``reduction`` / ``num_items_in_batch``.
         IndexError: a target neither ``ignore_index`` nor in [0, V) (host sync; skipped under
             torch.compile / CUDA-graph capture, where such a row gives a NaN loss).
         RuntimeError / NotImplementedError: a backend without distillation kernels (``"cute"``).
     """
-    if _topk_form((teacher_logits,), teacher_ids, teacher_log_probs, beta, teacher_softcap):
-        return topk_distillation_loss(student_logits, teacher_ids, teacher_log_probs, target,
-                                      temperature=temperature, hard_label_weight=hard_label_weight,
-                                      ignore_index=ignore_index, reduction=reduction,
-                                      num_items_in_batch=num_items_in_batch, student_softcap=student_softcap,
-                                      backend=backend)
-    val.check_float("student_logits", student_logits)
-    val.check_float("teacher_logits", teacher_logits)
-    if student_logits.dim() < 1 or teacher_logits.dim() < 1:
-        raise ValueError("student_logits and teacher_logits must have at least one dimension (the classes, last)")
-    val.check_nonzero("student_logits", student_logits.shape, -1, "V")
-    dc.check_vocab(student_logits.shape[-1], teacher_logits.shape[-1], "the logits' last dimension")
-    dc.check_pair(student_logits, teacher_logits, "student_logits", "teacher_logits")
-    opts = distill_options(beta, temperature, hard_label_weight, ignore_index, reduction, student_softcap,
-                           teacher_softcap, target)
-    val.check_num_items(num_items_in_batch, student_logits.device)
-    shape, n_classes = student_logits.shape[:-1], student_logits.shape[-1]
-    rows_op, _ = dc.row_ops(backend, student_logits.device)
-    flat_target = dc.check_target(target, shape, student_logits.device, n_classes, opts.ignore_index)
-    student, teacher = rows_view(student_logits, False), rows_view(teacher_logits, False)
-    scale = _scale(reduction, flat_target, student.shape[0], opts.ignore_index, num_items_in_batch,
-                   student.device)
-    out = distillation(rows_op, student, teacher, flat_target, opts.kwargs(), reduction, scale)
-    return _result(out, reduction, shape)
+    call = dc.checked_distill(student_logits, teacher_logits, target, beta=beta, temperature=temperature,
+                              hard_label_weight=hard_label_weight, ignore_index=ignore_index, reduction=reduction,
+                              num_items_in_batch=num_items_in_batch, student_softcap=student_softcap,
+                              teacher_softcap=teacher_softcap, logit_scale=logit_scale,
+                              teacher_logit_scale=teacher_logit_scale, backend=backend)
+    student = rows_view(_scaled(student_logits, call.logit_scale), False)
+    teacher = rows_view(_scaled(teacher_logits.detach(), call.teacher_logit_scale), False)
+    scale = _scale(reduction, call, student.shape[0], num_items_in_batch, student.device)
+    out = distillation(call.rows_op, student, teacher, call.target, call.opts.kwargs(), reduction, scale)
+    return _result(out, reduction, call.lead)
 
 
 @public_op("linear", linear=(("student_hidden", "student_weight", "student_bias"),
                            ("teacher_hidden", "teacher_weight", "teacher_bias")))
+@_topk_door("linear_topk_distillation_loss")
 def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
-                             teacher_hidden: Optional[torch.Tensor] = None,
-                             teacher_weight: Optional[torch.Tensor] = None, target: Optional[torch.Tensor] = None, *, student_bias: Optional[torch.Tensor] = None,
+                             teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+                             target: Optional[torch.Tensor] = None, *, student_bias: Optional[torch.Tensor] = None,
                              teacher_bias: Optional[torch.Tensor] = None, beta: float = 0.0,
                              temperature: float = 1.0, hard_label_weight: float = 0.0, ignore_index: int = -100,
                              reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                              student_softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
+                             logit_scale: float = 1.0, teacher_logit_scale: float = 1.0,
                              method: str = "auto", chunk_size: Optional[int] = None, backend: Optional[str] = None,
-                             deterministic: Optional[bool] = None, teacher_ids: Optional[torch.Tensor] = None,
-                             teacher_log_probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             deterministic: Optional[bool] = None) -> torch.Tensor:
     """:func:`distillation_loss` of ``student_hidden @ student_weight.T + student_bias`` and
     ``teacher_hidden @ teacher_weight.T + teacher_bias``, never allocating BT x V logits.
 
@@ -181,7 +169,10 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
             differ from the student's). Constants: they never receive a gradient.
         target: as :func:`distillation_loss`, and so are ``beta``, ``temperature``,
             ``hard_label_weight``, ``ignore_index``, ``reduction``, ``num_items_in_batch``,
-            ``student_softcap``, ``teacher_softcap`` and ``backend``.
+            ``student_softcap``, ``teacher_softcap``, ``logit_scale``, ``teacher_logit_scale`` and
+            ``backend``. A logit scale ``a != 1`` is applied to the operands, ``(a h) @ W.T + a b`` (equal
+            in real arithmetic; one scaled copy of that model's hidden states and bias in their dtype,
+            exact for a power-of-two ``a``; the kernels are unchanged), as ``integrations/trl`` does.
         method: ``"chunked"`` (both models' logits ``chunk_size`` tokens at a time; with mean / sum the
             student's gradients are formed in the forward), ``"tiled"`` (vocabulary blocks smaller than V:
             no tensor of V or more elements besides the weights, biases and the student's gradients) or
@@ -191,10 +182,9 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
             ``"chunked"`` only.
         deterministic: None follows ``torch.are_deterministic_algorithms_enabled()``; True selects
             backward paths without float atomics (bitwise run-to-run identical results).
-        teacher_ids: with ``teacher_log_probs``, the top-k teacher form in place of ``teacher_hidden`` /
-            ``teacher_weight`` / ``teacher_bias``: the loss is then
-            :func:`fusedce.linear_topk_distillation_loss` (``beta`` must be 0, no ``teacher_softcap``).
-        teacher_log_probs: see ``teacher_ids``.
+
+    A top-k teacher has its own door, :func:`fusedce.linear_topk_distillation_loss`; ``teacher_ids=`` /
+    ``teacher_log_probs=`` here are a ``TypeError`` saying so.
 
     Returns:
         As :func:`distillation_loss`; gradients of the student's hidden, weight and bias in their dtypes
@@ -206,30 +196,18 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         or ``chunk_size``; ``TypeError`` for a model whose hidden / weight / bias dtypes differ or a
         ``deterministic`` that is not None or a bool.
     """
-    if _topk_form((teacher_hidden, teacher_weight), teacher_ids, teacher_log_probs, beta, teacher_softcap,
-                  teacher_bias):
-        return linear_topk_distillation_loss(
-            student_hidden, student_weight, teacher_ids, teacher_log_probs, target, student_bias=student_bias,
-            temperature=temperature, hard_label_weight=hard_label_weight, ignore_index=ignore_index,
-            reduction=reduction, num_items_in_batch=num_items_in_batch, student_softcap=student_softcap,
-            method=method, chunk_size=chunk_size, backend=backend, deterministic=deterministic)
-    dc.check_head(student_hidden, student_weight, student_bias, "student")
-    dc.check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher")
-    dc.check_vocab(student_weight.shape[0], teacher_weight.shape[0], "weight.shape[0]")
-    dc.check_pair(student_hidden, teacher_hidden, "student_hidden", "teacher_hidden")
-    check_chunk_size(chunk_size)
-    check_method(method, chunk_size)
-    deterministic = deterministic_mode(deterministic)
-    opts = distill_options(beta, temperature, hard_label_weight, ignore_index, reduction, student_softcap,
-                           teacher_softcap, target)
-    val.check_num_items(num_items_in_batch, student_hidden.device)
-    shape, n_classes = student_hidden.shape[:-1], student_weight.shape[0]
-    rows_op, tiled_op = dc.row_ops(backend, student_hidden.device)
-    flat_target = dc.check_target(target, shape, student_hidden.device, n_classes, opts.ignore_index)
-    hs = student_hidden.reshape(-1, student_hidden.shape[-1])
-    ht = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
-    scale = _scale(reduction, flat_target, hs.shape[0], opts.ignore_index, num_items_in_batch, hs.device)
-    out = linear_distillation(rows_op, tiled_op, hs, student_weight, student_bias, ht, teacher_weight, teacher_bias,
-                              flat_target, opts.kwargs(), reduction, scale, method,
-                              None if chunk_size is None else int(chunk_size), deterministic)
-    return _result(out, reduction, shape)
+    call = dc.checked_distill(student_hidden, teacher_hidden, target, beta=beta, temperature=temperature,
+                              hard_label_weight=hard_label_weight, ignore_index=ignore_index, reduction=reduction,
+                              num_items_in_batch=num_items_in_batch, student_softcap=student_softcap,
+                              teacher_softcap=teacher_softcap, logit_scale=logit_scale,
+                              teacher_logit_scale=teacher_logit_scale, backend=backend,
+                              heads=((student_weight, student_bias), (teacher_weight, teacher_bias)), method=method,
+                              chunk_size=chunk_size, deterministic=deterministic)
+    hs = _scaled(student_hidden.reshape(-1, student_hidden.shape[-1]), call.logit_scale)
+    ht = _scaled(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), call.teacher_logit_scale)
+    bs, bt = _scaled(student_bias, call.logit_scale), _scaled(teacher_bias, call.teacher_logit_scale)
+    scale = _scale(reduction, call, hs.shape[0], num_items_in_batch, hs.device)
+    out = linear_distillation(call.rows_op, call.tiled_op, hs, student_weight, bs, ht, teacher_weight, bt,
+                              call.target, call.opts.kwargs(), reduction, scale, method,
+                              None if chunk_size is None else int(chunk_size), call.deterministic)
+    return _result(out, reduction, call.lead)

@@ -2,8 +2,10 @@
 given as ``teacher_ids (..., K)`` and ``teacher_log_probs (..., K)`` per token, as axolotl's ``kd``
 datasets and TRL's teacher servers store them, instead of a teacher model.
 
-Built on the K-class RL op (``token_log_probs`` / ``linear_token_log_probs`` with a ``(..., K)``
-target): the student's ``log s[id_k]`` at the temperature come from one pass of its row statistics
+Built on the internal K-class RL op (``rl/multi.py``: ``log_probs_rows`` / ``linear_log_probs_rows``, the
+rows of ``token_log_probs`` / ``linear_token_log_probs`` with a ``(..., K)`` target, called directly: the
+arguments are checked once, by ``distill/checks.checked_topk``, and the public RL entrance is not
+re-entered): the student's ``log s[id_k]`` at the temperature come from one pass of its row statistics
 (chunked or tiled by the existing methods, no new kernel), and autograd carries ``d loss / d log s_k
 = -p_k / D`` into that op's exact backward. The teacher tensors are constants.
 
@@ -31,71 +33,9 @@ from typing import Optional, Union
 import torch
 
 from fusedce.core.entrance import public_op
-from fusedce.core import validation as val
-from fusedce.core.options import REDUCTIONS
-from fusedce.rl.log_probs import linear_token_log_probs, token_log_probs
-from fusedce.core.options.checks import fp32_range, integer_option, real_option
-from fusedce.core.reduction import _given, mean_scale
-
-
-def _options(temperature, hard_label_weight, ignore_index, reduction, target, num_items_in_batch, device):
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    temperature = real_option("temperature", temperature)
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    hard_label_weight = fp32_range("hard_label_weight", real_option("hard_label_weight", hard_label_weight))
-    if hard_label_weight != 0.0 and target is None:
-        raise ValueError(f"hard_label_weight = {hard_label_weight} needs a target (the hard labels); got target=None")
-    val.check_num_items(num_items_in_batch, device)
-    return temperature, hard_label_weight, integer_option("ignore_index", ignore_index)
-
-
-def _check_teacher(teacher_ids, teacher_log_probs, lead, device) -> None:
-    """``teacher_ids`` int64 / int32 and ``teacher_log_probs`` float, both ``(*lead, K)`` on ``device``."""
-    for name, t in (("teacher_ids", teacher_ids), ("teacher_log_probs", teacher_log_probs)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if teacher_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"teacher_ids must be int64 or int32, got {teacher_ids.dtype}")
-    if not teacher_log_probs.is_floating_point():
-        raise TypeError(f"teacher_log_probs must be a float tensor, got {teacher_log_probs.dtype}")
-    if tuple(teacher_ids.shape) != tuple(teacher_log_probs.shape):
-        raise ValueError(f"teacher_ids {tuple(teacher_ids.shape)} and teacher_log_probs "
-                         f"{tuple(teacher_log_probs.shape)} must have the same shape (..., K)")
-    if teacher_ids.dim() != len(lead) + 1 or tuple(teacher_ids.shape[:-1]) != tuple(lead):
-        raise ValueError(f"teacher_ids / teacher_log_probs of shape {tuple(teacher_ids.shape)} must be (..., K) "
-                         f"with (...) = the student's leading shape {tuple(lead)}")
-    if teacher_ids.shape[-1] == 0:
-        raise ValueError("teacher_ids / teacher_log_probs have K = 0 classes per token; K >= 1 is needed")
-    for name, t in (("teacher_ids", teacher_ids), ("teacher_log_probs", teacher_log_probs)):
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but the student is on {device}")
-
-
-def _check_hard_target(target, lead, device, n_classes: int, ignore_index: int, hard_label_weight: float) -> None:
-    """``target``: None or int ``(*lead)`` on ``device``; its range is checked here only when the student
-    op will not see it (``hard_label_weight == 0``: it only masks tokens), else by that op."""
-    if target is None:
-        return
-    val.check_target(target, lead, device)
-    if hard_label_weight == 0.0:
-        val.check_target_range(target, n_classes, ignore_index)
-
-
-def _checked(name, student, shape_error, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight,
-             ignore_index, reduction, num_items_in_batch):
-    """The checks both public ops start with: ``student`` (their logits or hidden states, ``name``) a float
-    tensor of at least one dimension (else ``ValueError(shape_error)``), the scalar options, the teacher's
-    top-K. Returns ``(lead, temperature, hard_label_weight, ignore_index)``, ``lead`` the leading shape."""
-    val.check_float(name, student)
-    if student.dim() < 1:
-        raise ValueError(shape_error)
-    lead = student.shape[:-1]
-    options = _options(temperature, hard_label_weight, ignore_index, reduction, target, num_items_in_batch,
-                       student.device)
-    _check_teacher(teacher_ids, teacher_log_probs, lead, student.device)
-    return (lead, *options)
+from fusedce.core.reduction import token_mean_scale
+from fusedce.distill import checks as dc
+from fusedce.rl import multi
 
 
 def _classes(teacher_ids, teacher_log_probs, target, ignore_index: int, fold_target: bool):
@@ -114,53 +54,34 @@ def _classes(teacher_ids, teacher_log_probs, target, ignore_index: int, fold_tar
     return classes, torch.where(keep, lp.exp(), 0.0), lp, keep
 
 
-def _loss(log_s, p, lp, keep, target, hard, hard_label_weight, ignore_index, reduction, num_items_in_batch):
-    """Per token ``sum_k p_k (lp_k - log_s_k)`` over the kept entries (+ the hard-label CE), reduced."""
+def _loss(log_s, p, lp, keep, target, hard, call: dc.TopkCall, reduction, num_items_in_batch):
+    """Per token ``sum_k p_k (lp_k - log_s_k)`` over the kept entries (+ the hard-label CE), reduced with
+    the distillation losses' one mean rule (``core/reduction.token_mean_scale``)."""
     K = p.shape[-1]
     rows = torch.where(keep, p * (lp - log_s[..., :K]), 0.0).sum(-1)
     if hard is not None:
-        rows = rows - hard_label_weight * hard   # hard: log_softmax(c(z))[target], 0 on ignored rows
+        rows = rows - call.hard_label_weight * hard   # hard: log_softmax(c(z))[target], 0 on ignored rows
     if reduction == "none":
         return rows
     total = rows.sum()
     if reduction == "sum":
         return total
-    if num_items_in_batch is not None:
-        denominator = _given(num_items_in_batch, total.device)
-    elif target is not None:
-        denominator = (target != ignore_index).sum().to(torch.float32)
-    else:
-        denominator = torch.full((), float(rows.numel()), dtype=torch.float32, device=total.device)
-    return total * mean_scale(denominator)
+    return total * token_mean_scale(target, rows.numel(), call.ignore_index, num_items_in_batch, total.device)
 
 
-def _student_log_probs(op, classes, target, temperature, hard_label_weight, fold_target: bool, **kw):
-    """``(log_s (..., K[+1]), hard log-prob (...) or None)``: one call of the K-class op, plus a
-    one-class call at temperature 1 for the hard label when it could not be folded in."""
-    try:
-        log_s = op(classes, temperature=temperature, **kw)
-    except val.TargetOutOfRange as error:   # the hard label was checked before: a teacher id is out of range
-        position, teacher_k = error.position, classes.shape[-1] - (1 if fold_target else 0)
-        if not position or position[-1] >= teacher_k:
-            raise
-        raise IndexError(f"teacher_ids{list(position)} = {error.value} is out of range: expected a class in "
-                         f"[0, {error.n_classes}) (V = {error.n_classes}), or ignore_index={error.ignore_index} "
-                         "(or a -inf log-prob) for a padding entry") from None
-    if hard_label_weight == 0.0:
-        return log_s, None
-    if fold_target:
-        return log_s, log_s[..., -1]
-    return log_s, op(target, temperature=1.0, **kw)
-
-
-def _topk_loss(op, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index, reduction,
-               num_items_in_batch):
-    """The reduced loss of both public ops, once their arguments are checked: ``op(classes, temperature)``
-    gives the student's log-probs of ``classes`` (``token_log_probs`` on logits or on the LM head)."""
-    fold = hard_label_weight != 0.0 and temperature == 1.0
-    classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, ignore_index, fold)
-    log_s, hard = _student_log_probs(op, classes, target, temperature, hard_label_weight, fold)
-    return _loss(log_s, p, lp, keep, target, hard, hard_label_weight, ignore_index, reduction, num_items_in_batch)
+def _topk_loss(rows, teacher_ids, teacher_log_probs, call: dc.TopkCall, reduction, num_items_in_batch):
+    """The reduced loss of both public ops, once their arguments are checked (``call``): ``rows(classes,
+    opts)`` is the internal K-class op (``rl/multi.py``) on the student's logits or LM head, giving the
+    fp32 ``(N, K)`` log-probs of ``classes`` under ``opts``."""
+    target, shape = call.target, tuple(call.lead)
+    fold = call.hard_label_weight != 0.0 and call.temperature == 1.0
+    classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, call.ignore_index, fold)
+    dc.check_topk_ranges(classes, target, call, fold)
+    log_s = rows(classes, call.opts).reshape(classes.shape)
+    hard = None
+    if call.hard_label_weight != 0.0:   # the hard label at temperature 1: folded in, or one more pass
+        hard = log_s[..., -1] if fold else rows(target[..., None], call.hard_opts).reshape(shape)
+    return _loss(log_s, p, lp, keep, target, hard, call, reduction, num_items_in_batch)
 
 
 @public_op("logits")
@@ -168,14 +89,15 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
                            teacher_log_probs: torch.Tensor, target: Optional[torch.Tensor] = None, *,
                            temperature: float = 1.0, hard_label_weight: float = 0.0, ignore_index: int = -100,
                            reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
-                           student_softcap: Optional[float] = None, backend: Optional[str] = None) -> torch.Tensor:
+                           student_softcap: Optional[float] = None, logit_scale: float = 1.0,
+                           backend: Optional[str] = None) -> torch.Tensor:
     """Forward KL from stored top-k teacher log-probs to the student, over the teacher's K classes.
 
     Per token: ``sum_k p_k (log p_k - log s[id_k])`` with ``p_k = exp(teacher_log_probs_k)`` as stored
     (not renormalized: the teacher's mass outside the K classes contributes nothing, axolotl's
-    convention; module docstring: TRL's tail-bucket alternative), ``s = softmax(c(z_s) / T)``, ``c(x)
-    = softcap * tanh(x / softcap)`` (``student_softcap``, when given); plus ``hard_label_weight *
-    CE(c(z_s), target)`` (no temperature). No ``T**2`` factor (as TRL and axolotl).
+    convention; module docstring: TRL's tail-bucket alternative), ``s = softmax(c(a z_s) / T)``, ``c(x)
+    = softcap * tanh(x / softcap)`` (``student_softcap``, when given), ``a`` = ``logit_scale``; plus
+    ``hard_label_weight * CE(c(a z_s), target)`` (no temperature). No ``T**2`` factor (as TRL and axolotl).
 
     Args:
         student_logits: ``(..., V)`` float32 / bfloat16 / float16; never modified; receives the gradient.
@@ -187,42 +109,46 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
             sync) and give a NaN loss.
         target: None (every token counts) or ``(...)`` int64 / int32: tokens equal to ``ignore_index``
             contribute 0 and get exactly zero gradient; the hard labels.
-        temperature: finite, > 0, applied to the student (the teacher's log-probs are used as given).
+        temperature: finite, > 0, with a normal fp32 inverse (``core/options/checks.check_temperature``,
+            the one temperature check of the RL and distillation ops), applied to the student (the
+            teacher's log-probs are used as given).
         hard_label_weight: finite; != 0 needs a target. At ``temperature == 1`` the hard label is the
             (K+1)-th class of the same pass; otherwise it takes a second pass at temperature 1.
-        ignore_index: default -100. reduction: ``"mean"`` (over non-ignored tokens, all tokens without a
-            target, or ``num_items_in_batch``; 0.0 for 0), ``"sum"``, ``"none"`` (fp32 ``(...)``).
+        ignore_index: default -100. reduction: ``"mean"`` (``sum / D``, ``D`` = the non-ignored tokens,
+            all tokens without a target, or ``num_items_in_batch``; 0.0 for ``D = 0``:
+            ``core/reduction.token_mean_scale``, the rule of every distillation loss), ``"sum"``,
+            ``"none"`` (fp32 ``(...)``).
         num_items_in_batch: replaces the mean's denominator (int or one-element tensor).
-        student_softcap: None or > 0, applied before the temperature.
+        student_softcap: None or > 0, applied after ``logit_scale`` and before the temperature.
+        logit_scale: the student's logits are first multiplied by it (as in :func:`fusedce.cross_entropy`;
+            the teacher comes as log-probs, so it has no scale); > 0, inside the kernels (no copy).
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
 
     Returns:
-        fp32 scalar, or ``(...)`` for ``"none"``; exact backward for every reduction (through
-        :func:`fusedce.token_log_probs`'s K-class form: one ``student_logits``-shaped gradient).
+        fp32 scalar, or ``(...)`` for ``"none"``; exact backward for every reduction (through the internal
+        K-class op of :func:`fusedce.token_log_probs`, ``rl/multi.py``: one ``student_logits``-shaped
+        gradient).
 
     Raises:
-        TypeError: non-float logits / teacher log-probs, non-integer ids or target.
+        TypeError: non-float logits / teacher log-probs, non-integer ids or target, an option of the
+            wrong kind.
         ValueError: shapes (``teacher_*`` not ``(..., K)`` with the student's leading shape, K = 0, a
             target of another shape), devices, ``temperature`` not finite > 0, ``hard_label_weight != 0``
-            without a target, a bad ``reduction`` / ``num_items_in_batch`` / softcap.
+            without a target, a bad ``reduction`` / ``num_items_in_batch`` / softcap / ``logit_scale``.
         IndexError: a teacher id (of a non-padding entry of a non-ignored token) or a target neither
-            ``ignore_index`` nor in [0, V) (the ops' host sync; skipped under torch.compile / CUDA-graph
+            ``ignore_index`` nor in [0, V) (one host sync; skipped under torch.compile / CUDA-graph
             capture, where such an entry gives a NaN loss).
         RuntimeError: a backend without the K-class op (``"cute"``).
     """
-    lead, temperature, hard_label_weight, ignore_index = _checked(
-        "student_logits", student_logits, "student_logits must have at least one dimension (the classes, last)",
-        teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index, reduction,
-        num_items_in_batch)
-    device = student_logits.device
-    _check_hard_target(target, lead, device, student_logits.shape[-1], ignore_index, hard_label_weight)
+    call = dc.checked_topk("student_logits", student_logits, None, None, teacher_ids, teacher_log_probs, target,
+                           temperature=temperature, hard_label_weight=hard_label_weight, ignore_index=ignore_index,
+                           reduction=reduction, num_items_in_batch=num_items_in_batch,
+                           student_softcap=student_softcap, logit_scale=logit_scale, backend=backend)
 
-    def op(t, temperature):
-        return token_log_probs(student_logits, t, temperature=temperature, softcap=student_softcap,
-                               ignore_index=ignore_index, backend=backend)
+    def rows(classes, opts):
+        return multi.log_probs_rows(call.impl, student_logits, classes, opts, False)[0]
 
-    return _topk_loss(op, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index,
-                      reduction, num_items_in_batch)
+    return _topk_loss(rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
 
 
 @public_op("linear", linear=(("student_hidden", "student_weight", "student_bias"),))
@@ -232,19 +158,20 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
                                   student_bias: Optional[torch.Tensor] = None, temperature: float = 1.0,
                                   hard_label_weight: float = 0.0, ignore_index: int = -100,
                                   reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
-                                  student_softcap: Optional[float] = None, method: str = "auto",
-                                  chunk_size: Optional[int] = None, backend: Optional[str] = None,
-                                  deterministic: Optional[bool] = None) -> torch.Tensor:
+                                  student_softcap: Optional[float] = None, logit_scale: float = 1.0,
+                                  method: str = "auto", chunk_size: Optional[int] = None,
+                                  backend: Optional[str] = None, deterministic: Optional[bool] = None) -> torch.Tensor:
     """:func:`topk_distillation_loss` of ``student_hidden @ student_weight.T + student_bias`` without
     ever allocating BT x V logits.
 
     Args:
         student_hidden: ``(..., H)`` float32 / bfloat16 / float16; ``student_weight`` ``(V, H)`` and
-            ``student_bias`` (optional) ``(V,)`` of the same dtype (logits in that dtype with fp32
-            accumulation, as ``F.linear``; the loss math in fp32).
+            ``student_bias`` (optional) ``(V,)`` of the same dtype (logits in fp32 from the operands'
+            values, as the linear ops; the loss math in fp32).
         teacher_ids: as :func:`topk_distillation_loss`, and so are ``teacher_log_probs``, ``target``,
             ``temperature``, ``hard_label_weight``, ``ignore_index``, ``reduction``,
-            ``num_items_in_batch``, ``student_softcap`` and ``backend``.
+            ``num_items_in_batch``, ``student_softcap``, ``logit_scale`` (inside the kernels) and
+            ``backend``.
         method, chunk_size, deterministic: as :func:`fusedce.linear_token_log_probs` with a ``(..., K)``
             target (``"chunked"``: one chunk of logits at a time; ``"tiled"``: vocabulary tiles, plus
             gathers of the K teacher classes' weight rows). Tokens with no class left (ignored, or all
@@ -255,22 +182,18 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
         dtypes.
 
     Raises:
-        The errors of :func:`topk_distillation_loss` and of :func:`fusedce.linear_token_log_probs` (head
-        shapes, ``method``, ``chunk_size``).
+        The errors of :func:`topk_distillation_loss`, and of :func:`fusedce.linear_distillation_loss` for
+        the student's head (``student_hidden`` / ``student_weight`` / ``student_bias`` shapes, dtypes and
+        devices), ``method``, ``chunk_size`` and ``deterministic``.
     """
-    lead, temperature, hard_label_weight, ignore_index = _checked(
-        "student_hidden", student_hidden, "student_hidden must be (..., H)", teacher_ids, teacher_log_probs, target,
-        temperature, hard_label_weight, ignore_index, reduction, num_items_in_batch)
-    device = student_hidden.device
-    val.check_float("student_weight", student_weight)
-    if student_weight.dim() != 2:
-        raise ValueError(f"student_weight must be (V, H), got {tuple(student_weight.shape)}")
-    _check_hard_target(target, lead, device, student_weight.shape[0], ignore_index, hard_label_weight)
+    call = dc.checked_topk("student_hidden", student_hidden, student_weight, student_bias, teacher_ids,
+                           teacher_log_probs, target, temperature=temperature, hard_label_weight=hard_label_weight,
+                           ignore_index=ignore_index, reduction=reduction, num_items_in_batch=num_items_in_batch,
+                           student_softcap=student_softcap, logit_scale=logit_scale, backend=backend,
+                           method=method, chunk_size=chunk_size, deterministic=deterministic)
 
-    def op(t, temperature):
-        return linear_token_log_probs(student_hidden, student_weight, t, student_bias, temperature=temperature,
-                                      softcap=student_softcap, ignore_index=ignore_index, chunk_size=chunk_size,
-                                      method=method, backend=backend, deterministic=deterministic)
+    def rows(classes, opts):
+        return multi.linear_log_probs_rows(call.impl, student_hidden, student_weight, classes, student_bias, opts,
+                                           False, chunk_size, method, call.deterministic)[0]
 
-    return _topk_loss(op, teacher_ids, teacher_log_probs, target, temperature, hard_label_weight, ignore_index,
-                      reduction, num_items_in_batch)
+    return _topk_loss(rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)

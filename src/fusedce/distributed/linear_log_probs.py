@@ -21,7 +21,7 @@ import torch.distributed as dist
 from fusedce.core.entrance import public_op
 from fusedce import backends
 from fusedce.core import validation as val
-from fusedce.core.options import check_flag, deterministic_mode, log_prob_options
+from fusedce.rl import checks as rc
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
 from fusedce.lm_head.chunked import backprop_chunks, chunk_buffer, logits_chunk
@@ -124,12 +124,11 @@ def vocab_parallel_linear_token_log_probs(
         The errors of ``vocab_parallel_token_log_probs`` and of ``vocab_parallel_linear_cross_entropy``
         for the shapes, dtypes, ``chunk_size`` and ``deterministic``.
     """
-    val.check_linear(hidden, weight_shard, target, bias_shard, None, chunk_size,
-                     names=("weight_shard", "bias_shard", "ce_weight_shard"), sharded=True)
-    deterministic_mode(deterministic)   # checked; nothing to select (see the docstring)
-    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
-    target = val.widen_target(target, opts.ignore_index)
-    check_flag("return_entropy", return_entropy)
+    call = rc.checked_linear_log_probs(hidden, weight_shard, target, bias_shard, temperature=temperature,
+                                       softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
+                                       return_entropy=return_entropy, chunk_size=chunk_size, method=None,
+                                       deterministic=deterministic, sharded=True)
+    opts, target = call.opts, call.target   # deterministic: checked; nothing to select (see the docstring)
     impl = backends.get(backend, hidden.device)
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)

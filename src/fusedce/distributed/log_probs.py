@@ -22,7 +22,7 @@ import torch
 from fusedce.core.entrance import public_op
 from fusedce import backends
 from fusedce.core import validation as val
-from fusedce.core.options import check_flag, log_prob_options
+from fusedce.rl import checks as rc
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.core.types import TokenLogProbs
@@ -122,14 +122,11 @@ def vocab_parallel_token_log_probs(
         ``vocab_parallel_cross_entropy`` (slices that do not tile ``[0, V)``, ``vocab_start_index`` on
         some ranks only, a global ``V = 0``, ``RuntimeError`` without an initialized process group).
     """
-    val.check_float("logits_shard", logits_shard)
-    if logits_shard.dim() < 1:
-        raise ValueError("logits_shard must have at least one dimension (the classes, last)")
-    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
+    call = rc.checked_log_probs(logits_shard, target, temperature=temperature, softcap=softcap,
+                                logit_scale=logit_scale, ignore_index=ignore_index, return_entropy=return_entropy,
+                                name="logits_shard", sharded=True)
+    opts, target = call.opts, call.target
     shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
-    val.check_target(target, shape, device, lambda t: val.class_dim_hint(tuple(logits_shard.shape), t))
-    target = val.widen_target(target, opts.ignore_index)
-    check_flag("return_entropy", return_entropy)
     impl = backends.get(backend, device)
     layout = vocab_layout(n_local, vocab_start_index, group, device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)

@@ -10,8 +10,8 @@ from fusedce import backends
 from fusedce.rl import linear_head
 from fusedce.rl import multi
 from fusedce.core import validation as val
-from fusedce.core.options import check_flag, deterministic_mode, log_prob_options
-from fusedce.lm_head.method import check_method, resolve_method
+from fusedce.lm_head.method import resolve_method
+from fusedce.rl import checks as rc
 from fusedce.core.rows import rows_view
 from fusedce.core.types import TokenLogProbs, TokenStats
 
@@ -73,23 +73,16 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
             not a normal fp32 number, or a ``softcap / temperature`` beyond fp32's range, and
             ``RuntimeError`` for ``backend="cute"`` (no entropy kernels yet).
     """
-    val.check_float("logits", logits)
-    if logits.dim() < 1:
-        raise ValueError("logits must have at least one dimension (the classes, last)")
-    val.check_nonzero("logits", logits.shape, -1, "V")
-    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
-    if multi.is_multi(logits, target):
-        return multi.token_log_probs(logits, target, opts, return_entropy, return_stats, backend)
-    shape, n_classes = logits.shape[:-1], logits.shape[-1]
-    val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
-    target = val.widen_target(target, opts.ignore_index)
-    check_flag("return_entropy", return_entropy)
-    check_flag("return_stats", return_stats)
+    call = rc.checked_log_probs(logits, target, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                                ignore_index=ignore_index, return_entropy=return_entropy, return_stats=return_stats)
     impl = backends.get(backend, logits.device, entropy=True)
-    val.check_target_range(target, n_classes, opts.ignore_index)
-    out = linear_head.token_log_probs(impl.CHUNK_CE, rows_view(logits, False), target.reshape(-1), opts, return_entropy,
-                                  return_stats)
-    return _result(out, shape, return_entropy, return_stats)
+    val.check_target_range(call.target, logits.shape[-1], call.opts.ignore_index)
+    if call.multi:
+        out = multi.log_probs_rows(impl, logits, call.target, call.opts, return_entropy)
+        return multi.result(*out, call.target.shape, return_entropy)
+    out = linear_head.token_log_probs(impl.CHUNK_CE, rows_view(logits, False), call.target.reshape(-1), call.opts,
+                                      return_entropy, return_stats)
+    return _result(out, call.lead, return_entropy, return_stats)
 
 
 @public_op("linear")
@@ -129,21 +122,18 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
         The errors of :func:`token_log_probs` and of :func:`fusedce.linear_cross_entropy` for the
         shapes, ``chunk_size``, ``method`` and ``deterministic``.
     """
-    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
-    if multi.is_multi(hidden, target):
-        return multi.linear_token_log_probs(hidden, weight, target, bias, opts, return_entropy, return_stats,
-                                            chunk_size, method, backend, deterministic_mode(deterministic))
-    val.check_linear(hidden, weight, target, bias, None, chunk_size)
-    check_method(method, chunk_size)
-    deterministic = deterministic_mode(deterministic)
-    target = val.widen_target(target, opts.ignore_index)
-    check_flag("return_entropy", return_entropy)
-    check_flag("return_stats", return_stats)
-    shape, n_classes = hidden.shape[:-1], weight.shape[0]
+    call = rc.checked_linear_log_probs(hidden, weight, target, bias, temperature=temperature, softcap=softcap,
+                                       logit_scale=logit_scale, ignore_index=ignore_index,
+                                       return_entropy=return_entropy, return_stats=return_stats,
+                                       chunk_size=chunk_size, method=method, deterministic=deterministic)
     impl = backends.get(backend, hidden.device, entropy=True, tiled=resolve_method(method) == "tiled")
-    val.check_target_range(target, n_classes, opts.ignore_index)
+    val.check_target_range(call.target, weight.shape[0], call.opts.ignore_index)
+    if call.multi:
+        out = multi.linear_log_probs_rows(impl, hidden, weight, call.target, bias, call.opts, return_entropy,
+                                          chunk_size, method, call.deterministic)
+        return multi.result(*out, call.target.shape, return_entropy)
     out = linear_head.linear_token_log_probs(
-        impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, opts, return_entropy,
-        None if chunk_size is None else int(chunk_size), method, return_stats, tiled=impl.TILED_CE,
-        deterministic=deterministic)
-    return _result(out, shape, return_entropy, return_stats)
+        impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, call.target.reshape(-1), bias, call.opts,
+        return_entropy, None if chunk_size is None else int(chunk_size), method, return_stats, tiled=impl.TILED_CE,
+        deterministic=call.deterministic)
+    return _result(out, call.lead, return_entropy, return_stats)

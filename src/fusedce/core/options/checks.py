@@ -84,6 +84,18 @@ def deterministic_mode(deterministic) -> bool:
     return deterministic
 
 
+def check_temperature(temperature) -> float:
+    """The one check of a ``temperature`` (RL log-probs, distillation, top-k distillation): a real number
+    (``real_option``: ``TypeError`` for a string or a bool, ``ValueError`` for NaN or an infinity) > 0
+    whose inverse is a normal fp32 number, since the kernels multiply by ``1 / temperature``
+    (``ValueError``, one message). Returns it as a float."""
+    temperature = real_option("temperature", temperature)
+    if not temperature > 0.0 or not FP32_NORMAL[0] <= 1.0 / temperature <= FP32_NORMAL[1]:
+        raise ValueError(f"temperature must be a finite number > 0 whose inverse is a normal fp32 number (the "
+                         f"kernels multiply by 1 / temperature), got {temperature}")
+    return temperature
+
+
 def check_chunk_size(chunk_size) -> None:
     """None or a positive integer (``TypeError`` for a float or a bool, ``ValueError`` for < 1)."""
     if chunk_size is not None and integer_option("chunk_size", chunk_size) < 1:

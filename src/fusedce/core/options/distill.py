@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from fusedce.core.options.checks import FP32_NORMAL, fp32_range, integer_option, real_option
+from fusedce.core.options.checks import FP32_NORMAL, check_temperature, fp32_range, integer_option, real_option
 from fusedce.core.options.schema import REDUCTIONS
 
 
@@ -44,10 +44,7 @@ def distill_options(beta, temperature, hard_label_weight, ignore_index, reductio
     beta = real_option("beta", beta)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must lie in [0, 1] (0: forward KL(teacher || student), 1: reverse KL), got {beta}")
-    temperature = real_option("temperature", temperature)
-    if not temperature > 0.0 or not FP32_NORMAL[0] <= 1.0 / temperature <= FP32_NORMAL[1]:
-        raise ValueError(f"temperature must be a finite number > 0 whose inverse is a normal fp32 number, "
-                         f"got {temperature}")
+    temperature = check_temperature(temperature)
     hard_label_weight = real_option("hard_label_weight", hard_label_weight)
     if hard_label_weight != 0.0 and target is None:
         raise ValueError(f"hard_label_weight = {hard_label_weight} needs a target (the hard labels); got target=None")

@@ -9,7 +9,7 @@ from typing import List, NamedTuple, Optional, Tuple, TypedDict
 import torch
 
 from fusedce.core.options import checks
-from fusedce.core.options.checks import FP32_NORMAL, fp32_range, real_option
+from fusedce.core.options.checks import FP32_NORMAL, check_temperature, fp32_range, real_option
 
 
 def _option(default, doc: str, check):
@@ -200,9 +200,7 @@ def log_prob_options(ignore_index, temperature, softcap, logit_scale=1.0) -> Los
     (c / T)) = (c tanh(s x / c)) / T``. ``TypeError`` / ``ValueError`` as ``loss_options``; ``ValueError``
     for a temperature that is not a finite number > 0 or a ``logit_scale / temperature`` that is not a
     normal fp32 number."""
-    temperature = real_option("temperature", temperature)
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    temperature = check_temperature(temperature)
     logit_scale = LossOptions.checked(logit_scale=logit_scale).logit_scale
     scale = logit_scale * (1.0 / temperature)   # exactly 1 / temperature for logit_scale = 1
     if not FP32_NORMAL[0] <= scale <= FP32_NORMAL[1]:

@@ -1,0 +1,95 @@
+"""The one checked call of the RL log-prob ops: ``checked_log_probs`` (``token_log_probs`` and
+``distributed.vocab_parallel_token_log_probs``) and ``checked_linear_log_probs`` (``linear_token_log_probs``
+and ``distributed.vocab_parallel_linear_token_log_probs``), each op's argument checks in one walk down to
+``core/validation.py``, before any kernel, for the one-class ``(...)`` and the K-class ``(..., K)`` target
+alike. Each returns a ``LogProbsCall``; what needs the backend or the global vocabulary (the target's value
+range, the one host sync) stays with the op, after the backend is chosen and the vocabulary laid out."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from fusedce.core import validation as val
+from fusedce.core.options import LossOptions, check_flag, deterministic_mode, log_prob_options
+from fusedce.lm_head.method import check_method
+
+
+@dataclasses.dataclass(frozen=True)
+class LogProbsCall:
+    """The checked arguments of an RL log-prob op."""
+
+    opts: LossOptions                # log_prob_options: the temperature folded into scale and softcap
+    lead: torch.Size                 # the tokens' leading shape
+    target: torch.Tensor             # (*lead) or, K-class form, (*lead, K); int64-safe (its range: the op's)
+    multi: bool                      # the K-class form (rl/multi.py)
+    deterministic: bool = False
+
+
+def is_multi(data: torch.Tensor, target) -> bool:
+    """Whether ``target`` asks for the K-class form: one more dimension than ``data``'s leading ones."""
+    return isinstance(target, torch.Tensor) and target.dim() == data.dim()
+
+
+def _check_multi(target: torch.Tensor, shape, device, return_stats) -> None:
+    val.check_target(target, (*shape, target.shape[-1]), device)
+    if target.shape[-1] == 0:
+        raise ValueError(f"target of shape {tuple(target.shape)}: the K-class form (..., K) needs K >= 1")
+    if return_stats:
+        raise ValueError("return_stats is not supported with a (..., K) target (TRL's statistics are per "
+                         "token of one target); pass a (...) target")
+
+
+def _flags(multi: bool, return_entropy, return_stats) -> None:
+    check_flag("return_entropy", return_entropy)
+    if not multi:
+        check_flag("return_stats", return_stats)
+
+
+def checked_log_probs(logits, target, *, temperature, softcap, logit_scale, ignore_index, return_entropy,
+                      return_stats=False, name: str = "logits", sharded: bool = False) -> LogProbsCall:
+    """The checks of an RL op on logits (``name``: ``"logits"``, or ``"logits_shard"`` with ``sharded``,
+    whose ``V_r`` may be 0 and which has no K-class form here): float logits of at least one dimension,
+    ``V > 0``, the options (``log_prob_options``: the one temperature check), the target (shape with
+    the class-dimension hint, dtype, device; widened to int64 when ``ignore_index`` needs it), the flags."""
+    val.check_float(name, logits)
+    if logits.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension (the classes, last)")
+    if not sharded:
+        val.check_nonzero(name, logits.shape, -1, "V")
+    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
+    lead = logits.shape[:-1]
+    multi = not sharded and is_multi(logits, target)
+    if multi:
+        _check_multi(target, lead, logits.device, return_stats)
+    else:
+        val.check_target(target, lead, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
+    target = val.widen_target(target, opts.ignore_index)
+    _flags(multi, return_entropy, return_stats)
+    return LogProbsCall(opts, lead, target, multi)
+
+
+def checked_linear_log_probs(hidden, weight, target, bias, *, temperature, softcap, logit_scale, ignore_index,
+                             return_entropy, return_stats=False, chunk_size=None, method: Optional[str] = "auto",
+                             deterministic=None, sharded: bool = False) -> LogProbsCall:
+    """The checks of an RL op on the LM head (``sharded``: the vocab-parallel one, tensors named
+    ``weight_shard`` / ``bias_shard``, ``V_r`` may be 0, no ``method`` and no K-class form here): the
+    options, ``deterministic``, the head and target (``check_linear``; for a ``(..., K)`` target K >= 1
+    first, then its shape), ``method`` with ``chunk_size``, the flags."""
+    opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
+    deterministic = deterministic_mode(deterministic)
+    multi = not sharded and is_multi(hidden, target)
+    names = ("weight_shard", "bias_shard", "ce_weight_shard") if sharded else ("weight", "bias", "ce_weight")
+    if multi:
+        if target.shape[-1] == 0:
+            raise ValueError(f"target of shape {tuple(target.shape)}: the K-class form (..., K) needs K >= 1")
+        val.check_linear(hidden, weight, target.select(-1, 0), bias, None, chunk_size)
+        _check_multi(target, hidden.shape[:-1], hidden.device, return_stats)
+    else:
+        val.check_linear(hidden, weight, target, bias, None, chunk_size, names=names, sharded=sharded)
+    if not sharded:
+        check_method(method, chunk_size)
+    target = val.widen_target(target, opts.ignore_index)
+    _flags(multi, return_entropy, return_stats)
+    return LogProbsCall(opts, hidden.shape[:-1], target, multi, deterministic)
