@@ -2,7 +2,13 @@
 (the loss options written into it when it takes ``**options``), its keyword hints, its autocast behaviour
 and its DTensor handling, in this order from the inside out:
 
-    dtensor (core/dtensor.py) -> autocast (core/autocast.py, by ``kind``) -> keyword hints -> the op
+    forward-AD refusal -> dtensor (core/dtensor.py) -> autocast (core/autocast.py, by ``kind``) -> keyword
+    hints -> the op
+
+The forward-AD refusal (``core/transforms.py``): a tensor argument carrying a forward-mode tangent
+(``torch.func.jvp`` / ``jacfwd``, ``torch.autograd.forward_ad``) raises ``NotImplementedError`` naming the op,
+because the fused kernels have no forward-mode formula and a custom op would otherwise hand back a silent
+zero (or None) tangent; reverse mode (``torch.func.grad`` / ``vmap`` / ``jacrev``) is untouched.
 
 ``kind`` says what autocast does (what the stock composition the op replaces does under autocast):
 
@@ -29,9 +35,19 @@ from typing import Optional, Sequence
 from fusedce.core.autocast import fp32_op, linear_op
 from fusedce.core.dtensor import dtensor_op
 from fusedce.core.options.signatures import keyword_hints, with_loss_options
+from fusedce.core.transforms import no_forward_ad
 
 KINDS = ("logits", "linear", "integration")
 ENTRANCE: dict = {}   # "module.name" -> kind, every op that went through public_op
+
+
+def public_name(fn) -> str:
+    """The name a user calls ``fn`` by: ``fusedce.<name>``, ``fusedce.distributed.<name>`` or
+    ``fusedce.nn.functional.<name>``."""
+    for prefix in ("fusedce.distributed", "fusedce.nn.functional"):
+        if fn.__module__.startswith(prefix):
+            return f"{prefix}.{fn.__name__}"
+    return f"fusedce.{fn.__name__}"
 
 
 def public_op(kind: str, *, linear: Optional[Sequence[Sequence[str]]] = None, hints: Optional[dict] = None):
@@ -53,7 +69,7 @@ def public_op(kind: str, *, linear: Optional[Sequence[Sequence[str]]] = None, hi
         elif kind == "linear":
             op = linear_op(op, None if linear is None else tuple(tuple(g) for g in linear))
         if kind != "integration":
-            op = dtensor_op(op)
+            op = no_forward_ad(dtensor_op(op), public_name(fn))
         op.__fusedce_entrance__ = kind
         ENTRANCE[f"{fn.__module__}.{fn.__qualname__}"] = kind
         return op

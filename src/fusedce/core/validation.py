@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from fusedce.core.options.checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_accum_dtype, check_chunk_size, finite, fp32_range)
+from fusedce.core.transforms import values_unavailable
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -99,9 +100,11 @@ def check_class_weights(name: str, t: Optional[torch.Tensor]) -> None:
         raise ValueError(f"{name} must have shape (V,), got {tuple(t.shape)}")
 
 
-def sync_allowed() -> bool:
-    """The target-range check host-syncs; skip it under torch.compile and CUDA-graph capture."""
-    if torch.compiler.is_compiling():
+def sync_allowed(*tensors) -> bool:
+    """The target-range check host-syncs; skip it under torch.compile and CUDA-graph capture, and when the
+    values of ``tensors`` cannot be read (fake / meta tensors, ``make_fx`` / ``aot_function`` /
+    ``torch.export`` tracing: ``core/transforms.values_unavailable``)."""
+    if torch.compiler.is_compiling() or values_unavailable(*tensors):
         return False
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False
@@ -147,7 +150,7 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
     non-finite weight propagates into the loss and that row's gradient) while compiling or capturing a
     CUDA graph.
     """
-    if target.numel() == 0 or not sync_allowed():
+    if target.numel() == 0 or not sync_allowed(target, token_weights):
         return
     kept = target != ignore_index
     bad = kept & ((target < 0) | (target >= n_classes))
@@ -222,7 +225,7 @@ def check_num_items(num_items_in_batch, device: torch.device) -> None:
                              f"{tuple(num_items_in_batch.shape)}")
         if num_items_in_batch.device not in (device, torch.device("cpu")):
             raise ValueError(f"num_items_in_batch is on {num_items_in_batch.device} but the data is on {device}")
-        if num_items_in_batch.device.type == "cpu" and sync_allowed():
+        if num_items_in_batch.device.type == "cpu" and sync_allowed(num_items_in_batch):
             value = float(num_items_in_batch)   # a CPU tensor: reading it syncs with no device
             if not (finite(value) and value >= 0):
                 raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {value}")

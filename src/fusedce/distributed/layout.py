@@ -14,6 +14,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
+
+from fusedce.core.transforms import values_unavailable
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,13 @@ def _describe(pairs) -> str:
     return ", ".join(f"rank {r}: [{s}, {s + n})" for r, (s, n) in enumerate(pairs))
 
 
+def _gather(mine: list, world: int, group, device: torch.device) -> list:
+    row = torch.tensor(mine, dtype=torch.int64, device=device)
+    table = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(table, row, group=group)
+    return torch.stack(table).tolist()  # the setup's one host sync
+
+
 def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
                  device: torch.device) -> VocabLayout:
     """Gather every rank's ``(start, size)`` and check that the slices tile ``[0, V)``.
@@ -52,11 +62,14 @@ def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
                            "init_process_group first (gloo for CPU tensors, nccl for CUDA tensors)")
     world = dist.get_world_size(group)
     given = vocab_start_index is not None
-    mine = torch.tensor([int(given), int(vocab_start_index) if given else 0, int(shard_size)],
-                        dtype=torch.int64, device=device)
-    table = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(table, mine, group=group)
-    rows = torch.stack(table).tolist()  # the setup's one host sync
+    mine = [int(given), int(vocab_start_index) if given else 0, int(shard_size)]
+    if not (values_unavailable() or device.type == "meta"):
+        rows = _gather(mine, world, group, device)
+    elif world == 1:   # tracing (fake / meta tensors, make_fx, export) on one rank: nothing to exchange
+        rows = [mine]
+    else:   # tracing: the table is host integers of the set-up, exchanged with real tensors outside the trace
+        with _disable_current_modes():
+            rows = _gather(mine, world, group, torch.device("cpu") if device.type == "meta" else device)
     flags = {r[0] for r in rows}
     if len(flags) != 1:
         raise ValueError("vocab_start_index must be given on every rank or on none; given on ranks "

@@ -49,7 +49,7 @@ def chunk_buffer(n_rows: int, rows: int, weight: torch.Tensor, dtype: torch.dtyp
     """One ``rows x V`` logits buffer for the whole loop (None under torch.compile / CUDA-graph
     capture, where each chunk gets its own tensor: ``out=`` into a reused buffer is an eager-only
     allocation saving)."""
-    if not sync_allowed():
+    if not sync_allowed(weight):
         return None
     return torch.empty(min(rows, n_rows), weight.shape[0], dtype=dtype, device=weight.device)
 
@@ -58,7 +58,7 @@ def _mm_out_dtype_ok(acc: torch.Tensor) -> bool:
     """Whether ``torch.addmm(..., out_dtype=)`` may write into ``acc`` (eager CUDA builds; not the CPU
     kernels). False, without probing or caching, while tracing (torch.compile / export), capturing a
     CUDA graph or on non-plain tensors (fake / functional / subclass): see the module docstring."""
-    if not sync_allowed() or type(acc) is not torch.Tensor:
+    if not sync_allowed(acc) or type(acc) is not torch.Tensor:
         return False
     key = acc.device.type
     if key not in _OUT_DTYPE_MM:

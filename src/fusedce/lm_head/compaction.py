@@ -12,9 +12,10 @@ from fusedce.core.validation import sync_allowed
 
 def compact_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int):
     """``(hidden, target, index)``: the non-ignored rows and their positions, or the inputs and None
-    when no row is ignored, under torch.compile / CUDA-graph capture (no host sync allowed), or for an
+    when no row is ignored, under torch.compile / CUDA-graph capture (no host sync allowed), with fake or
+    meta tensors or under make_fx / export tracing (no values to count), or for an
     empty batch. The one documented host sync of the linear ops (the count of kept rows)."""
-    if hidden.shape[0] == 0 or not sync_allowed():
+    if hidden.shape[0] == 0 or not sync_allowed(hidden, target):
         return hidden, target, None
     index = (target != ignore_index).nonzero().squeeze(1)
     if index.shape[0] == hidden.shape[0]:

@@ -36,7 +36,7 @@ def _add_rows_(acc: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, deter
     class (stable), each class's run summed by ``segment_reduce``, then added once per class: no two
     additions to one element race (one host sync for the number of classes; under torch.compile /
     CUDA-graph capture, where it cannot sync, ``index_add_`` as above)."""
-    if not deterministic or not sync_allowed() or ids.numel() == 0:
+    if not deterministic or not sync_allowed(ids) or ids.numel() == 0:
         acc.index_add_(0, ids, values.to(acc.dtype))
         return
     order = torch.argsort(ids, stable=True)

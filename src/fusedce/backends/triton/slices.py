@@ -1,6 +1,9 @@
 """The Triton backend on a vocabulary slice (vocab parallelism): partial row statistics out, the
 gradient of the slice from the global statistics in. ``distributed/`` exchanges the
-statistics between the ranks; the math is the single-process kernels' (``kernels/row_math.py``)."""
+statistics between the ranks; the math is the single-process kernels' (``kernels/row_math.py``).
+
+Both are torch custom ops (``fusedce::slice_stats``, ``fusedce::slice_grad``) with fakes, so fake tensors,
+``make_fx`` and ``torch.export`` trace the vocab-parallel ops without reaching a kernel's data pointer."""
 from __future__ import annotations
 
 from typing import Optional
@@ -12,7 +15,7 @@ from fusedce.core.types import SliceStats
 from .launch import VocabSlice, ce_backward, ce_slice_stats
 
 
-def slice_stats(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], opts: LossOptions,
+def _slice_stats(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], opts: LossOptions,
                 col_start: int, entropy: bool = False) -> SliceStats:
     """Partial statistics of ``logits`` ((n, V_r), any strides with a unit last stride; global columns
     from ``col_start``); ``weight`` this slice's class weights or None; ``entropy``: ``tsum`` too. One
@@ -30,7 +33,7 @@ def slice_stats(logits: torch.Tensor, target: torch.Tensor, weight: Optional[tor
     return SliceStats(*out[:5], out[5] if opts.label_smoothing > 0.0 else None, out[6] if entropy else None)
 
 
-def slice_grad(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+def _slice_grad(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                weight_sum: Optional[torch.Tensor], target_weight: Optional[torch.Tensor], lse: torch.Tensor,
                lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor],
                opts: LossOptions, col_start: int, n_total: int, grad_entropy: Optional[torch.Tensor] = None,
@@ -47,3 +50,65 @@ def slice_grad(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torc
                 lse_lo.contiguous(), grad_row, grad_lse, opts, grad, VocabSlice(col_start, n_total, tw),
                 grad_entropy, None if grad_entropy is None else entropy.float().contiguous())
     return grad
+
+
+# ---------------------------------------------------------------- the custom ops
+
+Opt = Optional[torch.Tensor]
+
+
+def _f32(like: torch.Tensor, n: int) -> torch.Tensor:
+    return like.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("fusedce::slice_stats", mutates_args=())
+def _slice_stats_op(logits: torch.Tensor, target: torch.Tensor, weight: Opt, ignore_index: int,
+                    scalars: list[float], col_start: int, entropy: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                               torch.Tensor]:
+    st = _slice_stats(logits, target, weight, LossOptions.from_op_args(ignore_index, scalars), col_start, entropy)
+    return (*st[:5], *(_f32(logits, 0) if t is None else t for t in (st.zsum, st.tsum)))
+
+
+@_slice_stats_op.register_fake
+def _(logits, target, weight, ignore_index, scalars, col_start, entropy):
+    n = logits.shape[0]
+    smoothing = LossOptions.from_op_args(ignore_index, scalars).label_smoothing > 0.0
+    return (_f32(logits, n), logits.new_empty(n, dtype=torch.int64), _f32(logits, n), _f32(logits, n),
+            _f32(logits, n), _f32(logits, n if smoothing else 0), _f32(logits, n if entropy else 0))
+
+
+@torch.library.custom_op("fusedce::slice_grad", mutates_args=())
+def _slice_grad_op(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt, target_weight: Opt,
+                   lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt, ignore_index: int,
+                   scalars: list[float], col_start: int, n_total: int, grad_entropy: Opt, entropy: Opt
+                   ) -> torch.Tensor:
+    return _slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, grad_lse,
+                       LossOptions.from_op_args(ignore_index, scalars), col_start, n_total, grad_entropy, entropy)
+
+
+@_slice_grad_op.register_fake
+def _(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars,
+      col_start, n_total, grad_entropy, entropy):
+    return logits.new_empty(logits.shape)
+
+
+def slice_stats(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], opts: LossOptions,
+                col_start: int, entropy: bool = False) -> SliceStats:
+    """Partial statistics of ``logits`` ((n, V_r), any strides with a unit last stride; global columns
+    from ``col_start``); ``weight`` this slice's class weights or None; ``entropy``: ``tsum`` too. One
+    kernel launch, as the custom op ``fusedce::slice_stats``."""
+    *st, zsum, tsum = torch.ops.fusedce.slice_stats(logits, target, weight, *opts.op_args(), col_start, entropy)
+    return SliceStats(*st, zsum if opts.label_smoothing > 0.0 else None, tsum if entropy else None)
+
+
+def slice_grad(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+               weight_sum: Optional[torch.Tensor], target_weight: Optional[torch.Tensor], lse: torch.Tensor,
+               lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor],
+               opts: LossOptions, col_start: int, n_total: int, grad_entropy: Optional[torch.Tensor] = None,
+               entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i [+ grad_entropy[i] entropy_i])/d logits for the
+    slice (``_slice_grad``), as the custom op ``fusedce::slice_grad``."""
+    return torch.ops.fusedce.slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row,
+                                        grad_lse, *opts.op_args(), col_start, n_total, grad_entropy,
+                                        None if grad_entropy is None else entropy)
