@@ -21,6 +21,8 @@ Differences from torch, on purpose:
 - ``reduction="mean"`` with every target ignored gives 0.0 with zero gradients (torch: NaN); fusedce's
   contract.
 - K-dimensional heads (``linear_weight`` (C, d1, ..., H)) raise ``NotImplementedError``.
+- Errors are fusedce's (``ValueError`` / ``TypeError`` / ``IndexError``, see the README) where torch
+  raises ``RuntimeError``; torch's dimension checks (``input`` 1-D or 2-D) are kept, as ``RuntimeError``.
 
 Probability targets (a float ``target`` of shape ``(N, C)``, or ``(C,)`` for a 1-D ``input``; float32 /
 bfloat16 / float16 / float64, any dtype independent of ``input``'s) have torch's semantics exactly: per row
@@ -29,8 +31,6 @@ bfloat16 / float16 / float64, any dtype independent of ``input``'s) have torch's
 reduction with backward (``fusedce.linear_cross_entropy``'s probability targets; tested against torch's own
 function where it takes them). A target that requires grad is a ``TypeError`` (torch would give it a
 gradient; here the target is a constant).
-- Errors are fusedce's (``ValueError`` / ``TypeError`` / ``IndexError``, see the README) where torch
-  raises ``RuntimeError``; torch's dimension checks (``input`` 1-D or 2-D) are kept, as ``RuntimeError``.
 """
 from __future__ import annotations
 
