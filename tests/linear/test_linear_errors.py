@@ -315,3 +315,25 @@ def test_zero_hidden_size(backend):
     for h, w in ((h0, w0), (h0, weight), (hidden, w0), (torch.zeros(2, 5, 0), w0)):
         msg = _raises(ValueError, backend, h, w, target.reshape(h.shape[:-1]), bias)
         assert "H = 0" in msg, msg
+
+
+def test_a_transposed_head_gets_a_layout_hint():
+    """A fresh user's finding: ``linear_cross_entropy(h, W.T, t)`` said only that the sizes differ."""
+    hidden, weight, target = torch.randn(4, 6), torch.randn(20, 6), torch.randint(0, 20, (4,))
+    for call in (lambda: fusedce.linear_cross_entropy(hidden, weight.T, target),
+                 lambda: fusedce.linear_token_log_probs(hidden, weight.T, target),
+                 lambda: fusedce.linear_distillation_loss(hidden, weight.T, hidden, weight, target)):
+        with pytest.raises(ValueError, match="looks transposed: the LM head is \\(V, H\\)"):
+            call()
+
+
+@pytest.mark.parametrize("op", ["function", "module", "linear"])
+def test_a_negative_z_loss_coefficient_is_refused(op):
+    """A fresh user's finding: ``lse_square_scale=-1`` gave a loss of -8 (a negative z-loss rewards a large lse)."""
+    logits, target = torch.randn(4, 9), torch.randint(0, 9, (4,))
+    calls = {"function": lambda: fusedce.cross_entropy(logits, target, lse_square_scale=-1.0),
+             "module": lambda: fusedce.LinearCrossEntropyLoss(lse_square_scale=-1.0),
+             "linear": lambda: fusedce.linear_cross_entropy(torch.randn(4, 3), torch.randn(9, 3), target,
+                                                            lse_square_scale=-1e-4)}
+    with pytest.raises(ValueError, match="lse_square_scale must be >= 0"):
+        calls[op]()

@@ -190,8 +190,10 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
     if not sharded:
         check_nonzero(w_name, weight.shape, 0, "V")
     if hidden.shape[-1] != weight.shape[1]:
+        transposed = weight.shape[0] == hidden.shape[-1]
         raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = "
-                         f"{weight.shape[1]}")
+                         f"{weight.shape[1]}" + (f"; {w_name} looks transposed: the LM head is (V, H), the "
+                                                  f"nn.Linear layout (lm_head.weight, not its .T)" if transposed else ""))
     if weight.device != hidden.device:
         raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
     check_target(target, hidden.shape[:-1], hidden.device,

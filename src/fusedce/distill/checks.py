@@ -40,7 +40,9 @@ def check_head(hidden, weight, bias, model: str) -> None:
     val.check_nonzero(h_name, hidden.shape, -1, "H")
     val.check_nonzero(w_name, weight.shape, 0, "V")
     if hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{h_name}.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = {weight.shape[1]}")
+        transposed = "; it looks transposed: the LM head is (V, H), the nn.Linear layout" if weight.shape[0] == hidden.shape[-1] else ""
+        raise ValueError(f"{h_name}.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = {weight.shape[1]}"
+                         + transposed)
     if weight.device != hidden.device:
         raise ValueError(f"{w_name} is on {weight.device} but {h_name} is on {hidden.device}")
     val.check_vector(b_name, bias, weight.shape[0], hidden.device)

@@ -36,6 +36,13 @@ def _fp32_real(name, value):
     return checks.fp32_range(name, checks.real_option(name, value))
 
 
+def _nonnegative_fp32(name, value):
+    value = _fp32_real(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (a z-loss coefficient: a negative one rewards a large lse), got {value}")
+    return value
+
+
 def _positive_or_none(name, value):
     if value is None:
         return None
@@ -98,7 +105,7 @@ class LossOptions:
         0.0, "eps in [0, 1]; ``F.cross_entropy``'s formula (Szegedy et al. 2016).", _unit_interval)
     lse_square_scale: float = _option(
         0.0, "z-loss coefficient: adds ``lse_square_scale * lse**2`` per row (PaLM, Chowdhery et al. "
-        "2022), not class-weighted; a finite number within fp32's range.", _fp32_real)
+        "2022), not class-weighted; a finite number >= 0 within fp32's range.", _nonnegative_fp32)
     softcap: Optional[float] = _option(
         None, "if set (a finite number > 0, a normal fp32 number), the loss is taken on ``softcap * "
         "tanh(z / softcap)`` (Gemma 2 logit soft-capping).", _positive_or_none)
