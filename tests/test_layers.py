@@ -19,6 +19,7 @@ LAYERS = [
     ("fusedce.core.options", 0),       # LossOptions, scalar checks, signature helper
     ("fusedce.core.types", 0),         # result types
     ("fusedce.core.autograd_checks", 0),
+    ("fusedce.core.transforms", 0),    # forward-AD / tracing predicates (torch only)
     ("fusedce.core.row_math", 1),      # the reference row formulas (PyTorch)
     ("fusedce.core.validation", 1),    # tensor checks
     ("fusedce.core.reduction", 1),
