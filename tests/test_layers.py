@@ -20,6 +20,7 @@ LAYERS = [
     ("fusedce.core.types", 0),         # result types
     ("fusedce.core.autograd_checks", 0),
     ("fusedce.core.transforms", 0),    # forward-AD / tracing predicates (torch only)
+    ("fusedce.core.opaque", 0),        # custom ops that plain eager calls bypass (torch only)
     ("fusedce.core.row_math", 1),      # the reference row formulas (PyTorch)
     ("fusedce.core.validation", 1),    # tensor checks
     ("fusedce.core.reduction", 1),

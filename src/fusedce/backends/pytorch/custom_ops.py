@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.core.types import SliceStats
 from ..protocol import TiledRows
@@ -64,7 +65,7 @@ def _none_if_empty(t: Tensor, made: bool) -> Opt:
 
 # ---------------------------------------------------------------- row chunks (cross_entropy, chunked, RL)
 
-@torch.library.custom_op("fusedce_torch::chunk_loss", mutates_args=())
+@opaque_op("fusedce_torch::chunk_loss", mutates_args=())
 def _chunk_loss(logits: Tensor, target: Tensor, w: Opt, weight_sum: Opt, ignore_index: int, scalars: list[float],
                 stats: bool, entropy: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     out = chunk_loss(logits, target, w, weight_sum, LossOptions.from_op_args(ignore_index, scalars), stats, entropy)
@@ -79,7 +80,7 @@ def _(logits, target, w, weight_sum, ignore_index, scalars, stats, entropy):
         _f32(logits, n if entropy else 0)
 
 
-@torch.library.custom_op("fusedce_torch::chunk_grad_inplace", mutates_args=("logits",))
+@opaque_op("fusedce_torch::chunk_grad_inplace", mutates_args=("logits",))
 def _chunk_grad_inplace(logits: Tensor, target: Tensor, w: Opt, weight_sum: Opt, lse: Tensor, lse_lo: Tensor,
                         grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
                         grad_entropy: Opt = None, entropy: Opt = None) -> None:
@@ -93,7 +94,7 @@ def _(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_ind
     return None
 
 
-@torch.library.custom_op("fusedce_torch::chunk_grad_out", mutates_args=("out",))
+@opaque_op("fusedce_torch::chunk_grad_out", mutates_args=("out",))
 def _chunk_grad_out(logits: Tensor, out: Tensor, target: Tensor, w: Opt, weight_sum: Opt, lse: Tensor,
                     lse_lo: Tensor, grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
                     grad_entropy: Opt = None, entropy: Opt = None) -> None:
@@ -110,7 +111,7 @@ def _(logits, out, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, ignor
 def rows_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = True, entropy: bool = False):
     """``cross_entropy.chunk_loss`` as one op: ``(loss, lse, lse_lo, predicted)`` (predicted None without
     ``stats``), with ``entropy`` a fifth element."""
-    loss, lse, lse_lo, predicted, ent = torch.ops.fusedce_torch.chunk_loss(logits, target, w, weight_sum,
+    loss, lse, lse_lo, predicted, ent = _chunk_loss(logits, target, w, weight_sum,
                                                                            *opts.op_args(), stats, entropy)
     out = (loss, lse, lse_lo, _none_if_empty(predicted, stats))
     return out + (ent,) if entropy else out
@@ -123,15 +124,15 @@ def rows_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, o
     if grad_entropy is None:
         entropy = None
     if out is None or out is logits:
-        torch.ops.fusedce_torch.chunk_grad_inplace(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
+        _chunk_grad_inplace(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
                                                    *opts.op_args(), grad_entropy, entropy)
         return logits
-    torch.ops.fusedce_torch.chunk_grad_out(logits, out, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
+    _chunk_grad_out(logits, out, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
                                            *opts.op_args(), grad_entropy, entropy)
     return out
 
 
-@torch.library.custom_op("fusedce_torch::chunk_token_stats", mutates_args=())
+@opaque_op("fusedce_torch::chunk_token_stats", mutates_args=())
 def _chunk_token_stats(logits: Tensor, target: Tensor, lse: Tensor, lse_lo: Tensor, ignore_index: int,
                        scalars: list[float]) -> tuple[Tensor, Tensor, Tensor]:
     return chunk_token_stats(logits, target, lse, lse_lo, LossOptions.from_op_args(ignore_index, scalars))
@@ -145,12 +146,12 @@ def _(logits, target, lse, lse_lo, ignore_index, scalars):
 
 def rows_token_stats(logits, target, lse, lse_lo, opts: LossOptions):
     """``token_stats.chunk_token_stats`` as one op: ``(log_sum_sq_probs, mean_logits, is_top1)``."""
-    return tuple(torch.ops.fusedce_torch.chunk_token_stats(logits, target, lse, lse_lo, *opts.op_args()))
+    return tuple(_chunk_token_stats(logits, target, lse, lse_lo, *opts.op_args()))
 
 
 # ---------------------------------------------------------------- method="tiled"
 
-@torch.library.custom_op("fusedce_torch::tiled_forward", mutates_args=())
+@opaque_op("fusedce_torch::tiled_forward", mutates_args=())
 def _tiled_forward(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, weight_sum: Opt,
                    ignore_index: int, scalars: list[float], stats: bool, entropy: bool, token_stats: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -170,7 +171,7 @@ def _(hidden, weight, bias, target, w, weight_sum, ignore_index, scalars, stats,
             _f32(hidden, k), _f32(hidden, k), hidden.new_empty(k, dtype=torch.bool))
 
 
-@torch.library.custom_op("fusedce_torch::tiled_backward", mutates_args=())
+@opaque_op("fusedce_torch::tiled_backward", mutates_args=())
 def _tiled_backward(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, weight_sum: Opt, lse: Tensor,
                     lse_lo: Tensor, grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
                     needs_hidden: bool, needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype,
@@ -195,7 +196,7 @@ class TorchTiledOps:
     @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
                 entropy: bool = False, token_stats: bool = False) -> TiledRows:
-        *rows, ent, lssp, mean, top1 = torch.ops.fusedce_torch.tiled_forward(
+        *rows, ent, lssp, mean, top1 = _tiled_forward(
             hidden, weight, bias, target, w, weight_sum, *opts.op_args(), stats, entropy, token_stats)
         return TiledRows(*rows, _none_if_empty(ent, entropy), (lssp, mean, top1) if token_stats else None)
 
@@ -203,7 +204,7 @@ class TorchTiledOps:
     def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
                  needs, accum_dtype, grad_entropy=None, entropy=None, deterministic=False):
         # deterministic: nothing to select, the loop has no atomics (``TorchTiledCE.backward``)
-        grads = torch.ops.fusedce_torch.tiled_backward(
+        grads = _tiled_backward(
             hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, *opts.op_args(),
             *needs, accum_dtype, grad_entropy, None if grad_entropy is None else entropy)
         return tuple(_none_if_empty(g, need) for g, need in zip(grads, needs))
@@ -214,7 +215,7 @@ TORCH_TILED = TorchTiledOps()
 
 # ---------------------------------------------------------------- vocabulary slices (vocab parallelism)
 
-@torch.library.custom_op("fusedce_torch::slice_stats", mutates_args=())
+@opaque_op("fusedce_torch::slice_stats", mutates_args=())
 def _slice_stats_op(logits: Tensor, target: Tensor, weight: Opt, ignore_index: int, scalars: list[float],
                     col_start: int, entropy: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     st = _slice_stats(logits, target, weight, LossOptions.from_op_args(ignore_index, scalars), col_start, entropy)
@@ -229,7 +230,7 @@ def _(logits, target, weight, ignore_index, scalars, col_start, entropy):
         _f32(logits, n if smoothing else 0), _f32(logits, n if entropy else 0)
 
 
-@torch.library.custom_op("fusedce_torch::slice_grad", mutates_args=())
+@opaque_op("fusedce_torch::slice_grad", mutates_args=())
 def _slice_grad_op(logits: Tensor, target: Tensor, weight: Opt, weight_sum: Opt, target_weight: Opt, lse: Tensor,
                    lse_lo: Tensor, grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
                    col_start: int, n_total: int, grad_entropy: Opt, entropy: Opt) -> Tensor:
@@ -245,7 +246,7 @@ def _(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, 
 
 def slice_stats(logits, target, weight, opts: LossOptions, col_start: int, entropy: bool = False) -> SliceStats:
     """``slices.slice_stats`` as one op."""
-    *st, zsum, tsum = torch.ops.fusedce_torch.slice_stats(logits, target, weight, *opts.op_args(), col_start,
+    *st, zsum, tsum = _slice_stats_op(logits, target, weight, *opts.op_args(), col_start,
                                                           entropy)
     return SliceStats(*st, _none_if_empty(zsum, opts.label_smoothing > 0.0), _none_if_empty(tsum, entropy))
 
@@ -254,6 +255,6 @@ def slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, g
                opts: LossOptions, col_start: int, n_total: int, grad_entropy: Opt = None,
                entropy: Opt = None) -> Tensor:
     """``slices.slice_grad`` as one op (``grad_entropy`` with the global ``entropy``: its term too)."""
-    return torch.ops.fusedce_torch.slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo,
+    return _slice_grad_op(logits, target, weight, weight_sum, target_weight, lse, lse_lo,
                                               grad_row, grad_lse, *opts.op_args(), col_start, n_total,
                                               grad_entropy, None if grad_entropy is None else entropy)

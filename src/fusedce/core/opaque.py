@@ -1,0 +1,56 @@
+"""Opaque ops: a ``torch.library.custom_op`` that eager calls bypass.
+
+Why: torch runs every custom op's Python body behind ``torch._disable_dynamo``, whose first call imports
+``torch._dynamo`` and with it ``torch._inductor``, ``sympy``, ``triton`` and ``torch.onnx`` (measured on the
+2-core CPU VM: about 160 MiB of RSS and 1.5-9 s, before anything was asked to compile). The backends' loops
+are custom ops only so that a tracer (``torch.compile``, ``make_fx``, ``aot_function``, ``torch.export``,
+functorch transforms, fake / meta tensors, tensor subclasses) sees one node per loop. A plain eager call
+needs none of that, so :func:`opaque_op` runs the body directly then, under ``torch.no_grad()`` (the ops
+have no autograd formula: the autograd Functions that call them differentiate through their backward ops),
+and dispatches through the registered op otherwise. The results are the same values: the same body runs.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_eager(args: Sequence) -> bool:
+    """True when no tracer, mode or subclass would need the registered op: a direct call is equivalent."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or a.is_meta):
+            return False
+        if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
+            if not _plain_eager(a):
+                return False
+    return True
+
+
+class OpaqueOp:
+    """A custom op (``self.op``) callable like its Python body; see the module docstring.
+
+    ``register_fake`` is the custom op's (used as a decorator)."""
+
+    def __init__(self, name: str, fn: Callable, mutates_args: Sequence[str]):
+        self.fn = fn
+        self.op = torch.library.custom_op(name, mutates_args=tuple(mutates_args))(fn)
+        self.register_fake = self.op.register_fake
+
+    def __call__(self, *args, **kwargs):
+        if _plain_eager(args) and _plain_eager(tuple(kwargs.values())):
+            with torch.no_grad():
+                return self.fn(*args, **kwargs)
+        return self.op(*args, **kwargs)
+
+
+def opaque_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], OpaqueOp]:
+    """``torch.library.custom_op(name, mutates_args=...)`` as an :class:`OpaqueOp` (decorator)."""
+    return lambda fn: OpaqueOp(name, fn, mutates_args)
