@@ -144,19 +144,21 @@ def step(student, optimizer, teacher, h_t, ids, args, fused: bool) -> float:
 
 
 def head_peak(student, teacher, ids, args, fused: bool, device: str) -> int:
-    """Peak bytes of the head + loss alone, forward + backward, beyond its inputs and ``.grad`` buffers."""
+    """Peak bytes of the head + loss alone, forward + backward, beyond its inputs: the gradients it makes
+    (the student's hidden-state and weight gradients) count, as in ``fusedce bench``."""
     h_t = teacher_hidden(teacher, ids)
     with torch.no_grad():
         h_s = student.model(input_ids=ids, use_cache=False).last_hidden_state.reshape(-1, student.config.hidden_size)
     h_s = h_s.clone().requires_grad_()
     w_s = student.get_output_embeddings().weight.detach().clone().requires_grad_()
     w_t = teacher.get_output_embeddings().weight.detach()
-    h_s.grad, w_s.grad = torch.zeros_like(h_s), torch.zeros_like(w_s)
     target = next_token_target(ids).reshape(-1)
 
     def run():
+        h_s.grad = w_s.grad = None
         head_loss(fused, h_s, w_s, h_t, w_t, target, args).backward()
     run()   # warm-up: one-time set-up is not counted
+    h_s.grad = w_s.grad = None
     return harness.peak_memory(run, device)[0]
 
 

@@ -47,6 +47,21 @@ def test_stock_and_fused_head_match_the_float64_formula(beta, temperature, hard,
             torch.testing.assert_close(g.double(), ref.double(), rtol=1e-4, atol=1e-6 * float(ref.abs().max()))
 
 
+def test_head_peak_counts_the_weight_gradient_after_the_stock_head():
+    """Issue 27 item 9: measured after the stock head (whose freed logits the C heap keeps), the fused
+    head reported 0.0 MiB although its weight gradient alone is ``V H`` fp32 values."""
+    vocab = 16384
+    teacher = distill.make_student(vocab, 32, 1, seed=1).eval().requires_grad_(False)
+    student = distill.make_student(vocab, 128, 1, seed=0)
+    ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0))
+    args = Namespace(beta=0.5, temperature=1.0, hard_label_weight=0.0, method="tiled")
+    stock = distill.head_peak(student, teacher, ids, args, False, "cpu")
+    fused = distill.head_peak(student, teacher, ids, args, True, "cpu")
+    weight_grad = vocab * 128 * 4
+    assert fused >= weight_grad, (fused, stock)
+    assert stock > fused
+
+
 def test_stock_and_fused_students_follow_the_same_curve():
     teacher = distill.make_student(V, 48, 2, seed=1).eval().requires_grad_(False)
     stock = distill.make_student(V, 32, 2, seed=0)

@@ -50,12 +50,25 @@ def _status_kib(field: str) -> Optional[int]:
         return None
 
 
+def _release_free_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim(0)``), so that memory an earlier
+    call freed, and ``malloc`` would reuse without touching RSS, cannot hide a later call's allocations:
+    without it a fused head measured after the stock one showed 0.0 MiB for its 24 MiB weight gradient."""
+    import ctypes
+    import ctypes.util
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to release this way
+        pass
+
+
 class CpuPeakMemory:
     """Context manager: ``self.bytes`` = peak RSS inside the block minus RSS at its start
     (``self.base``); ``self.peak`` = that peak RSS itself."""
 
     def __enter__(self):
         import psutil
+        _release_free_heap()
         self._process = psutil.Process()
         self._sampled, self._stop, self._thread = 0, threading.Event(), None
         try:  # "5" resets the peak RSS (VmHWM) to the current RSS, Linux >= 4.0
