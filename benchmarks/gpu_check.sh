@@ -29,6 +29,12 @@ if [[ -z "$PY" ]]; then
     PY=python3
   fi
 fi
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+  echo "gpu_check: $PY has no torch. It needs a Python with torch (CUDA build and Triton for the GPU run):" >&2
+  echo "  set PYTHON=/path/to/python, or run 'make install' first (.venv/bin/python is then used for" >&2
+  echo "  --dry-run, and for the GPU run when it sees a GPU). Without a GPU only --dry-run can run." >&2
+  exit 2
+fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"   # Triton 3.9's default, stated
 

@@ -47,7 +47,13 @@ def parse_args(argv=None):
     p.add_argument("--compare", action="store_true", help="also train with TRL's own head and compare")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/grpo_trl.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("prompts", "group", "steps", "new_tokens", "prompt_words"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.group < 2:
+        p.error(f"--group must be >= 2 (GRPO's advantage compares completions of one prompt), got {args.group}")
+    return args
 
 
 def dataset(prompts):
@@ -90,7 +96,7 @@ def train(model, tokenizer, train_data, args, label: str, output_dir: str):
     import transformers
     import trl
     config = trl.GRPOConfig(
-        output_dir=output_dir, per_device_train_batch_size=args.group * 2, num_generations=args.group,
+        output_dir=output_dir, per_device_train_batch_size=args.group * args.prompts, num_generations=args.group,
         max_completion_length=args.new_tokens, max_steps=args.steps, learning_rate=args.lr, optim="sgd",
         lr_scheduler_type="constant", temperature=args.temperature, beta=0.0, logging_steps=1, save_strategy="no",
         report_to=[], seed=args.seed, disable_tqdm=True, dataloader_num_workers=0,

@@ -142,3 +142,9 @@ def test_module_valid_options_accepted():
     for kw in ({}, {"backend": "triton"}, {"chunk_size": np.int64(4), "accum_dtype": torch.float64},
                {"ce_weight": make_weight(V), "ignore_index": torch.tensor(-1), "label_smoothing": 1.0}):
         fusedce.LinearCrossEntropyLoss(**kw)
+
+
+def test_weight_keyword_points_to_ce_weight():
+    """Issue 27 item 9: ``LinearCrossEntropyLoss(weight=...)`` named no alternative (the function does)."""
+    with pytest.raises(TypeError, match=r"forward's second argument; class weights of the loss are `ce_weight=`"):
+        fusedce.LinearCrossEntropyLoss(weight=torch.ones(4))

@@ -101,3 +101,16 @@ def test_linear_token_log_probs_reference_is_exact_in_float64():
     assert res["log_probs_max_abs_err"] < 1e-12 and res["entropy_max_abs_err"] < 1e-12 and res["rows"] == 12
     off = parity.linear_token_log_probs(hidden, weight, target, log_probs + 0.1, None, temperature=0.7)
     assert abs(off["log_probs_max_abs_err"] - 0.1) < 1e-9 and off["entropy_max_abs_err"] is None
+
+
+def test_gpu_check_without_torch_says_what_it_needs(tmp_path):
+    """Issue 27 item 9: a Python without torch died with ``ModuleNotFoundError``; the script now says what
+    it needs (a Python with torch: ``PYTHON=`` or ``make install``) and exits 2 before running anything."""
+    bare = tmp_path / "python"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S -I -c 'import sys; sys.modules[\"torch\"] = None; "
+                    f"exec(sys.argv[1])' \"$2\"\n")
+    bare.chmod(0o755)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], cwd=ROOT,
+                          env=dict(os.environ, PYTHON=str(bare)), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "has no torch" in proc.stderr and "PYTHON=" in proc.stderr and "make install" in proc.stderr

@@ -113,6 +113,9 @@ class LinearCrossEntropyLoss(nn.Module):
                  chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32, *,
                  method: str = "auto", deterministic: Optional[bool] = None,
                  **options: Unpack[LossOptionValues]):
+        if "weight" in options:
+            raise TypeError("LinearCrossEntropyLoss(weight=...): the LM head's weight (V, H) is forward's second "
+                            "argument; class weights of the loss are `ce_weight=` (as in linear_cross_entropy)")
         check_chunk_size(chunk_size)
         check_method(method, chunk_size)
         deterministic_mode(deterministic)
