@@ -65,6 +65,9 @@ from fusedce.tools.bench.paths import ce_floor_bytes  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_check_linear  # noqa: E402
 
+if "--dry-run" in sys.argv:
+    gpu_check_linear.interpreter_fixes()
+
 IGNORE = inputs.IGNORE_INDEX
 FULL = dict(rows=8192, vocabs=(32000, 128256, 262144), subset=256)
 DRY = dict(rows=32, vocabs=(1000, 4112), subset=8)     # 1000: V % 16 == 8; 4112: two 4096-blocks
@@ -137,7 +140,7 @@ def paths(backend: str, dry: bool) -> dict:
         from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
         if not dry:
             out["liger"] = LigerCrossEntropyLoss(ignore_index=IGNORE)
-    except ImportError:
+    except Exception:  # noqa: BLE001 - a peer that is missing or fails to import is not timed
         pass
     return out
 
@@ -255,6 +258,31 @@ def _gib(b) -> str:
     return "n/a" if b is None else f"{b / 2**30:.2f}"
 
 
+def markdown(results: dict) -> list[str]:
+    """The results so far as markdown: the cross-entropy table, the checks, the linear section's table."""
+    lines = [f"# fusedce GPU check: {results['device']}", "",
+             f"torch {results['torch']}, triton {results['triton']}, BT = {results['rows']}, bf16; copy "
+             f"{results['copy_gbps']:.0f} GB/s", "",
+             "| V | path | fwd+bwd ms | GB/s | peak GiB | parity |", "|---|---|---|---|---|---|"]
+    for vocab, v in results["vocabs"].items():
+        par = v["parity"]
+        for path, m in v["timings"].items():
+            if "ms" not in m:
+                lines.append(f"| {vocab} | {path} | | | | FAILED: {m.get('error', '?')[:200]} |")
+                continue
+            verdict = (f"{'OK' if par['ok'] else 'FAIL'} ({par['grad_err_ratio']:.2f}x torch bf16 grad err)"
+                       if path == "fusedce" else "")
+            lines.append(f"| {vocab} | {path} | {m['ms']:.3f} | {m['gbps']:.0f} | {_gib(m['peak_bytes'])} | "
+                         f"{verdict} |")
+    for name in ("cuda_graph", "sync_debug"):
+        if name in results:
+            lines.append(f"\n{name}: {'OK' if results[name]['ok'] else 'FAIL'}")
+    if isinstance(results.get("linear"), dict) and "shapes" in results["linear"]:
+        lines += ["", "## linear cross-entropy (peers never decide the verdict)", ""]
+        lines += gpu_check_linear.markdown_lines(results["linear"])
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="small shapes on CPU (Triton interpreter)")
@@ -285,10 +313,13 @@ def main(argv=None) -> int:
                    copy_gbps=bw, vocabs={})
 
     def save():
+        """The JSON of ``--out`` and, beside it, the markdown tables (``.md``), both as far as the run got."""
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1, default=str)
+            with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+                f.write("\n".join(markdown(results)) + "\n")
 
     perf_rows = []
     for vocab in vocabs:
@@ -328,7 +359,10 @@ def main(argv=None) -> int:
     if args.no_linear:
         linear = dict(ok=True, skipped="--no-linear")
     else:
-        linear = _guarded(gpu_check_linear.run, device, dry, t_start + args.deadline_s)
+        def progress(partial):
+            results["linear"] = partial
+            save()
+        linear = _guarded(gpu_check_linear.run, device, dry, t_start + args.deadline_s, progress)
     results.update(linear=linear, seconds=time.time() - t_start)
     save()
 
@@ -348,7 +382,7 @@ def main(argv=None) -> int:
         for line in gpu_check_linear.summary_lines(linear):
             log(line)
     log(f"CUDA graph capture+replay: {'OK' if graph['ok'] else 'FAIL'}; sync-free hot path: "
-        f"{'OK' if sync_res['ok'] else 'FAIL'}; linear (stock/chunked/tiled; peers torch-lce, trl shown): "
+        f"{'OK' if sync_res['ok'] else 'FAIL'}; linear (stock/chunked/tiled; peers shown, not judged): "
         f"{linear.get('skipped') or ('OK' if linear['ok'] else 'FAIL: ' + linear.get('error', 'see above'))}"
         f"{f' ({n} skipped for time)' if (n := linear.get('skipped_paths')) else ''}; "
         f"total {results['seconds']:.0f} s; overall {'OK' if ok else 'FAIL'}")
