@@ -2,12 +2,14 @@
 
 - ``TORCH_LCE``: ``torch.nn.functional.linear_cross_entropy`` and ``torch.nn.LinearCrossEntropyOptions``
   exist (torch 2.13 has them, torch 2.11 does not); ``needs_torch_lce`` skips a test without them.
+- ``needs_trl``: skips a test without TRL installed (the lent GPU image has none).
 - ``TORCH``: torch's (major, minor).
 - ``transformers_at_least(major, minor)``: whether transformers is installed at that version or newer.
 """
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 
 import pytest
 import torch
@@ -23,6 +25,8 @@ TORCH_LCE = hasattr(torch.nn.functional, "linear_cross_entropy") and hasattr(tor
 needs_torch_lce = pytest.mark.skipif(
     not TORCH_LCE, reason=f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy "
                           "(torch 2.13 has it)")
+
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
 
 
 def transformers_at_least(major: int, minor: int) -> bool:
