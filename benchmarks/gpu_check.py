@@ -15,7 +15,7 @@ comes last (the JSON of ``--out`` is rewritten after every section, so a killed 
      the fp32-upcast logits, as Hugging Face does), torch.compile of that, fusedce, fusedce with
      ``inplace_backward``, fusedce under torch.compile (its custom ops in Inductor's graph; the eager
      call includes the contract's one host sync, the target range check, the compiled one skips it),
-     and Liger if importable; GB/s against the fused floor
+     and the peers Liger and quack if importable (timed only, never in the verdict); GB/s against the fused floor
      3 * BT * V * itemsize (read logits twice, write the gradient once), and the peak memory each
      path allocates beyond its inputs (``torch.cuda.max_memory_allocated``).
 3. CUDA graph: a training step (Linear -> fusedce.cross_entropy(return_stats, smoothing, softcap,
@@ -141,6 +141,12 @@ def paths(backend: str, dry: bool) -> dict:
         if not dry:
             out["liger"] = LigerCrossEntropyLoss(ignore_index=IGNORE)
     except Exception:  # noqa: BLE001 - a peer that is missing or fails to import is not timed
+        pass
+    try:
+        from quack.cross_entropy import cross_entropy as quack_cross_entropy
+        if not dry:
+            out["quack"] = lambda x, t: quack_cross_entropy(x, t, ignore_index=IGNORE)
+    except Exception:  # noqa: BLE001
         pass
     return out
 

@@ -17,7 +17,7 @@
   gradients computed in the forward), mean over the scored tokens.
 - ``cce_linear_cross_entropy``: cut-cross-entropy's ``linear_cross_entropy`` (Triton ``impl="cce"``, the
   logits never stored; its default gradient filtering), mean over the scored tokens.
-- ``quack_linear_cross_entropy``: quack's ``linear_cross_entropy_func`` (CuTe DSL, needs
+- ``quack_linear_cross_entropy``: quack's ``chunked_linear_cross_entropy`` (CuTe DSL, needs
   nvidia-cutlass-dsl), mean over the scored tokens.
 
 Each imports its library inside the call: a missing package makes the bench row ``"unavailable"``.
@@ -103,7 +103,8 @@ def cce_linear_cross_entropy(inputs: Inputs) -> torch.Tensor:
 
 
 def quack_linear_cross_entropy(inputs: Inputs) -> torch.Tensor:
-    """quack's ``linear_cross_entropy_func(hidden, weight, None, target, ignore_index=-100)`` (mean)."""
-    from quack.linear_cross_entropy import linear_cross_entropy_func
-    return linear_cross_entropy_func(inputs.hidden, inputs.weight, None, inputs.target,
-                                     ignore_index=IGNORE_INDEX, reduction="mean")
+    """quack's ``chunked_linear_cross_entropy(hidden, weight, target, ignore_index=-100)`` (mean; its
+    default chunk of 4096 rows)."""
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    return chunked_linear_cross_entropy(inputs.hidden, inputs.weight, inputs.target, ignore_index=IGNORE_INDEX,
+                                        reduction="mean")
