@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-_PATCHED = False
-
 
 def _version(text: str) -> tuple[int, int]:
     major, minor = (text.split("+")[0].split(".") + ["0"])[:2]
@@ -27,23 +25,21 @@ def needed(triton_version: str, numpy_version: str) -> bool:
 
 
 def install() -> None:
-    """Wrap ``triton.runtime.interpreter._patch_lang_tensor`` once, where :func:`needed` (no effect without
-    Triton): after the interpreter's own patch of ``tl.tensor`` for a launch, ``__index__`` squeezes."""
-    global _PATCHED
-    if _PATCHED:
-        return
+    """Wrap ``triton.runtime.interpreter._patch_lang_tensor``, where :func:`needed` (no effect without
+    Triton; a second call finds the wrapper and does nothing): after the interpreter's own patch of
+    ``tl.tensor`` for a launch, ``__index__`` squeezes."""
     try:
         import triton
         from triton.runtime import interpreter
     except ImportError:
         return
     patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch is None or not needed(triton.__version__, np.__version__):
+    if patch is None or getattr(patch, "squeezes_index", False) or not needed(triton.__version__, np.__version__):
         return
 
     def patch_lang_tensor(tensor, scope):
         patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
+    patch_lang_tensor.squeezes_index = True
     interpreter._patch_lang_tensor = patch_lang_tensor
-    _PATCHED = True
