@@ -62,7 +62,7 @@ print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, triton {trit
     rc=1
   fi
   echo "$name: gpu_check.sh --dry-run $dry ($venv/dry_run.log)"
-  TRITON_INTERPRET=1 PYTHONPATH=$ROOT/src "$py" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" \
+  TRITON_INTERPRET=1 PYTHONPATH=$ROOT/src "$py" -m pytest -p no:cacheprovider -rfEs "${TESTS[@]}" \
     > "$venv/tests.log" 2>&1 || rc=1
   tests=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|skipped|error)' "$venv/tests.log" | tail -1)
   echo "$name: tests: ${tests:-no summary, see $venv/tests.log}"
