@@ -3,8 +3,9 @@
 Run by ``benchmarks/gpu_check.py`` (its rows join the summary table); alone: ``python
 benchmarks/gpu_check_linear.py [--dry-run] [--out FILE]`` with ``src`` on ``PYTHONPATH``.
 
-Shapes (bf16, BT = 8192, 25 % of the targets ignored at random): H = 4096, V = 128256 (Llama 3) and
-H = 2304, V = 256000 (Gemma 2). Inputs: ``fusedce.tools.bench.inputs`` source ``"random"`` drawn on the GPU,
+Shapes (bf16, BT = 8192, 25 % of the targets ignored at random): H = 4096, V = 128256 (Llama 3; also
+Liger's FLCE benchmark shape), H = 2304, V = 256000 (Gemma 2) and H = 4096, V = 151936 (TRL's SFT head);
+the log-prob + entropy op at Liger's RL shape, H = 4096, V = 131072 (``SHAPE_NAMES``). Inputs: ``fusedce.tools.bench.inputs`` source ``"random"`` drawn on the GPU,
 hidden ~ N(0, 1), weight ~ N(0, 1) * 0.02 (the memory sweep's data). Paths, each guarded (one failure
 does not stop the others):
 
@@ -15,8 +16,11 @@ does not stop the others):
   per token in backward);
 - the peers (``fusedce.tools.bench.peers``), measured the same way but never part of the verdict:
   ``torch-lce``, PyTorch's ``F.linear_cross_entropy(options=LinearCrossEntropyOptions())`` (its CUDA
-  chunked path; what its ``"auto"`` resolved to is saved as ``resolved``), and ``trl``, TRL's
-  ``ChunkedLogProbFunction`` (its Triton kernels; ``unavailable`` without TRL).
+  chunked path; what its ``"auto"`` resolved to is saved as ``resolved``; ``unavailable`` before torch
+  2.13), ``trl``, TRL's ``ChunkedLogProbFunction`` (its Triton kernels), ``liger`` (Liger-Kernel's
+  ``LigerFusedLinearCrossEntropyLoss``), ``cce`` (cut-cross-entropy) and ``quack`` (its chunked linear
+  cross-entropy, CuTe DSL). A peer that is missing (ImportError / AttributeError) is ``unavailable``, one
+  that raises anything else is an ``error``: either way its row says so and the verdict ignores it.
 
 Per path: forward+backward time (``harness.median_ms``: ``triton.testing.do_bench`` median; a path whose
 single run takes over ``SLOW_S`` seconds is reported from that one run instead, to keep the budget),
@@ -27,21 +31,26 @@ weight, and ``fusedce.tools.bench.parity.linear_cross_entropy`` compares its mea
 with float64 autograd over chunks of rows. Verdict (C6's rule, with stock as "torch"): gradient error
 <= 4x stock's, loss error <= 4x stock's + ``LOSS_SLACK``.
 
+The log-prob + entropy section also times ``stock`` (``F.linear`` in bf16, fp32 ``log_softmax``, the
+target's log-prob and ``-sum p log p``), with TFLOP/s of 6 * BT * V * H.
+
 Then at the first shape, if time is left: determinism, ``tiled`` and ``tiled-det`` each run twice
 (fwd+bwd) and compared bit for bit (loss, both gradients); ``tiled-det`` must agree exactly, ``tiled``
-(fp32 atomics) is reported. Then ``fusedce.linear_token_log_probs(..., return_entropy=True)``,
-chunked vs tiled, backward with per-token upstreams for both outputs (an advantage on the log-probs, a
-coefficient on the entropy): time, peak memory, log-prob / entropy error against float64 on the subset
-(next to torch's own bf16 error, ``parity.linear_token_log_probs``) and how far the two methods'
-gradients are apart.
+(fp32 atomics) is reported. After the shapes, ``fusedce.linear_token_log_probs(...,
+return_entropy=True)`` at Liger's RL shape (the dry run: at its first shape), chunked vs tiled vs stock
+(``F.linear`` in bf16, fp32 ``log_softmax``, the target's log-prob and ``-sum p log p``), backward with
+per-token upstreams for both outputs (an advantage on the log-probs, a coefficient on the entropy): time,
+TFLOP/s of 6 * BT * V * H, peak memory, log-prob / entropy error against float64 on the subset (next to
+torch's own bf16 error, ``parity.linear_token_log_probs``) and how far each method's gradients are from
+chunked's.
 
-The peers run after fusedce's paths, so a tight ``deadline`` skips them first. Estimated H200 time (at an assumed 300 dense bf16 TFLOP/s; 6 N V H FLOPs chunked and stock-matmuls,
-8 N V H tiled; N = 6144 scored tokens, stock does all 8192): one fwd+bwd ~ 65-120 ms, so each path's
-warm-up + peak run + do_bench (~7 runs) + subset parity is ~1-2 s plus its first compile; both shapes,
-3 paths: ~15 s + compiles (~10-30 s); the two peers ~10 s more (torch's computes every row, TRL's
-recomputes the logits: 8 N V H) plus TRL's Triton compile (~10-20 s); log-probs: ~5 s; float64 references
-on 2048 rows: ~1 s each. About 60-100 s in all; a path is not started once ``deadline`` (from
-``gpu_check.py``) has passed.
+The peers run after fusedce's paths in each shape, so a tight ``deadline`` skips them first. Estimated H200
+time (benchmarks/README.md has the whole call's; at ~600 achieved bf16 TFLOP/s; 6 N V H FLOPs chunked and
+stock's matmuls, 8 N V H tiled; N = 6144 scored tokens, stock does all 8192): one fwd+bwd ~ 30-50 ms, so
+each path's warm-up + peak run + do_bench (~7 runs) + subset parity is ~0.5-1 s plus its library's first
+compile (~10-30 s); 3 shapes x (4 fusedce paths + stock + up to 5 peers): ~2-3 min with compiles;
+log-probs: ~15 s; float64 references on 2048 rows: ~0.2 s each. A path is not started once ``deadline``
+(from ``gpu_check.py``) has passed.
 """
 from __future__ import annotations
 
