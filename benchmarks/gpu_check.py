@@ -30,9 +30,13 @@ comes last (the JSON of ``--out`` is rewritten after every section, so a killed 
    torch.compile would test Inductor's code instead of ours (the compiled path is covered by
    tests/ce/test_compile.py and by the CUDA-graph section, where the check is skipped by contract).
 5. linear cross-entropy (``benchmarks/gpu_check_linear.py``): the LM head fused with the loss at
-   BT = 8192, H = 4096, V = 128256 and H = 2304, V = 256000 (bf16, 25 % ignored): stock vs fusedce
-   chunked vs tiled (Triton): parity vs float64 on a row subset, fwd+bwd time, TFLOP/s, peak memory; and
-   ``linear_token_log_probs(return_entropy=True)`` chunked vs tiled. No path of it starts after
+   BT = 8192, H = 4096, V = 128256 (Llama 3, Liger's FLCE shape), H = 2304, V = 256000 (Gemma 2) and
+   H = 4096, V = 151936 (TRL's SFT head) (bf16, 25 % ignored): stock vs fusedce chunked vs tiled
+   (Triton) next to the peers (torch, TRL, Liger, cut-cross-entropy, quack: shown, never judged): parity
+   vs float64 on a row subset, fwd+bwd time, TFLOP/s, peak memory; and
+   ``linear_token_log_probs(return_entropy=True)`` chunked vs tiled vs stock at Liger's RL shape
+   (H = 4096, V = 131072). With ``--out FILE`` the JSON and FILE's ``.md`` (markdown tables) are
+   rewritten after every path. No path of it starts after
    ``--deadline-s`` seconds (default 270: the CuTe step after this script needs its 4 minutes).
 
 Estimated H200 time: bandwidth ~1 s; per vocabulary ~5-10 s of measurement (parity, 5-6 paths of
