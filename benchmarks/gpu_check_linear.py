@@ -411,17 +411,24 @@ def run(device, dry: bool, deadline: float = float("inf"), progress=None) -> dic
             except Exception as exc:  # noqa: BLE001
                 result["log_probs"] = dict(shape=key, error=_error(exc))
     tick()
-    measured = []                      # a failed shape or log-probs section counts as one failed entry
+    result["ok"], result["skipped_paths"] = verdict(result)
+    return result
+
+
+def verdict(result: dict) -> tuple[bool, int]:
+    """(ok, skipped): ok when every fusedce path, stock, the log-probs methods and the determinism check
+    that ran held (a failed shape or log-probs section counts as one failed entry); a peer's row, measured,
+    unavailable or raised, never counts. skipped: entries not run for time."""
+    measured = []
     for shape in result["shapes"].values():
         measured += [m for m in shape["paths"].values() if not m.get("peer")] if "paths" in shape else [shape]
-    lp = result["log_probs"]
+    lp = result.get("log_probs")
     if lp:
         measured += list(lp["methods"].values()) if "methods" in lp else [lp]
     if result.get("determinism"):
         measured.append(result["determinism"])
-    result["ok"] = all(m.get("ok", False) for m in measured if "skipped" not in m)
-    result["skipped_paths"] = sum("skipped" in m for m in measured)
-    return result
+    return (all(m.get("ok", False) for m in measured if "skipped" not in m),
+            sum("skipped" in m for m in measured))
 
 
 def summary_lines(result: dict) -> list[str]:

@@ -114,3 +114,22 @@ def test_linear_token_log_probs_reference_is_exact_in_float64():
     assert res["log_probs_max_abs_err"] < 1e-12 and res["entropy_max_abs_err"] < 1e-12 and res["rows"] == 12
     off = parity.linear_token_log_probs(hidden, weight, target, log_probs + 0.1, None, temperature=0.7)
     assert abs(off["log_probs_max_abs_err"] - 0.1) < 1e-9 and off["entropy_max_abs_err"] is None
+
+
+def test_a_peer_that_raises_is_its_own_row_and_never_a_fusedce_failure():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check_linear as linear
+    assert set(PEERS) == set(linear.PEERS)
+    missing = linear._failure("torch-lce", AttributeError("module 'torch.nn' has no attribute 'X'"))
+    broken = linear._failure("liger", RuntimeError("triton: out of resources"))
+    ours = linear._failure("tiled", ImportError("no triton"))     # fusedce's own path: always a failure
+    assert missing["peer"] and "unavailable" in missing and "error" not in missing
+    assert broken["peer"] and broken["error"].startswith("RuntimeError") and "unavailable" not in broken
+    assert "peer" not in ours and ours["error"].startswith("ImportError")
+    assert linear._why(broken).startswith("peer failed (not in the verdict)") and linear._why(ours).startswith("FAILED")
+    good = dict(ok=True, ms=1.0)
+    shapes = {"s": dict(paths={"stock": good, "chunked": good, "liger": dict(broken, peer=True),
+                               "torch-lce": missing, "quack": dict(good, ok=False, peer=True)})}
+    assert linear.verdict(dict(shapes=shapes, log_probs=None)) == (True, 0)
+    shapes["s"]["paths"]["tiled"] = ours
+    assert linear.verdict(dict(shapes=shapes, log_probs=None)) == (False, 0)
