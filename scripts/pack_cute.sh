@@ -39,7 +39,10 @@ PIP=("$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.1
 # nvidia-cutlass-dsl as pyproject's cute extra pins it (e.g. "nvidia-cutlass-dsl>=4.8,<5")
 spec=$(sed -n 's/^cute = \["\(nvidia-cutlass-dsl[^"]*\)"\]/\1/p' pyproject.toml)
 [[ -n "$spec" ]] || { echo "pack_cute.sh: no cute extra in pyproject.toml" >&2; exit 1; }
-peers=(liger-kernel cut-cross-entropy quack-kernels "apache-tvm-ffi<0.2,>=0.1.6" torch-c-dlpack-ext)
+# quack-kernels 0.5.3: 0.6.2-0.6.5 fail at import beside nvidia-cutlass-dsl 4.8.1 (TypeError: "epilogue fn
+# depends on <ContextVar _LOC_TRANSFORMS> ... no fail-closed semantic key"), 0.5.3 imports (checked on CPU,
+# Python 3.12 + torch 2.11; its kernels are unverified: it names cutlass-dsl 4.6.0.dev0, --no-deps here).
+peers=(liger-kernel cut-cross-entropy quack-kernels==0.5.3 "apache-tvm-ffi<0.2,>=0.1.6" torch-c-dlpack-ext)
 if [[ $subset == 1 ]]; then
   "${PIP[@]}" "${peers[@]}"
 else
