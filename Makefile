@@ -2,7 +2,8 @@
 #   make bench          the main job: fused vs stock cross-entropy on SmolLM2-135M over KJV text (~29 min)
 #   make test           the test suite on CPU; Triton kernels run under TRITON_INTERPRET=1
 #                       (~9-10 min with the cores to itself, 15+ min when other jobs share them)
-# Also: make install (the set-up alone), make test-cute (~5 min), make docs, make check-package.
+# Also: make install (the set-up alone), make test-cute (~5 min), make docs, make check-package,
+#       make test-compat (other torch / triton / Python versions in stand-in venvs: scripts/test_compat.sh).
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -10,7 +11,7 @@ STAMP   := $(VENV)/.fusedce-installed
 DOCS_STAMP := $(VENV)/.fusedce-docs-installed
 PKG_VENV   := build/package-check-venv
 
-.PHONY: bench test test-cute install docs check-package clean
+.PHONY: bench test test-cute test-compat install docs check-package clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -37,6 +38,12 @@ test: $(STAMP)
 test-cute: $(STAMP)
 	$(VPY) -m pip install -q -e '.[cute]'
 	FUSEDCE_CUTE_EVERY=1 TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 tests/cute/test_cute_compile.py tests/cute/test_cute_backend.py tests/cute/test_cute_custom_ops.py
+
+# The stated version range in stand-in venvs under .cache/compat/ (the lent GPU image's Python 3.12 + torch
+# 2.11 + triton 3.6, and Python 3.11 + torch 2.14.1 + triton 3.8): gpu_check.sh --dry-run and a
+# representative part of the suite in each (~6 GB of downloads once, then ~10-15 min per environment).
+test-compat:
+	bash scripts/test_compat.sh
 
 # The API reference (from the docstrings) and the pages under docs/, into build/docs; any warning fails.
 $(DOCS_STAMP): $(STAMP) pyproject.toml

@@ -15,7 +15,7 @@ comes last (the JSON of ``--out`` is rewritten after every section, so a killed 
      the fp32-upcast logits, as Hugging Face does), torch.compile of that, fusedce, fusedce with
      ``inplace_backward``, fusedce under torch.compile (its custom ops in Inductor's graph; the eager
      call includes the contract's one host sync, the target range check, the compiled one skips it),
-     and Liger if importable; GB/s against the fused floor
+     and the peers Liger and quack if importable (timed only, never in the verdict); GB/s against the fused floor
      3 * BT * V * itemsize (read logits twice, write the gradient once), and the peak memory each
      path allocates beyond its inputs (``torch.cuda.max_memory_allocated``).
 3. CUDA graph: a training step (Linear -> fusedce.cross_entropy(return_stats, smoothing, softcap,
@@ -30,9 +30,13 @@ comes last (the JSON of ``--out`` is rewritten after every section, so a killed 
    torch.compile would test Inductor's code instead of ours (the compiled path is covered by
    tests/ce/test_compile.py and by the CUDA-graph section, where the check is skipped by contract).
 5. linear cross-entropy (``benchmarks/gpu_check_linear.py``): the LM head fused with the loss at
-   BT = 8192, H = 4096, V = 128256 and H = 2304, V = 256000 (bf16, 25 % ignored): stock vs fusedce
-   chunked vs tiled (Triton): parity vs float64 on a row subset, fwd+bwd time, TFLOP/s, peak memory; and
-   ``linear_token_log_probs(return_entropy=True)`` chunked vs tiled. No path of it starts after
+   BT = 8192, H = 4096, V = 128256 (Llama 3, Liger's FLCE shape), H = 2304, V = 256000 (Gemma 2) and
+   H = 4096, V = 151936 (TRL's SFT head) (bf16, 25 % ignored): stock vs fusedce chunked vs tiled
+   (Triton) next to the peers (torch, TRL, Liger, cut-cross-entropy, quack: shown, never judged): parity
+   vs float64 on a row subset, fwd+bwd time, TFLOP/s, peak memory; and
+   ``linear_token_log_probs(return_entropy=True)`` chunked vs tiled vs stock at Liger's RL shape
+   (H = 4096, V = 131072). With ``--out FILE`` the JSON and FILE's ``.md`` (markdown tables) are
+   rewritten after every path. No path of it starts after
    ``--deadline-s`` seconds (default 270: the CuTe step after this script needs its 4 minutes).
 
 Estimated H200 time: bandwidth ~1 s; per vocabulary ~5-10 s of measurement (parity, 5-6 paths of
@@ -64,6 +68,9 @@ from fusedce.tools.bench.paths import ce_floor_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_check_linear  # noqa: E402
+
+if "--dry-run" in sys.argv:
+    gpu_check_linear.interpreter_fixes()
 
 IGNORE = inputs.IGNORE_INDEX
 FULL = dict(rows=8192, vocabs=(32000, 128256, 262144), subset=256)
@@ -137,7 +144,13 @@ def paths(backend: str, dry: bool) -> dict:
         from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
         if not dry:
             out["liger"] = LigerCrossEntropyLoss(ignore_index=IGNORE)
-    except ImportError:
+    except Exception:  # noqa: BLE001 - a peer that is missing or fails to import is not timed
+        pass
+    try:
+        from quack.cross_entropy import cross_entropy as quack_cross_entropy
+        if not dry:
+            out["quack"] = lambda x, t: quack_cross_entropy(x, t, ignore_index=IGNORE)
+    except Exception:  # noqa: BLE001
         pass
     return out
 
@@ -255,6 +268,31 @@ def _gib(b) -> str:
     return "n/a" if b is None else f"{b / 2**30:.2f}"
 
 
+def markdown(results: dict) -> list[str]:
+    """The results so far as markdown: the cross-entropy table, the checks, the linear section's table."""
+    lines = [f"# fusedce GPU check: {results['device']}", "",
+             f"torch {results['torch']}, triton {results['triton']}, BT = {results['rows']}, bf16; copy "
+             f"{results['copy_gbps']:.0f} GB/s", "",
+             "| V | path | fwd+bwd ms | GB/s | peak GiB | parity |", "|---|---|---|---|---|---|"]
+    for vocab, v in results["vocabs"].items():
+        par = v["parity"]
+        for path, m in v["timings"].items():
+            if "ms" not in m:
+                lines.append(f"| {vocab} | {path} | | | | FAILED: {m.get('error', '?')[:200]} |")
+                continue
+            verdict = (f"{'OK' if par['ok'] else 'FAIL'} ({par['grad_err_ratio']:.2f}x torch bf16 grad err)"
+                       if path == "fusedce" else "")
+            lines.append(f"| {vocab} | {path} | {m['ms']:.3f} | {m['gbps']:.0f} | {_gib(m['peak_bytes'])} | "
+                         f"{verdict} |")
+    for name in ("cuda_graph", "sync_debug"):
+        if name in results:
+            lines.append(f"\n{name}: {'OK' if results[name]['ok'] else 'FAIL'}")
+    if isinstance(results.get("linear"), dict) and "shapes" in results["linear"]:
+        lines += ["", "## linear cross-entropy (peers never decide the verdict)", ""]
+        lines += gpu_check_linear.markdown_lines(results["linear"])
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="small shapes on CPU (Triton interpreter)")
@@ -285,10 +323,13 @@ def main(argv=None) -> int:
                    copy_gbps=bw, vocabs={})
 
     def save():
+        """The JSON of ``--out`` and, beside it, the markdown tables (``.md``), both as far as the run got."""
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1, default=str)
+            with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+                f.write("\n".join(markdown(results)) + "\n")
 
     perf_rows = []
     for vocab in vocabs:
@@ -328,7 +369,10 @@ def main(argv=None) -> int:
     if args.no_linear:
         linear = dict(ok=True, skipped="--no-linear")
     else:
-        linear = _guarded(gpu_check_linear.run, device, dry, t_start + args.deadline_s)
+        def progress(partial):
+            results["linear"] = partial
+            save()
+        linear = _guarded(gpu_check_linear.run, device, dry, t_start + args.deadline_s, progress)
     results.update(linear=linear, seconds=time.time() - t_start)
     save()
 
@@ -348,7 +392,7 @@ def main(argv=None) -> int:
         for line in gpu_check_linear.summary_lines(linear):
             log(line)
     log(f"CUDA graph capture+replay: {'OK' if graph['ok'] else 'FAIL'}; sync-free hot path: "
-        f"{'OK' if sync_res['ok'] else 'FAIL'}; linear (stock/chunked/tiled; peers torch-lce, trl shown): "
+        f"{'OK' if sync_res['ok'] else 'FAIL'}; linear (stock/chunked/tiled; peers shown, not judged): "
         f"{linear.get('skipped') or ('OK' if linear['ok'] else 'FAIL: ' + linear.get('error', 'see above'))}"
         f"{f' ({n} skipped for time)' if (n := linear.get('skipped_paths')) else ''}; "
         f"total {results['seconds']:.0f} s; overall {'OK' if ok else 'FAIL'}")

@@ -44,7 +44,7 @@ def main() -> int:
         env = {**os.environ, "PYTHONPATH": os.path.join(root, "src") + os.pathsep + os.path.join(root, "tests")}
         env.pop("TRITON_INTERPRET", None)
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                               os.path.join(root, "tests", "test_cute_gpu.py")], env=env, cwd=root, timeout=420)
+                               os.path.join(root, "tests", "cute", "test_cute_gpu.py")], env=env, cwd=root, timeout=420)
         result["parity_rc"] = proc.returncode
         log(f"CuTe parity tests: {'PASSED' if proc.returncode == 0 else 'FAILED'} (rc {proc.returncode})")
 

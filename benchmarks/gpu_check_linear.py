@@ -3,8 +3,9 @@
 Run by ``benchmarks/gpu_check.py`` (its rows join the summary table); alone: ``python
 benchmarks/gpu_check_linear.py [--dry-run] [--out FILE]`` with ``src`` on ``PYTHONPATH``.
 
-Shapes (bf16, BT = 8192, 25 % of the targets ignored at random): H = 4096, V = 128256 (Llama 3) and
-H = 2304, V = 256000 (Gemma 2). Inputs: ``fusedce.tools.bench.inputs`` source ``"random"`` drawn on the GPU,
+Shapes (bf16, BT = 8192, 25 % of the targets ignored at random): H = 4096, V = 128256 (Llama 3; also
+Liger's FLCE benchmark shape), H = 2304, V = 256000 (Gemma 2) and H = 4096, V = 151936 (TRL's SFT head);
+the log-prob + entropy op at Liger's RL shape, H = 4096, V = 131072 (``SHAPE_NAMES``). Inputs: ``fusedce.tools.bench.inputs`` source ``"random"`` drawn on the GPU,
 hidden ~ N(0, 1), weight ~ N(0, 1) * 0.02 (the memory sweep's data). Paths, each guarded (one failure
 does not stop the others):
 
@@ -15,8 +16,11 @@ does not stop the others):
   per token in backward);
 - the peers (``fusedce.tools.bench.peers``), measured the same way but never part of the verdict:
   ``torch-lce``, PyTorch's ``F.linear_cross_entropy(options=LinearCrossEntropyOptions())`` (its CUDA
-  chunked path; what its ``"auto"`` resolved to is saved as ``resolved``), and ``trl``, TRL's
-  ``ChunkedLogProbFunction`` (its Triton kernels; ``unavailable`` without TRL).
+  chunked path; what its ``"auto"`` resolved to is saved as ``resolved``; ``unavailable`` before torch
+  2.13), ``trl``, TRL's ``ChunkedLogProbFunction`` (its Triton kernels), ``liger`` (Liger-Kernel's
+  ``LigerFusedLinearCrossEntropyLoss``), ``cce`` (cut-cross-entropy) and ``quack`` (its chunked linear
+  cross-entropy, CuTe DSL). A peer that is missing (ImportError / AttributeError) is ``unavailable``, one
+  that raises anything else is an ``error``: either way its row says so and the verdict ignores it.
 
 Per path: forward+backward time (``harness.median_ms``: ``triton.testing.do_bench`` median; a path whose
 single run takes over ``SLOW_S`` seconds is reported from that one run instead, to keep the budget),
@@ -27,21 +31,26 @@ weight, and ``fusedce.tools.bench.parity.linear_cross_entropy`` compares its mea
 with float64 autograd over chunks of rows. Verdict (C6's rule, with stock as "torch"): gradient error
 <= 4x stock's, loss error <= 4x stock's + ``LOSS_SLACK``.
 
+The log-prob + entropy section also times ``stock`` (``F.linear`` in bf16, fp32 ``log_softmax``, the
+target's log-prob and ``-sum p log p``), with TFLOP/s of 6 * BT * V * H.
+
 Then at the first shape, if time is left: determinism, ``tiled`` and ``tiled-det`` each run twice
 (fwd+bwd) and compared bit for bit (loss, both gradients); ``tiled-det`` must agree exactly, ``tiled``
-(fp32 atomics) is reported. Then ``fusedce.linear_token_log_probs(..., return_entropy=True)``,
-chunked vs tiled, backward with per-token upstreams for both outputs (an advantage on the log-probs, a
-coefficient on the entropy): time, peak memory, log-prob / entropy error against float64 on the subset
-(next to torch's own bf16 error, ``parity.linear_token_log_probs``) and how far the two methods'
-gradients are apart.
+(fp32 atomics) is reported. After the shapes, ``fusedce.linear_token_log_probs(...,
+return_entropy=True)`` at Liger's RL shape (the dry run: at its first shape), chunked vs tiled vs stock
+(``F.linear`` in bf16, fp32 ``log_softmax``, the target's log-prob and ``-sum p log p``), backward with
+per-token upstreams for both outputs (an advantage on the log-probs, a coefficient on the entropy): time,
+TFLOP/s of 6 * BT * V * H, peak memory, log-prob / entropy error against float64 on the subset (next to
+torch's own bf16 error, ``parity.linear_token_log_probs``) and how far each method's gradients are from
+chunked's.
 
-The peers run after fusedce's paths, so a tight ``deadline`` skips them first. Estimated H200 time (at an assumed 300 dense bf16 TFLOP/s; 6 N V H FLOPs chunked and stock-matmuls,
-8 N V H tiled; N = 6144 scored tokens, stock does all 8192): one fwd+bwd ~ 65-120 ms, so each path's
-warm-up + peak run + do_bench (~7 runs) + subset parity is ~1-2 s plus its first compile; both shapes,
-3 paths: ~15 s + compiles (~10-30 s); the two peers ~10 s more (torch's computes every row, TRL's
-recomputes the logits: 8 N V H) plus TRL's Triton compile (~10-20 s); log-probs: ~5 s; float64 references
-on 2048 rows: ~1 s each. About 60-100 s in all; a path is not started once ``deadline`` (from
-``gpu_check.py``) has passed.
+The peers run after fusedce's paths in each shape, so a tight ``deadline`` skips them first. Estimated H200
+time (benchmarks/README.md has the whole call's; at ~600 achieved bf16 TFLOP/s; 6 N V H FLOPs chunked and
+stock's matmuls, 8 N V H tiled; N = 6144 scored tokens, stock does all 8192): one fwd+bwd ~ 30-50 ms, so
+each path's warm-up + peak run + do_bench (~7 runs) + subset parity is ~0.5-1 s plus its library's first
+compile (~10-30 s); 3 shapes x (4 fusedce paths + stock + up to 5 peers): ~2-3 min with compiles;
+log-probs: ~15 s; float64 references on 2048 rows: ~0.2 s each. A path is not started once ``deadline``
+(from ``gpu_check.py``) has passed.
 """
 from __future__ import annotations
 
@@ -55,17 +64,31 @@ if __name__ == "__main__" and "--dry-run" in sys.argv:
 import torch  # noqa: E402
 
 import fusedce  # noqa: E402
-from fusedce.tools.bench import harness, inputs, parity  # noqa: E402
+from fusedce.tools.bench import harness, inputs, parity, peers  # noqa: E402
 from fusedce.tools.bench.paths import PATHS  # noqa: E402
 
 IGNORE = inputs.IGNORE_INDEX
-FULL = dict(shapes=((8192, 4096, 128256), (8192, 2304, 256000)), parity_rows=2048)
+# (BT, H, V): Llama 3's head, which is also Liger's FLCE benchmark shape; Gemma 2's; TRL's SFT head (Qwen's
+# V = 151936 at H = 4096, 8192 tokens, bf16: TRL's default loss is quoted at 167 ms / 13.1 GiB fwd+bwd on an
+# H100, a fused loss at 60-80 ms / ~6 GiB as the target). log_probs: Liger's RL log-prob + entropy shape.
+FULL = dict(shapes=((8192, 4096, 128256), (8192, 2304, 256000), (8192, 4096, 151936)), parity_rows=2048,
+            log_probs=(8192, 4096, 131072))
+SHAPE_NAMES = {(8192, 4096, 128256): "Llama 3 head = Liger FLCE bench", (8192, 2304, 256000): "Gemma 2 head",
+               (8192, 4096, 151936): "TRL SFT head", (8192, 4096, 131072): "Liger RL log-prob + entropy"}
 # Dry run: V not a multiple of the tiled kernels' 128-class tile, H not one of their 64-wide steps.
-DRY = dict(shapes=((32, 96, 1000), (32, 40, 520)), parity_rows=None)
+DRY = dict(shapes=((32, 96, 1000), (32, 40, 520)), parity_rows=None, log_probs=(32, 96, 1000))
 IGNORE_FRACTION, WEIGHT_STD = 0.25, 0.02
 SLOW_S = 2.0          # a single fwd+bwd slower than this is not handed to do_bench (~7 more runs)
 LOSS_SLACK = 3e-4     # absolute: ~4 sigma of the bf16 rounding of z[target] averaged over 1536 rows
 ASSUMED_TFLOPS = 300.0
+
+
+def interpreter_fixes() -> None:
+    """For a dry run (Triton interpreter): the tests' fix of Triton < 3.7's interpreter under numpy >= 2.4
+    (a tensor loop bound, ``tests/interpreter_index.py``; it does nothing on other versions)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import interpreter_index
+    interpreter_index.install()
 
 
 def _log(msg: str) -> None:
@@ -87,8 +110,11 @@ def _fused(method: str, **kw):
 PATH_FNS = {"stock": PATHS["linear-torch"].forward, "chunked": _fused("chunked"),
             "tiled": PATHS["linear-fusedce-triton-tiled"].forward,
             "tiled-det": _fused("tiled", deterministic=True),
-            "torch-lce": PATHS["linear-torch-lce"].forward, "trl": PATHS["linear-trl"].forward}
-PEERS = {"torch-lce": PATHS["linear-torch-lce"], "trl": PATHS["linear-trl"]}   # reported, never in the verdict
+            "torch-lce": PATHS["linear-torch-lce"].forward, "trl": PATHS["linear-trl"].forward,
+            "liger": peers.liger_flce, "cce": peers.cce_linear_cross_entropy,
+            "quack": peers.quack_linear_cross_entropy}
+# reported, never in the verdict; "extra": a function of the inputs whose result is saved as "resolved"
+PEERS = {"torch-lce": dict(extra=PATHS["linear-torch-lce"].extra), "trl": {}, "liger": {}, "cce": {}, "quack": {}}
 
 
 def run_determinism(data: inputs.Inputs) -> dict:
@@ -153,6 +179,25 @@ def _subset_parity(fn, data: inputs.Inputs, rows) -> dict:
     return out
 
 
+def _failure(name: str, exc: BaseException) -> dict:
+    """The row of a path that raised. A peer's row is marked ``peer`` (so it never decides the verdict):
+    ``unavailable`` when its library or function is missing (ImportError; AttributeError, e.g. torch
+    before 2.13 has no ``F.linear_cross_entropy``), else ``error``. A fusedce path's row is an ``error``."""
+    if name not in PEERS:
+        return dict(error=_error(exc))
+    missing = isinstance(exc, (ImportError, AttributeError))
+    return dict(peer=True, **{"unavailable" if missing else "error": _error(exc)})
+
+
+def _why(m: dict) -> str:
+    """A row without a measurement, in words: skipped / unavailable (peer) / FAILED / peer failed."""
+    if "skipped" in m:
+        return m["skipped"]
+    if "unavailable" in m:
+        return "unavailable: " + m["unavailable"]
+    return ("peer failed (not in the verdict): " if m.get("peer") else "FAILED: ") + m.get("error", "?")
+
+
 def _verdict(par: dict, stock: dict | None) -> bool:
     if stock is None or "grad_rel_err" not in stock:   # no yardstick: the bench smoke test's tolerances
         return par["loss_abs_err"] < 2e-2 and par["grad_rel_err"] < 2e-2
@@ -160,19 +205,31 @@ def _verdict(par: dict, stock: dict | None) -> bool:
             and par["loss_abs_err"] <= 4 * stock["loss_abs_err"] + LOSS_SLACK)
 
 
-def run_shape(rows: int, hidden: int, vocab: int, device, dry: bool, parity_rows, deadline: float) -> dict:
+def _inputs(rows: int, hidden: int, vocab: int, device) -> inputs.Inputs:
     source = {"kind": "random", "tokens": rows, "hidden": hidden, "vocab": vocab, "weight_std": WEIGHT_STD,
               "ignore_fraction": IGNORE_FRACTION, "seed": vocab, "draw": "device"}
-    data = inputs.build(source, ("hidden", "weight"), torch.bfloat16, str(device))
+    return inputs.build(source, ("hidden", "weight"), torch.bfloat16, str(device))
+
+
+def run_shape(rows: int, hidden: int, vocab: int, device, dry: bool, parity_rows, deadline: float,
+              out: dict | None = None, progress=None) -> dict:
+    """Every path of ``PATH_FNS`` at one shape. ``out``: the dict to fill (the caller may save it while
+    it grows); ``progress()`` is called after each path."""
+    data = _inputs(rows, hidden, vocab, device)
     scored = int((data.target != IGNORE).sum())
     flops = 6 * scored * vocab * hidden
     _log(f"[linear BT={rows} H={hidden} V={vocab}] {scored} scored tokens; 6NVH = {flops / 1e12:.2f} TFLOP "
          f"(~{flops / ASSUMED_TFLOPS / 1e9:.0f} ms chunked, ~{flops * 4 / 3 / ASSUMED_TFLOPS / 1e9:.0f} ms "
          f"tiled at {ASSUMED_TFLOPS:.0f} TFLOP/s)")
     sub_rows = parity.subset_rows(data.target, parity_rows, IGNORE)
-    out = dict(rows=rows, hidden=hidden, vocab=vocab, scored_tokens=scored, useful_flops=flops,
+    out = {} if out is None else out
+    out.update(rows=rows, hidden=hidden, vocab=vocab, scored_tokens=scored, useful_flops=flops,
                parity_rows=int(sub_rows.shape[0]), paths={})
+    if (rows, hidden, vocab) in SHAPE_NAMES:
+        out["name"] = SHAPE_NAMES[rows, hidden, vocab]
+    progress = progress or (lambda: None)
     for name, fn in PATH_FNS.items():
+        progress()
         if time.time() > deadline:
             out["paths"][name] = dict(skipped="time budget of gpu_check.py spent")
             _log(f"[linear V={vocab}] {name:8s} SKIPPED (time budget)")
@@ -186,17 +243,12 @@ def run_shape(rows: int, hidden: int, vocab: int, device, dry: bool, parity_rows
             m["loss"] = float(m.pop("last"))
             m["tflops"] = flops / (m["ms"] * 1e-3) / 1e12
             m["parity"] = _subset_parity(fn, data, sub_rows)
-            if name == "torch-lce":
-                m["resolved"] = PEERS[name].extra(data)
-        except ImportError as exc:   # a peer's library is not installed
-            _reset(data.hidden, data.weight)
-            out["paths"][name] = dict(unavailable=_error(exc), peer=True)
-            _log(f"[linear V={vocab}] {name:8s} unavailable: {_error(exc)}")
-            continue
+            if PEERS.get(name, {}).get("extra"):
+                m["resolved"] = PEERS[name]["extra"](data)
         except Exception as exc:  # noqa: BLE001 - one failing path must not hide the others
             _reset(data.hidden, data.weight)
-            out["paths"][name] = dict(error=_error(exc))
-            _log(f"[linear V={vocab}] {name:8s} FAILED: {_error(exc)}")
+            out["paths"][name] = _failure(name, exc)
+            _log(f"[linear V={vocab}] {name:8s} {_why(out['paths'][name])}")
             continue
         stock = out["paths"].get("stock", {})
         if "loss" in stock:
@@ -210,31 +262,51 @@ def run_shape(rows: int, hidden: int, vocab: int, device, dry: bool, parity_rows
              f"loss {par['loss_abs_err']:.1e}, grad rel {par['grad_rel_err']:.2e} "
              f"(h {par['grads']['hidden']['rel_err']:.1e}, W {par['grads']['weight']['rel_err']:.1e}) "
              f"-> {_mark(m)}  [{m['timing']}]" + (f" resolved {m['resolved']}" if "resolved" in m else ""))
+    progress()
     out["data"] = data
     out["sub_rows"] = sub_rows
     return out
 
 
-def run_log_probs(data: inputs.Inputs, sub_rows, device, dry: bool, deadline: float) -> dict:
-    """``linear_token_log_probs(return_entropy=True)`` chunked vs tiled, per-token upstreams on both."""
+def _stock_log_probs(hidden, weight, target):
+    """What a user writes without fusedce: ``F.linear`` in bf16, then fp32 ``log_softmax``, the target's
+    log-prob and the entropy ``-sum p log p`` (0 on ignored rows)."""
+    logp = torch.log_softmax(torch.nn.functional.linear(hidden, weight).float(), dim=-1)
+    keep = target != IGNORE
+    log_probs = logp.gather(1, target.clamp_min(0)[:, None]).squeeze(1).where(keep, 0.0)
+    entropy = (-(logp.exp() * logp).sum(-1)).where(keep, 0.0)
+    return log_probs, entropy
+
+
+def run_log_probs(data: inputs.Inputs, sub_rows, device, dry: bool, deadline: float, progress=None) -> dict:
+    """``linear_token_log_probs(return_entropy=True)`` chunked vs tiled, and stock (``_stock_log_probs``),
+    per-token upstreams on both outputs. TFLOP/s: 6 * BT * V * H (every row's logits)."""
+    flops = 6 * data.target.shape[0] * data.weight.shape[0] * data.weight.shape[1]
     gen = torch.Generator(device=device).manual_seed(7)
     n = data.target.shape[0]
     advantage = torch.randn(n, generator=gen, device=device)
     entropy_coef = torch.randn(n, generator=gen, device=device).mul_(0.01)
     out, first_grads = {}, None
-    for method in ("chunked", "tiled"):
+    for method in ("chunked", "tiled", "stock"):
+        if progress:
+            progress(out)
         if time.time() > deadline:
             out[method] = dict(skipped="time budget of gpu_check.py spent")
             _log(f"[log-probs] {method:8s} SKIPPED (time budget)")
             continue
         try:
             def step():
-                res = fusedce.linear_token_log_probs(data.hidden, data.weight, data.target, ignore_index=IGNORE,
-                                                     return_entropy=True, method=method, backend="triton")
-                ((advantage * res.log_probs).sum() + (entropy_coef * res.entropy).sum()).backward()
-                return res.log_probs.detach(), res.entropy.detach()
+                if method == "stock":
+                    log_probs, entropy = _stock_log_probs(data.hidden, data.weight, data.target)
+                else:
+                    res = fusedce.linear_token_log_probs(data.hidden, data.weight, data.target, ignore_index=IGNORE,
+                                                         return_entropy=True, method=method, backend="triton")
+                    log_probs, entropy = res.log_probs, res.entropy
+                ((advantage * log_probs).sum() + (entropy_coef * entropy).sum()).backward()
+                return log_probs.detach(), entropy.detach()
             m = measure_step(step, (data.hidden, data.weight), device, dry)
             log_probs, entropy = m.pop("last")
+            m["tflops"] = flops / (m["ms"] * 1e-3) / 1e12
             m["parity"] = parity.linear_token_log_probs(data.hidden, data.weight, data.target, log_probs, entropy,
                                                         sub_rows, IGNORE)
             data.hidden.grad = data.weight.grad = None
@@ -263,8 +335,21 @@ def run_log_probs(data: inputs.Inputs, sub_rows, device, dry: bool, deadline: fl
              f"{par['torch_entropy_max_abs_err']:.1e})"
              + ("" if diff is None else f", grads vs chunked {diff:.1e}")
              + f" -> {'OK' if m['ok'] else 'FAIL'}  [{m['timing']}]")
+    if progress:
+        progress(out)
     del first_grads
     return out
+
+
+def _log_probs_section(result: dict, data, sub_rows, key: str, device, dry: bool, deadline: float, tick) -> None:
+    result["log_probs"] = section = dict(shape=key, methods={})
+    if tuple(map(int, key.split("x"))) in SHAPE_NAMES:
+        section["name"] = SHAPE_NAMES[tuple(map(int, key.split("x")))]
+    try:
+        run_log_probs(data, sub_rows, device, dry, deadline,
+                      lambda methods: (section.__setitem__("methods", methods), tick()))
+    except Exception as exc:  # noqa: BLE001
+        result["log_probs"] = dict(shape=key, error=_error(exc))
 
 
 def _mark(m: dict) -> str:
@@ -278,11 +363,14 @@ def _gib(b) -> str:
     return "n/a" if b is None else f"{b / 2**30:.2f}"
 
 
-def run(device, dry: bool, deadline: float = float("inf")) -> dict:
-    """The whole section; every path guarded. ``ok``: no path failed and every parity verdict held
-    (paths skipped for time do not count)."""
+def run(device, dry: bool, deadline: float = float("inf"), progress=None) -> dict:
+    """The whole section; every path guarded. ``ok``: no fusedce path failed and every parity verdict
+    held (paths skipped for time and the peers do not count). ``progress(result)``, if given, is called
+    after every path with the result so far (``gpu_check.py`` saves it: a cut run keeps its rows)."""
     cfg = DRY if dry else FULL
     result = dict(shapes={}, log_probs=None)
+    tick = (lambda: progress(result)) if progress else (lambda: None)
+    lp_shape = cfg["log_probs"]
     for i, (rows, hidden, vocab) in enumerate(cfg["shapes"]):
         key = f"{rows}x{hidden}x{vocab}"
         if time.time() > deadline:                 # not even the inputs: they take a few seconds
@@ -290,38 +378,57 @@ def run(device, dry: bool, deadline: float = float("inf")) -> dict:
                                                 for name in PATH_FNS})
             _log(f"[linear {key}] SKIPPED (time budget)")
             continue
+        result["shapes"][key] = shape = {}
         try:
-            shape = run_shape(rows, hidden, vocab, device, dry, cfg["parity_rows"], deadline)
+            run_shape(rows, hidden, vocab, device, dry, cfg["parity_rows"], deadline, shape, tick)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory building the inputs
             result["shapes"][key] = dict(error=_error(exc))
             _log(f"[linear {key}] FAILED: {_error(exc)}")
             continue
         data, sub_rows = shape.pop("data"), shape.pop("sub_rows")
-        result["shapes"][key] = shape
         if i == 0 and time.time() < deadline:
             try:
                 result["determinism"] = run_determinism(data)
             except Exception as exc:  # noqa: BLE001
                 result["determinism"] = dict(error=_error(exc))
-        if i == 0:
-            try:
-                result["log_probs"] = dict(shape=key, methods=run_log_probs(data, sub_rows, device, dry, deadline))
-            except Exception as exc:  # noqa: BLE001
-                result["log_probs"] = dict(shape=key, error=_error(exc))
+        if (rows, hidden, vocab) == lp_shape:      # the dry run: the log-probs reuse this shape's inputs
+            _log_probs_section(result, data, sub_rows, key, device, dry, deadline, tick)
         del data
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    measured = []                      # a failed shape or log-probs section counts as one failed entry
+    if result["log_probs"] is None:
+        key = "x".join(map(str, lp_shape))
+        if time.time() > deadline:
+            result["log_probs"] = dict(shape=key, methods={m: dict(skipped="time budget of gpu_check.py spent")
+                                                           for m in ("chunked", "tiled", "stock")})
+        else:
+            try:
+                data = _inputs(*lp_shape, device)
+                sub_rows = parity.subset_rows(data.target, cfg["parity_rows"], IGNORE)
+                _log(f"[log-probs {key}] {SHAPE_NAMES.get(lp_shape, '')}")
+                _log_probs_section(result, data, sub_rows, key, device, dry, deadline, tick)
+                del data
+            except Exception as exc:  # noqa: BLE001
+                result["log_probs"] = dict(shape=key, error=_error(exc))
+    tick()
+    result["ok"], result["skipped_paths"] = verdict(result)
+    return result
+
+
+def verdict(result: dict) -> tuple[bool, int]:
+    """(ok, skipped): ok when every fusedce path, stock, the log-probs methods and the determinism check
+    that ran held (a failed shape or log-probs section counts as one failed entry); a peer's row, measured,
+    unavailable or raised, never counts. skipped: entries not run for time."""
+    measured = []
     for shape in result["shapes"].values():
         measured += [m for m in shape["paths"].values() if not m.get("peer")] if "paths" in shape else [shape]
-    lp = result["log_probs"]
+    lp = result.get("log_probs")
     if lp:
         measured += list(lp["methods"].values()) if "methods" in lp else [lp]
     if result.get("determinism"):
         measured.append(result["determinism"])
-    result["ok"] = all(m.get("ok", False) for m in measured if "skipped" not in m)
-    result["skipped_paths"] = sum("skipped" in m for m in measured)
-    return result
+    return (all(m.get("ok", False) for m in measured if "skipped" not in m),
+            sum("skipped" in m for m in measured))
 
 
 def summary_lines(result: dict) -> list[str]:
@@ -334,9 +441,7 @@ def summary_lines(result: dict) -> list[str]:
             continue
         for name, m in shape["paths"].items():
             if "ms" not in m:
-                why = m.get("skipped") or ("unavailable: " + m["unavailable"] if "unavailable" in m
-                                           else "FAILED: " + m.get("error", "?"))
-                lines.append(f"{key:>17}  {name:9s} {why}")
+                lines.append(f"{key:>17}  {name:9s} {_why(m)}")
                 continue
             par = m["parity"]
             diff = m.get("loss_diff_vs_stock")
@@ -355,8 +460,40 @@ def summary_lines(result: dict) -> list[str]:
             if "ms" not in m:
                 lines.append(f"{lp['shape']:>17}  {label}: {m.get('skipped') or 'FAILED: ' + m.get('error', '?')}")
                 continue
-            lines.append(f"{lp['shape']:>17}  {label}: {m['ms']:.2f} ms, peak +{_gib(m['peak_bytes'])} GiB, "
-                         f"{'OK' if m['ok'] else 'FAIL'}")
+            lines.append(f"{lp['shape']:>17}  {label}: {m['ms']:.2f} ms, {m['tflops']:.1f} TFLOP/s, "
+                         f"peak +{_gib(m['peak_bytes'])} GiB, {'OK' if m['ok'] else 'FAIL'}")
+    return lines
+
+
+def markdown_lines(result: dict) -> list[str]:
+    """The section as a markdown table (one row per shape and path, the log-probs methods last); rows
+    not measured say why."""
+    lines = ["| shape (BTxHxV) | path | fwd+bwd ms | TFLOP/s | peak GiB | parity |", "|---|---|---|---|---|---|"]
+    for key, shape in result.get("shapes", {}).items():
+        label = f"{key} {shape['name']}" if shape.get("name") else key
+        if "error" in shape:
+            lines.append(f"| {label} | (all) | | | | FAILED: {shape['error']} |")
+            continue
+        for name, m in shape.get("paths", {}).items():
+            if "ms" not in m:
+                lines.append(f"| {label} | {name} | | | | {_why(m)} |")
+                continue
+            par = m["parity"]
+            lines.append(f"| {label} | {name} | {m['ms']:.2f} | {m['tflops']:.1f} | {_gib(m['peak_bytes'])} | "
+                         f"{_mark(m)} (loss {par['loss_abs_err']:.1e}, grad rel {par['grad_rel_err']:.1e}) |")
+    lp = result.get("log_probs") or {}
+    label = f"{lp.get('shape', '')} {lp.get('name', '')}".strip()
+    if "error" in lp:
+        lines.append(f"| {label} | log-probs+entropy | | | | FAILED: {lp['error']} |")
+    for method, m in lp.get("methods", {}).items():
+        if "ms" not in m:
+            lines.append(f"| {label} | log-probs+entropy {method} | | | | "
+                         f"{m.get('skipped') or 'FAILED: ' + m.get('error', '?')} |")
+            continue
+        par = m["parity"]
+        lines.append(f"| {label} | log-probs+entropy {method} | {m['ms']:.2f} | {m['tflops']:.1f} | "
+                     f"{_gib(m['peak_bytes'])} | {'OK' if m['ok'] else 'FAIL'} (log-prob "
+                     f"{par['log_probs_max_abs_err']:.1e}, entropy {par['entropy_max_abs_err']:.1e}) |")
     return lines
 
 
@@ -371,6 +508,8 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         _log("no CUDA device: run with --dry-run on CPU")
         return 2
+    if args.dry_run:
+        interpreter_fixes()
     result = run(torch.device("cpu" if args.dry_run else "cuda"), args.dry_run)
     _log("")
     for line in summary_lines(result):

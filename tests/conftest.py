@@ -1,22 +1,29 @@
 """Shared test setup for the cross-entropy suite.
 
-``TRITON_INTERPRET=1`` is set here, at the very top, before anything can import ``triton``: the Triton
-backend then runs its kernels in the interpreter on CPU tensors (the only way to test it without a GPU).
+Without CUDA, ``TRITON_INTERPRET=1`` is set here, at the very top, before anything can import ``triton``:
+the Triton backend then runs its kernels in the interpreter on CPU tensors (the only way to test it
+without a GPU). With CUDA (the lent GPU machine: ``tests/cute/test_cute_gpu.py`` compares backend="cute"
+with the compiled Triton kernels) the environment's own ``TRITON_INTERPRET`` is kept; the CPU-tensor
+tests of backend="triton" then need ``TRITON_INTERPRET=1`` given by hand.
 """
 import os
+import re
+import zlib
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede every `import triton` (fusedce imports it lazily)
+import torch
 
-import re  # noqa: E402
-import zlib  # noqa: E402
+if not torch.cuda.is_available():   # torch imports no triton; this must precede every `import triton`
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  (import before any test patches torch.empty; see test_compile.py)
 
+import interpreter_index  # noqa: E402
 import interpreter_math  # noqa: E402
 
 interpreter_math.install()   # the interpreter's exp / log correctly rounded on every CPU (interpreter_math.py)
+interpreter_index.install()  # Triton < 3.7 with numpy >= 2.4: a tensor loop bound (interpreter_index.py)
 
 # Every backend of the contract that can run on this machine's CPU tensors. "triton" runs under the
 # interpreter; it is NOT skipped when its package is missing: that failure is real information.
@@ -41,5 +48,6 @@ def _seed(request):
 def _no_backend_env(monkeypatch):
     """Tests pick backends explicitly; a developer's $FUSEDCE_BACKEND must not leak into them."""
     monkeypatch.delenv("FUSEDCE_BACKEND", raising=False)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if INTERPRET:   # a test that changed it gets it back
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield

@@ -11,6 +11,7 @@ import torch
 
 from fusedce.tools import cli
 from fusedce.tools.bench import harness, inputs, parity, paths, report_sweep, shapes, sweep, worker
+from versions import needs_torch_lce, needs_trl
 
 TINY = {"kind": "synthetic", "hidden": 16, "vocab": 300, "tokens": 96, "seed": 0}  # V not a power of 2
 # The sweep's data at a tiny shape: half the targets ignored, as in the sweep's second setting.
@@ -95,6 +96,8 @@ def _sweep_in_process(monkeypatch):
     monkeypatch.setattr(harness, "run_isolated", run)
 
 
+@needs_torch_lce   # the sweep's peer rows are checked measured
+@needs_trl
 def test_cli_bench_writes_tables_json_png_and_the_sweep(tmp_path, capsys, monkeypatch):
     # The sweep at a tiny shape and one ignored fraction: 2 measurements instead of 8 large ones.
     monkeypatch.setattr(sweep, "SHAPES", (TINY_SWEEP,))
@@ -185,7 +188,8 @@ def test_plan_cpu_interprets_triton_next_to_its_ops_baseline_and_cuda_times_ever
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["linear-torch", "linear-fusedce-torch", "linear-fusedce-torch-tiled",
-                                  "linear-torch-lce", "linear-trl"])
+                                  pytest.param("linear-torch-lce", marks=needs_torch_lce),
+                                  pytest.param("linear-trl", marks=needs_trl)])
 def test_linear_measure_in_process(name, dtype):
     data = inputs.build(TINY, paths.LINEAR_CROSS_ENTROPY.needs, dtype, "cpu")
     assert data.logits is None and data.hidden.shape == (96, 16) and data.weight.shape == (300, 16)
@@ -247,7 +251,8 @@ def test_random_source_is_seeded_and_ignores_the_asked_fraction():
     assert not bool((none.target == -100).any())
 
 
-@pytest.mark.parametrize("name", [sweep.STOCK, sweep.FUSED, sweep.TILED, sweep.TORCH_LCE, sweep.TRL])
+@pytest.mark.parametrize("name", [sweep.STOCK, sweep.FUSED, sweep.TILED, pytest.param(sweep.TORCH_LCE, marks=needs_torch_lce),
+                                  pytest.param(sweep.TRL, marks=needs_trl)])
 def test_sweep_measure_accumulates_into_preallocated_grads(name):
     data = inputs.build(TINY_RANDOM, ("hidden", "weight"), torch.float32, "cpu")
     result = sweep.measure(paths.PATHS[name], data, repeats=2)

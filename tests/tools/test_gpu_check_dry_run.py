@@ -6,6 +6,7 @@ paths and log-probs) runs its code with tiny inputs, and the summary table is pr
 ``fusedce.tools.bench`` helpers the script is a driver over (the ``"random"`` source's direct logits, the
 row-subset parity) are checked here too.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,8 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from fusedce.tools.bench import inputs, parity
+from versions import TORCH_LCE
 
 ROOT = Path(__file__).resolve().parents[2]
+# the linear section's peers -> whether they run on this machine's CPU (Liger, CCE and quack need a GPU)
+PEERS = {"torch-lce": TORCH_LCE, "trl": importlib.util.find_spec("trl") is not None, "liger": False,
+         "cce": False, "quack": False}
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -33,22 +38,30 @@ def test_gpu_check_dry_run(tmp_path):
     for shape in ("32x96x1000", "32x40x520"):               # the linear section's summary rows
         for path in ("stock", "chunked", "tiled", "tiled-det"):
             assert any(line.split()[:2] == [shape, path] and " OK " in line for line in lines), (shape, path)
-        for path in ("torch-lce", "trl"):                   # the peers: measured, never in the verdict
-            assert any(line.split()[:2] == [shape, path] and "peer, " in line for line in lines), (shape, path)
+        for path in PEERS:                                  # the peers: measured or not, never in the verdict
+            assert any(line.split()[:2] == [shape, path] for line in lines), (shape, path)
     report = json.loads(out.read_text())
+    table = out.with_suffix(".md").read_text()              # the markdown tables, written beside the JSON
+    assert "| 32x96x1000 | tiled-det |" in table and "log-probs+entropy stock" in table
     assert set(report["vocabs"]) == {"1000", "4112"} and report["cuda_graph"]["ok"]
     linear = report["linear"]
     assert linear["ok"] and set(linear["shapes"]) == {"32x96x1000", "32x40x520"}
     for shape in linear["shapes"].values():
-        assert set(shape["paths"]) == {"stock", "chunked", "tiled", "tiled-det", "torch-lce", "trl"}
+        assert set(shape["paths"]) == {"stock", "chunked", "tiled", "tiled-det", *PEERS}
         assert all(m["ok"] and m["ms"] > 0 and m["parity"]["scored_rows"] > 0 for name, m in shape["paths"].items()
-                   if name not in ("torch-lce", "trl"))
-        peers = [shape["paths"][name] for name in ("torch-lce", "trl")]
-        assert all(m["peer"] and m["ms"] > 0 and m["parity"]["grad_rel_err"] < 2e-2 for m in peers)
-        assert shape["paths"]["torch-lce"]["resolved"]["acc_policy"] == "accurate"   # CPU bf16's "auto"
+                   if name not in PEERS)
+        for name, available in PEERS.items():
+            m = shape["paths"][name]
+            assert m["peer"]
+            if available:       # installed here: measured on CPU like the others
+                assert m["ms"] > 0 and m["parity"]["grad_rel_err"] < 2e-2, (name, m)
+            else:               # missing, or its kernels need a GPU: a row that says so, outside the verdict
+                assert "ms" not in m and ("unavailable" in m or "error" in m), (name, m)
+        if TORCH_LCE:
+            assert shape["paths"]["torch-lce"]["resolved"]["acc_policy"] == "accurate"   # CPU bf16's "auto"
     assert linear["determinism"]["ok"] and linear["determinism"]["tiled-det"]["bitwise_equal"]
     methods = linear["log_probs"]["methods"]
-    assert set(methods) == {"chunked", "tiled"} and all(m["ok"] for m in methods.values())
+    assert set(methods) == {"chunked", "tiled", "stock"} and all(m["ok"] for m in methods.values())
     assert methods["tiled"]["grad_rel_diff_vs_chunked"] < 1e-2
 
 
@@ -114,3 +127,22 @@ def test_gpu_check_without_torch_says_what_it_needs(tmp_path):
                           env=dict(os.environ, PYTHON=str(bare)), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "has no torch" in proc.stderr and "PYTHON=" in proc.stderr and "make install" in proc.stderr
+
+
+def test_a_peer_that_raises_is_its_own_row_and_never_a_fusedce_failure():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check_linear as linear
+    assert set(PEERS) == set(linear.PEERS)
+    missing = linear._failure("torch-lce", AttributeError("module 'torch.nn' has no attribute 'X'"))
+    broken = linear._failure("liger", RuntimeError("triton: out of resources"))
+    ours = linear._failure("tiled", ImportError("no triton"))     # fusedce's own path: always a failure
+    assert missing["peer"] and "unavailable" in missing and "error" not in missing
+    assert broken["peer"] and broken["error"].startswith("RuntimeError") and "unavailable" not in broken
+    assert "peer" not in ours and ours["error"].startswith("ImportError")
+    assert linear._why(broken).startswith("peer failed (not in the verdict)") and linear._why(ours).startswith("FAILED")
+    good = dict(ok=True, ms=1.0)
+    shapes = {"s": dict(paths={"stock": good, "chunked": good, "liger": dict(broken, peer=True),
+                               "torch-lce": missing, "quack": dict(good, ok=False, peer=True)})}
+    assert linear.verdict(dict(shapes=shapes, log_probs=None)) == (True, 0)
+    shapes["s"]["paths"]["tiled"] = ours
+    assert linear.verdict(dict(shapes=shapes, log_probs=None)) == (False, 0)

@@ -37,9 +37,19 @@ def autocast_device_type(t) -> Optional[str]:
     if not isinstance(t, torch.Tensor):
         return None
     device_type = t.device.type
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    if not _autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return None
     return device_type
+
+
+def _autocast_available(device_type: str) -> bool:
+    """Whether autocast exists for ``device_type``. CPU and CUDA always have it, answered without
+    ``torch.amp.is_autocast_available``: Dynamo before torch 2.13 cannot trace that call, and every
+    ``torch.compile(fullgraph=True)`` of an op on CPU / CUDA tensors would fail on it. Other device types
+    (xpu, hpu, mps, meta, ...) ask torch."""
+    if device_type in ("cpu", "cuda"):
+        return True
+    return torch.amp.is_autocast_available(device_type)
 
 
 def disabled(device_type: Optional[str]):

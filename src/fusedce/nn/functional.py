@@ -48,9 +48,11 @@ __all__ = ["linear_cross_entropy"]
 def _chunk_size(options) -> Optional[int]:
     if options is None:
         return None
-    if not isinstance(options, torch.nn.LinearCrossEntropyOptions):
+    options_type = getattr(torch.nn, "LinearCrossEntropyOptions", None)   # torch >= 2.13
+    if options_type is None or not isinstance(options, options_type):
         raise TypeError("linear_cross_entropy: options must be None or a torch.nn.LinearCrossEntropyOptions, "
-                        f"got {type(options).__name__}")
+                        f"got {type(options).__name__}"
+                        + ("" if options_type else f" (torch {torch.__version__} has no LinearCrossEntropyOptions)"))
     return options.batch_chunk_size
 
 

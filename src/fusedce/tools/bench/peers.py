@@ -13,7 +13,15 @@
   ``trl_log_probs_check`` compares its per-token log-probs with ``fusedce.linear_token_log_probs`` and
   float64.
 
-Both import their library inside the call: a missing package makes the bench row ``"unavailable"``.
+- ``liger_flce``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (Triton; chunks of rows, the
+  gradients computed in the forward), mean over the scored tokens.
+- ``cce_linear_cross_entropy``: cut-cross-entropy's ``linear_cross_entropy`` (Triton ``impl="cce"``, the
+  logits never stored; its default gradient filtering), mean over the scored tokens.
+- ``quack_linear_cross_entropy``: quack's ``chunked_linear_cross_entropy`` (CuTe DSL, needs
+  nvidia-cutlass-dsl), mean over the scored tokens.
+
+Each imports its library inside the call: a missing package makes the bench row ``"unavailable"``.
+Argument orders are the peers' own (Liger takes the weight first).
 """
 from __future__ import annotations
 
@@ -79,3 +87,24 @@ def trl_log_probs_check(inputs: Inputs) -> dict:
             "trl_log_probs_vs_fp64_max_abs": vs64["trl"]["log_probs_max_abs_err"],
             "fusedce_log_probs_vs_fp64_max_abs": vs64["fusedce"]["log_probs_max_abs_err"],
             "fp64_rows": vs64["trl"]["rows"], "scored_rows": int(keep.numel())}
+
+
+def liger_flce(inputs: Inputs) -> torch.Tensor:
+    """Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss(ignore_index=-100)(weight, hidden, target)``."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(inputs.weight, inputs.hidden, inputs.target)
+
+
+def cce_linear_cross_entropy(inputs: Inputs) -> torch.Tensor:
+    """cut-cross-entropy's ``linear_cross_entropy(hidden, weight, target, ignore_index=-100)`` (mean)."""
+    from cut_cross_entropy import linear_cross_entropy
+    return linear_cross_entropy(inputs.hidden, inputs.weight, inputs.target, ignore_index=IGNORE_INDEX,
+                                reduction="mean")
+
+
+def quack_linear_cross_entropy(inputs: Inputs) -> torch.Tensor:
+    """quack's ``chunked_linear_cross_entropy(hidden, weight, target, ignore_index=-100)`` (mean; its
+    default chunk of 4096 rows)."""
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    return chunked_linear_cross_entropy(inputs.hidden, inputs.weight, inputs.target, ignore_index=IGNORE_INDEX,
+                                        reduction="mean")
