@@ -3,8 +3,10 @@
 megatron-core 0.16's attention (``DotProductAttention``) asks for two CUDA-only helpers: the global
 memory buffer (``parallel_state.get_global_memory_buffer()``: a CUDA scratch tensor that ``baddbmm`` reads
 with ``beta=0``, so any tensor of the shape serves) and the CUDA RNG tracker's ``fork()`` (around the
-attention dropout, 0 here). ``install_cpu_stand_ins`` gives both a CPU stand-in, in these test processes
-only (the library never touches them).
+attention dropout, 0 here). Its multi-token-prediction block gathers the hidden states over the
+tensor-parallel ranks into a buffer on ``torch.cuda.current_device()`` (``mappings._gather_along_last_dim``).
+``install_cpu_stand_ins`` gives the three a CPU stand-in, in these test processes only (the library never
+touches them).
 
 Sizes: H = 16 and 2 attention heads (one per rank at TP = 2), V = 64 (32 rows per rank), s = 8, b = 2:
 the smallest model whose every piece (embedding, attention, MLP, final norm, head) is split over the ranks.
@@ -28,11 +30,19 @@ class _NoForkTracker:
         return contextlib.nullcontext()
 
 
+def _gather_along_last_dim(input_, group):
+    parts = [torch.empty_like(input_) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, input_.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
 def install_cpu_stand_ins() -> None:
-    """The two CUDA-only helpers of megatron-core's attention replaced by CPU stand-ins (module docstring)."""
+    """The CUDA-only helpers replaced by CPU stand-ins (module docstring)."""
     from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.tensor_parallel import mappings
     parallel_state.get_global_memory_buffer = _CpuBuffer
     tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: _NoForkTracker()
+    mappings._gather_along_last_dim = _gather_along_last_dim
 
 
 def init_tensor_parallel(world: int) -> None:

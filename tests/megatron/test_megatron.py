@@ -121,6 +121,27 @@ def untied_head(rank, world):
 
 
 @check
+def multi_token_prediction_heads(rank, world):
+    # eval(): in training mode megatron-core 0.16 logs each MTP loss into a tensor on
+    # torch.cuda.current_device() (MTPLossLoggingHelper); the losses and their gradients are the same
+    from fusedce.integrations.megatron import megatron_token_log_probs
+    model = tiny_gpt(world, tied=False, mtp_num_layers=1).eval()
+    inputs = batch(4)
+    upstream = torch.rand(inputs[3].shape) + 0.5
+    calls = _gemm_spy(model)
+    ref_loss, ref_grads = _run(model, inputs, upstream)
+    assert len(calls) == 2, f"stock: {len(calls)} output-layer GEMMs, expected the main head's and one MTP head's"
+    assert any(name.startswith("mtp.") for name in ref_grads)
+    fusedce.patch_megatron(model)
+    calls.clear()
+    loss, grads = _run(model, inputs, upstream)
+    assert not calls, f"the patched model ran the output layer's GEMM {len(calls)} time(s)"
+    _assert_same(loss, grads, ref_loss, ref_grads)
+    with pytest.raises(ValueError, match="multi-token"):
+        megatron_token_log_probs(model, *inputs)
+
+
+@check
 def loss_options_and_token_weights(rank, world):
     options = dict(label_smoothing=0.1, lse_square_scale=1e-2, softcap=3.0, logit_scale=1.5)
     model = tiny_gpt(world, tied=False)
