@@ -217,6 +217,14 @@ def errors(rank, world):
             fusedce.patch_megatron(model)
     finally:
         package_info.__version__ = version
+    from fusedce.integrations.megatron import version as mversion
+    name = next(iter(mversion.FINGERPRINTS))
+    expected, mversion.FINGERPRINTS[name] = mversion.FINGERPRINTS[name], "0" * 16
+    try:
+        with pytest.raises(RuntimeError, match="differs"):
+            fusedce.patch_megatron(model)
+    finally:
+        mversion.FINGERPRINTS[name] = expected
     assert "_fusedce_megatron" not in vars(model), "a refused patch left state behind"
     fusedce.patch_megatron(model)
     ids, pos, mask, labels = batch()

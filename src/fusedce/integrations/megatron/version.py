@@ -12,20 +12,16 @@ changes them is refused instead of silently computing something else.
 """
 from __future__ import annotations
 
-import hashlib
-import inspect
+from fusedce.integrations.sources import check_sources
 
 SUPPORTED_MEGATRON = "0.16"
 # sha256 (first 16 hex digits) of inspect.getsource of what the patch relies on, in megatron-core 0.16.1
+_LOSS = "megatron.core.models.common.language_module.language_module.LanguageModule.compute_language_model_loss"
 FINGERPRINTS = {
     "megatron.core.models.gpt.gpt_model.GPTModel._postprocess": "a5f7de0bfb1cad97",
-    "megatron.core.models.common.language_module.language_module.LanguageModule.compute_language_model_loss": "86cf8e890a0f9c9b",
+    _LOSS: "86cf8e890a0f9c9b",
     "megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward": "3f9d98f23b319c03",
 }
-
-
-def _fingerprint(obj) -> str:
-    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
 
 
 def megatron_core():
@@ -46,8 +42,7 @@ def pieces() -> dict:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     return {"megatron.core.models.gpt.gpt_model.GPTModel._postprocess": GPTModel._postprocess,
-            "megatron.core.models.common.language_module.language_module.LanguageModule."
-            "compute_language_model_loss": LanguageModule.compute_language_model_loss,
+            _LOSS: LanguageModule.compute_language_model_loss,
             "megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward": ColumnParallelLinear.forward}
 
 
@@ -61,12 +56,4 @@ def check_megatron() -> None:
                            f"megatron-core {version} is installed: its GPTModel loss path may differ, so fusedce "
                            f"refuses to replace it (install megatron-core=={SUPPORTED_MEGATRON}.* or leave the model "
                            "unpatched)")
-    for name, obj in pieces().items():
-        try:
-            found = _fingerprint(obj)
-        except (OSError, TypeError) as err:
-            raise RuntimeError(f"fusedce.patch_megatron cannot read the source of {name} to check it: {err}") from err
-        if found != FINGERPRINTS[name]:
-            raise RuntimeError(f"fusedce.patch_megatron: {name} in the installed megatron-core {version} differs "
-                               f"from the one fusedce was written against (source fingerprint {found}, expected "
-                               f"{FINGERPRINTS[name]}); refusing to patch")
+    check_sources("fusedce.patch_megatron", f"megatron-core {version}", pieces(), FINGERPRINTS)
