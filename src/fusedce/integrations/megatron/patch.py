@@ -168,7 +168,9 @@ def patch_megatron(model: nn.Module, **loss_options) -> nn.Module:
     V/TP]`` logits are never formed: ``output_layer`` does not multiply (its module call and hooks still
     run). Multi-token prediction heads (``mtp_num_layers``) go through the same path. Without ``labels``
     the stock forward runs and returns the logits. Megatron's loss mask and reduction are applied by the
-    caller, as before.
+    caller, as before. Precision: the logits are formed in fp32 from the operands' values (bf16 / fp16
+    models included; the stock head rounds them to the model's dtype before its fp32 cross-entropy), so
+    fp32 models agree to fp32 rounding and bf16 ones to bf16 precision.
 
     Args:
         model: a ``GPTModel`` or a wrapper holding one as ``.module`` (Megatron's DDP, ``Float16Module``),
