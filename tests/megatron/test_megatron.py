@@ -230,6 +230,8 @@ def errors(rank, world):
     ids, pos, mask, labels = batch()
     with pytest.raises(ValueError, match="token_weights"):
         model(ids, pos, mask, labels=labels, token_weights=torch.ones(labels.shape[1], labels.shape[0]))
+    with pytest.raises(ValueError, match="without labels"):
+        model(ids, pos, mask, token_weights=torch.ones(labels.shape))
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

@@ -17,7 +17,8 @@ untouched):
   per-token loss; ``token_weights`` a forward keyword); given real logits, the stock code.
 
 So the ``[s, b, V/TP]`` logits (and their fp32 copy) are never formed; logits exist one chunk of tokens at
-a time inside the fused op. ``forward`` is wrapped too, only to take the ``token_weights`` keyword out.
+a time inside the fused op. ``forward`` is wrapped too, to take the ``token_weights`` keyword out and
+check it before the model runs.
 """
 from __future__ import annotations
 
@@ -92,9 +93,10 @@ def _install(gpt, state: _Patch) -> None:
     stock_forward, stock_post, stock_loss = gpt.forward, gpt._postprocess, gpt.compute_language_model_loss
     layer = gpt.output_layer
     stock_layer = layer.forward
-    post_signature = inspect.signature(stock_post)
+    forward_signature, post_signature = inspect.signature(stock_forward), inspect.signature(stock_post)
 
     def forward(*args, token_weights: Optional[torch.Tensor] = None, **kwargs):
+        _check_call(gpt, state, forward_signature.bind(*args, **kwargs).arguments.get("labels"), token_weights)
         state.token_weights = token_weights
         try:
             return stock_forward(*args, **kwargs)
@@ -102,12 +104,8 @@ def _install(gpt, state: _Patch) -> None:
             state.token_weights = None
 
     def _postprocess(*args, **kwargs):
-        labels = post_signature.bind(*args, **kwargs).arguments.get("labels")
-        if labels is None:
-            if state.token_weights is not None:
-                raise ValueError("fusedce.patch_megatron: token_weights was given without labels")
+        if post_signature.bind(*args, **kwargs).arguments.get("labels") is None:
             return stock_post(*args, **kwargs)
-        _check_call(gpt, state, labels)
         state.active = True
         try:
             return stock_post(*args, **kwargs)
@@ -139,10 +137,11 @@ def _install(gpt, state: _Patch) -> None:
     _set(state, layer, "forward", output_forward)
 
 
-def _check_call(gpt, state: _Patch, labels: torch.Tensor) -> None:
-    """A labelled call's extra inputs, before the decoder's output reaches the head."""
-    weights = state.token_weights
+def _check_call(gpt, state: _Patch, labels: Optional[torch.Tensor], weights) -> None:
+    """A call's ``labels`` and ``token_weights`` checked before the model runs."""
     if weights is not None:
+        if labels is None:
+            raise ValueError("fusedce.patch_megatron: token_weights was given without labels")
         if gpt.config.mtp_num_layers:
             raise ValueError("fusedce.patch_megatron: token_weights with multi-token prediction heads "
                              "(mtp_num_layers) is not supported: Megatron rolls the labels per head; use loss_mask")
@@ -150,7 +149,7 @@ def _check_call(gpt, state: _Patch, labels: torch.Tensor) -> None:
             raise ValueError(f"fusedce.patch_megatron: token_weights must be a tensor of the labels' shape "
                              f"{tuple(labels.shape)} ([b, s]), got "
                              f"{tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}")
-    if state.log_probs is not None and gpt.config.mtp_num_layers:
+    if state.log_probs is not None and gpt.config.mtp_num_layers and labels is not None:
         raise ValueError("fusedce.megatron_token_log_probs: a model with multi-token prediction heads "
                          "(mtp_num_layers) is not supported (their losses need the main head's loss)")
 
