@@ -8,10 +8,12 @@ mesh's group (``core/dtensor.py``): each rank multiplies by its own rows, the ``
 neither formed nor gathered. Checked: the loss and every parameter's gradient (the local shards of the
 DTensor ones) equal the stock TP model's, the vocabulary-parallel Function runs once with the local
 ``(V_r, H)`` shard, the returned logits are None and the loss is a plain tensor as the stock model's
-(``linear_cross_entropy`` returns a replicated DTensor; the patch hands on its local tensor). One model (Llama), untied and tied.
+(``linear_cross_entropy`` returns a replicated DTensor; the patch hands on its local tensor).
+One model (Llama), untied and tied.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -27,12 +29,7 @@ from dist_harness import assert_passed, results  # noqa: E402
 from hf_models import VOCAB, assert_close, batch, build  # noqa: E402
 
 WORLD = 2
-CHECKS = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS = {}   # name -> fn(rank, world), filled below
 
 
 def _tp_model(tied: bool, directory: str):
@@ -80,7 +77,8 @@ def _parity(rank, world, tied):
             shutil.rmtree(directory, ignore_errors=True)
     weight = model.get_output_embeddings().weight
     assert isinstance(weight, DTensor) and weight.placements == (Shard(0),), \
-        f"transformers did not shard the head by vocabulary: {type(weight).__name__} {getattr(weight, 'placements', '')}"
+        f"transformers did not shard the head by vocabulary: {type(weight).__name__} " \
+        f"{getattr(weight, 'placements', '')}"
     ids, mask, labels = batch(torch.Generator().manual_seed(0))
     inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
     ref, ref_grads = _loss_and_grads(model, inputs)
@@ -105,14 +103,7 @@ def _parity(rank, world, tied):
         assert_close(grad, ref_grads[name], name)
 
 
-@check
-def untied_head(rank, world):
-    _parity(rank, world, tied=False)
-
-
-@check
-def tied_head(rank, world):
-    _parity(rank, world, tied=True)
+CHECKS.update({f"{'tied' if tied else 'untied'}_head": functools.partial(_parity, tied=tied) for tied in (False, True)})
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

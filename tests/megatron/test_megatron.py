@@ -14,6 +14,8 @@ vocabulary shards are always even (the uneven case of the op itself is in tests/
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -110,14 +112,8 @@ def _stock_vs_patched(rank, world, tied):
     assert "forward" not in vars(model.output_layer)
 
 
-@check
-def tied_head(rank, world):
-    _stock_vs_patched(rank, world, tied=True)
-
-
-@check
-def untied_head(rank, world):
-    _stock_vs_patched(rank, world, tied=False)
+CHECKS.update({f"{'tied' if tied else 'untied'}_head": functools.partial(_stock_vs_patched, tied=tied)
+               for tied in (True, False)})
 
 
 @check
