@@ -40,6 +40,15 @@ def _dtensor_class():
     return DTensor
 
 
+def replicated_to_local(value):
+    """``value.to_local()`` (differentiable) when ``value`` is a DTensor replicated on every mesh dimension,
+    else ``value`` itself: a replicated result handed on as the plain tensor a stock composition gives."""
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(value, dtensor) and all(p.is_replicate() for p in value.placements):
+        return value.to_local()
+    return value
+
+
 # "module.qualname" of a public op -> (its vocabulary-parallel form, {argument: (form's argument, vocab dim)})
 VOCAB_PARALLEL: dict = {}
 

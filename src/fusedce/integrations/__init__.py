@@ -1,2 +1,3 @@
 """Integrations with the rest of a training stack, on top of the library: ``hf`` (Hugging Face causal-LM
-patch) and ``trl`` (TRL's fused-head and distillation trainers). Import the subpackage you need."""
+patch), ``trl`` (TRL's fused-head and distillation trainers) and ``megatron`` (Megatron-core's ``GPTModel``
+under tensor parallelism). Import the subpackage you need."""

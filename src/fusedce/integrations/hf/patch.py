@@ -28,6 +28,7 @@ from torch import nn
 from fusedce.core.entrance import public_op
 from fusedce.ce.functional import linear_cross_entropy
 from fusedce.core import validation as val
+from fusedce.core.dtensor import replicated_to_local
 from fusedce.core.options import check_flag
 from fusedce.integrations.hf.adapters import kind as head_kind
 from fusedce.integrations.hf.call import HeadCall, module_name
@@ -282,7 +283,10 @@ def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias,
         num_items = num_items.to(hidden.device)
     # under autocast, linear_cross_entropy casts hidden / head to the autocast dtype as F.linear would
     try:
-        return linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items,
+        loss = linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items,
                                     token_weights=token_weights, **options)
     except val.TargetOutOfRange as err:  # name the user's element, not the flattened shifted target's
         raise IndexError(bad_label_message(err, shift_labels.shape, given_shifted)) from None
+    # a head sharded over the vocabulary (transformers' tp_plan: a Shard(0) DTensor weight) gives a replicated
+    # DTensor loss; the stock model's is a plain tensor (its head gathers the logits)
+    return replicated_to_local(loss)

@@ -31,7 +31,8 @@ from typing import Optional
 
 from fusedce.core.entrance import public_op
 from fusedce.integrations.trl.distill_loss import Options, divergence_loss, gkd_loss
-from fusedce.integrations.trl.patch import SUPPORTED_TRL, _fingerprint
+from fusedce.integrations.sources import check_sources
+from fusedce.integrations.trl.patch import SUPPORTED_TRL
 
 # sha256 (first 16 hex digits) of inspect.getsource of what fusedce reproduces or rebinds, in TRL 1.16.0
 FINGERPRINTS = {
@@ -66,16 +67,7 @@ def _check(trl, objects: dict) -> None:
         raise RuntimeError(f"fusedce.patch_distillation_trainer was written against TRL {SUPPORTED_TRL}.x and "
                            f"TRL {version} is installed: its distillation loss may differ, so fusedce refuses to "
                            f"replace it (install trl=={SUPPORTED_TRL}.* or run TRL's own loss)")
-    for name, obj in objects.items():
-        try:
-            found = _fingerprint(obj)
-        except (OSError, TypeError) as err:
-            raise RuntimeError(f"fusedce.patch_distillation_trainer cannot read the source of {name} to check "
-                               f"it: {err}") from err
-        if found != FINGERPRINTS[name]:
-            raise RuntimeError(f"fusedce.patch_distillation_trainer: {name} in the installed TRL {version} "
-                               f"differs from the one fusedce reproduces (source fingerprint {found}, expected "
-                               f"{FINGERPRINTS[name]}); refusing to patch")
+    check_sources("fusedce.patch_distillation_trainer", f"TRL {version}", objects, FINGERPRINTS)
 
 
 def _not_overridden(trainer, base, name: str) -> None:

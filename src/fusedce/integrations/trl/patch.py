@@ -27,12 +27,11 @@ transform). Any difference raises ``RuntimeError`` naming it: never a silent fal
 from __future__ import annotations
 
 import gc
-import hashlib
-import inspect
 import types
 from typing import Optional
 
 from fusedce.core.entrance import public_op
+from fusedce.integrations.sources import check_sources
 
 SUPPORTED_TRL = "1.16"
 # sha256 (first 16 hex digits) of inspect.getsource of what fusedce reproduces, in TRL 1.16.0
@@ -72,10 +71,6 @@ def _trl_utils():
     return trl, utils
 
 
-def _fingerprint(obj) -> str:
-    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
-
-
 def check_trl(trl, utils) -> types.CodeType:
     """The installed TRL is the one fusedce was written against: ``RuntimeError`` otherwise (naming the
     difference). Returns TRL's ``_fused_forward`` code object."""
@@ -90,15 +85,7 @@ def check_trl(trl, utils) -> types.CodeType:
                "trl.kernels.chunked_logprob.ChunkedLogProbFunction.forward":
                    chunked_logprob.ChunkedLogProbFunction.forward,
                "trl.kernels.chunked_logprob._torch_transform": chunked_logprob._torch_transform}
-    for name, obj in objects.items():
-        try:
-            found = _fingerprint(obj)
-        except (OSError, TypeError) as err:
-            raise RuntimeError(f"fusedce.patch_trl cannot read the source of {name} to check it: {err}") from err
-        if found != FINGERPRINTS[name]:
-            raise RuntimeError(f"fusedce.patch_trl: {name} in the installed TRL {version} differs from the one "
-                               f"fusedce reproduces (source fingerprint {found}, expected {FINGERPRINTS[name]}); "
-                               "refusing to patch")
+    check_sources("fusedce.patch_trl", f"TRL {version}", objects, FINGERPRINTS)
     inner = [c for c in utils.add_fused_lm_head.__code__.co_consts
              if isinstance(c, types.CodeType) and c.co_name == "_fused_forward"]
     # co_flags & 0xFF: the calling convention (varargs, keywords, nested); higher bits are __future__ flags

@@ -1,0 +1,60 @@
+"""``megatron_token_log_probs``: the per-token log-probs (and entropy) of a Megatron-core ``GPTModel``'s
+next tokens, what RL frameworks on Megatron (verl, slime, NeMo RL) compute from its ``[s, b, V/TP]``
+logits, through :func:`fusedce.distributed.vocab_parallel_linear_token_log_probs` without forming them."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from fusedce.core.entrance import public_op
+from fusedce.core.types import TokenLogProbs
+from fusedce.integrations.megatron.patch import gpt_model, patch_megatron, patched_state, unpatch_megatron
+
+
+@public_op("integration")
+def megatron_token_log_probs(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                             attention_mask: Optional[torch.Tensor], target: torch.Tensor, *,
+                             temperature: float = 1.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
+                             ignore_index: int = -100, return_entropy: bool = False,
+                             chunk_size: Optional[int] = None, backend: Optional[str] = None,
+                             deterministic: Optional[bool] = None, **forward_kwargs,
+                             ) -> Union[torch.Tensor, TokenLogProbs]:
+    """Run ``model(input_ids, position_ids, attention_mask, labels=target, **forward_kwargs)`` and return,
+    instead of its loss, ``log softmax(q)[target]`` per token (``q`` = the output layer's logits, softcapped,
+    times ``logit_scale``, over ``temperature``, on the global vocabulary), fp32 ``[b, s]`` and differentiable;
+    with ``return_entropy`` a ``fusedce.TokenLogProbs(log_probs, entropy)`` of two ``[b, s]`` tensors. Equal
+    to ``vocab_parallel_token_log_probs`` on the stock model's logits; those logits are never formed.
+
+    Args:
+        model: a ``GPTModel`` (or a wrapper holding one as ``.module``) as :func:`fusedce.patch_megatron`
+            takes, patched or not (an unpatched one is patched for this call only). No multi-token
+            prediction heads.
+        input_ids, position_ids, attention_mask, ``**forward_kwargs``: the model's forward arguments.
+        target: ``[b, s]`` int, the token each position's log-prob is taken of (Megatron's ``labels``:
+            already shifted); ``ignore_index`` positions get 0 in both outputs.
+        temperature, softcap, logit_scale, ignore_index, return_entropy, chunk_size, backend, deterministic:
+            as in :func:`fusedce.distributed.vocab_parallel_linear_token_log_probs`.
+
+    Raises:
+        The errors of :func:`fusedce.patch_megatron` (model checks) and of
+        ``vocab_parallel_linear_token_log_probs`` (at the head); ``ValueError`` for a model with MTP heads.
+    """
+    gpt = gpt_model(model)
+    temporary = patched_state(gpt) is None
+    if temporary:
+        patch_megatron(gpt)
+    state = patched_state(gpt)
+    state.log_probs = dict(temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                           ignore_index=ignore_index, return_entropy=return_entropy, chunk_size=chunk_size,
+                           backend=backend, deterministic=deterministic)
+    try:
+        out = model(input_ids, position_ids, attention_mask, labels=target, **forward_kwargs)
+    finally:
+        state.log_probs = None
+        if temporary:
+            unpatch_megatron(gpt)
+    if return_entropy and not isinstance(out, TokenLogProbs):   # a wrapper's output conversion made it a tuple
+        out = TokenLogProbs(*out)
+    return out

@@ -1,0 +1,236 @@
+"""``fusedce.patch_megatron`` on a tiny megatron-core ``GPTModel`` with tensor parallelism over 2 gloo
+processes (``dist_harness.py``; ``megatron_models.py`` the model and its CPU stand-ins).
+
+Each check builds the model once and runs it stock and patched on the same weights and batch: the
+patched ``[b, s]`` fp32 per-token loss and every parameter's gradient equal the stock model's (tied and
+untied head), the output layer's GEMM never runs while patched (a spy on its ``_forward_impl``), the loss
+options and the log-prob entry equal the float64 reference on the stock model's gathered logits, calls
+without labels are unchanged, and what the patch does not support raises. fp32 throughout; tolerances
+are torch's fp32 defaults (the two paths differ by the order of fp32 sums only). One backend (torch): the
+vocab-parallel op's backends are compared in tests/distributed/.
+
+3 ranks are not tested: megatron-core needs V and the attention heads divisible by the TP size, so its
+vocabulary shards are always even (the uneven case of the op itself is in tests/distributed/).
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core", reason="megatron-core is installed by `make install` (the megatron extra)")
+
+import fusedce  # noqa: E402
+from dist_harness import assert_passed, results  # noqa: E402
+from megatron_models import VOCAB, batch, tiny_gpt  # noqa: E402
+from reference64 import reference_loss  # noqa: E402
+from reference64_log_probs import reference_log_probs  # noqa: E402
+
+WORLD = 2
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _grads(model) -> dict:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _run(model, inputs, upstream, **kwargs):
+    """Forward with labels, backward of ``sum(loss * upstream)``; (loss, {name: grad})."""
+    model.zero_grad(set_to_none=True)
+    ids, pos, mask, labels = inputs
+    loss = model(ids, pos, mask, labels=labels, **kwargs)
+    (loss * upstream).sum().backward()
+    return loss.detach(), _grads(model)
+
+
+def _gemm_spy(model) -> list:
+    """Counts the output layer's matmuls (``ColumnParallelLinear._forward_impl``) into the returned list."""
+    layer, calls = model.output_layer, []
+    stock = layer._forward_impl
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return stock(*args, **kwargs)
+
+    layer._forward_impl = spy
+    return calls
+
+
+class _Gather(torch.autograd.Function):
+    """``[..., V/TP]`` shards -> ``[..., V]`` on every rank; backward keeps this rank's slice of the
+    gradient (every rank computes the same loss from the gathered logits: Megatron's gather, which asks
+    for a CUDA buffer)."""
+
+    @staticmethod
+    def forward(ctx, shard):
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, shard.contiguous())
+        ctx.width = shard.shape[-1]
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = dist.get_rank() * ctx.width
+        return grad[..., start:start + ctx.width]
+
+
+def _gathered_logits(model, inputs) -> torch.Tensor:
+    """The stock model's full ``[b, s, V]`` logits, differentiable."""
+    ids, pos, mask, _ = inputs
+    return _Gather.apply(model(ids, pos, mask))
+
+
+def _assert_same(loss, grads, ref_loss, ref_grads):
+    assert loss.dtype == torch.float32 and loss.shape == ref_loss.shape and loss.is_contiguous()
+    torch.testing.assert_close(loss, ref_loss.to(loss.dtype))
+    assert grads.keys() == ref_grads.keys() and grads, sorted(set(grads) ^ set(ref_grads))
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+def _stock_vs_patched(rank, world, tied):
+    model = tiny_gpt(world, tied=tied)
+    inputs = batch()
+    upstream = torch.rand(inputs[3].shape) + 0.5
+    calls = _gemm_spy(model)
+    ref_loss, ref_grads = _run(model, inputs, upstream)
+    assert calls, "the spy saw no output-layer GEMM in the stock model: it cannot see one in the patched"
+    fusedce.patch_megatron(model)
+    calls.clear()
+    loss, grads = _run(model, inputs, upstream)
+    assert not calls, f"the patched model ran the output layer's GEMM {len(calls)} time(s)"
+    _assert_same(loss, grads, ref_loss, ref_grads)
+    fusedce.unpatch_megatron(model)
+    assert not {"forward", "_postprocess", "compute_language_model_loss"} & set(vars(model))
+    assert "forward" not in vars(model.output_layer)
+
+
+CHECKS.update({f"{'tied' if tied else 'untied'}_head": functools.partial(_stock_vs_patched, tied=tied)
+               for tied in (True, False)})
+
+
+@check
+def multi_token_prediction_heads(rank, world):
+    # eval(): in training mode megatron-core 0.16 logs each MTP loss into a tensor on
+    # torch.cuda.current_device() (MTPLossLoggingHelper); the losses and their gradients are the same
+    from fusedce.integrations.megatron import megatron_token_log_probs
+    model = tiny_gpt(world, tied=False, mtp_num_layers=1).eval()
+    inputs = batch(4)
+    upstream = torch.rand(inputs[3].shape) + 0.5
+    calls = _gemm_spy(model)
+    ref_loss, ref_grads = _run(model, inputs, upstream)
+    assert len(calls) == 2, f"stock: {len(calls)} output-layer GEMMs, expected the main head's and one MTP head's"
+    assert any(name.startswith("mtp.") for name in ref_grads)
+    fusedce.patch_megatron(model)
+    calls.clear()
+    loss, grads = _run(model, inputs, upstream)
+    assert not calls, f"the patched model ran the output layer's GEMM {len(calls)} time(s)"
+    _assert_same(loss, grads, ref_loss, ref_grads)
+    with pytest.raises(ValueError, match="multi-token"):
+        megatron_token_log_probs(model, *inputs)
+
+
+@check
+def loss_options_and_token_weights(rank, world):
+    options = dict(label_smoothing=0.1, lse_square_scale=1e-2, softcap=3.0, logit_scale=1.5)
+    model = tiny_gpt(world, tied=False)
+    inputs = batch(1)
+    weights = torch.rand(inputs[3].shape)
+    upstream = torch.rand(inputs[3].shape) + 0.5
+    model.zero_grad(set_to_none=True)
+    ref, _ = reference_loss(_gathered_logits(model, inputs).double(), inputs[3], reduction="none",
+                            token_weights=weights, **options)
+    (ref * upstream).sum().backward()
+    ref_grads = _grads(model)
+    fusedce.patch_megatron(model, deterministic=True, **options)
+    loss, grads = _run(model, inputs, upstream, token_weights=weights)
+    _assert_same(loss, grads, ref.detach(), ref_grads)
+
+
+@check
+def without_labels_unchanged(rank, world):
+    model = tiny_gpt(world, tied=True)
+    ids, pos, mask, _ = batch(2)
+    stock = model(ids, pos, mask)
+    fusedce.patch_megatron(model)
+    calls = _gemm_spy(model)
+    patched = model(ids, pos, mask)
+    assert calls and patched.shape == (ids.shape[0], ids.shape[1], VOCAB // world)
+    torch.testing.assert_close(patched, stock, rtol=0, atol=0)
+
+
+@check
+def token_log_probs_and_entropy(rank, world):
+    from fusedce.integrations.megatron import megatron_token_log_probs
+    model = tiny_gpt(world, tied=True)
+    inputs = batch(3)
+    ids, pos, mask, target = inputs
+    up_lp, up_ent = torch.rand(target.shape), torch.rand(target.shape)
+    model.zero_grad(set_to_none=True)
+    ref_lp, ref_ent = reference_log_probs(_gathered_logits(model, inputs).double(), target, temperature=0.7)
+    ((ref_lp * up_lp).sum() + (ref_ent * up_ent).sum()).backward()
+    ref_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    calls = _gemm_spy(model)
+    out = megatron_token_log_probs(model, ids, pos, mask, target, temperature=0.7, return_entropy=True)
+    assert not calls and isinstance(out, fusedce.TokenLogProbs)
+    ((out.log_probs * up_lp).sum() + (out.entropy * up_ent).sum()).backward()
+    _assert_same(out.log_probs.detach(), _grads(model), ref_lp.detach(), ref_grads)
+    torch.testing.assert_close(out.entropy.detach(), ref_ent.detach().float())
+    assert "_fusedce_megatron" not in vars(model), "the temporary patch was not undone"
+
+
+@check
+def errors(rank, world):
+    from megatron.core import package_info
+    model = tiny_gpt(world, tied=False)
+    with pytest.raises(TypeError, match="reduction"):
+        fusedce.patch_megatron(model, reduction="mean")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fusedce.patch_megatron(model, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="post_process"):
+        fusedce.patch_megatron(tiny_gpt(world, tied=False, post_process=False))
+    with pytest.raises(TypeError, match="GPTModel"):
+        fusedce.patch_megatron(torch.nn.Linear(2, 2))
+    layer, model.output_layer = model.output_layer, torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="ColumnParallelLinear"):
+        fusedce.patch_megatron(model)
+    model.output_layer = layer
+    model.config.sequence_parallel = True
+    with pytest.raises(NotImplementedError, match="sequence_parallel"):
+        fusedce.patch_megatron(model)
+    model.config.sequence_parallel = False
+    version, package_info.__version__ = package_info.__version__, "0.15.0"
+    try:
+        with pytest.raises(RuntimeError, match="0.16"):
+            fusedce.patch_megatron(model)
+    finally:
+        package_info.__version__ = version
+    from fusedce.integrations.megatron import version as mversion
+    name = next(iter(mversion.FINGERPRINTS))
+    expected, mversion.FINGERPRINTS[name] = mversion.FINGERPRINTS[name], "0" * 16
+    try:
+        with pytest.raises(RuntimeError, match="differs"):
+            fusedce.patch_megatron(model)
+    finally:
+        mversion.FINGERPRINTS[name] = expected
+    assert "_fusedce_megatron" not in vars(model), "a refused patch left state behind"
+    fusedce.patch_megatron(model)
+    ids, pos, mask, labels = batch()
+    with pytest.raises(ValueError, match="token_weights"):
+        model(ids, pos, mask, labels=labels, token_weights=torch.ones(labels.shape[1], labels.shape[0]))
+    with pytest.raises(ValueError, match="without labels"):
+        model(ids, pos, mask, token_weights=torch.ones(labels.shape))
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_patch_megatron(name, request, tmp_path_factory):
+    outcome = results(__name__, CHECKS, WORLD, "torch", request, tmp_path_factory)[name]
+    assert_passed(outcome, WORLD)
