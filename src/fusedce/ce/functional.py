@@ -12,7 +12,8 @@ from fusedce.core import reduction as red, validation as val
 from fusedce.ce import soft_targets as soft
 from fusedce.ce import linear_soft
 from fusedce.core.options import check_flag, deterministic_mode, loss_options
-from fusedce.lm_head.method import check_method, resolve_method
+from fusedce.lm_head import invariant
+from fusedce.lm_head.method import check_logits_dtype, check_method, resolve_method
 from fusedce.core.row_math import target_probability
 from fusedce.core.rows import rows_view
 from fusedce.core.types import CrossEntropyOutput
@@ -158,8 +159,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          chunk_size: Optional[int] = None, method: str = "auto",
                          accum_dtype: torch.dtype = torch.float32, return_stats: bool = False,
                          backend: Optional[str] = None, deterministic: Optional[bool] = None,
-                         token_weights: Optional[torch.Tensor] = None,
-                         **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
+                         token_weights: Optional[torch.Tensor] = None, logits_dtype: str = "float32",
+                         batch_invariant: bool = False, **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """The LM head fused with the loss: ``cross_entropy(hidden @ weight.T + bias, target)`` without
     ever allocating the BT x V logits.
 
@@ -181,8 +182,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         bias: optional ``(V,)``, same dtype as ``hidden``.
         ce_weight: optional ``(V,)`` class weights of the loss.
         reduction, num_items_in_batch, ``**options`` (the loss options, listed below): as in
-            :func:`cross_entropy`, on logits computed in ``hidden``'s dtype with fp32 accumulation (as
-            ``F.linear``); the loss math is fp32.
+            :func:`cross_entropy`, on fp32 logits (``logits_dtype``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
             None = automatic: ``max(64, H / 4)`` rows on CPU, ``max(1024, BT * H / V)`` elsewhere, capped
             at BT (rule and its measurement in ``lm_head/method.py``). Only with ``method="chunked"`` (or "auto").
@@ -203,6 +203,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             :func:`cross_entropy` (both methods, every backend: they scale each row's upstream gradient,
             so no kernel sees them; the chunked method's gradient headroom includes their largest finite
             magnitude, on the device). The NaN / infinity check shares the target-range check's sync.
+        logits_dtype: ``"float32"`` (default): the logits are formed in fp32 from the operands' values
+            (products of bf16 / fp16 values are exact in fp32, summed in fp32; no fp32 copy of the weight:
+            ``lm_head/fp32_linear.py``), so bf16 / fp16 results are within fp32 rounding of float64 of
+            the same values; ``"input"``: rounded to ``hidden``'s dtype first, as ``F.linear`` (the stock
+            composition's values, for exact parity with it). No effect on fp32 operands.
+        batch_invariant: True: each row's outputs (``"none"`` rows, ``lse``, the statistics) and its row of
+            ``hidden``'s gradient are bitwise the same whatever the other rows are, their number, the
+            row's position, the ignored rows and ``chunk_size`` (for a fixed device, dtype, thread
+            count and version): the kept rows are processed in chunks of exactly 64, the last padded
+            with ignored zero rows (the reduction order: ``lm_head/invariant.py``); ``chunk_size`` has
+            no effect then. The weight and bias gradients (sums over rows) are exempt. Only with
+            ``method="chunked"`` / ``"auto"`` and class-index targets (``ValueError`` otherwise).
 
     Returns:
         The fp32 loss, or ``CrossEntropyOutput``. Gradients of ``hidden``, ``weight``, ``bias`` have their
@@ -218,7 +230,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         != weight.shape[1]``, ``weight`` is not 2-D, ``bias`` is not ``(V,)`` or ``chunk_size`` < 1, and
         ``TypeError`` when ``hidden``, ``weight`` and ``bias`` dtypes differ, ``chunk_size`` is not an
         integer (a float or a bool) or ``accum_dtype`` is not a floating-point ``torch.dtype``;
-        ``ValueError`` for an unknown ``method`` or a ``chunk_size`` with ``method="tiled"``;
+        ``ValueError`` for an unknown ``method``, a ``chunk_size`` with ``method="tiled"`` or a
+        ``logits_dtype`` not in ``("float32", "input")``, ``batch_invariant=True`` with ``method="tiled"``
+        or probability targets; ``TypeError`` for a ``batch_invariant`` that is not a bool;
         ``TypeError`` for a ``deterministic`` that is neither None nor a bool.
     """
     opts = loss_options(reduction, **options)
@@ -226,7 +240,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     val.check_linear(hidden, weight, linear_soft.index_stand_in(hidden, target) if probabilities else target,
                      bias, ce_weight, chunk_size, accum_dtype)
     check_method(method, chunk_size)
+    check_logits_dtype(logits_dtype)
+    invariant.check(batch_invariant, resolve_method(method))
     deterministic = deterministic_mode(deterministic)
+    if probabilities and batch_invariant:
+        raise ValueError("batch_invariant=True takes class-index targets; probability targets (a float target of "
+                         "shape (..., V)) are not supported with it")
     if probabilities:   # ce/linear_soft.py: probability targets
         linear_soft.check_linear_soft_target(target, hidden, weight, opts)
         val.check_num_items(num_items_in_batch, hidden.device)
@@ -236,7 +255,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         return linear_soft.linear_cross_entropy(impl, backend, hidden, weight, target, bias, ce_weight, opts,
                                                 reduction, num_items_in_batch,
                                                 None if chunk_size is None else int(chunk_size), method,
-                                                accum_dtype, return_stats, token_weights)
+                                                accum_dtype, return_stats, token_weights, logits_dtype)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     check_flag("return_stats", return_stats)
@@ -256,7 +275,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     loss, lse, predicted, token_weight = linear_function.linear_cross_entropy(
         impl.CHUNK_CE, flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scales,
         None if chunk_size is None else int(chunk_size), accum_dtype, return_stats, method,
-        tiled=impl.TILED_CE, deterministic=deterministic, token_weights=token_weights)
+        tiled=impl.TILED_CE, deterministic=deterministic, token_weights=token_weights, logits=logits_dtype,
+        batch_invariant=batch_invariant)
     if reduction == "none":
         loss = loss.reshape(shape)
     if not return_stats:

@@ -10,7 +10,7 @@ from torch import nn
 from fusedce import backends
 from fusedce.core import validation as val
 from fusedce.core.options import check_accum_dtype, check_chunk_size, check_flag, deterministic_mode, loss_options
-from fusedce.lm_head.method import check_method
+from fusedce.lm_head.method import check_logits_dtype, check_method
 from fusedce.ce.functional import cross_entropy, linear_cross_entropy
 from fusedce.core.options.signatures import with_loss_options
 from fusedce.core.options import LOSS_OPTION_NAMES, LossOptionValues
@@ -103,7 +103,8 @@ class LinearCrossEntropyLoss(nn.Module):
     ``weight``), plus ``chunk_size`` (``TypeError`` unless an integer or None, ``ValueError`` when < 1),
     ``method`` (keyword-only; ``ValueError`` unless "auto" / "chunked" / "tiled", or with a
     ``chunk_size`` and "tiled"), ``deterministic`` (keyword-only, as in the function: None follows
-    ``torch.are_deterministic_algorithms_enabled()`` at each call; ``TypeError`` unless None or a bool)
+    ``torch.are_deterministic_algorithms_enabled()`` at each call; ``TypeError`` unless None or a bool),
+    ``logits_dtype`` (keyword-only, as in the function; ``ValueError`` unless "float32" / "input")
     and ``accum_dtype`` (``TypeError`` unless a floating-point ``torch.dtype``).
     """
 
@@ -111,10 +112,11 @@ class LinearCrossEntropyLoss(nn.Module):
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, return_stats: bool = False, backend: Optional[str] = None,
                  chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32, *,
-                 method: str = "auto", deterministic: Optional[bool] = None,
+                 method: str = "auto", deterministic: Optional[bool] = None, logits_dtype: str = "float32",
                  **options: Unpack[LossOptionValues]):
         check_chunk_size(chunk_size)
         check_method(method, chunk_size)
+        check_logits_dtype(logits_dtype)
         deterministic_mode(deterministic)
         check_flag("return_stats", return_stats)
         check_accum_dtype(accum_dtype)
@@ -125,11 +127,11 @@ class LinearCrossEntropyLoss(nn.Module):
         self.register_buffer("ce_weight", ce_weight)
         self.reduction, self.return_stats, self.backend = reduction, return_stats, backend
         self.chunk_size, self.accum_dtype, self.method = chunk_size, accum_dtype, method
-        self.deterministic = deterministic
+        self.deterministic, self.logits_dtype = deterministic, logits_dtype
 
     def extra_repr(self) -> str:
         return _extra_repr(self, "return_stats", "backend", "chunk_size", "accum_dtype", "method",
-                           "deterministic")
+                           "deterministic", "logits_dtype")
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, num_items_in_batch=None, *,
@@ -138,4 +140,5 @@ class LinearCrossEntropyLoss(nn.Module):
             hidden, weight, target, bias, ce_weight=self.ce_weight, reduction=self.reduction,
             num_items_in_batch=num_items_in_batch, chunk_size=self.chunk_size, method=self.method,
             accum_dtype=self.accum_dtype, return_stats=self.return_stats, backend=self.backend,
-            deterministic=self.deterministic, token_weights=token_weights, **_options(self))
+            deterministic=self.deterministic, token_weights=token_weights, logits_dtype=self.logits_dtype,
+            **_options(self))
