@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
                   reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                   inplace_backward: bool = False, return_stats: bool = False, backend: Optional[str] = None,
-                  token_weights: Optional[torch.Tensor] = None,
+                  token_weights: Optional[torch.Tensor] = None, batch_invariant: bool = False,
                   **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """Cross-entropy over the LAST dimension of ``logits`` (the LLM layout), computed in fp32.
 
@@ -78,6 +78,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             ``lse`` is 0 on ignored rows (as in :func:`linear_cross_entropy`, which never computes them).
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND`` (unset or
             empty: auto).
+        batch_invariant: True promises (and checks that the call allows) that each row's outputs
+            (``"none"`` rows, ``lse``, the statistics) and its row of the gradient are bitwise the same
+            whatever the other rows, their number and the row's position (a fixed device, dtype, thread
+            count and version): the Triton kernels run one program per row, the PyTorch row loops
+            reduce each row whole on one thread (``lm_head/invariant.py``); it costs nothing here.
+            ``ValueError`` with probability targets or ``backend="cute"``, ``TypeError`` unless a bool.
         **options: the loss options (``ignore_index``, ``label_smoothing``, ...), listed with their
             defaults and domains under "Loss options" below.
 
@@ -126,10 +132,13 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     val.check_num_items(num_items_in_batch, logits.device)
     check_flag("inplace_backward", inplace_backward)
     check_flag("return_stats", return_stats)
+    invariant.check(batch_invariant, "chunked")
     val.check_token_weights(token_weights, target, shape)
     weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
     impl = backends.get(backend, logits.device)
-    if probabilities:   # ce/soft_targets.py: F.cross_entropy's probability targets
+    invariant.check_backend(batch_invariant, impl)
+    if probabilities:
+        invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")   # ce/soft_targets.py: F.cross_entropy's probability targets
         return soft.cross_entropy(soft.backend_rows(impl, backend), rows_view(logits, inplace_backward), target,
                                   weight, opts, reduction, num_items_in_batch, inplace_backward, return_stats,
                                   token_weights, shape)
@@ -243,10 +252,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     check_logits_dtype(logits_dtype)
     invariant.check(batch_invariant, resolve_method(method))
     deterministic = deterministic_mode(deterministic)
-    if probabilities and batch_invariant:
-        raise ValueError("batch_invariant=True takes class-index targets; probability targets (a float target of "
-                         "shape (..., V)) are not supported with it")
-    if probabilities:   # ce/linear_soft.py: probability targets
+    if probabilities:
+        invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")   # ce/linear_soft.py: probability targets
         linear_soft.check_linear_soft_target(target, hidden, weight, opts)
         val.check_num_items(num_items_in_batch, hidden.device)
         check_flag("return_stats", return_stats)
@@ -263,6 +270,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ce_weight = None if ce_weight is None else ce_weight.detach()   # class weights are constants
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
     impl = backends.get(backend, hidden.device, tiled=resolve_method(method) == "tiled")
+    invariant.check_backend(batch_invariant, impl)
     flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     token_weights = red.row_token_weights(token_weights, flat_target, opts.ignore_index)
     val.check_target_range(target, n_classes, opts.ignore_index,

@@ -21,7 +21,13 @@ it by computing the same ``(64, H) x (H, V)`` GEMM (same library, thread count a
 and bias gradients are sums over rows, so they depend on the batch by definition: exempt. Cost: the
 padded rows of the last chunk (at most 63 rows of work) and 64-row GEMMs (a GPU would prefer larger
 ones); one copy of the kept rows when padding is needed. ``method="tiled"`` (its tiles are shaped by
-the backend's tuning) and a ``(..., K)`` target are refused (``check``).
+the backend's tuning), a ``(..., K)`` target, probability targets and the CuTe backend are refused
+(``check``, ``refuse``, ``check_backend``).
+
+The logits ops (``cross_entropy``, ``token_log_probs``) need no padding: the Triton row kernels run one
+program per row with a ``BLOCK_V`` chosen from V alone, and the PyTorch row loops reduce each row whole
+on one thread (a one-row chunk on one intra-op thread: ``backends/pytorch/block_threads.one_thread``),
+so ``batch_invariant=True`` there only checks that the call is one of those.
 """
 from __future__ import annotations
 
@@ -41,6 +47,20 @@ def check(batch_invariant, method: str) -> bool:
         raise ValueError("batch_invariant=True needs method='chunked' (or 'auto'): the tiled kernels' tiles are "
                          "not fixed for it")
     return batch_invariant
+
+
+def check_backend(batch_invariant: bool, impl) -> None:
+    """``ValueError`` for ``batch_invariant=True`` on a backend other than "torch" / "triton" (the CuTe
+    kernels have not been checked for it)."""
+    if batch_invariant and getattr(impl, "NAME", None) not in ("torch", "triton"):
+        raise ValueError(f"batch_invariant=True is provided by the 'torch' and 'triton' backends, not "
+                         f"{getattr(impl, 'NAME', impl)!r}")
+
+
+def refuse(batch_invariant: bool, what: str) -> None:
+    """``ValueError`` for ``batch_invariant=True`` together with ``what`` (an input it does not support)."""
+    if batch_invariant:
+        raise ValueError(f"batch_invariant=True does not support {what}")
 
 
 def pad_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int,

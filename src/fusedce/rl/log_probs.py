@@ -30,7 +30,8 @@ def _result(out, shape, return_entropy: bool, return_stats: bool):
 def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0,
                     softcap: Optional[float] = None, logit_scale: float = 1.0, ignore_index: int = -100,
                     return_entropy: bool = False, return_stats: bool = False,
-                    backend: Optional[str] = None) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
+                    backend: Optional[str] = None, batch_invariant: bool = False
+                    ) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
     """Per-token ``log softmax(q)[target]`` (and the entropy of ``softmax(q)``) for policy-gradient RL.
 
     ``z = softcap * tanh(s * logits / softcap)`` when ``softcap`` is given (else ``z = s * logits``;
@@ -58,6 +59,9 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
             (TRL's per-token fields, defined in ``fusedce.TokenStats``; entropy None without
             ``return_entropy``); the three statistics have no gradient and cost nothing unless asked.
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
+        batch_invariant: as in :func:`fusedce.cross_entropy` (log-probs, entropy, statistics and the
+            gradient's rows bitwise independent of the rest of the batch; free on logits; ``ValueError``
+            with a ``(..., K)`` target or ``backend="cute"``).
 
     Returns:
         fp32 ``log_probs`` of ``target.shape`` (with a ``(..., K)`` target: ``(..., K)``, and the entropy
@@ -76,9 +80,12 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     """
     call = rc.checked_log_probs(logits, target, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
                                 ignore_index=ignore_index, return_entropy=return_entropy, return_stats=return_stats)
+    invariant.check(batch_invariant, "chunked")
     impl = backends.get(backend, logits.device, entropy=True)
+    invariant.check_backend(batch_invariant, impl)
     val.check_target_range(call.target, logits.shape[-1], call.opts.ignore_index)
     if call.multi:
+        invariant.refuse(batch_invariant, "a (..., K) target")
         out = multi.log_probs_rows(impl, logits, call.target, call.opts, return_entropy)
         return multi.result(*out, call.target.shape, return_entropy)
     out = linear_head.token_log_probs(impl.CHUNK_CE, rows_view(logits, False), call.target.reshape(-1), call.opts,
@@ -139,10 +146,9 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
     invariant.check(batch_invariant, resolve_method(method))
     impl = backends.get(backend, hidden.device, entropy=True, tiled=resolve_method(method) == "tiled")
     val.check_target_range(call.target, weight.shape[0], call.opts.ignore_index)
-    if call.multi and batch_invariant:
-        raise ValueError("batch_invariant=True takes one class per token; a (..., K) target is not supported "
-                         "with it")
+    invariant.check_backend(batch_invariant, impl)
     if call.multi:
+        invariant.refuse(batch_invariant, "a (..., K) target")
         out = multi.linear_log_probs_rows(impl, hidden, weight, call.target, bias, call.opts, return_entropy,
                                           chunk_size, method, call.deterministic, logits_dtype)
         return multi.result(*out, call.target.shape, return_entropy)
