@@ -145,10 +145,14 @@ def _cross_entropy(op, logits, t, cw, reduction, backend):
 
 
 def _linear(op, h, w, t, b, cw, reduction, backend):
+    """The linear op with ``logits_dtype="input"``: the stock composition's rounding of the logits to the
+    autocast dtype, so that the bounds above (both paths on the same logits) apply; the default fp32
+    logits are checked against float64 in tests/linear/test_fp32_logits.py."""
     if op == "function":
         return fusedce.linear_cross_entropy(h, w, t, b, ce_weight=cw, reduction=reduction,
-                                            label_smoothing=EPS, backend=backend)
-    module = fusedce.LinearCrossEntropyLoss(cw, reduction=reduction, label_smoothing=EPS, backend=backend)
+                                            label_smoothing=EPS, backend=backend, logits_dtype="input")
+    module = fusedce.LinearCrossEntropyLoss(cw, reduction=reduction, label_smoothing=EPS, backend=backend,
+                                            logits_dtype="input")
     return module(h, w, t, b)
 
 

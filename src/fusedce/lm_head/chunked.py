@@ -30,7 +30,7 @@ import torch
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import grad_lse, target_probability
 from fusedce.core.validation import sync_allowed
-from .fp32_linear import grad_hidden_, linear_fp32_
+from .fp32_linear import linear_fp32_
 
 _OUT_DTYPE_MM: dict = {}   # device type -> bool; filled only by eager calls on real tensors
 
@@ -118,16 +118,13 @@ def backprop_chunk_(g: torch.Tensor, h_c: torch.Tensor, weight: torch.Tensor, ro
                     grad_b) -> None:
     """Through the LM head, for one chunk whose logits' gradient is ``g`` (n_c x V, the logits' dtype):
     ``grad_h[rows] = g @ W``, ``grad_W += g.T @ h_c``, ``grad_b += sum_rows g`` (each skipped when None;
-    the last two in their own accumulation dtype). An fp32 ``g`` of bf16 / fp16 operands: on CPU fp32
-    sums over blocks of the upcast weight (``fp32_linear.grad_hidden_``); where the fp32-output GEMM
-    exists (CUDA), ``g`` is rounded to the operands' dtype once and the tensor-core GEMMs run on it."""
-    if g.dtype != weight.dtype and _mm_out_dtype_ok(g):
+    the last two in their own accumulation dtype). An fp32 ``g`` of bf16 / fp16 operands (the fp32
+    logits' gradient) is rounded to the operands' dtype once (a chunk-sized copy), as the stock
+    composition's low-precision backward has it, so both GEMMs stay the fast low-precision ones."""
+    if g.dtype != weight.dtype:
         g = g.to(weight.dtype)
     if grad_h is not None:
-        if g.dtype == weight.dtype:
-            torch.mm(g, weight, out=grad_h[rows])
-        else:
-            grad_hidden_(g, weight, grad_h[rows], False)
+        torch.mm(g, weight, out=grad_h[rows])
     if grad_w is not None:
         accumulate_(grad_w, g, h_c)
     if grad_b is not None:

@@ -8,16 +8,22 @@ the operands' dtype at the end (2^-8 relative in bf16: 0.03 nats at a logit of 8
 - eager CUDA builds with an fp32-output GEMM of low-precision operands (``torch.mm(..., out_dtype=
   torch.float32)``; probed once per device type, ``chunked._mm_out_dtype_ok``): the tensor cores read the
   bf16 operands and write fp32, no upcast copy at all (the same FLOPs as the bf16 GEMM).
-- everywhere else (the CPU kernels have no such GEMM in torch 2.13; traced code): the weight is upcast
-  ``weight_block_rows(H)`` rows at a time (about ``BLOCK_ELEMENTS`` = 2^22 elements, 16 MiB in fp32),
-  each block's fp32 GEMM written into its columns of the fp32 logits. Measured on the 2-core CPU VM
-  (loaded; one 144 x 576 chunk against V = 49152): the bf16 GEMM 1494 ms, this path with blocks of
-  1024 / 4096 / 8192 rows 1194 / 779 / 639 ms: on this CPU fp32 is faster than bf16 (its bf16 GEMM is
-  not vectorized as well), so fp32 logits cost nothing there; the block holds the extra memory to 16 MiB.
+- everywhere else (the CPU kernels have no such GEMM in torch 2.13: ``aten::mm.dtype`` has no CPU
+  kernel; traced code): the weight is upcast ``weight_block_rows(H)`` rows at a time (about
+  ``BLOCK_ELEMENTS`` = 2^22 elements, 16 MiB in fp32), each block's fp32 GEMM written into its columns
+  of the fp32 logits, so the extra memory is one 16 MiB block, never V x H in fp32.
 
-The backward's ``grad_hidden = g @ W`` with an fp32 ``g``: the same blocks on CPU (fp32 sums, then one
-rounding to hidden's dtype); on CUDA ``g`` is rounded to the weight's dtype first (a chunk-sized copy)
-and the tensor-core GEMM runs on it, as the stock composition's bf16 backward does.
+Cost on the CPU, measured on the 2-core CPU VM (AMD EPYC with AVX512-BF16, loaded: load average ~14;
+one chunk of 64 / 144 rows x H = 576 against V = 49152, median of 5): the bf16 GEMM 89 / 168 ms; this
+path with blocks of 7281 rows 796 / 1136 ms (1820-row blocks: 1560 / 5984 ms; 14563: 918 / 1152 ms);
+an fp32 GEMM on a ready fp32 copy of the weight 427 / 700 ms. So on this CPU, whose bf16 GEMM is fast,
+fp32 logits cost 5-9x the logits GEMM (the contract's default all the same: correctness first; the
+``logits_dtype="input"`` opt-out is the fast path); 2^22-element blocks are the fastest measured. On a
+GPU the fp32-output GEMM is the bf16 tensor-core GEMM with an fp32 epilogue: an estimated cost of the
+fp32 chunk buffer's bandwidth only (twice the bytes of a bf16 chunk), no extra FLOPs.
+
+The backward rounds the logits' gradient to the operands' dtype before its two GEMMs (as the stock
+composition's bf16 backward, ``chunked.backprop_chunk_``), so they stay the fast low-precision ones.
 """
 from __future__ import annotations
 
@@ -49,18 +55,3 @@ def linear_fp32_(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if bias is not None:
         out += bias.float()
     return out
-
-
-def grad_hidden_(g: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, fused_gemm: bool) -> None:
-    """``out = g @ weight`` for an fp32 ``g`` ``(n, V)`` and a low-precision ``weight`` ``(V, H)``;
-    ``out`` ``(n, H)`` in hidden's dtype (written in place). ``fused_gemm`` (CUDA): ``g`` rounded to the
-    weight's dtype, then its GEMM (stock's precision); else fp32 sums over blocks of the upcast weight,
-    rounded once into ``out``."""
-    if fused_gemm:
-        torch.mm(g.to(weight.dtype), weight, out=out)
-        return
-    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-    step = weight_block_rows(weight.shape[1])
-    for v in range(0, weight.shape[0], step):
-        acc.addmm_(g[:, v:v + step], weight[v:v + step].float())
-    out.copy_(acc)

@@ -2,7 +2,7 @@
 
 Grid: one program per tile of BLOCK_N tokens. It loops over the vocabulary in BLOCK_V-class tiles; each
 tile of logits is ``tile_math.logits_tile`` (a ``tl.dot`` mainloop over H in BLOCK_H steps, fp32
-accumulation, + bias, rounded once to hidden's dtype) and lives only in registers. Per token it keeps
+accumulation, + bias, kept in fp32: never rounded to hidden's dtype) and lives only in registers. Per token it keeps
 the online softmax of the row kernels (``row_math``, Milakov & Gimelshein 2018) as (BLOCK_N,) vectors:
 the running max ``m`` of z and ``s = sum exp(z - m)``; ``t = sum exp(z - m)(z - m)`` for the entropy
 (COMPUTE_ENTROPY); ``sum_c w_c z_c`` (smoothing); ``z_t`` (the target's z, picked from the tile that
