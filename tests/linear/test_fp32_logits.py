@@ -77,7 +77,8 @@ def test_input_rounding_opt_out_misses_the_fp32_bound(dtype):
     hidden, weight, target = _operands(dtype)
     log_probs, _, ce = _rows(hidden, weight, target, "torch", "chunked", logits_dtype="input")
     ref_lp, _ = reference_log_probs(hidden.double() @ weight.double().T, target)
-    stock = torch.log_softmax(torch.nn.functional.linear(hidden, weight).float(), dim=1).gather(1, target.clamp(min=0)[:, None])[:, 0]
+    stock_logits = torch.nn.functional.linear(hidden, weight).float()
+    stock = torch.log_softmax(stock_logits, dim=1).gather(1, target.clamp(min=0)[:, None])[:, 0]
     kept = target != -100
     err = (log_probs.double() - ref_lp).abs()[kept]
     stock_err = (stock.double() - ref_lp).abs()[kept]

@@ -137,8 +137,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
     impl = backends.get(backend, logits.device)
     invariant.check_backend(batch_invariant, impl)
-    if probabilities:
-        invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")   # ce/soft_targets.py: F.cross_entropy's probability targets
+    if probabilities:   # ce/soft_targets.py: F.cross_entropy's probability targets
+        invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")
         return soft.cross_entropy(soft.backend_rows(impl, backend), rows_view(logits, inplace_backward), target,
                                   weight, opts, reduction, num_items_in_batch, inplace_backward, return_stats,
                                   token_weights, shape)
@@ -169,7 +169,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          accum_dtype: torch.dtype = torch.float32, return_stats: bool = False,
                          backend: Optional[str] = None, deterministic: Optional[bool] = None,
                          token_weights: Optional[torch.Tensor] = None, logits_dtype: str = "float32",
-                         batch_invariant: bool = False, **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
+                         batch_invariant: bool = False,
+                         **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """The LM head fused with the loss: ``cross_entropy(hidden @ weight.T + bias, target)`` without
     ever allocating the BT x V logits.
 
@@ -252,8 +253,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     check_logits_dtype(logits_dtype)
     invariant.check(batch_invariant, resolve_method(method))
     deterministic = deterministic_mode(deterministic)
-    if probabilities:
-        invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")   # ce/linear_soft.py: probability targets
+    if probabilities:   # ce/linear_soft.py: probability targets
+        invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")
         linear_soft.check_linear_soft_target(target, hidden, weight, opts)
         val.check_num_items(num_items_in_batch, hidden.device)
         check_flag("return_stats", return_stats)

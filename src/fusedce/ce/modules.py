@@ -63,7 +63,8 @@ class CrossEntropyLoss(nn.Module):
     a bad ``reduction``, a loss option outside its domain, a ``weight`` that is not 1-D or an unknown
     ``backend`` name; ``TypeError`` for an unknown keyword, a loss option of the wrong kind, a non-bool
     flag or a ``weight`` that is not a floating-point tensor; ``batch_invariant`` (keyword-only, as in the
-    function; ``TypeError`` unless a bool). Shapes, devices, ``"triton"`` without CUDA or the interpreter and ``"cute"`` without CUDA or
+    function; ``TypeError`` unless a bool). Shapes, devices, ``"triton"`` without CUDA or the interpreter
+    and ``"cute"`` without CUDA or
     its extra (``RuntimeError``) are checked at each call.
     """
 

@@ -73,9 +73,10 @@ def chunk_buffer(n_rows: int, rows: int, weight: torch.Tensor, dtype: torch.dtyp
 
 
 def _mm_out_dtype_ok(acc: torch.Tensor) -> bool:
-    """Whether ``torch.addmm(..., out_dtype=)`` / ``torch.mm(..., out_dtype=)`` may write into ``acc`` (eager CUDA builds; not the CPU
-    kernels). False, without probing or caching, while tracing (torch.compile / export), capturing a
-    CUDA graph or on non-plain tensors (fake / functional / subclass): see the module docstring."""
+    """Whether ``torch.addmm(..., out_dtype=)`` / ``torch.mm(..., out_dtype=)`` may write into ``acc``
+    (eager CUDA builds; not the CPU kernels). False, without probing or caching, while tracing (torch.compile /
+    export), capturing a CUDA graph or on non-plain tensors (fake / functional / subclass): see the module
+    docstring."""
     if not sync_allowed(acc) or type(acc) is not torch.Tensor:
         return False
     key = acc.device.type
@@ -187,8 +188,9 @@ def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, ro
     before they are overwritten, or the saved one). ``needs``: which of (hidden, weight, bias) need a
     gradient. ``saved = (lse, lse_lo, token_weight, entropy)`` from an earlier forward (token_weight /
     entropy None when not made): the forward is not recomputed (a backward that recomputes; the only
-    form that takes ``grad_entropy``). ``logits``: ``"float32"`` or ``"input"`` (``logits_dtype``). Returns ``(loss, lse, lse_lo, predicted, token_weight,
-    grad_hidden, grad_weight, grad_bias)``; loss/predicted are None when ``saved`` was given;
+    form that takes ``grad_entropy``). ``logits``: ``"float32"`` or ``"input"`` (``logits_dtype``).
+    Returns ``(loss, lse, lse_lo, predicted, token_weight, grad_hidden, grad_weight, grad_bias)``;
+    loss/predicted are None when ``saved`` was given;
     token_weight None without token scaling; grad_weight / grad_bias are in ``accum_dtype``.
     """
     n = hidden.shape[0]

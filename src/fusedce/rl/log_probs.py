@@ -100,7 +100,8 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
                            return_entropy: bool = False, return_stats: bool = False,
                            chunk_size: Optional[int] = None, method: str = "auto",
                            backend: Optional[str] = None, deterministic: Optional[bool] = None,
-                           logits_dtype: str = "float32", batch_invariant: bool = False) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
+                           logits_dtype: str = "float32", batch_invariant: bool = False
+                           ) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
     """:func:`token_log_probs` of ``hidden @ weight.T + bias`` without ever allocating BT x V logits.
 
     Args:

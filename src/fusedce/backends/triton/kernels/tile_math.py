@@ -2,10 +2,11 @@
 
 ``logits_tile`` recomputes one (BLOCK_N tokens x BLOCK_V classes) block of ``hidden @ weight.T + bias``:
 a ``tl.dot`` mainloop over H in BLOCK_H steps with an fp32 accumulator (tensor cores for bf16 / fp16;
-fp32 inputs use IEEE fp32 FMA unless torch allows TF32, see ``tiled.py``), the bias added in fp32, and the tile
-kept in fp32 (no rounding to hidden's dtype: the chunked method's default fp32 logits, ``lm_head/
-fp32_linear.py``; on the GPU the same tensor-core dot, so the fp32 logits cost nothing here). Everything after that is the row kernels' fp32 math on 2-D tiles
-(``row_math`` / ``common`` functions broadcast over (rows, 1) x (1, columns)).
+fp32 inputs use IEEE fp32 FMA unless torch allows TF32, see ``tiled.py``), the bias added in fp32,
+and the tile kept in fp32 (no rounding to hidden's dtype: the chunked method's default fp32 logits,
+``lm_head/fp32_linear.py``; on the GPU the same tensor-core dot, so the fp32 logits cost nothing
+here). Everything after that is the row kernels' fp32 math on 2-D tiles (``row_math`` / ``common``
+functions broadcast over (rows, 1) x (1, columns)).
 
 ``tile_targets`` is the token-tile prologue of the tiled cross-entropy kernels (the targets of BLOCK_N
 tokens, after ``common.tile_rows``).
