@@ -108,7 +108,8 @@ class ChunkedDistill:
                 loss[c], d = self.rows_op(zs, zt, None if target is None else target[c],
                                           grad_factor[c] if want else None, **kw)
                 del zs, zt
-                loop.backprop_chunk_(d, hs[c], ws, c, g_h, g_w, g_b)   # d: the logits' dtype (fp32)
+                if d is not None:   # d: the logits' dtype (fp32)
+                    loop.backprop_chunk_(d, hs[c], ws, c, g_h, g_w, g_b)
                 del d
         return loss, g_h, g_w, g_b
 
