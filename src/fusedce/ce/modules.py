@@ -75,7 +75,7 @@ class CrossEntropyLoss(nn.Module):
                  **options: Unpack[LossOptionValues]):
         check_flag("inplace_backward", inplace_backward)
         check_flag("return_stats", return_stats)
-        invariant.check(batch_invariant, "chunked")
+        invariant.check(batch_invariant)
         super().__init__()
         _set_options(self, "weight", weight, reduction, backend,
                      dict(options, ignore_index=ignore_index, label_smoothing=label_smoothing,

@@ -16,6 +16,13 @@ is ``ignore_index`` (they add nothing, and their outputs are dropped):
   the vocabulary; PyTorch: its row loops on the same shape every chunk);
 - the hidden gradient: ``(64, V) @ (V, H)`` per chunk, fp32 over the same weight blocks in order.
 
+Measured on the 2-core CPU VM (loaded), PyTorch backend, one probe row placed in batches of 2 to 200
+rows at 12 positions with random and ignored neighbours and several chunk sizes: without the flag its
+fp32 bits changed in 11 of 12 placements (H = 256, V = 4099, fp32) and 10 of 12 (H = 64, V = 301, bf16);
+with it in 0 of 12 (also H = 1024, V = 8192, fp32; and the Triton backend, bf16). Cost (BT = 256,
+H = 576, V = 49152, bf16, fwd+bwd of ``linear_cross_entropy``): 5.5 s against 4.2 s without the flag
+(x1.3: four 64-row chunks instead of two of 144, each re-reading the weight), noisy under the load.
+
 The reduction order of a row is therefore that of those fixed shapes; an inference engine reproduces
 it by computing the same ``(64, H) x (H, V)`` GEMM (same library, thread count and dtype). The weight
 and bias gradients are sums over rows, so they depend on the batch by definition: exempt. Cost: the
@@ -35,12 +42,13 @@ from typing import Optional
 
 import torch
 
-ROWS = 64   # rows per chunk; the measurement: README "batch invariance"
+ROWS = 64   # rows per chunk: small enough that padding costs little (module docstring, "Cost")
 
 
-def check(batch_invariant, method: str) -> bool:
+def check(batch_invariant, method: str = "chunked") -> bool:
     """``batch_invariant`` checked: ``TypeError`` unless a bool; ``ValueError`` with ``method="tiled"``
-    (the tiled kernels are not built for it: use ``method="chunked"``). Returns it."""
+    (the tiled kernels are not built for it: use ``method="chunked"``; the logits ops, which have no
+    method, take the default). Returns it."""
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
     if batch_invariant and method == "tiled":

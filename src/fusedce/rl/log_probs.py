@@ -80,7 +80,7 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     """
     call = rc.checked_log_probs(logits, target, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
                                 ignore_index=ignore_index, return_entropy=return_entropy, return_stats=return_stats)
-    invariant.check(batch_invariant, "chunked")
+    invariant.check(batch_invariant)
     impl = backends.get(backend, logits.device, entropy=True)
     invariant.check_backend(batch_invariant, impl)
     val.check_target_range(call.target, logits.shape[-1], call.opts.ignore_index)

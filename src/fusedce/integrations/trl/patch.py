@@ -150,7 +150,7 @@ def patch_trl(*, batch_invariant: bool = False, logits_dtype: str = "float32") -
             reproduces differs from what it was written against.
     """
     global _state
-    invariant.check(batch_invariant, "chunked")
+    invariant.check(batch_invariant)
     forward.OPTIONS.update(batch_invariant=batch_invariant, logits_dtype=check_logits_dtype(logits_dtype))
     trl, utils = _trl_utils()
     function = utils.add_fused_lm_head
