@@ -145,10 +145,14 @@ def _cross_entropy(op, logits, t, cw, reduction, backend):
 
 
 def _linear(op, h, w, t, b, cw, reduction, backend):
+    """The linear op with ``logits_dtype="input"``: the stock composition's rounding of the logits to the
+    autocast dtype, so that the bounds above (both paths on the same logits) apply; the default fp32
+    logits are checked against float64 in tests/linear/test_fp32_logits.py."""
     if op == "function":
         return fusedce.linear_cross_entropy(h, w, t, b, ce_weight=cw, reduction=reduction,
-                                            label_smoothing=EPS, backend=backend)
-    module = fusedce.LinearCrossEntropyLoss(cw, reduction=reduction, label_smoothing=EPS, backend=backend)
+                                            label_smoothing=EPS, backend=backend, logits_dtype="input")
+    module = fusedce.LinearCrossEntropyLoss(cw, reduction=reduction, label_smoothing=EPS, backend=backend,
+                                            logits_dtype="input")
     return module(h, w, t, b)
 
 
@@ -288,10 +292,12 @@ def test_compiled_under_autocast(backend):
 
 
 def test_keyword_arguments_under_autocast():
-    """hidden / weight / bias passed by keyword are cast like positional ones (both entry points)."""
+    """hidden / weight / bias passed by keyword are cast like positional ones (both entry points; the
+    stock rounding of the logits, ``logits_dtype="input"``, so the logits op on ``F.linear`` matches)."""
     h, w, b, t, _, _ = _data()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        positional = fusedce.linear_cross_entropy(h, w, t, b, backend="torch")
-        keywords = fusedce.linear_cross_entropy(hidden=h, weight=w, target=t, bias=b, backend="torch")
+        positional = fusedce.linear_cross_entropy(h, w, t, b, backend="torch", logits_dtype="input")
+        keywords = fusedce.linear_cross_entropy(hidden=h, weight=w, target=t, bias=b, backend="torch",
+                                                logits_dtype="input")
         ce = fusedce.cross_entropy(logits=F.linear(h, w, b), target=t, backend="torch")
     assert torch.equal(positional, keywords) and torch.equal(keywords, ce)

@@ -1,7 +1,7 @@
 """``fusedce.linear_distillation_loss`` (both LM heads fused with the loss), chunked and tiled, against
-float64 autograd of the oracle (reference64_distill.py) on the contract's logits (``F.linear`` in the
-inputs' dtype, fp32 accumulation; the rounding to that dtype passed straight through, as stock's backward
-does): every beta / reduction, hard labels, ignored rows, softcaps, biases, dtypes, the student's three
+float64 autograd of the oracle (reference64_distill.py) on the contract's logits (since 2026-12-02: fp32
+logits of the inputs' exact values, so the reference takes the exact float64 products; the chunked
+backward rounds the logits' gradient to the dtype once, as stock's): every beta / reduction, hard labels, ignored rows, softcaps, biases, dtypes, the student's three
 gradients, the teacher's none, upstream scaling, poisoned allocations, empty / all-ignored batches, bad
 inputs."""
 from __future__ import annotations
@@ -52,13 +52,13 @@ def _run(student, teacher, target, reduction, upstream, backend, method, **kw):
 
 
 def _reference(student, teacher, target, reduction, upstream, **kw):
-    """float64 autograd; the student's logits are ``F.linear`` in its dtype, the rounding passed through."""
+    """float64 autograd on the exact logits of both models (the fused op forms them in fp32 from the
+    same values, never rounded to the inputs' dtype)."""
     leaves = [None if t is None else t.double().requires_grad_() for t in student]
     h64, w64, b64 = leaves
-    exact = h64 @ w64.T + (0.0 if b64 is None else b64)
-    z = exact + (F.linear(*student).double() - exact).detach()
+    z = h64 @ w64.T + (0.0 if b64 is None else b64)
     z.retain_grad()
-    zt = F.linear(*teacher).double()
+    zt = F.linear(*[None if t is None else t.double() for t in teacher])
     ref = distillation_loss64(z, zt, target, reduction=reduction, **kw)
     ref.backward(upstream.double() if reduction == "none" else torch.tensor(float(upstream), dtype=torch.float64))
     return ref.detach(), z.grad, [None if t is None else t.grad for t in leaves], z.detach(), zt

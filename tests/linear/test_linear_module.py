@@ -86,9 +86,9 @@ def test_argument_order():
     assert positional[0] == "ce_weight" and positional[-2:] == ["chunk_size", "accum_dtype"]
     # options added after the contract's positional ones are keyword-only: old positional calls keep
     # their meaning
-    assert sorted(n for n in names if n not in positional) == ["deterministic", "logit_scale", "method",
-                                                                "use_token_scaling"]
-    assert all(init[n].kind == init[n].KEYWORD_ONLY for n in ("logit_scale", "use_token_scaling"))
+    assert sorted(n for n in names if n not in positional) == ["batch_invariant", "deterministic", "logit_scale",
+                                                                "logits_dtype", "method", "use_token_scaling"]
+    assert all(init[n].kind == init[n].KEYWORD_ONLY for n in ("logit_scale", "use_token_scaling", "logits_dtype"))
     for n in names:
         assert n in fn, f"constructor option {n!r} is not an option of linear_cross_entropy"
         assert init[n].default == fn[n].default, n

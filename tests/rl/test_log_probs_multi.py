@@ -18,8 +18,9 @@ from reference64_log_probs import reference_log_probs
 
 HIDDEN, V, K = 16, 300, 5
 SETTINGS = {"plain": (1.0, None), "t0.7": (0.7, None), "t1.3_cap5": (1.3, 5.0)}
-# as tests/rl/test_log_probs.py: fp32 math on values rounded to the input dtype (the reference rounds them
-# the same way): a few fp32 ulps of O(1..10) values; gradients: two roundings to the dtype at most
+# as tests/rl/test_log_probs.py: fp32 math on the given values (the linear ops: fp32 logits of the exact
+# products, as the reference): a few fp32 ulps of O(1..10) values; gradients: two roundings to the dtype
+# at most
 ATOL = 2e-5
 GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
@@ -93,9 +94,8 @@ def test_linear_token_log_probs_k(backend, setting, dtype, method):
         g, beta = torch.randn(target.shape), torch.rand(target.shape[:-1])
         objective(out.log_probs, out.entropy, g, beta).backward()
     leaves = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
-    rounded = torch.nn.functional.linear(hidden, weight, bias).detach().double()   # in the inputs' dtype
-    exact = torch.nn.functional.linear(*leaves)
-    ref_lp, ref_ent = reference_log_probs(exact + (rounded - exact).detach(), target, temperature, softcap)
+    exact = torch.nn.functional.linear(*leaves)   # fp32 logits from the same values: never rounded to the dtype
+    ref_lp, ref_ent = reference_log_probs(exact, target, temperature, softcap)
     check(out.log_probs, ref_lp.detach(), ATOL, name="log_probs")
     check(out.entropy, ref_ent.detach(), ATOL, name="entropy")
     objective(ref_lp, ref_ent, g.double(), beta.double()).backward()

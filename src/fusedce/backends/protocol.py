@@ -72,9 +72,10 @@ class TiledCE(Protocol):
     """A backend's LM head + loss with no logits tensor of V or more elements (``method="tiled"``).
 
     ``hidden`` (n, H), ``weight`` (V, H), ``bias`` (V,) or None: one float dtype; the logits are
-    ``hidden @ weight.T + bias`` rounded to that dtype (fp32 accumulation, as ``F.linear``), then the
-    loss math in fp32. ``target`` (n,) int64; ``w`` (V,) fp32 class weights and ``weight_sum`` their
-    0-dim fp32 sum, or None. Ignored rows cost no loss math and get exactly zero gradient.
+    ``hidden @ weight.T + bias`` in fp32 from the operands' values (exact products, fp32 sums, never
+    rounded to their dtype), then the loss math in fp32. ``target`` (n,) int64; ``w`` (V,) fp32 class
+    weights and ``weight_sum`` their 0-dim fp32 sum, or None. Ignored rows cost no loss math and get
+    exactly zero gradient.
     """
 
     def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,

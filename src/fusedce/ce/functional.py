@@ -12,7 +12,8 @@ from fusedce.core import reduction as red, validation as val
 from fusedce.ce import soft_targets as soft
 from fusedce.ce import linear_soft
 from fusedce.core.options import check_flag, deterministic_mode, loss_options
-from fusedce.lm_head.method import check_method, resolve_method
+from fusedce.lm_head import invariant
+from fusedce.lm_head.method import check_logits_dtype, check_method, resolve_method
 from fusedce.core.row_math import target_probability
 from fusedce.core.rows import rows_view
 from fusedce.core.types import CrossEntropyOutput
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None, *,
                   reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                   inplace_backward: bool = False, return_stats: bool = False, backend: Optional[str] = None,
-                  token_weights: Optional[torch.Tensor] = None,
+                  token_weights: Optional[torch.Tensor] = None, batch_invariant: bool = False,
                   **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """Cross-entropy over the LAST dimension of ``logits`` (the LLM layout), computed in fp32.
 
@@ -77,6 +78,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             ``lse`` is 0 on ignored rows (as in :func:`linear_cross_entropy`, which never computes them).
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND`` (unset or
             empty: auto).
+        batch_invariant: True promises (and checks that the call allows) that each row's outputs
+            (``"none"`` rows, ``lse``, the statistics) and its row of the gradient are bitwise the same
+            whatever the other rows, their number and the row's position (a fixed device, dtype, thread
+            count and version): the Triton kernels run one program per row, the PyTorch row loops
+            reduce each row whole on one thread (``lm_head/invariant.py``); it costs nothing here.
+            ``ValueError`` with probability targets or ``backend="cute"``, ``TypeError`` unless a bool.
         **options: the loss options (``ignore_index``, ``label_smoothing``, ...), listed with their
             defaults and domains under "Loss options" below.
 
@@ -125,10 +132,13 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     val.check_num_items(num_items_in_batch, logits.device)
     check_flag("inplace_backward", inplace_backward)
     check_flag("return_stats", return_stats)
+    invariant.check(batch_invariant)
     val.check_token_weights(token_weights, target, shape)
     weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
     impl = backends.get(backend, logits.device)
+    invariant.check_backend(batch_invariant, impl)
     if probabilities:   # ce/soft_targets.py: F.cross_entropy's probability targets
+        invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")
         return soft.cross_entropy(soft.backend_rows(impl, backend), rows_view(logits, inplace_backward), target,
                                   weight, opts, reduction, num_items_in_batch, inplace_backward, return_stats,
                                   token_weights, shape)
@@ -158,7 +168,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          chunk_size: Optional[int] = None, method: str = "auto",
                          accum_dtype: torch.dtype = torch.float32, return_stats: bool = False,
                          backend: Optional[str] = None, deterministic: Optional[bool] = None,
-                         token_weights: Optional[torch.Tensor] = None,
+                         token_weights: Optional[torch.Tensor] = None, logits_dtype: str = "float32",
+                         batch_invariant: bool = False,
                          **options: Unpack[LossOptionValues]) -> Union[torch.Tensor, CrossEntropyOutput]:
     """The LM head fused with the loss: ``cross_entropy(hidden @ weight.T + bias, target)`` without
     ever allocating the BT x V logits.
@@ -181,8 +192,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         bias: optional ``(V,)``, same dtype as ``hidden``.
         ce_weight: optional ``(V,)`` class weights of the loss.
         reduction, num_items_in_batch, ``**options`` (the loss options, listed below): as in
-            :func:`cross_entropy`, on logits computed in ``hidden``'s dtype with fp32 accumulation (as
-            ``F.linear``); the loss math is fp32.
+            :func:`cross_entropy`, on fp32 logits (``logits_dtype``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
             None = automatic: ``max(64, H / 4)`` rows on CPU, ``max(1024, BT * H / V)`` elsewhere, capped
             at BT (rule and its measurement in ``lm_head/method.py``). Only with ``method="chunked"`` (or "auto").
@@ -203,6 +213,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             :func:`cross_entropy` (both methods, every backend: they scale each row's upstream gradient,
             so no kernel sees them; the chunked method's gradient headroom includes their largest finite
             magnitude, on the device). The NaN / infinity check shares the target-range check's sync.
+        logits_dtype: ``"float32"`` (default): the logits are formed in fp32 from the operands' values
+            (products of bf16 / fp16 values are exact in fp32, summed in fp32; no fp32 copy of the weight:
+            ``lm_head/fp32_linear.py``), so bf16 / fp16 results are within fp32 rounding of float64 of
+            the same values; ``"input"``: rounded to ``hidden``'s dtype first, as ``F.linear`` (the stock
+            composition's values, for exact parity with it). No effect on fp32 operands.
+        batch_invariant: True: each row's outputs (``"none"`` rows, ``lse``, the statistics) and its row of
+            ``hidden``'s gradient are bitwise the same whatever the other rows are, their number, the
+            row's position, the ignored rows and ``chunk_size`` (for a fixed device, dtype, thread
+            count and version): the kept rows are processed in chunks of exactly 64, the last padded
+            with ignored zero rows (the reduction order: ``lm_head/invariant.py``); ``chunk_size`` has
+            no effect then. The weight and bias gradients (sums over rows) are exempt. Only with
+            ``method="chunked"`` / ``"auto"`` and class-index targets (``ValueError`` otherwise).
 
     Returns:
         The fp32 loss, or ``CrossEntropyOutput``. Gradients of ``hidden``, ``weight``, ``bias`` have their
@@ -218,7 +240,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         != weight.shape[1]``, ``weight`` is not 2-D, ``bias`` is not ``(V,)`` or ``chunk_size`` < 1, and
         ``TypeError`` when ``hidden``, ``weight`` and ``bias`` dtypes differ, ``chunk_size`` is not an
         integer (a float or a bool) or ``accum_dtype`` is not a floating-point ``torch.dtype``;
-        ``ValueError`` for an unknown ``method`` or a ``chunk_size`` with ``method="tiled"``;
+        ``ValueError`` for an unknown ``method``, a ``chunk_size`` with ``method="tiled"`` or a
+        ``logits_dtype`` not in ``("float32", "input")``, ``batch_invariant=True`` with ``method="tiled"``
+        or probability targets; ``TypeError`` for a ``batch_invariant`` that is not a bool;
         ``TypeError`` for a ``deterministic`` that is neither None nor a bool.
     """
     opts = loss_options(reduction, **options)
@@ -226,8 +250,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     val.check_linear(hidden, weight, linear_soft.index_stand_in(hidden, target) if probabilities else target,
                      bias, ce_weight, chunk_size, accum_dtype)
     check_method(method, chunk_size)
+    check_logits_dtype(logits_dtype)
+    invariant.check(batch_invariant, resolve_method(method))
     deterministic = deterministic_mode(deterministic)
     if probabilities:   # ce/linear_soft.py: probability targets
+        invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")
         linear_soft.check_linear_soft_target(target, hidden, weight, opts)
         val.check_num_items(num_items_in_batch, hidden.device)
         check_flag("return_stats", return_stats)
@@ -236,7 +263,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         return linear_soft.linear_cross_entropy(impl, backend, hidden, weight, target, bias, ce_weight, opts,
                                                 reduction, num_items_in_batch,
                                                 None if chunk_size is None else int(chunk_size), method,
-                                                accum_dtype, return_stats, token_weights)
+                                                accum_dtype, return_stats, token_weights, logits_dtype)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_num_items(num_items_in_batch, hidden.device)
     check_flag("return_stats", return_stats)
@@ -244,6 +271,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ce_weight = None if ce_weight is None else ce_weight.detach()   # class weights are constants
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
     impl = backends.get(backend, hidden.device, tiled=resolve_method(method) == "tiled")
+    invariant.check_backend(batch_invariant, impl)
     flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     token_weights = red.row_token_weights(token_weights, flat_target, opts.ignore_index)
     val.check_target_range(target, n_classes, opts.ignore_index,
@@ -256,7 +284,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     loss, lse, predicted, token_weight = linear_function.linear_cross_entropy(
         impl.CHUNK_CE, flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scales,
         None if chunk_size is None else int(chunk_size), accum_dtype, return_stats, method,
-        tiled=impl.TILED_CE, deterministic=deterministic, token_weights=token_weights)
+        tiled=impl.TILED_CE, deterministic=deterministic, token_weights=token_weights, logits=logits_dtype,
+        batch_invariant=batch_invariant)
     if reduction == "none":
         loss = loss.reshape(shape)
     if not return_stats:

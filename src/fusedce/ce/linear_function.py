@@ -28,6 +28,7 @@ from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.reduction import MeanScales, reduce, times, token_scaled, z_rows
 from fusedce.core.options import LossOptions
 from fusedce.backends.protocol import ChunkCE, TiledCE
+from fusedce.lm_head import invariant
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
 from fusedce.lm_head.headroom import headroom, scaled_
 from fusedce.lm_head.method import make_head
@@ -102,7 +103,8 @@ def _weighted(grad_row: torch.Tensor, token_weights: Optional[torch.Tensor]) -> 
 def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, opts: LossOptions, reduction: str,
                          scales: Optional[MeanScales], chunk_size, accum_dtype, stats: bool, method: str = "auto",
                          *, tiled: Optional[TiledCE] = None, deterministic: bool = False,
-                         token_weights: Optional[torch.Tensor] = None):
+                         token_weights: Optional[torch.Tensor] = None, logits: str = "float32",
+                         batch_invariant: bool = False):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> (loss, lse, predicted,
     token_weight).
 
@@ -112,15 +114,21 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
     multiplied by (0 on ignored rows): ``p_t`` with ``use_token_scaling``, times ``token_weights``
     ((BT,) fp32 constants, 0 on ignored rows, or None), or None when neither. ``method``: "chunked" /
     "tiled" / "auto" (``heads.py``; ``tiled`` is the backend's ``TiledCE``, required for "tiled");
-    ``deterministic``: bitwise-reproducible gradients (``make_head``).
+    ``deterministic``: bitwise-reproducible gradients (``make_head``); ``logits``: the logits' dtype
+    (``chunked.logits_dtype``); ``batch_invariant``: the kept rows padded to 64-row chunks
+    (``lm_head/invariant.py``; ``chunk_size`` is then 64).
     """
     n = hidden.shape[0]
     w, weight_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
     if index is not None and token_weights is not None:
         token_weights = token_weights.index_select(0, index)
+    kept = hidden.shape[0]
+    if batch_invariant:
+        hidden, target, token_weights = invariant.pad_rows(hidden, target, opts.ignore_index, token_weights)
+        chunk_size = invariant.ROWS
     head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
-                     deterministic, hidden.device.type)
+                     deterministic, hidden.device.type, logits)
     if scales is None:
         one = torch.ones((), device=hidden.device)
         scales = MeanScales(one, one)
@@ -136,6 +144,10 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
                                                                           weight_sum, opts, stats)
         token_weight = times(token_weight, token_weights)
         out = reduce(*token_scaled(loss, z_rows(lse, opts), token_weight), reduction, scales, loss.shape)
+    if hidden.shape[0] != kept:   # batch_invariant's padding rows dropped
+        out = out[:kept] if reduction == "none" else out
+        lse, predicted = lse[:kept], predicted[:kept]
+        token_weight = None if token_weight is None else token_weight[:kept]
     if reduction == "none":
         out = scatter_rows(out, index, n, 0.0)
     if token_weight is not None:

@@ -114,10 +114,11 @@ _N_INPUTS = len(inspect.signature(_LinearSoftCE.forward).parameters) - 1
 
 def linear_cross_entropy(impl, backend_name, hidden, weight, target, bias, ce_weight, opts: LossOptions,
                          reduction: str, num_items_in_batch, chunk_size, method: str, accum_dtype,
-                         return_stats: bool, token_weights):
+                         return_stats: bool, token_weights, logits: str = "float32"):
     """The op on checked common arguments (``functional.linear_cross_entropy``'s): ``target`` (..., V)
     float probabilities. Returns the fp32 loss or ``CrossEntropyOutput`` (``token_accuracy``: the argmax
-    of the logits equals the argmax of the target, every row counted; one more read of the target)."""
+    of the logits equals the argmax of the target, every row counted; one more read of the target).
+    ``logits``: the chunked method's logits dtype (``chunked.logits_dtype``)."""
     backend_rows(impl, backend_name)   # NotImplementedError on a backend without probability targets
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -132,7 +133,7 @@ def linear_cross_entropy(impl, backend_name, hidden, weight, target, bias, ce_we
     else:
         one = torch.ones((), device=hidden.device)
         scales = red.MeanScales(one, one)
-    head = make_soft_head(impl, method, n, hidden.shape[-1], n_classes, chunk_size, hidden.device.type)
+    head = make_soft_head(impl, method, n, hidden.shape[-1], n_classes, chunk_size, hidden.device.type, logits)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and any(needs):
         loss, lse, predicted = _LinearSoftCE.apply(flat_hidden, weight, bias, q, head, w, opts, reduction,

@@ -10,7 +10,8 @@ from torch import nn
 from fusedce import backends
 from fusedce.core import validation as val
 from fusedce.core.options import check_accum_dtype, check_chunk_size, check_flag, deterministic_mode, loss_options
-from fusedce.lm_head.method import check_method
+from fusedce.lm_head import invariant
+from fusedce.lm_head.method import check_logits_dtype, check_method, resolve_method
 from fusedce.ce.functional import cross_entropy, linear_cross_entropy
 from fusedce.core.options.signatures import with_loss_options
 from fusedce.core.options import LOSS_OPTION_NAMES, LossOptionValues
@@ -61,16 +62,20 @@ class CrossEntropyLoss(nn.Module):
     The options are checked at construction, with the errors of ``cross_entropy``: ``ValueError`` for
     a bad ``reduction``, a loss option outside its domain, a ``weight`` that is not 1-D or an unknown
     ``backend`` name; ``TypeError`` for an unknown keyword, a loss option of the wrong kind, a non-bool
-    flag or a ``weight`` that is not a floating-point tensor. Shapes, devices, ``"triton"`` without CUDA or the interpreter and ``"cute"`` without CUDA or
+    flag or a ``weight`` that is not a floating-point tensor; ``batch_invariant`` (keyword-only, as in the
+    function; ``TypeError`` unless a bool). Shapes, devices, ``"triton"`` without CUDA or the interpreter
+    and ``"cute"`` without CUDA or
     its extra (``RuntimeError``) are checked at each call.
     """
 
     def __init__(self, weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, inplace_backward: bool = False, return_stats: bool = False,
-                 backend: Optional[str] = None, **options: Unpack[LossOptionValues]):
+                 backend: Optional[str] = None, *, batch_invariant: bool = False,
+                 **options: Unpack[LossOptionValues]):
         check_flag("inplace_backward", inplace_backward)
         check_flag("return_stats", return_stats)
+        invariant.check(batch_invariant)
         super().__init__()
         _set_options(self, "weight", weight, reduction, backend,
                      dict(options, ignore_index=ignore_index, label_smoothing=label_smoothing,
@@ -78,16 +83,17 @@ class CrossEntropyLoss(nn.Module):
         self.register_buffer("weight", weight)
         self.reduction, self.inplace_backward, self.return_stats, self.backend = (
             reduction, inplace_backward, return_stats, backend)
+        self.batch_invariant = batch_invariant
 
     def extra_repr(self) -> str:
-        return _extra_repr(self, "inplace_backward", "return_stats", "backend")
+        return _extra_repr(self, "inplace_backward", "return_stats", "backend", "batch_invariant")
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None, *,
                 token_weights: Optional[torch.Tensor] = None):
         return cross_entropy(logits, target, self.weight, reduction=self.reduction,
                              num_items_in_batch=num_items_in_batch, inplace_backward=self.inplace_backward,
                              return_stats=self.return_stats, backend=self.backend, token_weights=token_weights,
-                             **_options(self))
+                             batch_invariant=self.batch_invariant, **_options(self))
 
 
 @with_loss_options
@@ -103,7 +109,10 @@ class LinearCrossEntropyLoss(nn.Module):
     ``weight``), plus ``chunk_size`` (``TypeError`` unless an integer or None, ``ValueError`` when < 1),
     ``method`` (keyword-only; ``ValueError`` unless "auto" / "chunked" / "tiled", or with a
     ``chunk_size`` and "tiled"), ``deterministic`` (keyword-only, as in the function: None follows
-    ``torch.are_deterministic_algorithms_enabled()`` at each call; ``TypeError`` unless None or a bool)
+    ``torch.are_deterministic_algorithms_enabled()`` at each call; ``TypeError`` unless None or a bool),
+    ``logits_dtype`` (keyword-only, as in the function; ``ValueError`` unless "float32" / "input"),
+    ``batch_invariant`` (keyword-only, as in the function; ``TypeError`` unless a bool, ``ValueError``
+    with ``method="tiled"``)
     and ``accum_dtype`` (``TypeError`` unless a floating-point ``torch.dtype``).
     """
 
@@ -111,13 +120,15 @@ class LinearCrossEntropyLoss(nn.Module):
                  reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                  softcap: Optional[float] = None, return_stats: bool = False, backend: Optional[str] = None,
                  chunk_size: Optional[int] = None, accum_dtype: torch.dtype = torch.float32, *,
-                 method: str = "auto", deterministic: Optional[bool] = None,
-                 **options: Unpack[LossOptionValues]):
+                 method: str = "auto", deterministic: Optional[bool] = None, logits_dtype: str = "float32",
+                 batch_invariant: bool = False, **options: Unpack[LossOptionValues]):
         if "weight" in options:
             raise TypeError("LinearCrossEntropyLoss(weight=...): the LM head's weight (V, H) is forward's second "
                             "argument; class weights of the loss are `ce_weight=` (as in linear_cross_entropy)")
         check_chunk_size(chunk_size)
         check_method(method, chunk_size)
+        check_logits_dtype(logits_dtype)
+        invariant.check(batch_invariant, resolve_method(method))
         deterministic_mode(deterministic)
         check_flag("return_stats", return_stats)
         check_accum_dtype(accum_dtype)
@@ -128,11 +139,11 @@ class LinearCrossEntropyLoss(nn.Module):
         self.register_buffer("ce_weight", ce_weight)
         self.reduction, self.return_stats, self.backend = reduction, return_stats, backend
         self.chunk_size, self.accum_dtype, self.method = chunk_size, accum_dtype, method
-        self.deterministic = deterministic
+        self.deterministic, self.logits_dtype, self.batch_invariant = deterministic, logits_dtype, batch_invariant
 
     def extra_repr(self) -> str:
         return _extra_repr(self, "return_stats", "backend", "chunk_size", "accum_dtype", "method",
-                           "deterministic")
+                           "deterministic", "logits_dtype", "batch_invariant")
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, num_items_in_batch=None, *,
@@ -141,4 +152,5 @@ class LinearCrossEntropyLoss(nn.Module):
             hidden, weight, target, bias, ce_weight=self.ce_weight, reduction=self.reduction,
             num_items_in_batch=num_items_in_batch, chunk_size=self.chunk_size, method=self.method,
             accum_dtype=self.accum_dtype, return_stats=self.return_stats, backend=self.backend,
-            deterministic=self.deterministic, token_weights=token_weights, **_options(self))
+            deterministic=self.deterministic, token_weights=token_weights, logits_dtype=self.logits_dtype,
+            batch_invariant=self.batch_invariant, **_options(self))

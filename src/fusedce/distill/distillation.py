@@ -162,8 +162,9 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
 
     Args:
         student_hidden: ``(..., H)`` float32 / bfloat16 / float16; ``student_weight`` ``(V, H)`` and
-            ``student_bias`` (optional) ``(V,)`` of the same dtype. Each model's logits are computed in
-            its dtype with fp32 accumulation (as ``F.linear``), the loss math in fp32.
+            ``student_bias`` (optional) ``(V,)`` of the same dtype. Each model's logits are formed in
+            fp32 from its values (exact products summed in fp32, never rounded to its dtype, no fp32
+            copy of a weight: ``lm_head/fp32_linear.py``), the loss math in fp32.
         teacher_hidden: ``(..., Ht)`` with the student's leading shape (Ht may differ from H);
             ``teacher_weight`` ``(V, Ht)`` (the same V) and ``teacher_bias`` ``(V,)`` of one dtype (may
             differ from the student's). Constants: they never receive a gradient.

@@ -108,12 +108,8 @@ class ChunkedDistill:
                 loss[c], d = self.rows_op(zs, zt, None if target is None else target[c],
                                           grad_factor[c] if want else None, **kw)
                 del zs, zt
-                if g_h is not None:
-                    torch.mm(d, ws, out=g_h[c])
-                if g_w is not None:
-                    loop.accumulate_(g_w, d, hs[c])
-                if g_b is not None:
-                    g_b += d.sum(dim=0, dtype=torch.float32)
+                if d is not None:   # d: the logits' dtype (fp32)
+                    loop.backprop_chunk_(d, hs[c], ws, c, g_h, g_w, g_b)
                 del d
         return loss, g_h, g_w, g_b
 

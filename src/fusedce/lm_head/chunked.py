@@ -1,8 +1,9 @@
 """The chunk loop: logits of ``rows`` tokens at a time, never BT x V.
 
 Per chunk c (hidden rows h_c, n_c x H):
-    logits_c = h_c @ W.T (+ b)                       n_c x V, hidden's dtype, fp32 accumulation, written
-                                                     into one chunk buffer reused by every chunk
+    logits_c = h_c @ W.T (+ b)                       n_c x V fp32 from the operands' values (``fp32_linear``;
+                                                     ``logits="input"``: hidden's dtype, as F.linear),
+                                                     written into one chunk buffer reused by every chunk
     loss_c, lse_c, g_c = dloss/dlogits_c              one backend call, ``ChunkCE.loss_and_grad_``: the
                                                      gradient written over logits_c (Triton: one fused
                                                      kernel, the chunk read once and written once)
@@ -29,14 +30,29 @@ import torch
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import grad_lse, target_probability
 from fusedce.core.validation import sync_allowed
+from .fp32_linear import linear_fp32_
 
 _OUT_DTYPE_MM: dict = {}   # device type -> bool; filled only by eager calls on real tensors
 
 
+def logits_dtype(operand_dtype: torch.dtype, logits: str = "float32") -> torch.dtype:
+    """The dtype of the chunk logits: fp32 (``logits="float32"``, the default: the exact products of the
+    operands summed in fp32, ``fp32_linear.py``) or the operands' own (``logits="input"``: the stock
+    composition's ``F.linear`` rounding, for exact parity with it)."""
+    return operand_dtype if logits == "input" else torch.float32
+
+
 def logits_chunk(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 buffer: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``h @ weight.T (+ bias)`` in ``h``'s dtype, written into ``buffer[:n]`` when one is given (the same
-    ``addmm`` / ``mm`` that ``F.linear`` runs, so the same values)."""
+                 buffer: Optional[torch.Tensor] = None, logits: str = "float32") -> torch.Tensor:
+    """``h @ weight.T (+ bias)`` in ``logits_dtype(h.dtype, logits)``, written into ``buffer[:n]`` when one
+    is given (then its dtype decides). Operands of that dtype: the ``addmm`` / ``mm`` that ``F.linear``
+    runs, so the same values; fp32 logits of bf16 / fp16 operands: ``fp32_linear.linear_fp32_`` (no fp32
+    copy of the weight)."""
+    dtype = logits_dtype(h.dtype, logits) if buffer is None else buffer.dtype
+    if dtype != h.dtype:
+        out = buffer[: h.shape[0]] if buffer is not None else torch.empty(
+            h.shape[0], weight.shape[0], dtype=dtype, device=h.device)
+        return linear_fp32_(h, weight, bias, out, _mm_out_dtype_ok(out))
     if buffer is None:
         return torch.nn.functional.linear(h, weight, bias)
     out = buffer[: h.shape[0]]
@@ -45,19 +61,22 @@ def logits_chunk(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return torch.addmm(bias, h, weight.t(), out=out)
 
 
-def chunk_buffer(n_rows: int, rows: int, weight: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """One ``rows x V`` logits buffer for the whole loop (None under torch.compile / CUDA-graph
-    capture, where each chunk gets its own tensor: ``out=`` into a reused buffer is an eager-only
-    allocation saving)."""
+def chunk_buffer(n_rows: int, rows: int, weight: torch.Tensor, dtype: torch.dtype,
+                 logits: str = "float32") -> Optional[torch.Tensor]:
+    """One ``rows x V`` logits buffer for the whole loop, in ``logits_dtype(dtype, logits)`` (``dtype``:
+    the operands'), or None under torch.compile / CUDA-graph capture, where each chunk gets its own
+    tensor: ``out=`` into a reused buffer is an eager-only allocation saving)."""
     if not sync_allowed(weight):
         return None
-    return torch.empty(min(rows, n_rows), weight.shape[0], dtype=dtype, device=weight.device)
+    return torch.empty(min(rows, n_rows), weight.shape[0], dtype=logits_dtype(dtype, logits),
+                       device=weight.device)
 
 
 def _mm_out_dtype_ok(acc: torch.Tensor) -> bool:
-    """Whether ``torch.addmm(..., out_dtype=)`` may write into ``acc`` (eager CUDA builds; not the CPU
-    kernels). False, without probing or caching, while tracing (torch.compile / export), capturing a
-    CUDA graph or on non-plain tensors (fake / functional / subclass): see the module docstring."""
+    """Whether ``torch.addmm(..., out_dtype=)`` / ``torch.mm(..., out_dtype=)`` may write into ``acc``
+    (eager CUDA builds; not the CPU kernels). False, without probing or caching, while tracing (torch.compile /
+    export), capturing a CUDA graph or on non-plain tensors (fake / functional / subclass): see the module
+    docstring."""
     if not sync_allowed(acc) or type(acc) is not torch.Tensor:
         return False
     key = acc.device.type
@@ -68,6 +87,7 @@ def _mm_out_dtype_ok(acc: torch.Tensor) -> bool:
         try:
             out = torch.zeros(2, 2, dtype=torch.float32, device=a.device)
             torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+            torch.mm(a, a, out_dtype=torch.float32, out=out)   # the fp32 logits' GEMM (fp32_linear.py)
             _OUT_DTYPE_MM[key] = True
         except (RuntimeError, TypeError, NotImplementedError):
             _OUT_DTYPE_MM[key] = False
@@ -75,10 +95,11 @@ def _mm_out_dtype_ok(acc: torch.Tensor) -> bool:
 
 
 def accumulate_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
-    """``acc += g.T @ h`` with ``acc`` in its own (accumulation) dtype, no fresh V x H temporary."""
-    if acc.dtype == g.dtype:
+    """``acc += g.T @ h`` with ``acc`` in its own (accumulation) dtype, no fresh V x H temporary (``g``
+    may be fp32 logits' gradient with a bf16 / fp16 ``h``)."""
+    if acc.dtype == g.dtype == h.dtype:
         acc.addmm_(g.t(), h)
-    elif _mm_out_dtype_ok(acc):
+    elif g.dtype == h.dtype and _mm_out_dtype_ok(acc):
         torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
     else:  # upcast the chunk operands (n_c x V and n_c x H), never the V x H result
         acc.addmm_(g.t().to(acc.dtype), h.to(acc.dtype))
@@ -96,9 +117,13 @@ def grad_buffers(hidden: torch.Tensor, weight: torch.Tensor, needs, accum_dtype:
 
 def backprop_chunk_(g: torch.Tensor, h_c: torch.Tensor, weight: torch.Tensor, rows: slice, grad_h, grad_w,
                     grad_b) -> None:
-    """Through the LM head, for one chunk whose logits' gradient is ``g`` (n_c x V, hidden's dtype):
+    """Through the LM head, for one chunk whose logits' gradient is ``g`` (n_c x V, the logits' dtype):
     ``grad_h[rows] = g @ W``, ``grad_W += g.T @ h_c``, ``grad_b += sum_rows g`` (each skipped when None;
-    the last two in their own accumulation dtype)."""
+    the last two in their own accumulation dtype). An fp32 ``g`` of bf16 / fp16 operands (the fp32
+    logits' gradient) is rounded to the operands' dtype once (a chunk-sized copy), as the stock
+    composition's low-precision backward has it, so both GEMMs stay the fast low-precision ones."""
+    if g.dtype != weight.dtype:
+        g = g.to(weight.dtype)
     if grad_h is not None:
         torch.mm(g, weight, out=grad_h[rows])
     if grad_w is not None:
@@ -108,24 +133,24 @@ def backprop_chunk_(g: torch.Tensor, h_c: torch.Tensor, weight: torch.Tensor, ro
 
 
 def backprop_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], rows: int, needs,
-                    accum_dtype: torch.dtype, grad_of_chunk) -> tuple:
+                    accum_dtype: torch.dtype, grad_of_chunk, logits: str = "float32") -> tuple:
     """The backward of the LM head over chunks of ``rows`` tokens when each chunk's logits gradient comes
-    from ``grad_of_chunk(rows_slice, logits_c) -> g_c`` (n_c x V, hidden's dtype; it may overwrite and
+    from ``grad_of_chunk(rows_slice, logits_c) -> g_c`` (n_c x V, the logits' dtype; it may overwrite and
     return ``logits_c``): logits recomputed into one reused buffer, then ``backprop_chunk_``. Returns
     ``grad_buffers``' three tensors (the vocab-parallel ops run their slice gradient through it)."""
     n = hidden.shape[0]
     grad_h, grad_w, grad_b = grad_buffers(hidden, weight, needs, accum_dtype)
-    buffer = chunk_buffer(n, rows, weight, hidden.dtype)
+    buffer = chunk_buffer(n, rows, weight, hidden.dtype, logits)
     for s in range(0, n, rows):
         c = slice(s, s + rows)
         h_c = hidden[c]
-        g = grad_of_chunk(c, logits_chunk(h_c, weight, bias, buffer))
+        g = grad_of_chunk(c, logits_chunk(h_c, weight, bias, buffer, logits))
         backprop_chunk_(g, h_c, weight, c, grad_h, grad_w, grad_b)
     return grad_h, grad_w, grad_b
 
 
 def loss_only(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, stats: bool,
-              entropy: bool = False):
+              entropy: bool = False, logits: str = "float32"):
     """Per-row ``(loss, lse, lse_lo, predicted, token_weight, entropy)`` for every token (cross-entropy
     without z-loss, fp32; predicted int64, -1 where not computed; ``token_weight`` the detached ``p_t``
     with ``use_token_scaling``, else None; ``entropy`` fp32 when asked, else None); no gradient
@@ -136,10 +161,11 @@ def loss_only(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions
     ent = torch.empty_like(loss) if entropy else None
     predicted = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
     token_weight = torch.empty_like(loss) if opts.use_token_scaling else None
-    buffer = chunk_buffer(n, rows, weight, hidden.dtype)
+    kind = logits   # the name ``logits`` is the chunk's tensor below
+    buffer = chunk_buffer(n, rows, weight, hidden.dtype, kind)
     for s in range(0, n, rows):
         c = slice(s, s + rows)
-        logits = logits_chunk(hidden[c], weight, bias, buffer)
+        logits = logits_chunk(hidden[c], weight, bias, buffer, kind)
         out = ce.loss(logits, target[c], w, weight_sum, opts, stats, entropy)
         loss[c], lse[c], lse_lo[c] = out[:3]
         if stats:
@@ -152,7 +178,7 @@ def loss_only(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions
 
 
 def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, grad_row, z_grad_row,
-          needs, accum_dtype, saved=None, stats: bool = False, grad_entropy=None):
+          needs, accum_dtype, saved=None, stats: bool = False, grad_entropy=None, logits: str = "float32"):
     """Gradients of ``sum_i grad_row[i] ce_i + z_grad_row[i] z_i (+ grad_entropy[i] entropy_i)``
     (``ce_i`` the cross-entropy of row i, ``z_i = s lse_i**2`` its z-loss) and, when ``saved`` is None,
     the forward too.
@@ -162,8 +188,9 @@ def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, ro
     before they are overwritten, or the saved one). ``needs``: which of (hidden, weight, bias) need a
     gradient. ``saved = (lse, lse_lo, token_weight, entropy)`` from an earlier forward (token_weight /
     entropy None when not made): the forward is not recomputed (a backward that recomputes; the only
-    form that takes ``grad_entropy``). Returns ``(loss, lse, lse_lo, predicted, token_weight,
-    grad_hidden, grad_weight, grad_bias)``; loss/predicted are None when ``saved`` was given;
+    form that takes ``grad_entropy``). ``logits``: ``"float32"`` or ``"input"`` (``logits_dtype``).
+    Returns ``(loss, lse, lse_lo, predicted, token_weight, grad_hidden, grad_weight, grad_bias)``;
+    loss/predicted are None when ``saved`` was given;
     token_weight None without token scaling; grad_weight / grad_bias are in ``accum_dtype``.
     """
     n = hidden.shape[0]
@@ -179,11 +206,12 @@ def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, ro
     if not forward and token_weight is not None and saved_weight is not None:
         token_weight = saved_weight
     grad_h, grad_w, grad_b = grad_buffers(hidden, weight, needs, accum_dtype)
-    buffer = chunk_buffer(n, rows, weight, hidden.dtype)
+    kind = logits   # the name ``logits`` is the chunk's tensor below
+    buffer = chunk_buffer(n, rows, weight, hidden.dtype, kind)
     for s in range(0, n, rows):
         c = slice(s, s + rows)
         h_c = hidden[c]
-        logits = logits_chunk(h_c, weight, bias, buffer)
+        logits = logits_chunk(h_c, weight, bias, buffer, kind)
         if forward:
             loss[c], lse[c], lse_lo[c], pred_c, tw_c = ce.loss_and_grad_(
                 logits, target[c], w, weight_sum, grad_row[c], z_grad_row[c], opts, stats)

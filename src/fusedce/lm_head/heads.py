@@ -24,18 +24,19 @@ from fusedce.core.row_math import grad_lse
 class ChunkedHead:
     grads_in_forward = True
 
-    def __init__(self, ce: ChunkCE, rows: int):
-        self.ce, self.rows = ce, rows
+    def __init__(self, ce: ChunkCE, rows: int, logits: str = "float32"):
+        self.ce, self.rows, self.logits = ce, rows, logits   # logits: chunked.logits_dtype's choice
 
     def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
                 entropy: bool = False):
         return loop.loss_only(self.ce, hidden, weight, bias, target, w, weight_sum, opts, self.rows, stats,
-                              entropy)
+                              entropy, self.logits)
 
     def grads(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, grad_row, z_grad_row, needs,
               accum_dtype, saved=None, stats: bool = False, grad_entropy=None):
         return loop.grads(self.ce, hidden, weight, bias, target, w, weight_sum, opts, self.rows, grad_row,
-                          z_grad_row, needs, accum_dtype, saved=saved, stats=stats, grad_entropy=grad_entropy)
+                          z_grad_row, needs, accum_dtype, saved=saved, stats=stats, grad_entropy=grad_entropy,
+                          logits=self.logits)
 
 
 class TiledHead:

@@ -74,15 +74,28 @@ def check_method(method, chunk_size) -> None:
                          f"got {chunk_size!r}")
 
 
+LOGITS_DTYPES = ("float32", "input")
+
+
+def check_logits_dtype(logits_dtype) -> str:
+    """``ValueError`` unless ``logits_dtype`` is one of ``LOGITS_DTYPES`` (``"float32"``: fp32 logits from
+    the operands' values, the default; ``"input"``: rounded to the operands' dtype, the stock
+    composition's ``F.linear``); returns it."""
+    if not isinstance(logits_dtype, str) or logits_dtype not in LOGITS_DTYPES:
+        raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES} (\"input\": the logits rounded to "
+                         f"hidden's dtype, as F.linear), got {logits_dtype!r}")
+    return logits_dtype
+
+
 def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, hidden_size: int,
               vocab_size: int, chunk_size: Optional[int], deterministic: bool = False,
-              device_type: str = "cuda"):
+              device_type: str = "cuda", logits: str = "float32"):
     """The ``heads.py`` object for ``method`` ("auto" resolved by ``resolve_method``).
     ``deterministic`` selects the tiled backward without float atomics; the chunk loop has none (its
     kernels own their outputs, its matmuls are torch's), so it is deterministic anyway. ``device_type``
-    picks the chunk rule (``chunk_rows``)."""
+    picks the chunk rule (``chunk_rows``); ``logits`` the logits' dtype (``chunked.logits_dtype``)."""
     if resolve_method(method) == "tiled":
         if tiled is None:
             raise RuntimeError("this backend has no method='tiled' (no TiledCE); use method='chunked'")
         return TiledHead(tiled, deterministic)
-    return ChunkedHead(ce, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size, device_type))
+    return ChunkedHead(ce, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size, device_type), logits)

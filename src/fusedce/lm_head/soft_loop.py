@@ -38,16 +38,16 @@ def soft_ops(impl):
 class SoftChunkedHead:
     grads_in_forward = True
 
-    def __init__(self, impl, rows: int):
+    def __init__(self, impl, rows: int, logits: str = "float32"):
         self.forward_op, self.backward_op = soft_ops(impl)
-        self.rows = rows
+        self.rows, self.logits = rows, logits   # logits: chunked.logits_dtype's choice
 
     def _chunks(self, hidden, weight, bias):
         n = hidden.shape[0]
-        buffer = loop.chunk_buffer(n, self.rows, weight, hidden.dtype)
+        buffer = loop.chunk_buffer(n, self.rows, weight, hidden.dtype, self.logits)
         for s in range(0, n, self.rows):
             c = slice(s, s + self.rows)
-            yield c, loop.logits_chunk(hidden[c], weight, bias, buffer)
+            yield c, loop.logits_chunk(hidden[c], weight, bias, buffer, self.logits)
 
     def forward(self, hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
         n = hidden.shape[0]
@@ -74,7 +74,8 @@ class SoftChunkedHead:
                                  None if g_lse is None else g_lse[c], *opts.op_args())
                 return logits
 
-            grads = loop.backprop_chunks(hidden, weight, bias, self.rows, needs, accum_dtype, grad_of_chunk)
+            grads = loop.backprop_chunks(hidden, weight, bias, self.rows, needs, accum_dtype, grad_of_chunk,
+                                         self.logits)
             return (None, lse, lse_lo, a, None, *grads)
         n = hidden.shape[0]
         loss, lse, lse_lo, a = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4))
@@ -110,8 +111,8 @@ class SoftTiledHead:
 
 
 def make_soft_head(impl, method: str, n_rows: int, hidden_size: int, vocab_size: int,
-                   chunk_size: Optional[int], device_type: str):
+                   chunk_size: Optional[int], device_type: str, logits: str = "float32"):
     """The head for ``method`` ("auto" resolved by ``method.resolve_method``)."""
     if resolve_method(method) == "tiled":
         return SoftTiledHead()
-    return SoftChunkedHead(impl, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size, device_type))
+    return SoftChunkedHead(impl, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size, device_type), logits)

@@ -21,7 +21,7 @@ import torch
 
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
-from fusedce.lm_head import chunked as loop
+from fusedce.lm_head import chunked as loop, invariant
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
 from fusedce.lm_head.method import make_head
 from fusedce.lm_head.heads import TiledHead
@@ -41,7 +41,7 @@ def _no_stats(like: torch.Tensor):
 
 
 def _chunked_with_stats(ce: ChunkCE, rows: int, hidden, weight, bias, target, opts: LossOptions,
-                        want_entropy: bool):
+                        want_entropy: bool, logits_kind: str = "float32"):
     """The chunked forward with TRL's statistics: per chunk of ``rows`` tokens, the logits once, then
     ``ce.loss`` and ``ce.token_stats`` on them. ``(loss, lse, lse_lo, entropy or None, stats)``."""
     n = hidden.shape[0]
@@ -49,10 +49,10 @@ def _chunked_with_stats(ce: ChunkCE, rows: int, hidden, weight, bias, target, op
     lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
     entropy = torch.empty_like(loss) if want_entropy else None
     stats = (torch.empty_like(loss), torch.empty_like(loss), torch.empty(n, dtype=torch.bool, device=hidden.device))
-    buffer = loop.chunk_buffer(n, rows, weight, hidden.dtype)
+    buffer = loop.chunk_buffer(n, rows, weight, hidden.dtype, logits_kind)
     for s in range(0, n, rows):
         c = slice(s, s + rows)
-        logits = loop.logits_chunk(hidden[c], weight, bias, buffer)
+        logits = loop.logits_chunk(hidden[c], weight, bias, buffer, logits_kind)
         out = ce.loss(logits, target[c], None, None, opts, False, want_entropy)
         loss[c], lse[c], lse_lo[c] = out[:3]
         if want_entropy:
@@ -111,7 +111,7 @@ class _LinearLogProbs(torch.autograd.Function):
             loss, lse, lse_lo, entropy, stats = rows.loss, rows.lse, rows.lse_lo, rows.entropy, rows.token_stats
         else:
             loss, lse, lse_lo, entropy, stats = _chunked_with_stats(head.ce, head.rows, hidden, weight, bias,
-                                                                    target, opts, want_entropy)
+                                                                    target, opts, want_entropy, head.logits)
         log_probs, entropy_out = _outputs(loss, entropy, target, opts)
         ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy_out)
         ctx.head, ctx.opts, ctx.want_entropy, ctx.needs = head, opts, want_entropy, needs
@@ -142,16 +142,25 @@ def token_log_probs(ce: ChunkCE, logits: torch.Tensor, target: torch.Tensor, opt
 
 def linear_token_log_probs(ce: ChunkCE, hidden, weight, target, bias, opts: LossOptions, want_entropy: bool,
                            chunk_size: Optional[int], method: str, want_stats: bool = False, *,
-                           tiled: Optional[TiledCE] = None, deterministic: bool = False):
+                           tiled: Optional[TiledCE] = None, deterministic: bool = False, logits: str = "float32",
+                           batch_invariant: bool = False):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> as ``token_log_probs``
-    (the five per-row outputs); ignored rows compacted away; ``deterministic`` as in ``method.make_head``."""
+    (the five per-row outputs); ignored rows compacted away; ``deterministic`` as in ``method.make_head``;
+    ``batch_invariant``: the kept rows padded to 64-row chunks (``lm_head/invariant.py``)."""
     n = hidden.shape[0]
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
+    kept = hidden.shape[0]
+    if batch_invariant:
+        hidden, target, _ = invariant.pad_rows(hidden, target, opts.ignore_index)
+        chunk_size = invariant.ROWS
     head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
-                     deterministic, hidden.device.type)
+                     deterministic, hidden.device.type, logits)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     log_probs, entropy, *stats = _LinearLogProbs.apply(hidden, weight, bias, target, head, opts, want_entropy,
                                                        want_stats, needs)
+    if hidden.shape[0] != kept:   # batch_invariant's padding rows dropped
+        log_probs, entropy = log_probs[:kept], entropy[:kept] if want_entropy else entropy
+        stats = [v[:kept] for v in stats] if want_stats else stats
     log_probs = scatter_rows(log_probs, index, n, 0.0)
     if want_entropy:
         entropy = scatter_rows(entropy, index, n, 0.0)

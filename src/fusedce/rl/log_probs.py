@@ -10,7 +10,8 @@ from fusedce import backends
 from fusedce.rl import linear_head
 from fusedce.rl import multi
 from fusedce.core import validation as val
-from fusedce.lm_head.method import resolve_method
+from fusedce.lm_head import invariant
+from fusedce.lm_head.method import check_logits_dtype, resolve_method
 from fusedce.rl import checks as rc
 from fusedce.core.rows import rows_view
 from fusedce.core.types import TokenLogProbs, TokenStats
@@ -29,7 +30,8 @@ def _result(out, shape, return_entropy: bool, return_stats: bool):
 def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0,
                     softcap: Optional[float] = None, logit_scale: float = 1.0, ignore_index: int = -100,
                     return_entropy: bool = False, return_stats: bool = False,
-                    backend: Optional[str] = None) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
+                    backend: Optional[str] = None, batch_invariant: bool = False
+                    ) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
     """Per-token ``log softmax(q)[target]`` (and the entropy of ``softmax(q)``) for policy-gradient RL.
 
     ``z = softcap * tanh(s * logits / softcap)`` when ``softcap`` is given (else ``z = s * logits``;
@@ -57,6 +59,9 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
             (TRL's per-token fields, defined in ``fusedce.TokenStats``; entropy None without
             ``return_entropy``); the three statistics have no gradient and cost nothing unless asked.
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
+        batch_invariant: as in :func:`fusedce.cross_entropy` (log-probs, entropy, statistics and the
+            gradient's rows bitwise independent of the rest of the batch; free on logits; ``ValueError``
+            with a ``(..., K)`` target or ``backend="cute"``).
 
     Returns:
         fp32 ``log_probs`` of ``target.shape`` (with a ``(..., K)`` target: ``(..., K)``, and the entropy
@@ -75,9 +80,12 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     """
     call = rc.checked_log_probs(logits, target, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
                                 ignore_index=ignore_index, return_entropy=return_entropy, return_stats=return_stats)
+    invariant.check(batch_invariant)
     impl = backends.get(backend, logits.device, entropy=True)
+    invariant.check_backend(batch_invariant, impl)
     val.check_target_range(call.target, logits.shape[-1], call.opts.ignore_index)
     if call.multi:
+        invariant.refuse(batch_invariant, "a (..., K) target")
         out = multi.log_probs_rows(impl, logits, call.target, call.opts, return_entropy)
         return multi.result(*out, call.target.shape, return_entropy)
     out = linear_head.token_log_probs(impl.CHUNK_CE, rows_view(logits, False), call.target.reshape(-1), call.opts,
@@ -91,14 +99,15 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
                            softcap: Optional[float] = None, logit_scale: float = 1.0, ignore_index: int = -100,
                            return_entropy: bool = False, return_stats: bool = False,
                            chunk_size: Optional[int] = None, method: str = "auto",
-                           backend: Optional[str] = None, deterministic: Optional[bool] = None
+                           backend: Optional[str] = None, deterministic: Optional[bool] = None,
+                           logits_dtype: str = "float32", batch_invariant: bool = False
                            ) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
     """:func:`token_log_probs` of ``hidden @ weight.T + bias`` without ever allocating BT x V logits.
 
     Args:
         hidden: ``(..., H)`` float32 / bfloat16 / float16; ``weight``: ``(V, H)`` and ``bias``
-            (optional) ``(V,)`` of the same dtype. The logits are computed in that dtype with fp32
-            accumulation (as ``F.linear``), the rest in fp32.
+            (optional) ``(V,)`` of the same dtype. The logits are fp32 (``logits_dtype``), the rest
+            fp32 too.
         target, temperature, softcap, logit_scale, ignore_index, return_entropy, return_stats, backend:
             as in :func:`token_log_probs` (the statistics come from the same pass as the log-probs with
             ``"tiled"``, from each chunk's logits right after its loss with ``"chunked"``).
@@ -110,6 +119,14 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
             ``torch.are_deterministic_algorithms_enabled()``; the tiled Triton backward then runs
             without atomics; with a ``(..., K)`` target the tiled method then also adds the K classes'
             weight-gradient terms by a sorted segment sum, one more host sync, instead of ``index_add_``).
+        logits_dtype: ``"float32"`` (default): the logits are formed in fp32 from the operands' values
+            (products of bf16 / fp16 values are exact in fp32, summed in fp32; no fp32 copy of the weight:
+            ``lm_head/fp32_linear.py``), so bf16 / fp16 results are within fp32 rounding of float64 of
+            the same values; ``"input"``: rounded to ``hidden``'s dtype first, as ``F.linear`` (the stock
+            composition's values, for exact parity with it). No effect on fp32 operands.
+        batch_invariant: as in :func:`fusedce.linear_cross_entropy` (log-probs, entropy, statistics and
+            ``hidden``'s gradient rows bitwise independent of the rest of the batch; chunked method,
+            one class per token: ``ValueError`` with ``"tiled"`` or a ``(..., K)`` target).
         A ``(..., K)`` target with ``"tiled"`` also computes the K target logits from gathered rows of
             ``weight`` (fp32 products, at most 2^22 elements at a time, or one row's K x H) and rounds
             the hidden gradient a second time in bf16 / fp16 (``rl/multi_head.py``).
@@ -120,20 +137,24 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
 
     Raises:
         The errors of :func:`token_log_probs` and of :func:`fusedce.linear_cross_entropy` for the
-        shapes, ``chunk_size``, ``method`` and ``deterministic``.
+        shapes, ``chunk_size``, ``method``, ``deterministic`` and ``logits_dtype``.
     """
     call = rc.checked_linear_log_probs(hidden, weight, target, bias, temperature=temperature, softcap=softcap,
                                        logit_scale=logit_scale, ignore_index=ignore_index,
                                        return_entropy=return_entropy, return_stats=return_stats,
                                        chunk_size=chunk_size, method=method, deterministic=deterministic)
+    check_logits_dtype(logits_dtype)
+    invariant.check(batch_invariant, resolve_method(method))
     impl = backends.get(backend, hidden.device, entropy=True, tiled=resolve_method(method) == "tiled")
     val.check_target_range(call.target, weight.shape[0], call.opts.ignore_index)
+    invariant.check_backend(batch_invariant, impl)
     if call.multi:
+        invariant.refuse(batch_invariant, "a (..., K) target")
         out = multi.linear_log_probs_rows(impl, hidden, weight, call.target, bias, call.opts, return_entropy,
-                                          chunk_size, method, call.deterministic)
+                                          chunk_size, method, call.deterministic, logits_dtype)
         return multi.result(*out, call.target.shape, return_entropy)
     out = linear_head.linear_token_log_probs(
         impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, call.target.reshape(-1), bias, call.opts,
         return_entropy, None if chunk_size is None else int(chunk_size), method, return_stats, tiled=impl.TILED_CE,
-        deterministic=call.deterministic)
+        deterministic=call.deterministic, logits=logits_dtype, batch_invariant=batch_invariant)
     return _result(out, call.lead, return_entropy, return_stats)

@@ -212,7 +212,7 @@ class _LinearLogProbsK(torch.autograd.Function):
             saved = (lse, lse_lo, None, entropy if k is not None else None)
             *_, g_h, g_w, g_b = loop.grads(_KClassCE(head.ce, weight.shape[0]), hidden, weight, bias, target, None,
                                            None, opts, head.rows, g, g, needs, torch.float32, saved=saved,
-                                           grad_entropy=k)
+                                           grad_entropy=k, logits=head.logits)
         g_w = None if g_w is None else g_w.to(ctx.dtypes[0])
         g_b = None if g_b is None else g_b.to(ctx.dtypes[1])
         return g_h, g_w, g_b, None, None, None, None, None
@@ -225,11 +225,11 @@ def _chunked_forward(head, hidden, weight, bias, e: Entries, opts: LossOptions, 
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse_lo = torch.empty_like(lse)
     entropy = torch.empty_like(lse) if want_entropy else None
-    x = torch.empty(e.safe.shape, dtype=hidden.dtype, device=hidden.device)
-    buffer = loop.chunk_buffer(n, head.rows, weight, hidden.dtype)
+    x = torch.empty(e.safe.shape, dtype=loop.logits_dtype(hidden.dtype, head.logits), device=hidden.device)
+    buffer = loop.chunk_buffer(n, head.rows, weight, hidden.dtype, head.logits)
     for s in range(0, n, head.rows):
         c = slice(s, s + head.rows)
-        logits = loop.logits_chunk(hidden[c], weight, bias, buffer)
+        logits = loop.logits_chunk(hidden[c], weight, bias, buffer, head.logits)
         out = head.ce.loss(logits, e.rep[c], None, None, opts, False, want_entropy)
         lse[c], lse_lo[c] = out[1], out[2]
         if want_entropy:
@@ -248,7 +248,7 @@ def token_log_probs_multi(ce: ChunkCE, logits: torch.Tensor, target: torch.Tenso
 
 def linear_token_log_probs_multi(ce: ChunkCE, hidden, weight, target, bias, opts: LossOptions,
                                  want_entropy: bool, chunk_size: Optional[int], method: str, *,
-                                 tiled: Optional[TiledCE] = None, deterministic: bool = False):
+                                 tiled: Optional[TiledCE] = None, deterministic: bool = False, logits: str = "float32"):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT, K) -> as
     ``token_log_probs_multi``; rows whose K entries are all ignored are compacted away."""
     n, K = target.shape
@@ -257,7 +257,7 @@ def linear_token_log_probs_multi(ce: ChunkCE, hidden, weight, target, bias, opts
     if index is not None:
         target = target.index_select(0, index)
     head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
-                     deterministic, hidden.device.type)
+                     deterministic, hidden.device.type, logits)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     log_probs, entropy = _LinearLogProbsK.apply(hidden, weight, bias, target, head, opts, want_entropy, needs)
     if index is not None:

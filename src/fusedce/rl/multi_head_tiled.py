@@ -13,18 +13,19 @@ _ROWS = 32                   # rows per F.linear of the target logits (``target_
 
 
 def target_logits(hidden, weight, bias, safe: torch.Tensor) -> torch.Tensor:
-    """``x_ik = hidden_i . weight[t_ik] + bias[t_ik]`` (n, K) in hidden's dtype, by ``F.linear`` itself (so
-    rounded as the backends' logits are): per chunk of r rows, ``F.linear`` of the r hidden rows with
+    """``x_ik = hidden_i . weight[t_ik] + bias[t_ik]`` (n, K) fp32 from the operands' values (the gathered
+    rows upcast, as the backends' fp32 logits are formed): per chunk of r rows, ``F.linear`` of the r hidden rows with
     their r K gathered weight rows, of which the (r, K) diagonal blocks are kept. r ``_ROWS`` at most,
     and the gather below ``_GATHER_ELEMENTS``: O(r) times the FLOPs of the K dots (r K / V of the
     tiled matmuls'), no tensor with a V dimension."""
     n, K = safe.shape
-    x = torch.empty(n, K, dtype=hidden.dtype, device=hidden.device)
+    x = torch.empty(n, K, dtype=torch.float32, device=hidden.device)
     rows = max(1, min(_ROWS, _GATHER_ELEMENTS // max(1, K * hidden.shape[1])))
     for s in range(0, n, rows):
         c = slice(s, s + rows)
         idx = safe[c].reshape(-1)
-        logits = torch.nn.functional.linear(hidden[c], weight[idx], None if bias is None else bias[idx])
+        logits = torch.nn.functional.linear(hidden[c].float(), weight[idx].float(),
+                                            None if bias is None else bias[idx].float())
         r = logits.shape[0]
         x[c] = logits.reshape(r, r, K).diagonal(dim1=0, dim2=1).t()
     return x

@@ -3,7 +3,7 @@ tokens x vocabulary (``tuning.tile_sizes``: fewer than V logits a block), never 
 elements besides the weights, biases and the student's gradients.
 
 Block math: ``distill.py``'s, on vocabulary slices. x_s = h_s @ W_s[j].T + b_s[j] and x_t likewise
-(each in its model's dtype, fp32 accumulation, as ``F.linear``), then fp32.
+(each in fp32 from its model's values, ``tiled._block_logits``: never rounded to its dtype; dz kept in fp32).
     pass 1, per token block r and vocabulary block j: the online log-sum-exp (Milakov & Gimelshein 2018)
         of u = c(x_s) / T, of c(x_t) / T, of c(x_s) when the hard label needs it at T != 1, and the
         target's c(x_s);
@@ -164,8 +164,6 @@ def _gradients(hs, ws, bs, target, valid_all, grad_factor, lse_s, lse_t, lse_1, 
                 dz = chain(du, cs, hard_blk, temperature, s_cap) * factor_all[r, None]
                 if valid is not None:
                     dz = torch.where(valid[:, None], dz, 0.0)
-                if not fp32:   # the logits' gradient in their dtype, as the chunked and stock paths
-                    dz = dz.to(hs.dtype).float()
                 w_blk = ws[cols]
                 acc_h[r].addmm_(dz, w_blk if fp32 else w_blk.float())
                 g_w[cols].addmm_(dz.t(), h32)

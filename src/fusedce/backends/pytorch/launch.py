@@ -14,6 +14,7 @@ import torch
 
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import rows_forward, rows_grad
+from .block_threads import one_thread
 from .tuning import chunk_rows
 
 
@@ -53,8 +54,15 @@ def row_chunks(logits: torch.Tensor):
     scratch = Scratch(step, n_classes, logits.dtype, logits.device)
     for start in range(0, n_rows, step):
         rows = slice(start, start + step)
-        block = scratch.upcast(logits[rows])
-        yield rows, block, scratch.work(block.shape[0])
+        with one_thread(_single_row(logits, start, step)):
+            block = scratch.upcast(logits[rows])
+            yield rows, block, scratch.work(block.shape[0])
+
+
+def _single_row(logits: torch.Tensor, start: int, step: int) -> bool:
+    """Whether the chunk from ``start`` is a single row on the CPU: reduced on one intra-op thread then
+    (``block_threads.one_thread``: the same bits as each row of a larger chunk gets)."""
+    return logits.device.type == "cpu" and min(step, logits.shape[0] - start) == 1
 
 
 def grad_chunks_(logits: torch.Tensor, out: torch.Tensor, row_grad) -> torch.Tensor:
@@ -68,10 +76,11 @@ def grad_chunks_(logits: torch.Tensor, out: torch.Tensor, row_grad) -> torch.Ten
     for start in range(0, n_rows, step):
         rows = slice(start, start + step)
         dst = out[rows]
-        block = logits[rows] if scratch is None else scratch.upcast(logits[rows])
-        grad = row_grad(rows, block, dst if scratch is None else scratch.work(dst.shape[0]))
-        if grad is not dst:
-            dst.copy_(grad)
+        with one_thread(_single_row(logits, start, step)):
+            block = logits[rows] if scratch is None else scratch.upcast(logits[rows])
+            grad = row_grad(rows, block, dst if scratch is None else scratch.work(dst.shape[0]))
+            if grad is not dst:
+                dst.copy_(grad)
     return out
 
 

@@ -7,7 +7,7 @@ target runs this loop (on the tensors' device; on Triton it is torch ops, not a 
 Notation as ``soft_launch.py``: ``u_c = w_c ((1 - eps) q_c + eps / V)``, ``A = sum_c u_c``.
 
 Forward, per token block r, vocabulary block j (columns ``cols``):
-    x = h_r @ W_j.T + b_j in hidden's dtype (fp32 accumulation, as ``F.linear``), then fp32; z = transform(x)
+    x = h_r @ W_j.T + b_j in fp32 from the operands' values (``tiled._block_logits``); z = transform(x)
     online softmax (Milakov & Gimelshein 2018): m the running max, c = m (0 while m = -inf) its finite
     shift, S = sum exp(z - c); and D = sum_c u_c (c - z_c), re-based with c: D += A_old (c_new - c_old);
     A += sum_j u. At the end lse = c + log S (an exact fp32 pair, TwoSum) and
@@ -15,8 +15,8 @@ Forward, per token block r, vocabulary block j (columns ``cols``):
     (each term of D is >= 0 for q >= 0 and the re-basing adds A (c_new - c_old) >= 0 once m is finite:
     no cancellation; a column with u_c = 0 adds exactly 0, also at a -inf logit).
 Backward (from the saved lse pair and A; each block recomputed):
-    dz = (g A + h) p - g u,  p = exp((z - lse) - lse_lo), then ``row_math.mul_slope_``, rounded to
-    hidden's dtype; grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r, grad_b_j += sum_rows dz.
+    dz = (g A + h) p - g u,  p = exp((z - lse) - lse_lo), then ``row_math.mul_slope_``, kept in fp32 (as
+    the chunked method on CPU); grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r, grad_b_j += sum_rows dz.
 FLOPs: 2 BT V H forward, 6 BT V H backward. Memory beyond the inputs and the returned gradients: a few
 fp32 blocks (logits, target, exp, gradient) of fewer than V values each per thread, O(BT) row
 statistics, and per extra thread of the backward one fp32 ``BT x H`` accumulator of grad_h (plus one
@@ -62,6 +62,7 @@ def soft_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q:
         for r0 in range(k * tile_rows, n, workers * tile_rows):
             r = slice(r0, r0 + tile_rows)
             h, q_r = hidden[r], q[r]
+            h32 = h.float()
             rows = h.shape[0]
             m = torch.full((rows,), _NEG_INF, device=dev)
             shift = torch.zeros(rows, device=dev)
@@ -70,7 +71,7 @@ def soft_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q:
             best_idx = torch.zeros(rows, dtype=torch.int64, device=dev) if stats else None
             for v0 in range(0, n_classes, tile_vocab):
                 cols = slice(v0, v0 + tile_vocab)
-                x = _block_logits(h, weight, bias, cols)
+                x = _block_logits(h32, weight, bias, cols)
                 z = transform(x, opts)
                 u = _mixed_block(q_r[:, cols], None if w is None else w[cols], opts, n_classes)
                 m = torch.maximum(m, z.amax(dim=1))
@@ -119,13 +120,11 @@ def soft_tiled_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q
             h32 = h if fp32 else h.float()
             for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):
                 cols = slice(v0, v0 + tile_vocab)
-                x = _block_logits(h, weight, bias, cols)
+                x = _block_logits(h32, weight, bias, cols)
                 z = transform(x, opts)
                 u = _mixed_block(q_r[:, cols], None if w is None else w[cols], opts, n_classes)
                 p = torch.sub(z, lse[r, None]).sub_(lse_lo[r, None]).exp_()
                 dz = mul_slope_(p.mul_(factor_all[r, None]).sub_(u.mul_(g_all[r, None])), z, opts)
-                if not fp32:   # the logits' gradient in their dtype, as the chunked and stock paths
-                    dz = dz.to(hidden.dtype).float()
                 if acc_h is not None:
                     w_blk = weight[cols]
                     acc_h[r].addmm_(dz, w_blk if fp32 else w_blk.float())

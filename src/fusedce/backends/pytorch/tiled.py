@@ -3,14 +3,16 @@ tensor of V or more elements besides the weight, its gradient and the bias (the 
 Triton tiled kernels, so its semantics and memory are tested on CPU).
 
 Forward, per token block r and vocabulary block j (``tuning.tile_sizes``: fewer than V logits a block):
-    x = h_r @ W_j.T + b_j in hidden's dtype (fp32 accumulation, as ``F.linear``), then fp32;
+    x = h_r @ W_j.T + b_j in fp32 from the operands' values (one block of each upcast: never rounded
+    to hidden's dtype, the chunked method's default fp32 logits);
     z = transform(x); the block's row statistics (max of z, its sum-exp, the entropy sum T, the
     smoothing sum, the raw max and its index, the target logit where the block holds the target)
     merged into the running ones (online softmax, Milakov & Gimelshein 2018; a block whose logits are
     all -inf in a row adds exactly 0 there);
     at the end lse = m + log S as an exact pair, the loss (``row_math.row_loss``), entropy = log S - T / S.
 Backward (from the saved lse pair; each block recomputed):
-    dz = ``row_math.rows_grad`` on the block (the vocabulary-slice form: global V, w_t per row),
+    dz = ``row_math.rows_grad`` on the block (the vocabulary-slice form: global V, w_t per row; fp32,
+    not rounded to hidden's dtype, as the chunked method's fp32 gradient on CPU),
     grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r and grad_b_j += sum_rows dz (``accum_dtype``).
 FLOPs: 2 BT V H forward, 6 BT V H backward (recomputed logits, grad_h, grad_W). Memory beyond the
 inputs and the returned gradients: a few fp32 blocks of fewer than V values each, fp32 copies of one
@@ -37,9 +39,11 @@ _NEG_INF = float("-inf")
 
 
 def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cols: slice):
-    """fp32 ``h @ weight[cols].T + bias[cols]`` rounded to ``h``'s dtype first (as ``F.linear``)."""
-    b = None if bias is None else bias[cols]
-    return torch.nn.functional.linear(h, weight[cols], b).float()
+    """fp32 ``h @ weight[cols].T + bias[cols]`` from the operands' values: the token block (pass it in
+    fp32 to upcast it once), the weight block and the bias upcast to fp32, the exact products of bf16 /
+    fp16 values summed in fp32 (never rounded to the operands' dtype)."""
+    b = None if bias is None else bias[cols].float()
+    return torch.nn.functional.linear(h.float(), weight[cols].float(), b)
 
 
 class _Running:
@@ -118,11 +122,12 @@ class TorchTiledCE:
             for r0 in range(k * tile_rows, n, workers * tile_rows):
                 r = slice(r0, r0 + tile_rows)
                 h, t, valid = hidden[r], target[r], valid_all[r]
+                h32 = h.float()
                 run = _Running(h.shape[0], dev, smoothing, entropy, stats, token_stats)
                 w_t = None if w is None else torch.zeros(h.shape[0], device=dev)
                 for v0 in range(0, n_classes, tile_vocab):
                     cols = slice(v0, v0 + tile_vocab)
-                    x = _block_logits(h, weight, bias, cols)
+                    x = _block_logits(h32, weight, bias, cols)
                     owned, col = _target_columns(t, valid, v0, x.shape[1])
                     run.add(x, transform(x, opts), v0, owned, col, None if w is None else w[cols])
                     if w_t is not None:
@@ -172,14 +177,12 @@ class TorchTiledCE:
                 h32 = h if fp32 else h.float()
                 for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):
                     cols = slice(v0, v0 + tile_vocab)
-                    x = _block_logits(h, weight, bias, cols)
+                    x = _block_logits(h32, weight, bias, cols)
                     dz = rows_grad(x, t, None if w is None else w[cols], weight_sum, lse[r], lse_lo[r], grad_row[r],
                                    None if grad_lse is None else grad_lse[r], opts, out=x, n_classes=n_classes,
                                    col_start=v0, target_weight=None if w_t_all is None else w_t_all[r],
                                    grad_entropy=None if grad_entropy is None else grad_entropy[r],
                                    entropy=None if entropy is None else entropy[r])
-                    if not fp32:   # the gradient of the logits in their dtype, as the chunked and stock paths
-                        dz = dz.to(hidden.dtype).float()
                     if acc_h is not None:
                         w_blk = weight[cols]
                         acc_h[r].addmm_(dz, w_blk if fp32 else w_blk.float())

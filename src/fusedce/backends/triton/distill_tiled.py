@@ -86,7 +86,7 @@ def tiled_distill(student_hidden: torch.Tensor, student_weight: torch.Tensor, st
         grad_bias (V,) in fp32 (the tiled cross-entropy op's default ``accum_dtype``), grad_bias None
         without a student bias; all three None without ``grad_factor``. Besides these, only (N,)- and
         (4, N)-sized fp32 buffers are allocated (the gradients' fp32 accumulators when N x H in fp32 is
-        not the result). Logits are rounded to each head's dtype once (as ``F.linear``), then fp32 math.
+        not the result). Logits are fp32 from each head's values (never rounded to its dtype), then fp32 math.
     Raises:
         ValueError: mismatched shapes or dtypes (as listed), and the option errors of ``distill_rows``.
     """

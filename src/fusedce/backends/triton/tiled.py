@@ -16,8 +16,9 @@ accumulators (both variants): grad_hidden (n x H fp32, cast to hidden's dtype af
 not fp32), grad_weight (V x H fp32) and grad_bias (V fp32), cast to ``accum_dtype`` when that is not fp32.
 No tensor of n x V (or any other V-sized tensor besides the weight / bias gradients) exists.
 
-Matmul precision: bf16 / fp16 dots run on tensor cores with fp32 accumulation (as ``F.linear``); fp32
-dots are IEEE fp32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set, as for ``F.linear``.
+Matmul precision: bf16 / fp16 dots run on tensor cores with fp32 accumulation and the logits tile stays
+fp32 (not rounded to the inputs' dtype; the logits' gradient tile is, before its two dots); fp32 dots
+are IEEE fp32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set, as for ``F.linear``.
 """
 from __future__ import annotations
 

@@ -119,7 +119,10 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
             ``label_smoothing``, ``lse_square_scale``, ``softcap``, ``logit_scale``,
             ``use_token_scaling``, ``ce_weight``, ``chunk_size``, ``method``, ``accum_dtype``,
             ``backend``, ``deterministic`` (None: follow ``torch.are_deterministic_algorithms_enabled()``
-            at each call). Validated here.
+            at each call), ``logits_dtype`` (``"float32"``, the default: fp32 logits from the head's
+            values; ``"input"``: rounded to its dtype, as the stock forward), ``batch_invariant``
+            (each token's loss row and hidden-gradient row independent of the rest of the batch).
+            Validated here.
 
     Patching again replaces the options (never wraps twice). Undo with :func:`unpatch_causal_lm`.
 

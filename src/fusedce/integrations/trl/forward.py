@@ -29,6 +29,8 @@ from fusedce.rl.log_probs import linear_token_log_probs
 from fusedce.integrations.hf.call import HeadCall, module_name
 
 STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")
+# patch_trl's options, passed to every linear_token_log_probs call (process-wide, as the patch)
+OPTIONS = {"batch_invariant": False, "logits_dtype": "float32"}
 
 
 class Settings(NamedTuple):
@@ -106,7 +108,7 @@ def _head_outputs(hidden, weight, bias, labels, settings: Settings, where: str) 
     out = linear_token_log_probs(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), bias,
         temperature=settings.temperature, softcap=settings.final_logit_softcapping,
-        logit_scale=settings.logit_scale, return_entropy=want_entropy, return_stats=want_stats)
+        logit_scale=settings.logit_scale, return_entropy=want_entropy, return_stats=want_stats, **OPTIONS)
     fields = dict.fromkeys(("log_probs", "entropy") + STATS)
     if want_stats:
         fields.update({name: getattr(out, name) for name in STATS if name in outputs})

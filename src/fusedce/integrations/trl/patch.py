@@ -32,6 +32,9 @@ from typing import Optional
 
 from fusedce.core.entrance import public_op
 from fusedce.integrations.sources import check_sources
+from fusedce.integrations.trl import forward
+from fusedce.lm_head import invariant
+from fusedce.lm_head.method import check_logits_dtype
 
 SUPPORTED_TRL = "1.16"
 # sha256 (first 16 hex digits) of inspect.getsource of what fusedce reproduces, in TRL 1.16.0
@@ -107,7 +110,7 @@ def _swap_closures(old: types.CodeType, new: types.CodeType) -> int:
 
 
 @public_op("integration")
-def patch_trl() -> None:
+def patch_trl(*, batch_invariant: bool = False, logits_dtype: str = "float32") -> None:
     """Make TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``: SFT, GRPO, RLOO, DPO, KTO)
     compute through fusedce: the same outputs (``log_probs``, ``entropy``, ``log_sum_sq_probs``,
     ``mean_logits``, ``is_top1``, ``loss`` with ``num_items_in_batch``, ``label_mask``, the MoE
@@ -118,16 +121,24 @@ def patch_trl() -> None:
     ``ValueError`` at the first fused call). Process-wide; works before or after a trainer is built
     (mechanism: the module docstring). Idempotent; undone by :func:`unpatch_trl`.
 
+    ``batch_invariant`` and ``logits_dtype`` are :func:`fusedce.linear_token_log_probs`'s (fp32 logits
+    from a bf16 head by default, no fp32 copy of its weight; ``batch_invariant=True``: each token's
+    log-prob, entropy and hidden-gradient row independent of the rest of the batch); checked here,
+    used by every fused call until the next ``patch_trl``.
+
     Under ``cast_lm_head_to_fp32`` the head's weight is cast to fp32 once per call (a ``V x H`` fp32
     copy; TRL casts per vocabulary chunk). Backend and method: fusedce's defaults
     (``$FUSEDCE_BACKEND``; Triton on CUDA).
 
     Raises:
+        TypeError / ValueError: a bad ``batch_invariant`` / ``logits_dtype``.
         ImportError: TRL is not installed.
         RuntimeError: the installed TRL is not 1.16.x, or the source of the TRL pieces fusedce
             reproduces differs from what it was written against.
     """
     global _state
+    invariant.check(batch_invariant)
+    forward.OPTIONS.update(batch_invariant=batch_invariant, logits_dtype=check_logits_dtype(logits_dtype))
     trl, utils = _trl_utils()
     function = utils.add_fused_lm_head
     if _state is not None and function.__code__ is _state["patched"]:
@@ -150,6 +161,7 @@ def unpatch_trl() -> None:
     _state["function"].__code__ = _state["original"]
     _swap_closures(TRAMPOLINE, _state["inner"])
     _state = None
+    forward.OPTIONS.update(batch_invariant=False, logits_dtype="float32")
 
 
 def is_patched() -> bool:

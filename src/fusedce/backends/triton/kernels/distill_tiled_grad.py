@@ -60,7 +60,7 @@ def _dx_tile(s_hidden_ptr, s_weight_ptr, s_bias_ptr, t_hidden_ptr, t_weight_ptr,
                          rows, live, cols, col_mask, s_n_hidden, t_n_hidden, stride_s_hidden, stride_s_weight,
                          stride_t_hidden, stride_t_weight, inv_t, s_cap, t_cap, BLOCK_N, BLOCK_V, BLOCK_H,
                          HAS_S_BIAS, HAS_T_BIAS, HAS_S_CAP, HAS_T_CAP, S_DOT_PRECISION, T_DOT_PRECISION,
-                         S_UPCAST, T_UPCAST, S_ROUND_BF16, T_ROUND_BF16)
+                         S_UPCAST, T_UPCAST)
     dz = dlogits(c, u, w, cols[None, :] == target[:, None], lse_u[:, None], lse_w[:, None], lse_c[:, None],
                  rowsum[:, None], beta, inv_t, hard_w, s_cap, MODE, HAS_HARD, HARD_OWN_LSE, HAS_S_CAP)
     dz = tl.where(live[:, None] & col_mask[None, :], dz * factor[:, None], 0.0)

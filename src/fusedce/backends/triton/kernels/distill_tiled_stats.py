@@ -55,7 +55,7 @@ def distill_tiled_stats_kernel(
     HAS_S_CAP: tl.constexpr, HAS_T_CAP: tl.constexpr, HAS_S_BIAS: tl.constexpr, HAS_T_BIAS: tl.constexpr,
     S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
     S_UPCAST: tl.constexpr = False, T_UPCAST: tl.constexpr = False,            # interpreter only
-    S_ROUND_BF16: tl.constexpr = False, T_ROUND_BF16: tl.constexpr = False,    # interpreter only
+    S_ROUND_BF16: tl.constexpr = False, T_ROUND_BF16: tl.constexpr = False,    # unused: the logits tiles stay fp32
 ):
     rows, in_rows = tile_rows(tl.program_id(0) * BLOCK_N, n_rows, BLOCK_N)
     target, live = row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N, HAS_TARGET)
@@ -67,7 +67,7 @@ def distill_tiled_stats_kernel(
                              rows, live, cols, cols < n_cols, s_n_hidden, t_n_hidden, stride_s_hidden,
                              stride_s_weight, stride_t_hidden, stride_t_weight, inv_t, s_cap, t_cap,
                              BLOCK_N, BLOCK_V, BLOCK_H, HAS_S_BIAS, HAS_T_BIAS, HAS_S_CAP, HAS_T_CAP,
-                             S_DOT_PRECISION, T_DOT_PRECISION, S_UPCAST, T_UPCAST, S_ROUND_BF16, T_ROUND_BF16)
+                             S_DOT_PRECISION, T_DOT_PRECISION, S_UPCAST, T_UPCAST)
         m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t = stats_update(
             u, w, c, cols[None, :] == target[:, None], m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t,
             MODE, HAS_HARD, HARD_OWN_LSE)
@@ -99,7 +99,7 @@ def distill_tiled_jsd_kernel(
     HAS_S_BIAS: tl.constexpr, HAS_T_BIAS: tl.constexpr,
     S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
     S_UPCAST: tl.constexpr = False, T_UPCAST: tl.constexpr = False,            # interpreter only
-    S_ROUND_BF16: tl.constexpr = False, T_ROUND_BF16: tl.constexpr = False,    # interpreter only
+    S_ROUND_BF16: tl.constexpr = False, T_ROUND_BF16: tl.constexpr = False,    # unused: the logits tiles stay fp32
 ):
     rows, in_rows = tile_rows(tl.program_id(0) * BLOCK_N, n_rows, BLOCK_N)
     target, live = row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N, HAS_TARGET)
@@ -113,7 +113,7 @@ def distill_tiled_jsd_kernel(
                              rows, live, cols, cols < n_cols, s_n_hidden, t_n_hidden, stride_s_hidden,
                              stride_s_weight, stride_t_hidden, stride_t_weight, inv_t, s_cap, t_cap,
                              BLOCK_N, BLOCK_V, BLOCK_H, HAS_S_BIAS, HAS_T_BIAS, HAS_S_CAP, HAS_T_CAP,
-                             S_DOT_PRECISION, T_DOT_PRECISION, S_UPCAST, T_UPCAST, S_ROUND_BF16, T_ROUND_BF16)
+                             S_DOT_PRECISION, T_DOT_PRECISION, S_UPCAST, T_UPCAST)
         kl_t, kl_s = jsd_update(kl_t, kl_s, u, w, lse_u, lse_w, log_beta, log_1mb)
     divergence, rowsum = jsd_finish(kl_t, kl_s, beta, live)
     loss = tl.load(loss_ptr + rows, mask=in_rows, other=0.0)

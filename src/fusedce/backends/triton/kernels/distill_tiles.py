@@ -3,8 +3,8 @@
 
 ``head_tiles`` forms one (BLOCK_N tokens x BLOCK_V classes) tile of each model's logits with
 ``tile_math.logits_tile`` (a ``tl.dot`` mainloop over that model's hidden size, fp32 accumulation, + bias,
-rounded once to that model's dtype: the logits ``F.linear`` gives), then the softcaps and the temperature
-(``distill_math``). The student and teacher may have different hidden sizes and dtypes.
+kept in fp32: the products of the operands' values summed in fp32, never rounded to their dtype), then
+the softcaps and the temperature (``distill_math``). The student and teacher may have different hidden sizes and dtypes.
 """
 import triton
 import triton.language as tl
@@ -20,15 +20,14 @@ def head_tiles(s_hidden_ptr, s_weight_ptr, s_bias_ptr, t_hidden_ptr, t_weight_pt
                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
                HAS_S_BIAS: tl.constexpr, HAS_T_BIAS: tl.constexpr, HAS_S_CAP: tl.constexpr,
                HAS_T_CAP: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
-               S_UPCAST: tl.constexpr, T_UPCAST: tl.constexpr, S_ROUND_BF16: tl.constexpr,
-               T_ROUND_BF16: tl.constexpr):
+               S_UPCAST: tl.constexpr, T_UPCAST: tl.constexpr):
     """``(c, u, w)``, fp32 (BLOCK_N, BLOCK_V): the student's capped logits ``c``, ``u = c / T`` and the
     teacher's capped logits at T, -inf on rows not ``live`` and columns not ``col_mask`` (rows not live
     read no hidden state)."""
     xs = logits_tile(s_hidden_ptr, s_weight_ptr, s_bias_ptr, rows, live, cols, col_mask, s_n_hidden,
                      stride_s_hidden, stride_s_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_S_BIAS, S_DOT_PRECISION,
-                     S_UPCAST, S_ROUND_BF16)
+                     S_UPCAST)
     xt = logits_tile(t_hidden_ptr, t_weight_ptr, t_bias_ptr, rows, live, cols, col_mask, t_n_hidden,
                      stride_t_hidden, stride_t_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_T_BIAS, T_DOT_PRECISION,
-                     T_UPCAST, T_ROUND_BF16)
+                     T_UPCAST)
     return capped_pair(xs, xt, live[:, None] & col_mask[None, :], inv_t, s_cap, t_cap, HAS_S_CAP, HAS_T_CAP)

@@ -82,7 +82,7 @@ def tiled_grad_hidden_kernel(
         col_mask = cols < n_cols
         x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
                         stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
-                        UPCAST, ROUND_BF16)
+                        UPCAST)
         dx = dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k, entropy,
                           class_weight_ptr, weight_sum_ptr, hidden_ptr, n_cols, scalars, FLAGS, HAS_GRAD_LSE,
                           HAS_GRAD_ENTROPY, ROUND_BF16)

@@ -66,7 +66,7 @@ def recompute_dx(hidden_ptr, weight_ptr, bias_ptr, rows, in_rows, is_valid, cols
     hidden's dtype."""
     x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
                     stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
-                    UPCAST, ROUND_BF16)
+                    UPCAST)
     lse, lse_lo, g, h, k, entropy = row_upstreams(
         rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
         stride_grad_row, stride_grad_lse, stride_grad_entropy, BLOCK_N, HAS_GRAD_LSE, HAS_GRAD_ENTROPY)

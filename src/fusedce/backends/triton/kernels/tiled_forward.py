@@ -2,7 +2,7 @@
 
 Grid: one program per tile of BLOCK_N tokens. It loops over the vocabulary in BLOCK_V-class tiles; each
 tile of logits is ``tile_math.logits_tile`` (a ``tl.dot`` mainloop over H in BLOCK_H steps, fp32
-accumulation, + bias, rounded once to hidden's dtype) and lives only in registers. Per token it keeps
+accumulation, + bias, kept in fp32: never rounded to hidden's dtype) and lives only in registers. Per token it keeps
 the online softmax of the row kernels (``row_math``, Milakov & Gimelshein 2018) as (BLOCK_N,) vectors:
 the running max ``m`` of z and ``s = sum exp(z - m)``; ``t = sum exp(z - m)(z - m)`` for the entropy
 (COMPUTE_ENTROPY); ``sum_c w_c z_c`` (smoothing); ``z_t`` (the target's z, picked from the tile that
@@ -65,7 +65,7 @@ def tiled_forward_kernel(
     COMPUTE_STATS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,             # "ieee" (fp32 FMA) or "tf32" for fp32 inputs
     UPCAST: tl.constexpr = False,            # interpreter only (tile_math.logits_tile)
-    ROUND_BF16: tl.constexpr = False,        # interpreter only (tile_math.round_like)
+    ROUND_BF16: tl.constexpr = False,        # unused: the logits tile stays fp32 (the launcher's shared meta)
     COMPUTE_TOKEN_STATS: tl.constexpr = False,
 ):
     rows, in_rows = tile_rows(tl.program_id(0) * BLOCK_N, n_rows, BLOCK_N)
@@ -89,7 +89,7 @@ def tiled_forward_kernel(
         col_mask = cols < n_cols
         x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
                         stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
-                        UPCAST, ROUND_BF16)
+                        UPCAST)
         z = logit_transform(x, scalars, FLAGS)
         z = tl.where(col_mask[None, :], z, -float("inf"))
         if FLAGS.HAS_SMOOTHING:

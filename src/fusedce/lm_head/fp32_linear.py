@@ -1,0 +1,57 @@
+"""The LM head's matmuls with fp32 logits from bf16 / fp16 operands, never an fp32 copy of the weight.
+
+A product of two bf16 (or fp16) values is exact in fp32 (8 + 8 or 11 + 11 significand bits fit in
+24), so fp32 logits ``h @ W.T`` summed in fp32 carry only fp32's rounding (about 2^-24 relative per
+partial sum), where the stock composition (``F.linear`` in the operands' dtype) rounds every logit to
+the operands' dtype at the end (2^-8 relative in bf16: 0.03 nats at a logit of 8). Two ways to form them:
+
+- eager CUDA builds with an fp32-output GEMM of low-precision operands (``torch.mm(..., out_dtype=
+  torch.float32)``; probed once per device type, ``chunked._mm_out_dtype_ok``): the tensor cores read the
+  bf16 operands and write fp32, no upcast copy at all (the same FLOPs as the bf16 GEMM).
+- everywhere else (the CPU kernels have no such GEMM in torch 2.13: ``aten::mm.dtype`` has no CPU
+  kernel; traced code): the weight is upcast ``weight_block_rows(H)`` rows at a time (about
+  ``BLOCK_ELEMENTS`` = 2^22 elements, 16 MiB in fp32), each block's fp32 GEMM written into its columns
+  of the fp32 logits, so the extra memory is one 16 MiB block, never V x H in fp32.
+
+Cost on the CPU, measured on the 2-core CPU VM (AMD EPYC with AVX512-BF16, loaded: load average ~14;
+one chunk of 64 / 144 rows x H = 576 against V = 49152, median of 5): the bf16 GEMM 89 / 168 ms; this
+path with blocks of 7281 rows 796 / 1136 ms (1820-row blocks: 1560 / 5984 ms; 14563: 918 / 1152 ms);
+an fp32 GEMM on a ready fp32 copy of the weight 427 / 700 ms. So on this CPU, whose bf16 GEMM is fast,
+fp32 logits cost 5-9x the logits GEMM (the contract's default all the same: correctness first; the
+``logits_dtype="input"`` opt-out is the fast path); 2^22-element blocks are the fastest measured. On a
+GPU the fp32-output GEMM is the bf16 tensor-core GEMM with an fp32 epilogue: an estimated cost of the
+fp32 chunk buffer's bandwidth only (twice the bytes of a bf16 chunk), no extra FLOPs.
+
+The backward rounds the logits' gradient to the operands' dtype before its two GEMMs (as the stock
+composition's bf16 backward, ``chunked.backprop_chunk_``), so they stay the fast low-precision ones.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+BLOCK_ELEMENTS = 1 << 22   # weight elements upcast at once (16 MiB in fp32); the measurement above
+
+
+def weight_block_rows(hidden_size: int) -> int:
+    """Rows of the weight upcast at once: ``BLOCK_ELEMENTS / H``, at least 1."""
+    return max(1, BLOCK_ELEMENTS // max(hidden_size, 1))
+
+
+def linear_fp32_(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                 fused_gemm: bool) -> torch.Tensor:
+    """``out = h @ weight.T (+ bias)`` in fp32 (``out``: ``(n, V)`` fp32, written in place and returned)
+    from ``h`` ``(n, H)`` and ``weight`` ``(V, H)`` of one low-precision dtype. ``fused_gemm``: use the
+    fp32-output GEMM (only where ``chunked._mm_out_dtype_ok`` said the build has it); else the weight
+    is upcast in blocks of ``weight_block_rows(H)`` rows (never V x H in fp32)."""
+    if fused_gemm:
+        torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
+    else:
+        h32 = h.float()   # n x H, the chunk's rows only
+        step = weight_block_rows(weight.shape[1])
+        for v in range(0, weight.shape[0], step):
+            torch.mm(h32, weight[v:v + step].float().t(), out=out[:, v:v + step])
+    if bias is not None:
+        out += bias.float()
+    return out
