@@ -233,7 +233,7 @@ def test_module_signature_order():
     """Argument order of the contract: data, target, optional tensors, then options."""
     params = list(inspect.signature(fusedce.CrossEntropyLoss.__init__).parameters)[1:]
     assert params == ["weight", "ignore_index", "reduction", "label_smoothing", "lse_square_scale", "softcap",
-                      "inplace_backward", "return_stats", "backend",
+                      "inplace_backward", "return_stats", "backend", "batch_invariant",   # issue 29
                       "logit_scale", "use_token_scaling"]   # added by the one-path redesign, after the rest
     assert list(inspect.signature(fusedce.CrossEntropyLoss.forward).parameters)[1:] == [
         "logits", "target", "num_items_in_batch", "token_weights"]   # token_weights keyword-only
@@ -244,13 +244,14 @@ def test_module_signature_order():
     assert sorted(keyword_only) == sorted(["ignore_index", "reduction", "label_smoothing", "lse_square_scale",
                                            "softcap", "logit_scale", "use_token_scaling",
                                            "num_items_in_batch", "inplace_backward", "return_stats", "backend",
-                                           "token_weights"])
+                                           "token_weights", "batch_invariant"])
     assert len(sig.parameters) == 3 + len(keyword_only)
     defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
     assert defaults == {"weight": None, "ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0,
                         "lse_square_scale": 0.0, "softcap": None, "logit_scale": 1.0,
                         "use_token_scaling": False, "num_items_in_batch": None,
-                        "inplace_backward": False, "return_stats": False, "backend": None, "token_weights": None}
+                        "inplace_backward": False, "return_stats": False, "backend": None, "token_weights": None,
+                        "batch_invariant": False}
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
