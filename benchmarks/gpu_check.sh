@@ -38,6 +38,10 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
   echo "  --dry-run, and for the GPU run when it sees a GPU). Without a GPU only --dry-run can run." >&2
   exit 2
 fi
+if [[ $dry == 0 ]] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_check: $PY sees no CUDA device: on a machine without a GPU run benchmarks/gpu_check.sh --dry-run" >&2
+  exit 2
+fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 # The CUTLASS DSL and the peers (Liger, cut-cross-entropy, quack), carried packed when the image lacks them
 # (scripts/pack_cute.sh .cache/cute; carry .cache/cute): sourced before anything runs.

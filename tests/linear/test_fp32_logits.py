@@ -96,6 +96,21 @@ def test_logits_dtype_is_checked():
         fusedce.LinearCrossEntropyLoss(logits_dtype=torch.float32)
 
 
+def test_input_rounding_with_the_tiled_method_is_refused():
+    """A fresh user found ``logits_dtype="input"`` silently ignored by ``method="tiled"`` (its tiles form fp32
+    logits): now a ``ValueError`` pointing to ``method="chunked"``, on every entry that takes both."""
+    hidden, weight, target = _operands(torch.bfloat16)
+    for fn in (fusedce.linear_cross_entropy, fusedce.linear_token_log_probs):
+        with pytest.raises(ValueError, match="applies to method='chunked'"):
+            fn(hidden, weight, target, method="tiled", logits_dtype="input")
+    with pytest.raises(ValueError, match="applies to method='chunked'"):
+        fusedce.LinearCrossEntropyLoss(method="tiled", logits_dtype="input")
+    pytest.importorskip("transformers")
+    from hf_models import build
+    with pytest.raises(ValueError, match="applies to method='chunked'"):
+        fusedce.patch_causal_lm(build("llama", tied=False), method="tiled", logits_dtype="input")
+
+
 class _LargestFp32(TorchDispatchMode):
     """Records the largest fp32 tensor any torch op (allocations included) returns."""
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -146,3 +147,14 @@ def test_a_peer_that_raises_is_its_own_row_and_never_a_fusedce_failure():
     assert linear.verdict(dict(shapes=shapes, log_probs=None)) == (True, 0)
     shapes["s"]["paths"]["tiled"] = ours
     assert linear.verdict(dict(shapes=shapes, log_probs=None)) == (False, 0)
+
+
+def test_gpu_check_without_a_gpu_stops_first(tmp_path):
+    """A fresh user's run without a GPU compiled and printed the whole inspect table before saying that no
+    CUDA device was there: the script now checks first (exit 2, pointing to --dry-run)."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], cwd=ROOT,
+                          env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "sees no CUDA device" in proc.stderr and "--dry-run" in proc.stderr and proc.stdout == ""

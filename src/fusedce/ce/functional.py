@@ -250,7 +250,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     val.check_linear(hidden, weight, linear_soft.index_stand_in(hidden, target) if probabilities else target,
                      bias, ce_weight, chunk_size, accum_dtype)
     check_method(method, chunk_size)
-    check_logits_dtype(logits_dtype)
+    check_logits_dtype(logits_dtype, method)
     invariant.check(batch_invariant, resolve_method(method))
     deterministic = deterministic_mode(deterministic)
     if probabilities:   # ce/linear_soft.py: probability targets

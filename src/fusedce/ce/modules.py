@@ -127,7 +127,7 @@ class LinearCrossEntropyLoss(nn.Module):
                             "argument; class weights of the loss are `ce_weight=` (as in linear_cross_entropy)")
         check_chunk_size(chunk_size)
         check_method(method, chunk_size)
-        check_logits_dtype(logits_dtype)
+        check_logits_dtype(logits_dtype, method)
         invariant.check(batch_invariant, resolve_method(method))
         deterministic_mode(deterministic)
         check_flag("return_stats", return_stats)

@@ -77,13 +77,18 @@ def check_method(method, chunk_size) -> None:
 LOGITS_DTYPES = ("float32", "input")
 
 
-def check_logits_dtype(logits_dtype) -> str:
+def check_logits_dtype(logits_dtype, method: str = "auto") -> str:
     """``ValueError`` unless ``logits_dtype`` is one of ``LOGITS_DTYPES`` (``"float32"``: fp32 logits from
     the operands' values, the default; ``"input"``: rounded to the operands' dtype, the stock
-    composition's ``F.linear``); returns it."""
+    composition's ``F.linear``), and for ``"input"`` with ``method="tiled"`` (its tiles form fp32 logits:
+    the opt-out would be silently ignored); returns it."""
     if not isinstance(logits_dtype, str) or logits_dtype not in LOGITS_DTYPES:
         raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES} (\"input\": the logits rounded to "
                          f"hidden's dtype, as F.linear), got {logits_dtype!r}")
+    if logits_dtype == "input" and resolve_method(method) == "tiled":
+        raise ValueError("logits_dtype='input' (F.linear's rounding, for stock parity) applies to "
+                         "method='chunked': method='tiled' forms its logits tile by tile in fp32; use "
+                         "method='chunked', or the default logits_dtype='float32'")
     return logits_dtype
 
 

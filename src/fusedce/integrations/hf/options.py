@@ -43,7 +43,7 @@ def validate_options(model: nn.Module, options: dict, transform: LogitTransform)
     check_chunk_size(options.get("chunk_size"))
     check_method(options.get("method", "auto"), options.get("chunk_size"))
     deterministic_mode(options.get("deterministic"))
-    check_logits_dtype(options.get("logits_dtype", "float32"))
+    check_logits_dtype(options.get("logits_dtype", "float32"), options.get("method", "auto"))
     invariant.check(options.get("batch_invariant", False), resolve_method(options.get("method", "auto")))
     backend = options.get("backend")  # the name only: the device is known at the first call
     if backend is not None and backend not in BACKENDS:
