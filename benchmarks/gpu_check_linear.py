@@ -36,13 +36,15 @@ target's log-prob and ``-sum p log p``), with TFLOP/s of 6 * BT * V * H.
 
 Then at the first shape, if time is left: determinism, ``tiled`` and ``tiled-det`` each run twice
 (fwd+bwd) and compared bit for bit (loss, both gradients); ``tiled-det`` must agree exactly, ``tiled``
-(fp32 atomics) is reported. After the shapes, ``fusedce.linear_token_log_probs(...,
+(fp32 atomics) is reported; then batch invariance (issue 29, ``run_batch_invariance``): the first scored
+row's log-prob, entropy and hidden-gradient row in 12 other batches (``rl_precision.PLACEMENTS``) vs the
+batch of one, with and without ``batch_invariant=True``; with it no bit may change. After the shapes, ``fusedce.linear_token_log_probs(...,
 return_entropy=True)`` at Liger's RL shape (the dry run: at its first shape), chunked vs tiled vs stock
 (``F.linear`` in bf16, fp32 ``log_softmax``, the target's log-prob and ``-sum p log p``), backward with
 per-token upstreams for both outputs (an advantage on the log-probs, a coefficient on the entropy): time,
 TFLOP/s of 6 * BT * V * H, peak memory, log-prob / entropy error against float64 on the subset (next to
 torch's own bf16 error, ``parity.linear_token_log_probs``) and how far each method's gradients are from
-chunked's.
+chunked's; fusedce's methods must also be within ``FP32_LOG_PROB_TOL`` of float64 (fp32 logits).
 
 The peers run after fusedce's paths in each shape, so a tight ``deadline`` skips them first. Estimated H200
 time (benchmarks/README.md has the whole call's; at ~600 achieved bf16 TFLOP/s; 6 N V H FLOPs chunked and
@@ -81,6 +83,9 @@ IGNORE_FRACTION, WEIGHT_STD = 0.25, 0.02
 SLOW_S = 2.0          # a single fwd+bwd slower than this is not handed to do_bench (~7 more runs)
 LOSS_SLACK = 3e-4     # absolute: ~4 sigma of the bf16 rounding of z[target] averaged over 1536 rows
 ASSUMED_TFLOPS = 300.0
+# nats: fusedce's log-probs / entropy from fp32 logits of bf16 operands vs float64 of the same values (fp32
+# sums over H = 4096 products and V = 131072 exponentials: ~1e-5 worst; bf16-rounded logits are ~1e-2 off)
+FP32_LOG_PROB_TOL = 1e-4
 
 
 def interpreter_fixes() -> None:
@@ -134,6 +139,23 @@ def run_determinism(data: inputs.Inputs) -> dict:
         out[name] = dict(bitwise_equal=equal, max_abs_diff=diff)
         _log(f"[determinism] {name:9s} two runs {'bitwise equal' if equal else f'differ (max {diff:.1e})'}")
     out["ok"] = out["tiled-det"]["bitwise_equal"]
+    return out
+
+
+def run_batch_invariance(data: inputs.Inputs) -> dict:
+    """Issue 29's guarantee on the device: the first scored row's log-prob, entropy and hidden-gradient
+    row in ``rl_precision.PLACEMENTS`` (other batch sizes, positions, chunk sizes, ignored neighbours)
+    against the batch of one, with and without ``batch_invariant=True`` (``linear_token_log_probs``, the
+    default backend). ``ok``: no placement changes a bit with the flag."""
+    from fusedce.tools.bench import rl_precision
+    h, w, t = data.hidden.detach(), data.weight.detach(), data.target
+    r = int((t != IGNORE).nonzero()[0])
+    out = dict(placements=len(rl_precision.PLACEMENTS), row=r,
+               changed_default=rl_precision.placements_changed("fusedce", h, w, t, r),
+               changed_batch_invariant=rl_precision.placements_changed("fusedce", h, w, t, r, batch_invariant=True))
+    out["ok"] = out["changed_batch_invariant"] == 0
+    _log(f"[batch invariance] placements changing row {r}: default {out['changed_default']}, batch_invariant "
+         f"{out['changed_batch_invariant']} of {out['placements']} -> {'OK' if out['ok'] else 'FAIL'}")
     return out
 
 
@@ -327,6 +349,9 @@ def run_log_probs(data: inputs.Inputs, sub_rows, device, dry: bool, deadline: fl
         m["ok"] = (par["log_probs_max_abs_err"] <= 4 * par["torch_log_probs_max_abs_err"] + 1e-3
                    and par["entropy_max_abs_err"] <= 4 * par["torch_entropy_max_abs_err"] + 1e-3
                    and m.get("grad_rel_diff_vs_chunked", 0.0) < 2e-2)
+        if method != "stock":   # fp32 logits from the bf16 head (issue 29): within fp32 rounding of float64
+            m["fp32_logits_ok"] = max(par["log_probs_max_abs_err"], par["entropy_max_abs_err"]) <= FP32_LOG_PROB_TOL
+            m["ok"] = m["ok"] and m["fp32_logits_ok"]
         out[method] = m
         diff = m.get("grad_rel_diff_vs_chunked")
         _log(f"[log-probs] {method:8s} {m['ms']:9.2f} ms  peak +{_gib(m['peak_bytes'])} GiB  vs fp64 on "
@@ -391,6 +416,11 @@ def run(device, dry: bool, deadline: float = float("inf"), progress=None) -> dic
                 result["determinism"] = run_determinism(data)
             except Exception as exc:  # noqa: BLE001
                 result["determinism"] = dict(error=_error(exc))
+        if i == 0 and time.time() < deadline:
+            try:
+                result["batch_invariance"] = run_batch_invariance(data)
+            except Exception as exc:  # noqa: BLE001
+                result["batch_invariance"] = dict(error=_error(exc))
         if (rows, hidden, vocab) == lp_shape:      # the dry run: the log-probs reuse this shape's inputs
             _log_probs_section(result, data, sub_rows, key, device, dry, deadline, tick)
         del data
@@ -425,8 +455,9 @@ def verdict(result: dict) -> tuple[bool, int]:
     lp = result.get("log_probs")
     if lp:
         measured += list(lp["methods"].values()) if "methods" in lp else [lp]
-    if result.get("determinism"):
-        measured.append(result["determinism"])
+    for check in ("determinism", "batch_invariance"):
+        if result.get(check):
+            measured.append(result[check])
     return (all(m.get("ok", False) for m in measured if "skipped" not in m),
             sum("skipped" in m for m in measured))
 
@@ -453,6 +484,11 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(f"{'determinism':>17}  " + ("FAILED: " + det["error"] if "error" in det else ", ".join(
             f"{name} reruns {'bitwise equal' if det[name]['bitwise_equal'] else 'differ'}"
             for name in ("tiled", "tiled-det"))) + f"  {'OK' if det.get('ok') else 'FAIL'}")
+    bi = result.get("batch_invariance")
+    if bi:
+        lines.append(f"{'batch invariance':>17}  " + ("FAILED: " + bi["error"] if "error" in bi else
+                     f"placements changing a row: default {bi['changed_default']}, batch_invariant=True "
+                     f"{bi['changed_batch_invariant']} of {bi['placements']}") + f"  {'OK' if bi.get('ok') else 'FAIL'}")
     lp = result.get("log_probs")
     if lp:
         for method, m in lp.get("methods", {"(all)": lp}).items():

@@ -311,6 +311,111 @@ def bad_inputs(rank, world):
     dist.barrier()
 
 
+# ------------------------------------------------------------------- K classes per token (issue 29)
+def _k_target(world_sizes):
+    """(3, 4, K=4) global ids: random, a duplicate pair in one token, an ignored entry, a wholly ignored
+    token, a token whose K classes all sit on the last rank, one on the first rank's first class."""
+    t = torch.randint(0, V, (*SHAPE, 4))
+    t[0, 0, 1] = t[0, 0, 3]                      # a duplicate class: their upstreams add
+    t[0, 1, 2] = -100                            # one ignored entry
+    t[1, 2] = -100                               # a token with every entry ignored: 0 entropy, zero grad
+    t[2, 3] = torch.tensor([V - 1, V - 2, V - 1, V - 3])   # all on the last rank's slice
+    t[2, 0, 0] = 0
+    return t
+
+
+def _k_check(name, out, ref_lp, ref_ent, t, return_entropy, bound):
+    log_probs = out.log_probs if return_entropy else out
+    assert log_probs.dtype == torch.float32 and log_probs.shape == t.shape, (name, log_probs.shape)
+    _within(f"{name} log_probs", log_probs, ref_lp, bound)
+    assert bool((log_probs[t == -100] == 0).all()), f"{name}: log_probs of ignored entries"
+    if return_entropy:
+        assert out.entropy.shape == t.shape[:-1]
+        _within(f"{name} entropy", out.entropy, ref_ent, bound)
+        assert bool((out.entropy[(t == -100).all(-1)] == 0).all()), f"{name}: entropy of ignored tokens"
+
+
+@check
+def k_classes_logits(rank, world):
+    """``(..., K)`` targets on logits slices: fp32 / bf16, temperature / softcap, entropy both ways,
+    duplicates, ignored entries and tokens, int32, random upstreams of both outputs; values and the
+    slice's gradient vs float64, and equal to the single-process K-class op."""
+    sizes, cols = SIZES[world], _cols(rank, SIZES[world])
+    t = _k_target(sizes)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(*SHAPE, V) * 3).to(dtype)
+        for (temperature, softcap), return_entropy in zip(SETTINGS, (True, False, True)):
+            for target in (t, t.int()) if dtype == torch.float32 else (t,):
+                xs = x[..., cols].clone().requires_grad_()
+                out = fd.vocab_parallel_token_log_probs(xs, target, temperature=temperature, softcap=softcap,
+                                                        return_entropy=return_entropy)
+                x64 = x.double().requires_grad_()
+                ref_lp, ref_ent = reference_log_probs(x64, t, temperature, softcap)
+                _k_check("logits", out, ref_lp, ref_ent, t, return_entropy, OUT_ATOL)
+                up_lp, up_ent = torch.randn(t.shape), torch.randn(SHAPE)
+                _objective(out, up_lp, up_ent if return_entropy else None).backward()
+                _objective(fusedce.TokenLogProbs(ref_lp, ref_ent) if return_entropy else ref_lp, up_lp.double(),
+                           up_ent.double() if return_entropy else None).backward()
+                g_ref = x64.grad[..., cols]
+                assert xs.grad.dtype == dtype and xs.grad.shape == xs.shape
+                _within("k grad", xs.grad, g_ref, _grad_bound(g_ref, dtype))
+                assert bool((xs.grad[(t == -100).all(-1)] == 0).all()), "grad of an all-ignored token"
+                single = fusedce.token_log_probs(x, t, temperature=temperature, softcap=softcap,
+                                                 return_entropy=return_entropy, backend="torch")
+                for a, b in zip(out if return_entropy else (out,), single if return_entropy else (single,)):
+                    _within("k vs single-process", a, b, 2 * OUT_ATOL)
+
+
+@check
+def k_classes_linear(rank, world):
+    """``(..., K)`` targets with the head's rows split: bias or not, chunk_size None and 4 (a partial last
+    chunk after the all-ignored token is compacted away), temperature / softcap, entropy both ways;
+    values and the gradients of hidden, weight_shard and bias_shard vs float64."""
+    sizes, cols = SIZES[world], _cols(rank, SIZES[world])
+    t = _k_target(sizes)
+    for bias, chunk_size, (temperature, softcap), return_entropy in (
+            (True, None, (1.0, None), True), (True, 4, (2.0, 3.0), True), (False, 4, (2.0, None), False)):
+        h, W, b = _linear_inputs(bias)
+        leaves = [h.clone().requires_grad_(), W[cols].clone().requires_grad_()]
+        if bias:
+            leaves.append(b[cols].clone().requires_grad_())
+        out = fd.vocab_parallel_linear_token_log_probs(leaves[0], leaves[1], t, leaves[2] if bias else None,
+                                                       temperature=temperature, softcap=softcap,
+                                                       return_entropy=return_entropy, chunk_size=chunk_size)
+        full = [h.double().requires_grad_(), W.double().requires_grad_()] + ([b.double().requires_grad_()]
+                                                                            if bias else [])
+        ref_lp, ref_ent = reference_log_probs(torch.nn.functional.linear(*full), t, temperature, softcap)
+        rel = LINEAR_MAX_RTOL * max(float(ref_lp.abs().max()), float(ref_ent.abs().max()), 1.0)
+        _k_check("linear", out, ref_lp, ref_ent, t, return_entropy, rel)
+        up_lp, up_ent = torch.randn(t.shape), torch.randn(SHAPE)
+        _objective(out, up_lp, up_ent if return_entropy else None).backward()
+        _objective(fusedce.TokenLogProbs(ref_lp, ref_ent) if return_entropy else ref_lp, up_lp.double(),
+                   up_ent.double() if return_entropy else None).backward()
+        refs = [full[0].grad, full[1].grad[cols]] + ([full[2].grad[cols]] if bias else [])
+        for name, leaf, ref in zip(("hidden", "weight_shard", "bias_shard"), leaves, refs):
+            assert leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape, name
+            _within(f"k grad {name}", leaf.grad, ref, _grad_bound(ref, torch.float32, LINEAR_MAX_RTOL))
+
+
+@check
+def k_classes_bad_inputs(rank, world):
+    """The K-class form's errors, the same on every rank: K = 0, a class outside the global [0, V), a
+    float target, a wrong leading shape."""
+    cols = _cols(rank, SIZES[world])
+    x = torch.randn(*SHAPE, V)[..., cols]
+    h, W, _ = _linear_inputs(False)
+    vp, lin = fd.vocab_parallel_token_log_probs, fd.vocab_parallel_linear_token_log_probs
+    _raises(ValueError, "K >= 1", lambda: vp(x, torch.zeros(*SHAPE, 0, dtype=torch.long)))
+    _raises(ValueError, "K >= 1", lambda: lin(h, W[cols], torch.zeros(*SHAPE, 0, dtype=torch.long)))
+    bad = torch.randint(0, V, (*SHAPE, 2))
+    bad[1, 1, 1] = V
+    _raises(IndexError, str(V), lambda: vp(x, bad))
+    _raises(IndexError, str(V), lambda: lin(h, W[cols], bad))
+    _raises(TypeError, "int64 or int32", lambda: vp(x, bad.float()))
+    _raises(ValueError, "target shape", lambda: vp(x, bad[:2]))
+    dist.barrier()
+
+
 # ---------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", sorted(SIZES), ids=lambda w: f"world{w}")

@@ -31,6 +31,7 @@ from typing import Optional, Union
 import torch
 
 from fusedce.core.entrance import public_op
+from fusedce.lm_head import invariant
 from fusedce.core.reduction import token_mean_scale
 from fusedce.core.rows import rows_view
 from fusedce.distill import checks as dc
@@ -81,7 +82,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
                       num_items_in_batch: Union[int, torch.Tensor, None] = None,
                       student_softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
                       logit_scale: float = 1.0, teacher_logit_scale: float = 1.0,
-                      backend: Optional[str] = None) -> torch.Tensor:
+                      backend: Optional[str] = None, batch_invariant: bool = False) -> torch.Tensor:
     """Distillation loss between the student's and the teacher's logits over the same tokens.
 
     Per token, with ``c(x) = cap * tanh(x / cap)`` (each model's softcap, when given), ``s =
@@ -113,6 +114,11 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
             :func:`fusedce.cross_entropy`; finite > 0, default 1.0). A scale != 1 costs one scaled copy of
             that model's logits (its dtype; autograd carries the student's scale into the gradient).
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
+        batch_invariant: True promises (and checks, a bool) that each row's ``"none"`` loss and its row of
+            the gradient are bitwise independent of the other rows, their number and the row's position
+            (fixed device, dtype, thread count, version): both backends' row ops compute each row from
+            its own logits in an order that depends on V only (the PyTorch one reduces a lone row on
+            one intra-op thread, always), so it costs nothing here.
 
     A top-k teacher (stored ``teacher_ids`` / ``teacher_log_probs``) has its own door,
     :func:`fusedce.topk_distillation_loss`; passing those keywords here is a ``TypeError`` saying so.
@@ -137,6 +143,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
                               num_items_in_batch=num_items_in_batch, student_softcap=student_softcap,
                               teacher_softcap=teacher_softcap, logit_scale=logit_scale,
                               teacher_logit_scale=teacher_logit_scale, backend=backend)
+    invariant.check(batch_invariant)
     student = rows_view(_scaled(student_logits, call.logit_scale), False)
     teacher = rows_view(_scaled(teacher_logits.detach(), call.teacher_logit_scale), False)
     scale = _scale(reduction, call, student.shape[0], num_items_in_batch, student.device)
@@ -156,7 +163,7 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
                              student_softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
                              logit_scale: float = 1.0, teacher_logit_scale: float = 1.0,
                              method: str = "auto", chunk_size: Optional[int] = None, backend: Optional[str] = None,
-                             deterministic: Optional[bool] = None) -> torch.Tensor:
+                             deterministic: Optional[bool] = None, batch_invariant: bool = False) -> torch.Tensor:
     """:func:`distillation_loss` of ``student_hidden @ student_weight.T + student_bias`` and
     ``teacher_hidden @ teacher_weight.T + teacher_bias``, never allocating BT x V logits.
 
@@ -183,6 +190,12 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
             ``"chunked"`` only.
         deterministic: None follows ``torch.are_deterministic_algorithms_enabled()``; True selects
             backward paths without float atomics (bitwise run-to-run identical results).
+        batch_invariant: True makes each row's ``"none"`` loss and its row of the student hidden
+            gradient bitwise independent of the rest of the batch (other rows, their number, the row's
+            position, ignored rows, ``chunk_size``), for a fixed device, dtype, thread count and version:
+            the kept rows in chunks of exactly 64 (``lm_head/invariant.py``, the last padded with zero rows
+            of both models that get no gradient), the chunked method (``method="tiled"``: ``ValueError``;
+            ``chunk_size`` is then 64). The weight and bias gradients, sums over rows, are exempt.
 
     A top-k teacher has its own door, :func:`fusedce.linear_topk_distillation_loss`; ``teacher_ids=`` /
     ``teacher_log_probs=`` here are a ``TypeError`` saying so.
@@ -204,11 +217,13 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
                               teacher_logit_scale=teacher_logit_scale, backend=backend,
                               heads=((student_weight, student_bias), (teacher_weight, teacher_bias)), method=method,
                               chunk_size=chunk_size, deterministic=deterministic)
+    invariant.check(batch_invariant, method)
     hs = _scaled(student_hidden.reshape(-1, student_hidden.shape[-1]), call.logit_scale)
     ht = _scaled(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), call.teacher_logit_scale)
     bs, bt = _scaled(student_bias, call.logit_scale), _scaled(teacher_bias, call.teacher_logit_scale)
     scale = _scale(reduction, call, hs.shape[0], num_items_in_batch, hs.device)
     out = linear_distillation(call.rows_op, call.tiled_op, hs, student_weight, bs, ht, teacher_weight, bt,
                               call.target, call.opts.kwargs(), reduction, scale, method,
-                              None if chunk_size is None else int(chunk_size), call.deterministic)
+                              None if chunk_size is None else int(chunk_size), call.deterministic,
+                              batch_invariant)
     return _result(out, reduction, call.lead)

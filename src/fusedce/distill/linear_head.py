@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from fusedce.core.autograd_checks import check_backward_allowed
-from fusedce.lm_head import chunked as loop
+from fusedce.lm_head import chunked as loop, invariant
 from fusedce.lm_head.headroom import HEADROOM_EXP, scaled_
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
 from fusedce.lm_head.method import chunk_rows, resolve_method
@@ -130,21 +130,30 @@ class TiledDistill:
                 None if g_b is None or not needs[2] else g_b.float())
 
 
+def _padded(factor: torch.Tensor, n: int) -> torch.Tensor:
+    """The (n_real,) per-row factor followed by zeros up to ``n`` rows (batch_invariant's padding rows get
+    no gradient: their logits' gradient is exactly 0, so they add nothing to the weight and bias gradients)."""
+    return factor if factor.shape[0] == n else torch.cat([factor, factor.new_zeros(n - factor.shape[0])])
+
+
 class _LinearDistill(torch.autograd.Function):
+    """The first ``n_real`` rows are the loss's; any rows after them are ``batch_invariant``'s padding."""
+
     @staticmethod
-    def forward(ctx, hs, ws, bs, ht, wt, bt, target, head, kw: dict, reduction: str, scale, needs):
+    def forward(ctx, hs, ws, bs, ht, wt, bt, target, head, kw: dict, reduction: str, scale, needs, n_real: int):
         ctx.grads = None
+        n = hs.shape[0]
         if reduction == "none":
             loss = head.run(hs, ws, bs, ht, wt, bt, target, None, kw, needs)[0]
         else:   # gradients made here, times P; the backward applies g / P
             p = distill_headroom(scale, kw["temperature"], kw["hard_label_weight"])
             ctx.unscale = 1.0 / p   # exact: a power of two
-            loss, *ctx.grads = head.run(hs, ws, bs, ht, wt, bt, target, (scale * p).expand(hs.shape[0]).contiguous(),
-                                        kw, needs)
+            factor = _padded((scale * p).expand(n_real).contiguous(), n)
+            loss, *ctx.grads = head.run(hs, ws, bs, ht, wt, bt, target, factor, kw, needs)
         ctx.save_for_backward(hs, ws, bs, ht, wt, bt, target, scale)
-        ctx.head, ctx.kw, ctx.reduction, ctx.needs = head, kw, reduction, needs
+        ctx.head, ctx.kw, ctx.reduction, ctx.needs, ctx.n_real = head, kw, reduction, needs, n_real
         ctx.dtypes = (ws.dtype, None if bs is None else bs.dtype)
-        return reduce_rows(loss, reduction, scale)
+        return reduce_rows(loss[:n_real], reduction, scale)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -155,7 +164,7 @@ class _LinearDistill(torch.autograd.Function):
             g_h, g_w, g_b = (scaled_(t, g) for t in (g_h, g_w, g_b))
         else:                       # "none" or a second backward: recompute with the exact upstream
             hs, ws, bs, ht, wt, bt, target, scale = ctx.saved_tensors
-            factor = _upstream(grad_out, ctx.reduction, scale, hs.shape[0])
+            factor = _padded(_upstream(grad_out, ctx.reduction, scale, ctx.n_real), hs.shape[0])
             _, g_h, g_w, g_b = ctx.head.run(hs, ws, bs, ht, wt, bt, target, factor, ctx.kw, ctx.needs)
         g_w = None if g_w is None else g_w.to(ctx.dtypes[0])
         g_b = None if g_b is None else g_b.to(ctx.dtypes[1])
@@ -174,25 +183,45 @@ def make_distill_head(rows_op, tiled_op, method: str, n_rows: int, hidden_size: 
     return ChunkedDistill(rows_op, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size, device_type))
 
 
+def _pad_rows(hs, ht, target, ignore_index: int):
+    """``batch_invariant``: the rows padded to a multiple of ``invariant.ROWS`` with zero hidden rows of both
+    models (and ``ignore_index`` targets); the padding rows get a zero upstream factor (``_padded``)."""
+    pad = -hs.shape[0] % invariant.ROWS
+    if pad == 0:
+        return hs, ht, target
+    hs = torch.cat([hs, hs.new_zeros(pad, hs.shape[1])])
+    ht = torch.cat([ht, ht.new_zeros(pad, ht.shape[1])])
+    if target is not None:
+        target = torch.cat([target, target.new_full((pad,), ignore_index)])
+    return hs, ht, target
+
+
 def linear_distillation(rows_op, tiled_op, hs, ws, bs, ht, wt, bt, target, kw: dict, reduction: str,
-                        scale: torch.Tensor, method: str, chunk_size: Optional[int], deterministic: bool):
-    """(N, H) / (N, Ht) hidden states, (V, H) / (V, Ht) heads, (N,) target or None -> the reduced loss."""
+                        scale: torch.Tensor, method: str, chunk_size: Optional[int], deterministic: bool,
+                        batch_invariant: bool = False):
+    """(N, H) / (N, Ht) hidden states, (V, H) / (V, Ht) heads, (N,) target or None -> the reduced loss.
+    ``batch_invariant``: the kept rows padded to 64-row chunks, the chunked method (``lm_head/invariant.py``)."""
     n = hs.shape[0]
     index = None
     if target is not None:
         hs, target, index = compact_rows(hs, target, kw["ignore_index"])
         if index is not None:
             ht = ht.index_select(0, index)
+    n_real = hs.shape[0]
+    if batch_invariant:
+        hs, ht, target = _pad_rows(hs, ht.detach(), target, kw["ignore_index"])
+        method, chunk_size = "chunked", invariant.ROWS
     ht, wt = ht.detach(), wt.detach()
     bt = None if bt is None else bt.detach()
     head = make_distill_head(rows_op, tiled_op, method, hs.shape[0], max(hs.shape[1], ht.shape[1]), ws.shape[0],
                              chunk_size, deterministic, hs.device.type)
     needs = (hs.requires_grad, ws.requires_grad, bs is not None and bs.requires_grad)
     if torch.is_grad_enabled() and any(needs):
-        out = _LinearDistill.apply(hs, ws, bs, ht, wt, bt, target, head, kw, reduction, scale, needs)
+        out = _LinearDistill.apply(hs, ws, bs, ht, wt, bt, target, head, kw, reduction, scale, needs, n_real)
     else:
         with torch.no_grad():
-            out = reduce_rows(head.run(hs, ws, bs, ht, wt, bt, target, None, kw, needs)[0], reduction, scale)
+            loss = head.run(hs, ws, bs, ht, wt, bt, target, None, kw, needs)[0]
+            out = reduce_rows(loss[:n_real], reduction, scale)
     if reduction == "none":
         out = scatter_rows(out, index, n, 0.0)
     return out

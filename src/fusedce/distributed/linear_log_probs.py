@@ -2,8 +2,8 @@
 by vocabulary rows over the ranks, logits one chunk of tokens at a time (``rows x V_r``, never BT x V_r),
 as ``linear.py`` does for the cross-entropy:
 
-    forward   per chunk: logits_c = h_c @ W_r.T + b_r (hidden's dtype, fp32 accumulation, one reused
-              buffer); the backend's ``slice_stats`` (with the entropy's ``tsum``); then ``exchange.py``'s
+    forward   per chunk: logits_c = h_c @ W_r.T + b_r (fp32 from the operands' values, no rounding to
+              hidden's dtype: ``lm_head/fp32_linear.py``; one reused buffer); the backend's ``slice_stats`` (with the entropy's ``tsum``); then ``exchange.py``'s
               two collectives (``log_probs.exchange_log_probs``)
     backward  per chunk, logits recomputed: g_c = d/dlogits_c by the backend's ``slice_grad`` (the
               log-probs' and the entropy's upstreams at once, hidden's dtype); grad_h_c = g_c @ W_r;
@@ -28,9 +28,12 @@ from fusedce.lm_head.chunked import backprop_chunks, chunk_buffer, logits_chunk
 from fusedce.lm_head.method import chunk_rows
 from fusedce.core.options import LossOptions
 from fusedce.core.types import TokenLogProbs
+from fusedce.rl.multi import result
+from fusedce.rl.multi_head import entries
 from fusedce.distributed.exchange import Partials
 from fusedce.distributed.layout import VocabLayout, vocab_layout
 from fusedce.distributed.log_probs import exchange_log_probs, finish, upstreams
+from fusedce.distributed.multi_log_probs import VocabParallelLinearLogProbsK
 from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
 
 
@@ -95,12 +98,13 @@ def vocab_parallel_linear_token_log_probs(
         hidden: ``(..., H)`` float32 / bfloat16 / float16, identical on every rank.
         weight_shard: ``(V_r, H)``, this rank's contiguous rows of the LM head, ``hidden``'s dtype; ``V_r``
             may differ between ranks (even 0).
-        target: ``(...)`` = ``hidden.shape[:-1]``, int64 / int32 GLOBAL class ids, identical on every rank.
+        target: ``(...)`` = ``hidden.shape[:-1]``, int64 / int32 GLOBAL class ids, identical on every rank;
+            or ``(..., K)``: K classes per token, as ``vocab_parallel_token_log_probs``.
         bias_shard: optional ``(V_r,)`` slice of the bias (``-inf`` masks a class out).
         group, vocab_start_index: as in ``vocab_parallel_cross_entropy``.
         temperature, softcap, ignore_index, logit_scale, return_entropy: as in
-            ``fusedce.linear_token_log_probs``, on logits computed in ``hidden``'s dtype (fp32
-            accumulation), the rest in fp32.
+            ``fusedce.linear_token_log_probs``, on fp32 logits formed from the operands' values (no
+            rounding to ``hidden``'s dtype), the rest in fp32.
         backend: the kernels of this rank's statistics and gradients (the matmuls are torch's).
         chunk_size: tokens per chunk (logits ``chunk_size x V_r``); None = ``max(1024, BT * H / V_r)``
             rows (``lm_head/method.py``). The chunked method only (no tiled form).
@@ -116,7 +120,8 @@ def vocab_parallel_linear_token_log_probs(
     host sync, as in ``linear_token_log_probs``; skipped under torch.compile / CUDA-graph capture).
 
     Collectives (on ``group``; BT' = non-ignored rows): setup ``all_gather`` of 3 int64 per rank; forward
-    ``all_reduce(MAX)`` of BT' int64 and ``all_reduce(SUM)`` of BT' x 3 fp32 (x 4 with the entropy);
+    ``all_reduce(MAX)`` of BT' int64 and ``all_reduce(SUM)`` of BT' x 3 fp32 (x 4 with the entropy; for
+    K classes one more of BT' x K fp32, BT' the tokens with a non-ignored entry);
     backward ``all_reduce(SUM)`` of grad_hidden, BT' x H in hidden's dtype (only when ``hidden``
     requires grad).
 
@@ -133,6 +138,8 @@ def vocab_parallel_linear_token_log_probs(
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)
 
+    if call.multi:
+        return _multi(hidden, weight_shard, bias_shard, target, layout, opts, impl, chunk_size, return_entropy)
     shape, size = target.shape, hidden.shape[-1]
     n = math.prod(shape)
     flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1), opts.ignore_index)
@@ -144,3 +151,24 @@ def vocab_parallel_linear_token_log_probs(
     if return_entropy:
         entropy = scatter_rows(entropy, index, n, 0.0)
     return finish(log_probs, entropy, shape, return_entropy)
+
+
+def _multi(hidden, weight_shard, bias_shard, target, layout: VocabLayout, opts: LossOptions, impl, chunk_size,
+           return_entropy: bool):
+    """The ``(..., K)`` target (``multi_log_probs.py``): rows whose K entries are all ignored compacted away."""
+    size, K = hidden.shape[-1], target.shape[-1]
+    n = math.prod(target.shape[:-1])
+    flat_target = target.reshape(n, K)
+    rep = entries(flat_target, opts, layout.n_classes).rep
+    flat_hidden, _, index = compact_rows(hidden.reshape(n, size), rep, opts.ignore_index)
+    if index is not None:
+        flat_target = flat_target.index_select(0, index)
+    rows = int(chunk_size) if chunk_size is not None else chunk_rows(flat_hidden.shape[0], size, layout.size,
+                                                                           flat_hidden.device.type)
+    log_probs, entropy = VocabParallelLinearLogProbsK.apply(flat_hidden, weight_shard, bias_shard, flat_target,
+                                                            layout, opts, rows, impl, return_entropy)
+    if index is not None:
+        log_probs = log_probs.new_zeros(n, K).index_copy(0, index, log_probs)
+        if return_entropy:
+            entropy = scatter_rows(entropy, index, n, 0.0)
+    return result(log_probs, entropy, target.shape, return_entropy)

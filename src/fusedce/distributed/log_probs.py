@@ -28,7 +28,9 @@ from fusedce.core.options import LossOptions
 from fusedce.core.types import TokenLogProbs
 from fusedce.distributed.exchange import Partials, exchange
 from fusedce.distributed.layout import VocabLayout, vocab_layout
+from fusedce.distributed.multi_log_probs import VocabParallelLogProbsK
 from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
+from fusedce.rl.multi import result
 
 
 def exchange_log_probs(partials: Partials, target: torch.Tensor, layout: VocabLayout, opts: LossOptions,
@@ -97,7 +99,9 @@ def vocab_parallel_token_log_probs(
             (class dim last); ``V_r`` may differ between ranks (uneven split, even 0). Never modified.
         target: ``(...)`` = ``logits_shard.shape[:-1]``, int64 / int32 GLOBAL class ids, identical on every
             rank; ``ignore_index`` marks rows (prompt, padding) that get 0 in both outputs and exactly
-            zero gradient.
+            zero gradient. Or ``(..., K)``, K >= 1: the log-probs of K classes per token (as
+            ``fusedce.token_log_probs`` takes them: an ignored entry gives 0, a token whose K entries are
+            all ignored is an ignored row; duplicates add their upstreams), ``distributed/multi_log_probs.py``.
         group, vocab_start_index: as in ``vocab_parallel_cross_entropy`` (None: the default group; slices
             in rank order).
         temperature, softcap, ignore_index, logit_scale: as in ``fusedce.token_log_probs``.
@@ -106,14 +110,15 @@ def vocab_parallel_token_log_probs(
             gradient (the single-process ops' row math on a vocabulary slice).
 
     Returns:
-        fp32 ``log_probs`` of ``target.shape``, or ``TokenLogProbs(log_probs, entropy)``; both
+        fp32 ``log_probs`` of ``target.shape`` (``(..., K)`` for K classes; the entropy then ``(...)``), or
+        ``TokenLogProbs(log_probs, entropy)``; both
         differentiable with any upstream gradients; the gradient of ``logits_shard`` has its dtype and
         shape.
 
     Collectives (on ``group``; BT = rows, W = world size): setup ``all_gather`` of 3 int64 per rank (one
     host sync, as ``vocab_parallel_cross_entropy``); forward ``all_reduce(MAX)`` of BT int64 (8 BT bytes)
-    and ``all_reduce(SUM)`` of BT x 3 fp32 (sum-exp, target logit, owner flag; x 4 with the entropy);
-    backward none. Every rank must make the same calls with the same ``target``. Host syncs: the setup's
+    and ``all_reduce(SUM)`` of BT x 3 fp32 (sum-exp, target logit, owner flag; x 4 with the entropy),
+    plus, for K classes, one ``all_reduce(SUM)`` of BT x K fp32 (the K target logits); backward none. Every rank must make the same calls with the same ``target``. Host syncs: the setup's
     and the target range check's (as ``token_log_probs``), none in the forward's math or the backward.
 
     Raises:
@@ -134,6 +139,10 @@ def vocab_parallel_token_log_probs(
     rows = logits_shard.reshape(math.prod(shape), n_local)
     if rows.stride(-1) != 1 and n_local > 1:
         rows = rows.contiguous()  # one copy, only when the class dim is strided
+    if call.multi:   # (..., K) classes: distributed/multi_log_probs.py
+        log_probs, entropy = VocabParallelLogProbsK.apply(rows, target.reshape(-1, target.shape[-1]), layout, opts,
+                                                          impl, return_entropy)
+        return result(log_probs, entropy, target.shape, return_entropy)
     log_probs, entropy = _VocabParallelLogProbs.apply(rows, target.reshape(-1), layout, opts, impl,
                                                       return_entropy)
     return finish(log_probs, entropy, shape, return_entropy)

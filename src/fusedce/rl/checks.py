@@ -50,7 +50,7 @@ def _flags(multi: bool, return_entropy, return_stats) -> None:
 def checked_log_probs(logits, target, *, temperature, softcap, logit_scale, ignore_index, return_entropy,
                       return_stats=False, name: str = "logits", sharded: bool = False) -> LogProbsCall:
     """The checks of an RL op on logits (``name``: ``"logits"``, or ``"logits_shard"`` with ``sharded``,
-    whose ``V_r`` may be 0 and which has no K-class form here): float logits of at least one dimension,
+    whose ``V_r`` may be 0): float logits of at least one dimension,
     ``V > 0``, the options (``log_prob_options``: the one temperature check), the target (shape with
     the class-dimension hint, dtype, device; widened to int64 when ``ignore_index`` needs it), the flags."""
     val.check_float(name, logits)
@@ -60,7 +60,7 @@ def checked_log_probs(logits, target, *, temperature, softcap, logit_scale, igno
         val.check_nonzero(name, logits.shape, -1, "V")
     opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
     lead = logits.shape[:-1]
-    multi = not sharded and is_multi(logits, target)
+    multi = is_multi(logits, target)
     if multi:
         _check_multi(target, lead, logits.device, return_stats)
     else:
@@ -74,17 +74,17 @@ def checked_linear_log_probs(hidden, weight, target, bias, *, temperature, softc
                              return_entropy, return_stats=False, chunk_size=None, method: Optional[str] = "auto",
                              deterministic=None, sharded: bool = False) -> LogProbsCall:
     """The checks of an RL op on the LM head (``sharded``: the vocab-parallel one, tensors named
-    ``weight_shard`` / ``bias_shard``, ``V_r`` may be 0, no ``method`` and no K-class form here): the
+    ``weight_shard`` / ``bias_shard``, ``V_r`` may be 0, no ``method``): the
     options, ``deterministic``, the head and target (``check_linear``; for a ``(..., K)`` target K >= 1
     first, then its shape), ``method`` with ``chunk_size``, the flags."""
     opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
     deterministic = deterministic_mode(deterministic)
-    multi = not sharded and is_multi(hidden, target)
+    multi = is_multi(hidden, target)
     names = ("weight_shard", "bias_shard", "ce_weight_shard") if sharded else ("weight", "bias", "ce_weight")
     if multi:
         if target.shape[-1] == 0:
             raise ValueError(f"target of shape {tuple(target.shape)}: the K-class form (..., K) needs K >= 1")
-        val.check_linear(hidden, weight, target.select(-1, 0), bias, None, chunk_size)
+        val.check_linear(hidden, weight, target.select(-1, 0), bias, None, chunk_size, names=names, sharded=sharded)
         _check_multi(target, hidden.shape[:-1], hidden.device, return_stats)
     else:
         val.check_linear(hidden, weight, target, bias, None, chunk_size, names=names, sharded=sharded)

@@ -18,7 +18,7 @@ everything but the first term when called with ``grad_row = 0`` and ``grad_lse =
 - logits given, and ``method="chunked"`` (a chunk's logits are in a buffer): after the kernel, the K
   target columns of the row's gradient are recomputed in fp32 from the whole formula and written over
   (``_fix_columns_``): every element of the gradient is rounded once to the logits' dtype, as in the
-  one-class op. Duplicate classes in a row sum their ``g`` (``_class_sums``: identical bits for every
+  one-class op. Duplicate classes in a row sum their ``g`` (``class_sums``: identical bits for every
   copy, so the scatter is deterministic). Extra work O(BT K^2) (the class-equality mask), no V term.
 - ``method="tiled"`` (no logits): the sparse term is added to the tiled gradients,
   ``grad_hidden_i += sum_k g_k x'_k W[t_k]``, ``grad_weight[t_k] += g_k x'_k hidden_i``, ``grad_bias[t_k]
@@ -51,7 +51,7 @@ from fusedce.lm_head.heads import TiledHead
 from fusedce.rl.multi_head_tiled import sparse_grads_, target_logits
 from fusedce.backends.protocol import ChunkCE, TiledCE
 
-_SAME_CLASS_ELEMENTS = 1 << 22   # the (rows, K, K) class-equality temporary of ``_class_sums``
+_SAME_CLASS_ELEMENTS = 1 << 22   # the (rows, K, K) class-equality temporary of ``class_sums``
 
 class Entries(NamedTuple):
     """The K targets of n rows: ``valid`` (n, K) bool (not ``ignore_index`` and in [0, V)),
@@ -79,13 +79,18 @@ def entries(target: torch.Tensor, opts: LossOptions, n_classes: int) -> Entries:
 def _log_probs(x: torch.Tensor, target: torch.Tensor, e: Entries, lse, lse_lo, opts: LossOptions):
     """fp32 ``(z_k - lse) - lse_lo`` from the gathered logits ``x`` (n, K); 0 on ignored entries, NaN on
     a non-ignored entry out of range (as the one-class loss)."""
-    z = transform(x.float(), opts)
+    return log_probs_of(transform(x.float(), opts), target, e, lse, lse_lo, opts)
+
+
+def log_probs_of(z: torch.Tensor, target: torch.Tensor, e: Entries, lse, lse_lo, opts: LossOptions):
+    """:func:`_log_probs` from the TRANSFORMED fp32 target logits ``z`` (n, K) (the vocab-parallel op
+    sums them over the ranks first)."""
     out = (z - lse[:, None]) - lse_lo[:, None]
     out = torch.where(e.valid, out, float("nan"))
     return torch.where(opts.kept(target), out, 0.0)
 
 
-def _class_sums(e: Entries, g: torch.Tensor) -> torch.Tensor:
+def class_sums(e: Entries, g: torch.Tensor) -> torch.Tensor:
     """``sum_{j: t_j = t_k} g_j`` per entry (n, K) fp32: a masked (K, K) product per row, rows at a time
     so that the (rows, K, K) temporary stays below ``_SAME_CLASS_ELEMENTS``. Every copy of a class sums
     the same masked row in the same order: identical bits (the scatter below is then deterministic)."""
@@ -100,7 +105,7 @@ def _class_sums(e: Entries, g: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _upstream(grad_log_probs: Optional[torch.Tensor], e: Entries):
+def upstream_k(grad_log_probs: Optional[torch.Tensor], e: Entries):
     """(g (n, K) fp32, 0 on ignored entries; G (n,) = sum_k g_k)."""
     if grad_log_probs is None:
         g = torch.zeros(e.valid.shape, dtype=torch.float32, device=e.valid.device)
@@ -117,7 +122,7 @@ def _fix_columns_(grad: torch.Tensor, x: torch.Tensor, e: Entries, g, G, lse, ls
     z = transform(x.float(), opts)
     u = (z - lse[:, None]) - lse_lo[:, None]
     p = torch.exp(u)
-    dz = -G[:, None] * p + _class_sums(e, g)
+    dz = -G[:, None] * p + class_sums(e, g)
     if k is not None:
         kk = torch.where(e.any, k.float(), 0.0)
         dz = dz - kk[:, None] * torch.where(p == 0.0, 0.0, p * (u + entropy[:, None]))
@@ -139,7 +144,7 @@ class _KClassCE:
               entropy=None, out=None):
         e = entries(target, opts, self.n_classes)
         x = logits.gather(1, e.safe)   # read before the kernel overwrites the chunk
-        g, G = _upstream(grad_row, e)
+        g, G = upstream_k(grad_row, e)
         self.ce.grad_(logits, e.rep, None, None, lse, lse_lo, G.new_zeros(()).expand(G.shape[0]), -G, opts,
                       grad_entropy=grad_entropy, entropy=entropy, out=out)
         _fix_columns_(logits if out is None else out, x, e, g, G, lse, lse_lo, grad_entropy, entropy, opts)
@@ -200,7 +205,7 @@ class _LinearLogProbsK(torch.autograd.Function):
         opts, head, needs = ctx.opts, ctx.head, ctx.needs
         k = grad_entropy if ctx.want_entropy else None
         e = entries(target, opts, weight.shape[0])
-        g, G = _upstream(grad_log_probs, e)
+        g, G = upstream_k(grad_log_probs, e)
         if isinstance(head, TiledHead):
             zero = G.new_zeros(()).expand(G.shape[0])
             grads = head.tiled.backward(hidden, weight, bias, e.rep, None, None, lse, lse_lo, zero, -G, opts,

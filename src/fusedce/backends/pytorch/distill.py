@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from .block_threads import one_thread
+
 # Rows per block of ``distill_rows``: about this many fp32 values per temporary (8 MiB), whatever BT.
 BLOCK_ELEMENTS = 1 << 21
 
@@ -112,9 +114,11 @@ def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tar
         for r0 in range(0, n, step):
             r = slice(r0, r0 + step)
             t_r = None if target is None else target[r]
-            loss[r], d = _block(student_logits[r].float(), teacher_logits[r].float(), t_r,
-                                None if grad_factor is None else grad_factor[r], beta, temperature,
-                                hard_label_weight, ignore_index, student_softcap, teacher_softcap)
+            # a lone row on one intra-op thread: the bits every row of a larger block gets (batch_invariant)
+            with one_thread(dev.type == "cpu" and min(step, n - r0) == 1):
+                loss[r], d = _block(student_logits[r].float(), teacher_logits[r].float(), t_r,
+                                    None if grad_factor is None else grad_factor[r], beta, temperature,
+                                    hard_label_weight, ignore_index, student_softcap, teacher_softcap)
             if grad is not None:
                 grad[r] = d
     return loss, grad

@@ -23,7 +23,11 @@ forward+backward time, peak memory and (timed rows) GB/s over the byte floor. By
 verses (SFT-style masking; built once, then cached under .cache/). On CPU the Triton kernels run under
 the interpreter on a slice of rows, for parity only. On CPU a memory sweep follows (--no-sweep skips
 it): stock, fused (chunked, tiled) and the peers' linear cross-entropy at SmolLM2's and Llama-3's
-vocabulary shapes, 0% and 50% of targets ignored, peak memory and time with their ratios. Writes OUT/bench.json and OUT/bench.png."""
+vocabulary shapes, 0% and 50% of targets ignored, peak memory and time with their ratios. On the real input
+an RL-precision table follows (--no-rl-precision skips it): per-token log-prob and entropy error vs float64
+of a bf16 head for stock, an fp32 head copy (TRL's cast_lm_head_to_fp32), TRL's kernel, torch's LCE and
+fusedce, and how many of 12 placements of a row in other batches change its result, with and without
+batch_invariant=True. Writes OUT/bench.json and OUT/bench.png."""
 DTYPES = ("float32", "bfloat16")
 LOAD_SAMPLE_SECONDS = 5.0
 # The names --paths accepts (``paths.PATHS``, which imports torch; tests/test_bench_cli.py keeps the two
@@ -71,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sweep", action="store_true",
                         help="skip the memory sweep (runs by default with --device cpu; about 7-20 min on 2 CPU "
                              "cores, more under load)")
+    parser.add_argument("--no-rl-precision", action="store_true",
+                        help="skip the RL-precision table (real input only; about 30-60 s on 2 CPU cores)")
     parser.add_argument("--sweep-repeats", type=int, default=2,
                         help="timed fwd+bwd runs per sweep row (after its peak-memory run)")
 
@@ -167,6 +173,18 @@ def _distillation(args, console, inputs_meta):
     return distill.summarize(prepared, rows, time.perf_counter() - began)
 
 
+def _rl_precision(args, console, inputs_meta):
+    """The RL-precision table on the real input (``rl_precision``, one fresh process), or None."""
+    from . import rl_precision
+    if "real" not in inputs_meta or getattr(args, "no_rl_precision", False):
+        return None
+    began = time.perf_counter()
+    row, spec, env = rl_precision.job(inputs_meta["real"]["cache_file"], args.device)
+    [row] = _measure_all([(row, spec, env)], args, console, rl_precision.describe)
+    row["wall_seconds"] = round(time.perf_counter() - began, 1)
+    return row
+
+
 def _describe_row(row) -> str:
     return f"{row['shape']} {row['dtype']} {row['op']}: {row['label']}"
 
@@ -258,6 +276,7 @@ def run(args) -> int:
         rows = _measure_all(_jobs(shapes, dtypes, plan, sources, args), args, err, _describe_row)
         failures += _recheck_real(rows, inputs_meta)
         distillation = _distillation(args, err, inputs_meta)
+        rl_precision = _rl_precision(args, err, inputs_meta)
         sweep = _sweep(args, err) if args.device == "cpu" and not args.no_sweep else None
 
     result = {
@@ -274,6 +293,7 @@ def run(args) -> int:
         "goals": goals.real_goals(rows, *CHUNKED_TILED[args.device]),
         "sweep": sweep,
         "distillation": distillation,
+        "rl_precision": rl_precision,
         "failures": failures,
         "wall_seconds": round(time.perf_counter() - began, 1),
     }
@@ -282,12 +302,18 @@ def run(args) -> int:
     if distillation:
         from .report_distill import print_table
         print_table(distillation, out)
+    if rl_precision:
+        from .report_rl import print_table as print_rl
+        print_rl(rl_precision, out)
     written = [report.write_json(result, args.out), report.write_png(result, args.out)]
     out.print(f"wrote {', '.join(str(p) for p in written)}")
     for failure in failures:
         err.print(Panel(failure, title="real input FAILED", style="bold red"))
     errors = [r for r in rows + (sweep["results"] if sweep else [])
-              + (distillation["results"] if distillation else []) if r["status"] == "error"]
+              + (distillation["results"] if distillation else [])
+              + (rl_precision["results"] if rl_precision and rl_precision.get("status") == "ok" else [])
+              + ([rl_precision] if rl_precision and rl_precision.get("status") != "ok" else [])
+              if r["status"] == "error"]
     if errors:
         err.print(f"[red]{len(errors)} measurement(s) failed; see the status column")
     return 1 if failures or errors else 0

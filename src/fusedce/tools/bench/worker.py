@@ -4,7 +4,8 @@ stdin and prints one ``harness.RESULT_PREFIX`` line with the JSON result.
 Spec: ``{"path": name, "mode": "timed" | "parity", "device": "cpu" | "cuda", "dtype": "float32" |
 "bfloat16", "source": inputs source, "rows": int | None, "repeats": int, "warmup": int}``; with
 ``"sweep": true`` the measurement is the memory sweep's (``sweep.measure``, CPU) instead of
-``harness.measure``; with ``"distill": true`` it is the distillation row's (``distill.measure``).
+``harness.measure``; with ``"distill": true`` it is the distillation row's (``distill.measure``), with
+``"rl": true`` the RL-precision table's (``rl_precision.measure``).
 A path that cannot be imported (e.g. a backend not written yet) is ``"unavailable"`` with the reason;
 any other exception is ``"error"``.
 """
@@ -26,6 +27,8 @@ def run_spec(spec: dict) -> dict:
     """Measure ``spec`` in this process (see the module docstring); never raises."""
     if spec.get("distill"):   # the distillation row (``distill.measure``)
         return _distill(spec)
+    if spec.get("rl"):   # the RL-precision table (``rl_precision.measure``)
+        return _rl(spec)
     path = paths.PATHS[spec["path"]]
     try:
         data = inputs.build(spec["source"], path.op.needs, DTYPES[spec["dtype"]], spec["device"],
@@ -53,6 +56,15 @@ def _distill(spec: dict) -> dict:
         return distill.measure(spec)
     except ImportError as exc:
         return {"status": "unavailable", "reason": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # reported in the table, the bench goes on
+        traceback.print_exc()
+        return {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+
+
+def _rl(spec: dict) -> dict:
+    try:
+        from . import rl_precision
+        return rl_precision.measure(spec)
     except Exception as exc:  # reported in the table, the bench goes on
         traceback.print_exc()
         return {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}

@@ -1,0 +1,69 @@
+"""``fusedce bench``'s RL-precision table (``bench/rl_precision.py``, issue 29) at a tiny stand-in for the
+real input file (64 tokens, H=16, V=300, a third of the rows ignored): fusedce's fp32 logits are within
+fp32 rounding of float64 where the bf16 compositions are not, ``batch_invariant=True`` changes no bit in
+any placement, and the command runs it in a fresh process and prints its table."""
+from argparse import Namespace
+
+import pytest
+import torch
+from rich.console import Console
+
+from fusedce.tools.bench import command, rl_precision
+from fusedce.tools.bench.report_rl import print_table
+
+N, H, V = 64, 16, 300
+
+
+@pytest.fixture()
+def real_file(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    target = torch.randint(0, V, (N,), generator=g)
+    target[::3] = -100
+    path = tmp_path / "real.pt"
+    torch.save({"hidden": torch.randn(N, H, generator=g) * 2, "weight": torch.randn(V, H, generator=g),
+                "target": target, "meta": {}}, path)
+    return str(path)
+
+
+def test_errors_and_placements(real_file):
+    out = rl_precision.measure({"device": "cpu", "source_file": real_file, "tokens": N})
+    assert out["status"] == "ok"
+    rows = {r["path"]: r for r in out["results"]}
+    assert set(rows) == set(rl_precision.PATHS)
+    for name in ("stock-bf16", "fp32-head-copy", "fusedce", "fusedce-input"):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["peak_bytes"] >= 0 and rows[name]["fwd_bwd_s"] > 0
+    fused, stock = rows["fusedce"], rows["stock-bf16"]
+    # fp32 logits of the bf16 values: fp32 rounding (~1e-6 nats at these magnitudes); bf16 logits ~1e-2
+    assert fused["log_probs_max_abs_err"] < 1e-5 and fused["entropy_max_abs_err"] < 1e-5, fused
+    assert stock["log_probs_max_abs_err"] > 100 * fused["log_probs_max_abs_err"], (stock, fused)
+    assert rows["fusedce-input"]["log_probs_max_abs_err"] > 100 * fused["log_probs_max_abs_err"]
+    assert rows["torch-lce"]["status"] in ("ok", "unavailable") and rows["torch-lce"]["entropy_max_abs_err"] is None
+    assert out["placements"] == len(rl_precision.PLACEMENTS)
+    assert out["placements_changed"]["fusedce batch_invariant=True"] == 0
+    assert out["input"]["tokens"] == N and out["input"]["vocab_size"] == V
+    console = Console(record=True, width=200)
+    print_table(out, console)
+    text = console.export_text()
+    assert rl_precision.PATHS["fusedce"] in text and "batch invariance" in text
+
+
+def test_trl_rows_ignore_nothing_they_should_not(real_file):
+    """TRL's kernel has no ignore_index: its row is computed on valid classes and zeroed where ignored."""
+    pytest.importorskip("trl")
+    hidden, weight, target = rl_precision.load(real_file, N, "cpu")
+    lp, ent = rl_precision.forward("trl-kernel", hidden, weight, target)
+    assert bool((lp[target == -100] == 0).all()) and bool((ent[target == -100] == 0).all())
+    ours = rl_precision.forward("fusedce-input", hidden, weight, target)
+    assert float((lp - ours[0]).abs().max()) < 5e-2   # both round the logits to bf16 (other orders)
+
+
+def test_command_runs_it_in_a_fresh_process(real_file):
+    args = Namespace(no_rl_precision=False, device="cpu", timeout=600)
+    console = Console(record=True, width=200)
+    row = command._rl_precision(args, console, {"real": {"cache_file": real_file}})
+    assert row["status"] == "ok", row.get("reason")
+    assert row["placements_changed"]["fusedce batch_invariant=True"] == 0
+    assert command._rl_precision(Namespace(no_rl_precision=True, device="cpu", timeout=600), console,
+                                 {"real": {"cache_file": real_file}}) is None
+    assert command._rl_precision(args, console, {}) is None   # synthetic shapes only: no table
