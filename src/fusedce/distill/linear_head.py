@@ -136,6 +136,18 @@ def _padded(factor: torch.Tensor, n: int) -> torch.Tensor:
     return factor if factor.shape[0] == n else torch.cat([factor, factor.new_zeros(n - factor.shape[0])])
 
 
+def headroom_holds(kw: dict, dtype: torch.dtype) -> bool:
+    """Whether ``distill_headroom``'s bound holds, so mean / sum gradients may be made in the forward. Per
+    logit ``|dL/du|`` is at most 1 for the forward KL (``|s - t|``) and for the JSD with ``0 < beta < 1``
+    (``s |g - sum s g|`` with ``g = (1 - beta)(ls - lm)``: ``s log(s / (beta t))`` is bounded by ``1 / e``
+    and ``ls - lm`` by ``-log(1 - beta)``), but the reverse KL's ``s (ls - lt - KL)`` grows with how far
+    below the student's the teacher's log-probs go (unbounded: a 0-probability teacher class). In fp16 the
+    forward-made gradient times ``P`` then overflows (``inf`` where float64 is 7.3: 32 x 128 x 2000, a
+    teacher with logits ~ N(0, 50^2)); so ``beta = 1`` with fp16 hidden states recomputes in the backward
+    with the exact upstream, like ``"none"`` (bf16 and fp32 have the range of fp32)."""
+    return not (kw["beta"] == 1.0 and dtype == torch.float16)
+
+
 class _LinearDistill(torch.autograd.Function):
     """The first ``n_real`` rows are the loss's; any rows after them are ``batch_invariant``'s padding."""
 
@@ -143,7 +155,7 @@ class _LinearDistill(torch.autograd.Function):
     def forward(ctx, hs, ws, bs, ht, wt, bt, target, head, kw: dict, reduction: str, scale, needs, n_real: int):
         ctx.grads = None
         n = hs.shape[0]
-        if reduction == "none":
+        if reduction == "none" or not headroom_holds(kw, hs.dtype):
             loss = head.run(hs, ws, bs, ht, wt, bt, target, None, kw, needs)[0]
         else:   # gradients made here, times P; the backward applies g / P
             p = distill_headroom(scale, kw["temperature"], kw["hard_label_weight"])
