@@ -115,7 +115,8 @@ def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tar
             r = slice(r0, r0 + step)
             t_r = None if target is None else target[r]
             # a lone row on one intra-op thread: the bits every row of a larger block gets (batch_invariant)
-            with one_thread(dev.type == "cpu" and min(step, n - r0) == 1):
+            lone = dev.type == "cpu" and min(step, n - r0) == 1 and not torch.compiler.is_compiling()
+            with one_thread(lone):
                 loss[r], d = _block(student_logits[r].float(), teacher_logits[r].float(), t_r,
                                     None if grad_factor is None else grad_factor[r], beta, temperature,
                                     hard_label_weight, ignore_index, student_softcap, teacher_softcap)
