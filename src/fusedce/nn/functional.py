@@ -21,8 +21,9 @@ Differences from torch, on purpose:
 - ``reduction="mean"`` with every target ignored gives 0.0 with zero gradients (torch: NaN); fusedce's
   contract.
 - K-dimensional heads (``linear_weight`` (C, d1, ..., H)) raise ``NotImplementedError``.
-- Errors are fusedce's (``ValueError`` / ``TypeError`` / ``IndexError``, see the README) where torch
-  raises ``RuntimeError``; torch's dimension checks (``input`` 1-D or 2-D) are kept, as ``RuntimeError``.
+- Errors: what torch rejects gets torch's error type and meaning (checked against torch's OpInfo
+  ``error_inputs``); what only fusedce checks (e.g. dtypes of the operands, options' ranges) gets fusedce's
+  errors (``ValueError`` / ``TypeError``, see the README).
 
 Probability targets (a float ``target`` of shape ``(N, C)``, or ``(C,)`` for a 1-D ``input``; float32 /
 bfloat16 / float16 / float64, any dtype independent of ``input``'s) have torch's semantics exactly: per row
@@ -54,6 +55,51 @@ def _chunk_size(options) -> Optional[int]:
                         f"got {type(options).__name__}"
                         + ("" if options_type else f" (torch {torch.__version__} has no LinearCrossEntropyOptions)"))
     return options.batch_chunk_size
+
+
+def _torch_errors(input, linear_weight, target, linear_bias, ignore_index) -> None:
+    """The invalid inputs torch's ``F.linear_cross_entropy`` rejects, with torch's error type and meaning
+    (its message, then fusedce's hint), in torch's order, before fusedce's own checks (which would name
+    them in fusedce's terms: ``hidden``, ``bias``, ``ValueError``). Checked against torch's OpInfo
+    ``error_inputs`` (``tests/linear/test_nn_functional_errors.py``)."""
+    if not isinstance(input, torch.Tensor) or not isinstance(linear_weight, torch.Tensor):
+        return   # fusedce's TypeError names the argument
+    if input.dim() not in (1, 2):
+        raise RuntimeError(f"expected input with dimensionality 1 or 2, got {input.dim()}")
+    if linear_weight.dim() < 2:
+        raise RuntimeError(f"expected linear_weight with dimensionality at least 2, got {linear_weight.dim()} "
+                           "(the nn.Linear layout: (C, in_features))")
+    if input.shape[-1] != linear_weight.shape[-1]:
+        raise RuntimeError("expected equal input and linear_weight last dimensions (in_features), got "
+                           f"{input.shape[-1]} and {linear_weight.shape[-1]}, respectively")
+    if linear_weight.dim() > 2:
+        if input.dim() == 1:
+            raise RuntimeError(f"K-dimensional loss defined by linear_weight shape {tuple(linear_weight.shape)} "
+                               f"requires batched input, (N, {input.shape[-1]}), got unbatched input with shape "
+                               f"{tuple(input.shape)}")
+        raise NotImplementedError(
+            "fusedce.nn.functional.linear_cross_entropy: only a (C, in_features) linear_weight; got "
+            f"{tuple(linear_weight.shape)} (K-dimensional loss: use torch.nn.functional.linear_cross_entropy)")
+    n_classes = linear_weight.shape[0]
+    if isinstance(linear_bias, torch.Tensor) and tuple(linear_bias.shape) != (n_classes,):
+        raise RuntimeError(f"expected linear_bias shape ({n_classes},), got {tuple(linear_bias.shape)}")
+    if not isinstance(target, torch.Tensor):
+        return
+    lead = tuple(input.shape[:-1])
+    if target.is_floating_point():
+        if tuple(target.shape) == lead + (n_classes,):   # probabilities
+            if ignore_index is not None:
+                raise RuntimeError("ignore_index cannot be specified when target contains probabilities "
+                                   "(leave it None: no row of a probability target is ignored)")
+            return
+        if tuple(target.shape) == lead:
+            raise RuntimeError(f"expected target dtype to be Long or Byte, but got {str(target.dtype)[6:].title()} "
+                               "(class indices stored as floats? pass target.long())")
+    if target.dim() == len(lead) + 1 and target.shape[:-1] == lead:
+        raise RuntimeError(f"0D or 1D target tensor expected, multi-target not supported (target of shape "
+                           f"{tuple(target.shape)}: class probabilities need (N, C) = {lead + (n_classes,)})")
+    if target.dim() >= 1 and lead and target.shape[0] != lead[0]:
+        raise ValueError(f"Expected input batch_size ({lead[0]}) to match target batch_size ({target.shape[0]}).")
 
 
 @public_op("linear", linear=(("input", "linear_weight", "linear_bias"),))
@@ -89,16 +135,15 @@ def linear_cross_entropy(
         The fp32 loss; gradients of ``input``, ``linear_weight``, ``linear_bias`` in their dtypes.
 
     Raises:
-        ``RuntimeError`` for an ``input`` that is not 1-D or 2-D (torch's check); ``NotImplementedError``
-        for a K-dimensional ``linear_weight``; ``TypeError`` for a probability target that requires grad; ``TypeError`` for ``options`` of
-        another type; otherwise ``fusedce.linear_cross_entropy``'s errors.
+        Torch's errors (type and meaning) for what torch rejects (``_torch_errors``: an ``input`` not 1-D
+        or 2-D, a 1-D ``linear_weight``, different ``in_features``, a K-dimensional head with unbatched
+        input, a ``linear_bias`` not ``(C,)``, ``ignore_index`` with probabilities, float class indices, a
+        2-D target that is not ``(N, C)``, another batch size); ``NotImplementedError`` for a K-dimensional
+        ``linear_weight``; ``TypeError`` for a probability target that requires grad or ``options`` of
+        another type; otherwise ``fusedce.linear_cross_entropy``'s errors (``IndexError`` for a class out
+        of range, as torch).
     """
-    if input.dim() not in (1, 2):
-        raise RuntimeError(f"expected input with dimensionality 1 or 2, got {input.dim()}")
-    if linear_weight.dim() != 2:
-        raise NotImplementedError(
-            "fusedce.nn.functional.linear_cross_entropy: only a (C, in_features) linear_weight; got "
-            f"{tuple(linear_weight.shape)} (K-dimensional loss: use torch.nn.functional.linear_cross_entropy)")
+    _torch_errors(input, linear_weight, target, linear_bias, ignore_index)
     chunk_size = _chunk_size(options)
     return _fused_linear_cross_entropy(
         input, linear_weight, target, linear_bias, ce_weight=weight, reduction=reduction,

@@ -1,0 +1,65 @@
+"""The drop-in's errors (issue 27 item 5): every invalid input of torch's own OpInfo ``error_inputs`` for
+``nn.functional.linear_cross_entropy`` gets, from ``fusedce.nn.functional.linear_cross_entropy``, the error
+type torch raises and a message matching torch's ``error_regex``; and the target mistakes torch rejects
+(float class indices, a 2-D target that is not ``(N, C)``, another batch size, a class out of range) get
+torch's error type, torch's function run on the same input as the oracle."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import fusedce.nn.functional as FF
+
+F = torch.nn.functional
+pytestmark = pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="torch < 2.13 has no linear_cross_entropy")
+
+
+def _error_inputs():
+    oi = pytest.importorskip("torch.testing._internal.common_methods_invocations")
+    ops = [op for op in oi.op_db if op.name == "nn.functional.linear_cross_entropy"]
+    assert ops, "torch's op_db has no nn.functional.linear_cross_entropy"
+    return list(ops[0].error_inputs("cpu"))
+
+
+def _raised(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the error is what is compared
+        return exc
+    return None
+
+
+def test_opinfo_error_inputs():
+    cases = _error_inputs()
+    assert len(cases) >= 6
+    for case in cases:
+        s = case.sample_input
+        theirs = _raised(F.linear_cross_entropy, s.input, *s.args, **s.kwargs)
+        ours = _raised(FF.linear_cross_entropy, s.input, *s.args, **s.kwargs)
+        assert isinstance(theirs, case.error_type), f"torch itself: {theirs!r} for {case.error_regex!r}"
+        assert ours is not None, f"no error where torch raises {case.error_regex!r}"
+        assert type(ours) is type(theirs), f"{type(ours).__name__} ({ours}) where torch raises {type(theirs).__name__}"
+        assert re.search(case.error_regex, str(ours)), f"{str(ours)!r} does not match torch's {case.error_regex!r}"
+
+
+@pytest.mark.parametrize("case", ["float-indices", "2d-int", "wrong-C-float", "batch", "out-of-range", "bias-first"])
+def test_target_mistakes_get_torchs_error_type(case):
+    x, w = torch.randn(2, 3), torch.randn(4, 3)
+    kwargs = {}
+    target = {"float-indices": torch.tensor([1.0, 2.0]), "2d-int": torch.tensor([[1], [2]]),
+              "wrong-C-float": torch.rand(2, 5), "batch": torch.tensor([1, 2, 3]),
+              "out-of-range": torch.tensor([1, 7]), "bias-first": torch.tensor([1.0, 2.0])}[case]
+    if case == "bias-first":   # torch checks the bias before the target
+        kwargs["linear_bias"] = torch.zeros(5)
+    theirs = _raised(F.linear_cross_entropy, x, w, target, **kwargs)
+    ours = _raised(FF.linear_cross_entropy, x, w, target, **kwargs)
+    assert theirs is not None and ours is not None, (theirs, ours)
+    assert isinstance(ours, type(theirs)), f"{type(ours).__name__} ({ours}) where torch raises {type(theirs).__name__} ({theirs})"
+
+
+def test_valid_probability_targets_still_run():
+    x, w = torch.randn(2, 3), torch.randn(4, 3)
+    q = torch.softmax(torch.randn(2, 4), -1)
+    torch.testing.assert_close(FF.linear_cross_entropy(x, w, q), F.linear_cross_entropy(x, w, q).float())
