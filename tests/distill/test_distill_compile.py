@@ -1,5 +1,5 @@
 """``linear_distillation_loss`` under ``torch.compile(fullgraph=True)`` (issue 27 item 4): the torch
-backend's tiled loop is one custom op (``backends/pytorch/distill_ops.py``; traced, its block loop hit
+backend's tiled loop is one custom op (``backends/pytorch/custom_ops.py``; traced, its block loop hit
 ``torch.is_inference_mode_enabled`` and Dynamo refused the graph), the chunked method traces; compiled
 equals eager (loss and the student's gradients), also for a single row (the PyTorch row op's lone-row path)."""
 from __future__ import annotations

@@ -3,7 +3,7 @@ in ``tests/references/reference64.py``). The interface: ``backends/protocol.py``
 from ..protocol import Capabilities
 from .cross_entropy import cross_entropy_rows
 from .distill import distill_rows
-from .distill_ops import tiled_distill
+from .custom_ops import tiled_distill
 from .custom_ops import TORCH_TILED as TILED_CE
 from .custom_ops import slice_grad, slice_stats
 from .linear import TorchChunkCE as CHUNK_CE

@@ -21,7 +21,9 @@ the call does not make is a (0,) tensor, mapped back to None by the typed entry 
   accum_dtype, grad_entropy?, entropy?) -> (grad_hidden, grad_weight, grad_bias)``:
   ``tiled.TorchTiledCE`` (``method="tiled"``);
 - ``chunk_token_stats``: ``token_stats.chunk_token_stats`` (the RL ops' ``return_stats``);
-- ``slice_stats`` / ``slice_grad``: ``slices.py`` (vocab parallelism).
+- ``slice_stats`` / ``slice_grad``: ``slices.py`` (vocab parallelism);
+- ``tiled_distill``: ``distill_tiled.tiled_distill`` (``linear_distillation_loss(method="tiled")``; traced, its
+  block loop reached ``torch.is_inference_mode_enabled``, which Dynamo refuses with ``fullgraph=True``).
 
 No autograd formula: the autograd Functions that call them (``cross_entropy.py``, ``lm_head``, the
 vocab-parallel Functions) differentiate through the backward ops themselves. Inputs may have any
@@ -40,6 +42,7 @@ from ..protocol import TiledRows
 from .launch import chunk_grad_, chunk_loss
 from .slices import slice_grad as _slice_grad
 from .slices import slice_stats as _slice_stats
+from .distill_tiled import tiled_distill as _tiled_distill
 from .tiled import TorchTiledCE
 from .token_stats import chunk_token_stats
 
@@ -258,3 +261,50 @@ def slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, g
     return _slice_grad_op(logits, target, weight, weight_sum, target_weight, lse, lse_lo,
                                               grad_row, grad_lse, *opts.op_args(), col_start, n_total,
                                               grad_entropy, None if grad_entropy is None else entropy)
+
+
+# ---------------------------------------------------------------- tiled distillation
+
+
+def _empty_f32(like: Tensor) -> Tensor:
+    return like.new_empty(0, dtype=torch.float32)
+
+
+@opaque_op("fusedce_torch::tiled_distill", mutates_args=())
+def _tiled_distill_op(hs: Tensor, ws: Tensor, bs: Opt, ht: Tensor, wt: Tensor, bt: Opt, target: Opt,
+                      grad_factor: Opt, beta: float, temperature: float, hard_label_weight: float, ignore_index: int,
+                      student_softcap: Optional[float], teacher_softcap: Optional[float],
+                      deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    loss, g_h, g_w, g_b = _tiled_distill(hs, ws, bs, ht, wt, bt, target, grad_factor, beta=beta,
+                                         temperature=temperature, hard_label_weight=hard_label_weight,
+                                         ignore_index=ignore_index, student_softcap=student_softcap,
+                                         teacher_softcap=teacher_softcap, deterministic=deterministic)
+    return (loss, _empty_f32(hs) if g_h is None else g_h, _empty_f32(hs) if g_w is None else g_w,
+            _empty_f32(hs) if g_b is None else g_b)
+
+
+@_tiled_distill_op.register_fake
+def _(hs, ws, bs, ht, wt, bt, target, grad_factor, beta, temperature, hard_label_weight, ignore_index,
+      student_softcap, teacher_softcap, deterministic):
+    n = hs.shape[0]
+    loss = hs.new_empty(n, dtype=torch.float32)
+    if grad_factor is None:
+        return loss, _empty_f32(hs), _empty_f32(hs), _empty_f32(hs)
+    g_b = _empty_f32(hs) if bs is None else hs.new_empty(ws.shape[0], dtype=torch.float32)
+    return loss, torch.empty_like(hs), hs.new_empty(ws.shape, dtype=torch.float32), g_b
+
+
+def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
+                  target, grad_factor, *, beta: float, temperature: float, hard_label_weight: float,
+                  ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float],
+                  deterministic: bool = False):
+    """``distill_tiled.tiled_distill`` (same arguments and results) through the custom op."""
+    loss, g_h, g_w, g_b = _tiled_distill_op(student_hidden, student_weight, student_bias, teacher_hidden,
+                                            teacher_weight, teacher_bias, target, grad_factor, float(beta),
+                                            float(temperature), float(hard_label_weight), int(ignore_index),
+                                            None if student_softcap is None else float(student_softcap),
+                                            None if teacher_softcap is None else float(teacher_softcap),
+                                            bool(deterministic))
+    if grad_factor is None:
+        return loss, None, None, None
+    return loss, g_h, g_w, (None if student_bias is None else g_b)
