@@ -34,7 +34,10 @@ import torch
 
 from fusedce.core.entrance import public_op
 from fusedce.core.reduction import token_mean_scale
+from fusedce.core.types import TopkDistillationOutput
 from fusedce.distill import checks as dc
+from fusedce.distill import tail as student_tail
+from fusedce.lm_head.compaction import compact_rows, scatter_rows
 from fusedce.rl import multi
 
 
@@ -54,11 +57,48 @@ def _classes(teacher_ids, teacher_log_probs, target, ignore_index: int, fold_tar
     return classes, torch.where(keep, lp.exp(), 0.0), lp, keep
 
 
-def _loss(log_s, p, lp, keep, target, hard, call: dc.TopkCall, reduction, num_items_in_batch):
-    """Per token ``sum_k p_k (lp_k - log_s_k)`` over the kept entries (+ the hard-label CE), reduced with
-    the distillation losses' one mean rule (``core/reduction.token_mean_scale``)."""
+def _teacher_tail(lp, keep, ids, n_classes: int):
+    """``(p_tail, teacher_mass)`` per token fp32: ``teacher_mass = sum_k p_k`` over the kept entries and
+    ``p_tail = max(0, 1 - teacher_mass)``, summed in float64 from the stored log-probs (O(BT K); the
+    subtraction is then exact to the input's own precision). ``p_tail = 0`` where the kept ids cover all
+    V classes (possible only for K >= V: the student's tail is then empty, and the teacher's ``1 - sum``
+    is its rounding)."""
+    mass = torch.where(keep, lp.double().exp(), 0.0).sum(-1)
+    p_tail = (1.0 - mass).clamp(min=0.0)
+    if ids.shape[-1] >= n_classes:
+        ordered = torch.where(keep, ids.long(), -1).sort(dim=-1).values
+        fresh = torch.ones_like(keep)
+        fresh[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
+        distinct = (fresh & (ordered >= 0)).sum(-1)
+        p_tail = torch.where(distinct >= n_classes, 0.0, p_tail)
+    return p_tail.float(), mass.float()
+
+
+def _tail_term(tail_rows, teacher_ids, lp, keep, target, call: dc.TopkCall):
+    """``(p_tail log(p_tail / s_tail), teacher_mass)`` per token, fp32 ``(...)``: 0 where ``p_tail = 0``
+    (and no gradient there) or the token is ignored. ``tail_rows(ids, active)`` gives the student's
+    ``log s_tail`` (N,) with ``ids`` (N, K) the classes to exclude (-1: none), on the ``active`` tokens
+    (non-ignored, ``p_tail > 0``); its other values are not used."""
+    k = keep.shape[-1]
+    flat_keep, flat_ids = keep.reshape(-1, k), teacher_ids.reshape(-1, k).long()
+    p_tail, mass = _teacher_tail(lp.reshape(-1, k), flat_keep, flat_ids, call.n_classes)
+    active = p_tail > 0
+    if target is not None:
+        active = active & (target.reshape(-1) != call.ignore_index)
+    log_s_tail = tail_rows(torch.where(flat_keep, flat_ids, -1), active)
+    log_p_tail = torch.where(active, p_tail, 1.0).log()
+    term = torch.where(active, p_tail * (log_p_tail - torch.where(active, log_s_tail, 0.0)), 0.0)
+    return term.reshape(call.lead), mass.reshape(call.lead)
+
+
+def _loss(log_s, p, lp, keep, target, hard, tail_term, call: dc.TopkCall, reduction, num_items_in_batch):
+    """Per token ``sum_k p_k (lp_k - log_s_k)`` over the kept entries (+ the tail term, fp32 ``(...)`` or
+    None; + the hard-label CE), reduced with the distillation losses' one mean rule
+    (``core/reduction.token_mean_scale``)."""
     K = p.shape[-1]
     rows = torch.where(keep, p * (lp - log_s[..., :K]), 0.0).sum(-1)
+    if tail_term is not None:
+        rows = rows + tail_term
     if hard is not None:
         rows = rows - call.hard_label_weight * hard   # hard: log_softmax(c(z))[target], 0 on ignored rows
     if reduction == "none":
@@ -69,10 +109,12 @@ def _loss(log_s, p, lp, keep, target, hard, call: dc.TopkCall, reduction, num_it
     return total * token_mean_scale(target, rows.numel(), call.ignore_index, num_items_in_batch, total.device)
 
 
-def _topk_loss(rows, teacher_ids, teacher_log_probs, call: dc.TopkCall, reduction, num_items_in_batch):
-    """The reduced loss of both public ops, once their arguments are checked (``call``): ``rows(classes,
-    opts)`` is the internal K-class op (``rl/multi.py``) on the student's logits or LM head, giving the
-    fp32 ``(N, K)`` log-probs of ``classes`` under ``opts``."""
+def _topk_loss(rows, tail_rows, teacher_ids, teacher_log_probs, call: dc.TopkCall, reduction, num_items_in_batch):
+    """The reduced loss of both public ops (or ``TopkDistillationOutput`` with ``call.return_stats``),
+    once their arguments are checked (``call``): ``rows(classes, opts)`` is the internal K-class op
+    (``rl/multi.py``) on the student's logits or LM head, giving the fp32 ``(N, K)`` log-probs of
+    ``classes`` under ``opts``; ``tail_rows`` the student's ``log s_tail`` (``distill/tail.py``, called
+    with ``tail=True`` only)."""
     target, shape = call.target, tuple(call.lead)
     fold = call.hard_label_weight != 0.0 and call.temperature == 1.0
     classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, call.ignore_index, fold)
@@ -81,7 +123,16 @@ def _topk_loss(rows, teacher_ids, teacher_log_probs, call: dc.TopkCall, reductio
     hard = None
     if call.hard_label_weight != 0.0:   # the hard label at temperature 1: folded in, or one more pass
         hard = log_s[..., -1] if fold else rows(target[..., None], call.hard_opts).reshape(shape)
-    return _loss(log_s, p, lp, keep, target, hard, call, reduction, num_items_in_batch)
+    tail_term = mass = None
+    if call.tail:
+        tail_term, mass = _tail_term(tail_rows, teacher_ids, lp, keep, target, call)
+    loss = _loss(log_s, p, lp, keep, target, hard, tail_term, call, reduction, num_items_in_batch)
+    if not call.return_stats:
+        return loss
+    if mass is None:
+        mass = torch.where(keep, lp.double().exp(), 0.0).sum(-1).float()
+    student_mass = torch.where(keep, log_s.detach()[..., :p.shape[-1]].exp(), 0.0).sum(-1)
+    return TopkDistillationOutput(loss, mass.reshape(shape), student_mass.reshape(shape))
 
 
 @public_op("logits")
@@ -90,7 +141,8 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
                            temperature: float = 1.0, hard_label_weight: float = 0.0, ignore_index: int = -100,
                            reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                            student_softcap: Optional[float] = None, logit_scale: float = 1.0,
-                           backend: Optional[str] = None) -> torch.Tensor:
+                           tail: bool = False, return_stats: bool = False,
+                           backend: Optional[str] = None) -> Union[torch.Tensor, TopkDistillationOutput]:
     """Forward KL from stored top-k teacher log-probs to the student, over the teacher's K classes.
 
     Per token: ``sum_k p_k (log p_k - log s[id_k])`` with ``p_k = exp(teacher_log_probs_k)`` as stored
@@ -143,12 +195,17 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
     call = dc.checked_topk("student_logits", student_logits, None, None, teacher_ids, teacher_log_probs, target,
                            temperature=temperature, hard_label_weight=hard_label_weight, ignore_index=ignore_index,
                            reduction=reduction, num_items_in_batch=num_items_in_batch,
-                           student_softcap=student_softcap, logit_scale=logit_scale, backend=backend)
+                           student_softcap=student_softcap, logit_scale=logit_scale, backend=backend,
+                           tail=tail, return_stats=return_stats)
 
     def rows(classes, opts):
         return multi.log_probs_rows(call.impl, student_logits, classes, opts, False)[0]
 
-    return _topk_loss(rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
+    def tail_rows(ids, active):
+        flat = student_logits.reshape(-1, call.n_classes)
+        return student_tail.log_tail_logits(flat, torch.where(active[:, None], ids, -1), call.opts)
+
+    return _topk_loss(rows, tail_rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
 
 
 @public_op("linear", linear=(("student_hidden", "student_weight", "student_bias"),))
@@ -159,8 +216,10 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
                                   hard_label_weight: float = 0.0, ignore_index: int = -100,
                                   reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                                   student_softcap: Optional[float] = None, logit_scale: float = 1.0,
+                                  tail: bool = False, return_stats: bool = False,
                                   method: str = "auto", chunk_size: Optional[int] = None,
-                                  backend: Optional[str] = None, deterministic: Optional[bool] = None) -> torch.Tensor:
+                                  backend: Optional[str] = None, deterministic: Optional[bool] = None
+                                  ) -> Union[torch.Tensor, TopkDistillationOutput]:
     """:func:`topk_distillation_loss` of ``student_hidden @ student_weight.T + student_bias`` without
     ever allocating BT x V logits.
 
@@ -190,10 +249,21 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
                            teacher_log_probs, target, temperature=temperature, hard_label_weight=hard_label_weight,
                            ignore_index=ignore_index, reduction=reduction, num_items_in_batch=num_items_in_batch,
                            student_softcap=student_softcap, logit_scale=logit_scale, backend=backend,
-                           method=method, chunk_size=chunk_size, deterministic=deterministic)
+                           method=method, chunk_size=chunk_size, deterministic=deterministic, tail=tail,
+                           return_stats=return_stats)
 
     def rows(classes, opts):
         return multi.linear_log_probs_rows(call.impl, student_hidden, student_weight, classes, student_bias, opts,
                                            False, chunk_size, method, call.deterministic)[0]
 
-    return _topk_loss(rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
+    def tail_rows(ids, active):
+        hidden = student_hidden.reshape(-1, student_hidden.shape[-1])
+        n, ignore = hidden.shape[0], call.ignore_index
+        rep = torch.where(active, 0 if ignore != 0 else 1, ignore)
+        hidden, _, index = compact_rows(hidden, rep, ignore)   # tokens without a tail: no matmul
+        if index is not None:
+            ids = ids.index_select(0, index)
+        out = student_tail.log_tail_linear(hidden, student_weight, student_bias, ids, call.opts)
+        return scatter_rows(out, index, n, 0.0)
+
+    return _topk_loss(rows, tail_rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)

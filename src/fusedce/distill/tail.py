@@ -1,0 +1,190 @@
+"""The student's tail for ``topk_distillation_loss(..., tail=True)`` (``distill/topk.py``): per token
+``log s_tail``, the log of the student's softmax mass OUTSIDE the teacher's K classes, computed from the
+row statistics with those classes excluded, never as ``1 - sum_k s_k``.
+
+Why not by subtraction: ``sum_k s_k`` carries an absolute error of a few fp32 roundings (each ``log
+s_k = q_k - lse`` is off by ``~2^-24 |lse|``), so with ``sum_k s_k = 1 - 1e-6`` the difference would
+keep one or two correct digits. Here, per row, over blocks of (rows x classes) of ``q = c(a x) / T``
+(``opts``, from ``log_prob_options``)::
+
+    m  = max_c q_c,            s  = sum_c exp(q_c - m)             (every class)
+    mt = max_{c not in K} q_c, st = sum_{c not in K} exp(q_c - mt)  (the K kept ids masked out)
+    log s_tail = (mt - m) + log(st / s)
+
+merged block by block as an online softmax (a block with no class of a set adds 0). ``st / s`` lies in
+[1 / V, 1] (each sum holds its maximum's ``exp(0) = 1``), so the ratio and its log are accurate to a few
+roundings, and ``mt - m`` to one rounding of the logits' own size: ``s_tail`` has a relative error of a
+few fp32 roundings however close ``sum_k s_k`` is to 1. A class listed twice in K is excluded once
+(``s_tail`` is the mass outside the SET of K classes; ``1 - sum_k s[id_k]`` would count it twice and can
+go negative). A row whose tail holds no class gives ``-inf``.
+
+Backward: ``d log s_tail / d q_c = [c not in K] exp(q_c - lse_t) - exp(q_c - lse)`` (``lse_t = mt + log
+st``, ``lse = m + log s``), times ``dq/dx`` (``row_math.mul_slope_``), recomputing each block: for the
+logits form into a gradient of the logits' shape and dtype; for the LM head into ``grad_hidden`` (``+=
+dx W_v``), ``grad_weight[v]`` (``+= dx^T h``) and ``grad_bias[v]``, accumulated in fp32 and rounded once
+to their dtypes (autograd then adds them to the K-class op's gradients: in a 16-bit dtype one more
+rounding).
+
+Written in PyTorch ops, the same on every backend (on CUDA: cuBLAS and elementwise kernels, no Triton
+kernel of its own). Cost: one more read of the logits (logits form), or one more head matmul in the
+forward and three in the backward (LM head), in blocks of the PyTorch tiled method's sizes
+(``backends/pytorch/tuning.tile_sizes``: ``rows x vocab < V``), so neither form allocates a tensor with
+V or more elements besides the inputs and their gradients, whichever ``method`` the K-class op uses.
+"""
+from __future__ import annotations
+
+import torch
+
+from fusedce.backends.pytorch import tuning as torch_tuning
+from fusedce.core.autograd_checks import check_backward_allowed
+from fusedce.core.options import LossOptions
+from fusedce.core.row_math import mul_slope_, transform
+
+
+def _blocks(n: int, n_classes: int):
+    """(vocabulary slices, row slices) of the blocks (``tile_sizes``, read at call time)."""
+    rows, vocab = torch_tuning.tile_sizes(n_classes)
+    return [slice(v, v + vocab) for v in range(0, n_classes, vocab)], [slice(r, r + rows) for r in range(0, n, rows)]
+
+
+def _tail_mask(ids: torch.Tensor, v: slice, width: int) -> torch.Tensor:
+    """(rows, width) bool: True on the classes of block ``v`` NOT among the row's excluded ``ids``
+    ((rows, K) int64, -1 where an entry excludes nothing)."""
+    inside = (ids >= v.start) & (ids < v.start + width)
+    cols = torch.where(inside, ids - v.start, width)   # column ``width``: a spare for the entries elsewhere
+    hit = torch.zeros(ids.shape[0], width + 1, dtype=torch.bool, device=ids.device)
+    hit.scatter_(1, cols, True)
+    return ~hit[:, :width]
+
+
+def _merge(m, s, q):
+    """One online-softmax step: ``(m, s)`` (``s = sum exp(. - m)``) merged with the rows of block ``q``
+    (-inf entries add nothing; safe when everything so far is -inf)."""
+    new_m = torch.maximum(m, q.amax(1))
+    ref = torch.where(torch.isinf(new_m), 0.0, new_m)
+    s = s * torch.exp(torch.where(torch.isinf(m), float("-inf"), m) - ref) + torch.exp(q - ref[:, None]).sum(1)
+    return new_m, s
+
+
+def _forward(block_logits, ids, n: int, n_classes: int, opts: LossOptions, device):
+    """Per row ``(m, s, mt, st)`` fp32 over every block of ``block_logits(r, v)`` (fp32 raw logits)."""
+    m = torch.full((n,), float("-inf"), device=device)
+    mt, s, st = m.clone(), torch.zeros(n, device=device), torch.zeros(n, device=device)
+    vocab_blocks, row_blocks = _blocks(n, n_classes)
+    for v in vocab_blocks:
+        for r in row_blocks:
+            q = transform(block_logits(r, v), opts)
+            qt = torch.where(_tail_mask(ids[r], v, q.shape[1]), q, float("-inf"))
+            m[r], s[r] = _merge(m[r], s[r], q)
+            mt[r], st[r] = _merge(mt[r], st[r], qt)
+    return m, s, mt, st
+
+
+def _log_tail(m, s, mt, st) -> torch.Tensor:
+    return torch.where(st > 0, (mt - m) + torch.log(st / s), float("-inf"))
+
+
+def _lses(m, s, mt, st):
+    """``(lse, lse_t)`` for the backward; ``lse_t`` +inf on rows without a tail class (their tail term is
+    masked anyway), so that no NaN is formed."""
+    return m + torch.log(s), torch.where(st > 0, mt + torch.log(st), float("inf"))
+
+
+def _block_grad(block_logits, ids, r, v, g, lse, lse_t, opts: LossOptions):
+    """dL/dx of one block (fp32): ``g (mask exp(q - lse_t) - exp(q - lse))`` times ``dq/dx``; exactly 0
+    on rows with ``g == 0`` (ignored tokens, tokens without a teacher tail), whatever their logits."""
+    q = transform(block_logits(r, v), opts)
+    keep = _tail_mask(ids[r], v, q.shape[1])
+    inner = torch.where(keep, torch.exp(q - lse_t[r, None]), 0.0) - torch.exp(q - lse[r, None])
+    gr = g[r, None]
+    return torch.where(gr != 0, mul_slope_(gr * inner, q, opts), 0.0)
+
+
+class _TailLogits(torch.autograd.Function):
+    """``log s_tail`` (n,) fp32 of ``logits`` (n, V), ``ids`` (n, K) the excluded classes (-1: none)."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, opts: LossOptions):
+        m, s, mt, st = _forward(_logit_blocks(logits), ids, logits.shape[0], logits.shape[1], opts, logits.device)
+        ctx.save_for_backward(logits, ids, m, s, mt, st)
+        ctx.opts = opts
+        return _log_tail(m, s, mt, st)
+
+    @staticmethod
+    def backward(ctx, g):
+        check_backward_allowed(ctx, "fusedce.topk_distillation_loss(tail=True)")
+        logits, ids, m, s, mt, st = ctx.saved_tensors
+        lse, lse_t = _lses(m, s, mt, st)
+        g = g.float()
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        block = _logit_blocks(logits)
+        vocab_blocks, row_blocks = _blocks(logits.shape[0], logits.shape[1])
+        for v in vocab_blocks:
+            for r in row_blocks:
+                grad[r, v] = _block_grad(block, ids, r, v, g, lse, lse_t, ctx.opts).to(grad.dtype)
+        return grad, None, None
+
+
+class _TailLinear(torch.autograd.Function):
+    """``log s_tail`` (n,) fp32 of ``hidden @ weight.T + bias`` (fp32 from the operands' values), never
+    holding more than one (rows x vocab) block of logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, opts: LossOptions):
+        block = _head_blocks(hidden, weight, bias)
+        m, s, mt, st = _forward(block, ids, hidden.shape[0], weight.shape[0], opts, hidden.device)
+        ctx.save_for_backward(hidden, weight, bias, ids, m, s, mt, st)
+        ctx.opts = opts
+        return _log_tail(m, s, mt, st)
+
+    @staticmethod
+    def backward(ctx, g):
+        check_backward_allowed(ctx, "fusedce.linear_topk_distillation_loss(tail=True)")
+        hidden, weight, bias, ids, m, s, mt, st = ctx.saved_tensors
+        lse, lse_t = _lses(m, s, mt, st)
+        g = g.float()
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        g_h = torch.zeros(hidden.shape, **f32) if need_h else None
+        g_w = torch.zeros(weight.shape, **f32) if need_w else None
+        g_b = torch.zeros(weight.shape[0], **f32) if need_b else None
+        block = _head_blocks(hidden, weight, bias)
+        vocab_blocks, row_blocks = _blocks(hidden.shape[0], weight.shape[0])
+        for v in vocab_blocks:
+            w32 = weight[v].float()
+            for r in row_blocks:
+                dx = _block_grad(block, ids, r, v, g, lse, lse_t, ctx.opts)
+                if need_h:
+                    g_h[r] += dx @ w32
+                if need_w:
+                    g_w[v] += dx.t() @ hidden[r].float()
+                if need_b:
+                    g_b[v] += dx.sum(0)
+        return (None if g_h is None else g_h.to(hidden.dtype), None if g_w is None else g_w.to(weight.dtype),
+                None if g_b is None else g_b.to(bias.dtype), None, None)
+
+
+def _logit_blocks(logits):
+    def block(r, v):
+        return logits[r, v].float()
+    return block
+
+
+def _head_blocks(hidden, weight, bias):
+    """``block(r, v)``: fp32 ``hidden[r] @ weight[v].T + bias[v]`` from the operands' values."""
+    def block(r, v):
+        return torch.nn.functional.linear(hidden[r].float(), weight[v].float(),
+                                          None if bias is None else bias[v].float())
+    return block
+
+
+def log_tail_logits(logits: torch.Tensor, ids: torch.Tensor, opts: LossOptions) -> torch.Tensor:
+    """``log s_tail`` (n,) fp32 of checked ``logits`` (n, V) (any row stride), excluding ``ids`` (n, K)
+    int64 (-1: an entry that excludes nothing); differentiable w.r.t. ``logits``."""
+    return _TailLogits.apply(logits, ids, opts)
+
+
+def log_tail_linear(hidden, weight, bias, ids: torch.Tensor, opts: LossOptions) -> torch.Tensor:
+    """As :func:`log_tail_logits` for the logits ``hidden (n, H) @ weight (V, H).T + bias (V,)``;
+    differentiable w.r.t. the three."""
+    return _TailLinear.apply(hidden, weight, bias, ids, opts)
