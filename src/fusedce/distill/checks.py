@@ -187,9 +187,8 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
     classes are formed): ``student`` (its logits, or with ``weight`` its hidden states, ``name``), the
     scalar options (``check_temperature``: the one temperature check), ``num_items_in_batch``, the
     teacher's top-K, the student's head and ``method`` / ``chunk_size`` / ``deterministic`` (linear form),
-    the target's shape, softcap and ``logit_scale`` (``log_prob_options``), the backend, then the
-    teacher's values (``check_teacher_values``: one host sync, skipped under compile / capture).
-    ``tail`` and ``return_stats`` first (``TypeError`` unless a bool)."""
+    the target's shape, softcap and ``logit_scale`` (``log_prob_options``), the backend; ``tail`` and
+    ``return_stats`` first (``TypeError`` unless a bool). The teacher's values: ``check_teacher_values``."""
     linear = weight is not None
     tail = check_flag("tail", tail)
     return_stats = check_flag("return_stats", return_stats)
@@ -220,7 +219,6 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
     hard_opts = None if hard_label_weight == 0.0 else log_prob_options(ignore_index, 1.0, student_softcap, logit_scale)
     impl = backends.get(backend, student.device, entropy=True,
                         tiled=linear and resolve_method(method) == "tiled")
-    check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index, tail)
     return TopkCall(lead, n_classes, temperature, hard_label_weight, ignore_index, target, opts, hard_opts, impl,
                     bool(deterministic), tail, return_stats)
 
@@ -251,7 +249,7 @@ def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: i
         return
     if bool(high.any()):   # (error paths only from here)
         pos = [int(i) for i in high.nonzero()[0]]
-        raise ValueError(f"teacher_log_probs{pos} = {float(lp[tuple(pos)])} > 0: teacher_log_probs must be natural-log "
+        raise ValueError(f"teacher_log_probs{pos} = {float(lp[tuple(pos)]):.6g} > 0: teacher_log_probs must be natural-log "
                          "probabilities (<= 0); these look like probabilities or logits (pass .log() of the "
                          "probabilities, or torch.log_softmax of the teacher's logits over the vocabulary)")
     pos = [int(i) for i in over.nonzero()[0]]

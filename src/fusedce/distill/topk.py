@@ -119,6 +119,7 @@ def _topk_loss(rows, tail_rows, teacher_ids, teacher_log_probs, call: dc.TopkCal
     fold = call.hard_label_weight != 0.0 and call.temperature == 1.0
     classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, call.ignore_index, fold)
     dc.check_topk_ranges(classes, target, call, fold)
+    dc.check_teacher_values(teacher_ids, teacher_log_probs, target, call.ignore_index, call.tail)
     log_s = rows(classes, call.opts).reshape(classes.shape)
     hard = None
     if call.hard_label_weight != 0.0:   # the hard label at temperature 1: folded in, or one more pass
