@@ -108,7 +108,8 @@ def _near_total(n, mass_out=1e-6, seed=2):
     x = torch.randn(n, V, generator=g, dtype=torch.float64)
     ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(n)])
     outside = torch.ones(n, V, dtype=torch.bool).scatter_(1, ids, False)
-    rest = torch.where(outside, x, float("-inf")).logsumexp(-1, keepdim=True) - x.gather(1, ids).logsumexp(-1, keepdim=True)
+    rest = torch.where(outside, x, float("-inf")).logsumexp(-1, keepdim=True) \
+        - x.gather(1, ids).logsumexp(-1, keepdim=True)
     boost = rest + torch.log(torch.tensor((1 - mass_out) / mass_out, dtype=torch.float64))   # sum_k s_k = 1 - mass_out
     x = x.scatter(1, ids, x.gather(1, ids) + boost).float()
     lp = torch.log(torch.full((n, K), 0.5 / K))

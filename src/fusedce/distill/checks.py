@@ -249,8 +249,8 @@ def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: i
         return
     if bool(high.any()):   # (error paths only from here)
         pos = [int(i) for i in high.nonzero()[0]]
-        raise ValueError(f"teacher_log_probs{pos} = {float(lp[tuple(pos)]):.6g} > 0: teacher_log_probs must be natural-log "
-                         "probabilities (<= 0); these look like probabilities or logits (pass .log() of the "
+        raise ValueError(f"teacher_log_probs{pos} = {float(lp[tuple(pos)]):.6g} > 0: teacher_log_probs must be "
+                         "natural-log probabilities (<= 0); these look like probabilities or logits (pass .log() of the "
                          "probabilities, or torch.log_softmax of the teacher's logits over the vocabulary)")
     pos = [int(i) for i in over.nonzero()[0]]
     raise ValueError(f"teacher_log_probs{pos}: the teacher's K probabilities of this token sum to "
