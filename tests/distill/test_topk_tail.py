@@ -282,3 +282,20 @@ def test_tail_flag_errors():
         fusedce.distillation_loss(logits, logits, tail=True)
     with pytest.raises(TypeError, match=r"'tail'.*fusedce\.linear_topk_distillation_loss"):
         fusedce.linear_distillation_loss(hidden, weight, hidden, weight, tail=True)
+
+
+@pytest.mark.parametrize("form", ["logits", "chunked", "tiled"])
+def test_second_backward_through_a_retained_graph(backend, form):
+    """``autograd.grad`` with ``retain_graph=True``, then ``backward``: the same gradient twice (the tail
+    pass keeps what it saved)."""
+    ids, lp = make_teacher((2, 7), seed=6)
+    if form == "logits":
+        leaf = (torch.randn(2, 7, V) * 2).requires_grad_()
+        loss = fusedce.topk_distillation_loss(leaf, ids, lp, tail=True, backend=backend)
+    else:
+        leaf, weight, _ = make_linear((2, 7), HIDDEN, V)
+        loss = fusedce.linear_topk_distillation_loss(leaf, weight.detach(), ids, lp, tail=True, method=form,
+                                                     backend=backend)
+    first, = torch.autograd.grad(loss, leaf, retain_graph=True)
+    loss.backward()
+    assert torch.equal(first, leaf.grad) and bool(first.abs().sum() > 0)
