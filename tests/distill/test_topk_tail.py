@@ -7,7 +7,8 @@ the student's mass (where ``1 - sum_k s_k`` in fp32 would keep one digit), rows 
 exactly, K classes covering the vocabulary; ``return_stats``; the teacher's value checks.
 
 Shapes: V = 300 (a partial last Triton block; with the tiny tiles of ``test_topk_distillation`` the tail
-pass merges 5 vocabulary blocks of 64 and row blocks of 4), K = 6, leading (3, 5) / (2, 7) tokens."""
+pass merges 5 vocabulary blocks of 64 and row blocks of 4; with ``small_wide_blocks`` the whole-row blocks
+hold 2 rows), K = 6, leading (3, 5) / (2, 7) tokens."""
 import pytest
 import torch
 
@@ -22,6 +23,13 @@ from test_topk_distillation import ATOL, GRAD_RTOL, HIDDEN, K, V, check, make_ha
 # (temperature, hard_label_weight, student_softcap, logit_scale)
 SETTINGS = {"plain": (1.0, 0.0, None, 1.0), "hard_folded": (1.0, 0.5, None, 1.0),
             "t2_hard_cap": (2.0, 0.3, 8.0, 1.0), "t0.7_scale": (0.7, 0.0, None, 0.5)}
+
+
+@pytest.fixture(autouse=True)
+def small_wide_blocks(monkeypatch):
+    """The tail pass's whole-row blocks (logits form, chunked method) of 2 rows at V = 300, so that its
+    row-block loop and the backward's per-thread vocabulary split run with several blocks here too."""
+    monkeypatch.setattr(student_tail, "_WIDE_ELEMENTS", 2 * V)
 
 
 def make_teacher(lead, k=K, n_classes=V, ignore_index=-100, seed=0):

@@ -27,24 +27,42 @@ rounding).
 
 Written in PyTorch ops, the same on every backend (on CUDA: cuBLAS and elementwise kernels, no Triton
 kernel of its own). Cost: one more read of the logits (logits form), or one more head matmul in the
-forward and three in the backward (LM head), in blocks of the PyTorch tiled method's sizes
-(``backends/pytorch/tuning.tile_sizes``: ``rows x vocab < V``), so neither form allocates a tensor with
-V or more elements besides the inputs and their gradients, whichever ``method`` the K-class op uses.
+forward and three in the backward (LM head). Blocks: whole rows for the logits form and the LM head's
+chunked method (``_WIDE_ELEMENTS`` logits a block; the head's backward cuts them in one vocabulary block
+per thread); for the tiled method the PyTorch tiled method's sizes (``backends/pytorch/tuning.
+tile_sizes``: ``rows x vocab < V``), so that it allocates no tensor with V or more elements besides the
+inputs and their gradients. On the CPU the blocks run on ``backends/pytorch/block_threads``' threads,
+one intra-op thread each, as the PyTorch tiled method's.
 """
 from __future__ import annotations
 
 import torch
 
+from fusedce.backends.pytorch import block_threads
 from fusedce.backends.pytorch import tuning as torch_tuning
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform
 
 
-def _blocks(n: int, n_classes: int):
-    """(vocabulary slices, row slices) of the blocks (``tile_sizes``, read at call time)."""
-    rows, vocab = torch_tuning.tile_sizes(n_classes)
+_WIDE_ELEMENTS = 1 << 21   # logits per block of whole rows (``wide``): 8 MiB of fp32 per temporary
+
+
+def _blocks(n: int, n_classes: int, wide: bool, split: int = 1):
+    """(vocabulary slices, row slices) of the blocks: ``wide`` (the logits form, and the LM head's
+    chunked method, which holds a chunk of whole rows anyway) rows cut in ``split`` vocabulary blocks,
+    as many rows as fit in ``_WIDE_ELEMENTS`` (at most 512); otherwise the PyTorch tiled method's ``rows
+    x vocab < V`` (``tile_sizes``, read at call time)."""
+    if wide:
+        vocab = max(1, -(-n_classes // split))
+        rows = max(1, min(512, _WIDE_ELEMENTS // vocab))
+    else:
+        rows, vocab = torch_tuning.tile_sizes(n_classes)
     return [slice(v, v + vocab) for v in range(0, n_classes, vocab)], [slice(r, r + rows) for r in range(0, n, rows)]
+
+
+def _threads(device) -> int:
+    return torch.get_num_threads() if device.type == "cpu" else 1
 
 
 def _tail_mask(ids: torch.Tensor, v: slice, width: int) -> torch.Tensor:
@@ -66,17 +84,27 @@ def _merge(m, s, q):
     return new_m, s
 
 
-def _forward(block_logits, ids, n: int, n_classes: int, opts: LossOptions, device):
-    """Per row ``(m, s, mt, st)`` fp32 over every block of ``block_logits(r, v)`` (fp32 raw logits)."""
+def _forward(block_logits, ids, n: int, n_classes: int, opts: LossOptions, device, wide: bool):
+    """Per row ``(m, s, mt, st)`` fp32 over every block of ``block_logits(r, v)`` (fp32 raw logits). The
+    row blocks are shared among ``block_threads``' threads (on the CPU: one intra-op thread each, the
+    PyTorch tiled method's reason: an op per block at a barrier per op is slow when other processes
+    compete for the cores); each row block walks the vocabulary in order."""
     m = torch.full((n,), float("-inf"), device=device)
     mt, s, st = m.clone(), torch.zeros(n, device=device), torch.zeros(n, device=device)
-    vocab_blocks, row_blocks = _blocks(n, n_classes)
-    for v in vocab_blocks:
-        for r in row_blocks:
-            q = transform(block_logits(r, v), opts)
-            qt = torch.where(_tail_mask(ids[r], v, q.shape[1]), q, float("-inf"))
-            m[r], s[r] = _merge(m[r], s[r], q)
-            mt[r], st[r] = _merge(mt[r], st[r], qt)
+    vocab_blocks, row_blocks = _blocks(n, n_classes, wide)
+
+    def share(k, workers):
+        for r in row_blocks[k::workers]:
+            mr, mtr = m[r].clone(), mt[r].clone()
+            sr, str_ = s[r].clone(), st[r].clone()
+            for v in vocab_blocks:
+                q = transform(block_logits(r, v), opts)
+                qt = torch.where(_tail_mask(ids[r], v, q.shape[1]), q, float("-inf"))
+                mr, sr = _merge(mr, sr, q)
+                mtr, str_ = _merge(mtr, str_, qt)
+            m[r], s[r], mt[r], st[r] = mr, sr, mtr, str_
+
+    block_threads.run(share, len(row_blocks), device)
     return m, s, mt, st
 
 
@@ -105,7 +133,8 @@ class _TailLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, opts: LossOptions):
-        m, s, mt, st = _forward(_logit_blocks(logits), ids, logits.shape[0], logits.shape[1], opts, logits.device)
+        m, s, mt, st = _forward(_logit_blocks(logits), ids, logits.shape[0], logits.shape[1], opts, logits.device,
+                                True)
         ctx.save_for_backward(logits, ids, m, s, mt, st)
         ctx.opts = opts
         return _log_tail(m, s, mt, st)
@@ -118,10 +147,14 @@ class _TailLogits(torch.autograd.Function):
         g = g.float()
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         block = _logit_blocks(logits)
-        vocab_blocks, row_blocks = _blocks(logits.shape[0], logits.shape[1])
-        for v in vocab_blocks:
-            for r in row_blocks:
-                grad[r, v] = _block_grad(block, ids, r, v, g, lse, lse_t, ctx.opts).to(grad.dtype)
+        vocab_blocks, row_blocks = _blocks(logits.shape[0], logits.shape[1], True)
+
+        def share(k, workers):   # row blocks k, k + workers, ...: disjoint rows of grad
+            for r in row_blocks[k::workers]:
+                for v in vocab_blocks:
+                    grad[r, v] = _block_grad(block, ids, r, v, g, lse, lse_t, ctx.opts).to(grad.dtype)
+
+        block_threads.run(share, len(row_blocks), logits.device)
         return grad, None, None
 
 
@@ -130,11 +163,11 @@ class _TailLinear(torch.autograd.Function):
     holding more than one (rows x vocab) block of logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, opts: LossOptions):
+    def forward(ctx, hidden, weight, bias, ids, opts: LossOptions, wide: bool):
         block = _head_blocks(hidden, weight, bias)
-        m, s, mt, st = _forward(block, ids, hidden.shape[0], weight.shape[0], opts, hidden.device)
+        m, s, mt, st = _forward(block, ids, hidden.shape[0], weight.shape[0], opts, hidden.device, wide)
         ctx.save_for_backward(hidden, weight, bias, ids, m, s, mt, st)
-        ctx.opts = opts
+        ctx.opts, ctx.wide = opts, wide
         return _log_tail(m, s, mt, st)
 
     @staticmethod
@@ -149,19 +182,29 @@ class _TailLinear(torch.autograd.Function):
         g_w = torch.zeros(weight.shape, **f32) if need_w else None
         g_b = torch.zeros(weight.shape[0], **f32) if need_b else None
         block = _head_blocks(hidden, weight, bias)
-        vocab_blocks, row_blocks = _blocks(hidden.shape[0], weight.shape[0])
-        for v in vocab_blocks:
-            w32 = weight[v].float()
-            for r in row_blocks:
-                dx = _block_grad(block, ids, r, v, g, lse, lse_t, ctx.opts)
-                if need_h:
-                    g_h[r] += dx @ w32
-                if need_w:
-                    g_w[v] += dx.t() @ hidden[r].float()
-                if need_b:
-                    g_b[v] += dx.sum(0)
+        # the shares take vocabulary blocks (disjoint rows of grad_weight): whole rows cut in one per thread
+        vocab_blocks, row_blocks = _blocks(hidden.shape[0], weight.shape[0], ctx.wide, _threads(hidden.device))
+
+        def share(k, workers):   # vocabulary blocks k, k + workers, ...: disjoint rows of grad_weight
+            acc_h = g_h if k == 0 or g_h is None else torch.zeros_like(g_h)
+            for v in vocab_blocks[k::workers]:
+                w32 = weight[v].float()
+                for r in row_blocks:
+                    dx = _block_grad(block, ids, r, v, g, lse, lse_t, ctx.opts)
+                    if acc_h is not None:
+                        acc_h[r] += dx @ w32
+                    if need_w:
+                        g_w[v] += dx.t() @ hidden[r].float()
+                    if need_b:
+                        g_b[v] += dx.sum(0)
+            return acc_h
+
+        parts = block_threads.run(share, len(vocab_blocks), hidden.device)
+        for part in parts[1:]:   # the other shares' grad_hidden, added in a fixed order (deterministic)
+            if part is not None:
+                g_h += part
         return (None if g_h is None else g_h.to(hidden.dtype), None if g_w is None else g_w.to(weight.dtype),
-                None if g_b is None else g_b.to(bias.dtype), None, None)
+                None if g_b is None else g_b.to(bias.dtype), None, None, None)
 
 
 def _logit_blocks(logits):
@@ -184,7 +227,8 @@ def log_tail_logits(logits: torch.Tensor, ids: torch.Tensor, opts: LossOptions) 
     return _TailLogits.apply(logits, ids, opts)
 
 
-def log_tail_linear(hidden, weight, bias, ids: torch.Tensor, opts: LossOptions) -> torch.Tensor:
+def log_tail_linear(hidden, weight, bias, ids: torch.Tensor, opts: LossOptions, method: str) -> torch.Tensor:
     """As :func:`log_tail_logits` for the logits ``hidden (n, H) @ weight (V, H).T + bias (V,)``;
-    differentiable w.r.t. the three."""
-    return _TailLinear.apply(hidden, weight, bias, ids, opts)
+    differentiable w.r.t. the three. ``method`` (resolved: ``"chunked"`` or ``"tiled"``) picks the
+    blocks: whole rows (chunked) or fewer than V logits per block (tiled)."""
+    return _TailLinear.apply(hidden, weight, bias, ids, opts, method == "chunked")

@@ -58,6 +58,7 @@ from fusedce.core.types import TopkDistillationOutput
 from fusedce.distill import checks as dc
 from fusedce.distill import tail as student_tail
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
+from fusedce.lm_head.method import resolve_method
 from fusedce.rl import multi
 
 
@@ -301,7 +302,8 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
         hidden, _, index = compact_rows(hidden, rep, ignore)   # tokens without a tail: no matmul
         if index is not None:
             ids = ids.index_select(0, index)
-        out = student_tail.log_tail_linear(hidden, student_weight, student_bias, ids, call.opts)
+        out = student_tail.log_tail_linear(hidden, student_weight, student_bias, ids, call.opts,
+                                           resolve_method(method))
         return scatter_rows(out, index, n, 0.0)
 
     return _topk_loss(rows, tail_rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
