@@ -9,10 +9,11 @@ from fusedce.integrations.trl.distill import patch_distillation_trainer, unpatch
 from fusedce.integrations.trl.patch import patch_trl, unpatch_trl
 from fusedce.rl.log_probs import linear_token_log_probs, token_log_probs
 from fusedce.ce.modules import CrossEntropyLoss, LinearCrossEntropyLoss
-from fusedce.core.types import CrossEntropyOutput, TokenLogProbs, TokenStats
+from fusedce.core.types import CrossEntropyOutput, TokenLogProbs, TokenStats, TopkDistillationOutput
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "token_log_probs", "linear_token_log_probs",
            "CrossEntropyLoss", "LinearCrossEntropyLoss", "CrossEntropyOutput", "TokenLogProbs", "TokenStats",
+           "TopkDistillationOutput",
            "patch_causal_lm", "unpatch_causal_lm", "patch_trl", "unpatch_trl", "patch_megatron", "unpatch_megatron",
            "topk_distillation_loss", "linear_topk_distillation_loss",
            "distillation_loss", "linear_distillation_loss",

@@ -40,7 +40,18 @@ CALLS = {
         h, w, torch.randint(0, V, (N, K), generator=torch.Generator().manual_seed(1)),
         torch.log_softmax(torch.randn(N, K, generator=torch.Generator().manual_seed(2)), -1), t,
         method="tiled", backend="torch"),
+    # the top-k tail pass (distill/tail.py) runs its blocks on the same threads, for every method
+    **{f"topk tail {form}": (lambda form: lambda h, w, t, th, tw: _topk_tail(h, w, t, form))(form)
+       for form in ("logits", "chunked", "tiled")},
 }
+
+
+def _topk_tail(h, w, t, form):
+    ids = torch.randint(0, V, (N, K), generator=torch.Generator().manual_seed(1))
+    lp = torch.log_softmax(torch.randn(N, K, generator=torch.Generator().manual_seed(2)), -1) - 0.7   # a tail of 0.5
+    if form == "logits":
+        return fusedce.topk_distillation_loss(h @ w.T, ids, lp, t, tail=True, backend="torch")
+    return fusedce.linear_topk_distillation_loss(h, w, ids, lp, t, tail=True, method=form, backend="torch")
 
 
 @pytest.mark.parametrize("name", list(CALLS))

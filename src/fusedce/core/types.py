@@ -1,6 +1,6 @@
 """Plain result types shared by every layer: what the public ops return (``CrossEntropyOutput``,
-``TokenLogProbs``, ``TokenStats``) and the backends' vocabulary-slice statistics (``SliceStats``). The loss
-options are in ``fusedce.core.options``."""
+``TokenLogProbs``, ``TokenStats``, ``TopkDistillationOutput``) and the backends' vocabulary-slice
+statistics (``SliceStats``). The loss options are in ``fusedce.core.options``."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -62,6 +62,25 @@ class TokenStats(NamedTuple):
     log_sum_sq_probs: torch.Tensor
     mean_logits: torch.Tensor
     is_top1: torch.Tensor
+
+
+class TopkDistillationOutput(NamedTuple):
+    """What ``topk_distillation_loss`` / ``linear_topk_distillation_loss`` return with
+    ``return_stats=True`` (``tail`` True or False alike):
+
+    - ``loss``: as without stats (fp32, reduced as asked); the only field with a gradient;
+    - ``teacher_mass``: fp32 ``(...)`` (the tokens' leading shape), ``sum_k p_k`` over the token's kept
+      entries (``p_k = exp(teacher_log_probs_k)`` as stored, summed in float64): the mass the teacher's
+      K classes hold;
+    - ``student_mass``: fp32 ``(...)``, ``sum_k s[id_k]`` over the same entries (``s`` the student's
+      softmax at the temperature; a duplicated id counts once per entry, as in the loss). No gradient.
+
+    Both are 0 on ignored tokens and on tokens whose K entries are all padding.
+    """
+
+    loss: torch.Tensor
+    teacher_mass: torch.Tensor
+    student_mass: torch.Tensor
 
 
 class SliceStats(NamedTuple):

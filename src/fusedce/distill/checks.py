@@ -14,8 +14,8 @@ from fusedce import backends
 from fusedce.core import validation as val
 from fusedce.core.options import (REDUCTIONS, LossOptions, check_chunk_size, check_temperature, deterministic_mode,
                                   log_prob_options)
-from fusedce.core.options.checks import fp32_range, integer_option, real_option
-from fusedce.core.options.distill import DistillOptions, distill_options
+from fusedce.core.options.checks import check_flag, fp32_range, integer_option, real_option
+from fusedce.core.options.distill import LOG_PROB_SLACK, DistillOptions, distill_options, teacher_mass_slack
 from fusedce.lm_head.method import check_method, resolve_method
 
 
@@ -153,6 +153,8 @@ class TopkCall:
     hard_opts: Optional[LossOptions]   # ... at temperature 1 (the hard label), or None without one
     impl: Any                        # the backend (entropy=True: the K-class op)
     deterministic: bool = False
+    tail: bool = False               # the (K+1)-th bin (``distill/tail.py``)
+    return_stats: bool = False
 
 
 def _check_teacher(teacher_ids, teacher_log_probs, lead, device) -> None:
@@ -179,13 +181,17 @@ def _check_teacher(teacher_ids, teacher_log_probs, lead, device) -> None:
 
 def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_probs, target, *, temperature,
                  hard_label_weight, ignore_index, reduction, num_items_in_batch, student_softcap, logit_scale,
-                 backend, method=None, chunk_size=None, deterministic=None) -> TopkCall:
+                 backend, method=None, chunk_size=None, deterministic=None, tail=False,
+                 return_stats=False) -> TopkCall:
     """Every check of a top-k distillation op but the value ranges (``check_topk_ranges``, once the
     classes are formed): ``student`` (its logits, or with ``weight`` its hidden states, ``name``), the
     scalar options (``check_temperature``: the one temperature check), ``num_items_in_batch``, the
     teacher's top-K, the student's head and ``method`` / ``chunk_size`` / ``deterministic`` (linear form),
-    the target's shape, softcap and ``logit_scale`` (``log_prob_options``), the backend."""
+    the target's shape, softcap and ``logit_scale`` (``log_prob_options``), the backend; ``tail`` and
+    ``return_stats`` first (``TypeError`` unless a bool). The teacher's values: ``check_teacher_values``."""
     linear = weight is not None
+    tail = check_flag("tail", tail)
+    return_stats = check_flag("return_stats", return_stats)
     val.check_float(name, student)
     if student.dim() < 1:
         raise ValueError(f"{name} must be (..., H)" if linear else
@@ -214,7 +220,43 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
     impl = backends.get(backend, student.device, entropy=True,
                         tiled=linear and resolve_method(method) == "tiled")
     return TopkCall(lead, n_classes, temperature, hard_label_weight, ignore_index, target, opts, hard_opts, impl,
-                    bool(deterministic))
+                    bool(deterministic), tail, return_stats)
+
+
+def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: int, tail: bool) -> None:
+    """``ValueError`` naming ``teacher_log_probs`` for a kept value above ``LOG_PROB_SLACK`` (probabilities
+    or logits passed as log-probs; +inf included) and, with ``tail``, for a token whose kept entries'
+    probabilities sum above 1 by more than ``teacher_mass_slack`` (log-probs not normalized over the
+    vocabulary: the tail ``1 - sum_k p_k`` would be negative; within the slack it is clamped at 0).
+    Padding entries (-inf, or an id equal to ``ignore_index``) and ignored tokens are not looked at.
+    One host sync (one flag), skipped where the target-range check is (``core/validation.sync_allowed``:
+    torch.compile, CUDA-graph capture, tracing): a positive log-prob then enters the formula as given and
+    an excess mass gives a tail of 0. NaN is not checked (it gives a NaN loss)."""
+    if teacher_log_probs.numel() == 0 or not val.sync_allowed(teacher_log_probs, teacher_ids, target):
+        return
+    lp = teacher_log_probs.detach().float()
+    keep = (lp != float("-inf")) & (teacher_ids != ignore_index)
+    if target is not None:
+        keep = keep & (target != ignore_index)[..., None]
+    high = keep & (lp > LOG_PROB_SLACK)
+    bad = high.any(-1)
+    slack = teacher_mass_slack(teacher_log_probs.dtype, lp.shape[-1])
+    if tail:
+        mass = torch.where(keep & ~high, lp.double().exp(), 0.0).sum(-1)
+        over = mass > 1.0 + slack
+        bad = bad | over
+    if not bool(bad.any()):   # the one sync
+        return
+    if bool(high.any()):   # (error paths only from here)
+        pos = [int(i) for i in high.nonzero()[0]]
+        raise ValueError(f"teacher_log_probs{pos} = {float(lp[tuple(pos)]):.6g} > 0: teacher_log_probs must be "
+                         "natural-log probabilities (<= 0); these look like probabilities or logits (pass .log() of the "
+                         "probabilities, or torch.log_softmax of the teacher's logits over the vocabulary)")
+    pos = [int(i) for i in over.nonzero()[0]]
+    raise ValueError(f"teacher_log_probs{pos}: the teacher's K probabilities of this token sum to "
+                     f"{float(mass[tuple(pos)]):.7g} > 1 + {slack:.2g} (rounding): with tail=True they must be "
+                     "log-probs normalized over the whole vocabulary (the tail 1 - sum_k p_k would be negative); "
+                     "take the log_softmax over all V classes before the top k, or use tail=False")
 
 
 def check_topk_ranges(classes: torch.Tensor, target, call: TopkCall, folded: bool) -> None:

@@ -43,7 +43,8 @@ _TOPK_KEYWORDS = ("teacher_ids", "teacher_log_probs")
 def _topk_door(topk_name: str):
     """Decorator (inside the entrance): the top-k teacher has one door, ``topk_name``; a call passing
     ``teacher_ids=`` / ``teacher_log_probs=`` (the form this op took until 2026-12-02) is a ``TypeError``
-    saying where to go, before anything runs (Python's own "unexpected keyword" would not)."""
+    saying where to go, before anything runs (Python's own "unexpected keyword" would not); so is
+    ``tail=`` (the top-k teacher's (K+1)-th bin: a dense teacher has no tail)."""
     def decorate(fn):
         @functools.wraps(fn)
         def op(*args, **kwargs):
@@ -52,6 +53,10 @@ def _topk_door(topk_name: str):
                 raise TypeError(f"{fn.__name__}() got {', '.join(repr(k) for k in given)}: a top-k teacher "
                                 f"(teacher_ids, teacher_log_probs) goes to fusedce.{topk_name}(...) instead "
                                 f"(the same options, forward KL over the K stored classes)")
+            if "tail" in kwargs:
+                raise TypeError(f"{fn.__name__}() got 'tail': the (K+1)-th 'tail' bin belongs to a top-k teacher, "
+                                f"fusedce.{topk_name}(..., tail=True); this op's teacher gives its whole "
+                                f"distribution over the V classes, which has no mass outside them")
             return fn(*args, **kwargs)
         return op
     return decorate

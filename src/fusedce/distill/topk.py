@@ -14,17 +14,37 @@ AS STORED (not renormalized) and ``s = softmax(c(z_s) / T)`` over the whole voca
 
     loss = sum_k p_k (log p_k - log s[id_k])   (+ hard_label_weight * CE(c(z_s), target), no temperature)
 
-The mass ``1 - sum_k p_k`` the teacher put outside its top k contributes nothing, and nothing pulls
-the student's mass outside the K classes toward it: the forward KL restricted to the K terms. This is
-axolotl's top-k ``kd`` loss (``integrations/kd/topk_logprob/forward_kl.py``: student log-softmax over
-the full vocabulary at ``kd_temperature``, gathered at the teacher's ids, ``sum p_k (log p_k - log
-s_k)`` over the valid entries, no ``T**2``; its docstring asks for teacher log-probs already
-renormalized over the k, which is then the caller's choice here too). TRL's ``ServerDistillationTrainer``
-(experimental, TRL 1.16) instead defaults to a (K+1)-th "tail" bucket ``log(1 - sum p_k)`` on both sides
-(``loss_add_tail=True``), or renormalizes both over the K (``loss_add_tail=False``); neither is this
-loss. With all the teacher's mass in the K classes (``sum_k p_k = 1``) the three agree up to the
-student's own tail. The value can be negative when the student puts more mass than the teacher on the
-K classes.
+With ``tail=False`` (the default) the mass ``1 - sum_k p_k`` the teacher put outside its top k
+contributes nothing, and nothing pulls the student's mass outside the K classes toward it: the forward
+KL restricted to the K terms. This is axolotl's top-k ``kd`` loss (``integrations/kd/topk_logprob/
+forward_kl.py``: student log-softmax over the full vocabulary at ``kd_temperature``, gathered at the
+teacher's ids, ``sum p_k (log p_k - log s_k)`` over the valid entries, no ``T**2``; its docstring asks
+for teacher log-probs already renormalized over the k, which is then the caller's choice here too). Its
+value can be negative when the student puts more mass than the teacher on the K classes.
+
+With ``tail=True`` a (K+1)-th bin holds what lies outside the K classes, on both sides, and the loss is
+the KL between the two (K+1)-bin distributions (the "tail" bucket of on-policy / offline distillation
+stacks, e.g. TRL's experimental ``ServerDistillationTrainer``'s ``loss_add_tail=True``, OpenClaw-RL;
+issue 30 item 3)::
+
+    loss += p_tail (log p_tail - log s_tail),  p_tail = max(0, 1 - sum_k p_k),  s_tail = 1 - sum_{c in S} s_c
+
+``S`` the set of the token's kept ids; the term is 0 (no gradient) where ``p_tail = 0``. The teacher's
+side is summed in float64 from the stored log-probs and clamped at 0 (a sum above 1 by more than the
+rounding of the stored dtype is a ``ValueError``: ``distill/checks.check_teacher_values``); the
+student's side is NOT ``1 - sum``: ``log s_tail`` comes from the row statistics with the K classes
+masked out (``distill/tail.py``: relative error of a few fp32 roundings even when the K classes hold all
+but 1e-9 of the mass; one more pass over the logits, or one more head matmul forward and three
+backward). A duplicated id is one class of ``S`` (the contract's ``1 - sum_k s[id_k]`` when the ids are
+distinct; counting a duplicate twice could make it negative), while its entries still count
+separately in the K terms, as with ``tail=False``. Where the kept ids cover all V classes both tails are
+empty and the term is 0. Padding entries (``-inf``, or an id equal to ``ignore_index``) are not in ``S``
+and add nothing to ``sum_k p_k``. With distinct ids and normalized teacher log-probs the loss is then a
+KL divergence over K+1 bins: non-negative up to rounding (Gibbs' inequality).
+
+``return_stats=True`` returns ``core/types.TopkDistillationOutput(loss, teacher_mass, student_mass)``:
+per token ``sum_k p_k`` and ``sum_k s[id_k]`` (fp32 ``(...)``, detached, 0 on ignored tokens), with
+``tail`` True or False: the mass the K classes hold (VeOmni #771 logs it).
 """
 from __future__ import annotations
 
@@ -34,7 +54,11 @@ import torch
 
 from fusedce.core.entrance import public_op
 from fusedce.core.reduction import token_mean_scale
+from fusedce.core.types import TopkDistillationOutput
 from fusedce.distill import checks as dc
+from fusedce.distill import tail as student_tail
+from fusedce.lm_head.compaction import compact_rows, scatter_rows
+from fusedce.lm_head.method import resolve_method
 from fusedce.rl import multi
 
 
@@ -54,11 +78,48 @@ def _classes(teacher_ids, teacher_log_probs, target, ignore_index: int, fold_tar
     return classes, torch.where(keep, lp.exp(), 0.0), lp, keep
 
 
-def _loss(log_s, p, lp, keep, target, hard, call: dc.TopkCall, reduction, num_items_in_batch):
-    """Per token ``sum_k p_k (lp_k - log_s_k)`` over the kept entries (+ the hard-label CE), reduced with
-    the distillation losses' one mean rule (``core/reduction.token_mean_scale``)."""
+def _teacher_tail(lp, keep, ids, n_classes: int):
+    """``(p_tail, teacher_mass)`` per token fp32: ``teacher_mass = sum_k p_k`` over the kept entries and
+    ``p_tail = max(0, 1 - teacher_mass)``, summed in float64 from the stored log-probs (O(BT K); the
+    subtraction is then exact to the input's own precision). ``p_tail = 0`` where the kept ids cover all
+    V classes (possible only for K >= V: the student's tail is then empty, and the teacher's ``1 - sum``
+    is its rounding)."""
+    mass = torch.where(keep, lp.double().exp(), 0.0).sum(-1)
+    p_tail = (1.0 - mass).clamp(min=0.0)
+    if ids.shape[-1] >= n_classes:
+        ordered = torch.where(keep, ids.long(), -1).sort(dim=-1).values
+        fresh = torch.ones_like(keep)
+        fresh[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
+        distinct = (fresh & (ordered >= 0)).sum(-1)
+        p_tail = torch.where(distinct >= n_classes, 0.0, p_tail)
+    return p_tail.float(), mass.float()
+
+
+def _tail_term(tail_rows, teacher_ids, lp, keep, target, call: dc.TopkCall):
+    """``(p_tail log(p_tail / s_tail), teacher_mass)`` per token, fp32 ``(...)``: 0 where ``p_tail = 0``
+    (and no gradient there) or the token is ignored. ``tail_rows(ids, active)`` gives the student's
+    ``log s_tail`` (N,) with ``ids`` (N, K) the classes to exclude (-1: none), on the ``active`` tokens
+    (non-ignored, ``p_tail > 0``); its other values are not used."""
+    k = keep.shape[-1]
+    flat_keep, flat_ids = keep.reshape(-1, k), teacher_ids.reshape(-1, k).long()
+    p_tail, mass = _teacher_tail(lp.reshape(-1, k), flat_keep, flat_ids, call.n_classes)
+    active = p_tail > 0
+    if target is not None:
+        active = active & (target.reshape(-1) != call.ignore_index)
+    log_s_tail = tail_rows(torch.where(flat_keep, flat_ids, -1), active)
+    log_p_tail = torch.where(active, p_tail, 1.0).log()
+    term = torch.where(active, p_tail * (log_p_tail - torch.where(active, log_s_tail, 0.0)), 0.0)
+    return term.reshape(call.lead), mass.reshape(call.lead)
+
+
+def _loss(log_s, p, lp, keep, target, hard, tail_term, call: dc.TopkCall, reduction, num_items_in_batch):
+    """Per token ``sum_k p_k (lp_k - log_s_k)`` over the kept entries (+ the tail term, fp32 ``(...)`` or
+    None; + the hard-label CE), reduced with the distillation losses' one mean rule
+    (``core/reduction.token_mean_scale``)."""
     K = p.shape[-1]
     rows = torch.where(keep, p * (lp - log_s[..., :K]), 0.0).sum(-1)
+    if tail_term is not None:
+        rows = rows + tail_term
     if hard is not None:
         rows = rows - call.hard_label_weight * hard   # hard: log_softmax(c(z))[target], 0 on ignored rows
     if reduction == "none":
@@ -69,19 +130,31 @@ def _loss(log_s, p, lp, keep, target, hard, call: dc.TopkCall, reduction, num_it
     return total * token_mean_scale(target, rows.numel(), call.ignore_index, num_items_in_batch, total.device)
 
 
-def _topk_loss(rows, teacher_ids, teacher_log_probs, call: dc.TopkCall, reduction, num_items_in_batch):
-    """The reduced loss of both public ops, once their arguments are checked (``call``): ``rows(classes,
-    opts)`` is the internal K-class op (``rl/multi.py``) on the student's logits or LM head, giving the
-    fp32 ``(N, K)`` log-probs of ``classes`` under ``opts``."""
+def _topk_loss(rows, tail_rows, teacher_ids, teacher_log_probs, call: dc.TopkCall, reduction, num_items_in_batch):
+    """The reduced loss of both public ops (or ``TopkDistillationOutput`` with ``call.return_stats``),
+    once their arguments are checked (``call``): ``rows(classes, opts)`` is the internal K-class op
+    (``rl/multi.py``) on the student's logits or LM head, giving the fp32 ``(N, K)`` log-probs of
+    ``classes`` under ``opts``; ``tail_rows`` the student's ``log s_tail`` (``distill/tail.py``, called
+    with ``tail=True`` only)."""
     target, shape = call.target, tuple(call.lead)
     fold = call.hard_label_weight != 0.0 and call.temperature == 1.0
     classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, call.ignore_index, fold)
     dc.check_topk_ranges(classes, target, call, fold)
+    dc.check_teacher_values(teacher_ids, teacher_log_probs, target, call.ignore_index, call.tail)
     log_s = rows(classes, call.opts).reshape(classes.shape)
     hard = None
     if call.hard_label_weight != 0.0:   # the hard label at temperature 1: folded in, or one more pass
         hard = log_s[..., -1] if fold else rows(target[..., None], call.hard_opts).reshape(shape)
-    return _loss(log_s, p, lp, keep, target, hard, call, reduction, num_items_in_batch)
+    tail_term = mass = None
+    if call.tail:
+        tail_term, mass = _tail_term(tail_rows, teacher_ids, lp, keep, target, call)
+    loss = _loss(log_s, p, lp, keep, target, hard, tail_term, call, reduction, num_items_in_batch)
+    if not call.return_stats:
+        return loss
+    if mass is None:
+        mass = torch.where(keep, lp.double().exp(), 0.0).sum(-1).float()
+    student_mass = torch.where(keep, log_s.detach()[..., :p.shape[-1]].exp(), 0.0).sum(-1)
+    return TopkDistillationOutput(loss, mass.reshape(shape), student_mass.reshape(shape))
 
 
 @public_op("logits")
@@ -90,23 +163,28 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
                            temperature: float = 1.0, hard_label_weight: float = 0.0, ignore_index: int = -100,
                            reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                            student_softcap: Optional[float] = None, logit_scale: float = 1.0,
-                           backend: Optional[str] = None) -> torch.Tensor:
+                           tail: bool = False, return_stats: bool = False,
+                           backend: Optional[str] = None) -> Union[torch.Tensor, TopkDistillationOutput]:
     """Forward KL from stored top-k teacher log-probs to the student, over the teacher's K classes.
 
     Per token: ``sum_k p_k (log p_k - log s[id_k])`` with ``p_k = exp(teacher_log_probs_k)`` as stored
-    (not renormalized: the teacher's mass outside the K classes contributes nothing, axolotl's
-    convention; module docstring: TRL's tail-bucket alternative), ``s = softmax(c(a z_s) / T)``, ``c(x)
-    = softcap * tanh(x / softcap)`` (``student_softcap``, when given), ``a`` = ``logit_scale``; plus
-    ``hard_label_weight * CE(c(a z_s), target)`` (no temperature). No ``T**2`` factor (as TRL and axolotl).
+    (not renormalized: without ``tail`` the teacher's mass outside the K classes contributes nothing,
+    axolotl's convention), ``s = softmax(c(a z_s) / T)``, ``c(x) = softcap * tanh(x / softcap)``
+    (``student_softcap``, when given), ``a`` = ``logit_scale``; with ``tail=True`` plus ``p_tail log(p_tail
+    / s_tail)`` (the module docstring: the (K+1)-th bin); plus ``hard_label_weight * CE(c(a z_s),
+    target)`` (no temperature). No ``T**2`` factor (as TRL and axolotl).
 
     Args:
         student_logits: ``(..., V)`` float32 / bfloat16 / float16; never modified; receives the gradient.
         teacher_ids: ``(..., K)`` int64 / int32, classes in [0, V); an entry equal to ``ignore_index``
             is padding, as is one whose log-prob is ``-inf`` (its id is then never read). Constant.
-        teacher_log_probs: ``(..., K)`` float (any float dtype, read in fp32), natural-log probabilities;
-            ``-inf`` marks padding (TRL's servers pad with -inf): such entries contribute 0, whatever
-            their id. Constant (never receives a gradient). NaN / +inf are not checked (no host
-            sync) and give a NaN loss.
+        teacher_log_probs: ``(..., K)`` float (any float dtype, read in fp32), natural-log probabilities
+            (<= 0); ``-inf`` marks padding (TRL's servers pad with -inf): such entries contribute 0,
+            whatever their id. Constant (never receives a gradient). A kept value > 1e-6 (+inf
+            included) is a ``ValueError`` (probabilities or logits passed), and so, with ``tail``, is a
+            token whose K probabilities sum above 1 by more than its dtype's rounding
+            (``core/options/distill.teacher_mass_slack``); one host sync, skipped under torch.compile /
+            CUDA-graph capture as the target-range check. NaN is not checked and gives a NaN loss.
         target: None (every token counts) or ``(...)`` int64 / int32: tokens equal to ``ignore_index``
             contribute 0 and get exactly zero gradient; the hard labels.
         temperature: finite, > 0, with a normal fp32 inverse (``core/options/checks.check_temperature``,
@@ -122,19 +200,29 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
         student_softcap: None or > 0, applied after ``logit_scale`` and before the temperature.
         logit_scale: the student's logits are first multiplied by it (as in :func:`fusedce.cross_entropy`;
             the teacher comes as log-probs, so it has no scale); > 0, inside the kernels (no copy).
+        tail: bool; True adds the (K+1)-th bin ``p_tail log(p_tail / s_tail)``, ``p_tail = max(0, 1 -
+            sum_k p_k)``, ``s_tail`` the student's mass outside the set of kept ids, from its row
+            statistics with those classes masked (never by subtraction; ``distill/tail.py``, PyTorch ops
+            on every backend: one more read of ``student_logits`` forward and one backward).
+        return_stats: bool; True returns :class:`fusedce.TopkDistillationOutput` ``(loss, teacher_mass,
+            student_mass)``: per token ``sum_k p_k`` and ``sum_k s[id_k]`` over the kept entries, fp32
+            ``(...)``, no gradient, 0 on ignored tokens (with ``tail`` True or False).
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
 
     Returns:
-        fp32 scalar, or ``(...)`` for ``"none"``; exact backward for every reduction (through the internal
-        K-class op of :func:`fusedce.token_log_probs`, ``rl/multi.py``: one ``student_logits``-shaped
-        gradient).
+        fp32 scalar, or ``(...)`` for ``"none"`` (or the stats tuple above); exact backward for every
+        reduction (through the internal K-class op of :func:`fusedce.token_log_probs`, ``rl/multi.py``,
+        and with ``tail`` the tail pass's explicit gradient: one ``student_logits``-shaped gradient).
 
     Raises:
         TypeError: non-float logits / teacher log-probs, non-integer ids or target, an option of the
-            wrong kind.
+            wrong kind (``tail`` / ``return_stats`` not a bool). ``tail=`` given to the dense
+            :func:`fusedce.distillation_loss` is a ``TypeError`` pointing here.
         ValueError: shapes (``teacher_*`` not ``(..., K)`` with the student's leading shape, K = 0, a
             target of another shape), devices, ``temperature`` not finite > 0, ``hard_label_weight != 0``
-            without a target, a bad ``reduction`` / ``num_items_in_batch`` / softcap / ``logit_scale``.
+            without a target, a bad ``reduction`` / ``num_items_in_batch`` / softcap / ``logit_scale``;
+            ``teacher_log_probs`` with a positive value, or (``tail=True``) not normalized, naming the
+            first such position.
         IndexError: a teacher id (of a non-padding entry of a non-ignored token) or a target neither
             ``ignore_index`` nor in [0, V) (one host sync; skipped under torch.compile / CUDA-graph
             capture, where such an entry gives a NaN loss).
@@ -143,12 +231,17 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
     call = dc.checked_topk("student_logits", student_logits, None, None, teacher_ids, teacher_log_probs, target,
                            temperature=temperature, hard_label_weight=hard_label_weight, ignore_index=ignore_index,
                            reduction=reduction, num_items_in_batch=num_items_in_batch,
-                           student_softcap=student_softcap, logit_scale=logit_scale, backend=backend)
+                           student_softcap=student_softcap, logit_scale=logit_scale, backend=backend,
+                           tail=tail, return_stats=return_stats)
 
     def rows(classes, opts):
         return multi.log_probs_rows(call.impl, student_logits, classes, opts, False)[0]
 
-    return _topk_loss(rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
+    def tail_rows(ids, active):
+        flat = student_logits.reshape(-1, call.n_classes)
+        return student_tail.log_tail_logits(flat, torch.where(active[:, None], ids, -1), call.opts)
+
+    return _topk_loss(rows, tail_rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
 
 
 @public_op("linear", linear=(("student_hidden", "student_weight", "student_bias"),))
@@ -159,8 +252,10 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
                                   hard_label_weight: float = 0.0, ignore_index: int = -100,
                                   reduction: str = "mean", num_items_in_batch: Union[int, torch.Tensor, None] = None,
                                   student_softcap: Optional[float] = None, logit_scale: float = 1.0,
+                                  tail: bool = False, return_stats: bool = False,
                                   method: str = "auto", chunk_size: Optional[int] = None,
-                                  backend: Optional[str] = None, deterministic: Optional[bool] = None) -> torch.Tensor:
+                                  backend: Optional[str] = None, deterministic: Optional[bool] = None
+                                  ) -> Union[torch.Tensor, TopkDistillationOutput]:
     """:func:`topk_distillation_loss` of ``student_hidden @ student_weight.T + student_bias`` without
     ever allocating BT x V logits.
 
@@ -170,8 +265,11 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
             values, as the linear ops; the loss math in fp32).
         teacher_ids: as :func:`topk_distillation_loss`, and so are ``teacher_log_probs``, ``target``,
             ``temperature``, ``hard_label_weight``, ``ignore_index``, ``reduction``,
-            ``num_items_in_batch``, ``student_softcap``, ``logit_scale`` (inside the kernels) and
-            ``backend``.
+            ``num_items_in_batch``, ``student_softcap``, ``logit_scale`` (inside the kernels), ``tail``,
+            ``return_stats`` and ``backend``. The tail pass (``distill/tail.py``) recomputes the logits
+            in blocks of fewer than V classes whichever ``method``: one more head matmul forward and
+            three backward (``grad_hidden``, ``grad_weight``, ``grad_bias`` accumulated in fp32); tokens
+            without a tail (ignored, or ``p_tail = 0``) cost it no FLOPs (one more host sync).
         method, chunk_size, deterministic: as :func:`fusedce.linear_token_log_probs` with a ``(..., K)``
             target (``"chunked"``: one chunk of logits at a time; ``"tiled"``: vocabulary tiles, plus
             gathers of the K teacher classes' weight rows). Tokens with no class left (ignored, or all
@@ -190,10 +288,22 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
                            teacher_log_probs, target, temperature=temperature, hard_label_weight=hard_label_weight,
                            ignore_index=ignore_index, reduction=reduction, num_items_in_batch=num_items_in_batch,
                            student_softcap=student_softcap, logit_scale=logit_scale, backend=backend,
-                           method=method, chunk_size=chunk_size, deterministic=deterministic)
+                           method=method, chunk_size=chunk_size, deterministic=deterministic, tail=tail,
+                           return_stats=return_stats)
 
     def rows(classes, opts):
         return multi.linear_log_probs_rows(call.impl, student_hidden, student_weight, classes, student_bias, opts,
                                            False, chunk_size, method, call.deterministic)[0]
 
-    return _topk_loss(rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
+    def tail_rows(ids, active):
+        hidden = student_hidden.reshape(-1, student_hidden.shape[-1])
+        n, ignore = hidden.shape[0], call.ignore_index
+        rep = torch.where(active, 0 if ignore != 0 else 1, ignore)
+        hidden, _, index = compact_rows(hidden, rep, ignore)   # tokens without a tail: no matmul
+        if index is not None:
+            ids = ids.index_select(0, index)
+        out = student_tail.log_tail_linear(hidden, student_weight, student_bias, ids, call.opts,
+                                           resolve_method(method))
+        return scatter_rows(out, index, n, 0.0)
+
+    return _topk_loss(rows, tail_rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)

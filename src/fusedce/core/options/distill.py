@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
+
+import torch
 
 from fusedce.core.options.checks import FP32_NORMAL, check_temperature, fp32_range, integer_option, real_option
 from fusedce.core.options.schema import REDUCTIONS
@@ -51,3 +54,19 @@ def distill_options(beta, temperature, hard_label_weight, ignore_index, reductio
     return DistillOptions(beta, temperature, fp32_range("hard_label_weight", hard_label_weight),
                           integer_option("ignore_index", ignore_index), _softcap("student_softcap", student_softcap),
                           _softcap("teacher_softcap", teacher_softcap))
+
+
+# The top-k teacher's value checks (``distill/checks.check_teacher_values``). A log-prob from a
+# log_softmax is <= 0 and rounding to any dtype keeps the sign, so a value above this is not a log-prob
+# (a probability or a logit); the slack only spares an upstream formula that lands a hair above 0.
+LOG_PROB_SLACK = 1e-6
+
+
+def teacher_mass_slack(dtype: torch.dtype, k: int) -> float:
+    """How far above 1 ``sum_k exp(lp_k)`` of K normalized log-probs stored in ``dtype`` can come by
+    rounding alone: rounding ``lp_k`` (half an ulp, ``eps / 2 |lp_k|``) moves ``p_k`` by at most ``p_k
+    |lp_k| eps / 2``, and ``sum_k p_k |lp_k|`` is at most the entropy of K bins, ``log K``; plus the K
+    fp32 exponentials' roundings (``2^-23`` each, with room). bfloat16, K = 20: 0.012; float32, K = 20:
+    2.6e-6."""
+    eps = torch.finfo(dtype).eps
+    return 0.5 * eps * max(1.0, math.log(max(k, 1))) + k * 2.0 ** -23

@@ -1,0 +1,238 @@
+"""The student's tail for ``topk_distillation_loss(..., tail=True)`` (``distill/topk.py``): per token
+``log s_tail``, the log of the student's softmax mass OUTSIDE the teacher's K classes, computed from the
+row statistics with those classes excluded, never as ``1 - sum_k s_k``.
+
+Why not by subtraction: ``sum_k s_k`` carries an absolute error of a few fp32 roundings (each ``log
+s_k = q_k - lse`` is off by ``~2^-24 |lse|``), so with ``sum_k s_k = 1 - 1e-6`` the difference would
+keep one or two correct digits. Here, per row, over blocks of (rows x classes) of ``q = c(a x) / T``
+(``opts``, from ``log_prob_options``)::
+
+    m  = max_c q_c,            s  = sum_c exp(q_c - m)             (every class)
+    mt = max_{c not in K} q_c, st = sum_{c not in K} exp(q_c - mt)  (the K kept ids masked out)
+    log s_tail = (mt - m) + log(st / s)
+
+merged block by block as an online softmax (a block with no class of a set adds 0). ``st / s`` lies in
+[1 / V, 1] (each sum holds its maximum's ``exp(0) = 1``), so the ratio and its log are accurate to a few
+roundings, and ``mt - m`` to one rounding of the logits' own size: ``s_tail`` has a relative error of a
+few fp32 roundings however close ``sum_k s_k`` is to 1. A class listed twice in K is excluded once
+(``s_tail`` is the mass outside the SET of K classes; ``1 - sum_k s[id_k]`` would count it twice and can
+go negative). A row whose tail holds no class gives ``-inf``.
+
+Backward: ``d log s_tail / d q_c = [c not in K] exp(q_c - lse_t) - exp(q_c - lse)`` (``lse_t = mt + log
+st``, ``lse = m + log s``), times ``dq/dx`` (``row_math.mul_slope_``), recomputing each block: for the
+logits form into a gradient of the logits' shape and dtype; for the LM head into ``grad_hidden`` (``+=
+dx W_v``), ``grad_weight[v]`` (``+= dx^T h``) and ``grad_bias[v]``, accumulated in fp32 and rounded once
+to their dtypes (autograd then adds them to the K-class op's gradients: in a 16-bit dtype one more
+rounding).
+
+Written in PyTorch ops, the same on every backend (on CUDA: cuBLAS and elementwise kernels, no Triton
+kernel of its own). Cost: one more read of the logits (logits form), or one more head matmul in the
+forward and three in the backward (LM head). Blocks: whole rows for the logits form and the LM head's
+chunked method (``_WIDE_ELEMENTS`` logits a block; the head's backward cuts them in one vocabulary block
+per thread); for the tiled method the PyTorch tiled method's sizes (``backends/pytorch/tuning.
+tile_sizes``: ``rows x vocab < V``), so that it allocates no tensor with V or more elements besides the
+inputs and their gradients. On the CPU the blocks run on ``backends/pytorch/block_threads``' threads,
+one intra-op thread each, as the PyTorch tiled method's. Measured (the 2-core dev VM, CPU, torch backend, fp32, BT = 512,
+H = 576, V = 49152, K = 20, forward + backward, median of 3, one run at load 2.6-2.9 from other jobs):
+``tail=True`` / ``tail=False`` = 3.0x (logits form, 0.33 s -> 1.0 s), 2.6x (chunked), 2.3x (tiled); with
+the default intra-op pool instead of ``block_threads`` the same run at load 5-6 had been 8.3x, 5.3x, 1.6x.
+No GPU timing exists (no Triton kernel of its own: the K-class op's kernels plus PyTorch ops here).
+"""
+from __future__ import annotations
+
+import torch
+
+from fusedce.backends.pytorch import block_threads
+from fusedce.backends.pytorch import tuning as torch_tuning
+from fusedce.core.autograd_checks import check_backward_allowed
+from fusedce.core.options import LossOptions
+from fusedce.core.row_math import mul_slope_, transform
+
+
+_WIDE_ELEMENTS = 1 << 21   # logits per block of whole rows (``wide``): 8 MiB of fp32 per temporary
+
+
+def _blocks(n: int, n_classes: int, wide: bool, split: int = 1):
+    """(vocabulary slices, row slices) of the blocks: ``wide`` (the logits form, and the LM head's
+    chunked method, which holds a chunk of whole rows anyway) rows cut in ``split`` vocabulary blocks,
+    as many rows as fit in ``_WIDE_ELEMENTS`` (at most 512); otherwise the PyTorch tiled method's ``rows
+    x vocab < V`` (``tile_sizes``, read at call time)."""
+    if wide:
+        vocab = max(1, -(-n_classes // split))
+        rows = max(1, min(512, _WIDE_ELEMENTS // vocab))
+    else:
+        rows, vocab = torch_tuning.tile_sizes(n_classes)
+    return [slice(v, v + vocab) for v in range(0, n_classes, vocab)], [slice(r, r + rows) for r in range(0, n, rows)]
+
+
+def _threads(device) -> int:
+    return torch.get_num_threads() if device.type == "cpu" else 1
+
+
+def _tail_mask(ids: torch.Tensor, v: slice, width: int) -> torch.Tensor:
+    """(rows, width) bool: True on the classes of block ``v`` NOT among the row's excluded ``ids``
+    ((rows, K) int64, -1 where an entry excludes nothing)."""
+    inside = (ids >= v.start) & (ids < v.start + width)
+    cols = torch.where(inside, ids - v.start, width)   # column ``width``: a spare for the entries elsewhere
+    hit = torch.zeros(ids.shape[0], width + 1, dtype=torch.bool, device=ids.device)
+    hit.scatter_(1, cols, True)
+    return ~hit[:, :width]
+
+
+def _merge(m, s, q):
+    """One online-softmax step: ``(m, s)`` (``s = sum exp(. - m)``) merged with the rows of block ``q``
+    (-inf entries add nothing; safe when everything so far is -inf)."""
+    new_m = torch.maximum(m, q.amax(1))
+    ref = torch.where(torch.isinf(new_m), 0.0, new_m)
+    s = s * torch.exp(torch.where(torch.isinf(m), float("-inf"), m) - ref) + torch.exp(q - ref[:, None]).sum(1)
+    return new_m, s
+
+
+def _forward(block_logits, ids, n: int, n_classes: int, opts: LossOptions, device, wide: bool):
+    """Per row ``(m, s, mt, st)`` fp32 over every block of ``block_logits(r, v)`` (fp32 raw logits). The
+    row blocks are shared among ``block_threads``' threads (on the CPU: one intra-op thread each, the
+    PyTorch tiled method's reason: an op per block at a barrier per op is slow when other processes
+    compete for the cores); each row block walks the vocabulary in order."""
+    m = torch.full((n,), float("-inf"), device=device)
+    mt, s, st = m.clone(), torch.zeros(n, device=device), torch.zeros(n, device=device)
+    vocab_blocks, row_blocks = _blocks(n, n_classes, wide)
+
+    def share(k, workers):
+        for r in row_blocks[k::workers]:
+            mr, mtr = m[r].clone(), mt[r].clone()
+            sr, str_ = s[r].clone(), st[r].clone()
+            for v in vocab_blocks:
+                q = transform(block_logits(r, v), opts)
+                qt = torch.where(_tail_mask(ids[r], v, q.shape[1]), q, float("-inf"))
+                mr, sr = _merge(mr, sr, q)
+                mtr, str_ = _merge(mtr, str_, qt)
+            m[r], s[r], mt[r], st[r] = mr, sr, mtr, str_
+
+    block_threads.run(share, len(row_blocks), device)
+    return m, s, mt, st
+
+
+def _log_tail(m, s, mt, st) -> torch.Tensor:
+    return torch.where(st > 0, (mt - m) + torch.log(st / s), float("-inf"))
+
+
+def _lses(m, s, mt, st):
+    """``(lse, lse_t)`` for the backward; ``lse_t`` +inf on rows without a tail class (their tail term is
+    masked anyway), so that no NaN is formed."""
+    return m + torch.log(s), torch.where(st > 0, mt + torch.log(st), float("inf"))
+
+
+def _block_grad(block_logits, ids, r, v, g, lse, lse_t, opts: LossOptions):
+    """dL/dx of one block (fp32): ``g (mask exp(q - lse_t) - exp(q - lse))`` times ``dq/dx``; exactly 0
+    on rows with ``g == 0`` (ignored tokens, tokens without a teacher tail), whatever their logits."""
+    q = transform(block_logits(r, v), opts)
+    keep = _tail_mask(ids[r], v, q.shape[1])
+    inner = torch.where(keep, torch.exp(q - lse_t[r, None]), 0.0) - torch.exp(q - lse[r, None])
+    gr = g[r, None]
+    return torch.where(gr != 0, mul_slope_(gr * inner, q, opts), 0.0)
+
+
+class _TailLogits(torch.autograd.Function):
+    """``log s_tail`` (n,) fp32 of ``logits`` (n, V), ``ids`` (n, K) the excluded classes (-1: none)."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, opts: LossOptions):
+        m, s, mt, st = _forward(_logit_blocks(logits), ids, logits.shape[0], logits.shape[1], opts, logits.device,
+                                True)
+        ctx.save_for_backward(logits, ids, m, s, mt, st)
+        ctx.opts = opts
+        return _log_tail(m, s, mt, st)
+
+    @staticmethod
+    def backward(ctx, g):
+        check_backward_allowed(ctx, "fusedce.topk_distillation_loss(tail=True)")
+        logits, ids, m, s, mt, st = ctx.saved_tensors
+        lse, lse_t = _lses(m, s, mt, st)
+        g = g.float()
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        block = _logit_blocks(logits)
+        vocab_blocks, row_blocks = _blocks(logits.shape[0], logits.shape[1], True)
+
+        def share(k, workers):   # row blocks k, k + workers, ...: disjoint rows of grad
+            for r in row_blocks[k::workers]:
+                for v in vocab_blocks:
+                    grad[r, v] = _block_grad(block, ids, r, v, g, lse, lse_t, ctx.opts).to(grad.dtype)
+
+        block_threads.run(share, len(row_blocks), logits.device)
+        return grad, None, None
+
+
+class _TailLinear(torch.autograd.Function):
+    """``log s_tail`` (n,) fp32 of ``hidden @ weight.T + bias`` (fp32 from the operands' values), never
+    holding more than one (rows x vocab) block of logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, opts: LossOptions, wide: bool):
+        block = _head_blocks(hidden, weight, bias)
+        m, s, mt, st = _forward(block, ids, hidden.shape[0], weight.shape[0], opts, hidden.device, wide)
+        ctx.save_for_backward(hidden, weight, bias, ids, m, s, mt, st)
+        ctx.opts, ctx.wide = opts, wide
+        return _log_tail(m, s, mt, st)
+
+    @staticmethod
+    def backward(ctx, g):
+        check_backward_allowed(ctx, "fusedce.linear_topk_distillation_loss(tail=True)")
+        hidden, weight, bias, ids, m, s, mt, st = ctx.saved_tensors
+        lse, lse_t = _lses(m, s, mt, st)
+        g = g.float()
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        g_h = torch.zeros(hidden.shape, **f32) if need_h else None
+        g_w = torch.zeros(weight.shape, **f32) if need_w else None
+        g_b = torch.zeros(weight.shape[0], **f32) if need_b else None
+        block = _head_blocks(hidden, weight, bias)
+        # the shares take vocabulary blocks (disjoint rows of grad_weight): whole rows cut in one per thread
+        vocab_blocks, row_blocks = _blocks(hidden.shape[0], weight.shape[0], ctx.wide, _threads(hidden.device))
+
+        def share(k, workers):   # vocabulary blocks k, k + workers, ...: disjoint rows of grad_weight
+            acc_h = g_h if k == 0 or g_h is None else torch.zeros_like(g_h)
+            for v in vocab_blocks[k::workers]:
+                w32 = weight[v].float()
+                for r in row_blocks:
+                    dx = _block_grad(block, ids, r, v, g, lse, lse_t, ctx.opts)
+                    if acc_h is not None:
+                        acc_h[r] += dx @ w32
+                    if need_w:
+                        g_w[v] += dx.t() @ hidden[r].float()
+                    if need_b:
+                        g_b[v] += dx.sum(0)
+            return acc_h
+
+        parts = block_threads.run(share, len(vocab_blocks), hidden.device)
+        for part in parts[1:]:   # the other shares' grad_hidden, added in a fixed order (deterministic)
+            if part is not None:
+                g_h += part
+        return (None if g_h is None else g_h.to(hidden.dtype), None if g_w is None else g_w.to(weight.dtype),
+                None if g_b is None else g_b.to(bias.dtype), None, None, None)
+
+
+def _logit_blocks(logits):
+    def block(r, v):
+        return logits[r, v].float()
+    return block
+
+
+def _head_blocks(hidden, weight, bias):
+    """``block(r, v)``: fp32 ``hidden[r] @ weight[v].T + bias[v]`` from the operands' values."""
+    def block(r, v):
+        return torch.nn.functional.linear(hidden[r].float(), weight[v].float(),
+                                          None if bias is None else bias[v].float())
+    return block
+
+
+def log_tail_logits(logits: torch.Tensor, ids: torch.Tensor, opts: LossOptions) -> torch.Tensor:
+    """``log s_tail`` (n,) fp32 of checked ``logits`` (n, V) (any row stride), excluding ``ids`` (n, K)
+    int64 (-1: an entry that excludes nothing); differentiable w.r.t. ``logits``."""
+    return _TailLogits.apply(logits, ids, opts)
+
+
+def log_tail_linear(hidden, weight, bias, ids: torch.Tensor, opts: LossOptions, method: str) -> torch.Tensor:
+    """As :func:`log_tail_logits` for the logits ``hidden (n, H) @ weight (V, H).T + bias (V,)``;
+    differentiable w.r.t. the three. ``method`` (resolved: ``"chunked"`` or ``"tiled"``) picks the
+    blocks: whole rows (chunked) or fewer than V logits per block (tiled)."""
+    return _TailLinear.apply(hidden, weight, bias, ids, opts, method == "chunked")
