@@ -273,3 +273,18 @@ def test_non_finite_teacher_logit_is_never_a_silent_zero(backend, bad):
     rows = fusedce.distillation_loss(student, teacher, backend=backend, reduction="none")
     assert torch.isnan(rows[1]), rows
     assert torch.isfinite(rows[[0, 2, 3, 4]]).all(), rows
+
+
+def test_negative_hard_label_weight_and_swapped_heads_are_named():
+    """A negative ``hard_label_weight`` (the loss went to -6 on a fresh user's input) is a ValueError on the
+    four losses; swapped student hidden states and head get a hint naming them."""
+    h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    ids, lp = torch.randint(0, 10, (4, 3)), torch.full((4, 3), -2.0)
+    for call in (lambda: fusedce.linear_distillation_loss(h, w, h, w, t, hard_label_weight=-1.0),
+                 lambda: fusedce.distillation_loss(torch.randn(4, 10), torch.randn(4, 10), t, hard_label_weight=-0.5),
+                 lambda: fusedce.topk_distillation_loss(torch.randn(4, 10), ids, lp, t, hard_label_weight=-1.0),
+                 lambda: fusedce.linear_topk_distillation_loss(h, w, ids, lp, t, hard_label_weight=-1.0)):
+        with pytest.raises(ValueError, match="hard_label_weight must be >= 0"):
+            call()
+    with pytest.raises(ValueError, match="student_hidden .* and student_weight look swapped"):
+        fusedce.linear_distillation_loss(w, h, h, w, t)

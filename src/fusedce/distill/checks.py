@@ -14,8 +14,9 @@ from fusedce import backends
 from fusedce.core import validation as val
 from fusedce.core.options import (REDUCTIONS, LossOptions, check_chunk_size, check_temperature, deterministic_mode,
                                   log_prob_options)
-from fusedce.core.options.checks import check_flag, fp32_range, integer_option, real_option
-from fusedce.core.options.distill import LOG_PROB_SLACK, DistillOptions, distill_options, teacher_mass_slack
+from fusedce.core.options.checks import check_flag, integer_option
+from fusedce.core.options.distill import (LOG_PROB_SLACK, DistillOptions, distill_options, hard_label_weight_option,
+                                         teacher_mass_slack)
 from fusedce.lm_head.method import check_method, resolve_method
 
 
@@ -51,10 +52,20 @@ def check_head(hidden, weight, bias, model: str) -> None:
                         f"{'' if bias is None else ', ' + str(bias.dtype)}")
 
 
-def check_vocab(student_v: int, teacher_v: int, what: str) -> None:
+def check_vocab(student_v: int, teacher_v: int, what: str, hint: str = "") -> None:
     if student_v != teacher_v:
         raise ValueError(f"the student's and the teacher's heads must have the same vocabulary size V: {what} "
-                         f"gives V = {student_v} for the student and {teacher_v} for the teacher")
+                         f"gives V = {student_v} for the student and {teacher_v} for the teacher" + hint)
+
+
+def _swap_hint(student, ws, teacher, wt) -> str:
+    """A hint when one model's hidden states and head look swapped: its hidden states have as many rows as
+    the other head's V (the arguments are ``student_hidden, student_weight, teacher_hidden, teacher_weight``)."""
+    for name, hidden, other_v in (("student", student, wt.shape[0]), ("teacher", teacher, ws.shape[0])):
+        if hidden.dim() == 2 and hidden.shape[0] == other_v:
+            return (f"; {name}_hidden {tuple(hidden.shape)} and {name}_weight look swapped: the order is "
+                    "(student_hidden, student_weight, teacher_hidden, teacher_weight)")
+    return ""
 
 
 def check_target(target, shape, device: torch.device, n_classes: int, ignore_index: int):
@@ -122,7 +133,7 @@ def checked_distill(student, teacher, target, *, beta, temperature, hard_label_w
         check_head(student, ws, bs, "student")
         check_head(teacher, wt, bt, "teacher")
         n_classes = ws.shape[0]
-        check_vocab(n_classes, wt.shape[0], "weight.shape[0]")
+        check_vocab(n_classes, wt.shape[0], "weight.shape[0]", _swap_hint(student, ws, teacher, wt))
     check_pair(student, teacher, s_name, t_name)
     if heads is not None:
         check_chunk_size(chunk_size)
@@ -199,7 +210,7 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     temperature = check_temperature(temperature)
-    hard_label_weight = fp32_range("hard_label_weight", real_option("hard_label_weight", hard_label_weight))
+    hard_label_weight = hard_label_weight_option(hard_label_weight)
     if hard_label_weight != 0.0 and target is None:
         raise ValueError(f"hard_label_weight = {hard_label_weight} needs a target (the hard labels); got target=None")
     val.check_num_items(num_items_in_batch, student.device)

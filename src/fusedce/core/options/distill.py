@@ -37,10 +37,20 @@ def _softcap(name: str, value) -> Optional[float]:
     return fp32_range(name, value, FP32_NORMAL[0])
 
 
+def hard_label_weight_option(value) -> float:
+    """``hard_label_weight`` checked (the one check of the four distillation losses): a finite real >= 0 in
+    fp32's range (``TypeError`` / ``ValueError`` otherwise)."""
+    value = fp32_range("hard_label_weight", real_option("hard_label_weight", value))
+    if not value >= 0.0:
+        raise ValueError(f"hard_label_weight must be >= 0 (the weight of the hard-label cross-entropy added to the "
+                         f"divergence; a negative one would push the student away from the labels), got {value}")
+    return value
+
+
 def distill_options(beta, temperature, hard_label_weight, ignore_index, reduction, student_softcap, teacher_softcap,
             target) -> DistillOptions:
     """``ValueError`` for ``beta`` outside [0, 1], a ``temperature`` that is not a finite number > 0 (or
-    whose inverse is not a normal fp32 number), a non-finite ``hard_label_weight`` or one != 0 without a
+    whose inverse is not a normal fp32 number), a non-finite or negative ``hard_label_weight`` or one != 0 without a
     target, a softcap <= 0, an unknown ``reduction``; ``TypeError`` for a value of the wrong kind."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -48,10 +58,10 @@ def distill_options(beta, temperature, hard_label_weight, ignore_index, reductio
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must lie in [0, 1] (0: forward KL(teacher || student), 1: reverse KL), got {beta}")
     temperature = check_temperature(temperature)
-    hard_label_weight = real_option("hard_label_weight", hard_label_weight)
+    hard_label_weight = hard_label_weight_option(hard_label_weight)
     if hard_label_weight != 0.0 and target is None:
         raise ValueError(f"hard_label_weight = {hard_label_weight} needs a target (the hard labels); got target=None")
-    return DistillOptions(beta, temperature, fp32_range("hard_label_weight", hard_label_weight),
+    return DistillOptions(beta, temperature, hard_label_weight,
                           integer_option("ignore_index", ignore_index), _softcap("student_softcap", student_softcap),
                           _softcap("teacher_softcap", teacher_softcap))
 
