@@ -4,7 +4,8 @@ stdin and prints one ``harness.RESULT_PREFIX`` line with the JSON result.
 Spec: ``{"path": name, "mode": "timed" | "parity", "device": "cpu" | "cuda", "dtype": "float32" |
 "bfloat16", "source": inputs source, "rows": int | None, "repeats": int, "warmup": int}``; with
 ``"sweep": true`` the measurement is the memory sweep's (``sweep.measure``, CPU) instead of
-``harness.measure``; with ``"distill": true`` it is the distillation row's (``distill.measure``).
+``harness.measure``; with ``"distill": true`` it is the distillation row's (``distill.measure``), with
+``"distill_soft": true`` its soft-target cross-entropy part's (``distill_soft.measure``).
 A path that cannot be imported (e.g. a backend not written yet) is ``"unavailable"`` with the reason;
 any other exception is ``"error"``.
 """
@@ -24,7 +25,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def run_spec(spec: dict) -> dict:
     """Measure ``spec`` in this process (see the module docstring); never raises."""
-    if spec.get("distill"):   # the distillation row (``distill.measure``)
+    if spec.get("distill") or spec.get("distill_soft"):   # the distillation row (``distill*.measure``)
         return _distill(spec)
     path = paths.PATHS[spec["path"]]
     try:
@@ -49,8 +50,8 @@ def run_spec(spec: dict) -> dict:
 
 def _distill(spec: dict) -> dict:
     try:
-        from . import distill
-        return distill.measure(spec)
+        from . import distill, distill_soft
+        return (distill_soft if spec.get("distill_soft") else distill).measure(spec)
     except ImportError as exc:
         return {"status": "unavailable", "reason": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:  # reported in the table, the bench goes on
