@@ -69,8 +69,8 @@ def _torch_chunked(hidden, weight, q):
         loss = F.linear_cross_entropy(hidden, weight, q.to(hidden.dtype), options=options())
     fallback = [str(w.message) for w in caught if "ignored" in str(w.message)]
     if fallback:
-        raise Unavailable(f"n/a in torch {torch.__version__}: its chunked path takes int64 targets only (with "
-                          f"probability targets it warns and runs the full-logits reference: {fallback[0][:120]})")
+        raise Unavailable(f"n/a in torch {torch.__version__}: its chunked path takes int64 targets only (a "
+                          "probability target: it warns and runs the full-logits reference)")
     return loss
 
 
