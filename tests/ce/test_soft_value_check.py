@@ -6,7 +6,8 @@ tiled, ``fusedce.nn.functional.linear_cross_entropy``, both modules), both backe
 skipped (the target-range check's rule) and a NaN reaches the loss instead of an error.
 
 Shapes: (2, 3) rows x V = 75 classes (odd), H = 16; the bad value sits at [1, 2, 7] (the last row, not
-the first element, so the reported position is the one found, not a default).
+the first element, so the reported position is the one found, not a default; [5, 7] for the drop-in's
+2-D torch layout).
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _ops(backend):
                                                                  backend=backend),
         "linear-tiled": lambda q: fusedce.linear_cross_entropy(hidden, weight, q, method="tiled",
                                                                backend=backend),
-        "nn.functional": lambda q: FF.linear_cross_entropy(hidden, weight, q),
+        # torch's layout: 2-D input (N, H) and target (N, V); [1, 2, 7] is row 5 there
+        "nn.functional": lambda q: FF.linear_cross_entropy(hidden.reshape(-1, H), weight, q.reshape(-1, V)),
         "CrossEntropyLoss": lambda q: fusedce.CrossEntropyLoss(backend=backend)(logits, q),
         "LinearCrossEntropyLoss": lambda q: fusedce.LinearCrossEntropyLoss(backend=backend)(hidden, weight, q),
     }, (logits, hidden, weight)
@@ -56,7 +58,8 @@ def test_bad_probability_is_a_value_error_naming_target(backend, op, kind, q_dty
     q[BAD_AT] = BAD_VALUES[kind]
     q_before = q.clone()
     before = [t.detach().clone() for t in leaves]
-    with pytest.raises(ValueError, match=r"target\[1, 2, 7\] = .*class probabilities.*>= 0 and not NaN"):
+    at = r"\[5, 7\]" if op == "nn.functional" else r"\[1, 2, 7\]"
+    with pytest.raises(ValueError, match=r"target" + at + r" = .*class probabilities.*>= 0 and not NaN"):
         calls[op](q)
     assert torch.equal(q.nan_to_num(), q_before.nan_to_num()), "the caller's target was modified"
     assert all(torch.equal(t.detach(), b) for t, b in zip(leaves, before))
@@ -85,7 +88,7 @@ def test_negative_hint_names_log_probabilities(backend):
 
 def test_empty_target_is_not_checked(backend):
     loss = fusedce.cross_entropy(torch.randn(0, V, requires_grad=True), torch.empty(0, V), backend=backend)
-    assert float(loss) == 0.0
+    assert float(loss.detach()) == 0.0
 
 
 def test_skipped_under_compile():
