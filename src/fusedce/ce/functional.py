@@ -47,7 +47,10 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             and the stats as for class indices (``token_accuracy``: the argmax of the logits equals the
             argmax of the target, every row counted); ``use_token_scaling`` is a ``ValueError`` (its
             ``p_t`` needs a target class). The target is a constant (a tensor that requires grad is a
-            ``TypeError``); its rows need not sum to 1 (not checked, as in torch); a class with ``q'_c w_c
+            ``TypeError``); a negative or NaN value is a ``ValueError`` naming ``target`` and its first
+            position (one host sync, the target-range check's: skipped under torch.compile and CUDA-graph
+            capture, where the value reaches the loss); its rows need not sum to 1 and values above 1 are
+            accepted (as in torch); a class with ``q'_c w_c
             = 0`` adds exactly 0, also at a -inf logit (torch's composition gives NaN there). Both
             ``"torch"`` and ``"triton"`` (a one-pass forward and a one-pass backward, no host sync);
             ``"cute"``: ``NotImplementedError``. Source: ``ce/soft_targets.py``.
@@ -187,8 +190,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             (blocks of tokens x a vocabulary block smaller than V, torch ops on the tensors' device on
             EVERY backend: no tiled Triton kernel for probability targets; ``backends/pytorch/
             soft_tiled.py``). Backends ``"torch"`` / ``"triton"``; ``"cute"``: ``NotImplementedError``.
-            A constant: one that requires grad is a ``TypeError`` naming ``target.detach()``; its values
-            are not checked (no host sync). Source: ``ce/linear_soft.py``.
+            A constant: one that requires grad is a ``TypeError`` naming ``target.detach()``; a negative
+            or NaN value is a ``ValueError`` naming ``target`` (one host sync, the target-range check's
+            rule: skipped under torch.compile / CUDA-graph capture). Source: ``ce/linear_soft.py``.
         bias: optional ``(V,)``, same dtype as ``hidden``.
         ce_weight: optional ``(V,)`` class weights of the loss.
         reduction, num_items_in_batch, ``**options`` (the loss options, listed below): as in

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from fusedce.core import reduction as red
+from fusedce.core import validation as val
 from fusedce.core.options import LossOptions
 
 SOFT_TARGET_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -26,12 +27,15 @@ def is_soft_target(target) -> bool:
     return isinstance(target, torch.Tensor) and target.is_floating_point()
 
 
-def check_soft_target(target: torch.Tensor, logits: torch.Tensor, opts: LossOptions) -> None:
+def check_soft_target(target: torch.Tensor, logits: torch.Tensor, opts: LossOptions, values: bool = True) -> None:
     """A probability target: ``TypeError`` unless float32 / bfloat16 / float16 / float64 (independent of
     the logits' dtype) and when it requires grad (a constant here: no gradient reaches it); ``ValueError``
     unless it has ``logits.shape`` (naming both shapes, with a hint for class indices stored as floats)
-    and is on the logits' device, and for ``use_token_scaling`` (its ``p_t`` needs a target class). Its
-    values are not checked (``q`` need not sum to 1, as in torch)."""
+    and is on the logits' device, and for ``use_token_scaling`` (its ``p_t`` needs a target class);
+    ``ValueError`` naming ``target`` and the first position for a negative or NaN value
+    (``validation.check_probabilities``: one host sync, skipped under torch.compile / CUDA-graph capture
+    as the target-range check; ``values=False``: not here, the vocab-parallel ops check them in their setup
+    collective). ``q`` need not sum to 1, as in torch."""
     if target.dtype not in SOFT_TARGET_DTYPES:
         raise TypeError(f"a floating-point target holds class probabilities and must be float32, bfloat16, "
                         f"float16 or float64, got {target.dtype}")
@@ -50,6 +54,8 @@ def check_soft_target(target: torch.Tensor, logits: torch.Tensor, opts: LossOpti
     if opts.use_token_scaling:
         raise ValueError("use_token_scaling multiplies each row by p_t = softmax(z)[t], which needs a target "
                          "class: it is not defined for probability (float) targets")
+    if values:
+        val.check_probabilities(target)   # last: the one host sync (skipped under compile / graph capture)
 
 
 def backend_rows(impl, backend_name):

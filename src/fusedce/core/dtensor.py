@@ -15,8 +15,12 @@ composition does for replicated operands:
   the process group of that mesh dimension (``DeviceMesh.get_group(dim)``; each rank's slice follows the
   group's rank order, as DTensor's ``Shard`` places it): replicated results; the gradients come back in
   the inputs' placements (the shard's gradient ``Shard``, a replicated input's ``Replicate``), with the
-  single-process op's values on the concatenated vocabulary. ``method="tiled"`` is refused there (the
-  vocabulary-parallel linear ops are chunked);
+  single-process op's values on the concatenated vocabulary. ``method="tiled"``, ``logits_dtype="input"``
+  and ``batch_invariant=True`` are refused there with a ``ValueError`` naming the keyword (the
+  vocabulary-parallel linear ops are chunked, form fp32 logits and are not batch-invariant; the default
+  values pass). A probability (float) ``target`` is either a DTensor sharded like the vocabulary
+  (``Shard(-1)`` on the same mesh dimension: each rank's columns) or the full ``(..., V)`` tensor (plain,
+  or a replicated DTensor), whose columns of this rank are taken locally (no communication);
 - any other placement (``Partial``, a shard of another dimension, a sharded argument of an op without a
   vocabulary-parallel form) is a ``ValueError`` that says what to use instead: the full tensor
   (``full_tensor()``, or ``patch_causal_lm``, whose module hooks let FSDP2 gather the head's weight), or,
@@ -82,6 +86,9 @@ def _vocab_parallel_call(fn, named: dict, dtensor):
     if entry is None or not sharded:
         return None
     form, shards = entry
+    target = named.get("target")
+    if isinstance(target, dtensor) and target.is_floating_point() and "target" in sharded:
+        shards = {**shards, "target": ("target", -1)}   # a probability target sharded like the vocabulary
     mesh, dims = None, set()
     for name, value in sharded.items():
         dim = _vocab_shard_dim(value, shards[name][1]) if name in shards else None
@@ -98,15 +105,48 @@ def _vocab_parallel_call(fn, named: dict, dtensor):
             raise ValueError(f"fusedce.{fn.__name__}: the LM head is sharded over the vocabulary, so {name} must be "
                              f"sharded the same way (a DTensor placed Shard({vocab_dim}) on mesh dimension "
                              f"{next(iter(dims))}), or None")
-    method = named.pop("method", "auto")
-    if method not in ("auto", "chunked"):
-        raise ValueError(f"fusedce.{fn.__name__}: method={method!r} with a vocabulary-sharded DTensor: the "
-                         "vocabulary-parallel linear ops are chunked; pass method='chunked' or 'auto'")
+    _pop_unsupported(named, fn.__name__)
     dim = next(iter(dims))
     local = {shards[k][0] if k in shards else k: (v.to_local() if isinstance(v, dtensor) else v)
              for k, v in named.items()}
+    if "target" not in sharded:   # a full probability target (plain or replicated): this rank's columns
+        local["target"] = _local_columns(local.get("target"), sharded, shards, mesh, dim, dtensor)
     out = form(**local, group=mesh.get_group(dim))
     return _wrap(out, mesh, dtensor)
+
+
+def _pop_unsupported(named: dict, op: str) -> None:
+    """Drop the keywords of the single-process op that the vocabulary-parallel forms honour by default
+    (``method`` "auto" / "chunked", ``logits_dtype`` "float32", ``batch_invariant`` False); any other
+    value is a ``ValueError`` naming the keyword."""
+    refused = {"method": (("auto", "chunked"), "the vocabulary-parallel linear ops are chunked"),
+               "logits_dtype": (("float32",), "the vocabulary-parallel linear ops form fp32 logits"),
+               "batch_invariant": ((False,), "the vocabulary-parallel ops do not make a row's results "
+                                   "independent of the batch (their chunks and collectives depend on it)")}
+    for name, (accepted, why) in refused.items():
+        if name in named:
+            value = named.pop(name)
+            if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
+                raise ValueError(f"fusedce.{op}: {name}={value!r} with a vocabulary-sharded DTensor: {why}; pass "
+                                 + " or ".join(f"{name}={a!r}" for a in accepted) + " (or omit it), or the full "
+                                 "tensors")
+
+
+def _local_columns(target, sharded: dict, shards: dict, mesh, dim: int, dtensor):
+    """A full probability target ``(..., V)`` next to a vocabulary-sharded head or logits -> this rank's
+    columns, placed as DTensor's ``Shard`` places the head's rows (a local split, no communication).
+    Anything else (class indices, a target already of the local width) is returned as is."""
+    if not (isinstance(target, torch.Tensor) and target.is_floating_point() and target.ndim):
+        return target
+    vocab = next(v.shape[shards[k][1]] for k, v in sharded.items()   # the global V (a DTensor's shape)
+                 if shards[k][0] in ("weight_shard", "logits_shard"))
+    if target.shape[-1] != vocab:
+        return target   # the op's own shape check names the mismatch
+    from torch.distributed.tensor import Replicate, Shard
+    placements = [Replicate()] * mesh.ndim
+    full = dtensor.from_local(target.detach(), mesh, placements, run_check=False)
+    placements[dim] = Shard(target.ndim - 1)
+    return full.redistribute(mesh, placements).to_local()
 
 
 def _check_replicated(name: str, op: str, value, mesh):

@@ -170,6 +170,41 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
         f"or a class in [0, {n_classes}) (V = {n_classes})", pos, value, n_classes, ignore_index)
 
 
+def bad_probabilities(target: torch.Tensor) -> Optional[torch.Tensor]:
+    """A 0-dim bool device tensor: does the probability target ``target`` hold a negative or NaN value?
+    None when the check is skipped (an empty target, torch.compile, CUDA-graph capture, fake tensors:
+    :func:`sync_allowed`, the target-range check's rule). No host sync here: the caller reads the flag,
+    in the one sync it has (:func:`check_probabilities`; the vocab-parallel ops' setup ``all_gather``)."""
+    if target.numel() == 0 or not sync_allowed(target):
+        return None
+    # one reduction, no temporary of the target's size (two bool masks and their OR were 3 BT V bytes:
+    # 576 MiB at 4096 x 49152, more than the tiled method's whole working memory); min propagates NaN
+    low = target.min()
+    return (low < 0) | torch.isnan(low)
+
+
+def raise_bad_probabilities(target: torch.Tensor, name: str = "target") -> None:
+    """The ``ValueError`` of a probability target with a negative or NaN value, naming the first one
+    (error path only: it reads the position back)."""
+    bad = ((target < 0) | torch.isnan(target)).reshape(-1).nonzero()[0, 0]
+    pos = [int(i) for i in torch.unravel_index(bad, tuple(target.shape))]
+    value = float(target.reshape(-1)[bad])
+    hint = " (log-probabilities? pass their exp(), e.g. softmax of the teacher's logits)" if value < 0 else ""
+    raise ValueError(f"{name}{pos} = {value}: a floating-point {name} holds class probabilities, which must "
+                     f"be >= 0 and not NaN{hint}")
+
+
+def check_probabilities(target: torch.Tensor, name: str = "target") -> None:
+    """``ValueError`` naming the first negative or NaN value of the probability target ``target`` (every
+    row is kept: probability targets ignore no row). One host sync, the target-range check's kind and
+    rule: skipped under torch.compile, CUDA-graph capture and for fake tensors (a bad value then
+    propagates into its row's loss and gradient). Values above 1 and rows not summing to 1 are
+    accepted, as in torch."""
+    flag = bad_probabilities(target)
+    if flag is not None and bool(flag):   # the one sync
+        raise_bad_probabilities(target, name)
+
+
 def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype=torch.float32,
                  names=("weight", "bias", "ce_weight"), sharded=False) -> None:
     """Checks of ``linear_cross_entropy`` (and its vocab-parallel form, whose tensors are ``names``):

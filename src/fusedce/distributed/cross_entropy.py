@@ -23,6 +23,8 @@ from fusedce.core.types import CrossEntropyOutput
 from fusedce.core.options import LossOptions, LossOptionValues
 from fusedce.distributed.exchange import ce_outputs, exchange_ce
 from fusedce.distributed.layout import VocabLayout, vocab_layout
+from fusedce.ce.soft_targets import is_soft_target
+from fusedce.distributed import soft_ops
 from fusedce.distributed.output import finish
 from fusedce.distributed.shard_rows import shard_forward, shard_grad
 
@@ -73,7 +75,16 @@ def vocab_parallel_cross_entropy(
     Args:
         logits_shard: ``(..., V_r)`` float32 / bfloat16 / float16, this rank's contiguous vocabulary slice
             (class dim last); ``V_r`` may differ between ranks (uneven split, even 0).
-        target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank.
+        target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank; or a floating-point
+            (float32 / bfloat16 / float16 / float64) ``(..., V_r)`` = ``logits_shard.shape``: this rank's
+            slice of class probabilities, with ``fusedce.cross_entropy``'s probability-target semantics
+            on the concatenated vocabulary (no row ignored; ``"mean"`` over the rows or
+            ``num_items_in_batch``; ``predicted_tokens`` / ``token_accuracy`` against the global argmax of
+            the target; ``use_token_scaling`` refused). Only row statistics are exchanged
+            (``distributed/soft_rows.py``: all_reduce(MAX) of BT fp32, all_reduce(SUM) of BT x 4 fp32,
+            + all_reduce(MAX) of BT x 2 int64 with stats); a negative or NaN probability on any rank is
+            a ``ValueError`` naming ``target`` on every rank, found in the setup all_gather (its 4th
+            int64; skipped under torch.compile / CUDA-graph capture).
         weight_shard: optional ``(V_r,)`` class weights of this rank's slice.
         group: the process group (None = default). gloo for CPU tensors, NCCL for CUDA tensors.
         vocab_start_index: first global class id of this slice; None on every rank = rank order
@@ -118,6 +129,9 @@ def vocab_parallel_cross_entropy(
         raise ValueError("logits_shard must have at least one dimension (the classes, last)")
     opts = loss_options(reduction, **options)
     shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
+    if is_soft_target(target):   # soft_ops.py: this rank's slice of probability targets
+        return soft_ops.cross_entropy(logits_shard, target, weight_shard, group, vocab_start_index, opts, reduction,
+                                      num_items_in_batch, return_stats, backend, token_weights)
     val.check_target(target, shape, device)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight_shard", weight_shard, n_local, device)

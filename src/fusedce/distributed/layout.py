@@ -5,7 +5,9 @@ Every rank holds the contiguous global classes ``[start, start + size)``. The sl
 
 Collective (setup, once per call): ``all_gather`` of 3 int64 per rank ``(has_start, start, size)``,
 i.e. 24 bytes sent and ``24 * world_size`` bytes received per rank, then one host sync to read them
-(the global ``V`` is needed on the host for the target range check and ``eps / V``).
+(the global ``V`` is needed on the host for the target range check and ``eps / V``). With a probability
+target a 4th int64 rides along: whether this rank's slice of the target holds a negative or NaN value
+(``validation.bad_probabilities``), so that every rank raises in the same place (32 bytes per rank).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fusedce.core import validation as val
 from fusedce.core.transforms import values_unavailable
 
 
@@ -37,25 +40,32 @@ def _describe(pairs) -> str:
     return ", ".join(f"rank {r}: [{s}, {s + n})" for r, (s, n) in enumerate(pairs))
 
 
-def _gather(mine: list, world: int, group, device: torch.device) -> list:
+def _gather(mine: list, world: int, group, device: torch.device, flag=None) -> list:
     row = torch.tensor(mine, dtype=torch.int64, device=device)
+    if isinstance(flag, torch.Tensor):   # the probability check's flag, a device tensor: no sync here
+        row[3] = flag.to(device=device, dtype=torch.int64)
     table = [torch.empty_like(row) for _ in range(world)]
     dist.all_gather(table, row, group=group)
     return torch.stack(table).tolist()  # the setup's one host sync
 
 
 def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
-                 device: torch.device) -> VocabLayout:
+                 device: torch.device, probabilities: Optional[torch.Tensor] = None) -> VocabLayout:
     """Gather every rank's ``(start, size)`` and check that the slices tile ``[0, V)``.
 
     ``vocab_start_index=None`` on every rank: slices follow rank order (rank r starts where rank r-1
     ends). Given on every rank: used as is (an empty slice's start is not checked). The tensors live
-    on ``device`` (CUDA for NCCL).
+    on ``device`` (CUDA for NCCL). ``probabilities``: None for class-index targets; this rank's slice
+    of a probability target otherwise (every rank of the call passes one): whether it holds a negative
+    or NaN value (``validation.bad_probabilities``; not checked under torch.compile / CUDA-graph
+    capture) is gathered with the table and read in its one sync.
 
     Raises (the same error on every rank, since all see the same gathered table):
         RuntimeError: ``torch.distributed`` is not initialized.
         ValueError: ``vocab_start_index`` given on some ranks only, slices that overlap, leave a gap
-            or do not start at 0, or a global vocabulary of 0 classes (every slice empty).
+            or do not start at 0, a global vocabulary of 0 classes (every slice empty), or a probability
+            target with a negative or NaN value on some rank (naming ``target`` and, on that rank, the
+            position).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("torch.distributed is not initialized: call torch.distributed."
@@ -63,8 +73,12 @@ def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
     world = dist.get_world_size(group)
     given = vocab_start_index is not None
     mine = [int(given), int(vocab_start_index) if given else 0, int(shard_size)]
+    flag = None
+    if probabilities is not None:
+        mine.append(0)
+        flag = val.bad_probabilities(probabilities)
     if not (values_unavailable() or device.type == "meta"):
-        rows = _gather(mine, world, group, device)
+        rows = _gather(mine, world, group, device, flag)
     elif world == 1:   # tracing (fake / meta tensors, make_fx, export) on one rank: nothing to exchange
         rows = [mine]
     else:   # tracing: the table is host integers of the set-up, exchanged with real tensors outside the trace
@@ -91,4 +105,13 @@ def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
                              + _describe(pairs))
         expected = start + size
     rank = dist.get_rank(group)
+    if probabilities is not None and any(r[3] for r in rows):
+        ranks = [i for i, r in enumerate(rows) if r[3]]
+        if rank in ranks:   # this rank's slice: the position within it
+            try:
+                val.raise_bad_probabilities(probabilities)
+            except ValueError as error:
+                raise ValueError(f"{error} (rank {rank}'s slice of the vocabulary: the last index is local)") from None
+        raise ValueError(f"target (the probabilities) holds a negative or NaN value on rank(s) {ranks} of {world} "
+                         "(that rank's error names the position): probabilities must be >= 0 and not NaN")
     return VocabLayout(start=starts[rank], size=sizes[rank], n_classes=n_classes, group=group)

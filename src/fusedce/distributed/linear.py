@@ -34,6 +34,8 @@ from fusedce.core.types import CrossEntropyOutput
 from fusedce.core.options import LossOptions, LossOptionValues
 from fusedce.distributed.exchange import ce_outputs, exchange_ce
 from fusedce.distributed.layout import VocabLayout, vocab_layout
+from fusedce.ce.soft_targets import is_soft_target
+from fusedce.distributed import soft_ops
 from fusedce.distributed.output import finish
 from fusedce.distributed.shard_rows import shard_forward, shard_grad
 
@@ -112,7 +114,11 @@ def vocab_parallel_linear_cross_entropy(
         hidden: ``(..., H)`` float32 / bfloat16 / float16, identical on every rank.
         weight_shard: ``(V_r, H)``, this rank's contiguous rows of the LM head, ``hidden``'s dtype;
             ``V_r`` may differ between ranks.
-        target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank.
+        target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank; or a floating-point
+            ``(..., V_r)`` = ``hidden.shape[:-1] + (V_r,)``: this rank's slice of class probabilities
+            (matching ``weight_shard``), as in ``vocab_parallel_cross_entropy`` (same semantics,
+            collectives and value check; every row computed, the logits ``chunk_size x V_r`` at a time
+            in fp32; the same backward, with its ``grad_hidden`` all_reduce).
         bias_shard, ce_weight_shard: optional ``(V_r,)`` slices of the bias and of the class weights.
         group, vocab_start_index: as in ``vocab_parallel_cross_entropy``.
         reduction, num_items_in_batch, ``**options`` (the loss options, listed below):
@@ -154,6 +160,12 @@ def vocab_parallel_linear_cross_entropy(
         when ``hidden``, ``weight_shard`` and ``bias_shard`` dtypes differ, ``chunk_size`` is not an
         integer or ``accum_dtype`` is not a floating-point ``torch.dtype``.
     """
+    if is_soft_target(target):   # soft_ops.py: this rank's slice of probability targets
+        deterministic_mode(deterministic)
+        return soft_ops.linear_cross_entropy(hidden, weight_shard, target, bias_shard, ce_weight_shard, group,
+                                             vocab_start_index, loss_options(reduction, **options), reduction,
+                                             num_items_in_batch, chunk_size, accum_dtype, return_stats, backend,
+                                             token_weights)
     _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype)
     deterministic_mode(deterministic)   # checked; nothing to select (see the docstring)
     opts = loss_options(reduction, **options)

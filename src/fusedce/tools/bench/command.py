@@ -39,6 +39,10 @@ PATH_NAMES = {
                              "linear-torch-lce", "linear-trl"),
 }
 # fusedce's chunked and tiled paths per device, judged against the peers (``goals.real_goals``)
+# The distillation row's paths (``distill.PATHS``, ``distill_soft.PATHS``; tests/tools/test_bench_distill_soft.py
+# keeps them equal): --paths naming only these runs the distillation row alone (no main table, no sweep).
+DISTILL_NAMES = ("distill-stock", "distill-fusedce-chunked", "distill-fusedce-tiled", "distill-trl",
+                 "softce-stock", "softce-fusedce-chunked", "softce-fusedce-tiled", "softce-torch-chunked")
 CHUNKED_TILED = {"cpu": ("linear-fusedce-torch", "linear-fusedce-torch-tiled"),
                  "cuda": ("linear-fusedce-triton", "linear-fusedce-triton-tiled")}
 
@@ -62,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of bench paths to run (default: every path that runs on the "
                              "device); " + "; ".join(f"{op}: {', '.join(names)}"
                                                    for op, names in PATH_NAMES.items())
+                             + f"; distillation row (real input): {', '.join(DISTILL_NAMES)}"
                              + ". 'torch' / 'linear-torch' are stock PyTorch, 'linear-torch-lce' and "
                              "'linear-trl' the peers (torch F.linear_cross_entropy, TRL); '-triton' paths "
                              "need --device cuda (on CPU the untiled ones run under the Triton interpreter, "
@@ -159,18 +164,33 @@ def _recheck_real(rows, inputs_meta) -> list[str]:
 
 
 def _distillation(args, console, inputs_meta):
-    """The distillation row on the real input (``distill``), or None without it (or when ``--paths``
-    names none of ``distill.PATHS``)."""
-    from . import distill
-    names = [name for name in _csv(args.paths) if name in distill.PATHS] if getattr(args, "paths", None) else None
-    if "real" not in inputs_meta or names == []:
+    """The distillation row on the real input (``distill``) with its soft-target cross-entropy part
+    (``distill_soft``, under the key ``"soft_ce"``), or None without real input (or when ``--paths`` names
+    none of ``distill.PATHS`` / ``distill_soft.PATHS``)."""
+    from . import distill, distill_soft
+    asked = _csv(args.paths) if getattr(args, "paths", None) else None
+    names = None if asked is None else [name for name in asked if name in distill.PATHS]
+    soft_names = None if asked is None else [name for name in asked if name in distill_soft.PATHS]
+    if "real" not in inputs_meta or (names == [] and soft_names == []):
         return None
-    began, prepared = time.perf_counter(), distill.prepare(inputs_meta["real"]["cache_file"])
-    try:
-        rows = _measure_all(distill.jobs(prepared, args.device, names=names), args, console, distill.describe)
-    finally:
-        distill.cleanup(prepared)
-    return distill.summarize(prepared, rows, time.perf_counter() - began)
+    source, began = inputs_meta["real"]["cache_file"], time.perf_counter()
+    section = {"input": None, "results": []}
+    if names != []:
+        prepared = distill.prepare(source)
+        try:
+            rows = _measure_all(distill.jobs(prepared, args.device, names=names), args, console, distill.describe)
+        finally:
+            distill.cleanup(prepared)
+        section = distill.summarize(prepared, rows, time.perf_counter() - began)
+    if soft_names != []:
+        began_soft, prepared = time.perf_counter(), distill_soft.prepare(source)
+        try:
+            rows = _measure_all(distill_soft.jobs(prepared, args.device, names=soft_names), args, console,
+                                distill_soft.describe)
+        finally:
+            distill_soft.cleanup(prepared)
+        section["soft_ce"] = distill_soft.summarize(prepared, rows, time.perf_counter() - began_soft)
+    return section
 
 
 def _rl_precision(args, console, inputs_meta):
@@ -257,7 +277,10 @@ def run(args) -> int:
     try:
         dtypes = _check_args(args)
         shapes = shape_table.parse_shapes(args.shapes)
-        plan = paths.plan(args.device, _csv(args.paths) if args.paths else None)
+        asked = _csv(args.paths) if args.paths else None
+        main_paths = None if asked is None else [name for name in asked if name not in DISTILL_NAMES]
+        # --paths naming only distillation paths: that row alone (the real input is still prepared)
+        plan = [] if main_paths == [] else paths.plan(args.device, main_paths)
     except ValueError as exc:
         err.print(f"[red]fusedce bench: {exc}")
         return 2
@@ -276,8 +299,8 @@ def run(args) -> int:
         rows = _measure_all(_jobs(shapes, dtypes, plan, sources, args), args, err, _describe_row)
         failures += _recheck_real(rows, inputs_meta)
         distillation = _distillation(args, err, inputs_meta)
-        rl_precision = _rl_precision(args, err, inputs_meta)
-        sweep = _sweep(args, err) if args.device == "cpu" and not args.no_sweep else None
+        rl_precision = _rl_precision(args, err, inputs_meta) if plan else None
+        sweep = _sweep(args, err) if args.device == "cpu" and not args.no_sweep and plan else None
 
     result = {
         "fusedce_bench": 1,
@@ -313,6 +336,7 @@ def run(args) -> int:
               + (distillation["results"] if distillation else [])
               + (rl_precision["results"] if rl_precision and rl_precision.get("status") == "ok" else [])
               + ([rl_precision] if rl_precision and rl_precision.get("status") != "ok" else [])
+              + (distillation["soft_ce"]["results"] if distillation and "soft_ce" in distillation else [])
               if r["status"] == "error"]
     if errors:
         err.print(f"[red]{len(errors)} measurement(s) failed; see the status column")

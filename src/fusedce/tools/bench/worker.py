@@ -5,7 +5,8 @@ Spec: ``{"path": name, "mode": "timed" | "parity", "device": "cpu" | "cuda", "dt
 "bfloat16", "source": inputs source, "rows": int | None, "repeats": int, "warmup": int}``; with
 ``"sweep": true`` the measurement is the memory sweep's (``sweep.measure``, CPU) instead of
 ``harness.measure``; with ``"distill": true`` it is the distillation row's (``distill.measure``), with
-``"rl": true`` the RL-precision table's (``rl_precision.measure``).
+``"rl": true`` the RL-precision table's (``rl_precision.measure``), with
+``"distill_soft": true`` its soft-target cross-entropy part's (``distill_soft.measure``).
 A path that cannot be imported (e.g. a backend not written yet) is ``"unavailable"`` with the reason;
 any other exception is ``"error"``.
 """
@@ -25,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def run_spec(spec: dict) -> dict:
     """Measure ``spec`` in this process (see the module docstring); never raises."""
-    if spec.get("distill"):   # the distillation row (``distill.measure``)
+    if spec.get("distill") or spec.get("distill_soft"):   # the distillation row (``distill*.measure``)
         return _distill(spec)
     if spec.get("rl"):   # the RL-precision table (``rl_precision.measure``)
         return _rl(spec)
@@ -52,8 +53,8 @@ def run_spec(spec: dict) -> dict:
 
 def _distill(spec: dict) -> dict:
     try:
-        from . import distill
-        return distill.measure(spec)
+        from . import distill, distill_soft
+        return (distill_soft if spec.get("distill_soft") else distill).measure(spec)
     except ImportError as exc:
         return {"status": "unavailable", "reason": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:  # reported in the table, the bench goes on
