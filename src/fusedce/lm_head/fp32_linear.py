@@ -19,7 +19,8 @@ one chunk of 64 / 144 rows x H = 576 against V = 49152, median of 5): the bf16 G
 path with blocks of 7281 rows 796 / 1136 ms (1820-row blocks: 1560 / 5984 ms; 14563: 918 / 1152 ms);
 an fp32 GEMM on a ready fp32 copy of the weight 427 / 700 ms. So on this CPU, whose bf16 GEMM is fast,
 fp32 logits cost 5-9x the logits GEMM (the contract's default all the same: correctness first; the
-``logits_dtype="input"`` opt-out is the fast path); 2^22-element blocks are the fastest measured. On a
+``logits_dtype="input"`` opt-out is the fast path); 2^22-element blocks were the fastest of those; a
+later one (issue 32, ``weight_block_rows``) found blocks as wide as the chunk's logits faster still. On a
 GPU the fp32-output GEMM is the bf16 tensor-core GEMM with an fp32 epilogue: an estimated cost of the
 fp32 chunk buffer's bandwidth only (twice the bytes of a bf16 chunk), no extra FLOPs.
 
