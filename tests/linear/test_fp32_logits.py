@@ -139,3 +139,35 @@ def test_forward_never_makes_an_fp32_weight(backend, method, monkeypatch):
                                        method=method, **kw)
         fusedce.linear_cross_entropy(hidden, weight, target, backend=backend, method=method, **kw)
     assert 0 < mode.largest < V * H
+
+
+@pytest.mark.parametrize("n_rows, hidden_size, vocab", [(144, 576, 49152), (8, 64, 1000), (4096, 576, 49152),
+                                                         (1, 7, 3), (64, 4096, 128256)])
+def test_weight_block_is_bounded_by_the_chunk_and_the_cap(n_rows, hidden_size, vocab):
+    """Issue 32: the upcast weight block widens to the chunk's own fp32 logits (``n x V``, which the
+    backward's weight-gradient step upcasts anyway) but never beyond ``MAX_BLOCK_FACTOR`` base blocks,
+    nor below one base block."""
+    rows = fp32_linear.weight_block_rows(hidden_size, n_rows, vocab)
+    base = fp32_linear.BLOCK_ELEMENTS
+    elements = rows * hidden_size
+    assert elements <= fp32_linear.MAX_BLOCK_FACTOR * base
+    assert elements <= max(base, n_rows * vocab)
+    assert rows >= max(1, base // hidden_size)
+    wanted = min(max(base, n_rows * vocab), fp32_linear.MAX_BLOCK_FACTOR * base)
+    assert elements > wanted - hidden_size   # as wide as allowed, to one weight row
+
+
+def test_wide_blocks_keep_the_fp32_logits_bits(monkeypatch):
+    """The wider blocks change only how the vocabulary is split across GEMMs, never a logit's sum over
+    H: the same bits as the base-sized blocks (here the base lowered so that both are several blocks)."""
+    torch.manual_seed(0)
+    n, hidden_size, vocab = 16, 64, 3000
+    h = torch.randn(n, hidden_size).bfloat16()
+    w = torch.randn(vocab, hidden_size).bfloat16()
+    monkeypatch.setattr(fp32_linear, "BLOCK_ELEMENTS", 64 * 200)
+    wide = fp32_linear.linear_fp32_(h, w, None, torch.empty(n, vocab), False)
+    assert fp32_linear.weight_block_rows(hidden_size, n, vocab) == 400
+    monkeypatch.setattr(fp32_linear, "MAX_BLOCK_FACTOR", 1)
+    assert fp32_linear.weight_block_rows(hidden_size, n, vocab) == 200
+    narrow = fp32_linear.linear_fp32_(h, w, None, torch.empty(n, vocab), False)
+    assert torch.equal(wide, narrow)   # the float64 reference of the values: the tests above

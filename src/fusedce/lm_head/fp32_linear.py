@@ -9,16 +9,18 @@ the operands' dtype at the end (2^-8 relative in bf16: 0.03 nats at a logit of 8
   torch.float32)``; probed once per device type, ``chunked._mm_out_dtype_ok``): the tensor cores read the
   bf16 operands and write fp32, no upcast copy at all (the same FLOPs as the bf16 GEMM).
 - everywhere else (the CPU kernels have no such GEMM in torch 2.13: ``aten::mm.dtype`` has no CPU
-  kernel; traced code): the weight is upcast ``weight_block_rows(H)`` rows at a time (about
-  ``BLOCK_ELEMENTS`` = 2^22 elements, 16 MiB in fp32), each block's fp32 GEMM written into its columns
-  of the fp32 logits, so the extra memory is one 16 MiB block, never V x H in fp32.
+  kernel; traced code): the weight is upcast ``weight_block_rows(H, n, V)`` rows at a time (about
+  ``BLOCK_ELEMENTS`` = 2^22 elements, 16 MiB in fp32, up to twice that for chunks whose fp32 logits are
+  larger), each block's fp32 GEMM written into its columns of the fp32 logits, so the extra memory is one
+  block of at most 32 MiB, never V x H in fp32.
 
 Cost on the CPU, measured on the 2-core CPU VM (AMD EPYC with AVX512-BF16, loaded: load average ~14;
 one chunk of 64 / 144 rows x H = 576 against V = 49152, median of 5): the bf16 GEMM 89 / 168 ms; this
 path with blocks of 7281 rows 796 / 1136 ms (1820-row blocks: 1560 / 5984 ms; 14563: 918 / 1152 ms);
 an fp32 GEMM on a ready fp32 copy of the weight 427 / 700 ms. So on this CPU, whose bf16 GEMM is fast,
 fp32 logits cost 5-9x the logits GEMM (the contract's default all the same: correctness first; the
-``logits_dtype="input"`` opt-out is the fast path); 2^22-element blocks are the fastest measured. On a
+``logits_dtype="input"`` opt-out is the fast path); 2^22-element blocks were the fastest of those; a
+later one (issue 32, ``weight_block_rows``) found blocks as wide as the chunk's logits faster still. On a
 GPU the fp32-output GEMM is the bf16 tensor-core GEMM with an fp32 epilogue: an estimated cost of the
 fp32 chunk buffer's bandwidth only (twice the bytes of a bf16 chunk), no extra FLOPs.
 
@@ -31,12 +33,19 @@ from typing import Optional
 
 import torch
 
-BLOCK_ELEMENTS = 1 << 22   # weight elements upcast at once (16 MiB in fp32); the measurement above
+BLOCK_ELEMENTS = 1 << 22   # weight elements upcast at once (16 MiB in fp32), at least; the measurement above
+MAX_BLOCK_FACTOR = 2       # ... and at most twice that, when the chunk's own fp32 logits are larger (below)
 
 
-def weight_block_rows(hidden_size: int) -> int:
-    """Rows of the weight upcast at once: ``BLOCK_ELEMENTS / H``, at least 1."""
-    return max(1, BLOCK_ELEMENTS // max(hidden_size, 1))
+def weight_block_rows(hidden_size: int, n_rows: int = 0, vocab_size: int = 0) -> int:
+    """Rows of the weight upcast at once: ``E / H``, at least 1, with ``E`` = ``BLOCK_ELEMENTS`` raised to
+    the chunk's fp32 logits size ``n_rows * vocab_size`` and capped at ``MAX_BLOCK_FACTOR *
+    BLOCK_ELEMENTS`` (32 MiB in fp32): a block no larger than the chunk buffer that the backward's
+    weight-gradient step already upcasts (``chunked.accumulate_``), fewer and wider GEMMs per chunk.
+    Measured (issue 32, 2-core CPU VM, load 4.4-4.8, 144 x 576 rows against V = 49152, median of 5
+    in one process): 7281-row blocks 287-299 ms, 12288-row blocks 235-245 ms, 16384: 276 ms."""
+    elements = min(max(BLOCK_ELEMENTS, n_rows * vocab_size), MAX_BLOCK_FACTOR * BLOCK_ELEMENTS)
+    return max(1, elements // max(hidden_size, 1))
 
 
 def linear_fp32_(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
@@ -44,12 +53,12 @@ def linear_fp32_(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     """``out = h @ weight.T (+ bias)`` in fp32 (``out``: ``(n, V)`` fp32, written in place and returned)
     from ``h`` ``(n, H)`` and ``weight`` ``(V, H)`` of one low-precision dtype. ``fused_gemm``: use the
     fp32-output GEMM (only where ``chunked._mm_out_dtype_ok`` said the build has it); else the weight
-    is upcast in blocks of ``weight_block_rows(H)`` rows (never V x H in fp32)."""
+    is upcast in blocks of ``weight_block_rows(H, n, V)`` rows (never V x H in fp32)."""
     if fused_gemm:
         torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
     else:
         h32 = h.float()   # n x H, the chunk's rows only
-        step = weight_block_rows(weight.shape[1])
+        step = weight_block_rows(weight.shape[1], h.shape[0], weight.shape[0])
         for v in range(0, weight.shape[0], step):
             torch.mm(h32, weight[v:v + step].float().t(), out=out[:, v:v + step])
     if bias is not None:

@@ -10,7 +10,7 @@ processed in chunks of exactly ``ROWS`` = 64, the last one padded with zero hidd
 is ``ignore_index`` (they add nothing, and their outputs are dropped):
 
 - logits: ``(64, H) @ (H, V)`` per chunk (fp32: the weight upcast in blocks of a fixed number of rows,
-  ``fp32_linear.weight_block_rows(H)``), each logit a dot product over H in the library's order for
+  ``fp32_linear.weight_block_rows(H, 64, V)``), each logit a dot product over H in the library's order for
   that one shape;
 - the row kernels on ``(64, V)`` logits (Triton: one program per row, a fixed ``BLOCK_V`` loop over
   the vocabulary; PyTorch: its row loops on the same shape every chunk);
