@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
-from fusedce.core.row_math import mul_slope_, transform
+from fusedce.core.row_math import transform
 from fusedce.distributed.exchange import Partials, exchange
 from fusedce.distributed.layout import VocabLayout
 from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
 from fusedce.lm_head.chunked import backprop_chunks, chunk_buffer, logits_chunk
-from fusedce.rl.multi_head import Entries, class_sums, entries, log_probs_of, upstream_k
+from fusedce.rl.multi_head import Entries, column_grads, entries, log_probs_of, scatter_columns_, upstream_k
 
 
 def local_entries(e: Entries, layout: VocabLayout) -> Entries:
@@ -76,18 +76,8 @@ def fix_local_columns_(grad: torch.Tensor, x: torch.Tensor, e: Entries, loc: Ent
     kernel). Rows without a local entry are written back unchanged."""
     if grad.shape[1] == 0 or loc.safe.shape[1] == 0:
         return
-    z = transform(x, opts)
-    u = (z - lse[:, None]) - lse_lo[:, None]
-    p = torch.exp(u)
-    dz = -G[:, None] * p + class_sums(loc, g)
-    if k is not None:
-        kk = torch.where(e.any, k.float(), 0.0)
-        dz = dz - kk[:, None] * torch.where(p == 0.0, 0.0, p * (u + entropy[:, None]))
-    dz = mul_slope_(dz, z, opts)   # dz is a fresh tensor
-    cols = torch.where(loc.valid, loc.safe, loc.safe.gather(1, loc.first))
-    dz = torch.where(loc.valid, dz, dz.gather(1, loc.first))
-    values = torch.where(loc.any[:, None], dz.to(grad.dtype), grad.gather(1, cols))
-    grad.scatter_(1, cols, values)
+    dz = column_grads(x, loc, e.any, g, G, lse, lse_lo, k, entropy, opts)
+    scatter_columns_(grad, dz, loc, keep_unwritten=True)
 
 
 def _statistics(n: int, device, want_entropy: bool):

@@ -114,23 +114,39 @@ def upstream_k(grad_log_probs: Optional[torch.Tensor], e: Entries):
     return g, g.sum(dim=1)
 
 
-def _fix_columns_(grad: torch.Tensor, x: torch.Tensor, e: Entries, g, G, lse, lse_lo, k, entropy,
-                  opts: LossOptions) -> None:
-    """Overwrite the K target columns of ``grad`` ((n, V), any float dtype) with the exact fp32 value of
-    the module docstring's formula, rounded once. Ignored entries rewrite their row's first valid
-    entry with its own value; rows with no valid entry rewrite column 0 with 0 (the kernel's zeros)."""
+def column_grads(x: torch.Tensor, e: Entries, kept_rows: torch.Tensor, g, G, lse, lse_lo, k, entropy,
+                 opts: LossOptions) -> torch.Tensor:
+    """The module docstring's whole formula, fp32 (n, K), at the entries of ``e`` (their logits ``x``
+    before the transform): ``class_sums`` over ``e``'s valid entries; the entropy term on the rows
+    ``kept_rows`` (n,) bool. Also the vocab-parallel op's (``distributed/multi_log_probs.py``, with the
+    entries its slice holds)."""
     z = transform(x.float(), opts)
     u = (z - lse[:, None]) - lse_lo[:, None]
     p = torch.exp(u)
     dz = -G[:, None] * p + class_sums(e, g)
     if k is not None:
-        kk = torch.where(e.any, k.float(), 0.0)
+        kk = torch.where(kept_rows, k.float(), 0.0)
         dz = dz - kk[:, None] * torch.where(p == 0.0, 0.0, p * (u + entropy[:, None]))
-    dz = mul_slope_(dz, z, opts)   # dz is a fresh tensor
+    return mul_slope_(dz, z, opts)   # dz is a fresh tensor
+
+
+def scatter_columns_(grad: torch.Tensor, dz: torch.Tensor, e: Entries, keep_unwritten: bool = False) -> None:
+    """Write ``dz`` (n, K) at the valid entries' columns of ``grad`` ((n, V)), rounded once to its dtype.
+    Invalid entries rewrite their row's first valid entry with its own value (one scatter, deterministic);
+    a row with no valid entry rewrites column ``e.safe[:, 0]`` with 0 (the kernel's zeros), or, with
+    ``keep_unwritten``, with the value already there."""
     cols = torch.where(e.valid, e.safe, e.safe.gather(1, e.first))
-    dz = torch.where(e.valid, dz, dz.gather(1, e.first))
-    dz = torch.where(e.any[:, None], dz, 0.0)
-    grad.scatter_(1, cols, dz.to(grad.dtype))
+    dz = torch.where(e.valid, dz, dz.gather(1, e.first)).to(grad.dtype)
+    other = grad.gather(1, cols) if keep_unwritten else torch.zeros((), dtype=grad.dtype, device=grad.device)
+    grad.scatter_(1, cols, torch.where(e.any[:, None], dz, other))
+
+
+def _fix_columns_(grad: torch.Tensor, x: torch.Tensor, e: Entries, g, G, lse, lse_lo, k, entropy,
+                  opts: LossOptions) -> None:
+    """Overwrite the K target columns of ``grad`` ((n, V), any float dtype) with the exact fp32 value of
+    the module docstring's formula, rounded once. Ignored entries rewrite their row's first valid
+    entry with its own value; rows with no valid entry rewrite column 0 with 0 (the kernel's zeros)."""
+    scatter_columns_(grad, column_grads(x, e, e.any, g, G, lse, lse_lo, k, entropy, opts), e)
 
 
 class _KClassCE:
