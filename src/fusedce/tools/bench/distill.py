@@ -180,17 +180,26 @@ def describe(row: dict) -> str:
 def measure(spec: dict) -> dict:
     """One path in this (fresh) process: a tiny warm-up, the first full forward+backward's peak memory,
     then ``repeats`` timed runs, then parity against the reference file. Never raises on a path error."""
-    from . import harness
-    device = spec["device"]
-    data = {k: v.to(device) for k, v in load(spec["source_file"], spec["tokens"]).items()}
-    leaves = {k: data[k].clone().requires_grad_() for k in ("hidden", "student_weight")}
-    tiny = {k: v[:16].detach().clone().requires_grad_() for k, v in leaves.items()}
+    data = {k: v.to(spec["device"]) for k, v in load(spec["source_file"], spec["tokens"]).items()}
     tiny_data = {"hidden": data["hidden"][:16], "teacher_weight": data["teacher_weight"][:16],
                  "target": torch.where(data["target"][:16] >= 16, 0, data["target"][:16])}
-    forward(spec["path"], tiny, tiny_data).backward()   # one-time set-up (imports, allocator) not counted
+    return measure_student(spec, data, forward, tiny_data)
+
+
+def measure_student(spec: dict, data: dict, forward_fn, tiny_data: dict) -> dict:
+    """The measurement shared by the distillation rows (``measure``, ``distill_soft.measure``): the student's
+    ``hidden`` and ``student_weight`` of ``data`` as leaves, ``forward_fn(path, leaves, data) -> loss``; a
+    warm-up on 16 rows of each leaf with ``tiny_data`` (imports, allocator: not counted), the first full
+    forward+backward's peak memory (and its time on CPU), ``repeats`` timed runs, parity against the
+    reference file (the loss's relative error, the gradients' ``||g - g64|| / ||g64||``)."""
+    from . import harness
+    device = spec["device"]
+    leaves = {k: data[k].clone().requires_grad_() for k in ("hidden", "student_weight")}
+    tiny = {k: v[:16].detach().clone().requires_grad_() for k, v in leaves.items()}
+    forward_fn(spec["path"], tiny, tiny_data).backward()
 
     def run():
-        loss = forward(spec["path"], leaves, data)
+        loss = forward_fn(spec["path"], leaves, data)
         loss.backward()
         return loss.detach()
 

@@ -26,9 +26,7 @@ reference of the formula (``reference``). Floor: the student gradients returned,
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
-import time
 import warnings
 from typing import Optional
 
@@ -136,48 +134,11 @@ def describe(row: dict) -> str:
 
 
 def measure(spec: dict) -> dict:
-    """One path in this (fresh) process, as ``distill.measure``: a tiny warm-up, the first full fwd+bwd's
-    peak memory (and time on CPU), ``repeats`` timed runs, parity against the reference file."""
-    from . import harness
-    device = spec["device"]
-    data = {k: v.to(device) for k, v in load(spec["source_file"], spec["tokens"]).items()}
-    leaves = {k: data[k].clone().requires_grad_() for k in ("hidden", "student_weight")}
-    tiny = {k: v[:16].detach().clone().requires_grad_() for k, v in leaves.items()}   # 16 rows, 16 classes
-    forward(spec["path"], tiny, {"q": data["q"][:16, :16]}).backward()   # imports, allocator: not counted
-
-    def run():
-        loss = forward(spec["path"], leaves, data)
-        loss.backward()
-        return loss.detach()
-
-    def reset():
-        for t in leaves.values():
-            t.grad = None
-    box = {}
-
-    def first():
-        began = time.perf_counter()
-        box["loss"] = run()
-        box["ms"] = (time.perf_counter() - began) * 1e3
-    peak, memory_method = harness.peak_memory(first, device)
-    loss, grads = float(box["loss"]), {k: t.grad.detach().double().cpu() for k, t in leaves.items()}
-    if device == "cuda":
-        time_ms, times = harness.median_ms(run, reset, device, spec["repeats"], 0,
-                                           grad_to_none=list(leaves.values()))
-    else:
-        more = harness.median_ms(run, reset, device, spec["repeats"] - 1, 0)[1] if spec["repeats"] > 1 else []
-        times = [box["ms"], *more]
-        time_ms = statistics.median(times)
-    ref = torch.load(spec["reference_file"], map_location="cpu", weights_only=True)
-    grad_rel = {k: float((grads[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-300)) for k in grads}
-    n, h = data["hidden"].shape
-    floor = (n * h + data["student_weight"].numel()) * 4
-    return {"status": "ok", "loss": loss, "loss_ref": ref["loss"],
-            "loss_rel_err": abs(loss - ref["loss"]) / abs(ref["loss"]), "grad_rel_err": max(grad_rel.values()),
-            "grad_rel_err_by_leaf": grad_rel, "time_ms": time_ms, "times_ms": times, "peak_bytes": peak,
-            "floor_bytes": floor, "peak_over_floor": peak / floor,
-            "method": {"memory": memory_method,
-                       "time": distill.TIME_METHOD[device].format(repeats=spec["repeats"])}}
+    """One path in this (fresh) process, as ``distill.measure`` (``distill.measure_student``): a tiny warm-up
+    (16 rows, 16 classes), the first full fwd+bwd's peak memory (and time on CPU), ``repeats`` timed runs,
+    parity against the reference file."""
+    data = {k: v.to(spec["device"]) for k, v in load(spec["source_file"], spec["tokens"]).items()}
+    return distill.measure_student(spec, data, forward, {"q": data["q"][:16, :16]})
 
 
 def summarize(prepared: dict, rows: list, wall_seconds: float) -> dict:
