@@ -16,27 +16,33 @@ from __future__ import annotations
 import torch
 
 from fusedce.core.options import LossOptions
-from . import chunked as loop
+from . import loop_ops
 from ..backends.protocol import ChunkCE, TiledCE
 from fusedce.core.row_math import grad_lse
 
 
 class ChunkedHead:
+    """``chunk_size``: rows per chunk, None for the rule (``chunk_rule.chunk_rows``, decided from the real
+    token count inside the loop's op, ``loop_ops.py``: a traced call does not specialize on it)."""
     grads_in_forward = True
 
-    def __init__(self, ce: ChunkCE, rows: int, logits: str = "float32"):
-        self.ce, self.rows, self.logits = ce, rows, logits   # logits: chunked.logits_dtype's choice
+    def __init__(self, ce: ChunkCE, chunk_size, logits: str = "float32"):
+        self.ce, self.chunk_size, self.logits = ce, chunk_size, logits   # logits: chunked.logits_dtype's choice
+
+    def rows_for(self, hidden, weight) -> int:
+        """The rows per chunk for these operands (for loops that run outside ``loop_ops``)."""
+        return loop_ops.rows_of(self.chunk_size, hidden, weight)
 
     def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
                 entropy: bool = False):
-        return loop.loss_only(self.ce, hidden, weight, bias, target, w, weight_sum, opts, self.rows, stats,
-                              entropy, self.logits)
+        return loop_ops.loss_only(self.ce, self.chunk_size, hidden, weight, bias, target, w, weight_sum, opts,
+                                  stats, entropy, self.logits)
 
     def grads(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, grad_row, z_grad_row, needs,
               accum_dtype, saved=None, stats: bool = False, grad_entropy=None):
-        return loop.grads(self.ce, hidden, weight, bias, target, w, weight_sum, opts, self.rows, grad_row,
-                          z_grad_row, needs, accum_dtype, saved=saved, stats=stats, grad_entropy=grad_entropy,
-                          logits=self.logits)
+        return loop_ops.grads(self.ce, self.chunk_size, hidden, weight, bias, target, w, weight_sum, opts,
+                              grad_row, z_grad_row, needs, accum_dtype, saved=saved, stats=stats,
+                              grad_entropy=grad_entropy, logits=self.logits)
 
 
 class TiledHead:

@@ -1,32 +1,7 @@
 """The method of the LM head (``METHODS``, ``check_method``, ``resolve_method``), the head object for it
 (``make_head``) and the chunk size of ``method="chunked"``: one place.
 
-Rule for ``chunk_size=None``, per device type (``chunk_rows``):
-
-- GPUs (and any device but the CPU): the chunk's logits (rows x V in hidden's dtype) may be as large as
-  the hidden states of the whole batch (BT x H, which the caller holds anyway), i.e. ``rows = BT * H / V``,
-  so the loss adds at most one hidden-sized buffer; but never fewer than ``MIN_ROWS`` rows, because short
-  chunks under-fill the matmuls and each chunk re-reads and re-writes the V x H weight-gradient
-  accumulator. Not yet timed on a GPU (``benchmarks/gpu_check.sh`` times the result).
-- CPU: ``rows = max(CPU_MIN_ROWS, ceil(H / CPU_H_FRACTION))``, whatever BT and V. The idea is PyTorch's
-  (``F.linear_cross_entropy``'s ``chunking_method="aspect_ratio"``: size the chunk from the problem's
-  shape, not from a fixed row floor): the loss's own memory is the weight and hidden gradients it returns,
-  ``(V + BT) x H x 4`` bytes, and a chunk of ``rows x V`` logits (plus as much again in fp32 temporaries)
-  adds about ``2 rows / H`` of that, a quarter with ``rows = H / 4``. Speed does not need more: per chunk
-  the update ``grad_W += g_c.T @ h_c`` moves 2 x V x H x 4 bytes of accumulator against 6 x rows x V x H
-  FLOPs for the chunk's three matmuls, 0.75 x rows FLOP per byte, 48 at 64 rows, compute-bound on a CPU.
-  Measured on the 2-core x86-64 dev VM under load from other jobs (real SmolLM2 input, BT = 4096 with
-  2864 scored, H = 576, V = 49152, fp32, fwd+bwd, peak RSS beyond the inputs and their .grad buffers,
-  ``fusedce bench``'s sweep method): 1024 rows (the GPU rule) 384 MiB, 256 rows 225 MiB, 128 rows 178 MiB,
-  PyTorch's ``F.linear_cross_entropy`` (32-row chunks) 243 MiB; the process CPU time of 128-1024 rows
-  within 20 % (20-24 s for one warm-up and two fwd+bwd, against 55 s for PyTorch's). With this rule (144
-  rows there), ``fusedce bench``'s real-input row: 184 MiB (harness method, .grad included); forward+backward
-  in rotation with the peers in one process: 8.1-8.7 s, PyTorch's 20.9-22.0 s, TRL's 11.9-12.5 s (README,
-  "Measured").
-- Under ``torch.compile`` every device takes the GPU rule: Dynamo traces the chunk loop (one copy of the
-  chunk's ops per chunk; the PyTorch backend's per-chunk work is one custom op each, ``backends/pytorch/
-  custom_ops.py``), so fewer, larger chunks keep the graph and the compile time small (at 600 tokens, H =
-  16: 1 chunk instead of 10; the compile time over the eager call is pinned by ``tests/ce/test_compile_loops.py``).
+The rule for ``chunk_size=None`` (``chunk_rows``) lives in ``chunk_rule.py``.
 """
 from __future__ import annotations
 
@@ -34,23 +9,9 @@ from typing import Optional
 
 import torch
 
+from .chunk_rule import CPU_H_FRACTION, CPU_MIN_ROWS, MIN_ROWS, chunk_rows  # noqa: F401 (re-exported)
 from .heads import ChunkedHead, TiledHead
 from ..backends.protocol import ChunkCE, TiledCE
-
-MIN_ROWS = 1024
-CPU_MIN_ROWS = 64
-CPU_H_FRACTION = 4
-
-
-def chunk_rows(n_rows: int, hidden_size: int, vocab_size: int, device_type: str = "cuda") -> int:
-    """Rows per chunk for ``chunk_size=None`` on a ``device_type`` device ("cpu", "cuda", ...): at least 1,
-    at most ``n_rows`` (the rule in the module docstring)."""
-    if device_type == "cpu" and not torch.compiler.is_compiling():
-        rows = max(CPU_MIN_ROWS, -(-hidden_size // CPU_H_FRACTION))
-    else:
-        rows = max(MIN_ROWS, -(-n_rows * hidden_size // max(vocab_size, 1)))
-    return max(1, min(n_rows, rows))
-
 
 def resolve_method(method: str) -> str:
     """``"auto"`` -> ``"chunked"``, on every device, until GPU measurements say otherwise: the tiled
@@ -103,4 +64,4 @@ def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, h
         if tiled is None:
             raise RuntimeError("this backend has no method='tiled' (no TiledCE); use method='chunked'")
         return TiledHead(tiled, deterministic)
-    return ChunkedHead(ce, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size, device_type), logits)
+    return ChunkedHead(ce, chunk_size, logits)   # rows decided inside the loop's op (loop_ops.py)

@@ -21,7 +21,7 @@ import torch
 
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
-from fusedce.lm_head import chunked as loop, invariant
+from fusedce.lm_head import invariant, loop_ops
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
 from fusedce.lm_head.method import make_head
 from fusedce.lm_head.heads import TiledHead
@@ -38,29 +38,6 @@ def _outputs(loss, entropy, target, opts: LossOptions):
 
 def _no_stats(like: torch.Tensor):
     return like.new_empty(0), like.new_empty(0), like.new_empty(0, dtype=torch.bool)
-
-
-def _chunked_with_stats(ce: ChunkCE, rows: int, hidden, weight, bias, target, opts: LossOptions,
-                        want_entropy: bool, logits_kind: str = "float32"):
-    """The chunked forward with TRL's statistics: per chunk of ``rows`` tokens, the logits once, then
-    ``ce.loss`` and ``ce.token_stats`` on them. ``(loss, lse, lse_lo, entropy or None, stats)``."""
-    n = hidden.shape[0]
-    loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
-    entropy = torch.empty_like(loss) if want_entropy else None
-    stats = (torch.empty_like(loss), torch.empty_like(loss), torch.empty(n, dtype=torch.bool, device=hidden.device))
-    buffer = loop.chunk_buffer(n, rows, weight, hidden.dtype, logits_kind)
-    for s in range(0, n, rows):
-        c = slice(s, s + rows)
-        logits = loop.logits_chunk(hidden[c], weight, bias, buffer, logits_kind)
-        out = ce.loss(logits, target[c], None, None, opts, False, want_entropy)
-        loss[c], lse[c], lse_lo[c] = out[:3]
-        if want_entropy:
-            entropy[c] = out[4]
-        for dst, value in zip(stats, ce.token_stats(logits, target[c], lse[c], lse_lo[c], opts)):
-            dst[c] = value
-        del logits
-    return loss, lse, lse_lo, entropy, stats
 
 
 def _upstream(grad_log_probs, grad_entropy, n: int, want_entropy: bool, like: torch.Tensor):
@@ -110,8 +87,8 @@ class _LinearLogProbs(torch.autograd.Function):
                                       token_stats=True)
             loss, lse, lse_lo, entropy, stats = rows.loss, rows.lse, rows.lse_lo, rows.entropy, rows.token_stats
         else:
-            loss, lse, lse_lo, entropy, stats = _chunked_with_stats(head.ce, head.rows, hidden, weight, bias,
-                                                                    target, opts, want_entropy, head.logits)
+            loss, lse, lse_lo, entropy, stats = loop_ops.loss_with_token_stats(
+                head.ce, head.chunk_size, hidden, weight, bias, target, opts, want_entropy, head.logits)
         log_probs, entropy_out = _outputs(loss, entropy, target, opts)
         ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy_out)
         ctx.head, ctx.opts, ctx.want_entropy, ctx.needs = head, opts, want_entropy, needs

@@ -232,7 +232,7 @@ class _LinearLogProbsK(torch.autograd.Function):
         else:
             saved = (lse, lse_lo, None, entropy if k is not None else None)
             *_, g_h, g_w, g_b = loop.grads(_KClassCE(head.ce, weight.shape[0]), hidden, weight, bias, target, None,
-                                           None, opts, head.rows, g, g, needs, torch.float32, saved=saved,
+                                           None, opts, head.rows_for(hidden, weight), g, g, needs, torch.float32, saved=saved,
                                            grad_entropy=k, logits=head.logits)
         g_w = None if g_w is None else g_w.to(ctx.dtypes[0])
         g_b = None if g_b is None else g_b.to(ctx.dtypes[1])
@@ -240,16 +240,17 @@ class _LinearLogProbsK(torch.autograd.Function):
 
 
 def _chunked_forward(head, hidden, weight, bias, e: Entries, opts: LossOptions, want_entropy: bool):
-    """Per chunk of ``head.rows`` tokens: the logits once, ``ce.loss`` on the representative targets and
+    """Per chunk of ``head.rows_for`` tokens: the logits once, ``ce.loss`` on the representative targets and
     the K target logits gathered from the chunk. ``(lse, lse_lo, entropy or None, x (n, K))``."""
     n = hidden.shape[0]
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse_lo = torch.empty_like(lse)
     entropy = torch.empty_like(lse) if want_entropy else None
     x = torch.empty(e.safe.shape, dtype=loop.logits_dtype(hidden.dtype, head.logits), device=hidden.device)
-    buffer = loop.chunk_buffer(n, head.rows, weight, hidden.dtype, head.logits)
-    for s in range(0, n, head.rows):
-        c = slice(s, s + head.rows)
+    rows = head.rows_for(hidden, weight)
+    buffer = loop.chunk_buffer(n, rows, weight, hidden.dtype, head.logits)
+    for s in range(0, n, rows):
+        c = slice(s, s + rows)
         logits = loop.logits_chunk(hidden[c], weight, bias, buffer, head.logits)
         out = head.ce.loss(logits, e.rep[c], None, None, opts, False, want_entropy)
         lse[c], lse_lo[c] = out[1], out[2]

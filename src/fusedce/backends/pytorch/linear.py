@@ -7,6 +7,8 @@ from .custom_ops import rows_grad_, rows_loss, rows_token_stats
 
 class TorchChunkCE:
     """``ChunkCE`` in plain PyTorch (row sub-chunks keep the fp32 temporaries small; each loop one custom op)."""
+    NAME = "torch"   # the backend's name (lm_head/loop_ops.py finds this class by it)
+
 
     @staticmethod
     def loss(logits, target, w, weight_sum, opts, stats, entropy=False):

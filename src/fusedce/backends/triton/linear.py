@@ -30,6 +30,8 @@ def _w(w, weight_sum):
 
 class TritonChunkCE:
     """``ChunkCE`` with the Triton kernels (CUDA, or the interpreter in tests)."""
+    NAME = "triton"   # the backend's name (lm_head/loop_ops.py finds this class by it)
+
 
     @staticmethod
     def loss(logits, target, w, weight_sum, opts, stats, entropy=False):
