@@ -81,10 +81,10 @@ def check_target(target, shape, device: torch.device, n_classes: int, ignore_ind
 
 
 def row_ops(backend, device: torch.device):
-    """``(distill_rows, tiled_distill)`` of the chosen backend: whatever ``backends.get`` raises, a
+    """``(distill_rows, tiled_distill, name)`` of the chosen backend: whatever ``backends.get`` raises, a
     ``RuntimeError`` for a backend without distillation kernels (``"cute"``, ``Capabilities.distill``)."""
     impl = backends.get(backend, device, distill=True)
-    return impl.distill_rows, impl.tiled_distill
+    return impl.distill_rows, impl.tiled_distill, impl.NAME
 
 
 def check_logit_scale(name: str, value) -> float:
@@ -108,6 +108,7 @@ class DistillCall:
     logit_scale: float
     teacher_logit_scale: float
     deterministic: bool = False
+    backend: str = "torch"           # the backend's name (its ``NAME``)
 
 
 def checked_distill(student, teacher, target, *, beta, temperature, hard_label_weight, ignore_index, reduction,
@@ -144,10 +145,10 @@ def checked_distill(student, teacher, target, *, beta, temperature, hard_label_w
     val.check_num_items(num_items_in_batch, student.device)
     scales = (check_logit_scale("logit_scale", logit_scale),
               check_logit_scale("teacher_logit_scale", teacher_logit_scale))
-    rows_op, tiled_op = row_ops(backend, student.device)
+    rows_op, tiled_op, name = row_ops(backend, student.device)
     lead = tuple(student.shape[:-1])
     flat_target = check_target(target, lead, student.device, n_classes, opts.ignore_index)
-    return DistillCall(opts, lead, flat_target, rows_op, tiled_op, *scales, bool(deterministic))
+    return DistillCall(opts, lead, flat_target, rows_op, tiled_op, *scales, bool(deterministic), name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -227,7 +227,7 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
     ht = _scaled(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), call.teacher_logit_scale)
     bs, bt = _scaled(student_bias, call.logit_scale), _scaled(teacher_bias, call.teacher_logit_scale)
     scale = _scale(reduction, call, hs.shape[0], num_items_in_batch, hs.device)
-    out = linear_distillation(call.rows_op, call.tiled_op, hs, student_weight, bs, ht, teacher_weight, bt,
+    out = linear_distillation(call.backend, call.tiled_op, hs, student_weight, bs, ht, teacher_weight, bt,
                               call.target, call.opts.kwargs(), reduction, scale, method,
                               None if chunk_size is None else int(chunk_size), call.deterministic,
                               batch_invariant)

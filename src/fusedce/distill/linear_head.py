@@ -25,10 +25,11 @@ from typing import Optional
 import torch
 
 from fusedce.core.autograd_checks import check_backward_allowed
-from fusedce.lm_head import chunked as loop, invariant
+from fusedce.lm_head import invariant
 from fusedce.lm_head.headroom import HEADROOM_EXP, scaled_
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
-from fusedce.lm_head.method import chunk_rows, resolve_method
+from fusedce.lm_head.method import resolve_method
+from .chunk_op import chunked_distill
 
 
 def reduce_rows(loss: torch.Tensor, reduction: str, scale: torch.Tensor) -> torch.Tensor:
@@ -84,34 +85,18 @@ def distillation(rows_op, student, teacher, target, kw: dict, reduction: str, sc
 
 
 class ChunkedDistill:
-    """``method="chunked"``: both models' logits ``rows`` tokens at a time (``chunked.py``)."""
+    """``method="chunked"``: both models' logits a chunk of rows at a time (``chunk_op.py``: one op, so that
+    a tracer does not specialize on the token count); ``chunk_size`` None for the rule."""
 
-    def __init__(self, rows_op, rows: int):
-        self.rows_op, self.rows = rows_op, rows
+    def __init__(self, backend: str, chunk_size: Optional[int]):
+        self.backend, self.chunk_size = backend, chunk_size
 
     def run(self, hs, ws, bs, ht, wt, bt, target, grad_factor, kw: dict, needs):
         """``(loss, grad_h, grad_w, grad_b)``: (N,) fp32 rows; the gradients (None unless ``needs`` and
         ``grad_factor``) of ``sum_r grad_factor[r] loss[r]``, grad_h in hidden's dtype, the others fp32."""
-        n, rows = hs.shape[0], self.rows
-        loss = torch.empty(n, dtype=torch.float32, device=hs.device)
-        want = grad_factor is not None
-        g_h = torch.empty(hs.shape, dtype=hs.dtype, device=hs.device) if want and needs[0] else None
-        g_w = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if want and needs[1] else None
-        g_b = torch.zeros(ws.shape[0], dtype=torch.float32, device=ws.device) if want and needs[2] else None
-        buf_s = loop.chunk_buffer(n, rows, ws, hs.dtype)
-        buf_t = loop.chunk_buffer(n, rows, wt, ht.dtype)
         with torch.no_grad():
-            for s in range(0, n, rows):
-                c = slice(s, s + rows)
-                zs = loop.logits_chunk(hs[c], ws, bs, buf_s)
-                zt = loop.logits_chunk(ht[c], wt, bt, buf_t)
-                loss[c], d = self.rows_op(zs, zt, None if target is None else target[c],
-                                          grad_factor[c] if want else None, **kw)
-                del zs, zt
-                if d is not None:   # d: the logits' dtype (fp32)
-                    loop.backprop_chunk_(d, hs[c], ws, c, g_h, g_w, g_b)
-                del d
-        return loss, g_h, g_w, g_b
+            return chunked_distill(self.backend, self.chunk_size, hs, ws, bs, ht, wt, bt, target, grad_factor, kw,
+                                   needs)
 
 
 class TiledDistill:
@@ -186,13 +171,13 @@ class _LinearDistill(torch.autograd.Function):
 _N_INPUTS = len(inspect.signature(_LinearDistill.forward).parameters) - 1
 
 
-def make_distill_head(rows_op, tiled_op, method: str, n_rows: int, hidden_size: int, vocab_size: int,
-                      chunk_size: Optional[int], deterministic: bool, device_type: str):
+def make_distill_head(backend: str, tiled_op, method: str, chunk_size: Optional[int], deterministic: bool):
     """``ChunkedDistill`` / ``TiledDistill`` for ``method`` ("auto" as ``linear_cross_entropy``'s rule,
-    ``tuning.resolve_method``; the automatic chunk size is ``tuning.chunk_rows``'s)."""
+    ``method.resolve_method``; the automatic chunk size is ``chunk_rule.chunk_rows``'s, on the real token
+    count); ``backend`` the backend's name."""
     if resolve_method(method) == "tiled":
         return TiledDistill(tiled_op, deterministic)
-    return ChunkedDistill(rows_op, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size, device_type))
+    return ChunkedDistill(backend, chunk_size)
 
 
 def _pad_rows(hs, ht, target, ignore_index: int):
@@ -208,10 +193,11 @@ def _pad_rows(hs, ht, target, ignore_index: int):
     return hs, ht, target
 
 
-def linear_distillation(rows_op, tiled_op, hs, ws, bs, ht, wt, bt, target, kw: dict, reduction: str,
+def linear_distillation(backend: str, tiled_op, hs, ws, bs, ht, wt, bt, target, kw: dict, reduction: str,
                         scale: torch.Tensor, method: str, chunk_size: Optional[int], deterministic: bool,
                         batch_invariant: bool = False):
-    """(N, H) / (N, Ht) hidden states, (V, H) / (V, Ht) heads, (N,) target or None -> the reduced loss.
+    """(N, H) / (N, Ht) hidden states, (V, H) / (V, Ht) heads, (N,) target or None -> the reduced loss;
+    ``backend`` the backend's name (its ``distill_rows`` runs each chunk), ``tiled_op`` its ``tiled_distill``.
     ``batch_invariant``: the kept rows padded to 64-row chunks, the chunked method (``lm_head/invariant.py``)."""
     n = hs.shape[0]
     index = None
@@ -225,8 +211,7 @@ def linear_distillation(rows_op, tiled_op, hs, ws, bs, ht, wt, bt, target, kw: d
         method, chunk_size = "chunked", invariant.ROWS
     ht, wt = ht.detach(), wt.detach()
     bt = None if bt is None else bt.detach()
-    head = make_distill_head(rows_op, tiled_op, method, hs.shape[0], max(hs.shape[1], ht.shape[1]), ws.shape[0],
-                             chunk_size, deterministic, hs.device.type)
+    head = make_distill_head(backend, tiled_op, method, chunk_size, deterministic)
     needs = (hs.requires_grad, ws.requires_grad, bs is not None and bs.requires_grad)
     if torch.is_grad_enabled() and any(needs):
         out = _LinearDistill.apply(hs, ws, bs, ht, wt, bt, target, head, kw, reduction, scale, needs, n_real)

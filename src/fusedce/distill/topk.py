@@ -81,11 +81,17 @@ def _classes(teacher_ids, teacher_log_probs, target, ignore_index: int, fold_tar
 def _teacher_tail(lp, keep, ids, n_classes: int):
     """``(p_tail, teacher_mass)`` per token fp32: ``teacher_mass = sum_k p_k`` over the kept entries and
     ``p_tail = max(0, 1 - teacher_mass)``, summed in float64 from the stored log-probs (O(BT K); the
-    subtraction is then exact to the input's own precision). ``p_tail = 0`` where the kept ids cover all
-    V classes (possible only for K >= V: the student's tail is then empty, and the teacher's ``1 - sum``
-    is its rounding)."""
+    subtraction is then exact to the input's own precision). A ``p_tail`` within the rounding of the stored
+    log-probs is 0: ``lp_k`` rounded to its dtype (half an ulp, ``|lp_k| eps / 2``) moves ``p_k`` by at most
+    ``p_k |lp_k| eps / 2 <= eps / (2e)``, so a tail of at most ``k eps / 2`` (``k`` kept entries, ``eps`` the
+    log-probs' ``finfo.eps``) is indistinguishable from an empty one (a teacher whose K probabilities sum to
+    1 gave a tail of +-4e-8 in fp32, whose sign depended on the CPU's ``log``). ``p_tail = 0`` also where the
+    kept ids cover all V classes (possible only for K >= V: the student's tail is then empty, and the
+    teacher's ``1 - sum`` is its rounding)."""
     mass = torch.where(keep, lp.double().exp(), 0.0).sum(-1)
     p_tail = (1.0 - mass).clamp(min=0.0)
+    noise = keep.sum(-1, dtype=torch.float64) * (torch.finfo(lp.dtype).eps / 2)
+    p_tail = torch.where(p_tail <= noise, 0.0, p_tail)
     if ids.shape[-1] >= n_classes:
         ordered = torch.where(keep, ids.long(), -1).sort(dim=-1).values
         fresh = torch.ones_like(keep)

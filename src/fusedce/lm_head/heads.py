@@ -48,8 +48,8 @@ class ChunkedHead:
 class TiledHead:
     grads_in_forward = False
 
-    def __init__(self, tiled: TiledCE, deterministic: bool = False):
-        self.tiled, self.deterministic = tiled, deterministic
+    def __init__(self, tiled: TiledCE, deterministic: bool = False, backend: str = ""):
+        self.tiled, self.deterministic, self.backend = tiled, deterministic, backend   # backend: its NAME
 
     def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
                 entropy: bool = False):

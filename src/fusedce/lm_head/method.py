@@ -63,5 +63,22 @@ def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, h
     if resolve_method(method) == "tiled":
         if tiled is None:
             raise RuntimeError("this backend has no method='tiled' (no TiledCE); use method='chunked'")
-        return TiledHead(tiled, deterministic)
+        return TiledHead(tiled, deterministic, getattr(ce, "NAME", ""))
     return ChunkedHead(ce, chunk_size, logits)   # rows decided inside the loop's op (loop_ops.py)
+
+
+def head_spec(head) -> tuple:
+    """``(backend, tiled, chunk_size, deterministic, logits)``: constants from which ``rebuild_head`` makes the
+    same head again (inside a custom op's body, ``rl/multi_ops.py``); ``chunk_size`` 0 for the rule."""
+    if isinstance(head, TiledHead):
+        return head.backend, True, 0, head.deterministic, "float32"
+    return head.ce.NAME, False, head.chunk_size or 0, False, head.logits
+
+
+def rebuild_head(backend: str, tiled: bool, chunk_size: int, deterministic: bool, logits: str,
+                 device: torch.device):
+    """The head ``head_spec`` describes, with the backend's ``CHUNK_CE`` / ``TILED_CE``."""
+    from fusedce import backends
+    impl = backends.get(backend, device, tiled=tiled)
+    return make_head(impl.CHUNK_CE, impl.TILED_CE, "tiled" if tiled else "chunked", 0, 0, 0, chunk_size or None,
+                     deterministic, device.type, logits)

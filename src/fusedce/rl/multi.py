@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedce.rl import multi_head as head_multi
+from fusedce.rl import multi_head as head_multi, multi_ops
 from fusedce.core.options import LossOptions
 from fusedce.core.types import TokenLogProbs
 
@@ -39,7 +39,7 @@ def linear_log_probs_rows(impl, hidden, weight, classes, bias, opts: LossOptions
     distillation calls it): ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` ``(V,)`` or None,
     ``classes`` ``(..., K)`` as :func:`log_probs_rows`, ``impl`` from ``backends.get(..., entropy=True,
     tiled=...)``, ``logits`` as ``chunked.logits_dtype``. Returns ``(log_probs (N, K), entropy (N,) or None)``."""
-    return head_multi.linear_token_log_probs_multi(
+    return multi_ops.linear_token_log_probs_multi(
         impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, classes.reshape(-1, classes.shape[-1]), bias,
         opts, return_entropy, None if chunk_size is None else int(chunk_size), method, tiled=impl.TILED_CE,
         deterministic=deterministic, logits=logits)

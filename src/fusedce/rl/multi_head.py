@@ -45,11 +45,9 @@ from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform
 from fusedce.lm_head import chunked as loop
-from fusedce.lm_head.compaction import compact_rows, scatter_rows
-from fusedce.lm_head.method import make_head
 from fusedce.lm_head.heads import TiledHead
 from fusedce.rl.multi_head_tiled import sparse_grads_, target_logits
-from fusedce.backends.protocol import ChunkCE, TiledCE
+from fusedce.backends.protocol import ChunkCE
 
 _SAME_CLASS_ELEMENTS = 1 << 22   # the (rows, K, K) class-equality temporary of ``class_sums``
 
@@ -76,14 +74,14 @@ def entries(target: torch.Tensor, opts: LossOptions, n_classes: int) -> Entries:
     return Entries(valid, safe, rep, first, any_valid)
 
 
-def _log_probs(x: torch.Tensor, target: torch.Tensor, e: Entries, lse, lse_lo, opts: LossOptions):
+def log_probs_at(x: torch.Tensor, target: torch.Tensor, e: Entries, lse, lse_lo, opts: LossOptions):
     """fp32 ``(z_k - lse) - lse_lo`` from the gathered logits ``x`` (n, K); 0 on ignored entries, NaN on
     a non-ignored entry out of range (as the one-class loss)."""
     return log_probs_of(transform(x.float(), opts), target, e, lse, lse_lo, opts)
 
 
 def log_probs_of(z: torch.Tensor, target: torch.Tensor, e: Entries, lse, lse_lo, opts: LossOptions):
-    """:func:`_log_probs` from the TRANSFORMED fp32 target logits ``z`` (n, K) (the vocab-parallel op
+    """:func:`log_probs_at` from the TRANSFORMED fp32 target logits ``z`` (n, K) (the vocab-parallel op
     sums them over the ranks first)."""
     out = (z - lse[:, None]) - lse_lo[:, None]
     out = torch.where(e.valid, out, float("nan"))
@@ -179,7 +177,7 @@ class _LogProbsK(torch.autograd.Function):
         out = ce.loss(logits, e.rep, None, None, opts, False, want_entropy)
         lse, lse_lo = out[1], out[2]
         entropy = _entropy_or_empty(out[4] if want_entropy else None, lse)
-        log_probs = _log_probs(logits.gather(1, e.safe), target, e, lse, lse_lo, opts)
+        log_probs = log_probs_at(logits.gather(1, e.safe), target, e, lse, lse_lo, opts)
         ctx.save_for_backward(logits, target, lse, lse_lo, entropy)
         ctx.ce, ctx.opts, ctx.want_entropy, ctx.consumed = ce, opts, want_entropy, False
         return log_probs, entropy
@@ -195,48 +193,35 @@ class _LogProbsK(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-class _LinearLogProbsK(torch.autograd.Function):
-    """``hidden @ weight.T + bias`` never materialized: a ``heads.py`` head (chunked or tiled)."""
+def linear_forward(head, hidden, weight, bias, target, opts: LossOptions, want_entropy: bool):
+    """The linear K-class forward on a ``heads.py`` head: ``(lse, lse_lo, entropy or None, x)``, ``x`` (n, K)
+    the target logits before the transform (the chunk logits' dtype; fp32 with the tiled head)."""
+    e = entries(target, opts, weight.shape[0])
+    if isinstance(head, TiledHead):
+        rows = head.tiled.forward(hidden, weight, bias, e.rep, None, None, opts, False, want_entropy)
+        return rows.lse, rows.lse_lo, rows.entropy, target_logits(hidden, weight, bias, e.safe)
+    return _chunked_forward(head, hidden, weight, bias, e, opts, want_entropy)
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, head, opts: LossOptions, want_entropy: bool, needs):
-        e = entries(target, opts, weight.shape[0])
-        if isinstance(head, TiledHead):
-            rows = head.tiled.forward(hidden, weight, bias, e.rep, None, None, opts, False, want_entropy)
-            lse, lse_lo, entropy = rows.lse, rows.lse_lo, rows.entropy
-            x = target_logits(hidden, weight, bias, e.safe)
-        else:
-            lse, lse_lo, entropy, x = _chunked_forward(head, hidden, weight, bias, e, opts, want_entropy)
-        entropy = _entropy_or_empty(entropy, lse)
-        log_probs = _log_probs(x, target, e, lse, lse_lo, opts)
-        ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy, x)
-        ctx.head, ctx.opts, ctx.want_entropy, ctx.needs = head, opts, want_entropy, needs
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return log_probs, entropy
 
-    @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
-        check_backward_allowed(ctx, "fusedce.linear_token_log_probs")
-        hidden, weight, bias, target, lse, lse_lo, entropy, x = ctx.saved_tensors
-        opts, head, needs = ctx.opts, ctx.head, ctx.needs
-        k = grad_entropy if ctx.want_entropy else None
-        e = entries(target, opts, weight.shape[0])
-        g, G = upstream_k(grad_log_probs, e)
-        if isinstance(head, TiledHead):
-            zero = G.new_zeros(()).expand(G.shape[0])
-            grads = head.tiled.backward(hidden, weight, bias, e.rep, None, None, lse, lse_lo, zero, -G, opts,
-                                        needs, torch.float32, k, entropy if k is not None else None,
-                                        deterministic=head.deterministic)
-            d = mul_slope_(g.clone(), transform(x.float(), opts), opts)
-            g_h, g_w, g_b = sparse_grads_(grads, hidden, weight, d, e.safe, needs, head.deterministic)
-        else:
-            saved = (lse, lse_lo, None, entropy if k is not None else None)
-            *_, g_h, g_w, g_b = loop.grads(_KClassCE(head.ce, weight.shape[0]), hidden, weight, bias, target, None,
-                                           None, opts, head.rows_for(hidden, weight), g, g, needs, torch.float32, saved=saved,
-                                           grad_entropy=k, logits=head.logits)
-        g_w = None if g_w is None else g_w.to(ctx.dtypes[0])
-        g_b = None if g_b is None else g_b.to(ctx.dtypes[1])
-        return g_h, g_w, g_b, None, None, None, None, None
+def linear_grads(head, hidden, weight, bias, target, lse, lse_lo, entropy, x, grad_log_probs, k, opts: LossOptions,
+                 needs) -> tuple:
+    """The linear K-class backward: ``(grad_hidden, grad_weight, grad_bias)`` (None where ``needs`` says no;
+    the last two fp32) of ``sum_k g_k log p_k (+ k entropy)``, ``g = grad_log_probs`` (n, K) or None, ``k``
+    the entropy's upstream (n,) or None."""
+    e = entries(target, opts, weight.shape[0])
+    g, G = upstream_k(grad_log_probs, e)
+    if isinstance(head, TiledHead):
+        zero = G.new_zeros(()).expand(G.shape[0])
+        grads = head.tiled.backward(hidden, weight, bias, e.rep, None, None, lse, lse_lo, zero, -G, opts,
+                                    needs, torch.float32, k, entropy if k is not None else None,
+                                    deterministic=head.deterministic)
+        d = mul_slope_(g.clone(), transform(x.float(), opts), opts)
+        return sparse_grads_(grads, hidden, weight, d, e.safe, needs, head.deterministic)
+    saved = (lse, lse_lo, None, entropy if k is not None else None)
+    *_, g_h, g_w, g_b = loop.grads(_KClassCE(head.ce, weight.shape[0]), hidden, weight, bias, target, None,
+                                   None, opts, head.rows_for(hidden, weight), g, g, needs, torch.float32,
+                                   saved=saved, grad_entropy=k, logits=head.logits)
+    return g_h, g_w, g_b
 
 
 def _chunked_forward(head, hidden, weight, bias, e: Entries, opts: LossOptions, want_entropy: bool):
@@ -266,24 +251,3 @@ def token_log_probs_multi(ce: ChunkCE, logits: torch.Tensor, target: torch.Tenso
     """Backend entry: ``logits`` (BT, V) last-dim stride 1, ``target`` (BT, K) -> ``(log_probs (BT, K),
     entropy (BT,) or empty)`` fp32."""
     return _LogProbsK.apply(logits, target, ce, opts, want_entropy)
-
-
-def linear_token_log_probs_multi(ce: ChunkCE, hidden, weight, target, bias, opts: LossOptions,
-                                 want_entropy: bool, chunk_size: Optional[int], method: str, *,
-                                 tiled: Optional[TiledCE] = None, deterministic: bool = False, logits: str = "float32"):
-    """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT, K) -> as
-    ``token_log_probs_multi``; rows whose K entries are all ignored are compacted away."""
-    n, K = target.shape
-    rep = entries(target, opts, weight.shape[0]).rep
-    hidden, _, index = compact_rows(hidden, rep, opts.ignore_index)
-    if index is not None:
-        target = target.index_select(0, index)
-    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
-                     deterministic, hidden.device.type, logits)
-    needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    log_probs, entropy = _LinearLogProbsK.apply(hidden, weight, bias, target, head, opts, want_entropy, needs)
-    if index is not None:
-        log_probs = log_probs.new_zeros(n, K).index_copy(0, index, log_probs)
-        if want_entropy:
-            entropy = scatter_rows(entropy, index, n, 0.0)
-    return log_probs, entropy
