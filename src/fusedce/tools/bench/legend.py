@@ -22,7 +22,6 @@ COMMON = {
     "stock/path time": RATIO.format(what="time", better="is faster"),
     "stock/path memory": RATIO.format(what="peak memory", better="needs less memory"),
     "peak/floor": "peak memory over the floor (the least the loss must hold: its returned gradients)",
-    "shape": "the configuration's shape name (sizes in the notes)",
 }
 
 

@@ -75,7 +75,7 @@ def _fact(value) -> str:
 def main_legend(report: dict, op: str) -> dict:
     """What the main table's columns mean for ``op`` (``legend.lines``' specifics), from its methods."""
     methods = report["methods"]
-    reference = _per_op(methods["parity"], op)
+    reference = _per_op(methods["parity"], op).split("; grad rel")[0]   # the reference alone
     return {
         "rows": "rows (tokens) the path ran on: the whole batch, or the interpreter's slice",
         "loss": "the path's own loss, mean over the scored tokens (nats)",

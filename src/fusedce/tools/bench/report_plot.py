@@ -20,6 +20,9 @@ from .plot_axes import value_axis
 
 MIB = 2.0 ** -20
 LOG_FLOOR = 1e-12   # a log panel draws an exact 0 here (its number still says 0)
+BAR_INCHES, ROW_INCHES = 0.22, 1.0   # figure height per bar, and per row of panels (titles, axis labels)
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+OP_SHORT = {"cross_entropy": "CE", "linear_cross_entropy": "linear CE"}
 
 
 def _bars(ax, title: str, unit: str, bars: list, fmt: str, log: bool = False) -> None:
@@ -49,14 +52,15 @@ def _main_panels(report: dict) -> list:
     for shape, op in groups:
         timed = [r for r in report["results"] if (r["shape"], r.get("op", "cross_entropy")) == (shape, op)
                  and r["status"] == "ok" and r.get("time_ms") is not None]
-        label = lambda r: f"{row_name(r)}\n{r['dtype']}"  # noqa: E731
+        label = lambda r: f"{row_name(r)} {DTYPE_SHORT.get(r['dtype'], r['dtype'])}"  # noqa: E731
         out.append((f"{shape}, {op}",
                     [("fwd+bwd time (ms)", [(label(r), r["time_ms"], r["path"]) for r in timed], ",.0f", False),
                      ("peak memory (MiB)", [(label(r), r["peak_bytes"] * MIB, r["path"]) for r in timed],
                       ",.0f", False)]))
     checked = [r for r in report["results"] if r["status"] == "ok" and r.get("grad_rel_err") is not None]
     if checked:
-        label = lambda r: f"{row_name(r)} {r['dtype']}\n{r['shape']}, {r.get('op', 'cross_entropy')}"  # noqa: E731
+        label = lambda r: (f"{row_name(r)} {DTYPE_SHORT.get(r['dtype'], r['dtype'])}, {r['shape']} "  # noqa: E731
+                           f"{OP_SHORT.get(r.get('op', 'cross_entropy'), r.get('op'))}")
         out.append(("accuracy vs float64",
                     [("grad rel ||g - g64|| / ||g64||", [(label(r), r["grad_rel_err"], r["path"]) for r in checked],
                       ".1e", True),
@@ -108,18 +112,19 @@ def figure(report: dict):
 
     panels = _main_panels(report) + _distill_panels(report) + _rl_panels(report)
     sweep = report.get("sweep")
-    heights = [max(2, max(len(p[2]) for p in pair)) for _title, pair in panels] + ([6] if sweep else [])
-    fig, axes = plt.subplots(max(1, len(heights)), 2, squeeze=False, figsize=(13, 1.5 + 0.32 * sum(heights)),
-                             gridspec_kw={"height_ratios": heights or [1]})
+    heights = [max(2, max(len(bars) for _unit, bars, _fmt, _log in pair)) for _title, pair in panels] \
+        + ([max(6, len(sweep["results"]))] if sweep else [])
+    size = 1.5 + BAR_INCHES * sum(heights) + ROW_INCHES * len(heights)
+    fig, axes = plt.subplots(max(1, len(heights)), 2, squeeze=False, figsize=(14, size),
+                             gridspec_kw={"height_ratios": [h + ROW_INCHES / BAR_INCHES for h in heights] or [1]})
     for row, (name, pair) in enumerate(panels):
         for col, (unit, bars, fmt, log) in enumerate(pair):
             _bars(axes[row][col], name, unit, bars, fmt, log)
     if sweep:
         from .report_sweep import plot_sweep
         plot_sweep(sweep, axes[-1])
-    fig.suptitle(title(report), fontsize=9, color="black")
-    if busy_warning(report["machine"]):
-        fig.text(0.5, 0.0, busy_warning(report["machine"]), ha="center", va="top", fontsize=9, color="red")
+    busy = busy_warning(report["machine"])
+    fig.suptitle(title(report), fontsize=9, color="darkred" if busy else "black")
     fig.tight_layout()
     return fig
 
