@@ -79,7 +79,7 @@ METHOD = {
     "memory": "peak RSS during one fwd+bwd minus RSS once the inputs and zero-filled hidden.grad / "
               "weight.grad exist (autograd accumulates into them in place; checked), fresh process "
               "per configuration",
-    "time": "median of {repeats} fwd+bwd, time.perf_counter, after the memory run as warm-up; "
+    "time": "median of {repeats} fwd+bwd, time.perf_counter, after 1 untimed warm-up fwd+bwd (the memory run); "
             ".grad zeroed in place outside the timing",
     "targets": TARGETS,
 }
