@@ -11,7 +11,7 @@ from __future__ import annotations
 STATUS = ("ok: measured; error: the measurement failed; unavailable: the path cannot run here (its library "
           "is not installed, or not on this device); a number in brackets: the reason, in the note of that number "
           "below")
-RATIO = "{what} of stock / {what} of the path: > 1 means the path {better} than stock (a speed-up / saving)"
+RATIO = "{what} of stock / {what} of the path: > 1 means the path {better} than stock ({gain})"
 # What a header means wherever it appears; a table adds its specifics (its methods) as ``specific``.
 COMMON = {
     "path": "who computes the loss, one name per path in every table and in bench.png (names.py)",
@@ -19,8 +19,8 @@ COMMON = {
     "ms": "forward+backward time in milliseconds",
     "MiB": "peak memory beyond the inputs in MiB (2^20 bytes)",
     "status": STATUS,
-    "stock/path time": RATIO.format(what="time", better="is faster"),
-    "stock/path memory": RATIO.format(what="peak memory", better="needs less memory"),
+    "stock/path time": RATIO.format(what="time", better="is faster", gain="a speed-up"),
+    "stock/path memory": RATIO.format(what="peak memory", better="needs less memory", gain="a saving"),
     "peak/floor": "peak memory over the floor (the least the loss must hold: its returned gradients)",
 }
 

@@ -32,8 +32,12 @@ def _bars(ax, title: str, unit: str, bars: list, fmt: str, log: bool = False) ->
     ax.barh(range(len(bars)), drawn, color=[path_color(path) for _l, _v, path in bars])
     ax.set_yticks(range(len(bars)), [label for label, _v, _p in bars], fontsize=7)
     ax.invert_yaxis()
-    if log:
+    if log:   # from a decade under the smallest value, so that every bar shows; no minor tick labels
+        from matplotlib.ticker import NullFormatter
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        if drawn:
+            ax.set_xlim(left=min(drawn) / 10, right=max(drawn) * 30)
     else:
         ax.margins(x=0.15)
         value_axis(ax)
