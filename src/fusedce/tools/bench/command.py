@@ -215,7 +215,7 @@ def _describe_sweep_row(row) -> str:
 
 
 def _sweep(args, console) -> dict:
-    """The memory sweep (CPU): every configuration in a fresh process, then the stock/fused ratios."""
+    """The memory sweep (CPU): every configuration in a fresh process, then the stock/chunked ratios."""
     from . import sweep
     began = time.perf_counter()
     rows = _measure_all(sweep.jobs(args.sweep_repeats), args, console, _describe_sweep_row)
