@@ -70,8 +70,8 @@ def test_command_runs_the_row_in_fresh_processes_and_renders(real_file, monkeypa
     section = command._distillation(args, console, {"real": {"cache_file": real_file}})
     rows = section["results"]
     assert [r["path"] for r in rows] == list(distill.PATHS) and all(r["status"] == "ok" for r in rows), rows
-    assert rows[0]["time_vs_stock"] == 1.0 and all("memory_vs_stock" in r for r in rows)
+    assert rows[0]["stock_over_path_time"] == 1.0 and all("stock_over_path_memory" in r for r in rows)
     assert section["input"]["tokens"] == 40 and section["input"]["vocab_size"] == V
     print_table(section, console)
     text = console.export_text()
-    assert "distillation (GKD JSD" in text and "linear_distillation_loss (tiled)" in text
+    assert "distillation (GKD JSD" in text and "fusedce tiled" in text

@@ -78,11 +78,11 @@ def test_command_runs_the_soft_rows_and_renders(real_file, monkeypatch):
     assert section["input"] is None and section["results"] == []        # no GKD path asked for
     rows = section["soft_ce"]["results"]
     assert [r["path"] for r in rows] == ["softce-stock", "softce-fusedce-tiled"]
-    assert all(r["status"] == "ok" for r in rows) and rows[0]["time_vs_stock"] == 1.0
+    assert all(r["status"] == "ok" for r in rows) and rows[0]["stock_over_path_time"] == 1.0
     assert section["soft_ce"]["input"]["tokens"] == 40
     print_table(section, console)
     text = console.export_text()
-    assert "soft-target linear cross-entropy" in text and "prob. target (tiled)" in text
+    assert "soft-target linear cross-entropy" in text and "fusedce tiled" in text
     assert "GKD JSD" not in text
 
 

@@ -1,6 +1,6 @@
 """The bench's command line and picture: ``fusedce bench --help`` names every path ``--paths`` accepts,
 the busy-machine warning reports the worst load sampled through the run, one color per path in every
-panel, and value axes whose tick labels cannot run together."""
+panel, and value axes whose tick labels cannot run together (ms, MiB and the rest: test_bench_words.py)."""
 import threading
 import time
 
@@ -68,12 +68,6 @@ def test_one_color_per_path_in_every_panel():
     legend = colors.legend_text()
     for color, _text, _names in colors.GROUPS:
         assert color.removeprefix("tab:") in legend
-
-
-def test_time_unit_seconds_from_ten_seconds():
-    assert plot_axes.time_unit([841.0, 9999.0])[:2] == (1.0, "ms")
-    assert plot_axes.time_unit([841.0, None, 57282.0])[:2] == (1e-3, "s")
-    assert plot_axes.time_unit([])[:2] == (1.0, "ms")
 
 
 def test_value_axis_ticks_are_few_and_separated():

@@ -108,7 +108,7 @@ def test_cli_bench_writes_tables_json_png_and_the_sweep(tmp_path, capsys, monkey
                      "--sweep-repeats", "1", "--out", str(tmp_path)])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "fusedce torch" in printed and "16x300" in printed
+    assert "fusedce chunked (torch)" in printed and "16x300" in printed
     assert "linear_cross_entropy" in printed and "memory sweep" in printed and "stock/path" in printed
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["machine"]["name"] and report["machine"]["cpu"]
@@ -133,7 +133,7 @@ def test_cli_bench_writes_tables_json_png_and_the_sweep(tmp_path, capsys, monkey
     assert set(summary[0]["peer_goals"]) == {"chunked_faster", "chunked_leaner", "tiled_least"}
     assert all(g["met"] is not None for g in summary[0]["peer_goals"].values())
     assert rows[3]["extra"]["acc_policy"] in ("accurate", "balanced", "compact")   # torch-lce's resolution
-    assert "torch-lce" in printed and "trl" in printed and "vs peers" in printed
+    assert "torch LCE" in printed and "TRL ChunkedLogProb" in printed and "vs peers" in printed
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
@@ -296,8 +296,8 @@ def test_sweep_flags_a_replaced_grad_buffer(monkeypatch):
 
 def _sweep_row(shape, fraction, label, peak, ms, status="ok"):
     return {"shape": shape, "tokens": 8, "hidden": 4, "vocab": 32, "ignore_fraction": fraction,
-            "label": label, "status": status, "peak_bytes": peak, "time_ms": ms, "loss": 1.0,
-            "base_rss_bytes": 1 << 20}
+            "path": {lbl: path for path, lbl in sweep.LABELS}[label], "label": label, "status": status,
+            "peak_bytes": peak, "time_ms": ms, "loss": 1.0, "base_rss_bytes": 1 << 20}
 
 
 def test_sweep_summary_ratios_and_targets_and_its_table():
@@ -321,4 +321,4 @@ def test_sweep_summary_ratios_and_targets_and_its_table():
     console = Console(width=200, record=True)
     console.print(report_sweep.sweep_table(result))
     text = console.export_text()
-    assert "3.0x" in text and "MISSED" in text and "n/a" in text and "b 0% fused: error" in text
+    assert "3.0x" in text and "MISSED" in text and "n/a" in text and "b 0% fusedce chunked (torch): error" in text

@@ -6,14 +6,20 @@ not change the color (fusedce's chunked method is blue on the PyTorch and the Tr
 """
 from __future__ import annotations
 
-# (color, legend text, path names); the first group whose names include a path gives its color
+from .names import STOCK, TORCH_LCE
+
+# (color, legend text, path names); the first group whose names include a path gives its color. The
+# legend texts are the paths' names (``names.path_name``) without the backend.
 GROUPS = (
-    ("tab:gray", "stock PyTorch", ("torch", "linear-torch")),
-    ("tab:blue", "fusedce (chunked)", ("fusedce-torch", "fusedce-triton", "linear-fusedce-torch",
-                                       "linear-fusedce-triton")),
-    ("tab:green", "fusedce tiled", ("linear-fusedce-torch-tiled", "linear-fusedce-triton-tiled")),
-    ("tab:orange", "torch F.linear_cross_entropy", ("linear-torch-lce",)),
-    ("tab:purple", "TRL ChunkedLogProb", ("linear-trl",)),
+    ("tab:gray", STOCK, ("torch", "linear-torch", "distill-stock", "softce-stock", "stock-bf16")),
+    ("tab:blue", "fusedce chunked", ("fusedce-torch", "fusedce-triton", "linear-fusedce-torch",
+                                     "linear-fusedce-triton", "distill-fusedce-chunked", "softce-fusedce-chunked",
+                                     "fusedce", "fusedce-input")),
+    ("tab:green", "fusedce tiled", ("linear-fusedce-torch-tiled", "linear-fusedce-triton-tiled",
+                                    "distill-fusedce-tiled", "softce-fusedce-tiled")),
+    ("tab:orange", TORCH_LCE, ("linear-torch-lce", "softce-torch-chunked", "torch-lce")),
+    ("tab:purple", "TRL", ("linear-trl", "distill-trl", "trl-kernel")),
+    ("tab:brown", "fp32 head copy", ("fp32-head-copy",)),
 )
 OTHER = "tab:red"   # a path registered after this table was written
 
@@ -24,5 +30,5 @@ def path_color(path: str) -> str:
 
 
 def legend_text() -> str:
-    """``"gray: stock PyTorch, blue: fusedce (chunked), ..."``: every color and what it stands for."""
+    """``"gray: stock, blue: fusedce chunked, ..."``: every color and what it stands for."""
     return ", ".join(f"{color.removeprefix('tab:')}: {text}" for color, text, _names in GROUPS)

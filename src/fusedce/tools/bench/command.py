@@ -215,7 +215,7 @@ def _describe_sweep_row(row) -> str:
 
 
 def _sweep(args, console) -> dict:
-    """The memory sweep (CPU): every configuration in a fresh process, then the stock/fused ratios."""
+    """The memory sweep (CPU): every configuration in a fresh process, then the stock/chunked ratios."""
     from . import sweep
     began = time.perf_counter()
     rows = _measure_all(sweep.jobs(args.sweep_repeats), args, console, _describe_sweep_row)
@@ -226,6 +226,7 @@ def _sweep(args, console) -> dict:
 
 def _jobs(shapes, dtypes, plan, sources, args) -> list:
     """(row, worker spec, extra env) per shape x dtype x path; rows are filled by the worker."""
+    from .names import row_name
     jobs = []
     for shape in shapes:
         for dtype in dtypes:
@@ -235,10 +236,9 @@ def _jobs(shapes, dtypes, plan, sources, args) -> list:
                         "rows": args.interpret_rows if mode == "parity" else None}
                 interpret = mode == "parity" and path.interpreter
                 env = {"TRITON_INTERPRET": "1"} if interpret else None
-                suffix = " (interp.)" if interpret else " (slice)" if mode == "parity" else ""
-                row = {"shape": shape.name, "dtype": dtype, "path": path.name, "label": path.label + suffix,
-                       "op": path.op.name, "mode": mode, "baseline": path.name == path.op.baseline,
-                       "peer": path.peer}
+                row = {"shape": shape.name, "dtype": dtype, "path": path.name, "op": path.op.name,
+                       "mode": mode, "baseline": path.name == path.op.baseline, "peer": path.peer}
+                row["label"] = row_name(row)
                 jobs.append((row, spec, env))
     return jobs
 
@@ -255,8 +255,7 @@ def _methods(rows, plan, args) -> dict:
     return {
         "parity": {op.name: f"{op.parity_method}; grad rel = ||g - g_ref|| / ||g_ref||"
                             + (" (worst leaf)" if len(op.leaves) > 1 else "") for op in ops},
-        "time": {op.name: harness.TIME_METHOD[args.device].format(repeats=repeats[op.name],
-                                                                  warmup=args.warmup) for op in ops},
+        "time": {op.name: harness.time_method(args.device, repeats[op.name], args.warmup) for op in ops},
         "memory": memory + ", fresh process per row; gradients included (none exist before the run)",
         "floor": {op.name: f"bytes a forward+backward must move at least ({op.floor_formula}) / median "
                            "time" + ("; (%) = share of the datasheet memory bandwidth" if cuda else "")

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .inputs import IGNORE_INDEX
+from .names import path_name
 
 TOKENS = 512          # rows of the real input used (stock: ~1.2 GB of logits and intermediates at V = 49152)
 BETA, TEMPERATURE = 0.5, 1.0
@@ -50,7 +51,7 @@ REPEATS = 2           # timed fwd+bwd per path on CPU, the peak-memory run inclu
 TIME_METHOD = {"cpu": "median of {repeats} fwd+bwd (the first is the peak-memory run), time.perf_counter",
                "cuda": "triton.testing.do_bench, median, fwd+bwd"}
 REFERENCE_ROWS = 128  # rows per float64 chunk of the reference (128 x 49152 x 8 B = 50 MB per logits chunk)
-PATHS = {  # name -> (label, fusedce method or None for stock)
+PATHS = {  # name -> (what it runs (display name: ``names.path_name``), fusedce method or None for stock)
     "distill-stock": ("stock: full logits of both + F.kl_div JSD (fp32)", None),
     "distill-fusedce-chunked": ("fusedce linear_distillation_loss (chunked)", "chunked"),
     "distill-fusedce-tiled": ("fusedce linear_distillation_loss (tiled)", "tiled"),
@@ -169,7 +170,8 @@ def jobs(prepared: dict, device: str, repeats: int = REPEATS, names: Optional[li
     for name in names or list(PATHS):
         spec = {"distill": True, "path": name, "device": device, "source_file": prepared["source_file"],
                 "tokens": prepared["tokens"], "reference_file": prepared["reference_file"], "repeats": repeats}
-        out.append(({"path": name, "label": PATHS[name][0], "baseline": PATHS[name][1] is None}, spec, None))
+        row = {"path": name, "label": path_name(name), "what": PATHS[name][0], "baseline": PATHS[name][1] is None}
+        out.append((row, spec, None))
     return out
 
 
@@ -237,8 +239,9 @@ def summarize(prepared: dict, rows: list, wall_seconds: float) -> dict:
     stock = next((r for r in rows if r.get("baseline") and r.get("status") == "ok"), None)
     for row in rows:
         if stock and row.get("status") == "ok":
-            row["time_vs_stock"] = row["time_ms"] / stock["time_ms"]
-            row["memory_vs_stock"] = row["peak_bytes"] / max(stock["peak_bytes"], 1)
+            # stock / path, as the memory sweep's ratios: > 1 means the path is faster / leaner
+            row["stock_over_path_time"] = stock["time_ms"] / row["time_ms"]
+            row["stock_over_path_memory"] = stock["peak_bytes"] / max(row["peak_bytes"], 1)
     return {"input": prepared["input"], "reference_loss": prepared["reference_loss"],
             "method": {"parity": "float64 formula in the parent process; loss rel err = |loss - ref| / |ref|; "
                                  "grad rel = ||g - g64|| / ||g64||, worst of student hidden and head",

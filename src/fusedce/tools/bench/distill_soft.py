@@ -34,9 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from . import distill
+from .names import path_name
 
 TARGET_DTYPE = torch.bfloat16
-PATHS = {  # name -> (label, fusedce method; None for stock, "torch" for torch's chunked path)
+# name -> (what it runs (display name: ``names.path_name``), fusedce method; None for stock, "torch" for
+# torch's chunked path)
+PATHS = {
     "softce-stock": ("stock: full logits + F.cross_entropy(prob. target) (fp32)", None),
     "softce-fusedce-chunked": ("fusedce linear_cross_entropy, prob. target (chunked)", "chunked"),
     "softce-fusedce-tiled": ("fusedce linear_cross_entropy, prob. target (tiled)", "tiled"),
@@ -125,7 +128,8 @@ def jobs(prepared: dict, device: str, repeats: int = distill.REPEATS, names: Opt
     for name in names or list(PATHS):
         spec = {"distill_soft": True, "path": name, "device": device, "source_file": prepared["source_file"],
                 "tokens": prepared["tokens"], "reference_file": prepared["reference_file"], "repeats": repeats}
-        out.append(({"path": name, "label": PATHS[name][0], "baseline": PATHS[name][1] is None}, spec, None))
+        row = {"path": name, "label": path_name(name), "what": PATHS[name][0], "baseline": PATHS[name][1] is None}
+        out.append((row, spec, None))
     return out
 
 

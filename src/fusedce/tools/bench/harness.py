@@ -36,9 +36,16 @@ from .paths import Path
 
 RESULT_PREFIX = "FUSEDCE-BENCH-RESULT "
 TIME_METHOD = {
-    "cpu": "median of {repeats} fwd+bwd, time.perf_counter, after {warmup} warm-up",
-    "cuda": "triton.testing.do_bench, median, fwd+bwd",
+    "cpu": "median of {repeats} fwd+bwd, time.perf_counter, after {warmups} untimed warm-up fwd+bwd (the "
+           "peak-memory run + {warmup} of --warmup; before them one 16-row set-up run)",
+    "cuda": "triton.testing.do_bench, median, fwd+bwd (after 1 untimed compile/autotune run)",
 }
+
+
+def time_method(device: str, repeats: int, warmup: int) -> str:
+    """How ``measure`` times a timed row, with the warm-up it really runs: on CPU the peak-memory run
+    (a full forward+backward, before the timing) plus ``warmup`` more (``median_ms``)."""
+    return TIME_METHOD[device].format(repeats=repeats, warmup=warmup, warmups=1 + warmup)
 
 
 def _status_kib(field: str) -> Optional[int]:
@@ -195,7 +202,7 @@ def measure(path: Path, inputs: Inputs, device: str, mode: str = "timed", repeat
     if mode == "timed":
         result["time_ms"], result["times_ms"] = median_ms(
             run, lambda: clear_grads(inputs), device, repeats, warmup, grad_to_none=list(leaves.values()))
-        result["method"]["time"] = TIME_METHOD[device].format(repeats=repeats, warmup=warmup)
+        result["method"]["time"] = time_method(device, repeats, warmup)
         result["floor_bytes"] = op.floor_bytes(inputs)
         result["floor_gbps"] = result["floor_bytes"] / (result["time_ms"] * 1e-3) / 1e9
         result["method"]["floor"] = f"{op.floor_formula} / time"

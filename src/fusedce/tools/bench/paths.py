@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from . import parity, peers
 from .inputs import IGNORE_INDEX, Inputs
+from .names import path_name
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class Path:
     scalar loss and must leave the backward to the caller."""
 
     name: str
-    label: str
+    label: str        # the display name, ``names.path_name(name)``
     op: Op
     forward: Callable[[Inputs], torch.Tensor]
     method: str
@@ -151,11 +152,11 @@ def _fusedce(backend: str) -> Callable[[Inputs], torch.Tensor]:
     return forward
 
 
-register(Path("torch", "torch", CROSS_ENTROPY, _stock,
+register(Path("torch", path_name("torch"), CROSS_ENTROPY, _stock,
               "F.cross_entropy(logits.float(), target, ignore_index=-100), mean"))
-register(Path("fusedce-torch", "fusedce torch", CROSS_ENTROPY, _fusedce("torch"),
+register(Path("fusedce-torch", path_name("fusedce-torch"), CROSS_ENTROPY, _fusedce("torch"),
               "fusedce.cross_entropy(logits, target, backend='torch'): chunked PyTorch, mean"))
-register(Path("fusedce-triton", "fusedce triton", CROSS_ENTROPY, _fusedce("triton"),
+register(Path("fusedce-triton", path_name("fusedce-triton"), CROSS_ENTROPY, _fusedce("triton"),
               "fusedce.cross_entropy(logits, target, backend='triton'): Triton kernels, mean",
               devices=("cuda",), interpreter=True))
 
@@ -174,31 +175,32 @@ def _fusedce_linear(backend: str, method: str = "auto") -> Callable[[Inputs], to
     return forward
 
 
-register(Path("linear-torch", "torch", LINEAR_CROSS_ENTROPY, _stock_linear,
+register(Path("linear-torch", path_name("linear-torch"), LINEAR_CROSS_ENTROPY, _stock_linear,
               "F.cross_entropy(F.linear(hidden, weight).float(), target, ignore_index=-100), mean"))
-register(Path("linear-fusedce-torch", "fusedce torch", LINEAR_CROSS_ENTROPY, _fusedce_linear("torch"),
+register(Path("linear-fusedce-torch", path_name("linear-fusedce-torch"), LINEAR_CROSS_ENTROPY, _fusedce_linear("torch"),
               "fusedce.linear_cross_entropy(hidden, weight, target, backend='torch'): chunked PyTorch, "
               "chunk_size=None, mean"))
-register(Path("linear-fusedce-triton", "fusedce triton", LINEAR_CROSS_ENTROPY, _fusedce_linear("triton"),
+register(Path("linear-fusedce-triton", path_name("linear-fusedce-triton"), LINEAR_CROSS_ENTROPY,
+              _fusedce_linear("triton"),
               "fusedce.linear_cross_entropy(hidden, weight, target, backend='triton'): Triton CE kernels "
               "per chunk, chunk_size=None, mean", devices=("cuda",), interpreter=True))
-register(Path("linear-fusedce-torch-tiled", "fusedce torch tiled", LINEAR_CROSS_ENTROPY,
+register(Path("linear-fusedce-torch-tiled", path_name("linear-fusedce-torch-tiled"), LINEAR_CROSS_ENTROPY,
               _fusedce_linear("torch", "tiled"),
               "fusedce.linear_cross_entropy(hidden, weight, target, method='tiled', backend='torch'): blocks "
               "of tokens x vocabulary, no logits tensor, mean"))
-register(Path("linear-fusedce-triton-tiled", "fusedce triton tiled", LINEAR_CROSS_ENTROPY,
+register(Path("linear-fusedce-triton-tiled", path_name("linear-fusedce-triton-tiled"), LINEAR_CROSS_ENTROPY,
               _fusedce_linear("triton", "tiled"),
               "fusedce.linear_cross_entropy(hidden, weight, target, method='tiled', backend='triton'): tiled "
               "Triton kernels (logits tiles on chip only), mean", devices=("cuda",)))
 # No interpreter parity run for the tiled kernels on CPU: on the real input's 32-row slice (V=49152,
 # H=576) the interpreter takes about 150 s (one program per vocabulary tile, tl.dot per H block, each a
 # Python-level step); tests/linear/test_triton_tiled.py and test_linear_tiled.py check them at small sizes.
-register(Path("linear-torch-lce", "torch F.linear_cross_entropy", LINEAR_CROSS_ENTROPY,
+register(Path("linear-torch-lce", path_name("linear-torch-lce"), LINEAR_CROSS_ENTROPY,
               peers.torch_linear_cross_entropy,
               "torch.nn.functional.linear_cross_entropy(hidden, weight, target, ignore_index=-100, "
               "options=torch.nn.LinearCrossEntropyOptions()): torch's chunked path, 'auto' policy and chunking, "
               "mean; every row computed", peer=True, extra=peers.torch_lce_resolved))
-register(Path("linear-trl", "trl ChunkedLogProb", LINEAR_CROSS_ENTROPY, peers.trl_mean_nll,
+register(Path("linear-trl", path_name("linear-trl"), LINEAR_CROSS_ENTROPY, peers.trl_mean_nll,
               "trl.kernels.ChunkedLogProbFunction on the scored rows (ignored ones dropped first), "
               f"vocabulary tiles of {peers.TRL_VOCAB_TILE} (TRL's), -log_probs.sum() / scored; Triton on CUDA, "
               "torch ops on CPU", peer=True, extra=peers.trl_log_probs_check))

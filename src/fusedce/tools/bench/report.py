@@ -12,9 +12,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .colors import legend_text, path_color
+from . import legend
 from .machine import busy_warning
-from .plot_axes import time_unit, value_axis
+from .names import row_name
 
 INTERPRETER_NOTE = ("(interp.) rows: the Triton kernels under TRITON_INTERPRET=1 on a slice of rows, for "
                     "parity only; (slice): stock torch on the same rows, the yardstick for their errors. "
@@ -72,6 +72,22 @@ def _fact(value) -> str:
     return format(value, ".1e") if isinstance(value, float) else str(value)
 
 
+def main_legend(report: dict, op: str) -> dict:
+    """What the main table's columns mean for ``op`` (``legend.lines``' specifics), from its methods."""
+    methods = report["methods"]
+    reference = _per_op(methods["parity"], op).split("; grad rel")[0]   # the reference alone
+    return {
+        "rows": "rows (tokens) the path ran on: the whole batch, or the interpreter's slice",
+        "loss": "the path's own loss, mean over the scored tokens (nats)",
+        "Δloss": "|loss - loss_ref|, the absolute loss error in nats; loss_ref: " + reference,
+        "max Δgrad": "max |g - g_ref| over the gradient's elements, absolute, against the same reference",
+        "grad rel": "||g - g_ref|| / ||g_ref||, relative, same reference",
+        "ms": _per_op(methods["time"], op),
+        "GB/s": _per_op(methods["floor"], op),
+        "MiB": methods["memory"],
+    }
+
+
 def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     """The rich table of one shape's rows of one op; long reasons go to numbered notes in the caption."""
     rows = [r for r in report["results"] if r["shape"] == shape and r.get("op", "cross_entropy") == op]
@@ -84,10 +100,10 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     for r in rows:
         status = r["status"]
         if r.get("reason"):
-            reasons.append(f"[{len(reasons) + 1}] {r['label']} {r['dtype']}: {r['reason']}")
+            reasons.append(f"[{len(reasons) + 1}] {row_name(r)} {r['dtype']}: {r['reason']}")
             status += f" [{len(reasons)}]"
         peak = r.get("peak_bytes")
-        out.add_row(r["label"],
+        out.add_row(row_name(r),
                     DTYPE_SHORT.get(r["dtype"], r["dtype"]),
                     _num(r.get("inputs", {}).get("rows"), "d"), _num(r.get("loss"), ".6f"),
                     _num(r.get("loss_abs_err"), ".1e"), _num(r.get("grad_max_abs_err"), ".1e"),
@@ -97,12 +113,9 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
                     status, style={"error": "red", "unavailable": "yellow"}.get(r["status"]))
     for r in rows:
         if r.get("extra"):
-            reasons.append(f"{r['label']} {r['dtype']}: " + ", ".join(
+            reasons.append(f"{row_name(r)} {r['dtype']}: " + ", ".join(
                 f"{k}={_fact(v)}" for k, v in r["extra"].items()))
-    methods = report["methods"]
-    notes = [f"Δloss, max Δgrad, grad rel: vs {_per_op(methods['parity'], op)}",
-             f"ms: {_per_op(methods['time'], op)}", f"MiB: {methods['memory']}",
-             f"GB/s: {_per_op(methods['floor'], op)}"]
+    notes = legend.lines(legend.of_table(out), main_legend(report, op))
     if any(r["mode"] == "parity" for r in rows):
         notes.append(INTERPRETER_NOTE)
     busy = busy_warning(machine)
@@ -112,10 +125,19 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     return out
 
 
+GOALS_LEGEND = {
+    "shape": "the main table's input (real: SmolLM2 on KJV)",
+    "goal": "what fusedce should do against the peers (torch LCE, TRL ChunkedLogProb) on that input",
+    "met": "met / MISSED; n/a: a row it needs failed or is missing",
+    "numbers": "the rows' ms and MiB; (x): the peer's time / fusedce chunked's (stock/path's direction: "
+               "> 1 means fusedce is faster)",
+}
+
+
 def goals_table(report: dict) -> Table:
     """fusedce against the peers on the bench's own inputs (``report["goals"]``, ``goals.real_goals``)."""
     out = Table(title=f"fusedce vs the peers (same run; shown, not enforced)\n{report['device']}: "
-                      f"{report['machine']['name']}", title_justify="left")
+                      f"{report['machine']['name']}", title_justify="left", caption_justify="left")
     for name in ("shape", "dtype", "goal", "met", "numbers"):
         out.add_column(name, no_wrap=name != "numbers")
     marks = {True: "[green]met[/]", False: "[red]MISSED[/]", None: "[yellow]n/a[/]"}
@@ -123,7 +145,21 @@ def goals_table(report: dict) -> Table:
         for i, goal in enumerate(entry["goals"].values()):
             out.add_row(entry["shape"] if i == 0 else "", DTYPE_SHORT.get(entry["dtype"], entry["dtype"])
                         if i == 0 else "", goal["want"], marks[goal["met"]], goal["detail"])
+    out.caption = "\n".join(legend.lines(legend.of_table(out), GOALS_LEGEND))
     return out
+
+
+def loss_lines(real: dict) -> list[str]:
+    """The real input's loss check: label, loss, relative difference to the model's loss; the labels
+    padded to the longest one plus two spaces, so that none runs into its number."""
+    entries = [("model(input_ids, labels=...)", real["model_loss"], None),
+               ("F.cross_entropy(hidden @ W.T), float64, at caching", real["reproduced_loss"],
+                real["loss_rel_diff"])]
+    entries += [(f"this run, {c['op']}: {c['what']}", c["loss"], c["rel_diff"]) for c in real.get("recheck", [])]
+    width = max(len(what) for what, _loss, _rel in entries) + 2
+    return [f"SmolLM2-135M loss on this batch ({real['scored_tokens']} scored tokens; loss in nats, then "
+            f"(its relative difference to the model's loss, limit {real['loss_rtol']:g})):"] + [
+        f"  {what:<{width}}{loss:.6f}" + ("" if rel is None else f"  ({rel:.1e})") for what, loss, rel in entries]
 
 
 def print_report(report: dict, console: Console) -> None:
@@ -135,15 +171,7 @@ def print_report(report: dict, console: Console) -> None:
         console.print()
     real = report["inputs"].get("real")
     if real:
-        lines = [f"SmolLM2-135M loss on this batch ({real['scored_tokens']} scored tokens; relative "
-                 f"difference to the model's loss, limit {real['loss_rtol']:g}):",
-                 f"  {'model(input_ids, labels=...)':<58}{real['model_loss']:.6f}",
-                 f"  {'F.cross_entropy(hidden @ W.T), float64, at caching':<58}{real['reproduced_loss']:.6f}"
-                 f"  ({real['loss_rel_diff']:.1e})"]
-        for check in real.get("recheck", []):
-            what = f"this run, {check['op']}: {check['what']}"
-            lines.append(f"  {what:<58}{check['loss']:.6f}  ({check['rel_diff']:.1e})")
-        console.print("\n".join(lines))
+        console.print("\n".join(loss_lines(real)))
     if report.get("sweep"):
         from .report_sweep import sweep_table
         console.print()
@@ -165,46 +193,6 @@ def write_json(report: dict, out: Path) -> Path:
 
 
 def write_png(report: dict, out: Path) -> Path:
-    """Horizontal bars of time and peak memory per timed path, one row of panels per shape."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = out / "bench.png"
-    groups = _groups(report)
-    sweep = report.get("sweep")
-    n_panels = max(1, len(groups)) + (1 if sweep else 0)
-    fig, axes = plt.subplots(n_panels, 2, squeeze=False,
-                             figsize=(12, 1.2 + 0.55 * max(4, len(report["results"]))
-                                      + (3.0 if sweep else 0.0)))
-    for row, (shape, op) in enumerate(groups):
-        timed = [r for r in report["results"] if r["shape"] == shape and r.get("op", "cross_entropy") == op
-                 and r["status"] == "ok" and r.get("time_ms") is not None]
-        labels = [f"{r['label']}\n{r['dtype']}" for r in timed]
-        colors = [path_color(r["path"]) for r in timed]
-        t_scale, t_unit, t_fmt = time_unit(r["time_ms"] for r in timed)
-        panels = (("time_ms", t_scale, f"fwd+bwd time ({t_unit})", t_fmt),
-                  ("peak_bytes", 2.0**-20, "peak memory (MiB)", ".0f"))
-        for col, (key, scale, unit, fmt) in enumerate(panels):
-            ax = axes[row][col]
-            values = [r[key] * scale for r in timed]
-            ax.barh(range(len(values)), values, color=colors)
-            ax.set_yticks(range(len(values)), labels, fontsize=8)
-            ax.invert_yaxis()
-            ax.margins(x=0.15)
-            value_axis(ax)
-            ax.set_xlabel(unit)
-            ax.set_title(f"{shape}, {op}: {unit}", fontsize=9)
-            for i, v in enumerate(values):
-                ax.text(v, i, f" {v:{fmt}}", va="center", fontsize=8)
-            if not values:
-                ax.text(0.5, 0.5, "no timed rows", ha="center", transform=ax.transAxes)
-    if sweep:
-        from .report_sweep import plot_sweep
-        plot_sweep(sweep, axes[-1])
-    fig.suptitle(f"fusedce bench, {report['device']}: {report['machine']['name']}\n{legend_text()}\n"
-                 "time: median fwd+bwd; memory: peak beyond the inputs (methods in bench.json)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    """``bench.png`` (``report_plot``): every table's numbers as bars, the busy-machine warning on top."""
+    from .report_plot import write_png as write
+    return write(report, out)

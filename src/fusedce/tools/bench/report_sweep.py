@@ -7,17 +7,19 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from . import legend
 from .colors import path_color
 from .machine import busy_warning
-from .plot_axes import time_unit, value_axis
+from .names import TORCH_LCE, TRL, path_name
+from .plot_axes import value_axis
 
 MIB = 2.0 ** -20
 # One line per configuration and path; the shapes' sizes go to the caption, so that the table fits 220
 # columns (the bench's width in logs and pipes).
 COLUMNS = (
-    ("shape", "left"), ("ignored", "right"), ("path", "left"), ("MiB", "right"), ("/floor", "right"),
-    ("ms", "right"), ("stock/path\nmemory", "right"), ("stock/path\ntime", "right"), ("Δloss", "right"),
-    ("status", "left"), ("targets (this configuration)", "left"))
+    ("shape", "left"), ("ignored", "right"), ("path", "left"), ("MiB", "right"), ("peak/floor", "right"),
+    ("ms", "right"), ("stock/path\nmemory", "right"), ("stock/path\ntime", "right"),
+    ("Δloss\nvs stock", "right"), ("status", "left"), ("targets", "left"))
 
 
 def _num(value, fmt: str, suffix: str = "") -> str:
@@ -32,7 +34,7 @@ def _targets(s: dict) -> list[str]:
     t, goals = s["targets"], s.get("peer_goals", {})
     lines = [f"vs stock: mem {_mark(t['memory'])}, time {_mark(t['time'])}; "
              f"tiled/floor {_mark(t.get('tiled', {'met': None}))}"]
-    names = {"chunked_faster": "fused fastest", "chunked_leaner": "fused <= leanest peer",
+    names = {"chunked_faster": "chunked fastest", "chunked_leaner": "chunked <= leanest peer",
              "tiled_least": "tiled least"}
     if goals:
         lines.append("vs peers: " + ", ".join(f"{names[k]} {_mark(g)}" for k, g in goals.items()))
@@ -45,20 +47,19 @@ def sweep_table(report: dict) -> Table:
     in the caption."""
     sweep, machine = report["sweep"], report["machine"]
     out = Table(title="memory sweep: linear_cross_entropy, stock F.linear + F.cross_entropy, fusedce "
-                      "(backend='torch': chunked 'fused', 'tiled') and the peers torch F.linear_cross_entropy "
-                      f"('torch-lce') and TRL ChunkedLogProbFunction ('trl'), fp32\n{report['device']}: "
-                      f"{machine['name']}", title_justify="left", caption_justify="left")
+                      f"(backend='torch', chunked and tiled) and the peers {TORCH_LCE} and {TRL}, fp32\n"
+                      f"{report['device']}: {machine['name']}", title_justify="left", caption_justify="left")
     for name, justify in COLUMNS:
         out.add_column(name, justify=justify, no_wrap=True)
     for s in sweep["summary"]:
         rows = [r for r in sweep["results"] if (r["shape"], r["ignore_fraction"]) == (s["shape"], s["ignore_fraction"])]
-        stock = next((r for r in rows if r["label"] == "stock" and r["status"] == "ok"), None)
+        stock = next((r for r in rows if r["path"] == "linear-torch" and r["status"] == "ok"), None)
         targets = _targets(s)
         for i, r in enumerate(rows):
             ok = r["status"] == "ok"
             peak, ms = (r.get("peak_bytes"), r.get("time_ms")) if ok else (None, None)
             out.add_row(
-                s["shape"] if i == 0 else "", f"{s['ignore_fraction']:.0%}" if i == 0 else "", r["label"],
+                s["shape"] if i == 0 else "", f"{s['ignore_fraction']:.0%}" if i == 0 else "", path_name(r["path"]),
                 _num(None if peak is None else peak * MIB, ".0f"),
                 _num(None if peak is None else peak / s["floor_bytes"], ".2f", "x"), _num(ms, ".0f"),
                 _num(None if not (stock and peak) else stock["peak_bytes"] / peak, ".1f", "x"),
@@ -70,20 +71,20 @@ def sweep_table(report: dict) -> Table:
     method = sweep["method"]
     sizes = dict.fromkeys(f"{s['shape']}: BT={s['tokens']}, H={s['hidden']}, V={s['vocab']}"
                           for s in sweep["summary"])
-    notes = ["; ".join(sizes),
-             f"targets (of the memory sweep; shown, not enforced): {method['targets']}; vs peers: fused "
-             "(chunked) faster than every peer and no more memory than the leanest, tiled the least memory "
-             "of all paths",
-             f"data: {method['data']}",
-             f"MiB: {method['memory']}; /floor: MiB over the floor, the fp32 gradients a loss must return, "
-             "(V + BT) x H x 4 bytes",
-             f"ms: {method['time']}",
-             "stock/path: stock's MiB or ms over the path's (> 1: the path is leaner / faster); Δloss: |loss - "
-             "stock loss|, the runs' own losses (same seeded data)"]
-    resolved = list(dict.fromkeys(f"{r['shape']}: torch-lce's 'auto' resolved to " + ", ".join(
+    notes = ["; ".join(sizes), f"data: {method['data']}"] + legend.lines(legend.of_table(out), {
+        "shape": "the configuration (sizes above)",
+        "ignored": "share of the targets set to ignore_index (-100)",
+        "MiB": method["memory"],
+        "peak/floor": "the floor here: the fp32 gradients a loss must return, (V + BT) x H x 4 bytes",
+        "ms": method["time"],
+        "Δloss vs stock": "|loss - stock's loss|, absolute, in nats: the runs' own losses on the same seeded data",
+        "targets": f"of the memory sweep (shown, not enforced): {method['targets']}; vs peers: fusedce chunked "
+                   "faster than every peer and no more memory than the leanest, tiled the least memory of all "
+                   "paths"})
+    resolved = list(dict.fromkeys(f"{r['shape']}: {TORCH_LCE}'s 'auto' resolved to " + ", ".join(
         f"{k}={v}" for k, v in r["extra"].items()) for r in sweep["results"]
-        if r["label"] == "torch-lce" and r.get("extra")))
-    reasons = [f"{r['shape']} {r['ignore_fraction']:.0%} {r['label']}: {r.get('reason', r['status'])}"
+        if r["path"] == "linear-torch-lce" and r.get("extra")))
+    reasons = [f"{r['shape']} {r['ignore_fraction']:.0%} {path_name(r['path'])}: {r.get('reason', r['status'])}"
                for r in sweep["results"] if r["status"] != "ok"]
     cores, busy = machine.get("cpu_cores"), busy_warning(machine)
     if busy:
@@ -98,19 +99,18 @@ def sweep_table(report: dict) -> Table:
 
 def plot_sweep(sweep: dict, axes) -> None:
     """Grouped bars per configuration, one per path, each path in its ``colors.path_color`` (as in the
-    other panels), on ``axes`` = (memory, time); times in seconds once they reach 10 s."""
+    other panels), on ``axes`` = (memory, time); times in ms, as every panel and table."""
     summary = sweep["summary"]
-    labels = list(dict.fromkeys((r["label"], r["path"]) for r in sweep["results"]))
+    labels = list(dict.fromkeys((path_name(r["path"]), r["path"]) for r in sweep["results"]))
     height = 0.8 / max(1, len(labels))
-    t_scale, t_unit, t_fmt = time_unit(r.get("time_ms") for r in sweep["results"] if r["status"] == "ok")
-    panels = (("peak_bytes", MIB, "peak memory over inputs + .grad (MiB)", ".0f"),
-              ("time_ms", t_scale, f"fwd+bwd time ({t_unit})", t_fmt))
+    panels = (("peak_bytes", MIB, "peak memory over inputs + .grad (MiB)", ",.0f"),
+              ("time_ms", 1.0, "fwd+bwd time (ms)", ",.0f"))
     for ax, (key, scale, unit, fmt) in zip(axes, panels):
         for j, (label, path) in enumerate(labels):
             offset = (j - (len(labels) - 1) / 2) * height
             values = []
             for s in summary:
-                row = next((r for r in sweep["results"] if r["label"] == label and r["status"] == "ok"
+                row = next((r for r in sweep["results"] if r["path"] == path and r["status"] == "ok"
                             and (r["shape"], r["ignore_fraction"]) == (s["shape"], s["ignore_fraction"])), None)
                 values.append(0.0 if row is None or row.get(key) is None else row[key] * scale)
             ax.barh([i + offset for i in range(len(summary))], values, height=height,

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from . import parity
 from .inputs import IGNORE_INDEX
+from .names import path_name
 
 TOKENS = 512
 REFERENCE_ROWS = 256
@@ -125,8 +126,10 @@ def _path_row(name: str, hidden, weight, target, up, rows, device: str) -> dict:
     peak, _ = harness.peak_memory(run, device)
     lp, ent = box["out"]
     err = parity.linear_token_log_probs(hidden, weight, target, lp, ent, rows, IGNORE_INDEX)
-    return {"path": name, "label": PATHS[name], "status": "ok", "log_probs_max_abs_err": err["log_probs_max_abs_err"],
-            "entropy_max_abs_err": err["entropy_max_abs_err"], "fwd_bwd_s": box["s"], "peak_bytes": peak}
+    return {"path": name, "label": path_name(name), "what": PATHS[name], "status": "ok",
+            "log_probs_max_abs_err": err["log_probs_max_abs_err"],
+            "entropy_max_abs_err": err["entropy_max_abs_err"], "fwd_bwd_s": box["s"], "time_ms": box["s"] * 1e3,
+            "peak_bytes": peak}
 
 
 def _one_placement(name: str, hidden, weight, target, r: int, placement, **options):
@@ -175,15 +178,17 @@ def measure(spec: dict) -> dict:
         try:
             results.append(_path_row(name, hidden, weight, target, up, rows, device))
         except ImportError as exc:
-            results.append({"path": name, "label": PATHS[name], "status": "unavailable",
-                            "reason": f"{type(exc).__name__}: {exc}"})
+            results.append({"path": name, "label": path_name(name), "what": PATHS[name],
+                            "status": "unavailable", "reason": f"{type(exc).__name__}: {exc}"})
         except Exception as exc:  # noqa: BLE001 - reported in the table
-            results.append({"path": name, "label": PATHS[name], "status": "error",
+            results.append({"path": name, "label": path_name(name), "what": PATHS[name], "status": "error",
                             "reason": f"{type(exc).__name__}: {exc}"})
     r = int((target != IGNORE_INDEX).nonzero()[0])
     placements = {}
-    for label, name, options in (("stock bf16", "stock-bf16", {}), ("fusedce", "fusedce", {}),
-                                 ("fusedce batch_invariant=True", "fusedce", {"batch_invariant": True})):
+    for label, name, options in ((path_name("stock-bf16"), "stock-bf16", {}),
+                                 (path_name("fusedce"), "fusedce", {}),
+                                 (f"{path_name('fusedce')} batch_invariant=True", "fusedce",
+                                  {"batch_invariant": True})):
         placements[label] = placements_changed(name, hidden, weight, target, r, **options)
     n, h = hidden.shape
     return {"status": "ok", "results": results, "placements_changed": placements,
@@ -192,7 +197,8 @@ def measure(spec: dict) -> dict:
                       "vocab_size": weight.shape[0], "dtype": "bfloat16", "reference_rows": int(rows.numel()),
                       "threads": torch.get_num_threads()},
             "method": {"error": "max |x - x64| over the reference rows, float64 on the same bf16 values",
-                       "time": "one fwd+bwd after a warm-up, time.perf_counter",
+                       "time": "one fwd+bwd after 1 warm-up (8 rows: imports, first-call set-up), "
+                               "time.perf_counter",
                        "memory": "peak beyond the inputs of that fwd+bwd (harness.peak_memory)",
                        "placements": "batch sizes 2-600, positions, chunk_size, ignored neighbours vs the "
                                      "batch of one: log-prob, entropy or hidden-gradient row differs in a bit"}}
