@@ -20,6 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from fusedce.integrations.hf.head import LogitTransform  # noqa: E402
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
 from hf_models import assert_close, assert_parity  # noqa: E402
 from versions import transformers_at_least  # noqa: E402
@@ -149,6 +150,17 @@ class _ScaledPerPosition(transformers.LlamaForCausalLM):
         return out
 
 
+class _Transformed(transformers.LlamaForCausalLM):
+    """A family whose forward applies ``TRANSFORMS[config.transform]`` to its logits."""
+
+    TRANSFORMS = {"offset": lambda z: z + 0.5, "unknown scale": lambda z: z * 0.37, "cube": lambda z: z ** 3}
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = self.TRANSFORMS[self.config.transform](out.logits)
+        return out
+
+
 def _llama_config(**extra):
     return transformers.LlamaConfig(**{**TEXT, **extra})
 
@@ -156,22 +168,43 @@ def _llama_config(**extra):
 @pytest.mark.parametrize("keep_logits", [None, True], ids=["default", "keep_logits"])
 @pytest.mark.parametrize("case,match", [
     ("undeclared slice", "128 columns into 97 logit columns"),
-    ("declared, not applied", "does not match what its config declares"),
     ("per position", "does not match"),
+    ("offset", "an offset added after the head"),
+    ("unknown scale", r"0\.37 \* x .*a scale that is no number of its config"),
+    ("cube", "a non-linear map"),
 ])
-def test_undeclared_or_unapplied_transform_refused(case, match, keep_logits):
-    """A vocabulary slice the config does not declare (invisible to a 2-column probe), a scale the config
-    declares but the forward does not apply (granite-style ``logits_scaling`` in a family that ignores
-    it) and a position-dependent transform: refused at the first labelled call, keep_logits or not."""
+def test_unreproducible_transform_refused(case, match, keep_logits):
+    """A vocabulary slice the config does not declare (invisible to a 2-column probe), a position-dependent
+    transform, an offset (a bias the head does not hold), a scale that no number of the config gives, a
+    non-linear map other than a softcap: refused at the first labelled call, keep_logits or not, with a
+    message naming the family and what its forward does."""
     model = {"undeclared slice": lambda: _Sliced(_llama_config()),
-             "declared, not applied": lambda: transformers.LlamaForCausalLM(_llama_config(logits_scaling=4.0)),
-             "per position": lambda: _ScaledPerPosition(_llama_config())}[case]()
+             "per position": lambda: _ScaledPerPosition(_llama_config())}.get(
+        case, lambda: _Transformed(_llama_config(transform=case)))()
     patch_causal_lm(model, keep_logits=keep_logits)
     ids, labels = _batch()
     if case == "per position" and not keep_logits:
         match = "depends on the position"
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         model(input_ids=ids, labels=labels)
+    assert type(model).__name__ in str(err.value)
+
+
+@pytest.mark.parametrize("keep_logits", [None, True], ids=["default", "keep_logits"])
+def test_declared_but_not_applied_follows_the_forward(keep_logits):
+    """A config that declares a scale its forward does not apply (``logits_scaling`` in a Llama; MiniCPM3
+    divides its hidden states, not its logits, by it): the patch follows the forward, whose logits are
+    the head's output, and trains the stock loss (it refused before it read the transform off the
+    forward)."""
+    stock = transformers.LlamaForCausalLM(_llama_config(logits_scaling=4.0)).eval()
+    fused = patch_causal_lm(copy.deepcopy(stock), keep_logits=keep_logits)
+    ids, labels = _batch()
+    for _ in range(2):   # the verifying call (its loss recomputed for the transform found), then another
+        assert_parity(stock, fused, input_ids=ids, labels=labels)
+    # the probe settles it; a tiny model's real logits cannot tell x from 128 * tanh(x / 128) (vocab_size)
+    assert fused._fusedce_patch.verified == (keep_logits is None)
+    if keep_logits is None:
+        assert fused._fusedce_patch.transforms == (LogitTransform(),)
 
 
 def _llava_next_granite():

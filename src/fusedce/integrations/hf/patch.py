@@ -33,7 +33,8 @@ from fusedce.core.options import check_flag
 from fusedce.integrations.hf.adapters import kind as head_kind
 from fusedce.integrations.hf.call import HeadCall, module_name
 from fusedce.integrations.hf.options import LOSS_OPTIONS, validate_options  # noqa: F401  (hf.LOSS_OPTIONS: the public list)
-from fusedce.integrations.hf.head import LogitTransform, base_model, choose_transform, logit_transforms, output_head
+from fusedce.integrations.hf.fit import choose_transform
+from fusedce.integrations.hf.head import LogitTransform, base_model, describe, logit_transforms, output_head
 from fusedce.integrations.hf.output import as_tuple, bad_label_message, replace
 from fusedce.integrations.hf.token_weights import flat_token_weights
 
@@ -239,9 +240,16 @@ def _forward(model, *args, **kwargs):
                         "as self.lm_head(hidden_states)): patch_causal_lm cannot find the final hidden "
                         "states of this model")
     chosen = 0
-    if verify and call.head_row is not None:
-        chosen = choose_transform(out.logits, call.head_row, candidates, name, probe=not keep)
-        state.transforms, state.verified = (candidates[chosen],), True
+    if verify and call.head_rows is not None:
+        chosen, transform, settled = choose_transform(out.logits, call.head_rows, call.rows, call.head_shape,
+                                                      candidates, config, name, probe=not keep)
+        if chosen is None:   # read off the forward: this call's loss again, for that transform
+            validate_options(model, state.loss_options, transform)
+            call.recompute(lambda h, w, b: _loss(model, state, transform, h, w, b, labels, shift_labels, num_items,
+                                                 token_scaling, token_weights), name, describe(transform))
+            candidates, chosen = (transform,), 0
+        if settled:   # else (real logits too small to tell) the next labelled call looks again
+            state.transforms, state.verified = (transform,), True
     loss = call.final_loss(out.logits)
     if len(candidates) > 1:
         loss = loss[chosen]
