@@ -15,7 +15,11 @@ text-only batch is "not buildable", with the exception's first line as the reaso
 Each case: 2 sequences of ``SEQ`` tokens drawn away from every token id the config names, labels with the
 first 3 positions -100; the same seed before the stock and the patched forward (a family that draws
 random numbers in eval mode draws the same ones). Outcomes: ``"patched = stock"`` (loss and every
-parameter gradient within ``hf_models``' tolerance, one layer so the fp32 tolerance holds),
+parameter gradient within ``hf_models``' ``RTOL`` of each value plus ``ATOL_SCALE`` of the LARGEST
+gradient of the model: the two losses' hidden-state gradients differ by a few ulps of their own scale,
+and that absolute error reaches every parameter, including those whose true gradient is zero and whose
+stock one is rounding noise, e.g. attention key biases (1e-12 against 0.5) or DeepSeek-V4's ``hc_head``
+(1e-5)),
 ``"refused"`` (patch_causal_lm or the patched forward raised a TypeError / ValueError of fusedce's),
 ``"not buildable"``, ``"not text"``, ``"absent"`` (a class named by the test that this transformers lacks);
 anything else is the test's failure: ``"differs"`` (with the first differing tensor) or ``"crashed"``
@@ -30,7 +34,7 @@ import traceback
 
 import torch
 
-from hf_models import assert_close, loss_and_grads
+from hf_models import ATOL_SCALE, RTOL, loss_and_grads
 
 SEQ, VOCAB, MAX_PARAMS = 8, 128, 2_000_000
 SHRINK = dict(
@@ -154,10 +158,11 @@ def run(transformers, name: str, patch) -> tuple:
         outcome = "refused" if _by_fusedce(err) else "crashed"
         return outcome, f"{type(err).__name__}: {err}", time.perf_counter() - start
     try:
-        assert_close(out.loss, ref.loss, "loss")
+        torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=0.0, msg="loss")
         assert grads.keys() == ref_grads.keys(), f"gradients of {sorted(set(grads) ^ set(ref_grads))}"
+        largest = max((float(g.abs().max()) for g in ref_grads.values() if g.numel()), default=0.0)
         for key, grad in grads.items():
-            assert_close(grad, ref_grads[key], key)
+            torch.testing.assert_close(grad, ref_grads[key], rtol=RTOL, atol=ATOL_SCALE * largest + 1e-12, msg=key)
     except AssertionError as err:
         return "differs", str(err).splitlines()[0][:300], time.perf_counter() - start
-    return "patched = stock", f"loss {float(ref.loss):.4f}", time.perf_counter() - start
+    return "patched = stock", f"loss {float(ref.loss.detach()):.4f}", time.perf_counter() - start

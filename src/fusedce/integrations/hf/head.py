@@ -9,8 +9,12 @@ nothing of it is re-implemented here.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
+import re
+import textwrap
 from typing import Optional
 
 import torch
@@ -64,6 +68,47 @@ def base_model(model: nn.Module) -> nn.Module:
     raise TypeError(f"{type(model).__name__} has no base model (looked for .model, .transformer and "
                     ".base_model): patch_causal_lm needs a *ForCausalLM whose decoder returns the last "
                     "hidden state")
+
+
+def check_causal_loss(model: nn.Module) -> None:
+    """``ValueError`` unless ``model``'s stock loss is the one the patch computes: Hugging Face's causal LM
+    loss, labels shifted by one (``ForCausalLMLoss``). Refused: an encoder-decoder (``config.
+    is_encoder_decoder``: T5, BART; its decoder's labels are not shifted), and a family whose forward (the
+    most derived one in its class hierarchy that computes a loss) uses a ``loss_function`` other than
+    ``ForCausalLMLoss`` or an inline cross-entropy with no shift (``BartForCausalLM``, ``TrOCRForCausalLM``,
+    ``CpmAntForCausalLM``: labels aligned with the logits, not shifted). A forward that computes no loss
+    (a wrapper that delegates) is not refused."""
+    name = type(model).__name__
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model (config.is_encoder_decoder): its loss is over the "
+                         "decoder's unshifted labels, not a causal LM's shifted ones, so patch_causal_lm refuses it")
+    for cls in type(model).__mro__:
+        forward = cls.__dict__.get("forward")
+        try:
+            source = _code(forward) if forward is not None else ""
+        except (OSError, TypeError, SyntaxError):
+            continue
+        if "loss_function" in source:
+            used = getattr(getattr(model, "loss_function", None), "__name__", "an unknown loss")
+            if used == "ForCausalLMLoss":
+                return
+            raise ValueError(f"{name}.forward computes its loss with {used}, not transformers' ForCausalLMLoss "
+                             "(labels shifted by one): patch_causal_lm would train a different loss, so it refuses")
+        if re.search(r"CrossEntropyLoss|cross_entropy\(", source):
+            if "shift" in source:
+                return
+            raise ValueError(f"{name}.forward computes a cross-entropy of its logits against labels it does not "
+                             "shift (labels aligned with the logits), not transformers' ForCausalLMLoss: "
+                             "patch_causal_lm would train a different loss, so it refuses")
+
+
+def _code(function) -> str:
+    """``function``'s code without its docstring and comments (a docstring may say "not shifted")."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(function))))
+    body = tree.body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    return "\n".join(ast.unparse(node) for node in body)
 
 
 # Config attributes of a post-head transform, and how each enters ``LogitTransform``.

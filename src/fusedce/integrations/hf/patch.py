@@ -34,7 +34,7 @@ from fusedce.integrations.hf.adapters import kind as head_kind
 from fusedce.integrations.hf.call import HeadCall, module_name
 from fusedce.integrations.hf.options import LOSS_OPTIONS, validate_options  # noqa: F401  (hf.LOSS_OPTIONS: the public list)
 from fusedce.integrations.hf.fit import choose_transform
-from fusedce.integrations.hf.head import LogitTransform, base_model, describe, logit_transforms, output_head
+from fusedce.integrations.hf.head import LogitTransform, base_model, check_causal_loss, describe, logit_transforms, output_head
 from fusedce.integrations.hf.output import as_tuple, bad_label_message, replace
 from fusedce.integrations.hf.token_weights import flat_token_weights
 
@@ -142,6 +142,7 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
     head = output_head(model)
     head_kind(head, module_name(model, head))
     base_model(model)
+    check_causal_loss(model)
     transforms = logit_transforms(getattr(model, "config", None))
     options = validate_options(model, loss_options, transforms[0])
     state = getattr(model, _STATE, None)
