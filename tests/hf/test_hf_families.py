@@ -20,6 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from fusedce.integrations.hf.fit import fit_transform  # noqa: E402
 from fusedce.integrations.hf.head import LogitTransform  # noqa: E402
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
 from hf_models import assert_close, assert_parity  # noqa: E402
@@ -201,10 +202,21 @@ def test_declared_but_not_applied_follows_the_forward(keep_logits):
     ids, labels = _batch()
     for _ in range(2):   # the verifying call (its loss recomputed for the transform found), then another
         assert_parity(stock, fused, input_ids=ids, labels=labels)
-    # the probe settles it; a tiny model's real logits cannot tell x from 128 * tanh(x / 128) (vocab_size)
-    assert fused._fusedce_patch.verified == (keep_logits is None)
-    if keep_logits is None:
-        assert fused._fusedce_patch.transforms == (LogitTransform(),)
+    assert fused._fusedce_patch.verified and fused._fusedce_patch.transforms == (LogitTransform(),)
+
+
+def test_real_logits_too_small_to_tell_a_softcap_leave_it_unsettled():
+    """Read off a tiny model's O(1) real logits (``keep_logits``), ``x`` and ``128 * tanh(x / 128)`` agree
+    within fp32 tolerance but not on the probe's range: the simplest (no softcap) is used for that call,
+    unsettled (the next call looks again); the probe row, which spans that range, settles it."""
+    config = transformers.PretrainedConfig(some_cap=128.0)
+    small = torch.linspace(-0.5, 0.5, 64)
+    found, said, settled = fit_transform(small, small, config, None, probe=False)
+    assert found == LogitTransform() and said == "x" and not settled
+    probe = torch.linspace(-24.0, 24.0, 64)
+    capped = 128.0 * torch.tanh(probe / 128.0)
+    found, said, settled = fit_transform(capped, probe, config, None, probe=True)
+    assert found == LogitTransform(softcap=128.0) and said == "some_cap * tanh((x) / some_cap)" and settled
 
 
 def _llava_next_granite():

@@ -29,15 +29,17 @@ from fusedce.integrations.hf.head import LogitTransform, describe, mismatch, ver
 _SUBSET, _GRID = 256, torch.linspace(-24.0, 24.0, 97, dtype=torch.float64)
 
 
-# Numbers of a config that name a row of the vocabulary, never a multiplier (a token id of 2 would otherwise
-# offer a scale of 1/2).
-_NOT_SCALES = ("_id", "_ids", "_index", "_idx")
+# Numbers of a config that are a row of the vocabulary or a count, never a multiplier (a token id or a
+# key-value head count of 2 would otherwise explain a forward's undeclared ``logits * 2``).
+_NOT_SCALES = ("_id", "_ids", "_index", "_idx", "_size", "_dim", "_layers", "_heads", "_experts", "_tokens",
+               "_length", "_embeddings", "_positions", "_window", "_groups")
+_COUNTS = ("num_", "n_", "max_")
 
 
 def config_scalars(config) -> list:
     """``(name, value)`` of every finite non-zero int or float attribute of ``config`` and of its text
     config (``get_text_config()``, named ``text_config.<attr>``), in attribute order, text config first;
-    token ids and indices left out (``_NOT_SCALES``)."""
+    token ids, sizes and counts left out (``_NOT_SCALES``, ``_COUNTS``)."""
     if config is None:
         return []
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
@@ -46,7 +48,7 @@ def config_scalars(config) -> list:
         if source is None or (prefix and source is config):
             continue
         for name, value in vars(source).items():
-            if name.endswith(_NOT_SCALES):
+            if name.endswith(_NOT_SCALES) or name.startswith(_COUNTS):
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value:
                 found.append((prefix + name, float(value)))
