@@ -77,6 +77,8 @@ def _shrunk(config) -> dict:
             values[name] = SHRINK[name]
         elif name in VISIBLE and isinstance(value, (int, float)) and not isinstance(value, bool):
             values[name] = VISIBLE[name]
+        elif name in ("pad_token_id", "padding_idx") and isinstance(value, int) and value >= VOCAB:
+            values[name] = 0   # an embedding's padding row must be inside the shrunk vocabulary
     layers = values.get("num_hidden_layers")
     for name, value in list(values.items()):   # per-layer lists: the first layer's entries
         if isinstance(value, list) and layers and (len(value) == before or name.endswith("layer_types")):
