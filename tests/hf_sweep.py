@@ -20,7 +20,8 @@ gradient of the model: the two losses' hidden-state gradients differ by a few ul
 and that absolute error reaches every parameter, including those whose true gradient is zero and whose
 stock one is rounding noise, e.g. attention key biases (1e-12 against 0.5) or DeepSeek-V4's ``hc_head``
 (1e-5)),
-``"refused"`` (patch_causal_lm or the patched forward raised a TypeError / ValueError of fusedce's),
+``"refused"`` (patch_causal_lm or the patched forward raised a TypeError / ValueError from fusedce's own
+code),
 ``"not buildable"``, ``"not text"``, ``"absent"`` (a class named by the test that this transformers lacks);
 anything else is the test's failure: ``"differs"`` (with the first differing tensor) or ``"crashed"``
 (the patched forward failed where the stock one did not, outside fusedce's refusals).
@@ -132,8 +133,10 @@ def batch(config, vocab: int):
 
 
 def _by_fusedce(err: BaseException) -> bool:
-    return isinstance(err, (TypeError, ValueError)) and any(
-        "/fusedce/" in frame.filename for frame in traceback.extract_tb(err.__traceback__))
+    """Raised by fusedce itself (its innermost frame is fusedce's), not by the family's code under the
+    patched forward."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return isinstance(err, (TypeError, ValueError)) and bool(frames) and "/fusedce/" in frames[-1].filename
 
 
 def run(transformers, name: str, patch) -> tuple:

@@ -7,7 +7,7 @@ part of the assertion messages.
 
 Named families whose forward transforms the head with numbers the patch finds in their config, not by
 the attribute's name (``hf_fit``), must be patched = stock where this transformers has them (the lent GPU
-image's 5.17 lacks some): HyperCLOVA X (``logits * logits_scaling``), Granite (``logits /
+image's 5.17 lacks some): HyperCLOVA X and its vision model (``logits * logits_scaling``), Granite (``logits /
 logits_scaling``), Muse Glimmer and Muse Spark (``softcap * tanh(logits * output_multiplier / softcap)``).
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 import hf_sweep  # noqa: E402
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
 
-MUST_MATCH = ("HyperCLOVAXForCausalLM", "GraniteForCausalLM", "MuseGlimmerForConditionalGeneration",
-              "MuseSparkForConditionalGeneration")
+MUST_MATCH = ("HyperCLOVAXForCausalLM", "HyperCLOVAXVisionV2ForConditionalGeneration", "GraniteForCausalLM",
+              "MuseGlimmerForConditionalGeneration", "MuseSparkForConditionalGeneration")
 FAILING = ("differs", "crashed")
 
 
