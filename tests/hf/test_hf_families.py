@@ -258,3 +258,41 @@ def test_the_transform_the_forward_applies_is_chosen(build, keep_logits):
     for _ in range(2):   # the verifying call, then a plain one
         assert_parity(stock, fused, input_ids=ids, labels=labels)
     assert len(fused._fusedce_patch.transforms) == 1
+
+
+class _Multiplied(transformers.LlamaForCausalLM):
+    """A family unknown to fusedce: ``logits * config.head_gain`` before a ``config.cap`` softcap, the way
+    Muse Glimmer / Spark transform theirs (attribute names no list in fusedce holds)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        out.logits = self.config.cap * torch.tanh(out.logits * self.config.head_gain / self.config.cap)
+        if labels is not None:   # the stock loss is on the transformed logits
+            out.loss = self.loss_function(out.logits, labels, vocab_size=self.config.vocab_size)
+        return out
+
+
+@pytest.mark.parametrize("keep_logits", [None, True], ids=["default", "keep_logits"])
+def test_a_new_family_transform_read_off_the_forward(keep_logits):
+    """The scale and softcap are found among the config's numbers by their values: the stock loss and
+    gradients from the first call on, and the transform kept for the next calls."""
+    stock = _Multiplied(_llama_config(head_gain=0.3, cap=2.0)).eval()
+    fused = patch_causal_lm(copy.deepcopy(stock), keep_logits=keep_logits)
+    ids, labels = _batch()
+    for _ in range(2):
+        assert_parity(stock, fused, input_ids=ids, labels=labels)
+    assert fused._fusedce_patch.transforms == (LogitTransform(scale=0.3, softcap=2.0),)
+
+
+def test_a_transform_read_off_the_forward_needs_the_head_weight_after_it():
+    """The first call's loss is computed again for a transform found after the forward; a hook that
+    releases the head's weight after its call (as ZeRO-3 does) makes that impossible: ValueError naming
+    the family and the transform, never a loss for the wrong transform."""
+    model = patch_causal_lm(_Multiplied(_llama_config(head_gain=0.3, cap=2.0)).eval())
+
+    def release(module, args, output):
+        module.weight.data = torch.empty(0)
+    model.lm_head.register_forward_hook(release)
+    ids, labels = _batch()
+    with pytest.raises(ValueError, match=r"_Multiplied.forward applies scale=0\.3, softcap=2\.0.*released"):
+        model(input_ids=ids, labels=labels)
