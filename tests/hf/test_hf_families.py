@@ -20,6 +20,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from fusedce.integrations.hf.fit import fit_transform  # noqa: E402
+from fusedce.integrations.hf.head import LogitTransform  # noqa: E402
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
 from hf_models import assert_close, assert_parity  # noqa: E402
 from versions import transformers_at_least  # noqa: E402
@@ -149,6 +151,17 @@ class _ScaledPerPosition(transformers.LlamaForCausalLM):
         return out
 
 
+class _Transformed(transformers.LlamaForCausalLM):
+    """A family whose forward applies ``TRANSFORMS[config.transform]`` to its logits."""
+
+    TRANSFORMS = {"offset": lambda z: z + 0.5, "unknown scale": lambda z: z * 0.37, "cube": lambda z: z ** 3}
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = self.TRANSFORMS[self.config.transform](out.logits)
+        return out
+
+
 def _llama_config(**extra):
     return transformers.LlamaConfig(**{**TEXT, **extra})
 
@@ -156,22 +169,54 @@ def _llama_config(**extra):
 @pytest.mark.parametrize("keep_logits", [None, True], ids=["default", "keep_logits"])
 @pytest.mark.parametrize("case,match", [
     ("undeclared slice", "128 columns into 97 logit columns"),
-    ("declared, not applied", "does not match what its config declares"),
     ("per position", "does not match"),
+    ("offset", "an offset added after the head"),
+    ("unknown scale", r"0\.37 \* x .*a scale that is no number of its config"),
+    ("cube", "a non-linear map"),
 ])
-def test_undeclared_or_unapplied_transform_refused(case, match, keep_logits):
-    """A vocabulary slice the config does not declare (invisible to a 2-column probe), a scale the config
-    declares but the forward does not apply (granite-style ``logits_scaling`` in a family that ignores
-    it) and a position-dependent transform: refused at the first labelled call, keep_logits or not."""
+def test_unreproducible_transform_refused(case, match, keep_logits):
+    """A vocabulary slice the config does not declare (invisible to a 2-column probe), a position-dependent
+    transform, an offset (a bias the head does not hold), a scale that no number of the config gives, a
+    non-linear map other than a softcap: refused at the first labelled call, keep_logits or not, with a
+    message naming the family and what its forward does."""
     model = {"undeclared slice": lambda: _Sliced(_llama_config()),
-             "declared, not applied": lambda: transformers.LlamaForCausalLM(_llama_config(logits_scaling=4.0)),
-             "per position": lambda: _ScaledPerPosition(_llama_config())}[case]()
+             "per position": lambda: _ScaledPerPosition(_llama_config())}.get(
+        case, lambda: _Transformed(_llama_config(transform=case)))()
     patch_causal_lm(model, keep_logits=keep_logits)
     ids, labels = _batch()
     if case == "per position" and not keep_logits:
         match = "depends on the position"
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         model(input_ids=ids, labels=labels)
+    assert type(model).__name__ in str(err.value)
+
+
+@pytest.mark.parametrize("keep_logits", [None, True], ids=["default", "keep_logits"])
+def test_declared_but_not_applied_follows_the_forward(keep_logits):
+    """A config that declares a scale its forward does not apply (``logits_scaling`` in a Llama; MiniCPM3
+    divides its hidden states, not its logits, by it): the patch follows the forward, whose logits are
+    the head's output, and trains the stock loss (it refused before it read the transform off the
+    forward)."""
+    stock = transformers.LlamaForCausalLM(_llama_config(logits_scaling=4.0)).eval()
+    fused = patch_causal_lm(copy.deepcopy(stock), keep_logits=keep_logits)
+    ids, labels = _batch()
+    for _ in range(2):   # the verifying call (its loss recomputed for the transform found), then another
+        assert_parity(stock, fused, input_ids=ids, labels=labels)
+    assert fused._fusedce_patch.verified and fused._fusedce_patch.transforms == (LogitTransform(),)
+
+
+def test_real_logits_too_small_to_tell_a_softcap_leave_it_unsettled():
+    """Read off a tiny model's O(1) real logits (``keep_logits``), ``x`` and ``128 * tanh(x / 128)`` agree
+    within fp32 tolerance but not on the probe's range: the simplest (no softcap) is used for that call,
+    unsettled (the next call looks again); the probe row, which spans that range, settles it."""
+    config = transformers.PretrainedConfig(some_cap=128.0)
+    small = torch.linspace(-0.5, 0.5, 64)
+    found, said, settled = fit_transform(small, small, config, None, probe=False)
+    assert found == LogitTransform() and said == "x" and not settled
+    probe = torch.linspace(-24.0, 24.0, 64)
+    capped = 128.0 * torch.tanh(probe / 128.0)
+    found, said, settled = fit_transform(capped, probe, config, None, probe=True)
+    assert found == LogitTransform(softcap=128.0) and said == "some_cap * tanh((x) / some_cap)" and settled
 
 
 def _llava_next_granite():
@@ -213,3 +258,41 @@ def test_the_transform_the_forward_applies_is_chosen(build, keep_logits):
     for _ in range(2):   # the verifying call, then a plain one
         assert_parity(stock, fused, input_ids=ids, labels=labels)
     assert len(fused._fusedce_patch.transforms) == 1
+
+
+class _Multiplied(transformers.LlamaForCausalLM):
+    """A family unknown to fusedce: ``logits * config.head_gain`` before a ``config.cap`` softcap, the way
+    Muse Glimmer / Spark transform theirs (attribute names no list in fusedce holds)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        out.logits = self.config.cap * torch.tanh(out.logits * self.config.head_gain / self.config.cap)
+        if labels is not None:   # the stock loss is on the transformed logits
+            out.loss = self.loss_function(out.logits, labels, vocab_size=self.config.vocab_size)
+        return out
+
+
+@pytest.mark.parametrize("keep_logits", [None, True], ids=["default", "keep_logits"])
+def test_a_new_family_transform_read_off_the_forward(keep_logits):
+    """The scale and softcap are found among the config's numbers by their values: the stock loss and
+    gradients from the first call on, and the transform kept for the next calls."""
+    stock = _Multiplied(_llama_config(head_gain=0.3, cap=2.0)).eval()
+    fused = patch_causal_lm(copy.deepcopy(stock), keep_logits=keep_logits)
+    ids, labels = _batch()
+    for _ in range(2):
+        assert_parity(stock, fused, input_ids=ids, labels=labels)
+    assert fused._fusedce_patch.transforms == (LogitTransform(scale=0.3, softcap=2.0),)
+
+
+def test_a_transform_read_off_the_forward_needs_the_head_weight_after_it():
+    """The first call's loss is computed again for a transform found after the forward; a hook that
+    releases the head's weight after its call (as ZeRO-3 does) makes that impossible: ValueError naming
+    the family and the transform, never a loss for the wrong transform."""
+    model = patch_causal_lm(_Multiplied(_llama_config(head_gain=0.3, cap=2.0)).eval())
+
+    def release(module, args, output):
+        module.weight.data = torch.empty(0)
+    model.lm_head.register_forward_hook(release)
+    ids, labels = _batch()
+    with pytest.raises(ValueError, match=r"_Multiplied.forward applies scale=0\.3, softcap=2\.0.*released"):
+        model(input_ids=ids, labels=labels)

@@ -39,7 +39,7 @@ from fusedce.integrations.hf.adapters import Pieces, dispatch_children, kind, lo
 # Values the placeholder "logits" hold (one column each) once the transform is verified. The verifying
 # call's placeholder is instead ONE row of all V columns, ``probe_row(V)``, shaped ``(1, ..., 1, V)`` (the
 # family's post-head code broadcasts it; V elements, so the (B, T, V) logits are still never made), so that
-# ``hf_head.choose_transform`` sees any transform or column slice the family applies, and that it is the
+# ``hf_fit.choose_transform`` sees any transform or column slice the family applies, and that it is the
 # same at every position (the output must keep the leading 1s). -24 sits where a 30-softcap (Gemma 2) is
 # visibly non-linear; both are exact in bf16.
 PROBE_VALUES = (1.0, -24.0)
@@ -87,9 +87,10 @@ class HeadCall:
     ``hidden @ weight.T + bias`` (same pieces, same dropout mask as the loss).
 
     After the family's forward: ``calls`` (how many times the head was called), ``loss`` (the last call's),
-    ``head_row`` (with ``verify``: the head's output at position 0, ``(V,)``, for
-    ``hf_head.choose_transform``); :meth:`final_loss` ties the loss to the family's logits for the
-    backward order.
+    with ``verify`` (for ``hf_fit.choose_transform``): ``head_rows`` ``(R, V)``, the head's output at the
+    flat positions ``rows`` of its output of shape ``head_shape`` (the probe row; with ``keep_logits`` the
+    first, middle and last positions); :meth:`final_loss` ties the loss to the family's logits for the
+    backward order, :meth:`recompute` replaces the verifying call's loss.
 
     Raises (during the call): ``ValueError`` for a head or adapter not applied exactly (``hf_adapters``),
     ``TypeError`` for extra arguments to the head or a weight that is not 2-D inside its forward.
@@ -97,7 +98,8 @@ class HeadCall:
 
     def __init__(self, head: nn.Module, where: str, compute: Callable, keep_logits: bool, verify: bool):
         self.head, self.where, self.compute, self.keep_logits = head, where, compute, keep_logits
-        self.verify, self.calls, self.loss, self.head_row, self._n_rows = verify, 0, None, None, None
+        self.verify, self.calls, self.loss, self._n_rows = verify, 0, None, None
+        self.head_rows, self.rows, self.head_shape, self._pieces = None, None, None, None
         self._originals, self._stack = {}, None
 
     def __enter__(self) -> "HeadCall":
@@ -114,6 +116,20 @@ class HeadCall:
         if isinstance(logits, torch.Tensor) and logits.requires_grad:
             return join(self.loss, logits)
         return self.loss
+
+    def recompute(self, compute: Callable, model_name: str, transform: str) -> None:
+        """The verifying call's loss computed again, after the family's forward, by ``compute(hidden,
+        weight, bias)`` on the pieces the head's call recorded: for a ``transform`` (its description) read
+        off the forward, which the losses computed inside the call did not use. The pieces must still hold
+        their values there: ``ValueError`` for a head whose weight its hooks released after its forward
+        (ZeRO-3, FSDP2, which patch_causal_lm cannot re-gather outside the head's call)."""
+        hidden, weight, bias, shape = self._pieces
+        if not _readable(weight, shape):
+            raise ValueError(f"{model_name}.forward applies {transform} to its LM head's output, which its config "
+                             "does not declare under a name patch_causal_lm knows, and the head's weight was "
+                             "released after the head's call (sharded: ZeRO-3, FSDP2), so the first call's loss "
+                             "cannot be recomputed: make the first labelled call with the head unsharded")
+        self.loss = compute(hidden, weight, bias)
 
     @contextlib.contextmanager
     def _replaced(self, module: nn.Module, forward: Callable):
@@ -140,17 +156,24 @@ class HeadCall:
         out = self._enter(self.head, hidden, pieces, self.where, lambda: self._finish(pieces))
         if self.keep_logits:
             if self.verify and out.numel() > 0:
-                self.head_row = out.detach()[(0,) * (out.dim() - 1)]
+                flat = out.detach().reshape(-1, out.shape[-1])
+                n = flat.shape[0]
+                self.rows = torch.tensor(sorted({0, n // 2, n - 1}), device=out.device)
+                self.head_rows, self.head_shape = flat[self.rows], out.shape
             return out
         if self.verify:   # every column, so that a column slice or any per-column transform shows
-            self.head_row = probe_row(self._n_rows, hidden.dtype, hidden.device)
-            return join(self.head_row.view(*(1,) * (hidden.dim() - 1), self._n_rows), out, as_view=True)
+            row = probe_row(self._n_rows, hidden.dtype, hidden.device)
+            self.head_rows, self.rows = row[None], torch.zeros(1, dtype=torch.long, device=hidden.device)
+            self.head_shape = torch.Size((*(1,) * (hidden.dim() - 1), self._n_rows))
+            return join(row.view(self.head_shape), out, as_view=True)
         probe = torch.tensor(PROBE_VALUES, dtype=hidden.dtype, device=hidden.device)
         return join(probe.expand(*hidden.shape[:-1], len(PROBE_VALUES)).contiguous(), out)
 
     def _finish(self, pieces: Pieces) -> torch.Tensor:
         hidden, weight, bias = pieces.joined()
         self._n_rows = weight.shape[0]
+        if self.verify:
+            self._pieces = (hidden, weight, bias, tuple(weight.shape))
         self.loss = self.compute(hidden, weight, bias)
         if not self.keep_logits:
             return self.loss
@@ -208,6 +231,16 @@ class HeadCall:
         if len(chosen) != 1:
             raise TypeError(f"{where} called {len(chosen)} of its wrapped modules (expected exactly one)")
         return out
+
+
+def _readable(weight: torch.Tensor, shape: tuple) -> bool:
+    """Whether ``weight`` still holds the ``shape`` values the head's call read (not freed, resized or
+    moved to the meta device by a hook since)."""
+    local = getattr(weight, "_local_tensor", weight)   # a DTensor's shard
+    if tuple(weight.shape) != shape or local.device.type == "meta":
+        return False
+    needed = (local.storage_offset() + local.numel()) * local.element_size()
+    return local.untyped_storage().nbytes() >= needed
 
 
 def module_name(model: nn.Module, module: nn.Module, default: Optional[str] = None) -> str:

@@ -1,5 +1,6 @@
 """The LM head of a Hugging Face causal LM, seen from the outside: which module it is, and what the family
-does to its output (``logit_transforms``, the one applied chosen once by ``choose_transform``).
+does to its output (``logit_transforms``, the transforms its config declares; the one applied is chosen once,
+or read off the forward, by ``hf_fit.choose_transform``).
 
 The loss itself is computed inside the head's call (``hf_call.HeadCall``) during the family's own
 ``forward``, which keeps doing everything it does before the head (cache, masks, position ids,
@@ -8,8 +9,12 @@ nothing of it is re-implemented here.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
+import re
+import textwrap
 from typing import Optional
 
 import torch
@@ -65,6 +70,47 @@ def base_model(model: nn.Module) -> nn.Module:
                     "hidden state")
 
 
+def check_causal_loss(model: nn.Module) -> None:
+    """``ValueError`` unless ``model``'s stock loss is the one the patch computes: Hugging Face's causal LM
+    loss, labels shifted by one (``ForCausalLMLoss``). Refused: an encoder-decoder (``config.
+    is_encoder_decoder``: T5, BART; its decoder's labels are not shifted), and a family whose forward (the
+    most derived one in its class hierarchy that computes a loss) uses a ``loss_function`` other than
+    ``ForCausalLMLoss`` or an inline cross-entropy with no shift (``BartForCausalLM``, ``TrOCRForCausalLM``,
+    ``CpmAntForCausalLM``: labels aligned with the logits, not shifted). A forward that computes no loss
+    (a wrapper that delegates) is not refused."""
+    name = type(model).__name__
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model (config.is_encoder_decoder): its loss is over the "
+                         "decoder's unshifted labels, not a causal LM's shifted ones, so patch_causal_lm refuses it")
+    for cls in type(model).__mro__:
+        forward = cls.__dict__.get("forward")
+        try:
+            source = _code(forward) if forward is not None else ""
+        except (OSError, TypeError, SyntaxError):
+            continue
+        if "loss_function" in source:
+            used = getattr(getattr(model, "loss_function", None), "__name__", "an unknown loss")
+            if used == "ForCausalLMLoss":
+                return
+            raise ValueError(f"{name}.forward computes its loss with {used}, not transformers' ForCausalLMLoss "
+                             "(labels shifted by one): patch_causal_lm would train a different loss, so it refuses")
+        if re.search(r"CrossEntropyLoss|cross_entropy\(", source):
+            if "shift" in source:
+                return
+            raise ValueError(f"{name}.forward computes a cross-entropy of its logits against labels it does not "
+                             "shift (labels aligned with the logits), not transformers' ForCausalLMLoss: "
+                             "patch_causal_lm would train a different loss, so it refuses")
+
+
+def _code(function) -> str:
+    """``function``'s code without its docstring and comments (a docstring may say "not shifted")."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(function))))
+    body = tree.body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    return "\n".join(ast.unparse(node) for node in body)
+
+
 # Config attributes of a post-head transform, and how each enters ``LogitTransform``.
 DECLARED = {
     "final_logit_softcapping": "softcap",          # Gemma 2/3/4, PaliGemma 2: softcap * tanh(x / softcap)
@@ -108,7 +154,7 @@ def _transform(found: dict) -> LogitTransform:
 
 def logit_transforms(config) -> tuple:
     """The post-head transforms ``config`` declares (``DECLARED``, the scales multiplied together), as
-    candidates for ``choose_transform``: first the text config's (``get_text_config()``, where multimodal
+    candidates for ``hf_fit.choose_transform``: first the text config's (``get_text_config()``, where multimodal
     models keep them; an attribute it lacks is taken from the top level), then, if different, the top-level
     config's alone (multimodal wrappers such as LLaVA-NeXT, Aya Vision or Cohere 2 Vision ignore their
     text config's). Llama, Mistral, Qwen2/3, Gemma, Phi3, GPT-2 declare none: ``(LogitTransform(),)``.
@@ -128,47 +174,34 @@ def logit_transforms(config) -> tuple:
 _VERIFY_RTOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def _describe(transform: LogitTransform) -> str:
+def verify_rtol(dtype: torch.dtype) -> float:
+    """The relative agreement asked of logits of ``dtype`` (``_VERIFY_RTOL``; 3e-2 for other dtypes)."""
+    return _VERIFY_RTOL.get(dtype, 3e-2)
+
+
+def describe(transform: LogitTransform) -> str:
     return f"scale={transform.scale}, softcap={transform.softcap}, classes={transform.n_classes or 'all'}"
 
 
-def _mismatch(logits, head_row, transform: LogitTransform, probe: bool):
-    """Why ``logits`` is not ``transform.apply(head_row)`` (a sentence), or None."""
-    expected = transform.apply(head_row.detach().float())
-    if logits.shape[-1] != expected.shape[-1]:
-        return (f"it turns its LM head's {head_row.shape[-1]} columns into {logits.shape[-1]} logit columns, "
-                f"not {expected.shape[-1]} (a vocabulary slice such as logits[..., :unpadded_vocab_size] that "
-                "the config does not declare?)")
-    if probe and logits.numel() != logits.shape[-1]:
-        return (f"it turned one probe row of its LM head's output into logits of shape {tuple(logits.shape)}: "
-                "what it does to its logits depends on the position")
-    got = logits.detach()[(0,) * (logits.dim() - 1)].float()
-    rtol = _VERIFY_RTOL.get(logits.dtype, 3e-2)
+def width_mismatch(logits, head_rows, widths: set):
+    """Why the family's logit width is none of ``widths`` (a sentence), or None."""
+    if logits.shape[-1] in widths:
+        return None
+    return (f"it turns its LM head's {head_rows.shape[-1]} columns into {logits.shape[-1]} logit columns, "
+            f"not {' or '.join(str(w) for w in sorted(widths))} (a vocabulary slice such as "
+            "logits[..., :unpadded_vocab_size] that the config does not declare?)")
+
+
+def mismatch(got, head_rows, transform: LogitTransform):
+    """Why ``got`` (R, n) is not ``transform.apply(head_rows)`` (R, V) (a sentence), or None."""
+    expected = transform.apply(head_rows.float())
+    reason = width_mismatch(got, head_rows, {expected.shape[-1]})
+    if reason is not None:
+        return reason
+    rtol = verify_rtol(got.dtype)
+    got = got.float()
     if torch.allclose(got, expected, rtol=rtol, atol=rtol * float(expected.abs().max())):
         return None
-    worst = int((got - expected).abs().argmax())
-    return (f"at column {worst} the head gave {float(head_row[worst]):.6g}, the model returned "
-            f"{float(got[worst]):.6g}, the declared transform gives {float(expected[worst]):.6g}")
-
-
-def choose_transform(logits, head_row: torch.Tensor, transforms: tuple, model_name: str, probe: bool) -> int:
-    """The index of the first of ``transforms`` (``logit_transforms``) that the family applied: its
-    ``logits`` (its output) must be ``transform.apply`` of what its head returned, ``head_row`` = the
-    head's output at position 0 (``(V,)``, all V columns). With ``probe``, the head returned that row
-    alone (``(1, ..., 1, V)``, ``hf_call.probe_row``) and the output must keep that shape but for its
-    width; else they are the real logits. Checked: the width, and position 0's values (one host sync; run
-    once per patch). ``ValueError`` if none matches: a transform or vocabulary slice the config does not
-    declare, one it declares but the forward does not apply, or one that depends on the position."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
-        raise ValueError(f"{model_name}.forward does not return its LM head's output as `logits`: "
-                         "patch_causal_lm cannot tell what it does to the logits")
-    reasons = []
-    for index, transform in enumerate(transforms):
-        reason = _mismatch(logits, head_row, transform, probe)
-        if reason is None:
-            return index
-        reasons.append(f"against {_describe(transform)}: {reason}")
-    raise ValueError(
-        f"{model_name}.forward transforms the LM head's output in a way that does not match what its config "
-        f"declares (read from the config and its text config; {'; '.join(reasons)}). patch_causal_lm would "
-        "train a different loss, so it refuses; call the model unpatched")
+    row, worst = divmod(int((got - expected).abs().argmax()), got.shape[-1])
+    return (f"at column {worst} the head gave {float(head_rows[row, worst]):.6g}, the model returned "
+            f"{float(got[row, worst]):.6g}, the declared transform gives {float(expected[row, worst]):.6g}")

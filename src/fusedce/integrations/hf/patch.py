@@ -33,7 +33,8 @@ from fusedce.core.options import check_flag
 from fusedce.integrations.hf.adapters import kind as head_kind
 from fusedce.integrations.hf.call import HeadCall, module_name
 from fusedce.integrations.hf.options import LOSS_OPTIONS, validate_options  # noqa: F401  (hf.LOSS_OPTIONS: the public list)
-from fusedce.integrations.hf.head import LogitTransform, base_model, choose_transform, logit_transforms, output_head
+from fusedce.integrations.hf.fit import choose_transform
+from fusedce.integrations.hf.head import LogitTransform, base_model, check_causal_loss, describe, logit_transforms, output_head
 from fusedce.integrations.hf.output import as_tuple, bad_label_message, replace
 from fusedce.integrations.hf.token_weights import flat_token_weights
 
@@ -70,10 +71,17 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
       model keeps ``logits[..., :n]`` of a padded head) makes the loss run over the head's first ``n`` rows
       (the padded rows get zero gradient, as in the stock model). The first labelled call checks that this
       is exactly what the family does (one host sync): its head returns one probe row of all V columns
-      (``(1, ..., 1, V)``; with real logits under ``keep_logits``, position 0 of them), and the family's
-      output must be the declared transform of it, same width, same shape; else ``ValueError``
-      (an undeclared transform or vocabulary slice, a declared one it does not apply, one that depends on
-      the position). When the text config and the top-level config declare different transforms (some
+      (``(1, ..., 1, V)``; with real logits under ``keep_logits``, its first, middle and last positions),
+      and the family's output must be the declared transform of it, same width, same shape. If it is not,
+      the transform is read off that output (``hf_fit``): ``T * tanh(m * x / T)`` with ``m`` 1, a number
+      of the config or text config or its inverse, ``T`` none or such a number, the simplest that matches
+      (HyperCLOVA X's ``logits * logits_scaling``, Muse Glimmer / Spark's ``output_multiplier`` before the
+      softcap; a declared scale the forward does not apply is followed), and that call's loss is computed
+      again for it (once; ``ValueError`` if the head's weight was released by a ZeRO-3 / FSDP2 hook by
+      then). Else ``ValueError`` naming the family and what its forward does (an undeclared vocabulary
+      slice, an offset, a scale or softcap no config number gives, another non-linear map, a transform
+      that depends on the position). Encoder-decoders and families whose stock loss does not shift the
+      labels are refused at patch time (``hf_head.check_causal_loss``). When the text config and the top-level config declare different transforms (some
       wrappers, e.g. LLaVA-NeXT, ignore their text config's), that call computes the loss for both and
       keeps the one the forward applied (one extra fused forward and backward, once);
     - MoE models: a returned ``aux_loss`` is added times ``router_aux_loss_coef``, as the families do;
@@ -131,16 +139,18 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
             call time: the head's weight is not 2-D inside its own forward, the head is called with
             extra arguments or not exactly once.
         ValueError: a bad option value (as ``linear_cross_entropy``), ``softcap`` contradicting the
-            config, or a head / adapter on it that the patch cannot apply exactly (the message names the
-            module and why). At call time: the same for a head replaced after patching, labels that do
-            not match the kept positions, or (first call) a family whose logits go through a transform
-            other than one its config (or text config) declares.
+            config, a head / adapter on it that the patch cannot apply exactly (the message names the
+            module and why), an encoder-decoder or a family whose stock loss does not shift the labels.
+            At call time: the same for a head replaced after patching, labels that do not match the kept
+            positions, or (first call) a family whose logits go through a transform the patch cannot
+            reproduce (declared or read off the forward, see above).
         IndexError: (call time) a label neither ``ignore_index`` nor in ``[0, V)``, named as the user's
             ``labels[b, t]`` (or ``shift_labels[b, t]``).
     """
     head = output_head(model)
     head_kind(head, module_name(model, head))
     base_model(model)
+    check_causal_loss(model)
     transforms = logit_transforms(getattr(model, "config", None))
     options = validate_options(model, loss_options, transforms[0])
     state = getattr(model, _STATE, None)
@@ -239,9 +249,16 @@ def _forward(model, *args, **kwargs):
                         "as self.lm_head(hidden_states)): patch_causal_lm cannot find the final hidden "
                         "states of this model")
     chosen = 0
-    if verify and call.head_row is not None:
-        chosen = choose_transform(out.logits, call.head_row, candidates, name, probe=not keep)
-        state.transforms, state.verified = (candidates[chosen],), True
+    if verify and call.head_rows is not None:
+        chosen, transform, settled = choose_transform(out.logits, call.head_rows, call.rows, call.head_shape,
+                                                      candidates, config, name, probe=not keep)
+        if chosen is None:   # read off the forward: this call's loss again, for that transform
+            validate_options(model, state.loss_options, transform)
+            call.recompute(lambda h, w, b: _loss(model, state, transform, h, w, b, labels, shift_labels, num_items,
+                                                 token_scaling, token_weights), name, describe(transform))
+            candidates, chosen = (transform,), 0
+        if settled:   # else (real logits too small to tell) the next labelled call looks again
+            state.transforms, state.verified = (transform,), True
     loss = call.final_loss(out.logits)
     if len(candidates) > 1:
         loss = loss[chosen]
