@@ -40,7 +40,6 @@ def _chunked_op(hs: Tensor, ws: Tensor, bs: Opt, ht: Tensor, wt: Tensor, bt: Opt
     rows = chunk_size or chunk_rows(n, max(hs.shape[1], ht.shape[1]), ws.shape[0], hs.device.type)
     loss = torch.empty(n, dtype=torch.float32, device=hs.device)
     want = grad_factor is not None
-    empty = hs.new_empty(0, dtype=torch.float32)
     g_h = torch.empty(hs.shape, dtype=hs.dtype, device=hs.device) if want and needs_hidden else None
     g_w = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if want and needs_weight else None
     g_b = torch.zeros(ws.shape[0], dtype=torch.float32, device=ws.device) if want and needs_bias else None
@@ -55,18 +54,17 @@ def _chunked_op(hs: Tensor, ws: Tensor, bs: Opt, ht: Tensor, wt: Tensor, bt: Opt
         if d is not None:   # d: the logits' dtype (fp32)
             loop.backprop_chunk_(d, hs[c], ws, c, g_h, g_w, g_b)
         del d
-    return (loss, empty if g_h is None else g_h, empty if g_w is None else g_w, empty if g_b is None else g_b)
+    return tuple(hs.new_empty(0, dtype=torch.float32) if g is None else g for g in (loss, g_h, g_w, g_b))
 
 
 @_chunked_op.register_fake
 def _(hs, ws, bs, ht, wt, bt, target, grad_factor, beta, temperature, hard_label_weight, ignore_index,
       student_softcap, teacher_softcap, backend, chunk_size, needs_hidden, needs_weight, needs_bias):
     want = grad_factor is not None
-    empty = hs.new_empty(0, dtype=torch.float32)
     return (hs.new_empty(hs.shape[0], dtype=torch.float32),
-            torch.empty_like(hs) if want and needs_hidden else empty,
-            hs.new_empty(ws.shape, dtype=torch.float32) if want and needs_weight else empty,
-            hs.new_empty(ws.shape[0], dtype=torch.float32) if want and needs_bias else empty)
+            torch.empty_like(hs) if want and needs_hidden else hs.new_empty(0, dtype=torch.float32),
+            hs.new_empty(ws.shape, dtype=torch.float32) if want and needs_weight else hs.new_empty(0, dtype=torch.float32),
+            hs.new_empty(ws.shape[0], dtype=torch.float32) if want and needs_bias else hs.new_empty(0, dtype=torch.float32))
 
 
 def chunked_distill(backend: str, chunk_size: Optional[int], hs, ws, bs, ht, wt, bt, target, grad_factor, kw: dict,

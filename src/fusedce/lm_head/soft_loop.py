@@ -20,26 +20,32 @@ from typing import Optional
 
 import torch
 
-from fusedce.backends.pytorch import soft_tiled
+from fusedce.backends.pytorch.custom_ops import soft_tiled_backward, soft_tiled_forward
+from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import grad_lse
 from . import chunked as loop
-from .method import chunk_rows, resolve_method
+from .chunk_rule import chunk_rows
+from .method import resolve_method
 
 _OP_NAMESPACES = {"torch": "fusedce_torch", "triton": "fusedce"}   # backends/*/soft_targets.py
+Opt = Optional[torch.Tensor]
+Tensor = torch.Tensor
 
 
 def soft_ops(impl):
-    """``(forward, backward_inplace)``: the backend's probability-target row ops (torch custom ops)."""
+    """``(forward, backward_inplace)``: the backend's probability-target row ops (torch custom ops); ``impl``
+    the backend package (its ``NAME``)."""
     ns = getattr(torch.ops, _OP_NAMESPACES[impl.NAME])
     return ns.soft_ce_forward, ns.soft_ce_backward_inplace
 
 
-class SoftChunkedHead:
-    grads_in_forward = True
+class _SoftChunks:
+    """The chunk loop itself (eager), ``rows`` tokens a chunk, the backend named ``backend``'s row ops."""
 
-    def __init__(self, impl, rows: int, logits: str = "float32"):
-        self.forward_op, self.backward_op = soft_ops(impl)
+    def __init__(self, backend: str, rows: int, logits: str = "float32"):
+        ns = getattr(torch.ops, _OP_NAMESPACES[backend])
+        self.forward_op, self.backward_op = ns.soft_ce_forward, ns.soft_ce_backward_inplace
         self.rows, self.logits = rows, logits   # logits: chunked.logits_dtype's choice
 
     def _chunks(self, hidden, weight, bias):
@@ -63,8 +69,6 @@ class SoftChunkedHead:
 
     def grads(self, hidden, weight, bias, q, w, opts: LossOptions, grad_row, z_grad_row, needs, accum_dtype,
               saved=None, stats: bool = False):
-        """``saved = (lse, lse_lo, a)`` from a forward: only the backward (each chunk recomputed);
-        None: the forward too, each chunk's gradient formed right after its loss."""
         if saved is not None:
             lse, lse_lo, a = saved
             g_lse = grad_lse(lse, z_grad_row, opts)
@@ -94,18 +98,101 @@ class SoftChunkedHead:
         return loss, lse, lse_lo, a, predicted, grad_h, grad_w, grad_b
 
 
+def _rows(chunk_size: int, hidden, weight) -> int:
+    return chunk_size or chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.device.type)
+
+
+def _f32(like, n):
+    return like.new_empty(n, dtype=torch.float32)
+
+
+def _or_empty(t, like, dtype=torch.float32):
+    return like.new_empty(0, dtype=dtype) if t is None else t
+
+
+@opaque_op("fusedce_lm::soft_chunked_forward", mutates_args=())
+def _forward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, ignore_index: int, scalars: list[float],
+                backend: str, chunk_size: int, logits: str, stats: bool
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    *rows, predicted = _SoftChunks(backend, _rows(chunk_size, hidden, weight), logits).forward(
+        hidden, weight, bias, q, w, LossOptions.from_op_args(ignore_index, scalars), stats)
+    return (*rows, _or_empty(predicted, hidden, torch.int64))
+
+
+@_forward_op.register_fake
+def _(hidden, weight, bias, q, w, ignore_index, scalars, backend, chunk_size, logits, stats):
+    n = hidden.shape[0]
+    return (*(_f32(hidden, n) for _ in range(4)), hidden.new_empty(n if stats else 0, dtype=torch.int64))
+
+
+@opaque_op("fusedce_lm::soft_chunked_grads", mutates_args=())
+def _grads_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, ignore_index: int, scalars: list[float],
+              backend: str, chunk_size: int, logits: str, grad_row: Tensor, z_grad_row: Tensor, needs_hidden: bool,
+              needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype, stats: bool, lse: Opt, lse_lo: Opt,
+              a: Opt) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    saved = None if lse is None else (lse, lse_lo, a)
+    out = _SoftChunks(backend, _rows(chunk_size, hidden, weight), logits).grads(
+        hidden, weight, bias, q, w, LossOptions.from_op_args(ignore_index, scalars), grad_row, z_grad_row,
+        (needs_hidden, needs_weight, needs_bias), accum_dtype, saved, stats)
+    loss, lse_out, lo_out, a_out, predicted, g_h, g_w, g_b = out
+    if saved is not None:   # never return an input (a custom op may not alias one): the entry point has them
+        lse_out = lo_out = a_out = None
+    return (_or_empty(loss, hidden), _or_empty(lse_out, hidden), _or_empty(lo_out, hidden), _or_empty(a_out, hidden),
+            _or_empty(predicted, hidden, torch.int64), _or_empty(g_h, hidden, hidden.dtype),
+            _or_empty(g_w, hidden, accum_dtype), _or_empty(g_b, hidden, accum_dtype))
+
+
+@_grads_op.register_fake
+def _(hidden, weight, bias, q, w, ignore_index, scalars, backend, chunk_size, logits, grad_row, z_grad_row,
+      needs_hidden, needs_weight, needs_bias, accum_dtype, stats, lse, lse_lo, a):
+    n = hidden.shape[0]
+    k = n if lse is None else 0
+    return (*(_f32(hidden, k) for _ in range(4)), hidden.new_empty(k if stats else 0, dtype=torch.int64),
+            hidden.new_empty(hidden.shape if needs_hidden else (0,)),
+            weight.new_empty(weight.shape if needs_weight else (0,), dtype=accum_dtype),
+            weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=accum_dtype))
+
+
+class SoftChunkedHead:
+    """``method="chunked"``: ``_SoftChunks`` through one op per loop (``fusedce_lm::soft_chunked_forward`` /
+    ``soft_chunked_grads``: a tracer sees one node whatever the token count, ``loop_ops.py``'s reason; the
+    rows per chunk decided from the real count, ``chunk_size`` None for the rule)."""
+    grads_in_forward = True
+
+    def __init__(self, impl, chunk_size: Optional[int], logits: str = "float32"):
+        self.backend, self.chunk_size, self.logits = impl.NAME, chunk_size or 0, logits
+
+    def forward(self, hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
+        *rows, predicted = _forward_op(hidden, weight, bias, q, w, *opts.op_args(), self.backend, self.chunk_size,
+                                       self.logits, stats)
+        return (*rows, predicted if stats else None)
+
+    def grads(self, hidden, weight, bias, q, w, opts: LossOptions, grad_row, z_grad_row, needs, accum_dtype,
+              saved=None, stats: bool = False):
+        """``saved = (lse, lse_lo, a)`` from a forward: only the backward (each chunk recomputed);
+        None: the forward too, each chunk's gradient formed right after its loss."""
+        lse, lse_lo, a = (None,) * 3 if saved is None else saved
+        loss, lse_o, lo_o, a_o, predicted, g_h, g_w, g_b = _grads_op(
+            hidden, weight, bias, q, w, *opts.op_args(), self.backend, self.chunk_size, self.logits, grad_row,
+            z_grad_row, *needs, accum_dtype, stats, lse, lse_lo, a)
+        grads = tuple(g if need else None for g, need in zip((g_h, g_w, g_b), needs))
+        if saved is not None:
+            return (None, lse, lse_lo, a, None, *grads)
+        return (loss, lse_o, lo_o, a_o, predicted if stats else None, *grads)
+
+
 class SoftTiledHead:
     grads_in_forward = False
 
     def forward(self, hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
-        return soft_tiled.soft_tiled_forward(hidden, weight, bias, q, w, opts, stats)
+        return soft_tiled_forward(hidden, weight, bias, q, w, opts, stats)
 
     def grads(self, hidden, weight, bias, q, w, opts: LossOptions, grad_row, z_grad_row, needs, accum_dtype,
               saved=None, stats: bool = False):
         if saved is None:
             raise AssertionError("SoftTiledHead.grads recomputes from a forward's saved statistics")
         lse, lse_lo, a = saved
-        grads = soft_tiled.soft_tiled_backward(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row,
+        grads = soft_tiled_backward(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row,
                                                grad_lse(lse, z_grad_row, opts), opts, needs, accum_dtype)
         return (None, lse, lse_lo, a, None, *grads)
 
@@ -115,4 +202,4 @@ def make_soft_head(impl, method: str, n_rows: int, hidden_size: int, vocab_size:
     """The head for ``method`` ("auto" resolved by ``method.resolve_method``)."""
     if resolve_method(method) == "tiled":
         return SoftTiledHead()
-    return SoftChunkedHead(impl, chunk_size or chunk_rows(n_rows, hidden_size, vocab_size, device_type), logits)
+    return SoftChunkedHead(impl, chunk_size, logits)   # rows decided inside the loop's op

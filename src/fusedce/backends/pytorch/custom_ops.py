@@ -22,6 +22,8 @@ the call does not make is a (0,) tensor, mapped back to None by the typed entry 
   ``tiled.TorchTiledCE`` (``method="tiled"``);
 - ``chunk_token_stats``: ``token_stats.chunk_token_stats`` (the RL ops' ``return_stats``);
 - ``slice_stats`` / ``slice_grad``: ``slices.py`` (vocab parallelism);
+- ``soft_tiled_forward`` / ``soft_tiled_backward``: ``soft_tiled.py`` (probability targets with
+  ``method="tiled"``, on every backend; traced, its block loops specialized on the token count);
 - ``tiled_distill``: ``distill_tiled.tiled_distill`` (``linear_distillation_loss(method="tiled")``; traced, its
   block loop reached ``torch.is_inference_mode_enabled``, which Dynamo refuses with ``fullgraph=True``).
 
@@ -43,6 +45,7 @@ from .launch import chunk_grad_, chunk_loss
 from .slices import slice_grad as _slice_grad
 from .slices import slice_stats as _slice_stats
 from .distill_tiled import tiled_distill as _tiled_distill
+from . import soft_tiled as _soft_tiled
 from .tiled import TorchTiledCE
 from .token_stats import chunk_token_stats
 
@@ -308,3 +311,52 @@ def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, 
     if grad_factor is None:
         return loss, None, None, None
     return loss, g_h, g_w, (None if student_bias is None else g_b)
+
+
+# ---------------------------------------------------------------- probability targets, method="tiled"
+
+@opaque_op("fusedce_torch::soft_tiled_forward", mutates_args=())
+def _soft_tiled_forward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, ignore_index: int,
+                           scalars: list[float], stats: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    *rows, predicted = _soft_tiled.soft_tiled_forward(hidden, weight, bias, q, w,
+                                                     LossOptions.from_op_args(ignore_index, scalars), stats)
+    return (*rows, _or_empty(predicted, hidden, torch.int64))
+
+
+@_soft_tiled_forward_op.register_fake
+def _(hidden, weight, bias, q, w, ignore_index, scalars, stats):
+    n = hidden.shape[0]
+    return (*(_f32(hidden, n) for _ in range(4)), _i64(hidden, n if stats else 0))
+
+
+def soft_tiled_forward(hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
+    """``soft_tiled.soft_tiled_forward`` (same arguments and results) as one op."""
+    *rows, predicted = _soft_tiled_forward_op(hidden, weight, bias, q, w, *opts.op_args(), stats)
+    return (*rows, _none_if_empty(predicted, stats))
+
+
+@opaque_op("fusedce_torch::soft_tiled_backward", mutates_args=())
+def _soft_tiled_backward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, lse: Tensor, lse_lo: Tensor,
+                            a: Tensor, grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
+                            needs_hidden: bool, needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    needs = (needs_hidden, needs_weight, needs_bias)
+    grads = _soft_tiled.soft_tiled_backward(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse,
+                                            LossOptions.from_op_args(ignore_index, scalars), needs, accum_dtype)
+    return tuple(_or_empty(g, hidden, dtype) for g, dtype in zip(grads, (hidden.dtype, accum_dtype, accum_dtype)))
+
+
+@_soft_tiled_backward_op.register_fake
+def _(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse, ignore_index, scalars, needs_hidden,
+      needs_weight, needs_bias, accum_dtype):
+    return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
+            weight.new_empty(weight.shape if needs_weight else (0,), dtype=accum_dtype),
+            weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=accum_dtype))
+
+
+def soft_tiled_backward(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse, opts: LossOptions, needs,
+                        accum_dtype):
+    """``soft_tiled.soft_tiled_backward`` (same arguments and results) as one op."""
+    grads = _soft_tiled_backward_op(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse, *opts.op_args(),
+                                    *needs, accum_dtype)
+    return tuple(_none_if_empty(g, need) for g, need in zip(grads, needs))
