@@ -22,10 +22,10 @@ Rule for ``chunk_size=None``, per device type (``chunk_rows``):
   rows there), ``fusedce bench``'s real-input row: 184 MiB (harness method, .grad included); forward+backward
   in rotation with the peers in one process: 8.1-8.7 s, PyTorch's 20.9-22.0 s, TRL's 11.9-12.5 s (README,
   "Measured").
-- Under ``torch.compile`` every device takes the GPU rule where a loop is traced: Dynamo traces the chunk loop (one copy of the
-  chunk's ops per chunk; the PyTorch backend's per-chunk work is one custom op each, ``backends/pytorch/
-  custom_ops.py``), so fewer, larger chunks keep the graph and the compile time small (at 600 tokens, H =
-  16: 1 chunk instead of 10; the compile time over the eager call is pinned by ``tests/ce/test_compile_loops.py``).
+- Under ``torch.compile`` the chunk loops run inside custom ops (``loop_ops.py``, ``soft_loop.py``,
+  ``distill/chunk_op.py``, ``rl/multi_ops.py``), where the rule sees the real token count and is not compiling:
+  the same rows as eager. A loop still traced by Dynamo (the K-class backward's, inside its op too) calls it
+  while compiling: every device then takes the GPU rule (fewer, larger chunks keep a traced graph small).
 """
 from __future__ import annotations
 
