@@ -277,6 +277,7 @@ def test_gkd_same_loss_and_gradients_as_trl_without_logits(tmp_path, student_fam
     inputs = _gkd_inputs()
     loss, grads = _gkd_step(trainer, inputs, num_items)
     fusedce.patch_distillation_trainer(trainer, method="tiled", backend="torch")
+    _gkd_step(trainer, inputs, num_items)   # the first call checks each head transform on one token (1 x V)
     with WidestOutput() as fused_step:
         f_loss, f_grads = _gkd_step(trainer, inputs, num_items)
     assert fused_step.widest < VOCAB, fused_step.widest
@@ -300,3 +301,20 @@ def test_gkd_outputs_requested_run_trl_and_unpatch(tmp_path):
     assert float(loss) == pytest.approx(float(trainer.compute_loss(trainer.model, inputs)), rel=1e-5)
     fusedce.unpatch_distillation_trainer(trainer)
     assert "compute_loss" not in vars(trainer)
+
+
+def test_gkd_follows_the_forward_not_the_declared_name(tmp_path):
+    """A config may declare a transform under a known name that its forward does not apply (a Llama with
+    ``logits_scaling``, which Granite divides by and HyperCLOVA X multiplies by): the GKD path checks the
+    declared transform on one token of each model's forward and follows the forward. Before, it divided the
+    student's logits by 4 and trained another loss than TRL's."""
+    student = _llama(32, 0)
+    student.config.logits_scaling = 4.0          # declared, not applied by LlamaForCausalLM.forward
+    trainer = _gkd(tmp_path, student, _llama(48, 1), 0.5)
+    inputs = _gkd_inputs()
+    loss, grads = _gkd_step(trainer, inputs)
+    fusedce.patch_distillation_trainer(trainer, backend="torch")
+    f_loss, f_grads = _gkd_step(trainer, inputs)
+    assert float(f_loss) == pytest.approx(float(loss), rel=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(f_grads[name], g, rtol=1e-4, atol=1e-6 * float(g.abs().max()))

@@ -24,8 +24,8 @@ Rule for ``chunk_size=None``, per device type (``chunk_rows``):
   "Measured").
 - Under ``torch.compile`` the chunk loops run inside custom ops (``loop_ops.py``, ``soft_loop.py``,
   ``distill/chunk_op.py``, ``rl/multi_ops.py``), where the rule sees the real token count and is not compiling:
-  the same rows as eager. A loop still traced by Dynamo (the K-class backward's, inside its op too) calls it
-  while compiling: every device then takes the GPU rule (fewer, larger chunks keep a traced graph small).
+  the same rows as eager. A caller that traces a loop itself (none of the linear ops now) would call it while
+  compiling: every device then takes the GPU rule (fewer, larger chunks keep a traced graph small).
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -127,22 +128,61 @@ def _last_hidden_state(model, input_ids, attention_mask):
     return base_model(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 
-def _head(model, role: str):
-    """``(weight, bias, scale, softcap)`` of the model's plain ``nn.Linear`` LM head and what its config
-    declares the family does to the head's output (``hf_head.logit_transforms``). ``ValueError`` for a
-    head that is not a plain ``nn.Linear`` (a peft adapter on it, which this path would not apply), a
-    padded head (``unpadded_vocab_size``), or a config whose text and top-level parts disagree."""
-    from fusedce.integrations.hf.head import logit_transforms, output_head
+_VERIFIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # unwrapped model -> LogitTransform
+
+
+def _head(model, role: str, wrapped=None, probe_ids=None):
+    """``(weight, bias, scale, softcap)`` of the model's plain ``nn.Linear`` LM head and what the family does
+    to the head's output. ``ValueError`` for a head that is not a plain ``nn.Linear`` (a peft adapter on it,
+    which this path would not apply), a padded head (``unpadded_vocab_size``), a config whose text and
+    top-level parts disagree, or a transform neither declared nor read off the forward.
+
+    The transform is checked against the family's own forward once per model (``_verified_transform``, with
+    ``wrapped`` the model as the trainer holds it and ``probe_ids`` a (1, 1) token): the config's declared
+    names are a guess (HyperCLOVA X multiplies by ``logits_scaling`` where Granite divides by it), so the
+    first call runs one token through the forward, reads the head's output and the logits, and keeps the
+    declared transform if it reproduces them, else the one ``hf/fit.py`` reads off them."""
+    from fusedce.integrations.hf.head import output_head
     model = _unpeft(model)
     head = output_head(model)
     if type(head) is not torch.nn.Linear:
         raise ValueError(f"the {role}'s LM head is a {type(head).__name__}, not a plain nn.Linear: "
                          "fusedce.patch_distillation_trainer would ignore what it adds (e.g. a LoRA adapter)")
-    transforms = logit_transforms(getattr(model, "config", None))
+    transform = _VERIFIED.get(model)
+    if transform is None:
+        transform = _verified_transform(model, head, role, wrapped if wrapped is not None else model, probe_ids)
+    return head.weight, head.bias, transform.scale, transform.softcap
+
+
+def _verified_transform(model, head, role: str, wrapped, probe_ids):
+    """The family's head transform, checked on one token of its forward (see ``_head``), cached per model."""
+    from fusedce.integrations.hf.fit import fit_transform
+    from fusedce.integrations.hf.head import logit_transforms, mismatch
+    config = getattr(model, "config", None)
+    transforms = logit_transforms(config)
     if len(transforms) != 1 or transforms[0].n_classes is not None:
         raise ValueError(f"the {role}'s config declares a logit transform fusedce's GKD loss does not apply "
                          f"({transforms}): run TRL's own loss")
-    return head.weight, head.bias, transforms[0].scale, transforms[0].softcap
+    if probe_ids is None:
+        return transforms[0]
+    seen = []
+    hook = head.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+    try:
+        with torch.no_grad():
+            logits = wrapped(input_ids=probe_ids, use_cache=False).logits
+    finally:
+        hook.remove()
+    raw, got = seen[-1].reshape(-1, seen[-1].shape[-1]).float(), logits.reshape(-1, logits.shape[-1]).float()
+    family = type(model).__name__
+    if mismatch(got, raw, transforms[0]) is None:
+        found = transforms[0]
+    else:
+        found, why, _settled = fit_transform(got.flatten(), raw.flatten(), config, None, True)
+        if found is None:
+            raise ValueError(f"the {role} ({family}) transforms its LM head's output in a way fusedce's GKD "
+                             f"loss cannot reproduce: {why}; run TRL's own loss")
+    _VERIFIED[model] = found
+    return found
 
 
 def gkd_loss(trainer, model, inputs: dict, num_items_in_batch, options: Options) -> torch.Tensor:
@@ -165,8 +205,9 @@ def gkd_loss(trainer, model, inputs: dict, num_items_in_batch, options: Options)
     with torch.no_grad():
         h_t = redirect(trainer.teacher_model, teacher, _last_hidden_state, teacher, ids, mask)[:, :-1]
     labels = inputs["labels"][:, 1:]
-    w_s, b_s, scale_s, cap_s = _head(student, "student")
-    w_t, b_t, scale_t, cap_t = _head(teacher, "teacher")
+    probe = ids[:1, :1]
+    w_s, b_s, scale_s, cap_s = _head(student, "student", model, probe)
+    w_t, b_t, scale_t, cap_t = _head(teacher, "teacher", trainer.teacher_model, probe)
     h_s, b_s = _scaled(h_s.reshape(-1, h_s.shape[-1]), b_s, scale_s)
     h_t, b_t = _scaled(h_t.reshape(-1, h_t.shape[-1]).to(w_s.device), b_t, scale_t)
     target = labels.reshape(-1).to(w_s.device)
