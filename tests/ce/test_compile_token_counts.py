@@ -141,3 +141,27 @@ def test_mark_dynamic_takes_the_token_dimension():
         torch._dynamo.mark_dynamic(t, 0)
         compiled(h, W, t, ht, Wt).backward()
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "log_probs", "distillation"])
+def test_batch_invariant_compiles_once_with_and_without_padding(op):
+    """``batch_invariant=True`` pads the rows to a multiple of 64: under compile the padding is always
+    applied (``F.pad``, possibly 0 rows), so a count that needs none (64, 128) does not specialize the graph
+    (before: ``if pad == 0`` and ``torch.cat``'s empty-tensor test each added a guard)."""
+    calls = {
+        "linear_cross_entropy": lambda h, W, t, ht, Wt: fusedce.linear_cross_entropy(
+            h, W, t, backend="torch", batch_invariant=True),
+        "log_probs": lambda h, W, t, ht, Wt: fusedce.linear_token_log_probs(
+            h, W, t, backend="torch", batch_invariant=True).sum(),
+        "distillation": lambda h, W, t, ht, Wt: fusedce.linear_distillation_loss(
+            h, W, ht, Wt, target=t, backend="torch", batch_invariant=True),
+    }
+    torch._dynamo.reset()
+    step = calls[op]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for n in (37, 64, 100, 128):
+        eager, traced = _run(step, compiled, n)
+        for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), eager, traced):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} at {n} tokens: {m}")
+    assert counter.frame_count <= 2, counter.frame_count

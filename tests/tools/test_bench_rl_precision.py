@@ -8,6 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from fusedce.tools.bench.names import path_name
 from fusedce.tools.bench import command, rl_precision
 from fusedce.tools.bench.report_rl import print_table
 
@@ -45,7 +46,7 @@ def test_errors_and_placements(real_file):
     console = Console(record=True, width=200)
     print_table(out, console)
     text = console.export_text()
-    assert rl_precision.PATHS["fusedce"] in text and "batch invariance" in text
+    assert path_name("fusedce") in text and "batch invariance" in text
 
 
 def test_trl_rows_ignore_nothing_they_should_not(real_file):

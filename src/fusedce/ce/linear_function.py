@@ -144,7 +144,7 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
                                                                           weight_sum, opts, stats)
         token_weight = times(token_weight, token_weights)
         out = reduce(*token_scaled(loss, z_rows(lse, opts), token_weight), reduction, scales, loss.shape)
-    if hidden.shape[0] != kept:   # batch_invariant's padding rows dropped
+    if batch_invariant:   # the padding rows dropped (a no-op slice without padding; no traced size test)
         out = out[:kept] if reduction == "none" else out
         lse, predicted = lse[:kept], predicted[:kept]
         token_weight = None if token_weight is None else token_weight[:kept]

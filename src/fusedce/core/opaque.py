@@ -19,9 +19,20 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _plain_eager(args: Sequence) -> bool:
-    """True when no tracer, mode or subclass would need the registered op: a direct call is equivalent."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+def _tracing_mode() -> bool:
+    """A tracing dispatch mode is active: fake tensors, ``make_fx``'s proxy mode or functionalization (the
+    modes ``torch.compile``, ``make_fx``, ``aot_function`` and ``torch.export`` trace under)."""
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL))
+
+
+def _plain_eager(args: Sequence, observable: bool = False) -> bool:
+    """True when no tracer, mode or subclass would need the registered op: a direct call is equivalent.
+    ``observable``: a dispatch mode that does not trace (``FlopCounterMode``, a user's ``TorchDispatchMode``)
+    does not need it either, and sees every op of the body."""
+    if torch.compiler.is_compiling():
+        return False
+    if _tracing_mode() if observable else _get_current_dispatch_mode() is not None:
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return False
@@ -29,7 +40,7 @@ def _plain_eager(args: Sequence) -> bool:
         if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or a.is_meta):
             return False
         if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
-            if not _plain_eager(a):
+            if not _plain_eager(a, observable):
                 return False
     return True
 
@@ -37,20 +48,23 @@ def _plain_eager(args: Sequence) -> bool:
 class OpaqueOp:
     """A custom op (``self.op``) callable like its Python body; see the module docstring.
 
-    ``register_fake`` is the custom op's (used as a decorator)."""
+    ``register_fake`` is the custom op's (used as a decorator). ``observable``: the body also runs directly
+    under a dispatch mode that does not trace (the chunk loops of the linear ops: a ``FlopCounterMode`` then
+    counts their matmuls, as it did when the loops were plain Python)."""
 
-    def __init__(self, name: str, fn: Callable, mutates_args: Sequence[str]):
-        self.fn = fn
+    def __init__(self, name: str, fn: Callable, mutates_args: Sequence[str], observable: bool = False):
+        self.fn, self.observable = fn, observable
         self.op = torch.library.custom_op(name, mutates_args=tuple(mutates_args))(fn)
         self.register_fake = self.op.register_fake
 
     def __call__(self, *args, **kwargs):
-        if _plain_eager(args) and _plain_eager(tuple(kwargs.values())):
+        if _plain_eager(args, self.observable) and _plain_eager(tuple(kwargs.values()), self.observable):
             with torch.no_grad():
                 return self.fn(*args, **kwargs)
         return self.op(*args, **kwargs)
 
 
-def opaque_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], OpaqueOp]:
+def opaque_op(name: str, *, mutates_args: Sequence[str] = (), observable: bool = False
+              ) -> Callable[[Callable], OpaqueOp]:
     """``torch.library.custom_op(name, mutates_args=...)`` as an :class:`OpaqueOp` (decorator)."""
-    return lambda fn: OpaqueOp(name, fn, mutates_args)
+    return lambda fn: OpaqueOp(name, fn, mutates_args, observable)

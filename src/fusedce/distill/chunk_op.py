@@ -28,7 +28,7 @@ def _rows_op(backend: str, device: torch.device):
     return backends.get(backend, device, distill=True).distill_rows
 
 
-@opaque_op("fusedce_distill::chunked", mutates_args=())
+@opaque_op("fusedce_distill::chunked", mutates_args=(), observable=True)
 def _chunked_op(hs: Tensor, ws: Tensor, bs: Opt, ht: Tensor, wt: Tensor, bt: Opt, target: Opt, grad_factor: Opt,
                 beta: float, temperature: float, hard_label_weight: float, ignore_index: int,
                 student_softcap: Optional[float], teacher_softcap: Optional[float], backend: str, chunk_size: int,

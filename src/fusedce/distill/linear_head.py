@@ -118,7 +118,9 @@ class TiledDistill:
 def _padded(factor: torch.Tensor, n: int) -> torch.Tensor:
     """The (n_real,) per-row factor followed by zeros up to ``n`` rows (batch_invariant's padding rows get
     no gradient: their logits' gradient is exactly 0, so they add nothing to the weight and bias gradients)."""
-    return factor if factor.shape[0] == n else torch.cat([factor, factor.new_zeros(n - factor.shape[0])])
+    if not torch.compiler.is_compiling() and factor.shape[0] == n:
+        return factor
+    return torch.nn.functional.pad(factor, (0, n - factor.shape[0]))   # no traced size test (invariant.pad_rows)
 
 
 def headroom_holds(kw: dict, dtype: torch.dtype) -> bool:
@@ -184,12 +186,12 @@ def _pad_rows(hs, ht, target, ignore_index: int):
     """``batch_invariant``: the rows padded to a multiple of ``invariant.ROWS`` with zero hidden rows of both
     models (and ``ignore_index`` targets); the padding rows get a zero upstream factor (``_padded``)."""
     pad = -hs.shape[0] % invariant.ROWS
-    if pad == 0:
+    if not torch.compiler.is_compiling() and pad == 0:
         return hs, ht, target
-    hs = torch.cat([hs, hs.new_zeros(pad, hs.shape[1])])
-    ht = torch.cat([ht, ht.new_zeros(pad, ht.shape[1])])
+    F = torch.nn.functional   # F.pad, not torch.cat: no traced size test (``invariant.pad_rows``)
+    hs, ht = F.pad(hs, (0, 0, 0, pad)), F.pad(ht, (0, 0, 0, pad))
     if target is not None:
-        target = torch.cat([target, target.new_full((pad,), ignore_index)])
+        target = F.pad(target, (0, pad), value=ignore_index)
     return hs, ht, target
 
 

@@ -75,13 +75,16 @@ def pad_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int,
              extra: Optional[torch.Tensor] = None):
     """``(hidden, target, extra)`` padded to a multiple of ``ROWS`` rows: zero hidden rows (differentiable:
     the gradient of the real rows flows back through the concatenation), ``ignore_index`` targets and
-    zero ``extra`` rows (per-row weights, or None). The inputs themselves when no padding is needed."""
+    zero ``extra`` rows (per-row weights, or None). The inputs themselves when no padding is needed (under
+    torch.compile the padding is always concatenated, possibly 0 rows: a traced ``pad == 0`` would specialize
+    the graph on the token count)."""
     n = hidden.shape[0]
     pad = -n % ROWS
-    if pad == 0:
+    if not torch.compiler.is_compiling() and pad == 0:
         return hidden, target, extra
-    hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
-    target = torch.cat([target, target.new_full((pad,) + tuple(target.shape[1:]), ignore_index)])
+    F = torch.nn.functional
+    hidden = F.pad(hidden, (0, 0, 0, pad))
+    target = F.pad(target, (0, 0) * (target.dim() - 1) + (0, pad), value=ignore_index)
     if extra is not None:
-        extra = torch.cat([extra, extra.new_zeros(pad)])
+        extra = F.pad(extra, (0, pad))
     return hidden, target, extra

@@ -62,7 +62,7 @@ def _f32(like: Tensor, n) -> Tensor:
 
 # ---------------------------------------------------------------- forward without gradients
 
-@opaque_op("fusedce_lm::chunked_loss", mutates_args=())
+@opaque_op("fusedce_lm::chunked_loss", mutates_args=(), observable=True)
 def _loss_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, weight_sum: Opt, ignore_index: int,
              scalars: list[float], backend: str, chunk_size: int, logits: str, stats: bool, entropy: bool
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -93,7 +93,7 @@ def loss_only(ce, chunk_size: Optional[int], hidden, weight, bias, target, w, we
 
 # ---------------------------------------------------------------- gradients (with or without the forward)
 
-@opaque_op("fusedce_lm::chunked_grads", mutates_args=())
+@opaque_op("fusedce_lm::chunked_grads", mutates_args=(), observable=True)
 def _grads_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, weight_sum: Opt, ignore_index: int,
               scalars: list[float], backend: str, chunk_size: int, logits: str, grad_row: Tensor, z_grad_row: Tensor,
               needs_hidden: bool, needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype, stats: bool,
@@ -152,7 +152,7 @@ def grads(ce, chunk_size: Optional[int], hidden, weight, bias, target, w, weight
 
 # ---------------------------------------------------------------- the RL forward with TRL's statistics
 
-@opaque_op("fusedce_lm::chunked_token_stats", mutates_args=())
+@opaque_op("fusedce_lm::chunked_token_stats", mutates_args=(), observable=True)
 def _stats_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, ignore_index: int, scalars: list[float],
               backend: str, chunk_size: int, logits: str, entropy: bool
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -110,7 +110,7 @@ def _or_empty(t, like, dtype=torch.float32):
     return like.new_empty(0, dtype=dtype) if t is None else t
 
 
-@opaque_op("fusedce_lm::soft_chunked_forward", mutates_args=())
+@opaque_op("fusedce_lm::soft_chunked_forward", mutates_args=(), observable=True)
 def _forward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, ignore_index: int, scalars: list[float],
                 backend: str, chunk_size: int, logits: str, stats: bool
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -125,7 +125,7 @@ def _(hidden, weight, bias, q, w, ignore_index, scalars, backend, chunk_size, lo
     return (*(_f32(hidden, n) for _ in range(4)), hidden.new_empty(n if stats else 0, dtype=torch.int64))
 
 
-@opaque_op("fusedce_lm::soft_chunked_grads", mutates_args=())
+@opaque_op("fusedce_lm::soft_chunked_grads", mutates_args=(), observable=True)
 def _grads_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, ignore_index: int, scalars: list[float],
               backend: str, chunk_size: int, logits: str, grad_row: Tensor, z_grad_row: Tensor, needs_hidden: bool,
               needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype, stats: bool, lse: Opt, lse_lo: Opt,

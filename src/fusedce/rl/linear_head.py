@@ -135,7 +135,7 @@ def linear_token_log_probs(ce: ChunkCE, hidden, weight, target, bias, opts: Loss
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     log_probs, entropy, *stats = _LinearLogProbs.apply(hidden, weight, bias, target, head, opts, want_entropy,
                                                        want_stats, needs)
-    if hidden.shape[0] != kept:   # batch_invariant's padding rows dropped
+    if batch_invariant:   # the padding rows dropped (a no-op slice without padding; no traced size test)
         log_probs, entropy = log_probs[:kept], entropy[:kept] if want_entropy else entropy
         stats = [v[:kept] for v in stats] if want_stats else stats
     log_probs = scatter_rows(log_probs, index, n, 0.0)

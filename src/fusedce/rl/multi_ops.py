@@ -32,7 +32,7 @@ Opt = Optional[torch.Tensor]
 Tensor = torch.Tensor
 
 
-@opaque_op("fusedce_rl::k_forward", mutates_args=())
+@opaque_op("fusedce_rl::k_forward", mutates_args=(), observable=True)
 def _forward_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, ignore_index: int, scalars: list[float],
                 backend: str, tiled: bool, chunk_size: int, deterministic: bool, logits: str, want_entropy: bool
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -52,7 +52,7 @@ def _(hidden, weight, bias, target, ignore_index, scalars, backend, tiled, chunk
             hidden.new_empty(n if want_entropy else 0, dtype=f32), hidden.new_empty(target.shape, dtype=x_dtype))
 
 
-@opaque_op("fusedce_rl::k_backward", mutates_args=())
+@opaque_op("fusedce_rl::k_backward", mutates_args=(), observable=True)
 def _backward_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, lse: Tensor, lse_lo: Tensor,
                  entropy: Opt, x: Tensor, grad_log_probs: Opt, grad_entropy: Opt, ignore_index: int,
                  scalars: list[float], backend: str, tiled: bool, chunk_size: int, deterministic: bool, logits: str,

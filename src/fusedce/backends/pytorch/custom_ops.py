@@ -315,7 +315,7 @@ def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, 
 
 # ---------------------------------------------------------------- probability targets, method="tiled"
 
-@opaque_op("fusedce_torch::soft_tiled_forward", mutates_args=())
+@opaque_op("fusedce_torch::soft_tiled_forward", mutates_args=(), observable=True)
 def _soft_tiled_forward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, ignore_index: int,
                            scalars: list[float], stats: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     *rows, predicted = _soft_tiled.soft_tiled_forward(hidden, weight, bias, q, w,
@@ -335,7 +335,7 @@ def soft_tiled_forward(hidden, weight, bias, q, w, opts: LossOptions, stats: boo
     return (*rows, _none_if_empty(predicted, stats))
 
 
-@opaque_op("fusedce_torch::soft_tiled_backward", mutates_args=())
+@opaque_op("fusedce_torch::soft_tiled_backward", mutates_args=(), observable=True)
 def _soft_tiled_backward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, lse: Tensor, lse_lo: Tensor,
                             a: Tensor, grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
                             needs_hidden: bool, needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype

@@ -16,7 +16,7 @@ TRL = "TRL ChunkedLogProb"        # trl.kernels.ChunkedLogProbFunction
 NAMES = {
     # cross_entropy on logits, and linear_cross_entropy (main tables, memory sweep)
     "torch": STOCK, "linear-torch": STOCK,
-    "fusedce-torch": "fusedce chunked (torch)", "fusedce-triton": "fusedce chunked (triton)",
+    "fusedce-torch": "fusedce (torch)", "fusedce-triton": "fusedce (triton)",   # on logits: no method
     "linear-fusedce-torch": "fusedce chunked (torch)", "linear-fusedce-triton": "fusedce chunked (triton)",
     "linear-fusedce-torch-tiled": "fusedce tiled (torch)", "linear-fusedce-triton-tiled": "fusedce tiled (triton)",
     "linear-torch-lce": TORCH_LCE, "linear-trl": TRL,
