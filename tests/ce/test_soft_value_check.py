@@ -106,3 +106,19 @@ def test_skipped_under_compile():
     assert torch.isnan(loss)
     with pytest.raises(ValueError, match=r"target\[1, 2, 7\]"):
         step(logits, q)   # eager: the check runs
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_chunked", "linear_tiled"])
+def test_a_non_finite_token_weight_with_probability_targets_is_a_value_error(op):
+    """Probability targets keep every row, so a NaN / inf token weight is an error, in the value check's one
+    host sync (before: a silent NaN loss, where class-index targets raised)."""
+    h, W = torch.randn(6, 4), torch.randn(10, 4)
+    q = torch.softmax(torch.randn(6, 10), dim=-1)
+    for bad in (float("nan"), float("inf")):
+        tw = torch.ones(6)
+        tw[2] = bad
+        with pytest.raises(ValueError, match=r"token_weights\[2\]"):
+            if op == "cross_entropy":
+                fusedce.cross_entropy(h @ W.t(), q, token_weights=tw)
+            else:
+                fusedce.linear_cross_entropy(h, W, q, token_weights=tw, method=op.split("_")[1])

@@ -72,8 +72,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             (NaN there is fine); a NaN or infinite weight on a non-ignored row is a ``ValueError`` in
             the target-range check's host sync (no extra sync), and where that check is skipped
             (torch.compile, CUDA-graph capture) it propagates: that row's loss, the reduced loss and
-            that row's gradient become NaN / inf. With probability targets there is no such sync: a
-            non-finite weight always propagates.
+            that row's gradient become NaN / inf. With probability targets (every row counts) any
+            non-finite weight is that ``ValueError``, in the probability value check's host sync.
         inplace_backward: the backward pass writes the gradient into ``logits``' storage (destroys the
             caller's logits after backward, saves one BT x V buffer). Default: nothing of the caller's
             is ever modified.
@@ -126,7 +126,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     shape, n_classes = logits.shape[:-1], logits.shape[-1]
     probabilities = soft.is_soft_target(target)
     if probabilities:
-        soft.check_soft_target(target, logits, opts)
+        soft.check_soft_target(target, logits, opts, values=False)   # values below, with token_weights
     else:
         val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t),
                          probabilities=True)
@@ -137,6 +137,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     check_flag("return_stats", return_stats)
     invariant.check(batch_invariant)
     val.check_token_weights(token_weights, target, shape)
+    if probabilities:   # the probability values and the token weights: one host sync
+        val.check_probabilities(target, token_weights=token_weights)
     weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
     impl = backends.get(backend, logits.device)
     invariant.check_backend(batch_invariant, impl)
@@ -259,10 +261,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     deterministic = deterministic_mode(deterministic)
     if probabilities:   # ce/linear_soft.py: probability targets
         invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")
-        linear_soft.check_linear_soft_target(target, hidden, weight, opts)
+        linear_soft.check_linear_soft_target(target, hidden, weight, opts, values=False)
         val.check_num_items(num_items_in_batch, hidden.device)
         check_flag("return_stats", return_stats)
         val.check_token_weights(token_weights, target, hidden.shape[:-1])
+        val.check_probabilities(target, token_weights=token_weights)   # one host sync for both
         impl = backends.get(backend, hidden.device, tiled=resolve_method(method) == "tiled")
         return linear_soft.linear_cross_entropy(impl, backend, hidden, weight, target, bias, ce_weight, opts,
                                                 reduction, num_items_in_batch,

@@ -194,15 +194,27 @@ def raise_bad_probabilities(target: torch.Tensor, name: str = "target") -> None:
                      f"be >= 0 and not NaN{hint}")
 
 
-def check_probabilities(target: torch.Tensor, name: str = "target") -> None:
+def check_probabilities(target: torch.Tensor, name: str = "target",
+                        token_weights: Optional[torch.Tensor] = None) -> None:
     """``ValueError`` naming the first negative or NaN value of the probability target ``target`` (every
-    row is kept: probability targets ignore no row). One host sync, the target-range check's kind and
-    rule: skipped under torch.compile, CUDA-graph capture and for fake tensors (a bad value then
-    propagates into its row's loss and gradient). Values above 1 and rows not summing to 1 are
-    accepted, as in torch."""
+    row is kept: probability targets ignore no row), then the first NaN or infinite value of
+    ``token_weights`` (the logits' ``shape[:-1]``, or None), as the class-index targets' check does. One host
+    sync for both, the target-range check's kind and rule: skipped under torch.compile, CUDA-graph capture
+    and for fake tensors (a bad value then propagates into its row's loss and gradient). Values above 1 and
+    rows not summing to 1 are accepted, as in torch."""
     flag = bad_probabilities(target)
-    if flag is not None and bool(flag):   # the one sync
+    if flag is None:
+        return
+    if token_weights is not None:
+        flag = flag | ~torch.isfinite(token_weights).all()
+    if not bool(flag):   # the one sync
+        return
+    if bool(bad_probabilities(target)):   # (error paths only from here)
         raise_bad_probabilities(target, name)
+    flat = (~torch.isfinite(token_weights)).reshape(-1).nonzero()[0, 0]
+    pos = [int(i) for i in torch.unravel_index(flat, tuple(token_weights.shape))]
+    raise ValueError(f"token_weights{pos} = {float(token_weights.reshape(-1)[flat])}: token weights must be "
+                     "finite (with probability targets every row counts)")
 
 
 def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype=torch.float32,
