@@ -152,6 +152,16 @@ def test_cli_rejects_bad_arguments(capsys):
     assert cli.main(["bench", "--shapes", "nope"]) == 2
     assert cli.main(["bench", "--dtype", "float8"]) == 2
     assert cli.main(["bench", "--paths", "torch,nope", "--shapes", "8x8"]) == 2
+    assert "distill-stock" in capsys.readouterr().err   # the valid names include the distillation row's
+
+
+def test_distillation_paths_without_the_real_input_are_an_error_not_an_empty_run(capsys, tmp_path):
+    """The distillation row runs on the real input only: naming only its paths with synthetic shapes measured
+    nothing and exited 0 with an empty bench.json."""
+    assert cli.main(["bench", "--shapes", "8x8", "--paths", "distill-stock", "--no-sweep",
+                     "--out", str(tmp_path)]) == 2
+    assert "add 'real' to --shapes" in capsys.readouterr().err
+    assert not (tmp_path / "bench.json").exists()
 
 
 def test_real_input_files_are_found_without_importing_the_packages():
