@@ -63,3 +63,25 @@ def test_valid_probability_targets_still_run():
     x, w = torch.randn(2, 3), torch.randn(4, 3)
     q = torch.softmax(torch.randn(2, 4), -1)
     torch.testing.assert_close(FF.linear_cross_entropy(x, w, q), F.linear_cross_entropy(x, w, q).float())
+
+
+def test_fusedce_errors_name_the_drop_ins_arguments():
+    """Past torch's own checks, fusedce's errors name the drop-in's arguments (``input``, ``linear_weight``,
+    ``linear_bias``, ``weight`` for the class weights), not ``fusedce.linear_cross_entropy``'s (``hidden``,
+    ``weight``, ``bias``, ``ce_weight``)."""
+    h, W, t = torch.randn(8, 4), torch.randn(10, 4), torch.randint(0, 10, (8,))
+    cases = [(dict(weight=torch.ones(11)), ValueError, r"^weight must have shape \(10,\)"),
+             (dict(weight=torch.ones(10, dtype=torch.long)), TypeError, r"^weight must be a floating-point"),
+             (dict(linear_bias=torch.ones(10, dtype=torch.float64)), TypeError,
+              r"^input, linear_weight and linear_bias must share a dtype")]
+    for kw, kind, pattern in cases:
+        with pytest.raises(kind, match=pattern):
+            FF.linear_cross_entropy(h, W, t, **kw)
+    with pytest.raises(TypeError, match=r"^input must be float32"):
+        FF.linear_cross_entropy(h.double(), W.double(), t)
+
+
+def test_byte_class_indices_are_accepted_as_torch_does():
+    h, W, t = torch.randn(8, 4), torch.randn(10, 4), torch.randint(0, 10, (8,))
+    expected = torch.nn.functional.cross_entropy(h @ W.t(), t)
+    torch.testing.assert_close(FF.linear_cross_entropy(h, W, t.to(torch.uint8)), expected)

@@ -35,6 +35,8 @@ gradient; here the target is a constant).
 """
 from __future__ import annotations
 
+import re
+
 from typing import Optional
 
 import torch
@@ -145,10 +147,32 @@ def linear_cross_entropy(
     """
     _torch_errors(input, linear_weight, target, linear_bias, ignore_index)
     chunk_size = _chunk_size(options)
-    return _fused_linear_cross_entropy(
-        input, linear_weight, target, linear_bias, ce_weight=weight, reduction=reduction,
-        ignore_index=-100 if ignore_index is None else ignore_index, label_smoothing=label_smoothing,
-        chunk_size=chunk_size)
+    if isinstance(target, torch.Tensor) and target.dtype == torch.uint8:
+        target = target.long()   # torch takes Byte class indices ("Long or Byte")
+    try:
+        return _fused_linear_cross_entropy(
+            input, linear_weight, target, linear_bias, ce_weight=weight, reduction=reduction,
+            ignore_index=-100 if ignore_index is None else ignore_index, label_smoothing=label_smoothing,
+            chunk_size=chunk_size)
+    except (TypeError, ValueError) as error:
+        renamed = _in_torch_terms(str(error))
+        if type(error) not in (TypeError, ValueError) or renamed == str(error):
+            raise
+        raise type(error)(renamed) from None
+
+
+# fusedce.linear_cross_entropy's argument names -> this function's (torch's): ``ce_weight`` is ``weight``
+# here, and ``weight`` / ``bias`` / ``hidden`` are ``linear_weight`` / ``linear_bias`` / ``input``
+_TORCH_TERMS = (("ce_weight", "\0CLASS\0"), ("hidden", "input"), ("weight", "linear_weight"),
+                ("bias", "linear_bias"), ("\0CLASS\0", "weight"))
+
+
+def _in_torch_terms(message: str) -> str:
+    """An error message of ``fusedce.linear_cross_entropy`` with its argument names replaced by this
+    function's (``_TORCH_TERMS``; whole words only: ``weights`` or ``token_weights`` stay)."""
+    for ours, theirs in _TORCH_TERMS:
+        message = re.sub(rf"(?<![\w.]){re.escape(ours)}(?!\w)", theirs, message)
+    return message
 
 
 def __getattr__(name: str):
