@@ -61,7 +61,7 @@ def _row(ms, mib, status="ok"):
 def test_goals_met_missed_and_unknown():
     peer = {"torch-lce": _row(300, 100), "trl": _row(200, 900)}
     met = goals.versus_peers(_row(100, 90), _row(150, 50), peer, {"stock": _row(120, 2000)})
-    assert all(g["met"] for g in met.values()) and "torch-lce 100 MiB" in met["chunked_leaner"]["detail"]
+    assert all(g["met"] for g in met.values()) and "torch-lce 100.00 MiB" in met["chunked_leaner"]["detail"]
     missed = goals.versus_peers(_row(250, 101), _row(150, 95), peer, {"stock": _row(120, 2000)})
     assert missed["chunked_faster"]["met"] is False          # slower than trl (200 ms)
     assert missed["chunked_leaner"]["met"] is False          # 101 MiB > torch-lce's 100

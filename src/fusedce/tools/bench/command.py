@@ -69,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + f"; distillation row (real input): {', '.join(DISTILL_NAMES)}"
                              + ". 'torch' / 'linear-torch' are stock PyTorch, 'linear-torch-lce' and "
                              "'linear-trl' the peers (torch F.linear_cross_entropy, TRL); '-triton' paths "
-                             "need --device cuda (on CPU the untiled ones run under the Triton interpreter, "
-                             "for parity only)")
+                             "are timed with --device cuda only; on CPU the chunked ones (not the tiled) run "
+                             "under the Triton interpreter on --interpret-rows rows, for parity, untimed")
     parser.add_argument("--interpret-rows", type=int, default=32,
                         help="rows of the Triton interpreter's parity check (CPU)")
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for bench.json/png")
@@ -78,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="real-input cache folder; None: $FUSEDCE_CACHE_DIR, else the checkout's .cache/")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per measurement")
     parser.add_argument("--no-sweep", action="store_true",
-                        help="skip the memory sweep (runs by default with --device cpu; about 7-20 min on 2 CPU "
-                             "cores, more under load)")
+                        help="skip the memory sweep (default: False: it runs with --device cpu; about 7-20 min on "
+                             "2 CPU cores, more under load)")
     parser.add_argument("--no-rl-precision", action="store_true",
                         help="skip the RL-precision table (real input only; about 30-60 s on 2 CPU cores)")
     parser.add_argument("--sweep-repeats", type=int, default=2,

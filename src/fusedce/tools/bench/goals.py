@@ -48,8 +48,8 @@ def versus_peers(chunked: Optional[dict], tiled: Optional[dict], peers: dict, ot
                 for label, row in peers.items()))
         out["chunked_leaner"] = _goal(
             "chunked_leaner", chunked["peak_bytes"] <= peers[leanest]["peak_bytes"],
-            f"{chunked['peak_bytes'] * MIB:.0f} MiB; leanest peer {leanest} "
-            f"{peers[leanest]['peak_bytes'] * MIB:.0f} MiB")
+            f"{chunked['peak_bytes'] * MIB:.2f} MiB; leanest peer {leanest} "
+            f"{peers[leanest]['peak_bytes'] * MIB:.2f} MiB")   # 2 decimals: a miss never reads as a tie
     rest = {label: row for label, row in {**others, **peers, "chunked": chunked}.items() if _ok(row)}
     if not _ok(tiled) or not rest:
         out["tiled_least"] = _goal("tiled_least", None, "no measured tiled row")

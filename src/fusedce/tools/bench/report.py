@@ -30,7 +30,7 @@ def _gbps(gbps, peak) -> str:
     """Achieved GB/s over the byte floor, with the share of the datasheet bandwidth when known."""
     if gbps is None:
         return "-"
-    return f"{gbps:.2f}" if not peak else f"{gbps:.0f} ({100 * gbps / peak:.0f}%)"
+    return f"{gbps:.3g}" if not peak else f"{gbps:.0f} ({100 * gbps / peak:.0f}%)"
 
 
 OP_TITLES = {
@@ -80,8 +80,9 @@ def main_legend(report: dict, op: str) -> dict:
         "rows": "rows (tokens) the path ran on: the whole batch, or the interpreter's slice",
         "loss": "the path's own loss, mean over the scored tokens (nats)",
         "Δloss": "|loss - loss_ref|, the absolute loss error in nats; loss_ref: " + reference,
-        "max Δgrad": "max |g - g_ref| over the gradient's elements, absolute, against the same reference",
-        "grad rel": "||g - g_ref|| / ||g_ref||, relative, same reference",
+        "max Δgrad": ("max |g - g_ref| over the gradient's elements, absolute, against the same reference (the "
+                      "linear op: the larger of the hidden and the weight gradient's)"),
+        "grad rel": "||g - g_ref|| / ||g_ref||, relative, same reference (linear op: the larger of the two)",
         "ms": _per_op(methods["time"], op),
         "GB/s": _per_op(methods["floor"], op),
         "MiB": methods["memory"],
