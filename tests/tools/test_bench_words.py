@@ -19,6 +19,7 @@ from rich.table import Table
 from fusedce.tools.bench import command, distill, distill_soft, harness, paths, report, rl_precision, \
     shapes, sweep
 from fusedce.tools.bench.inputs import Inputs
+from versions import needs_torch_lce, needs_trl
 
 MIB = 2 ** 20
 CHUNKED = "linear-fusedce-torch"   # the path of the complaint's three names
@@ -278,3 +279,29 @@ def test_picture_shows_distillation_accuracy_and_the_busy_warning(monkeypatch, t
     assert len(accuracy) == 2 and all(ax.get_xscale() == "log" for ax in accuracy), titles
     assert any("RL precision" in t for t in titles), titles
     assert ("machine was busy" in _all_text(fig)) == busy
+
+
+def test_the_pictures_color_legend_names_only_the_paths_it_draws(monkeypatch, tmp_path):
+    """The color sentence in the title lists the colors of the report's paths, not every path the bench
+    knows (a run without the RL table said "brown: fp32 head copy")."""
+    report = synthetic_report(busy=False)
+    report.pop("rl_precision", None)
+    fig = _figure(report, monkeypatch, tmp_path)
+    title = fig._suptitle.get_text()
+    assert "fp32 head copy" not in title and "gray: stock" in title, title
+
+
+@needs_trl
+@needs_torch_lce
+def test_every_fact_a_peer_row_adds_is_explained():
+    """The facts printed under the main table (``extra``: TRL's log-prob check, what torch's ``"auto"``
+    options resolved to) each get a legend line (before: bare ``fp64_rows=179``)."""
+    from fusedce.tools.bench import legend, peers
+    from fusedce.tools.bench.inputs import Inputs
+    g = torch.Generator().manual_seed(0)
+    target = torch.randint(0, 50, (24,), generator=g)
+    target[::3] = -100
+    inputs = Inputs(target=target, hidden=torch.randn(24, 8, generator=g).requires_grad_(),
+                    weight=torch.randn(50, 8, generator=g).requires_grad_())
+    keys = list(peers.trl_log_probs_check(inputs)) + list(peers.torch_lce_resolved(inputs))
+    assert keys and all(key in legend.EXTRA for key in keys), set(keys) - set(legend.EXTRA)

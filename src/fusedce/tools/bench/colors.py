@@ -29,6 +29,8 @@ def path_color(path: str) -> str:
     return next((color for color, _text, names in GROUPS if path in names), OTHER)
 
 
-def legend_text() -> str:
-    """``"gray: stock, blue: fusedce chunked, ..."``: every color and what it stands for."""
-    return ", ".join(f"{color.removeprefix('tab:')}: {text}" for color, text, _names in GROUPS)
+def legend_text(paths=None) -> str:
+    """``"gray: stock, blue: fusedce chunked, ..."``: every color and what it stands for; with ``paths`` (the
+    path ids a report holds), only the colors of those paths."""
+    return ", ".join(f"{color.removeprefix('tab:')}: {text}" for color, text, names in GROUPS
+                     if paths is None or any(name in paths for name in names))

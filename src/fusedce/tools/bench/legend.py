@@ -25,6 +25,27 @@ COMMON = {
 }
 
 
+# The facts some rows add under a table (``extra``: a peer's own check), each explained once under it.
+EXTRA = {
+    "log_probs_vs_fusedce_max_abs": "max |log p (the peer) - log p (fusedce)| over the scored tokens, nats",
+    "trl_log_probs_vs_fp64_max_abs": "max |log p (TRL) - log p (float64)| on the fp64_rows checked rows, nats",
+    "fusedce_log_probs_vs_fp64_max_abs": "max |log p (fusedce) - log p (float64)| on the same rows, nats",
+    "fp64_rows": "scored rows checked against float64 (a subset: the float64 logits of all would not fit)",
+    "scored_rows": "tokens whose target is not ignore_index",
+    "acc_policy": "torch LinearCrossEntropyOptions: the accumulation policy 'auto' chose",
+    "chunking_method": "torch LinearCrossEntropyOptions: the chunking method 'auto' chose",
+    "batch_chunk_size": "torch LinearCrossEntropyOptions: rows per chunk",
+    "acc_dtype": "torch LinearCrossEntropyOptions: the accumulators' dtype",
+    "error": "the fact could not be read (the exception)",
+}
+
+
+def extra_lines(keys) -> list[str]:
+    """``"key: meaning"`` for every fact key in ``keys`` (first appearance order; a key not in ``EXTRA`` is
+    listed as unexplained rather than stopping the report)."""
+    return [f"{key}: {EXTRA.get(key, '(not explained: add it to legend.EXTRA)')}" for key in dict.fromkeys(keys)]
+
+
 def header(text: str) -> str:
     """A column header on one line (``"stock/path\\ntime"`` -> ``"stock/path time"``)."""
     return " ".join(text.split())

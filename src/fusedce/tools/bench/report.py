@@ -112,10 +112,13 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
                     _gbps(r.get("floor_gbps"), machine.get("peak_gbps")),
                     _num(None if peak is None else peak / 2**20, ".0f"),
                     status, style={"error": "red", "unavailable": "yellow"}.get(r["status"]))
+    facts = []
     for r in rows:
         if r.get("extra"):
             reasons.append(f"{row_name(r)} {r['dtype']}: " + ", ".join(
                 f"{k}={_fact(v)}" for k, v in r["extra"].items()))
+            facts += list(r["extra"])
+    reasons += legend.extra_lines(facts)
     notes = legend.lines(legend.of_table(out), main_legend(report, op))
     if any(r["mode"] == "parity" for r in rows):
         notes.append(INTERPRETER_NOTE)

@@ -99,9 +99,19 @@ def _rl_panels(report: dict) -> list:
                ".1e", True)])]
 
 
+def _paths(node) -> set:
+    """Every path id in a report (the ``"path"`` of its rows, wherever they are)."""
+    if isinstance(node, dict):
+        own = {node["path"]} if isinstance(node.get("path"), str) else set()
+        return own.union(*(_paths(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_paths(v) for v in node))
+    return set()
+
+
 def title(report: dict) -> str:
     """The picture's title: machine, colors, methods, and the busy-machine warning when there is one."""
-    text = (f"fusedce bench, {report['device']}: {report['machine']['name']}\n{legend_text()}\n"
+    text = (f"fusedce bench, {report['device']}: {report['machine']['name']}\n{legend_text(_paths(report))}\n"
             "time: median fwd+bwd (ms); memory: peak beyond the inputs (MiB); errors vs float64 "
             "(methods in bench.json)")
     busy = busy_warning(report["machine"])
