@@ -52,11 +52,13 @@ def _empty(like: Tensor, dtype=torch.float32) -> Tensor:
     return like.new_empty(0, dtype=dtype)
 
 
-def _or_empty(t: Opt, like: Tensor, dtype=torch.float32) -> Tensor:
+def or_empty(t: Opt, like: Tensor, dtype=torch.float32) -> Tensor:
+    """``t``, or a (0,) tensor of ``dtype`` for an output a loop op does not make (ops return tensors)."""
     return _empty(like, dtype) if t is None else t
 
 
-def _f32(like: Tensor, n) -> Tensor:
+def f32(like: Tensor, n) -> Tensor:
+    """An uninitialized fp32 ``(n,)`` tensor on ``like``'s device (fake implementations' per-row outputs)."""
     return like.new_empty(n, dtype=torch.float32)
 
 
@@ -70,15 +72,15 @@ def _loss_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, 
     loss, lse, lse_lo, predicted, token_weight, ent = loop.loss_only(
         chunk_ce(backend, hidden.device), hidden, weight, bias, target, w, weight_sum, opts,
         rows_of(chunk_size, hidden, weight), stats, entropy, logits)
-    return loss, lse, lse_lo, predicted, _or_empty(token_weight, hidden), _or_empty(ent, hidden)
+    return loss, lse, lse_lo, predicted, or_empty(token_weight, hidden), or_empty(ent, hidden)
 
 
 @_loss_op.register_fake
 def _(hidden, weight, bias, target, w, weight_sum, ignore_index, scalars, backend, chunk_size, logits, stats, entropy):
     n = hidden.shape[0]
     scaling = LossOptions.from_op_args(ignore_index, scalars).use_token_scaling
-    return (_f32(hidden, n), _f32(hidden, n), _f32(hidden, n), hidden.new_empty(n, dtype=torch.int64),
-            _f32(hidden, n if scaling else 0), _f32(hidden, n if entropy else 0))
+    return (f32(hidden, n), f32(hidden, n), f32(hidden, n), hidden.new_empty(n, dtype=torch.int64),
+            f32(hidden, n if scaling else 0), f32(hidden, n if entropy else 0))
 
 
 def loss_only(ce, chunk_size: Optional[int], hidden, weight, bias, target, w, weight_sum, opts: LossOptions,
@@ -110,9 +112,9 @@ def _grads_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt,
         lse_out = lse_lo_out = None
         if token_weight is not None:
             tw = None
-    return (_or_empty(loss, hidden), _or_empty(lse_out, hidden), _or_empty(lse_lo_out, hidden),
-            _or_empty(predicted, hidden, torch.int64), _or_empty(tw, hidden), _or_empty(g_h, hidden, hidden.dtype),
-            _or_empty(g_w, hidden, accum_dtype), _or_empty(g_b, hidden, accum_dtype))
+    return (or_empty(loss, hidden), or_empty(lse_out, hidden), or_empty(lse_lo_out, hidden),
+            or_empty(predicted, hidden, torch.int64), or_empty(tw, hidden), or_empty(g_h, hidden, hidden.dtype),
+            or_empty(g_w, hidden, accum_dtype), or_empty(g_b, hidden, accum_dtype))
 
 
 @_grads_op.register_fake
@@ -123,8 +125,8 @@ def _(hidden, weight, bias, target, w, weight_sum, ignore_index, scalars, backen
     forward = lse is None
     k = n if forward else 0
     scaling = LossOptions.from_op_args(ignore_index, scalars).use_token_scaling
-    return (_f32(hidden, k), _f32(hidden, k), _f32(hidden, k), hidden.new_empty(k, dtype=torch.int64),
-            _f32(hidden, n if scaling and (forward or token_weight is None) else 0),
+    return (f32(hidden, k), f32(hidden, k), f32(hidden, k), hidden.new_empty(k, dtype=torch.int64),
+            f32(hidden, n if scaling and (forward or token_weight is None) else 0),
             hidden.new_empty(hidden.shape if needs_hidden else (0,)),
             weight.new_empty(weight.shape if needs_weight else (0,), dtype=accum_dtype),
             weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=accum_dtype))
@@ -182,8 +184,8 @@ def _stats_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, ignore_
 @_stats_op.register_fake
 def _(hidden, weight, bias, target, ignore_index, scalars, backend, chunk_size, logits, entropy):
     n = hidden.shape[0]
-    return (_f32(hidden, n), _f32(hidden, n), _f32(hidden, n), _f32(hidden, n if entropy else 0), _f32(hidden, n),
-            _f32(hidden, n), hidden.new_empty(n, dtype=torch.bool))
+    return (f32(hidden, n), f32(hidden, n), f32(hidden, n), f32(hidden, n if entropy else 0), f32(hidden, n),
+            f32(hidden, n), hidden.new_empty(n, dtype=torch.bool))
 
 
 def loss_with_token_stats(ce, chunk_size: Optional[int], hidden, weight, bias, target, opts: LossOptions,

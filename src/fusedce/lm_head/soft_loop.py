@@ -25,7 +25,7 @@ from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import grad_lse
 from . import chunked as loop
-from .chunk_rule import chunk_rows
+from .loop_ops import f32, or_empty, rows_of
 from .method import resolve_method
 
 _OP_NAMESPACES = {"torch": "fusedce_torch", "triton": "fusedce"}   # backends/*/soft_targets.py
@@ -98,31 +98,19 @@ class _SoftChunks:
         return loss, lse, lse_lo, a, predicted, grad_h, grad_w, grad_b
 
 
-def _rows(chunk_size: int, hidden, weight) -> int:
-    return chunk_size or chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.device.type)
-
-
-def _f32(like, n):
-    return like.new_empty(n, dtype=torch.float32)
-
-
-def _or_empty(t, like, dtype=torch.float32):
-    return like.new_empty(0, dtype=dtype) if t is None else t
-
-
 @opaque_op("fusedce_lm::soft_chunked_forward", mutates_args=(), observable=True)
 def _forward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, ignore_index: int, scalars: list[float],
                 backend: str, chunk_size: int, logits: str, stats: bool
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    *rows, predicted = _SoftChunks(backend, _rows(chunk_size, hidden, weight), logits).forward(
+    *rows, predicted = _SoftChunks(backend, rows_of(chunk_size, hidden, weight), logits).forward(
         hidden, weight, bias, q, w, LossOptions.from_op_args(ignore_index, scalars), stats)
-    return (*rows, _or_empty(predicted, hidden, torch.int64))
+    return (*rows, or_empty(predicted, hidden, torch.int64))
 
 
 @_forward_op.register_fake
 def _(hidden, weight, bias, q, w, ignore_index, scalars, backend, chunk_size, logits, stats):
     n = hidden.shape[0]
-    return (*(_f32(hidden, n) for _ in range(4)), hidden.new_empty(n if stats else 0, dtype=torch.int64))
+    return (*(f32(hidden, n) for _ in range(4)), hidden.new_empty(n if stats else 0, dtype=torch.int64))
 
 
 @opaque_op("fusedce_lm::soft_chunked_grads", mutates_args=(), observable=True)
@@ -131,15 +119,15 @@ def _grads_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, igno
               needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype, stats: bool, lse: Opt, lse_lo: Opt,
               a: Opt) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     saved = None if lse is None else (lse, lse_lo, a)
-    out = _SoftChunks(backend, _rows(chunk_size, hidden, weight), logits).grads(
+    out = _SoftChunks(backend, rows_of(chunk_size, hidden, weight), logits).grads(
         hidden, weight, bias, q, w, LossOptions.from_op_args(ignore_index, scalars), grad_row, z_grad_row,
         (needs_hidden, needs_weight, needs_bias), accum_dtype, saved, stats)
     loss, lse_out, lo_out, a_out, predicted, g_h, g_w, g_b = out
     if saved is not None:   # never return an input (a custom op may not alias one): the entry point has them
         lse_out = lo_out = a_out = None
-    return (_or_empty(loss, hidden), _or_empty(lse_out, hidden), _or_empty(lo_out, hidden), _or_empty(a_out, hidden),
-            _or_empty(predicted, hidden, torch.int64), _or_empty(g_h, hidden, hidden.dtype),
-            _or_empty(g_w, hidden, accum_dtype), _or_empty(g_b, hidden, accum_dtype))
+    return (or_empty(loss, hidden), or_empty(lse_out, hidden), or_empty(lo_out, hidden), or_empty(a_out, hidden),
+            or_empty(predicted, hidden, torch.int64), or_empty(g_h, hidden, hidden.dtype),
+            or_empty(g_w, hidden, accum_dtype), or_empty(g_b, hidden, accum_dtype))
 
 
 @_grads_op.register_fake
@@ -147,7 +135,7 @@ def _(hidden, weight, bias, q, w, ignore_index, scalars, backend, chunk_size, lo
       needs_hidden, needs_weight, needs_bias, accum_dtype, stats, lse, lse_lo, a):
     n = hidden.shape[0]
     k = n if lse is None else 0
-    return (*(_f32(hidden, k) for _ in range(4)), hidden.new_empty(k if stats else 0, dtype=torch.int64),
+    return (*(f32(hidden, k) for _ in range(4)), hidden.new_empty(k if stats else 0, dtype=torch.int64),
             hidden.new_empty(hidden.shape if needs_hidden else (0,)),
             weight.new_empty(weight.shape if needs_weight else (0,), dtype=accum_dtype),
             weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=accum_dtype))

@@ -123,7 +123,8 @@ def linear_cross_entropy(
     Args:
         input: ``(N, H)`` or ``(H,)`` float32 / bfloat16 / float16 hidden states.
         linear_weight: ``(C, H)``, ``nn.Linear`` layout, ``input``'s dtype.
-        target: class indices, ``(N,)`` (or ``()`` for a 1-D ``input``), int64 (int32 accepted); or class
+        target: class indices, ``(N,)`` (or ``()`` for a 1-D ``input``), int64 (int32 accepted; uint8, as
+            torch takes it, is widened to int64 first: a copy of N elements); or class
             probabilities ``(N, C)`` (``(C,)``), float32 / bfloat16 / float16 / float64 (module docstring).
         linear_bias: optional ``(C,)``.
         weight: optional ``(C,)`` class weights (``F.cross_entropy``'s).
@@ -143,7 +144,8 @@ def linear_cross_entropy(
         2-D target that is not ``(N, C)``, another batch size); ``NotImplementedError`` for a K-dimensional
         ``linear_weight``; ``TypeError`` for a probability target that requires grad or ``options`` of
         another type; otherwise ``fusedce.linear_cross_entropy``'s errors (``IndexError`` for a class out
-        of range, as torch).
+        of range, as torch), their ``TypeError`` / ``ValueError`` messages in this function's argument names
+        (``input``, ``linear_weight``, ``linear_bias``, ``weight``: ``_in_torch_terms``).
     """
     _torch_errors(input, linear_weight, target, linear_bias, ignore_index)
     chunk_size = _chunk_size(options)
