@@ -392,3 +392,12 @@ def test_cute_backend_is_named_but_not_available():
     x, t = torch.randn(4, 6), torch.tensor([1, 2, -100, 3])
     with pytest.raises(RuntimeError, match="cute"):
         fusedce.cross_entropy(x, t, backend="cute")
+
+
+def test_an_integer_target_of_the_logits_shape_says_probabilities_must_be_float():
+    """An integer (N, V) target: the shape error says class probabilities are a float tensor (before: only
+    "target shape (8, 32) must equal (8,)")."""
+    with pytest.raises(ValueError, match="class probabilities must be a floating-point tensor"):
+        fusedce.cross_entropy(torch.randn(8, 32), torch.zeros(8, 32, dtype=torch.long))
+    with pytest.raises(ValueError, match="class probabilities must be a floating-point tensor"):
+        fusedce.linear_cross_entropy(torch.randn(8, 4), torch.randn(32, 4), torch.zeros(8, 32, dtype=torch.long))

@@ -43,8 +43,13 @@ def check_target(target: torch.Tensor, expected_shape, device: torch.device,
                 "(class probabilities)") if probabilities else ""
         raise TypeError(f"target must be int64 or int32{also}, got {target.dtype}")
     if tuple(target.shape) != tuple(expected_shape):
-        raise ValueError(f"target shape {tuple(target.shape)} must equal {tuple(expected_shape)}"
-                         + (hint(tuple(target.shape)) if hint is not None else ""))
+        soft = ""
+        if probabilities and target.dim() == len(expected_shape) + 1 and \
+                tuple(target.shape[:-1]) == tuple(expected_shape):
+            soft = (" (an integer target with a class dimension: class probabilities must be a floating-point "
+                    "tensor, e.g. target.float())")
+        raise ValueError(f"target shape {tuple(target.shape)} must equal {tuple(expected_shape)}" + soft
+                         + (hint(tuple(target.shape)) if hint is not None and not soft else ""))
     if target.device != device:
         raise ValueError(f"target is on {target.device} but the data is on {device}")
 
@@ -244,7 +249,7 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
     if weight.device != hidden.device:
         raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
     check_target(target, hidden.shape[:-1], hidden.device,
-                 lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape))
+                 lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape), probabilities=True)
     check_vector(b_name, bias, weight.shape[0], hidden.device)
     check_vector(cw_name, ce_weight, weight.shape[0], hidden.device)
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):

@@ -282,9 +282,10 @@ def run(args) -> int:
             raise ValueError(f"unknown path(s) {unknown}; valid: {', '.join(paths.PATHS)}; distillation row "
                              f"(real input): {', '.join(DISTILL_NAMES)}")
         main_paths = None if asked is None else [name for name in asked if name not in DISTILL_NAMES]
-        if main_paths == [] and not any(shape.name == shape_table.REAL for shape in shapes):
-            raise ValueError(f"--paths names only distillation paths ({', '.join(asked)}), which run on the real "
-                             f"input: add 'real' to --shapes (got {args.shapes!r})")
+        real_only = [name for name in asked or () if name in DISTILL_NAMES]
+        if real_only and not any(shape.name == shape_table.REAL for shape in shapes):
+            raise ValueError(f"--paths names distillation paths ({', '.join(real_only)}), which run on the real "
+                             f"input only: add 'real' to --shapes (got {args.shapes!r})")
         # --paths naming only distillation paths: that row alone (the real input is still prepared)
         plan = [] if main_paths == [] else paths.plan(args.device, main_paths)
     except ValueError as exc:
