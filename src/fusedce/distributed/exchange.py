@@ -41,6 +41,12 @@ class Partials:
     flat: torch.Tensor
     sums: torch.Tensor
 
+    def set_(self, key: torch.Tensor, zmax: torch.Tensor, sums: torch.Tensor) -> None:
+        """Copy a forward's ``(key, zmax, sums)`` (``chunk_ops.forward``) into these buffers."""
+        self.key.copy_(key)
+        self.zmax.copy_(zmax)
+        self.sums.copy_(sums)
+
     @classmethod
     def allocate(cls, n: int, cols: Columns, weighted: bool, device: torch.device) -> "Partials":
         flat = torch.empty(n * cols.k + int(weighted), dtype=torch.float32, device=device)

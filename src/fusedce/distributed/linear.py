@@ -3,14 +3,16 @@
 Each rank holds ``weight[start:start + V_r]`` (and the same slice of ``bias`` and class weights) and
 the full, identical ``hidden`` and ``target``. Logits exist one chunk of tokens at a time, ``rows x V_r``
 (never BT x V_r), through the single-process LM head's chunk loop pieces (``lm_head/chunked.py``: the
-chunk buffer, the logits, the gradient buffers and the backprop of a chunk; ``lm_head/compaction.py``):
+chunk buffer, the logits, the gradient buffers and the backprop of a chunk; ``lm_head/compaction.py``),
+each pass's loop one op (``chunk_ops.py``: one compilation for every token count), the collectives outside:
 
-    forward   per chunk: logits_c = h_c @ W_r.T + b_r (hidden's dtype, fp32 accumulation, one reused
-              chunk buffer); per-row partial statistics by the backend (``slice_stats``); then
-              exchange.py's 2 collectives
-    backward  per chunk, logits recomputed: g_c = dloss/dlogits_c by the backend (``slice_grad``, in
-              hidden's dtype); grad_h_c = g_c @ W_r; grad_W_r += g_c.T @ h_c; grad_b_r += sum g_c
-              (accum_dtype); then all_reduce(SUM) of grad_h over the ranks (each holds a partial sum)
+    forward   per chunk: logits_c = h_c @ W_r.T + b_r (fp32 from the operands' values,
+              ``lm_head/fp32_linear.py``; one reused chunk buffer); per-row partial statistics by the
+              backend (``slice_stats``); then exchange.py's 2 collectives
+    backward  per chunk, logits recomputed: g_c = dloss/dlogits_c by the backend (``slice_grad``, rounded
+              to hidden's dtype for the GEMMs); grad_h_c = g_c @ W_r; grad_W_r += g_c.T @ h_c;
+              grad_b_r += sum g_c (accum_dtype); then all_reduce(SUM) of grad_h over the ranks (each holds
+              a partial sum)
 FLOPs per rank: 2 BT V_r H forward, 6 BT V_r H backward (the logits are recomputed, since the global lse
 is known only after the forward's collectives).
 """
@@ -28,8 +30,6 @@ from fusedce.core.options import check_flag, deterministic_mode, loss_options
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
 from fusedce import backends
-from fusedce.lm_head.chunked import backprop_chunks, chunk_buffer, logits_chunk
-from fusedce.lm_head.method import chunk_rows
 from fusedce.core.types import CrossEntropyOutput
 from fusedce.core.options import LossOptions, LossOptionValues
 from fusedce.distributed.exchange import ce_outputs, exchange_ce
@@ -37,7 +37,7 @@ from fusedce.distributed.layout import VocabLayout, vocab_layout
 from fusedce.ce.soft_targets import is_soft_target
 from fusedce.distributed import soft_ops
 from fusedce.distributed.output import finish
-from fusedce.distributed.shard_rows import shard_forward, shard_grad
+from fusedce.distributed import chunk_ops
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -50,15 +50,11 @@ class _VocabParallelLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ce_weight, layout: VocabLayout, opts: LossOptions,
-                rows: int, accum_dtype, impl):
+                rows: Optional[int], accum_dtype, impl):
         n = hidden.shape[0]
 
-        def fill(p, w, cols):
-            buffer = chunk_buffer(n, rows, weight, hidden.dtype)
-            for start in range(0, n, rows):
-                c = slice(start, start + rows)
-                x = logits_chunk(hidden[c], weight, bias, buffer)   # hidden's dtype; the backend reads it as is
-                p.key[c], p.zmax[c], p.sums[c] = shard_forward(impl, x, target[c], w, layout, opts, cols)
+        def fill(p, w, cols):   # the chunk loop, one op (chunk_ops.py)
+            p.set_(*chunk_ops.forward("ce", hidden, weight, bias, [target], [w], layout, opts, impl, rows, False))
 
         w, out = exchange_ce(n, ce_weight, target, layout, opts, fill)
         ctx.save_for_backward(hidden, weight, bias, target, w, out.weight_sum, out.target_weight, out.lse,
@@ -74,13 +70,9 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             grad_row = lse.new_zeros(()).expand(lse.shape)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
-
-        def slice_grad(c, x):   # the logits' gradient of the rank's vocabulary slice, in hidden's dtype
-            return shard_grad(ctx.impl, x, target[c], w, weight_sum, None if w_t is None else w_t[c], lse[c],
-                              lse_lo[c], grad_row[c], None if grad_lse is None else grad_lse[c], ctx.layout, ctx.opts)
-
-        grad_h, grad_w, grad_b = backprop_chunks(hidden, weight, bias, ctx.rows, (need_h, need_w, need_b), ctx.accum,
-                                                 slice_grad)
+        grad_h, grad_w, grad_b = chunk_ops.backward(
+            "ce", hidden, weight, bias, [target, w_t, lse, lse_lo, grad_row, grad_lse, None, None], [w, weight_sum],
+            ctx.layout, ctx.opts, ctx.impl, ctx.rows, (need_h, need_w, need_b), ctx.accum)
         if need_h and n > 0:
             # each rank holds sum over its own classes of g_c W_c: add the partial sums
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)
@@ -183,8 +175,7 @@ def vocab_parallel_linear_cross_entropy(
     n = math.prod(shape)
     flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1),
                                                    opts.ignore_index)
-    rows = int(chunk_size) if chunk_size is not None else chunk_rows(flat_hidden.shape[0], size, layout.size,
-                                                                           flat_hidden.device.type)
+    rows = None if chunk_size is None else int(chunk_size)   # None: the rule, decided in the loop op
     loss_rows, lse, predicted, w_t, target_prob = _VocabParallelLinearCE.apply(
         flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, rows, accum_dtype,
         impl)

@@ -1,6 +1,6 @@
 """Vocab-parallel per-token log-probabilities and entropy from the hidden states (RL): the LM head split
 by vocabulary rows over the ranks, logits one chunk of tokens at a time (``rows x V_r``, never BT x V_r),
-as ``linear.py`` does for the cross-entropy:
+as ``linear.py`` does for the cross-entropy (each pass's loop one op, ``chunk_ops.py``):
 
     forward   per chunk: logits_c = h_c @ W_r.T + b_r (fp32 from the operands' values, no rounding to
               hidden's dtype: ``lm_head/fp32_linear.py``; one reused buffer); the backend's ``slice_stats`` (with the entropy's ``tsum``); then ``exchange.py``'s
@@ -24,8 +24,6 @@ from fusedce.core import validation as val
 from fusedce.rl import checks as rc
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
-from fusedce.lm_head.chunked import backprop_chunks, chunk_buffer, logits_chunk
-from fusedce.lm_head.method import chunk_rows
 from fusedce.core.options import LossOptions
 from fusedce.core.types import TokenLogProbs
 from fusedce.rl.multi import result
@@ -34,7 +32,8 @@ from fusedce.distributed.exchange import Partials
 from fusedce.distributed.layout import VocabLayout, vocab_layout
 from fusedce.distributed.log_probs import exchange_log_probs, finish, upstreams
 from fusedce.distributed.multi_log_probs import VocabParallelLinearLogProbsK
-from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
+from fusedce.distributed import chunk_ops
+from fusedce.distributed.shard_rows import Columns
 
 
 class _VocabParallelLinearLogProbs(torch.autograd.Function):
@@ -47,11 +46,7 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         n = hidden.shape[0]
         cols = Columns(False, False, want_entropy)
         p = Partials.allocate(n, cols, False, hidden.device)
-        buffer = chunk_buffer(n, rows, weight, hidden.dtype)
-        for start in range(0, n, rows):
-            c = slice(start, start + rows)
-            x = logits_chunk(hidden[c], weight, bias, buffer)   # hidden's dtype; the backend reads it as is
-            p.key[c], p.zmax[c], p.sums[c] = shard_forward(impl, x, target[c], None, layout, opts, cols)
+        p.set_(*chunk_ops.forward("ce", hidden, weight, bias, [target], [None], layout, opts, impl, rows, want_entropy))
         log_probs, entropy, lse, lse_lo = exchange_log_probs(p, target, layout, opts, cols)
         ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy)
         ctx.layout, ctx.opts, ctx.rows, ctx.impl, ctx.want_entropy = layout, opts, rows, impl, want_entropy
@@ -64,14 +59,9 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         grad_row, k = upstreams(grad_log_probs, grad_entropy, lse, ctx.want_entropy)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
-
-        def slice_grad(c, x):   # the logits' gradient of the rank's vocabulary slice, in hidden's dtype
-            return shard_grad(ctx.impl, x, target[c], None, None, None, lse[c], lse_lo[c], grad_row[c], None,
-                              ctx.layout, ctx.opts, grad_entropy=None if k is None else k[c],
-                              entropy=None if k is None else entropy[c])
-
-        grad_h, grad_w, grad_b = backprop_chunks(hidden, weight, bias, ctx.rows, (need_h, need_w, need_b),
-                                                 torch.float32, slice_grad)
+        grad_h, grad_w, grad_b = chunk_ops.backward(
+            "ce", hidden, weight, bias, [target, None, lse, lse_lo, grad_row, None, k, None if k is None else entropy],
+            [None, None], ctx.layout, ctx.opts, ctx.impl, ctx.rows, (need_h, need_w, need_b), torch.float32)
         if need_h and n > 0:
             # each rank holds sum over its own classes of g_c W_c: add the partial sums
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)
@@ -143,8 +133,7 @@ def vocab_parallel_linear_token_log_probs(
     shape, size = target.shape, hidden.shape[-1]
     n = math.prod(shape)
     flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1), opts.ignore_index)
-    rows = int(chunk_size) if chunk_size is not None else chunk_rows(flat_hidden.shape[0], size, layout.size,
-                                                                           flat_hidden.device.type)
+    rows = None if chunk_size is None else int(chunk_size)   # None: the rule, decided in the loop op
     log_probs, entropy = _VocabParallelLinearLogProbs.apply(flat_hidden, weight_shard, bias_shard, flat_target,
                                                             layout, opts, rows, impl, return_entropy)
     log_probs = scatter_rows(log_probs, index, n, 0.0)   # ignored rows: 0 in both outputs
@@ -163,8 +152,7 @@ def _multi(hidden, weight_shard, bias_shard, target, layout: VocabLayout, opts: 
     flat_hidden, _, index = compact_rows(hidden.reshape(n, size), rep, opts.ignore_index)
     if index is not None:
         flat_target = flat_target.index_select(0, index)
-    rows = int(chunk_size) if chunk_size is not None else chunk_rows(flat_hidden.shape[0], size, layout.size,
-                                                                           flat_hidden.device.type)
+    rows = None if chunk_size is None else int(chunk_size)   # None: the rule, decided in the loop op
     log_probs, entropy = VocabParallelLinearLogProbsK.apply(flat_hidden, weight_shard, bias_shard, flat_target,
                                                             layout, opts, rows, impl, return_entropy)
     if index is not None:

@@ -7,7 +7,8 @@ concatenated vocabulary (label smoothing's ``eps / V`` with the global ``V``, cl
 vocabulary, z-loss on the global lse, softcap, logit scale, ``token_weights``; no row ignored; ``"mean"``
 divides by the number of rows or ``num_items_in_batch``). The per-slice statistics, the collectives and the
 slice gradient are ``soft_rows.py``'s; the linear op's chunk loop is the class-index op's
-(``lm_head/chunked.py``: chunk buffer, fp32 logits, ``backprop_chunks``), with ``all_reduce(SUM)`` of
+(``lm_head/chunked.py``: chunk buffer, fp32 logits, ``backprop_chunks``; one op per pass,
+``chunk_ops.py``), with ``all_reduce(SUM)`` of
 ``grad_hidden`` in backward. The target's values are checked in the setup ``all_gather`` (``layout.py``).
 """
 from __future__ import annotations
@@ -23,16 +24,17 @@ from fusedce.core import reduction as red, validation as val
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions, check_flag
 from fusedce import backends
+from fusedce.distributed import chunk_ops
 from fusedce.distributed.layout import VocabLayout, vocab_layout
 from fusedce.distributed.soft_rows import SoftPartials, SoftSlice, exchange_soft
-from fusedce.lm_head.chunked import backprop_chunks, chunk_buffer, logits_chunk
-from fusedce.lm_head.method import chunk_rows
 
 
 def _outputs(ctx, out, stats: bool):
-    empty = out.lse.new_empty(0, dtype=torch.int64)
-    predicted = empty if out.predicted is None else out.predicted
-    expected = empty if out.expected is None else out.expected
+    def empty():   # one tensor per output: the same tensor returned twice breaks Dynamo's autograd.Function
+        return out.lse.new_empty(0, dtype=torch.int64)
+
+    predicted = empty() if out.predicted is None else out.predicted
+    expected = empty() if out.expected is None else out.expected
     ctx.mark_non_differentiable(predicted, expected)
     return out.loss, out.lse, predicted, expected
 
@@ -66,17 +68,13 @@ class _LinearSoftCE(torch.autograd.Function):
     ``rows`` tokens at a time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, q, w, layout: VocabLayout, opts: LossOptions, rows: int, accum_dtype,
+    def forward(ctx, hidden, weight, bias, q, w, layout: VocabLayout, opts: LossOptions, rows, accum_dtype,
                 impl, stats: bool):
-        n = hidden.shape[0]
-        part, p = SoftSlice(impl, layout, opts), SoftPartials.allocate(n, stats, hidden.device)
-        buffer = chunk_buffer(n, rows, weight, hidden.dtype)
-        for start in range(0, n, rows):
-            c = slice(start, start + rows)
-            part.fill(p, c, logits_chunk(hidden[c], weight, bias, buffer), q[c], w)
-        out = exchange_soft(p, layout)
+        lse, lo, sums, keys = chunk_ops.forward("soft", hidden, weight, bias, [q], [w], layout, opts, impl, rows,
+                                                stats)   # the chunk loop, one op (chunk_ops.py)
+        out = exchange_soft(SoftPartials(lse, lo, sums, keys if stats else None), layout)
         ctx.save_for_backward(hidden, weight, bias, q, w, out.lse, out.lse_lo, out.mass)
-        ctx.part, ctx.layout, ctx.rows, ctx.accum = part, layout, rows, accum_dtype
+        ctx.impl, ctx.opts, ctx.layout, ctx.rows, ctx.accum = impl, opts, layout, rows, accum_dtype
         return _outputs(ctx, out, stats)
 
     @staticmethod
@@ -86,12 +84,9 @@ class _LinearSoftCE(torch.autograd.Function):
         if grad_row is None:
             grad_row = lse.new_zeros(()).expand(lse.shape)
         needs = ctx.needs_input_grad[:3]
-
-        def slice_grad(c, x):   # dL/dlogits of the chunk, over this rank's classes, written into x
-            return ctx.part.grad_(x, q[c], w, lse[c], lse_lo[c], mass[c], grad_row[c],
-                                  None if grad_lse is None else grad_lse[c])
-
-        grad_h, grad_w, grad_b = backprop_chunks(hidden, weight, bias, ctx.rows, needs, ctx.accum, slice_grad)
+        grad_h, grad_w, grad_b = chunk_ops.backward(
+            "soft", hidden, weight, bias, [q, lse, lse_lo, mass, grad_row, grad_lse], [w], ctx.layout, ctx.opts,
+            ctx.impl, ctx.rows, needs, ctx.accum)
         if needs[0] and hidden.shape[0] > 0:
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)   # partial sums over ranks
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
@@ -157,10 +152,10 @@ def linear_cross_entropy(hidden, weight_shard, target, bias_shard, ce_weight_sha
     layout = vocab_layout(n_local, vocab_start_index, group, hidden.device, probabilities=target)
     shape, size = hidden.shape[:-1], hidden.shape[-1]
     n = math.prod(shape)
-    rows = int(chunk_size) if chunk_size is not None else chunk_rows(n, size, layout.size, hidden.device.type)
+    rows = None if chunk_size is None else int(chunk_size)   # None: the rule, decided in the loop op
     w = None if ce_weight_shard is None else ce_weight_shard.detach().float().contiguous()
     loss_rows, lse, predicted, expected = _LinearSoftCE.apply(
         hidden.reshape(n, size), weight_shard, bias_shard, _flat_slice(target, n, n_local), w, layout, opts,
-        max(rows, 1), accum_dtype, impl, return_stats)
+        rows, accum_dtype, impl, return_stats)
     return _finish(loss_rows, lse, predicted, expected, opts, reduction, num_items_in_batch, return_stats, shape,
                    token_weights)
