@@ -332,3 +332,16 @@ def test_sweep_summary_ratios_and_targets_and_its_table():
     console.print(report_sweep.sweep_table(result))
     text = console.export_text()
     assert "3.0x" in text and "MISSED" in text and "n/a" in text and "b 0% fusedce chunked (torch): error" in text
+
+
+@pytest.mark.parametrize("name", ["linear-torch", "linear-fusedce-torch"])
+def test_the_gemm_floor_is_timed_once_per_shape_in_the_stock_paths_worker(name):
+    """Issue 32: the linear table's "x GEMMs" column divides by the three products' time, measured in the
+    stock path's run only (the baseline), on the scored rows."""
+    data = inputs.build(TINY, ("hidden", "weight"), torch.float32, "cpu")
+    result = harness.measure(paths.PATHS[name], data, "cpu", "timed", repeats=2, warmup=0)
+    assert result["status"] == "ok"
+    if name == paths.LINEAR_CROSS_ENTROPY.baseline:
+        assert result["gemm_floor_ms"] > 0 and "scored rows" in result["method"]["gemm_floor"]
+    else:
+        assert "gemm_floor_ms" not in result

@@ -19,6 +19,7 @@ from rich.table import Table
 from fusedce.tools.bench import command, distill, distill_soft, harness, paths, report, rl_precision, \
     shapes, sweep
 from fusedce.tools.bench.inputs import Inputs
+from fusedce.tools.bench.names import path_name
 from versions import needs_torch_lce, needs_trl
 
 MIB = 2 ** 20
@@ -37,6 +38,8 @@ def _main_rows() -> list[dict]:
         if timed:   # one linear row past 10 s: the old picture switched that panel to seconds
             row.update(time_ms=57282.0 if row["path"] == "linear-torch" else 841.0 + i, peak_bytes=(i + 1) * MIB,
                        floor_gbps=1.5)
+            if row["path"] == "linear-torch":   # the three GEMMs' time, measured in the stock path's worker
+                row.update(gemm_floor_ms=28641.0)
         rows.append(row)
     rows[-1].update(status="error", reason="RuntimeError: synthetic failure")
     return rows
@@ -305,3 +308,18 @@ def test_every_fact_a_peer_row_adds_is_explained():
                     weight=torch.randn(50, 8, generator=g).requires_grad_())
     keys = list(peers.trl_log_probs_check(inputs)) + list(peers.torch_lce_resolved(inputs))
     assert keys and all(key in legend.EXTRA for key in keys), set(keys) - set(legend.EXTRA)
+
+
+def test_the_linear_table_divides_every_time_by_the_gemm_floor(monkeypatch):
+    """Issue 32: "x GEMMs" = the row's ms / the three products' ms of the same shape and dtype (here 2x for
+    stock), only in the linear table (the cross-entropy on logits has no such floor)."""
+    tables, _ = _printed(synthetic_report(busy=False), monkeypatch)
+    linear = [t for t in tables if "linear_cross_entropy: LM head" in str(t.title)]
+    plain = [t for t in tables if "cross_entropy on the logits" in str(t.title)]
+    assert linear and plain and all("x GEMMs" not in _headers(t) for t in plain)
+    table = linear[0]
+    ratios = dict(zip(_cells(table, "path"), _cells(table, "x GEMMs")))
+    times = dict(zip(_cells(table, "path"), _cells(table, "ms")))
+    assert ratios[path_name("linear-torch")] == "2.00x"
+    chunked = path_name(CHUNKED)
+    assert ratios[chunked] == f"{float(times[chunked]) / 28641.0:.2f}x"

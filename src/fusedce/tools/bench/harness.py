@@ -206,6 +206,11 @@ def measure(path: Path, inputs: Inputs, device: str, mode: str = "timed", repeat
         result["floor_bytes"] = op.floor_bytes(inputs)
         result["floor_gbps"] = result["floor_bytes"] / (result["time_ms"] * 1e-3) / 1e9
         result["method"]["floor"] = f"{op.floor_formula} / time"
+        if op.gemm_floor is not None and path.name == op.baseline:   # once per shape and dtype
+            gemms = op.gemm_floor(inputs)
+            result["gemm_floor_ms"] = median_ms(gemms, lambda: None, device, repeats, max(warmup, 1))[0]
+            result["method"]["gemm_floor"] = op.gemm_floor_method
+            del gemms
     else:
         result["method"]["time"] = "not timed: Triton interpreter (numpy on the CPU); its times mean nothing"
     if path.extra is not None:

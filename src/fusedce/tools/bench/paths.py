@@ -35,6 +35,10 @@ class Op:
     parity_method: str              # what ``parity`` compares against, for the report
     baseline: str                   # the stock path: run on the interpreter's slice as the yardstick
     max_cpu_repeats: Optional[int] = None  # caps --repeats on CPU for ops whose one run takes seconds
+    # the matrix products the op cannot avoid, as one call (built from the inputs; timed in the baseline's
+    # worker, the table's "x GEMMs" column divides every path's time by it); None: no such floor
+    gemm_floor: Optional[Callable[[Inputs], Callable[[], object]]] = None
+    gemm_floor_method: str = ""
 
 
 def ce_floor_bytes(rows: int, vocab: int, itemsize: int) -> int:
@@ -78,6 +82,16 @@ def _linear_floor_bytes(inputs: Inputs) -> int:
     return (2 * rows * hidden_size + 2 * vocab * hidden_size) * inputs.hidden.element_size()
 
 
+def _linear_gemms(inputs: Inputs) -> Callable[[], object]:
+    # The three products of a linear cross-entropy, in the operands' dtype, on the scored rows only (an
+    # ignored row needs no logits): the logits h @ W.T, the hidden gradient g @ W and the weight gradient
+    # g.T @ h, with g a (BT', V) tensor of the operands' dtype, BT' the rows whose target is not ignored.
+    w = inputs.weight
+    h = inputs.hidden.detach()[inputs.target.reshape(-1) != IGNORE_INDEX]
+    g = torch.randn(h.shape[0], w.shape[0], device=h.device).to(h.dtype)
+    return lambda: (h @ w.t(), g @ w, g.t() @ h)
+
+
 def _linear_parity(inputs: Inputs, loss: torch.Tensor, grads: dict) -> dict:
     return parity.linear_cross_entropy(inputs.hidden, inputs.weight, inputs.target, loss, grads, IGNORE_INDEX)
 
@@ -90,7 +104,10 @@ LINEAR_CROSS_ENTROPY = Op(
                   "(chunks of rows, autograd; weight gradient accumulated in float64)",
     baseline="linear-torch",
     # One fwd+bwd at the real shape is ~0.7 TFLOP: 10-20 s on the 2-core dev machine.
-    max_cpu_repeats=3)
+    max_cpu_repeats=3, gemm_floor=_linear_gemms,
+    gemm_floor_method="h @ W.T, g @ W, g.T @ h in the operands' dtype on the scored rows (g: a (BT', V) "
+                      "tensor, BT' the rows not ignored), median of the same repeats, timed in the stock path's "
+                      "worker")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,11 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _over(ms, floor_ms) -> str:
+    """``ms / floor_ms`` as ``"1.34x"``, or "-" when either is missing."""
+    return "-" if ms is None or not floor_ms else f"{ms / floor_ms:.2f}x"
+
+
 def _gbps(gbps, peak) -> str:
     """Achieved GB/s over the byte floor, with the share of the datasheet bandwidth when known."""
     if gbps is None:
@@ -84,6 +89,12 @@ def main_legend(report: dict, op: str) -> dict:
                       "linear op: the larger of the hidden and the weight gradient's)"),
         "grad rel": "||g - g_ref|| / ||g_ref||, relative, same reference (linear op: the larger of the two)",
         "ms": _per_op(methods["time"], op),
+        "x GEMMs": ("the path's ms / the ms of the matrix products a linear cross-entropy cannot avoid, in one "
+                    "run: h @ W.T, g @ W and g.T @ h in the row's dtype on the scored rows (an ignored row needs "
+                    "no logits), timed in the stock path's worker "
+                    "(1.0 = nothing beyond them; fusedce's bf16 / fp16 default forms fp32 logits, which on a "
+                    "CPU without an fp32-output low-precision GEMM costs an fp32 product, so its floor is higher; "
+                    "benchmarks/cpu_floor.py)"),
         "GB/s": _per_op(methods["floor"], op),
         "MiB": methods["memory"],
     }
@@ -95,7 +106,9 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     machine = report["machine"]
     out = Table(title=f"{_title(shape, op, rows, report['inputs'])}\n{report['device']}: {machine['name']}",
                 title_justify="left", caption_justify="left")
-    for name, justify in COLUMNS:
+    floors = {r["dtype"]: r["gemm_floor_ms"] for r in rows if r.get("gemm_floor_ms")}
+    columns = COLUMNS if not floors else COLUMNS[:8] + (("x GEMMs", "right"),) + COLUMNS[8:]
+    for name, justify in columns:
         out.add_column(name, justify=justify, no_wrap=name != "path")
     reasons = []
     for r in rows:
@@ -109,6 +122,7 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
                     _num(r.get("inputs", {}).get("rows"), "d"), _num(r.get("loss"), ".6f"),
                     _num(r.get("loss_abs_err"), ".1e"), _num(r.get("grad_max_abs_err"), ".1e"),
                     _num(r.get("grad_rel_err"), ".1e"), _num(r.get("time_ms"), ".1f"),
+                    *([_over(r.get("time_ms"), floors.get(r["dtype"]))] if floors else []),
                     _gbps(r.get("floor_gbps"), machine.get("peak_gbps")),
                     _num(None if peak is None else peak / 2**20, ".0f"),
                     status, style={"error": "red", "unavailable": "yellow"}.get(r["status"]))
