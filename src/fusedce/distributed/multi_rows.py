@@ -27,11 +27,6 @@ def local_entries(e: Entries, layout: VocabLayout) -> Entries:
     return Entries(local, col, e.rep, first, local.any(dim=1))
 
 
-def rows_of(e: Entries, c: slice) -> Entries:
-    """The rows ``c`` of every field of ``e``."""
-    return Entries(*(t[c] for t in e))
-
-
 def gather_local(logits: torch.Tensor, loc: Entries) -> torch.Tensor:
     """The logits (n, V_r) at the local entries' columns, (n, K) in fp32 (0 elsewhere; an empty slice gives
     zeros)."""
@@ -68,5 +63,3 @@ def grad_of_slice(impl, logits, e: Entries, loc: Entries, g, G, lse, lse_lo, k, 
                       grad_entropy=k, entropy=entropy if k is not None else None)
     fix_local_columns_(grad, x, e, loc, g, G, lse, lse_lo, k, entropy, opts)
     return grad
-
-
