@@ -74,7 +74,7 @@ def two_sum(a: torch.Tensor, b: torch.Tensor):
     return s, (a - (s - bb)) + (b - bb)
 
 
-def _target_terms(z, target, weight, opts: LossOptions):
+def target_terms(z, target, weight, opts: LossOptions):
     """(valid, in_range, safe target, z_t, w_t) for a block; never indexes with a bad target."""
     n_classes = z.shape[1]
     valid = opts.kept(target)
@@ -135,7 +135,7 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.T
     n_classes = x.shape[1]
     z = transform(x, opts)
     lse, lse_lo = logsumexp_rows(z, scratch)
-    valid, in_range, _, z_t, w_t = _target_terms(z, target, weight, opts)
+    valid, in_range, _, z_t, w_t = target_terms(z, target, weight, opts)
     zsum = None
     if opts.label_smoothing > 0.0:
         zsum = z.sum(dim=1) if weight is None else z @ weight
@@ -217,8 +217,13 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
         current = grad.gather(1, safe[:, None])[:, 0]
         grad.scatter_(1, safe[:, None], torch.where(owned, at_target, current)[:, None])
     mul_slope_(grad, z, opts, z_scratch=opts.softcap is not None)   # with softcap z is a fresh tensor here
+    return zero_ignored_(grad, valid)
+
+
+def zero_ignored_(grad: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``grad[~valid] = 0`` in place (exact zeros even over inf / NaN), returned. On a CPU tensor (no device
+    sync) only the ignored rows are touched."""
     if grad.device.type == "cpu" and not torch.compiler.is_compiling():
-        # a CPU tensor (no device sync): touch only the ignored rows (exact zeros even over inf/NaN)
         return grad.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
     return grad.masked_fill_(~valid[:, None], 0.0)
 

@@ -33,7 +33,7 @@ the backend's tuning), a ``(..., K)`` target, probability targets and the CuTe b
 
 The logits ops (``cross_entropy``, ``token_log_probs``) need no padding: the Triton row kernels run one
 program per row with a ``BLOCK_V`` chosen from V alone, and the PyTorch row loops reduce each row whole
-on one thread (a one-row chunk on one intra-op thread: ``backends/pytorch/block_threads.one_thread``),
+on one thread (their blocks run on threads with one intra-op thread each: ``backends/pytorch/launch.for_row_blocks``),
 so ``batch_invariant=True`` there only checks that the call is one of those.
 """
 from __future__ import annotations

@@ -47,7 +47,8 @@ def one_thread(active: bool = True):
     reduction, whose partial sums depend on the split), where with two or more rows each row is reduced
     whole by one thread; one thread gives the one-row chunk the same per-row order as the others, so a
     row's bits do not depend on how many rows share its call (``batch_invariant``). ``active`` False: a
-    no-op."""
+    no-op. (The row loops of ``launch.py`` now run their blocks through ``run``, which gives every row one
+    thread.)"""
     if not active or torch.get_num_threads() == 1:
         yield
         return

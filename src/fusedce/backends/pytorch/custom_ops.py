@@ -13,6 +13,9 @@ the call does not make is a (0,) tensor, mapped back to None by the typed entry 
 
 - ``chunk_loss(logits, target, w?, weight_sum?, <options>, stats, entropy) -> (loss, lse, lse_lo,
   predicted, entropy)``: ``cross_entropy.chunk_loss`` (per-row results, (n,) each);
+- ``chunk_loss_grad_inplace(logits!, target, w?, weight_sum?, grad_row, z_grad_row, <options>, stats) ->
+  (loss, lse, lse_lo, predicted, token_weight)``: ``launch.chunk_loss_grad_`` (the chunked LM head's forward
+  with its gradient, one pass per block);
 - ``chunk_grad_inplace(logits!, ...)`` / ``chunk_grad_out(logits, out!, ...)``: ``cross_entropy.chunk_grad_``
   into ``logits`` / ``out`` (a custom op may not return an alias of its input: the mutation is declared);
 - ``tiled_forward(hidden, weight, bias?, target, w?, weight_sum?, <options>, stats, entropy, token_stats)
@@ -41,7 +44,7 @@ from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.core.types import SliceStats
 from ..protocol import TiledRows
-from .launch import chunk_grad_, chunk_loss
+from .launch import chunk_grad_, chunk_loss, chunk_loss_grad_
 from .slices import slice_grad as _slice_grad
 from .slices import slice_stats as _slice_stats
 from .distill_tiled import tiled_distill as _tiled_distill
@@ -84,6 +87,32 @@ def _(logits, target, w, weight_sum, ignore_index, scalars, stats, entropy):
     n = logits.shape[0]
     return _f32(logits, n), _f32(logits, n), _f32(logits, n), _i64(logits, n if stats else 0), \
         _f32(logits, n if entropy else 0)
+
+
+@opaque_op("fusedce_torch::chunk_loss_grad_inplace", mutates_args=("logits",))
+def _chunk_loss_grad(logits: Tensor, target: Tensor, w: Opt, weight_sum: Opt, grad_row: Tensor, z_grad_row: Tensor,
+                     ignore_index: int, scalars: list[float],
+                     stats: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    opts = LossOptions.from_op_args(ignore_index, scalars)
+    loss, lse, lse_lo, predicted, token_weight = chunk_loss_grad_(logits, target, w, weight_sum, grad_row, z_grad_row,
+                                                                  opts, stats)
+    return loss, lse, lse_lo, _or_empty(predicted, logits, torch.int64), _or_empty(token_weight, logits)
+
+
+@_chunk_loss_grad.register_fake
+def _(logits, target, w, weight_sum, grad_row, z_grad_row, ignore_index, scalars, stats):
+    n = logits.shape[0]
+    scaling = LossOptions.from_op_args(ignore_index, scalars).use_token_scaling
+    return _f32(logits, n), _f32(logits, n), _f32(logits, n), _i64(logits, n if stats else 0), \
+        _f32(logits, n if scaling else 0)
+
+
+def rows_loss_grad_(logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
+    """``launch.chunk_loss_grad_`` as one op: ``(loss, lse, lse_lo, predicted, token_weight)`` (None where not
+    made), the gradient written into ``logits``."""
+    loss, lse, lse_lo, predicted, token_weight = _chunk_loss_grad(logits, target, w, weight_sum, grad_row,
+                                                                  z_grad_row, *opts.op_args(), stats)
+    return loss, lse, lse_lo, _none_if_empty(predicted, stats), _none_if_empty(token_weight, opts.use_token_scaling)
 
 
 @opaque_op("fusedce_torch::chunk_grad_inplace", mutates_args=("logits",))

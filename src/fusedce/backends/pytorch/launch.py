@@ -1,7 +1,8 @@
 """Chunked cross-entropy in PyTorch: forward saves only the per-row lse, backward recomputes.
 
 Memory: the stock path keeps an fp32 softmax (BT x V) for backward and builds fp32 temporaries of the
-same size; this one holds fp32 temporaries of one chunk of rows (``tuning.chunk_rows``) at a time and
+same size; this one holds fp32 temporaries of one block of rows (``block_rows``: cache-sized on the CPU,
+one per thread, ``tuning.cpu_block_rows``; ``tuning.chunk_rows`` elsewhere) at a time and
 writes the gradient straight into its output (or into ``logits`` with ``inplace_backward``).
 The two loops here (``chunk_loss``, ``chunk_grad_``) are called as torch custom ops (``custom_ops.py``)
 by the autograd Function (``cross_entropy.py``) and by the chunk loop of the linear ops.
@@ -14,8 +15,9 @@ import torch
 
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import rows_forward, rows_grad
-from .block_threads import one_thread
-from .tuning import chunk_rows
+from .fused_rows import rows_loss_grad_
+from .block_threads import run
+from .tuning import chunk_rows, cpu_block_rows
 
 
 def class_weights(weight: Optional[torch.Tensor]):
@@ -31,56 +33,67 @@ class Scratch:
     costs more in page faults than the arithmetic on it (measured on the 2-core dev machine: allocating
     and filling 341 x 49152 fp32 took 26 ms, copying into a reused buffer 2 ms), since the allocator
     returns such blocks to the OS. ``upcast(block)``: the block in fp32 (itself when already fp32);
-    ``work(n)``: a second fp32 (n, V) buffer."""
+    ``work(n)``: a second fp32 (n, V) buffer (None when made with ``work=False``)."""
 
-    def __init__(self, step: int, n_classes: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, step: int, n_classes: int, dtype: torch.dtype, device: torch.device, work: bool = True):
         shape = (step, n_classes)
         self._x = None if dtype == torch.float32 else torch.empty(shape, device=device)
-        self._work = torch.empty(shape, device=device)
+        self._work = torch.empty(shape, device=device) if work else None
 
     def upcast(self, block: torch.Tensor) -> torch.Tensor:
         return block if self._x is None else self._x[: block.shape[0]].copy_(block)
 
-    def work(self, n: int) -> torch.Tensor:
-        return self._work[:n]
+    def work(self, n: int):
+        return None if self._work is None else self._work[:n]
 
 
-def row_chunks(logits: torch.Tensor):
-    """Yield ``(rows, block, work)`` for each row chunk of ``logits`` ((n, V), ``tuning.chunk_rows`` rows a
-    chunk): ``rows`` the chunk's slice, ``block`` its rows in fp32 (a reused buffer unless ``logits`` is
-    fp32), ``work`` a second fp32 buffer of ``block``'s shape (``Scratch``). The loops of every forward here."""
+def block_rows(logits: torch.Tensor) -> int:
+    """Rows per block of the row loops over ``logits`` ((n, V)): ``tuning.cpu_block_rows`` on the CPU (cache-sized
+    blocks on threads of their own), ``tuning.chunk_rows`` elsewhere; at least 1, at most n."""
     n_rows, n_classes = logits.shape
-    step = min(chunk_rows(n_classes), max(n_rows, 1))
-    scratch = Scratch(step, n_classes, logits.dtype, logits.device)
-    for start in range(0, n_rows, step):
-        rows = slice(start, start + step)
-        with one_thread(_single_row(logits, start, step)):
+    rows = cpu_block_rows(n_classes) if logits.device.type == "cpu" else chunk_rows(n_classes)
+    return min(rows, max(n_rows, 1))
+
+
+def for_row_blocks(logits: torch.Tensor, each, fp32_out: bool = False) -> None:
+    """Call ``each(rows, block, work)`` for every block of rows of ``logits`` ((n, V); ``block_rows`` rows a
+    block): ``rows`` the block's slice, ``block`` its rows in fp32 (a reused buffer unless ``logits`` is fp32),
+    ``work`` a second fp32 buffer of ``block``'s shape (``Scratch``; None with ``fp32_out``, where ``each``
+    writes its result elsewhere). The loop of every forward and backward here.
+
+    On the CPU the blocks are shared among ``torch.get_num_threads()`` Python threads, each with one
+    intra-op thread and its own buffers (``block_threads.run``): ``each`` must write only its block's rows
+    of its outputs and take no ``block_threads`` lock. Every row is then reduced whole by one thread, the
+    same bits whatever the block and the number of rows in a call (``batch_invariant``). Elsewhere one
+    loop in the calling thread."""
+    n_rows, n_classes = logits.shape
+    step = block_rows(logits)
+    n_blocks = -(-n_rows // step)
+
+    def share(k: int, n: int) -> None:
+        scratch = Scratch(step, n_classes, logits.dtype, logits.device, work=not fp32_out)
+        for b in range(k, n_blocks, n):
+            rows = slice(b * step, b * step + step)
             block = scratch.upcast(logits[rows])
-            yield rows, block, scratch.work(block.shape[0])
+            each(rows, block, scratch.work(block.shape[0]))
 
-
-def _single_row(logits: torch.Tensor, start: int, step: int) -> bool:
-    """Whether the chunk from ``start`` is a single row on the CPU: reduced on one intra-op thread then
-    (``block_threads.one_thread``: the same bits as each row of a larger chunk gets)."""
-    return logits.device.type == "cpu" and min(step, logits.shape[0] - start) == 1
+    run(share, n_blocks, logits.device)
 
 
 def grad_chunks_(logits: torch.Tensor, out: torch.Tensor, row_grad) -> torch.Tensor:
-    """``out[rows] = row_grad(rows, block, buf)`` for each row chunk of ``logits`` ((n, V)), returning
-    ``out`` ((n, V), may be ``logits``): ``block`` the chunk in fp32, ``buf`` where ``row_grad`` may write
-    its fp32 result (``out[rows]`` itself when ``out`` is fp32: no (n, V) temporary, else a reused chunk
-    buffer converted into ``out`` once per chunk). The loops of every backward here."""
-    n_rows, n_classes = logits.shape
-    step = min(chunk_rows(n_classes), max(n_rows, 1))
-    scratch = None if out.dtype == torch.float32 else Scratch(step, n_classes, logits.dtype, logits.device)
-    for start in range(0, n_rows, step):
-        rows = slice(start, start + step)
+    """``out[rows] = row_grad(rows, block, buf)`` for each row block of ``logits`` ((n, V)), returning
+    ``out`` ((n, V), may be ``logits``): ``block`` the rows in fp32, ``buf`` where ``row_grad`` may write
+    its fp32 result (``out[rows]`` itself when ``out`` is fp32: no temporary, else a reused block buffer
+    converted into ``out`` once per block). The loop of every backward here (``for_row_blocks``)."""
+    fp32_out = out.dtype == torch.float32
+
+    def each(rows, block, work):
         dst = out[rows]
-        with one_thread(_single_row(logits, start, step)):
-            block = logits[rows] if scratch is None else scratch.upcast(logits[rows])
-            grad = row_grad(rows, block, dst if scratch is None else scratch.work(dst.shape[0]))
-            if grad is not dst:
-                dst.copy_(grad)
+        grad = row_grad(rows, block, dst if fp32_out else work)
+        if grad is not dst:
+            dst.copy_(grad)
+
+    for_row_blocks(logits, each, fp32_out)
     return out
 
 
@@ -93,13 +106,15 @@ def chunk_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = T
     lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
     ent = torch.empty_like(loss) if entropy else None
     predicted = torch.empty(n_rows, dtype=torch.int64, device=logits.device) if stats else None
-    for rows, block, work in row_chunks(logits):
+    def each(rows, block, work):
         out = rows_forward(block, target[rows], w, weight_sum, opts, stats, work, entropy)
         loss[rows], lse[rows], lse_lo[rows] = out[:3]
         if stats:
             predicted[rows] = out[3]
         if entropy:
             ent[rows] = out[4]
+
+    for_row_blocks(logits, each)
     if entropy:
         return loss, lse, lse_lo, predicted, ent
     return loss, lse, lse_lo, predicted
@@ -121,3 +136,29 @@ def chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, 
                          entropy=None if grad_entropy is None else entropy[rows])
 
     return grad_chunks_(logits, logits if out is None else out, row_grad)
+
+
+def chunk_loss_grad_(logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
+    """``ChunkCE.loss_and_grad_`` of this backend: ``(loss, lse, lse_lo, predicted, token_weight)`` of
+    ``logits`` ((n, V), any float dtype) as ``protocol.loss_then_grad_`` returns them (predicted None
+    without ``stats``, token_weight None without ``use_token_scaling``), ``logits`` overwritten with
+    d(sum_i grad_row[i] ce_i + z_grad_row[i] z_i)/d logits; one pass per block (``fused_rows.py``)."""
+    n_rows = logits.shape[0]
+    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
+    predicted = torch.empty(n_rows, dtype=torch.int64, device=logits.device) if stats else None
+    token_weight = torch.empty_like(loss) if opts.use_token_scaling else None
+    upcast = logits.dtype != torch.float32
+
+    def each(rows, block, _work):
+        res = rows_loss_grad_(block, target[rows], w, weight_sum, grad_row[rows], z_grad_row[rows], opts, stats)
+        loss[rows], lse[rows], lse_lo[rows] = res[:3]
+        if stats:
+            predicted[rows] = res[3]
+        if token_weight is not None:
+            token_weight[rows] = res[4]
+        if upcast:   # the block was an fp32 copy: its gradient back into the caller's dtype
+            logits[rows].copy_(res[5])
+
+    for_row_blocks(logits, each, fp32_out=True)
+    return loss, lse, lse_lo, predicted, token_weight

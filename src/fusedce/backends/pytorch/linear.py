@@ -1,8 +1,7 @@
 """The PyTorch backend's per-chunk cross-entropy, plugged into the chunked LM head (``fusedce.lm_head``)."""
 from __future__ import annotations
 
-from ..protocol import loss_then_grad_
-from .custom_ops import rows_grad_, rows_loss, rows_token_stats
+from .custom_ops import rows_grad_, rows_loss, rows_loss_grad_, rows_token_stats
 
 
 class TorchChunkCE:
@@ -24,7 +23,7 @@ class TorchChunkCE:
     def token_stats(logits, target, lse, lse_lo, opts):
         return rows_token_stats(logits, target, lse, lse_lo, opts)
 
-    @classmethod
-    def loss_and_grad_(cls, logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats):
-        return loss_then_grad_(cls, logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats)
+    @staticmethod
+    def loss_and_grad_(logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats):
+        return rows_loss_grad_(logits, target, w, weight_sum, grad_row, z_grad_row, opts, stats)
 

@@ -1,5 +1,5 @@
 """Probability ("soft") targets in PyTorch: the row math and its chunk loops (``launch.py``'s
-``row_chunks`` / ``grad_chunks_``), which ``soft_targets.py`` calls as torch custom ops.
+``for_row_blocks`` / ``grad_chunks_``), which ``soft_targets.py`` calls as torch custom ops.
 
 Per row, on ``z`` (``row_math.transform``: logit scale, softcap), with the target ``q`` (any float dtype,
 used in fp32), ``eps`` = label_smoothing, ``w`` the class weights (1 without) and ``p = softmax(z)``
@@ -22,7 +22,7 @@ import torch
 
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import logsumexp_rows, mul_slope_, transform
-from .launch import grad_chunks_, row_chunks
+from .launch import for_row_blocks, grad_chunks_
 
 Opt = Optional[torch.Tensor]
 Tensor = torch.Tensor
@@ -65,12 +65,14 @@ def soft_chunk_loss(logits: Tensor, q: Tensor, w: Opt, opts: LossOptions, stats:
     n_rows = logits.shape[0]
     out = [logits.new_empty(n_rows, dtype=torch.float32) for _ in range(4)]
     predicted = logits.new_empty(n_rows, dtype=torch.int64) if stats else None
-    for rows, block, work in row_chunks(logits):
+    def each(rows, block, work):
         res = soft_rows_forward(block, q[rows], w, opts, stats, work)
         for dst, src in zip(out, res):
             dst[rows] = src
         if stats:
             predicted[rows] = res[4]
+
+    for_row_blocks(logits, each)
     return (*out, predicted)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fusedce.core.options import LossOptions
-from .launch import row_chunks
+from .launch import for_row_blocks
 from fusedce.core.row_math import token_stats, transform
 
 
@@ -19,8 +19,10 @@ def chunk_token_stats(logits: torch.Tensor, target: torch.Tensor, lse: torch.Ten
     log_sum_sq = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     mean = torch.empty_like(log_sum_sq)
     top1 = torch.empty(n_rows, dtype=torch.bool, device=logits.device)
-    for rows, block, _work in row_chunks(logits):
+    def each(rows, block, _work):
         z = transform(block, opts)
         t = target[rows]
         log_sum_sq[rows], mean[rows], top1[rows] = token_stats(z, t, lse[rows], lse_lo[rows], opts.kept(t))
+
+    for_row_blocks(logits, each)
     return log_sum_sq, mean, top1

@@ -13,6 +13,22 @@ def chunk_rows(n_classes: int) -> int:
     """Rows per chunk for a vocabulary of ``n_classes``: at least 1."""
     return max(1, CHUNK_ELEMENTS // max(1, n_classes))
 
+
+# On the CPU the row loops (``launch.for_row_blocks``) work instead on blocks of about ``CPU_BLOCK_ELEMENTS``
+# values (1 MiB in fp32, half of a core's L2 on the dev VM's Xeon): every pass of a block's math after the
+# first reads the cache, not memory, and the fp32 temporaries are cache-sized (a fresh 64 MiB buffer per chunk
+# costs page faults, ``launch.Scratch``). The blocks are shared among the intra-op threads as Python threads
+# with one intra-op thread each (``block_threads.run``): no OpenMP barrier per op on these small ops, and each
+# row is reduced whole by one thread (the same bits however many rows share a call). The size follows from the
+# L2 argument, not from a sweep; the A/B against the former 2**24-element OpenMP chunks is in
+# ``benchmarks/README.md`` (issue 32: equal on an idle machine, faster beside a competing process).
+CPU_BLOCK_ELEMENTS = 1 << 18
+
+
+def cpu_block_rows(n_classes: int) -> int:
+    """Rows per block of the CPU row loops for a vocabulary of ``n_classes``: at least 1."""
+    return max(1, CPU_BLOCK_ELEMENTS // max(1, n_classes))
+
 # ``method="tiled"`` (``tiled.py``): blocks of rows x vocab logits with rows x vocab < V (the contract:
 # no tensor of V or more elements besides the weight, bias, class weights and their gradients), vocab =
 # TILE_VOCAB classes (at most half of V, so that a block never spans the whole vocabulary) and rows =

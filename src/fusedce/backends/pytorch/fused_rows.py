@@ -1,0 +1,92 @@
+"""The forward and the gradient of a block of rows in one pass over it: the PyTorch backend's
+``ChunkCE.loss_and_grad_`` (the chunked LM head's forward, which also writes the logits' gradient).
+
+Formulas: ``core/row_math.py`` (the same loss, lse pair, argmax and token weight, bit for bit: the same
+ops on the same values). What differs is the softmax of the gradient: ``rows_forward`` followed by
+``rows_grad`` exponentiates every logit twice (``exp(z - max)`` for the sum, then
+``exp((z - lse) - lse_lo)``), each into a buffer of its own; here the first exponential is kept in place,
+``e_c = exp(z_c - max)``, ``s = sum_c e_c`` and
+
+    dL/dz_c = e_c * (g (a + b W) + h) / s - g b w_c,    the target column  g (a (p_t - 1) + b (W p_t - w_t)) + h p_t,
+
+with ``p_t = e_t / s`` (notation of ``row_math``). ``exp(z - max) / sum`` is torch's own softmax formula (its
+CPU kernel multiplies by ``1 / sum``): one rounding of ``z - max`` (exact near the max), one of the
+exponential, two of the scaling, where ``exp((z - lse) - lse_lo)`` rounds the argument twice; both are as
+accurate as ``F.cross_entropy``'s gradient (``tests/ce/test_fused_rows.py`` measures it against float64).
+Passes over the block: max (and argmax with stats), subtract, exp, sum, scale; with the block in cache
+(``launch.block_rows``) the later ones read the cache.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fusedce.core.options import LossOptions
+from fusedce.core.row_math import (grad_lse, mul_slope_, row_loss, target_terms, transform, two_sum,
+                                   zero_ignored_)
+
+
+def rows_loss_grad_(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                    weight_sum: Optional[torch.Tensor], grad_row: torch.Tensor, z_grad_row: torch.Tensor,
+                    opts: LossOptions, stats: bool, out: Optional[torch.Tensor] = None):
+    """Forward and gradient of a block: ``x`` ((n, V) fp32 logits; overwritten unless ``out`` is given),
+    ``target`` (n,) int, ``weight`` (V,) fp32 class weights or None with ``weight_sum`` their sum,
+    ``grad_row`` / ``z_grad_row`` (n,) upstream gradients of each row's cross-entropy and z-loss (any
+    float dtype and strides; times ``p_t`` with ``use_token_scaling``).
+
+    Writes d(sum_i grad_row[i] ce_i + z_grad_row[i] z_i)/dx into ``out`` ((n, V) fp32, default ``x``) and
+    returns ``(loss, lse, lse_lo, predicted, token_weight, grad)``, the first five as
+    ``protocol.loss_then_grad_`` makes them, ``grad`` the tensor written (``out`` or ``x``):
+    (n,) fp32 loss (0 on ignored rows, NaN on a kept row whose target is out of range), the lse pair (0
+    on ignored rows), predicted (n,) int64 (-1 on ignored rows) or None without ``stats``, token_weight
+    ``p_t`` (n,) fp32 with ``use_token_scaling`` else None. Ignored rows get an exactly-zero gradient."""
+    n_classes = x.shape[1]
+    valid = opts.kept(target)
+    predicted = torch.where(valid, x.argmax(dim=1), -1) if stats else None
+    z = transform(x, opts)
+    dst = x if out is None else out
+    keep_z = z is not x            # logit_scale / softcap: dz/dx needs z; keep it in dst meanwhile
+    if keep_z:
+        dst.copy_(z)
+    elif out is not None:
+        z = out.copy_(x)
+    _, in_range, safe, z_t, w_t = target_terms(z, target, weight, opts)
+    zsum = None
+    if opts.label_smoothing > 0.0:
+        zsum = z.sum(dim=1) if weight is None else z @ weight
+    total_w = n_classes if weight is None else weight_sum
+    m = z.amax(dim=1)
+    shift = torch.where(m == float("-inf"), 0.0, m)
+    e = z.sub_(shift[:, None]).exp_()   # in place: z is x, out, or transform's fresh tensor
+    s = e.sum(dim=1)
+    lse, lse_lo = two_sum(shift, s.log())
+    loss = row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes, opts)
+    loss = torch.where(valid, torch.where(in_range, loss, float("nan")), 0.0)
+    lse, lse_lo = torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)
+    token_weight = None
+    g, zg = grad_row.float(), z_grad_row.float()
+    if opts.use_token_scaling:   # row_math.target_probability's value, from this block's statistics
+        token_weight = torch.where(valid & in_range, torch.exp((z_t - lse) - lse_lo), 0.0)
+        g, zg = g * token_weight, zg * token_weight
+    h = grad_lse(lse, zg, opts)
+    g = torch.where(valid, g, 0.0)
+    h = None if h is None else torch.where(valid, h, 0.0)
+    a, b = (1.0 - opts.label_smoothing) * w_t, opts.label_smoothing / n_classes
+    row_factor = g * (a + b * total_w) if h is None else g * (a + b * total_w) + h
+    p_t = e.gather(1, safe[:, None])[:, 0] / s
+    at_target = g * (a * (p_t - 1.0) + b * (total_w * p_t - w_t))
+    if h is not None:
+        at_target = at_target + h * p_t
+    grad = e.mul_((row_factor / s)[:, None])
+    if opts.label_smoothing > 0.0:
+        if weight is None:
+            grad.sub_((b * g)[:, None])
+        else:
+            grad.addr_(b * g, weight, alpha=-1.0)
+    if n_classes:
+        grad.scatter_(1, safe[:, None], torch.where(in_range, at_target, grad.gather(1, safe[:, None])[:, 0])[:, None])
+    if keep_z:   # grad in transform's tensor, z in dst: the chain rule, then the result into dst
+        mul_slope_(grad, dst, opts, z_scratch=True)
+        grad = dst.copy_(grad)
+    return loss, lse, lse_lo, predicted, token_weight, zero_ignored_(grad, valid)
