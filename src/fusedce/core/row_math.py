@@ -208,16 +208,26 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
     grad.mul_(row_factor[:, None])
     if k is not None:
         grad.sub_(ent_term)
+    smoothing_and_target_(grad, g, b, weight, safe, owned, at_target if n_local else None, opts)
+    mul_slope_(grad, z, opts, z_scratch=opts.softcap is not None)   # with softcap z is a fresh tensor here
+    return zero_ignored_(grad, valid)
+
+
+def smoothing_and_target_(grad: torch.Tensor, g: torch.Tensor, b: float, weight: Optional[torch.Tensor],
+                          safe: torch.Tensor, owned: torch.Tensor, at_target: Optional[torch.Tensor],
+                          opts: LossOptions) -> torch.Tensor:
+    """The last terms of ``dL/dz`` in place on ``grad`` ((n, V) fp32, holding ``(g (a + b W) + h) p``):
+    smoothing's ``- b g w_c`` (``w_c`` = 1 without ``weight``), then the target column ``safe`` set to
+    ``at_target`` on the rows where ``owned`` (None: no column here). Returns ``grad``."""
     if opts.label_smoothing > 0.0:
         if weight is None:
             grad.sub_((b * g)[:, None])
         else:
             grad.addr_(b * g, weight, alpha=-1.0)
-    if n_local:
+    if at_target is not None:
         current = grad.gather(1, safe[:, None])[:, 0]
         grad.scatter_(1, safe[:, None], torch.where(owned, at_target, current)[:, None])
-    mul_slope_(grad, z, opts, z_scratch=opts.softcap is not None)   # with softcap z is a fresh tensor here
-    return zero_ignored_(grad, valid)
+    return grad
 
 
 def zero_ignored_(grad: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 
 from fusedce.core.options import LossOptions
-from fusedce.core.row_math import (grad_lse, mul_slope_, row_loss, target_terms, transform, two_sum,
-                                   zero_ignored_)
+from fusedce.core.row_math import (grad_lse, mul_slope_, row_loss, smoothing_and_target_, target_terms,
+                                   transform, two_sum, zero_ignored_)
 
 
 def rows_loss_grad_(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
@@ -78,14 +78,8 @@ def rows_loss_grad_(x: torch.Tensor, target: torch.Tensor, weight: Optional[torc
     at_target = g * (a * (p_t - 1.0) + b * (total_w * p_t - w_t))
     if h is not None:
         at_target = at_target + h * p_t
-    grad = e.mul_((row_factor / s)[:, None])
-    if opts.label_smoothing > 0.0:
-        if weight is None:
-            grad.sub_((b * g)[:, None])
-        else:
-            grad.addr_(b * g, weight, alpha=-1.0)
-    if n_classes:
-        grad.scatter_(1, safe[:, None], torch.where(in_range, at_target, grad.gather(1, safe[:, None])[:, 0])[:, None])
+    grad = smoothing_and_target_(e.mul_((row_factor / s)[:, None]), g, b, weight, safe, in_range,
+                                 at_target if n_classes else None, opts)
     if keep_z:   # grad in transform's tensor, z in dst: the chain rule, then the result into dst
         mul_slope_(grad, dst, opts, z_scratch=True)
         grad = dst.copy_(grad)
