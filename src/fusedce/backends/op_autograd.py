@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 
 N_OPTIONS = 4   # the forward's trailing non-tensor inputs: ignore_index, scalars, stats, inplace_backward
@@ -35,6 +36,7 @@ def register_rows_autograd(namespace: str, op: str = "ce") -> None:
     ops = getattr(torch.ops, namespace)
     backward_op, inplace_op = getattr(ops, f"{op}_backward"), getattr(ops, f"{op}_backward_inplace")
 
+    @backward_formula
     def backward(ctx, grad_row, grad_lse, *_grad_no_grad_outputs):
         """For the upstream per-row gradients of ``loss`` and ``lse`` (any strides, e.g. stride 0; either
         may be None when that output took no part in the graph)."""

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.reduction import MeanScales, reduce, times, token_scaled, z_rows
 from fusedce.core.options import LossOptions
@@ -67,6 +68,7 @@ class _LinearCE(torch.autograd.Function):
         return out, lse, predicted, token_weight
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_out, _grad_lse, _grad_pred, _grad_token_weight):
         check_backward_allowed(ctx, "fusedce.linear_cross_entropy")
         if ctx.grads is not None:   # the first backward of chunked mean / sum: scale what the forward made

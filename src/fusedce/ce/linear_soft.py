@@ -20,6 +20,7 @@ import torch
 from fusedce.ce.soft_targets import SOFT_TARGET_DTYPES, backend_rows
 from fusedce.core import reduction as red
 from fusedce.core import validation as val
+from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.lm_head.headroom import headroom, scaled_
@@ -92,6 +93,7 @@ class _LinearSoftCE(torch.autograd.Function):
         return out, lse, predicted
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_out, _grad_lse, _grad_pred):
         check_backward_allowed(ctx, "fusedce.linear_cross_entropy")
         if ctx.grads is not None:

@@ -16,8 +16,10 @@ the same autocast (CPU bf16 / fp16, CUDA bf16 / fp16, any device type autocast s
   fp32 hidden with a bf16 weight is accepted under autocast, as ``F.linear`` accepts it.
   (Autocast's cache of cast weights is not used: the same cast, made once per call.)
 
-Only the forward is wrapped. A ``backward()`` called inside an autocast region runs the ops' backward
-formulas under that autocast (autograd replays the caller's state); they do their own dtype handling.
+A ``backward()`` called inside an autocast region replays the caller's autocast state on the ops' backward
+formulas; each is decorated with :func:`backward_formula`, which disables autocast there, so a gradient
+(dtypes included) is the same whether ``backward()`` runs inside or outside the region (stock's backward
+of ``F.linear`` is recorded in the forward's dtypes, and so is ours).
 
 Without autocast enabled for the tensors' device type the decorators call the op unchanged (one check).
 All of this traces under ``torch.compile(fullgraph=True)``.
@@ -84,6 +86,24 @@ def fp32_op(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         device_type = autocast_device_type(args[0] if args else kwargs.get(first))
+        if device_type is None:
+            return fn(*args, **kwargs)
+        with disabled(device_type):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def backward_formula(fn):
+    """Decorator for an autograd backward formula (``backward(ctx, *grads)`` of a ``torch.autograd.Function``
+    or a ``torch.library.register_autograd`` formula): run it with autocast disabled for the device type
+    of its first tensor argument when autocast is enabled there (a ``backward()`` called inside an autocast
+    region), else unchanged. The formulas do their own dtype handling from the saved tensors' dtypes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        device_type = autocast_device_type(first)
         if device_type is None:
             return fn(*args, **kwargs)
         with disabled(device_type):

@@ -141,16 +141,22 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.T
         zsum = z.sum(dim=1) if weight is None else z @ weight
     total_w = n_classes if weight is None else weight_sum
     loss = row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes, opts)
-    loss = torch.where(in_range, loss, torch.full_like(loss, float("nan")))
-    loss = torch.where(valid, loss, 0.0)
     ent = torch.where(valid, entropy_rows(z, lse, lse_lo), 0.0) if entropy else None
-    lse, lse_lo = torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)
+    loss, lse, lse_lo = masked_stats(loss, lse, lse_lo, valid, in_range)
     predicted = None
     if stats:
         predicted = torch.where(valid, x.argmax(dim=1), torch.full_like(target, -1, dtype=torch.long))
     if entropy:
         return loss, lse, lse_lo, predicted, ent
     return loss, lse, lse_lo, predicted
+
+
+def masked_stats(loss: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor, valid: torch.Tensor,
+                 in_range: torch.Tensor):
+    """The forward's per-row outputs as the ops return them: ``(loss, lse, lse_lo)`` ((n,) fp32 each) with
+    0 on the ignored rows (``~valid``) and the loss NaN on a kept row whose target is out of range."""
+    loss = torch.where(valid, torch.where(in_range, loss, float("nan")), 0.0)
+    return loss, torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)
 
 
 def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],

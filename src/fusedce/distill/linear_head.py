@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.lm_head import invariant
 from fusedce.lm_head.headroom import HEADROOM_EXP, scaled_
@@ -66,6 +67,7 @@ class _Distill(torch.autograd.Function):
         return reduce_rows(loss, reduction, scale)
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_out):
         check_backward_allowed(ctx, "fusedce.distillation_loss")
         student, teacher, target, scale = ctx.saved_tensors
@@ -155,6 +157,7 @@ class _LinearDistill(torch.autograd.Function):
         return reduce_rows(loss[:n_real], reduction, scale)
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_out):
         check_backward_allowed(ctx, "fusedce.linear_distillation_loss")
         if ctx.grads is not None:   # first backward of mean / sum: scale what the forward made

@@ -44,6 +44,7 @@ import torch
 
 from fusedce.backends.pytorch import block_threads
 from fusedce.backends.pytorch import tuning as torch_tuning
+from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform
@@ -144,6 +145,7 @@ class _TailLogits(torch.autograd.Function):
         return _log_tail(m, s, mt, st)
 
     @staticmethod
+    @backward_formula
     def backward(ctx, g):
         check_backward_allowed(ctx, "fusedce.topk_distillation_loss(tail=True)")
         logits, ids, m, s, mt, st = ctx.saved_tensors
@@ -175,6 +177,7 @@ class _TailLinear(torch.autograd.Function):
         return _log_tail(m, s, mt, st)
 
     @staticmethod
+    @backward_formula
     def backward(ctx, g):
         check_backward_allowed(ctx, "fusedce.linear_topk_distillation_loss(tail=True)")
         hidden, weight, bias, ids, m, s, mt, st = ctx.saved_tensors

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
+from fusedce.core.autocast import backward_formula
 from fusedce.core.entrance import public_op
 from fusedce.core import reduction as red, validation as val
 from fusedce.core.options import check_flag, loss_options
@@ -47,6 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return ce_outputs(ctx, out)
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_row, grad_lse, _grad_pred, _grad_wt, _grad_target_prob):
         check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_cross_entropy")
         logits, target, w, weight_sum, w_t, lse, lse_lo = ctx.saved_tensors

@@ -18,6 +18,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from fusedce.core.autocast import backward_formula
 from fusedce.core.entrance import public_op
 from fusedce import backends
 from fusedce.core import validation as val
@@ -53,6 +54,7 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_log_probs, grad_entropy):
         check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_linear_token_log_probs")
         hidden, weight, bias, target, lse, lse_lo, entropy = ctx.saved_tensors

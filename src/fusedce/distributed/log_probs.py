@@ -19,6 +19,7 @@ from typing import Optional, Union
 
 import torch
 
+from fusedce.core.autocast import backward_formula
 from fusedce.core.entrance import public_op
 from fusedce import backends
 from fusedce.core import validation as val
@@ -71,6 +72,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_log_probs, grad_entropy):
         check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_token_log_probs")
         logits, target, lse, lse_lo, entropy = ctx.saved_tensors

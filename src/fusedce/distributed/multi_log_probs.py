@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.distributed import chunk_ops
@@ -67,6 +68,7 @@ class VocabParallelLogProbsK(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_log_probs, grad_entropy):
         check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_token_log_probs")
         logits, target, lse, lse_lo, entropy = ctx.saved_tensors
@@ -98,6 +100,7 @@ class VocabParallelLinearLogProbsK(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_log_probs, grad_entropy):
         check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_linear_token_log_probs")
         hidden, weight, bias, target, lse, lse_lo, entropy = ctx.saved_tensors

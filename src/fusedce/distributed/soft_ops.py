@@ -21,6 +21,7 @@ import torch.distributed as dist
 from fusedce.ce.linear_soft import check_linear_soft_target, index_stand_in
 from fusedce.ce.soft_targets import backend_rows, check_soft_target
 from fusedce.core import reduction as red, validation as val
+from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions, check_flag
 from fusedce import backends
@@ -54,6 +55,7 @@ class _SoftCE(torch.autograd.Function):
         return _outputs(ctx, out, stats)
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_row, grad_lse, _grad_pred, _grad_expected):
         check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_cross_entropy")
         logits, q, w, lse, lse_lo, mass = ctx.saved_tensors
@@ -78,6 +80,7 @@ class _LinearSoftCE(torch.autograd.Function):
         return _outputs(ctx, out, stats)
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_row, grad_lse, _grad_pred, _grad_expected):
         check_backward_allowed(ctx, "fusedce.distributed.vocab_parallel_linear_cross_entropy")
         hidden, weight, bias, q, w, lse, lse_lo, mass = ctx.saved_tensors

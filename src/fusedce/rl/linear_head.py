@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.lm_head import invariant, loop_ops
@@ -62,6 +63,7 @@ class _LogProbs(torch.autograd.Function):
         return (log_probs, entropy_out, *stats)
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_log_probs, grad_entropy, *_stats):
         check_backward_allowed(ctx, "fusedce.token_log_probs")
         logits, target, lse, lse_lo, entropy = ctx.saved_tensors
@@ -97,6 +99,7 @@ class _LinearLogProbs(torch.autograd.Function):
         return (log_probs, entropy_out, *stats)
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_log_probs, grad_entropy, *_stats):
         check_backward_allowed(ctx, "fusedce.linear_token_log_probs")
         hidden, weight, bias, target, lse, lse_lo, entropy = ctx.saved_tensors

@@ -41,6 +41,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform
@@ -183,6 +184,7 @@ class _LogProbsK(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_log_probs, grad_entropy):
         check_backward_allowed(ctx, "fusedce.token_log_probs")
         logits, target, lse, lse_lo, entropy = ctx.saved_tensors

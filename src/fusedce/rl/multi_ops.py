@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
@@ -87,6 +88,7 @@ class _LinearLogProbsK(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_log_probs, grad_entropy):
         check_backward_allowed(ctx, "fusedce.linear_token_log_probs")
         hidden, weight, bias, target, lse, lse_lo, entropy, x = ctx.saved_tensors

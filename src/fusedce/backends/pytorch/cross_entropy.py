@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from .launch import class_weights
@@ -26,6 +27,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return loss, lse, lse_lo, predicted
 
     @staticmethod
+    @backward_formula
     def backward(ctx, grad_row, grad_lse, _grad_lse_lo, _grad_pred):
         check_backward_allowed(ctx, "fusedce.cross_entropy")
         logits, target, lse, lse_lo, w, weight_sum = ctx.saved_tensors

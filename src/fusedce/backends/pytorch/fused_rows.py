@@ -23,21 +23,21 @@ from typing import Optional
 import torch
 
 from fusedce.core.options import LossOptions
-from fusedce.core.row_math import (grad_lse, mul_slope_, row_loss, smoothing_and_target_, target_terms,
+from fusedce.core.row_math import (grad_lse, masked_stats, mul_slope_, row_loss, smoothing_and_target_, target_terms,
                                    transform, two_sum, zero_ignored_)
 
 
 def rows_loss_grad_(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                     weight_sum: Optional[torch.Tensor], grad_row: torch.Tensor, z_grad_row: torch.Tensor,
-                    opts: LossOptions, stats: bool, out: Optional[torch.Tensor] = None):
-    """Forward and gradient of a block: ``x`` ((n, V) fp32 logits; overwritten unless ``out`` is given),
+                    opts: LossOptions, stats: bool):
+    """Forward and gradient of a block: ``x`` ((n, V) fp32 logits, overwritten by the gradient),
     ``target`` (n,) int, ``weight`` (V,) fp32 class weights or None with ``weight_sum`` their sum,
     ``grad_row`` / ``z_grad_row`` (n,) upstream gradients of each row's cross-entropy and z-loss (any
     float dtype and strides; times ``p_t`` with ``use_token_scaling``).
 
-    Writes d(sum_i grad_row[i] ce_i + z_grad_row[i] z_i)/dx into ``out`` ((n, V) fp32, default ``x``) and
-    returns ``(loss, lse, lse_lo, predicted, token_weight, grad)``, the first five as
-    ``protocol.loss_then_grad_`` makes them, ``grad`` the tensor written (``out`` or ``x``):
+    Writes d(sum_i grad_row[i] ce_i + z_grad_row[i] z_i)/dx into ``x`` and returns ``(loss, lse, lse_lo,
+    predicted, token_weight, grad)``, the first five as ``protocol.loss_then_grad_`` makes them, ``grad``
+    ``x`` itself:
     (n,) fp32 loss (0 on ignored rows, NaN on a kept row whose target is out of range), the lse pair (0
     on ignored rows), predicted (n,) int64 (-1 on ignored rows) or None without ``stats``, token_weight
     ``p_t`` (n,) fp32 with ``use_token_scaling`` else None. Ignored rows get an exactly-zero gradient."""
@@ -45,12 +45,9 @@ def rows_loss_grad_(x: torch.Tensor, target: torch.Tensor, weight: Optional[torc
     valid = opts.kept(target)
     predicted = torch.where(valid, x.argmax(dim=1), -1) if stats else None
     z = transform(x, opts)
-    dst = x if out is None else out
-    keep_z = z is not x            # logit_scale / softcap: dz/dx needs z; keep it in dst meanwhile
+    keep_z = z is not x            # logit_scale / softcap: dz/dx needs z; keep it in x meanwhile
     if keep_z:
-        dst.copy_(z)
-    elif out is not None:
-        z = out.copy_(x)
+        x.copy_(z)
     _, in_range, safe, z_t, w_t = target_terms(z, target, weight, opts)
     zsum = None
     if opts.label_smoothing > 0.0:
@@ -58,12 +55,11 @@ def rows_loss_grad_(x: torch.Tensor, target: torch.Tensor, weight: Optional[torc
     total_w = n_classes if weight is None else weight_sum
     m = z.amax(dim=1)
     shift = torch.where(m == float("-inf"), 0.0, m)
-    e = z.sub_(shift[:, None]).exp_()   # in place: z is x, out, or transform's fresh tensor
+    e = z.sub_(shift[:, None]).exp_()   # in place: z is x or transform's fresh tensor
     s = e.sum(dim=1)
     lse, lse_lo = two_sum(shift, s.log())
-    loss = row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes, opts)
-    loss = torch.where(valid, torch.where(in_range, loss, float("nan")), 0.0)
-    lse, lse_lo = torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)
+    loss, lse, lse_lo = masked_stats(row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes, opts),
+                                     lse, lse_lo, valid, in_range)
     token_weight = None
     g, zg = grad_row.float(), z_grad_row.float()
     if opts.use_token_scaling:   # row_math.target_probability's value, from this block's statistics
@@ -80,7 +76,7 @@ def rows_loss_grad_(x: torch.Tensor, target: torch.Tensor, weight: Optional[torc
         at_target = at_target + h * p_t
     grad = smoothing_and_target_(e.mul_((row_factor / s)[:, None]), g, b, weight, safe, in_range,
                                  at_target if n_classes else None, opts)
-    if keep_z:   # grad in transform's tensor, z in dst: the chain rule, then the result into dst
-        mul_slope_(grad, dst, opts, z_scratch=True)
-        grad = dst.copy_(grad)
+    if keep_z:   # grad in transform's tensor, z in x: the chain rule, then the result into x
+        mul_slope_(grad, x, opts, z_scratch=True)
+        grad = x.copy_(grad)
     return loss, lse, lse_lo, predicted, token_weight, zero_ignored_(grad, valid)

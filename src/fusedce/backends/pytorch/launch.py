@@ -55,11 +55,11 @@ def block_rows(logits: torch.Tensor) -> int:
     return min(rows, max(n_rows, 1))
 
 
-def for_row_blocks(logits: torch.Tensor, each, fp32_out: bool = False) -> None:
+def for_row_blocks(logits: torch.Tensor, each, work: bool = True) -> None:
     """Call ``each(rows, block, work)`` for every block of rows of ``logits`` ((n, V); ``block_rows`` rows a
     block): ``rows`` the block's slice, ``block`` its rows in fp32 (a reused buffer unless ``logits`` is fp32),
-    ``work`` a second fp32 buffer of ``block``'s shape (``Scratch``; None with ``fp32_out``, where ``each``
-    writes its result elsewhere). The loop of every forward and backward here.
+    ``work`` a second fp32 buffer of ``block``'s shape (``Scratch``; None when ``work`` is False: ``each``
+    needs none). The loop of every forward and backward here.
 
     On the CPU the blocks are shared among ``torch.get_num_threads()`` Python threads, each with one
     intra-op thread and its own buffers (``block_threads.run``): ``each`` must write only its block's rows
@@ -71,7 +71,7 @@ def for_row_blocks(logits: torch.Tensor, each, fp32_out: bool = False) -> None:
     n_blocks = -(-n_rows // step)
 
     def share(k: int, n: int) -> None:
-        scratch = Scratch(step, n_classes, logits.dtype, logits.device, work=not fp32_out)
+        scratch = Scratch(step, n_classes, logits.dtype, logits.device, work=work)
         for b in range(k, n_blocks, n):
             rows = slice(b * step, b * step + step)
             block = scratch.upcast(logits[rows])
@@ -93,7 +93,7 @@ def grad_chunks_(logits: torch.Tensor, out: torch.Tensor, row_grad) -> torch.Ten
         if grad is not dst:
             dst.copy_(grad)
 
-    for_row_blocks(logits, each, fp32_out)
+    for_row_blocks(logits, each, work=not fp32_out)
     return out
 
 
@@ -160,5 +160,5 @@ def chunk_loss_grad_(logits, target, w, weight_sum, grad_row, z_grad_row, opts: 
         if upcast:   # the block was an fp32 copy: its gradient back into the caller's dtype
             logits[rows].copy_(res[5])
 
-    for_row_blocks(logits, each, fp32_out=True)
+    for_row_blocks(logits, each, work=False)
     return loss, lse, lse_lo, predicted, token_weight
