@@ -21,6 +21,7 @@ LAYERS = [
     ("fusedce.core.autograd_checks", 0),
     ("fusedce.core.transforms", 0),    # forward-AD / tracing predicates (torch only)
     ("fusedce.core.opaque", 0),        # custom ops that plain eager calls bypass (torch only)
+    ("fusedce.core.bf16_products", 0), # fp32 GEMMs of bf16 values on the CPU bf16 units (torch only)
     ("fusedce.core.row_math", 1),      # the reference row formulas (PyTorch)
     ("fusedce.core.validation", 1),    # tensor checks
     ("fusedce.core.reduction", 1),

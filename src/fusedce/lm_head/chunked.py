@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from fusedce.core.bf16_products import exact_bf16_gemms
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import grad_lse, target_probability
 from fusedce.core.validation import sync_allowed
@@ -102,7 +103,9 @@ def accumulate_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
     elif g.dtype == h.dtype and _mm_out_dtype_ok(acc):
         torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
     else:  # upcast the chunk operands (n_c x V and n_c x H), never the V x H result
-        acc.addmm_(g.t().to(acc.dtype), h.to(acc.dtype))
+        g32, h32 = g.t().to(acc.dtype), h.to(acc.dtype)
+        with exact_bf16_gemms(g, h):   # both bf16: the CPU's bf16 units, the same exact products
+            acc.addmm_(g32, h32)
 
 
 def grad_buffers(hidden: torch.Tensor, weight: torch.Tensor, needs, accum_dtype: torch.dtype) -> tuple:
@@ -121,9 +124,20 @@ def backprop_chunk_(g: torch.Tensor, h_c: torch.Tensor, weight: torch.Tensor, ro
     ``grad_h[rows] = g @ W``, ``grad_W += g.T @ h_c``, ``grad_b += sum_rows g`` (each skipped when None;
     the last two in their own accumulation dtype). An fp32 ``g`` of bf16 / fp16 operands (the fp32
     logits' gradient) is rounded to the operands' dtype once (a chunk-sized copy), as the stock
-    composition's low-precision backward has it, so both GEMMs stay the fast low-precision ones."""
+    composition's low-precision backward has it, so both GEMMs stay the fast low-precision ones; where
+    the build has no fp32-output GEMM (CPU) the rounded values are also written back into ``g`` (so
+    ``g`` is overwritten), which then serves as the weight-gradient GEMM's fp32 operand."""
     if g.dtype != weight.dtype:
-        g = g.to(weight.dtype)
+        low = g.to(weight.dtype)
+        if grad_w is not None and g.dtype == grad_w.dtype and not _mm_out_dtype_ok(grad_w):
+            # no fp32-output GEMM here: the fp32 chunk takes the rounded values (exact in fp32) and is
+            # the weight-gradient GEMM's operand itself, the upcast copy accumulate_ would make
+            g.copy_(low)
+            h32 = h_c.to(grad_w.dtype)
+            with exact_bf16_gemms(low, h_c):   # bf16 values: the CPU's bf16 units, the same exact products
+                grad_w.addmm_(g.t(), h32)
+            grad_w = None
+        g = low
     if grad_h is not None:
         torch.mm(g, weight, out=grad_h[rows])
     if grad_w is not None:

@@ -1,0 +1,109 @@
+"""``core/bf16_products.exact_bf16_gemms`` (issue 32): fp32 GEMMs of bf16 values on the CPU's bf16 units.
+
+What must hold: the mode is switched only for bf16 CPU operands and restored after (also on error), the
+caller's own choice is left alone, and the GEMMs it covers stay fp32 sums of exact products: within
+``H u A`` of float64 (``u = 2^-24``, ``A = sum_k |a_k b_k|``, Higham's gamma_H), a bound that a bf16
+rounding of any operand or of the result (2^-9 relative) misses by far. Shapes are large enough for
+torch to hand the fp32 GEMM to oneDNN (tiny ones stay on its own kernel, where the mode does nothing).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedce.core import bf16_products
+from fusedce.core.bf16_products import applies, exact_bf16_gemms
+from fusedce.lm_head import chunked, fp32_linear
+
+KNOB = torch.backends.mkldnn.matmul
+ENGAGES = applies(torch.zeros(1, dtype=torch.bfloat16))   # this CPU has bf16 units and oneDNN
+U32 = 2.0 ** -24
+
+
+@pytest.fixture(autouse=True)
+def _default_precision():
+    before = KNOB.fp32_precision
+    KNOB.fp32_precision = "none"
+    yield
+    KNOB.fp32_precision = before
+
+
+def _mode_is_on() -> bool:
+    """Whether fp32 GEMMs run in bf16 math right now: a product of NON-bf16 fp32 data loses digits."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(64, 256, generator=g), torch.randn(256, 64, generator=g)
+    return ((a @ b).double() - a.double() @ b.double()).abs().max().item() > 1e-3
+
+
+def test_switches_for_bf16_cpu_operands_and_restores():
+    bf = torch.zeros(2, 2, dtype=torch.bfloat16)
+    with exact_bf16_gemms(bf, bf):
+        assert KNOB.fp32_precision == ("bf16" if ENGAGES else "none")
+        assert _mode_is_on() == ENGAGES
+    assert KNOB.fp32_precision == "none" and not _mode_is_on()
+
+
+def test_restores_after_an_error():
+    bf = torch.zeros(2, 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="inside"):
+        with exact_bf16_gemms(bf):
+            raise RuntimeError("inside")
+    assert KNOB.fp32_precision == "none"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_other_dtypes_leave_the_mode_alone(dtype):
+    """fp16 values are not bf16 values (more significand bits): converting them would round."""
+    x = torch.zeros(2, 2, dtype=dtype)
+    with exact_bf16_gemms(x, torch.zeros(2, 2, dtype=torch.bfloat16)):
+        assert KNOB.fp32_precision == "none"
+
+
+def test_meta_tensors_and_the_opt_out_leave_the_mode_alone(monkeypatch):
+    with exact_bf16_gemms(torch.zeros(2, 2, dtype=torch.bfloat16, device="meta")):
+        assert KNOB.fp32_precision == "none"
+    monkeypatch.setattr(bf16_products, "ENABLED", False)
+    with exact_bf16_gemms(torch.zeros(2, 2, dtype=torch.bfloat16)):
+        assert KNOB.fp32_precision == "none"
+
+
+def test_the_callers_own_choice_is_kept():
+    KNOB.fp32_precision = "tf32"
+    with exact_bf16_gemms(torch.zeros(2, 2, dtype=torch.bfloat16)):
+        assert KNOB.fp32_precision == "tf32"
+    assert KNOB.fp32_precision == "tf32"
+
+
+def _within_gamma(out: torch.Tensor, a64: torch.Tensor, b64: torch.Tensor, extra: float = 0.0) -> None:
+    exact = a64 @ b64
+    bound = a64.shape[1] * U32 * (a64.abs() @ b64.abs()) + extra
+    err = (out.double() - exact).abs()
+    assert bool((err <= bound).all()), f"worst error / bound {(err / bound.clamp_min(1e-300)).max().item():.3g}"
+
+
+def test_fp32_logits_of_bf16_operands_stay_exact_sums():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(64, 256, generator=g).bfloat16()
+    w = (torch.randn(3000, 256, generator=g) * 0.1).bfloat16()
+    out = fp32_linear.linear_fp32_(h, w, None, torch.empty(64, 3000), False)
+    _within_gamma(out, h.double(), w.double().T)
+    assert KNOB.fp32_precision == "none"
+
+
+def test_weight_gradient_of_a_bf16_chunk_stays_an_exact_sum():
+    """``backprop_chunk_`` with an fp32 chunk gradient of bf16 operands (the default fp32 logits): the
+    gradient is rounded to bf16 once (as stock), then ``grad_W += g.T @ h`` sums the exact products in
+    fp32; ``g`` itself holds the rounded values after (the documented in-place write)."""
+    gen = torch.Generator().manual_seed(0)
+    n, hidden_size, vocab = 96, 256, 2000
+    h = torch.randn(n, hidden_size, generator=gen).bfloat16()
+    w = torch.randn(vocab, hidden_size, generator=gen).bfloat16()
+    g = torch.randn(n, vocab, generator=gen) * 1e-3
+    rounded = g.bfloat16()
+    grad_h = torch.empty(n, hidden_size, dtype=torch.bfloat16)
+    grad_w = torch.full((vocab, hidden_size), 0.5)
+    chunked.backprop_chunk_(g, h, w, slice(0, n), grad_h, grad_w, None)
+    assert torch.equal(g, rounded.float())
+    # into an existing 0.5: one more rounding at 0.5's scale (half an ulp, 2^-25); the - 0.5 is exact (Sterbenz)
+    _within_gamma(grad_w - 0.5, rounded.double().T, h.double(), extra=2.0 ** -25)
+    assert torch.equal(grad_h, rounded @ w)                          # the bf16 GEMM, as stock's backward
