@@ -8,7 +8,8 @@ median of ``--repeats``), at one shape:
   (``F.linear`` + ``F.cross_entropy``), forward + backward;
 - bf16, default numerics (fp32 logits from the bf16 operands, ``lm_head/fp32_linear.py``): its floor is the
   fp32-output logits product as fusedce forms it on CPU (no fp32-output GEMM of bf16 operands exists in
-  torch 2.13's CPU kernels) plus two bf16 GEMMs;
+  torch 2.13's CPU kernels; on all BT rows at once, on the bf16 units where the CPU has them,
+  ``core/bf16_products.py``) plus two bf16 GEMMs; the bf16 row's three-bf16-GEMM floor is printed too;
 - bf16, ``logits_dtype="input"`` (bf16 logits, chunked only): three bf16 GEMMs.
 
 Ratios are of times measured in this one run; the load average (``os.getloadavg``) is printed before and
