@@ -14,7 +14,9 @@ Launches per chunk (Triton, mean / sum): 1 matmul + 1 cross-entropy kernel + the
 ``grad_W += g_c.T @ h_c`` with a ``grad_W`` wider than the chunk (fp32 accumulator, bf16/fp16 chunk):
 eager calls use ``torch.addmm(..., out_dtype=fp32, out=grad_W)`` where the build has it (CUDA; a one-time
 probe per device type, cached for the process), so no fp32 copy of the chunk is made; elsewhere (CPU
-kernels) the chunk operands are upcast to fp32 (n_c x V and n_c x H, never V x H). Traced or captured
+kernels) the chunk operands are upcast to fp32 (n_c x V and n_c x H, never V x H; the fp32 logits' own
+chunk buffer serves as the upcast gradient, ``backprop_chunk_``), and on a CPU with bf16 units that GEMM of
+bf16 values runs on them (``core/bf16_products.py``: exact, fp32 accumulation). Traced or captured
 code (``torch.compile`` / ``torch.export``, CUDA-graph capture, fake tensors) always takes the upcast path
 and never probes nor fills the cache: Inductor cannot lower an ``out_dtype`` addmm, fake tensors would
 accept it on any device, and a graph must not depend on which call came first. So on CUDA,

@@ -12,7 +12,7 @@ Forward, per token block r and vocabulary block j (``tuning.tile_sizes``: fewer 
     at the end lse = m + log S as an exact pair, the loss (``row_math.row_loss``), entropy = log S - T / S.
 Backward (from the saved lse pair; each block recomputed):
     dz = ``row_math.rows_grad`` on the block (the vocabulary-slice form: global V, w_t per row; fp32,
-    not rounded to hidden's dtype, as the chunked method's fp32 gradient on CPU),
+    not rounded to hidden's dtype, where the chunked method rounds its chunk's gradient once as stock does),
     grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r and grad_b_j += sum_rows dz (``accum_dtype``).
 FLOPs: 2 BT V H forward, 6 BT V H backward (recomputed logits, grad_h, grad_W). Memory beyond the
 inputs and the returned gradients: a few fp32 blocks of fewer than V values each, fp32 copies of one
