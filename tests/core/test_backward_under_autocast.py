@@ -16,24 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fusedce
 from public_ops import CALLS, make_inputs, with_logits
 
 LEAVES = ("hidden", "weight", "bias")
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def _total(outs):

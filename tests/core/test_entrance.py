@@ -16,24 +16,12 @@ import inspect
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fusedce
 from fusedce.core.entrance import ENTRANCE, KINDS, public_op
 from public_ops import CALLS, NEEDS_GROUP, PUBLIC_FUNCTIONS, make_inputs, with_logits
 
 LEAVES = ("hidden", "weight", "bias")
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def test_public_lists_are_walked():

@@ -14,23 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fusedce
 from public_ops import CALLS, V, make_inputs, with_logits
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def _skip_drop_in(name, backend):
