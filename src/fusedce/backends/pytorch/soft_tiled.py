@@ -17,8 +17,9 @@ Forward, per token block r, vocabulary block j (columns ``cols``):
 Backward (from the saved lse pair and A; each block recomputed):
     dz = (g A + h) p - g u,  p = exp((z - lse) - lse_lo), then ``row_math.mul_slope_``, kept in fp32 (as
     the chunked method on CPU); grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r, grad_b_j += sum_rows dz.
-FLOPs: 2 BT V H forward, 6 BT V H backward. Memory beyond the inputs and the returned gradients: a few
-fp32 blocks (logits, target, exp, gradient) of fewer than V values each per thread, O(BT) row
+The backward loops vocabulary block outer (``tiled.py``'s order: each weight block upcast once per share,
+the same bits). FLOPs: 2 BT V H forward, 6 BT V H backward. Memory beyond the inputs and the returned
+gradients: a few fp32 blocks (logits, target, exp, gradient) of fewer than V values each per thread, O(BT) row
 statistics, and per extra thread of the backward one fp32 ``BT x H`` accumulator of grad_h (plus one
 for non-fp32 hidden). Threads: ``block_threads.py`` (the forward shares out row blocks, the backward
 vocabulary blocks), as ``tiled.py``.
@@ -32,7 +33,7 @@ import torch
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform, two_sum
 from . import block_threads, tuning
-from .tiled import _block_logits
+from .tiled import _block_logits, _vocab_block
 
 _NEG_INF = float("-inf")
 Opt = Optional[torch.Tensor]
@@ -114,20 +115,20 @@ def soft_tiled_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q
 
     def vocab_blocks(k, workers):   # share k: vocabulary blocks k, k + workers, ... of every row block
         acc_h = grad_h if k == 0 or grad_h is None else torch.zeros_like(grad_h)
-        for r0 in range(0, n, tile_rows):
-            r = slice(r0, r0 + tile_rows)
-            h, q_r = hidden[r], q[r]
-            h32 = h if fp32 else h.float()
-            for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):
-                cols = slice(v0, v0 + tile_vocab)
-                x = _block_logits(h32, weight, bias, cols)
+        for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):   # vocabulary outer (``tiled.py``)
+            cols = slice(v0, v0 + tile_vocab)
+            w32, b32 = _vocab_block(weight, bias, cols)
+            for r0 in range(0, n, tile_rows):
+                r = slice(r0, r0 + tile_rows)
+                h, q_r = hidden[r], q[r]
+                h32 = h if fp32 else h.float()
+                x = torch.nn.functional.linear(h32, w32, b32)
                 z = transform(x, opts)
                 u = _mixed_block(q_r[:, cols], None if w is None else w[cols], opts, n_classes)
                 p = torch.sub(z, lse[r, None]).sub_(lse_lo[r, None]).exp_()
                 dz = mul_slope_(p.mul_(factor_all[r, None]).sub_(u.mul_(g_all[r, None])), z, opts)
                 if acc_h is not None:
-                    w_blk = weight[cols]
-                    acc_h[r].addmm_(dz, w_blk if fp32 else w_blk.float())
+                    acc_h[r].addmm_(dz, w32)
                 if grad_w is not None:
                     grad_w[cols].addmm_(dz.t().to(accum_dtype), h32.to(accum_dtype))
                 if grad_b is not None:
