@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fusedce
 from fusedce.core import bf16_products
 from fusedce.core.bf16_products import applies, exact_bf16_gemms
 from fusedce.lm_head import chunked, fp32_linear
@@ -107,3 +108,29 @@ def test_weight_gradient_of_a_bf16_chunk_stays_an_exact_sum():
     # into an existing 0.5: one more rounding at 0.5's scale (half an ulp, 2^-25); the - 0.5 is exact (Sterbenz)
     _within_gamma(grad_w - 0.5, rounded.double().T, h.double(), extra=2.0 ** -25)
     assert torch.equal(grad_h, rounded @ w)                          # the bf16 GEMM, as stock's backward
+
+
+
+@pytest.mark.parametrize("smoothing_with_class_weights", [False, True])
+def test_tiled_forward_modes(monkeypatch, smoothing_with_class_weights):
+    """The tiled forward's block logits (bf16 values) run in the mode; never its row math's own product of
+    fp32 values, the smoothing sum ``z @ w`` with class weights: the mode seen by every block's row math
+    is recorded (and restored after the call)."""
+    from fusedce.backends.pytorch import tiled
+    seen = []
+    add = tiled._Running.add
+
+    def spy(self, *args):
+        seen.append(KNOB.fp32_precision)
+        return add(self, *args)
+
+    monkeypatch.setattr(tiled._Running, "add", spy)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(20, 16, generator=gen).bfloat16()
+    w = torch.randn(300, 16, generator=gen).bfloat16()
+    target = torch.randint(0, 300, (20,), generator=gen)
+    kw = dict(ce_weight=torch.rand(300, generator=gen) + 0.5, label_smoothing=0.1) if smoothing_with_class_weights \
+        else {}
+    fusedce.linear_cross_entropy(h, w, target, backend="torch", method="tiled", **kw)
+    assert seen and KNOB.fp32_precision == "none"
+    assert set(seen) == {"bf16" if ENGAGES and not smoothing_with_class_weights else "none"}

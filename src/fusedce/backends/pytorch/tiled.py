@@ -31,10 +31,12 @@ past the first accumulates grad_h in its own fp32 ``BT x H`` buffer, added in sh
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
+from fusedce.core.bf16_products import exact_bf16_gemms
 from fusedce.core.options import LossOptions
 from ..protocol import TiledRows
 from fusedce.core.row_math import row_loss, rows_grad, transform, two_sum
@@ -162,7 +164,13 @@ class TorchTiledCE:
                     tstats[1][r] = torch.where(valid, run.zsum_all / n_classes, 0.0)
                     tstats[2][r] = valid & (run.zbest_idx == t)
 
-        block_threads.run(row_blocks, -(-n // tile_rows), dev)
+        # The forward's only GEMMs are the blocks' logits, of bf16 values when the head is bf16: on a CPU's
+        # bf16 units (``core/bf16_products.py``, exact), set once around the threads, never where the row
+        # math has a product of its own (the smoothing sum with class weights, ``z @ w``, of fp32 values).
+        # The backward's gradient GEMMs take fp32 dz: they keep the ieee mode.
+        products = contextlib.nullcontext() if smoothing and w is not None else exact_bf16_gemms(hidden, weight)
+        with products:
+            block_threads.run(row_blocks, -(-n // tile_rows), dev)
         return TiledRows(loss, lse, lse_lo, predicted, z_t, ent, tstats if token_stats else None)
 
     @staticmethod
