@@ -109,6 +109,21 @@ def test_bad_weight_shape(backend, shape):
     _raises(ValueError, backend, x, t, torch.rand(shape))
 
 
+def test_class_weights_that_require_grad(backend):
+    """As ``F.cross_entropy``: a learnable class weight would silently get no gradient, so it is refused while
+    grad mode is on (and accepted under ``torch.no_grad()``, where nothing is learned)."""
+    x, t = _good()
+    w = torch.rand(V, requires_grad=True)
+    msg = _raises(TypeError, backend, x, t, w, match="weight requires grad")
+    assert "weight.detach()" in msg
+    h, head = torch.randn(ROWS, 8), torch.randn(V, 8)
+    with pytest.raises(TypeError, match="ce_weight requires grad"):
+        fusedce.linear_cross_entropy(h, head, t, ce_weight=w, backend=backend)
+    with torch.no_grad():
+        call(x, t, w, backend=backend)
+        fusedce.linear_cross_entropy(h, head, t, ce_weight=w, backend=backend)
+
+
 def test_boundaries_accepted(backend):
     """The closed ends of the valid ranges are accepted: label_smoothing 0 and 1, a tiny softcap."""
     x, t = _good()

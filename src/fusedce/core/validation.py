@@ -82,12 +82,18 @@ def check_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
 
 
-def check_vector(name: str, t: Optional[torch.Tensor], size: int, device: torch.device) -> None:
-    """An optional ``(size,)`` float tensor on ``device`` (class weights, bias)."""
+def check_vector(name: str, t: Optional[torch.Tensor], size: int, device: torch.device,
+                 constant: bool = False) -> None:
+    """An optional ``(size,)`` float tensor on ``device`` (class weights, bias). ``constant`` (class
+    weights): a tensor that requires grad while grad mode is on is a ``TypeError``, as ``F.cross_entropy``
+    refuses it: no gradient flows to class weights, so a learnable one would silently never learn."""
     if t is None:
         return
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor")
+    if constant and t.requires_grad and torch.is_grad_enabled():
+        raise TypeError(f"{name} requires grad, but class weights are a constant of the loss: no gradient flows "
+                        f"to them (F.cross_entropy refuses them too); pass {name}.detach()")
     if t.dim() != 1 or t.shape[0] != size:
         raise ValueError(f"{name} must have shape ({size},), got {tuple(t.shape)}")
     if t.device != device:
@@ -251,7 +257,7 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
     check_target(target, hidden.shape[:-1], hidden.device,
                  lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape), probabilities=True)
     check_vector(b_name, bias, weight.shape[0], hidden.device)
-    check_vector(cw_name, ce_weight, weight.shape[0], hidden.device)
+    check_vector(cw_name, ce_weight, weight.shape[0], hidden.device, constant=True)
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
         raise TypeError(f"hidden, {w_name} and {b_name} must share a dtype; got {hidden.dtype}, "
                         f"{weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")

@@ -136,7 +136,7 @@ def vocab_parallel_cross_entropy(
                                       num_items_in_batch, return_stats, backend, token_weights)
     val.check_target(target, shape, device)
     target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
-    val.check_vector("weight_shard", weight_shard, n_local, device)
+    val.check_vector("weight_shard", weight_shard, n_local, device, constant=True)
     val.check_num_items(num_items_in_batch, device)
     check_flag("return_stats", return_stats)
     val.check_token_weights(token_weights, target)

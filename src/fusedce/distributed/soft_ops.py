@@ -120,7 +120,7 @@ def cross_entropy(logits_shard, target, weight_shard, group, vocab_start_index, 
     (after its common checks: ``logits_shard``, ``opts``)."""
     shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
     check_soft_target(target, logits_shard, opts, values=False)
-    val.check_vector("weight_shard", weight_shard, n_local, device)
+    val.check_vector("weight_shard", weight_shard, n_local, device, constant=True)
     val.check_num_items(num_items_in_batch, device)
     check_flag("return_stats", return_stats)
     val.check_token_weights(token_weights, target, shape)
