@@ -38,6 +38,9 @@ def _cpu_has_bf16_units() -> bool:
     """Whether oneDNN can run bf16 GEMMs natively here (AVX512-BF16 or AMX; probed once)."""
     if not torch.backends.mkldnn.is_available():
         return False
+    knob = getattr(torch.backends.mkldnn, "matmul", None)   # the fp32_precision API (torch >= 2.9)
+    if knob is None or not hasattr(knob, "fp32_precision"):
+        return False
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(bool(p()) for p in probes if p is not None)
 
