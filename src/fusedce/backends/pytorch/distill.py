@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from .block_threads import one_thread
+from .block_threads import run
+from .tuning import cpu_block_rows
 
 # Rows per block of ``distill_rows``: about this many fp32 values per temporary (8 MiB), whatever BT.
 BLOCK_ELEMENTS = 1 << 21
@@ -101,7 +102,7 @@ def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tar
     Returns:
         ``(loss_rows, grad)``: ``loss_rows`` ``(N,)`` fp32 (0 on ignored rows); ``grad`` ``(N, V)`` in
         ``student_logits``' dtype = ``grad_factor[r] * d loss_rows[r] / d student_logits[r]`` (exactly 0
-        on ignored rows), or None. fp32 math on blocks of ``BLOCK_ELEMENTS`` values (no host sync).
+        on ignored rows), or None. fp32 math on row blocks (above; no host sync).
     """
     n, n_classes = student_logits.shape
     dev = student_logits.device
@@ -109,19 +110,24 @@ def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tar
     grad = None
     if grad_factor is not None:
         grad = torch.empty((n, n_classes), dtype=student_logits.dtype, device=dev)
-    step = max(1, BLOCK_ELEMENTS // max(1, n_classes))
-    with torch.no_grad():
-        for r0 in range(0, n, step):
-            r = slice(r0, r0 + step)
+    # CPU: cache-sized blocks shared among Python threads with one intra-op thread each (``launch.
+    # for_row_blocks``' scheme: every row reduced whole by one thread, so its bits do not depend on the rows
+    # beside it, ``batch_invariant``); elsewhere ``BLOCK_ELEMENTS``-value blocks in the calling thread.
+    cpu = dev.type == "cpu"
+    step = cpu_block_rows(n_classes) if cpu else max(1, BLOCK_ELEMENTS // max(1, n_classes))
+    n_blocks = -(-n // step)
+
+    def share(k: int, workers: int) -> None:
+        for b in range(k, n_blocks, workers):
+            r = slice(b * step, b * step + step)
             t_r = None if target is None else target[r]
-            # a lone row on one intra-op thread: the bits every row of a larger block gets (batch_invariant)
-            lone = dev.type == "cpu" and min(step, n - r0) == 1 and not torch.compiler.is_compiling()
-            with one_thread(lone):
-                loss[r], d = _block(student_logits[r].float(), teacher_logits[r].float(), t_r,
-                                    None if grad_factor is None else grad_factor[r], beta, temperature,
-                                    hard_label_weight, ignore_index, student_softcap, teacher_softcap)
+            loss[r], d = _block(student_logits[r].float(), teacher_logits[r].float(), t_r,
+                                None if grad_factor is None else grad_factor[r], beta, temperature,
+                                hard_label_weight, ignore_index, student_softcap, teacher_softcap)
             if grad is not None:
                 grad[r] = d
+
+    run(share, n_blocks, dev)
     return loss, grad
 
 
