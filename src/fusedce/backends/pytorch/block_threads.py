@@ -1,6 +1,6 @@
 """Threads for the PyTorch backend's loops of small blocks (``tiled.py``), and why.
 
-The tiled method works on blocks of fewer than V logits (47 x 1024 at V = 49152): about 30 ATen ops per
+The tiled method works on blocks of fewer than V logits (191 x 256 at V = 49152): about 30 ATen ops per
 block, ~4200 blocks per forward and as many per backward at BT = 4096. With the default intra-op pool
 (OpenMP, one thread per core) each op on a block of more than 32768 elements, and each matmul, is a
 parallel region that ends at a barrier where every pool thread must have run its share. On idle cores a

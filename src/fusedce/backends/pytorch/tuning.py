@@ -34,12 +34,17 @@ def cpu_block_rows(n_classes: int) -> int:
 # TILE_VOCAB classes (at most half of V, so that a block never spans the whole vocabulary) and rows =
 # min(TILE_ROWS, (V - 1) // vocab). Measured on the 2-core dev machine, BT=4096, H=576, V=49152, fp32
 # fwd+bwd (chunked: 4.4 s): 512 x 2048 blocks (8 V each) 5.7 s; 47 x 1024 (< V) 8.4 s; 23 x 2048 11.3 s;
-# 11 x 4096 23.2 s: short blocks are dominated by per-op overheads, so the vocabulary block stays 1024.
+# 11 x 4096 23.2 s: short blocks are dominated by per-op overheads. Taller, narrower blocks of the same
+# size feed the GEMMs better (issue 32: the weight-gradient GEMM's inner dimension is the block's rows, 47 at
+# 1024 wide); per thread, one intra-op thread, the three products of one block took 1.35 ms at 47 x 1024,
+# 1.15 at 94 x 512, 1.04 at 188 x 256, 1.02 at 376 x 128; end to end (BT = 1024, same VM, load ~3, fwd+bwd,
+# one process per run, two rounds): fp32 2.32-2.34 s at 1024 wide, 2.08 at 512, 1.94-2.11 at 256, 2.22 at 128;
+# bf16 2.58 -> 2.03 s at 256. So the vocabulary block is 256 (191 rows at V = 49152).
 # The blocks are processed by one Python thread per intra-op thread, each running its ops with one
 # intra-op thread (``block_threads.py``): on the same machine at load ~12, BT=1024, the OpenMP pool took
 # 137 s, one thread 20 s, the threads 21 s (chunked: 13 s).
 TILE_ROWS = 512
-TILE_VOCAB = 1024
+TILE_VOCAB = 256
 
 
 def tile_sizes(n_classes: int) -> tuple:
