@@ -17,7 +17,7 @@ Forward, per token block r, vocabulary block j (columns ``cols``):
 Backward (from the saved lse pair and A; each block recomputed):
     dz = (g A + h) p - g u,  p = exp((z - lse) - lse_lo), then ``row_math.mul_slope_``, kept in fp32 (as
     the chunked method on CPU); grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r, grad_b_j += sum_rows dz.
-The backward loops vocabulary block outer (``tiled.py``'s order: each weight block upcast once per share,
+Both passes loop vocabulary block outer (``tiled.py``'s order: each weight block upcast once per share,
 the same bits). FLOPs: 2 BT V H forward, 6 BT V H backward. Memory beyond the inputs and the returned
 gradients: a few fp32 blocks (logits, target, exp, gradient) of fewer than V values each per thread, O(BT) row
 statistics, and per extra thread of the backward one fp32 ``BT x H`` accumulator of grad_h (plus one
@@ -33,7 +33,7 @@ import torch
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform, two_sum
 from . import block_threads, tuning
-from .tiled import _block_logits, _vocab_block
+from .tiled import _vocab_block
 
 _NEG_INF = float("-inf")
 Opt = Optional[torch.Tensor]
@@ -60,21 +60,22 @@ def soft_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q:
     tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
 
     def row_blocks(k, workers):   # share k: row blocks k, k + workers, ... (disjoint outputs)
-        for r0 in range(k * tile_rows, n, workers * tile_rows):
-            r = slice(r0, r0 + tile_rows)
-            h, q_r = hidden[r], q[r]
-            h32 = h.float()
-            rows = h.shape[0]
-            m = torch.full((rows,), _NEG_INF, device=dev)
-            shift = torch.zeros(rows, device=dev)
-            s, d, a = torch.zeros(rows, device=dev), torch.zeros(rows, device=dev), torch.zeros(rows, device=dev)
-            best = torch.full((rows,), _NEG_INF, device=dev) if stats else None
-            best_idx = torch.zeros(rows, dtype=torch.int64, device=dev) if stats else None
-            for v0 in range(0, n_classes, tile_vocab):
-                cols = slice(v0, v0 + tile_vocab)
-                x = _block_logits(h32, weight, bias, cols)
+        mine = [slice(r0, r0 + tile_rows) for r0 in range(k * tile_rows, n, workers * tile_rows)]
+        state = []   # per row block: [m, shift, s, d, a, best, best_idx]
+        for r in mine:
+            rows = hidden[r].shape[0]
+            zeros = [torch.zeros(rows, device=dev) for _ in range(4)]
+            state.append([torch.full((rows,), _NEG_INF, device=dev)] + zeros
+                         + ([torch.full((rows,), _NEG_INF, device=dev), torch.zeros(rows, dtype=torch.int64, device=dev)]
+                            if stats else [None, None]))
+        for v0 in range(0, n_classes, tile_vocab):   # vocabulary outer (``tiled.py``: the same bits)
+            cols = slice(v0, v0 + tile_vocab)
+            w32, b32 = _vocab_block(weight, bias, cols)
+            for r, st in zip(mine, state):
+                m, shift, s, d, a, best, best_idx = st
+                x = torch.nn.functional.linear(hidden[r].float(), w32, b32)
                 z = transform(x, opts)
-                u = _mixed_block(q_r[:, cols], None if w is None else w[cols], opts, n_classes)
+                u = _mixed_block(q[r][:, cols], None if w is None else w[cols], opts, n_classes)
                 m = torch.maximum(m, z.amax(dim=1))
                 new_shift = torch.where(m == _NEG_INF, 0.0, m)
                 s = torch.exp(shift - new_shift) * s + torch.exp(z - new_shift[:, None]).sum(dim=1)
@@ -87,6 +88,8 @@ def soft_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q:
                     take = bmax > best
                     best_idx = torch.where(take, bidx + v0, best_idx)
                     best = torch.where(take, bmax, best)
+                st[:] = [m, shift, s, d, a, best, best_idx]
+        for r, (m, shift, s, d, a, best, best_idx) in zip(mine, state):
             log_s = torch.log(s)
             hi, lo = two_sum(shift, log_s)
             loss[r] = d + a * log_s
