@@ -92,8 +92,9 @@ def main_legend(report: dict, op: str) -> dict:
         "x GEMMs": ("the path's ms / the ms of the matrix products a linear cross-entropy cannot avoid, in one "
                     "run: h @ W.T, g @ W and g.T @ h in the row's dtype on the scored rows (an ignored row needs "
                     "no logits), timed in the stock path's worker "
-                    "(1.0 = nothing beyond them; fusedce's bf16 / fp16 default forms fp32 logits, which on a "
-                    "CPU without an fp32-output low-precision GEMM costs an fp32 product, so its floor is higher; "
+                    "(1.0 = nothing beyond them; fusedce's bf16 / fp16 default forms fp32 logits: torch's CPU "
+                    "kernels have no fp32-output low-precision GEMM, so it upcasts the weight in blocks, and its "
+                    "fp32 products run on the bf16 units where the CPU has them (bf16 only), else at fp32 speed; "
                     "benchmarks/cpu_floor.py)"),
         "GB/s": _per_op(methods["floor"], op),
         "MiB": methods["memory"],
