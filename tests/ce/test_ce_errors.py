@@ -124,6 +124,15 @@ def test_class_weights_that_require_grad(backend):
         fusedce.linear_cross_entropy(h, head, t, ce_weight=w, backend=backend)
 
 
+def test_shape_error_reaches_the_user_under_fullgraph_compile():
+    """Under ``torch.compile(fullgraph=True, dynamic=True)`` the message is built from symbolic shapes: it must
+    be one f-string (Dynamo cannot concatenate such a string), so that Dynamo reports the formatted
+    ``ValueError`` (the pattern matches the formatted text, not the source line it also quotes)."""
+    g = torch.compile(lambda z, y: fusedce.cross_entropy(z, y, backend="torch"), fullgraph=True, dynamic=True)
+    with pytest.raises(Exception, match=r"target shape \(s\d+,\) must equal \(s\d+,\)"):
+        g(torch.randn(16, V), torch.randint(0, V, (15,)))
+
+
 def test_boundaries_accepted(backend):
     """The closed ends of the valid ranges are accepted: label_smoothing 0 and 1, a tiny softcap."""
     x, t = _good()

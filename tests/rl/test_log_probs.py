@@ -188,3 +188,9 @@ def test_errors():
         fusedce.linear_token_log_probs(hidden, weight, target, method="other")
     with pytest.raises(ValueError, match="shape"):
         fusedce.linear_token_log_probs(hidden, weight, target[:2])
+
+
+def test_target_shape_error_names_the_k_class_form():
+    """A target of the wrong shape: the message names both accepted forms, ``(...)`` and ``(..., K)``."""
+    with pytest.raises(ValueError, match=r"must equal \(10,\); or a \(\.\.\., K\) target of 2 dimensions"):
+        fusedce.token_log_probs(torch.randn(10, 37), torch.randint(0, 37, (10, 3, 2)))

@@ -48,8 +48,9 @@ def check_target(target: torch.Tensor, expected_shape, device: torch.device,
                 tuple(target.shape[:-1]) == tuple(expected_shape):
             soft = (" (an integer target with a class dimension: class probabilities must be a floating-point "
                     "tensor, e.g. target.float())")
-        raise ValueError(f"target shape {tuple(target.shape)} must equal {tuple(expected_shape)}" + soft
-                         + (hint(tuple(target.shape)) if hint is not None and not soft else ""))
+        extra = hint(tuple(target.shape)) if hint is not None and not soft else ""
+        # one f-string (Dynamo traces it with symbolic shapes; it cannot concatenate such a string with another)
+        raise ValueError(f"target shape {tuple(target.shape)} must equal {tuple(expected_shape)}{soft}{extra}")
     if target.device != device:
         raise ValueError(f"target is on {target.device} but the data is on {device}")
 
@@ -144,8 +145,8 @@ def check_token_weights(token_weights, target: torch.Tensor, shape=None) -> None
         raise TypeError(f"token_weights must be a floating-point tensor, got {kind}")
     expected = tuple(target.shape if shape is None else shape)
     if tuple(token_weights.shape) != expected:
-        raise ValueError(f"token_weights shape {tuple(token_weights.shape)} must equal the target's "
-                         f"{expected}" + (" (logits.shape[:-1] for probability targets)" if shape is not None else ""))
+        also = " (logits.shape[:-1] for probability targets)" if shape is not None else ""
+        raise ValueError(f"token_weights shape {tuple(token_weights.shape)} must equal the target's {expected}{also}")
     if token_weights.device != target.device:
         raise ValueError(f"token_weights is on {token_weights.device} but the target is on {target.device}")
 
@@ -239,19 +240,20 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
     check_float("hidden", hidden)
     check_float(w_name, weight)
     if hidden.dim() < 1 or weight.dim() != 2:
+        swapped = swapped_hint(tuple(hidden.shape), tuple(weight.shape),
+                               tuple(getattr(target, "shape", ()))).replace(" (hidden.shape[:-1]);", ";")
         raise ValueError(f"hidden must be (..., H) and {w_name} (V, H); got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}"
-                         + swapped_hint(tuple(hidden.shape), tuple(weight.shape),
-                                        tuple(getattr(target, "shape", ()))).replace(" (hidden.shape[:-1]);", ";"))
+                         f"{tuple(weight.shape)}{swapped}")
     check_nonzero("hidden", hidden.shape, -1, "H")
     check_nonzero(w_name, weight.shape, 1, "H")
     if not sharded:
         check_nonzero(w_name, weight.shape, 0, "V")
     if hidden.shape[-1] != weight.shape[1]:
         transposed = weight.shape[0] == hidden.shape[-1]
+        layout = (f"; {w_name} looks transposed: the LM head is (V, H), the nn.Linear layout (lm_head.weight, "
+                  f"not its .T)") if transposed else ""
         raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = "
-                         f"{weight.shape[1]}" + (f"; {w_name} looks transposed: the LM head is (V, H), the "
-                                                  f"nn.Linear layout (lm_head.weight, not its .T)" if transposed else ""))
+                         f"{weight.shape[1]}{layout}")
     if weight.device != hidden.device:
         raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
     check_target(target, hidden.shape[:-1], hidden.device,

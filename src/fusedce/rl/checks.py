@@ -64,7 +64,8 @@ def checked_log_probs(logits, target, *, temperature, softcap, logit_scale, igno
     if multi:
         _check_multi(target, lead, logits.device, return_stats)
     else:
-        val.check_target(target, lead, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t))
+        val.check_target(target, lead, logits.device, lambda t: f"{val.class_dim_hint(tuple(logits.shape), t)}"
+                         f"; or a (..., K) target of {len(lead) + 1} dimensions, K target ids per token")
     target = val.widen_target(target, opts.ignore_index)
     _flags(multi, return_entropy, return_stats)
     return LogProbsCall(opts, lead, target, multi)
