@@ -96,8 +96,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
 
     Raises:
         TypeError: non-float logits; a target neither int64 / int32 nor float32 / bfloat16 / float16 /
-            float64 (bool, uint8, int16, float8, ...); a probability target that requires grad; an
-            unknown keyword; a loss option of the
+            float64 (bool, uint8, int16, float8, ...); a probability target that requires grad; class
+            weights (``weight``; the linear op's ``ce_weight``) that require grad in grad mode; an unknown
+            keyword; a loss option of the
             wrong kind (``ignore_index`` not an integer, e.g. a float or a bool: nothing is rounded; a
             real option not a real number, e.g. a string, or a tensor that requires grad; a flag not a
             bool); ``inplace_backward`` / ``return_stats`` not a bool; ``num_items_in_batch`` a bool or

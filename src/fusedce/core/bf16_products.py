@@ -12,13 +12,14 @@ precision is lost, and on CPUs with bf16 units the GEMM runs at bf16 speed (meas
 VM, Xeon with AMX, 144 x 576 rows against V = 49152: fp32 logits 41 -> 22 ms, the weight-gradient
 accumulation 35 -> 20 ms per chunk; ``benchmarks/README.md``).
 
-Scope and hazard: the mode is a process-wide torch setting. ``exact_bf16_gemms`` sets it around single
-GEMM calls (the chunk loop) or around a region whose only GEMMs are of bf16 values (the tiled method's
-forward, whose threads run the blocks' logits and row math without a product of fp32 values), never around
-a product of fp32 values that are not bf16 values (it would round them), and restores the caller's value
-after, even on error; only the calling thread sets or restores it. A GEMM of fp32 data that ANOTHER Python thread runs at that same moment on the
-CPU would also use bf16 math; set ``FUSEDCE_CPU_BF16_GEMM=0`` (read at import) or ``ENABLED = False`` to
-keep the setting untouched. It is a no-op off the CPU, without bf16 units or oneDNN, while tracing
+Scope and hazard: the mode is a process-wide torch setting. ``exact_bf16_gemms`` sets it around the GEMMs
+of one chunk (``fp32_linear``, ``chunked.accumulate_``) or around a region whose only GEMMs are of bf16
+values (the tiled method's forward, whose threads run the blocks' logits and row math without a product of
+fp32 values), never around a product of fp32 values that are not bf16 values (it would round them), and
+restores the caller's value after, even on error; only the calling thread sets or restores it. A GEMM of
+fp32 data that ANOTHER Python thread runs at that same moment on the CPU would also use bf16 math; set
+``FUSEDCE_CPU_BF16_GEMM=0`` (read at import) or ``ENABLED = False`` to keep the setting untouched.
+It is a no-op off the CPU, without bf16 units or oneDNN, while tracing
 (``torch.compile`` / ``torch.export``), and where the caller already chose a precision other than the
 default ("none" / "ieee").
 """

@@ -48,8 +48,7 @@ def check_target(target: torch.Tensor, expected_shape, device: torch.device,
                 tuple(target.shape[:-1]) == tuple(expected_shape):
             soft = (" (an integer target with a class dimension: class probabilities must be a floating-point "
                     "tensor, e.g. target.float())")
-        extra = hint(tuple(target.shape)) if hint is not None and not soft else ""
-        # one f-string (Dynamo traces it with symbolic shapes; it cannot concatenate such a string with another)
+        extra = hint(tuple(target.shape)) if hint is not None and not soft else ""   # one f-string: Dynamo
         raise ValueError(f"target shape {tuple(target.shape)} must equal {tuple(expected_shape)}{soft}{extra}")
     if target.device != device:
         raise ValueError(f"target is on {target.device} but the data is on {device}")
@@ -85,16 +84,15 @@ def check_float(name: str, t: torch.Tensor) -> None:
 
 def check_vector(name: str, t: Optional[torch.Tensor], size: int, device: torch.device,
                  constant: bool = False) -> None:
-    """An optional ``(size,)`` float tensor on ``device`` (class weights, bias). ``constant`` (class
-    weights): a tensor that requires grad while grad mode is on is a ``TypeError``, as ``F.cross_entropy``
-    refuses it: no gradient flows to class weights, so a learnable one would silently never learn."""
+    """An optional ``(size,)`` float tensor on ``device`` (class weights, bias). ``constant`` (class weights,
+    which get no gradient): one that requires grad in grad mode is a ``TypeError``, as in ``F.cross_entropy``."""
     if t is None:
         return
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor")
     if constant and t.requires_grad and torch.is_grad_enabled():
-        raise TypeError(f"{name} requires grad, but class weights are a constant of the loss: no gradient flows "
-                        f"to them (F.cross_entropy refuses them too); pass {name}.detach()")
+        raise TypeError(f"{name} requires grad, but class weights are a constant of the loss (no gradient; "
+                        f"F.cross_entropy refuses them too): pass {name}.detach()")
     if t.dim() != 1 or t.shape[0] != size:
         raise ValueError(f"{name} must have shape ({size},), got {tuple(t.shape)}")
     if t.device != device:
@@ -240,8 +238,8 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
     check_float("hidden", hidden)
     check_float(w_name, weight)
     if hidden.dim() < 1 or weight.dim() != 2:
-        swapped = swapped_hint(tuple(hidden.shape), tuple(weight.shape),
-                               tuple(getattr(target, "shape", ()))).replace(" (hidden.shape[:-1]);", ";")
+        swapped = swapped_hint(tuple(hidden.shape), tuple(weight.shape), tuple(getattr(target, "shape", ())))
+        swapped = swapped.replace(" (hidden.shape[:-1]);", ";")
         raise ValueError(f"hidden must be (..., H) and {w_name} (V, H); got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}{swapped}")
     check_nonzero("hidden", hidden.shape, -1, "H")
@@ -250,10 +248,9 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
         check_nonzero(w_name, weight.shape, 0, "V")
     if hidden.shape[-1] != weight.shape[1]:
         transposed = weight.shape[0] == hidden.shape[-1]
-        layout = (f"; {w_name} looks transposed: the LM head is (V, H), the nn.Linear layout (lm_head.weight, "
-                  f"not its .T)") if transposed else ""
-        raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = "
-                         f"{weight.shape[1]}{layout}")
+        layout = f"; {w_name} looks transposed: the LM head is (V, H), the nn.Linear layout" if transposed else ""
+        raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = {weight.shape[1]}"
+                         f"{layout}{' (lm_head.weight, not its .T)' if transposed else ''}")
     if weight.device != hidden.device:
         raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
     check_target(target, hidden.shape[:-1], hidden.device,

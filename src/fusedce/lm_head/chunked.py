@@ -97,15 +97,19 @@ def _mm_out_dtype_ok(acc: torch.Tensor) -> bool:
     return _OUT_DTYPE_MM[key]
 
 
-def accumulate_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+def accumulate_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> None:
     """``acc += g.T @ h`` with ``acc`` in its own (accumulation) dtype, no fresh V x H temporary (``g``
-    may be fp32 logits' gradient with a bf16 / fp16 ``h``)."""
+    may be fp32 logits' gradient with a bf16 / fp16 ``h``). ``scratch``: an optional tensor of ``g``'s
+    shape in ``acc``'s dtype that may be overwritten (the fp32 chunk ``g`` was rounded from): the upcast of
+    ``g``, where one is needed, is written there instead of into a fresh chunk-sized buffer."""
     if acc.dtype == g.dtype == h.dtype:
         acc.addmm_(g.t(), h)
     elif g.dtype == h.dtype and _mm_out_dtype_ok(acc):
         torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
     else:  # upcast the chunk operands (n_c x V and n_c x H), never the V x H result
-        g32, h32 = g.t().to(acc.dtype), h.to(acc.dtype)
+        reuse = scratch is not None and scratch.shape == g.shape and scratch.dtype == acc.dtype
+        g32 = scratch.copy_(g).t() if reuse else g.t().to(acc.dtype)   # the same values and layout either way
+        h32 = h.to(acc.dtype)
         with exact_bf16_gemms(g, h):   # both bf16: the CPU's bf16 units, the same exact products
             acc.addmm_(g32, h32)
 
@@ -126,24 +130,16 @@ def backprop_chunk_(g: torch.Tensor, h_c: torch.Tensor, weight: torch.Tensor, ro
     ``grad_h[rows] = g @ W``, ``grad_W += g.T @ h_c``, ``grad_b += sum_rows g`` (each skipped when None;
     the last two in their own accumulation dtype). An fp32 ``g`` of bf16 / fp16 operands (the fp32
     logits' gradient) is rounded to the operands' dtype once (a chunk-sized copy), as the stock
-    composition's low-precision backward has it, so both GEMMs stay the fast low-precision ones; where
-    the build has no fp32-output GEMM (CPU) the rounded values are also written back into ``g`` (so
-    ``g`` is overwritten), which then serves as the weight-gradient GEMM's fp32 operand."""
+    composition's low-precision backward has it, so both GEMMs stay the fast low-precision ones; ``g``
+    is then free, and where the weight-gradient GEMM needs an fp32 upcast of the rounded values (CPU) they
+    are written into ``g`` itself (``accumulate_``'s ``scratch``: ``g`` is overwritten)."""
+    scratch = None
     if g.dtype != weight.dtype:
-        low = g.to(weight.dtype)
-        if grad_w is not None and g.dtype == grad_w.dtype and not _mm_out_dtype_ok(grad_w):
-            # no fp32-output GEMM here: the fp32 chunk takes the rounded values (exact in fp32) and is
-            # the weight-gradient GEMM's operand itself, the upcast copy accumulate_ would make
-            g.copy_(low)
-            h32 = h_c.to(grad_w.dtype)
-            with exact_bf16_gemms(low, h_c):   # bf16 values: the CPU's bf16 units, the same exact products
-                grad_w.addmm_(g.t(), h32)
-            grad_w = None
-        g = low
+        scratch, g = g, g.to(weight.dtype)
     if grad_h is not None:
         torch.mm(g, weight, out=grad_h[rows])
     if grad_w is not None:
-        accumulate_(grad_w, g, h_c)
+        accumulate_(grad_w, g, h_c, scratch)
     if grad_b is not None:
         grad_b += g.sum(dim=0, dtype=grad_b.dtype)
 

@@ -68,10 +68,10 @@ def linear_fp32_(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         step = weight_block_rows(weight.shape[1], h.shape[0], weight.shape[0])
         blocks = torch.empty((min(step, weight.shape[0]), weight.shape[1]), dtype=torch.float32,
                              device=weight.device)   # one block buffer for every block (no fresh pages each)
-        for v in range(0, weight.shape[0], step):
-            w32 = blocks[:min(step, weight.shape[0] - v)]
-            w32.copy_(weight[v:v + step])
-            with exact_bf16_gemms(h, weight):   # bf16 operands: the CPU's bf16 units, the same exact products
+        with exact_bf16_gemms(h, weight):   # bf16 operands: the CPU's bf16 units, the same exact products
+            for v in range(0, weight.shape[0], step):
+                w32 = blocks[:min(step, weight.shape[0] - v)]
+                w32.copy_(weight[v:v + step])
                 torch.mm(h32, w32.t(), out=out[:, v:v + step])
     if bias is not None:
         out += bias.float()

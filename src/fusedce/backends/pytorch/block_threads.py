@@ -21,7 +21,6 @@ a single-threaded program, without stalling the others.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List
@@ -37,28 +36,6 @@ def _no_grad(work: Callable, k: int, n: int, inference: bool = False):
     which only code in inference mode may update in place)."""
     with torch.inference_mode(inference), torch.no_grad():
         return work(k, n)
-
-
-@contextlib.contextmanager
-def one_thread(active: bool = True):
-    """While the block runs, the intra-op pool has one thread (restored afterwards, also on an exception;
-    such blocks from several threads run one at a time). The row loops of ``launch.py`` use it for a
-    one-row chunk: torch splits the reduction of a SINGLE long row among the pool's threads (a two-pass
-    reduction, whose partial sums depend on the split), where with two or more rows each row is reduced
-    whole by one thread; one thread gives the one-row chunk the same per-row order as the others, so a
-    row's bits do not depend on how many rows share its call (``batch_invariant``). ``active`` False: a
-    no-op. (The row loops of ``launch.py`` now run their blocks through ``run``, which gives every row one
-    thread.)"""
-    if not active or torch.get_num_threads() == 1:
-        yield
-        return
-    with _LOCK:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
 
 
 def run(work: Callable[[int, int], object], n_items: int, device: torch.device) -> List[object]:

@@ -29,7 +29,8 @@ import torch
 from .block_threads import run
 from .tuning import cpu_block_rows
 
-# Rows per block of ``distill_rows``: about this many fp32 values per temporary (8 MiB), whatever BT.
+# Rows per block of ``distill_rows`` off the CPU: about this many fp32 values per temporary (8 MiB), whatever
+# BT (the CPU takes ``tuning.cpu_block_rows``).
 BLOCK_ELEMENTS = 1 << 21
 
 

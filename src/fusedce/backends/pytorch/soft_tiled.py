@@ -61,13 +61,12 @@ def soft_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q:
 
     def row_blocks(k, workers):   # share k: row blocks k, k + workers, ... (disjoint outputs)
         mine = [slice(r0, r0 + tile_rows) for r0 in range(k * tile_rows, n, workers * tile_rows)]
-        state = []   # per row block: [m, shift, s, d, a, best, best_idx]
-        for r in mine:
-            rows = hidden[r].shape[0]
-            zeros = [torch.zeros(rows, device=dev) for _ in range(4)]
-            state.append([torch.full((rows,), _NEG_INF, device=dev)] + zeros
-                         + ([torch.full((rows,), _NEG_INF, device=dev), torch.zeros(rows, dtype=torch.int64, device=dev)]
-                            if stats else [None, None]))
+        def start(rows):   # one row block's running [m, shift, s, d, a, best, best_idx]
+            best = [torch.full((rows,), _NEG_INF, device=dev), torch.zeros(rows, dtype=torch.int64, device=dev)]
+            return ([torch.full((rows,), _NEG_INF, device=dev)] + [torch.zeros(rows, device=dev) for _ in range(4)]
+                    + (best if stats else [None, None]))
+
+        state = [start(hidden[r].shape[0]) for r in mine]
         for v0 in range(0, n_classes, tile_vocab):   # vocabulary outer (``tiled.py``: the same bits)
             cols = slice(v0, v0 + tile_vocab)
             w32, b32 = _vocab_block(weight, bias, cols)

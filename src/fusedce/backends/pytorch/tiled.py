@@ -49,13 +49,12 @@ def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """fp32 ``h @ weight[cols].T + bias[cols]`` from the operands' values: the token block (pass it in
     fp32 to upcast it once), the weight block and the bias upcast to fp32, the exact products of bf16 /
     fp16 values summed in fp32 (never rounded to the operands' dtype)."""
-    b = None if bias is None else bias[cols].float()
-    return torch.nn.functional.linear(h.float(), weight[cols].float(), b)
+    return torch.nn.functional.linear(h.float(), *_vocab_block(weight, bias, cols))
 
 
 def _vocab_block(weight: torch.Tensor, bias: Optional[torch.Tensor], cols: slice) -> tuple:
-    """``(W_j, b_j)`` in fp32 (views where already fp32): the operands ``_block_logits`` upcasts, made once
-    per vocabulary block for every token block that meets it."""
+    """``(W_j, b_j)`` in fp32 (views where already fp32): the operands of ``_block_logits``, made once per
+    vocabulary block by the loops that take every token block against it."""
     return weight[cols].float(), None if bias is None else bias[cols].float()
 
 
