@@ -375,7 +375,9 @@ def test_module_checks_options_at_construction(name):
     options = {k: v for k, v in kw.items() if k != "weight"}
     with pytest.raises(exc) as at_call:
         fusedce.cross_entropy(x, t, weight, **{"backend": "torch", **options})
-    if name != "weight_2d":   # the function names V in its message, the constructor cannot know it
+    if name == "ignore_bool":   # the constructor adds the hint for torch's positional size_average
+        assert str(at_init.value).startswith(str(at_call.value) + ": the second positional argument")
+    elif name != "weight_2d":   # the function names V in its message, the constructor cannot know it
         assert str(at_init.value) == str(at_call.value)
     else:
         assert "weight must have shape" in str(at_init.value) and "weight must have shape" in str(at_call.value)
@@ -425,3 +427,12 @@ def test_an_integer_target_of_the_logits_shape_says_probabilities_must_be_float(
         fusedce.cross_entropy(torch.randn(8, 32), torch.zeros(8, 32, dtype=torch.long))
     with pytest.raises(ValueError, match="class probabilities must be a floating-point tensor"):
         fusedce.linear_cross_entropy(torch.randn(8, 4), torch.randn(32, 4), torch.zeros(8, 32, dtype=torch.long))
+
+
+def test_module_names_torchs_positional_size_average():
+    """``CrossEntropyLoss(weight, True)`` as torch's ``(weight, size_average)``: the TypeError says the second
+    positional argument is ignore_index and where the reduction goes."""
+    with pytest.raises(TypeError, match=r"second positional argument here is ignore_index.*reduction="):
+        fusedce.CrossEntropyLoss(None, True)
+    with pytest.raises(TypeError, match="ignore_index must be an integer"):
+        fusedce.CrossEntropyLoss(ignore_index=2.5)

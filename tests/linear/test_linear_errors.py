@@ -109,6 +109,18 @@ def test_target_shape_mismatch(backend, target_shape):
     _raises(ValueError, backend, hidden, weight, torch.zeros(target_shape, dtype=torch.int64), bias)
 
 
+def test_flattened_target_gets_the_view_hint(backend):
+    """A flat ``(B*T,)`` target beside ``(B, T, H)`` hidden states (and the reverse): the message gives the
+    ``target.view`` that fits; a target with another number of tokens gets no such hint."""
+    hidden, weight, _, target = _good()
+    hidden3 = hidden.detach().reshape(2, ROWS // 2, H)
+    msg = _raises(ValueError, backend, hidden3, weight, target)
+    assert f"pass target.view(2, {ROWS // 2})" in msg, msg
+    msg = _raises(ValueError, backend, hidden, weight, target.reshape(2, ROWS // 2))
+    assert f"pass target.view({ROWS},)" in msg, msg
+    assert "target.view" not in _raises(ValueError, backend, hidden3, weight, target[:-1])
+
+
 def test_hidden_and_weight_swapped_is_named(backend):
     """linear_cross_entropy(weight, hidden, target): the message says the two look swapped (2-D and 3-D
     hidden states)."""

@@ -194,3 +194,15 @@ def test_target_shape_error_names_the_k_class_form():
     """A target of the wrong shape: the message names both accepted forms, ``(...)`` and ``(..., K)``."""
     with pytest.raises(ValueError, match=r"must equal \(10,\); or a \(\.\.\., K\) target of 2 dimensions"):
         fusedce.token_log_probs(torch.randn(10, 37), torch.randint(0, 37, (10, 3, 2)))
+
+
+@pytest.mark.parametrize("shape", [(10,), (10, 37)], ids=["tokens", "tokens_by_vocab"])
+def test_float_target_of_the_linear_op_names_class_indices_only(shape):
+    """``linear_token_log_probs`` takes class indices only: a float target's TypeError does not offer
+    class probabilities (which ``linear_cross_entropy`` takes)."""
+    hidden, weight = torch.randn(10, 8), torch.randn(37, 8)
+    with pytest.raises(TypeError, match=r"target must be int64 or int32, got torch.float32") as info:
+        fusedce.linear_token_log_probs(hidden, weight, torch.rand(shape))
+    assert "pass target.long(); this op takes no class probabilities" in str(info.value)
+    with pytest.raises(TypeError, match=r"or a float32 .* \(class probabilities\)"):   # the op that takes them
+        fusedce.linear_cross_entropy(hidden, weight, torch.zeros(10, dtype=torch.bool))

@@ -73,6 +73,10 @@ class CrossEntropyLoss(nn.Module):
                  softcap: Optional[float] = None, inplace_backward: bool = False, return_stats: bool = False,
                  backend: Optional[str] = None, *, batch_invariant: bool = False,
                  **options: Unpack[LossOptionValues]):
+        if isinstance(ignore_index, bool):   # torch.nn.CrossEntropyLoss(weight, size_average, ...) positionally
+            raise TypeError(f"ignore_index must be an integer, got the bool {ignore_index!r}: the second positional "
+                            "argument here is ignore_index; torch's deprecated size_average / reduce are not taken "
+                            "(pass reduction= by keyword)")
         check_flag("inplace_backward", inplace_backward)
         check_flag("return_stats", return_stats)
         invariant.check(batch_invariant)

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from fusedce.core.options.checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_accum_dtype, check_chunk_size, finite, fp32_range)
+from fusedce.core.hints import class_dim_hint, reshape_hint, swapped_hint  # noqa: F401 (val.*_hint)
 from fusedce.core.transforms import values_unavailable
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,7 +42,9 @@ def check_target(target: torch.Tensor, expected_shape, device: torch.device,
     if target.dtype not in INDEX_DTYPES:
         also = (" class indices, or a float32 / bfloat16 / float16 / float64 tensor of the logits' shape "
                 "(class probabilities)") if probabilities else ""
-        raise TypeError(f"target must be int64 or int32{also}, got {target.dtype}")
+        floats = "" if probabilities or not target.is_floating_point() else " (class indices stored as floats? " \
+            "pass target.long(); this op takes no class probabilities)"
+        raise TypeError(f"target must be int64 or int32{also}, got {target.dtype}{floats}")
     if tuple(target.shape) != tuple(expected_shape):
         soft = ""
         if probabilities and target.dim() == len(expected_shape) + 1 and \
@@ -49,30 +52,10 @@ def check_target(target: torch.Tensor, expected_shape, device: torch.device,
             soft = (" (an integer target with a class dimension: class probabilities must be a floating-point "
                     "tensor, e.g. target.float())")
         extra = hint(tuple(target.shape)) if hint is not None and not soft else ""   # one f-string: Dynamo
+        extra = extra or ("" if soft else reshape_hint(tuple(target.shape), tuple(expected_shape)))
         raise ValueError(f"target shape {tuple(target.shape)} must equal {tuple(expected_shape)}{soft}{extra}")
     if target.device != device:
         raise ValueError(f"target is on {target.device} but the data is on {device}")
-
-
-def class_dim_hint(logits_shape: tuple, target_shape: tuple) -> str:
-    """The hint for a target that fits logits in ``F.cross_entropy``'s layout ``(N, C, d1, ...)`` (classes
-    in dimension 1), or ``""``."""
-    if len(logits_shape) < 3:
-        return ""
-    if target_shape != tuple(logits_shape[:1]) + tuple(logits_shape[2:]):
-        return ""
-    return (f" (logits.shape[:-1]): the class dimension is LAST here, logits (..., V); these logits "
-            f"{tuple(logits_shape)} with this target look like F.cross_entropy's layout (N, C, d1, ...) with "
-            f"C = {logits_shape[1]} classes in dimension 1: pass logits.movedim(1, -1)")
-
-
-def swapped_hint(hidden_shape: tuple, weight_shape: tuple, target_shape: tuple) -> str:
-    """The hint for ``linear_cross_entropy(weight, hidden, target)`` (the first two swapped), or ``""``:
-    ``weight`` has the target's shape but for H, and ``hidden`` is 2-D (a head's ``(V, H)``)."""
-    if len(hidden_shape) != 2 or tuple(weight_shape[:-1]) != tuple(target_shape):
-        return ""
-    return (f" (hidden.shape[:-1]); hidden {hidden_shape} and weight {weight_shape} look swapped: the "
-            "arguments are (hidden (..., H), weight (V, H), target (...)), the LM head's weight second")
 
 
 def check_float(name: str, t: torch.Tensor) -> None:
@@ -228,12 +211,13 @@ def check_probabilities(target: torch.Tensor, name: str = "target",
 
 
 def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype=torch.float32,
-                 names=("weight", "bias", "ce_weight"), sharded=False) -> None:
+                 names=("weight", "bias", "ce_weight"), sharded=False, probabilities=True) -> None:
     """Checks of ``linear_cross_entropy`` (and its vocab-parallel form, whose tensors are ``names``):
     float tensors, ``weight`` (V, H) with ``hidden`` (..., H) on one device, ``H > 0`` and ``V > 0``
     (``sharded``: this rank's ``V_r`` may be 0; the global V is checked by ``vocab_layout``),
     ``target`` (...), ``bias`` and class weights (V,), one dtype for hidden/weight/bias, a positive
-    integer ``chunk_size`` or None, a floating ``accum_dtype``."""
+    integer ``chunk_size`` or None, a floating ``accum_dtype``; ``probabilities``: the op also takes float
+    probability targets (the RL ops do not), which the target's dtype error then names."""
     w_name, b_name, cw_name = names
     check_float("hidden", hidden)
     check_float(w_name, weight)
@@ -254,7 +238,7 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
     if weight.device != hidden.device:
         raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
     check_target(target, hidden.shape[:-1], hidden.device,
-                 lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape), probabilities=True)
+                 lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape), probabilities)
     check_vector(b_name, bias, weight.shape[0], hidden.device)
     check_vector(cw_name, ce_weight, weight.shape[0], hidden.device, constant=True)
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):

@@ -85,10 +85,12 @@ def checked_linear_log_probs(hidden, weight, target, bias, *, temperature, softc
     if multi:
         if target.shape[-1] == 0:
             raise ValueError(f"target of shape {tuple(target.shape)}: the K-class form (..., K) needs K >= 1")
-        val.check_linear(hidden, weight, target.select(-1, 0), bias, None, chunk_size, names=names, sharded=sharded)
+        val.check_linear(hidden, weight, target.select(-1, 0), bias, None, chunk_size, names=names, sharded=sharded,
+                         probabilities=False)
         _check_multi(target, hidden.shape[:-1], hidden.device, return_stats)
     else:
-        val.check_linear(hidden, weight, target, bias, None, chunk_size, names=names, sharded=sharded)
+        val.check_linear(hidden, weight, target, bias, None, chunk_size, names=names, sharded=sharded,
+                         probabilities=False)
     if not sharded:
         check_method(method, chunk_size)
     target = val.widen_target(target, opts.ignore_index)
