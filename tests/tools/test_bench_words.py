@@ -114,7 +114,6 @@ def synthetic_report(busy: bool) -> dict:
 def _printed(report_dict: dict, monkeypatch) -> tuple[list[Table], str]:
     """Every rich Table the bench prints for ``report_dict`` (main, goals, sweep, distillation, RL), and
     the whole text."""
-    from fusedce.tools.bench import report_distill, report_rl
     tables = []
     original = Console.print
 
@@ -123,9 +122,7 @@ def _printed(report_dict: dict, monkeypatch) -> tuple[list[Table], str]:
         return original(self, *objects, **kwargs)
     monkeypatch.setattr(Console, "print", keep)
     console = Console(record=True, width=400)
-    report.print_report(report_dict, console)
-    report_distill.print_table(report_dict["distillation"], console)
-    report_rl.print_table(report_dict["rl_precision"], console)
+    report.print_report(report_dict, console)   # every table, the distillation and RL ones included
     return tables, console.export_text()
 
 
@@ -323,3 +320,12 @@ def test_the_linear_table_divides_every_time_by_the_gemm_floor(monkeypatch):
     assert ratios[path_name("linear-torch")] == "2.00x"
     chunked = path_name(CHUNKED)
     assert ratios[chunked] == f"{float(times[chunked]) / 28641.0:.2f}x"
+
+
+def test_the_wall_time_is_the_last_line_after_every_table(monkeypatch):
+    """``bench wall time`` closes the output: printed after the distillation and RL tables, not between."""
+    tables, text = _printed(synthetic_report(busy=False), monkeypatch)
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines[-1].startswith("bench wall time 300 s"), lines[-3:]
+    titles = " ".join(str(t.title) for t in tables)
+    assert "distillation" in titles and text.index("distillation") < text.index("bench wall time")

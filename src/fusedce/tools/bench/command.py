@@ -329,12 +329,6 @@ def run(args) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     report.print_report(result, out)
-    if distillation:
-        from .report_distill import print_table
-        print_table(distillation, out)
-    if rl_precision:
-        from .report_rl import print_table as print_rl
-        print_rl(rl_precision, out)
     written = [report.write_json(result, args.out), report.write_png(result, args.out)]
     out.print(f"wrote {', '.join(str(p) for p in written)}")
     for failure in failures:

@@ -182,6 +182,8 @@ def loss_lines(real: dict) -> list[str]:
 
 
 def print_report(report: dict, console: Console) -> None:
+    """Every table of ``report`` (main, goals, the real input's loss check, memory sweep, distillation, RL
+    precision), then the run's wall time."""
     for shape, op in _groups(report):
         console.print(table(report, shape, op))
         console.print()
@@ -195,7 +197,13 @@ def print_report(report: dict, console: Console) -> None:
         from .report_sweep import sweep_table
         console.print()
         console.print(sweep_table(report))
-    if report.get("wall_seconds") is not None:
+    if report.get("distillation"):
+        from .report_distill import print_table
+        print_table(report["distillation"], console)
+    if report.get("rl_precision"):
+        from .report_rl import print_table as print_rl
+        print_rl(report["rl_precision"], console)
+    if report.get("wall_seconds") is not None:   # the last line, after every table
         sweep = report.get("sweep") or {}
         cpu = [r["process_cpu_s"] for r in report["results"] + sweep.get("results", [])
                if r.get("process_cpu_s") is not None]
