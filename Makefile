@@ -33,7 +33,7 @@ bench: $(STAMP)
 	$(VENV)/bin/fusedce bench
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 --timeout 900
+	TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 --timeout 900 --durations=15
 
 # The CuTe DSL compile checks alone, every constexpr-flag combination for sm_90a and sm_100a
 # (~5 min: about 2.5 per arch); `make test` runs the representative subset (tests/cute/test_cute_compile.py).
