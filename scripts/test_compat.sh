@@ -7,7 +7,7 @@
 #                   (a CUDA build too, from the wheels on this disk)
 # In each: `benchmarks/gpu_check.sh --dry-run` (rc 0 and "overall OK") and a representative part of the
 # suite (COMPAT_TESTS: torch.compile, autocast, the nn.functional parity, the transformers families, the
-# bench peers). One line per environment goes to .cache/compat/results.txt and the exit status is
+# bench peers, the CPU's bf16 GEMM mode). One line per environment goes to .cache/compat/results.txt and the exit status is
 # non-zero if any step failed.
 #   scripts/test_compat.sh [ENV ...]      (default: both; ~6 GB of downloads the first time, then
 #                                          ~10-15 min per environment on the 2-core VM)
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 COMPAT=.cache/compat
 TESTS=(${COMPAT_TESTS:-tests/ce/test_compile.py tests/ce/test_autocast.py tests/linear/test_nn_functional.py
-       tests/hf/test_hf_families.py tests/tools/test_bench_peers.py})
+       tests/hf/test_hf_families.py tests/tools/test_bench_peers.py tests/linear/test_bf16_products.py})
 COMMON=(pytest pytest-xdist hypothesis pytest-timeout psutil accelerate peft)
 mkdir -p "$COMPAT"
 
