@@ -7,8 +7,8 @@
 #                   (a CUDA build too, from the wheels on this disk)
 # In each: `benchmarks/gpu_check.sh --dry-run` (rc 0 and "overall OK") and a representative part of the
 # suite (COMPAT_TESTS: torch.compile, autocast, the nn.functional parity, the transformers families, the
-# bench peers, the CPU's bf16 GEMM mode). One line per environment goes to .cache/compat/results.txt and the exit status is
-# non-zero if any step failed.
+# bench peers, the CPU's bf16 GEMM mode). One line per environment goes to .cache/compat/results.txt and
+# the exit status is non-zero if any step failed.
 #   scripts/test_compat.sh [ENV ...]      (default: both; ~6 GB of downloads the first time, then
 #                                          ~10-15 min per environment on the 2-core VM)
 # $PYTHON312 / $PYTHON311: the interpreters to build from (default: python3.12 / python3.11 on PATH, then
