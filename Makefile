@@ -1,5 +1,5 @@
 # fusedce: two commands on a fresh machine (durations: the 2-core CPU dev VM, no GPU).
-#   make bench          the main job: fused vs stock cross-entropy on SmolLM2-135M over KJV text (~29 min)
+#   make bench          the main job: fused vs stock cross-entropy on SmolLM2-135M over KJV text (~18-37 min)
 #   make test           the test suite on CPU; Triton kernels run under TRITON_INTERPRET=1
 #                       (~12-15 min; 18+ min when other jobs share the cores)
 # Also: make install (the set-up alone), make test-cute (~5 min), make docs, make check-package,
