@@ -22,6 +22,7 @@ LAYERS = [
     ("fusedce.core.transforms", 0),    # forward-AD / tracing predicates (torch only)
     ("fusedce.core.opaque", 0),        # custom ops that plain eager calls bypass (torch only)
     ("fusedce.core.bf16_products", 0), # fp32 GEMMs of bf16 values on the CPU bf16 units (torch only)
+    ("fusedce.core.hints", 0),         # the likely-mistake hints of the shape errors (imports nothing of fusedce)
     ("fusedce.core.row_math", 1),      # the reference row formulas (PyTorch)
     ("fusedce.core.validation", 1),    # tensor checks
     ("fusedce.core.reduction", 1),
