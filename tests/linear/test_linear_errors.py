@@ -349,3 +349,19 @@ def test_a_negative_z_loss_coefficient_is_refused(op):
                                                             lse_square_scale=-1e-4)}
     with pytest.raises(ValueError, match="lse_square_scale must be >= 0"):
         calls[op]()
+
+
+@pytest.mark.parametrize("pair", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                  (torch.bfloat16, torch.float16)], ids=["fp32_fp16", "fp32_bf16", "bf16_fp16"])
+def test_accum_dtype_narrower_than_the_weight(backend, pair):
+    """An ``accum_dtype`` narrower than the weight's (fp16 sums of an fp32 gradient overflow to inf where
+    the fp32 result fits): ValueError naming both dtypes, before anything is computed; the same or a wider
+    one is accepted."""
+    dtype, accum = pair
+    hidden, weight, _, target = _good()
+    hidden, weight = hidden.detach().to(dtype), weight.detach().to(dtype).requires_grad_()
+    with pytest.raises(ValueError, match=f"accum_dtype {accum} is narrower than weight's {dtype}"):
+        fusedce.linear_cross_entropy(hidden, weight, target, backend=backend, accum_dtype=accum)
+    assert weight.grad is None
+    for ok in (dtype, torch.float64):
+        fusedce.linear_cross_entropy(hidden, weight, target, backend=backend, accum_dtype=ok).backward()

@@ -244,7 +244,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     Raises:
         The errors of :func:`cross_entropy` (V = 0 here is ``weight`` of shape ``(0, H)``), plus
         ``ValueError`` when H = 0 (``hidden`` ``(..., 0)`` or ``weight`` ``(V, 0)``), ``hidden.shape[-1]
-        != weight.shape[1]``, ``weight`` is not 2-D, ``bias`` is not ``(V,)`` or ``chunk_size`` < 1, and
+        != weight.shape[1]``, ``weight`` is not 2-D, ``bias`` is not ``(V,)``, ``chunk_size`` < 1 or
+        ``accum_dtype`` is narrower than ``weight``'s dtype (fewer bits, or fp16 / bf16 for the other), and
         ``TypeError`` when ``hidden``, ``weight`` and ``bias`` dtypes differ, ``chunk_size`` is not an
         integer (a float or a bool) or ``accum_dtype`` is not a floating-point ``torch.dtype``;
         ``ValueError`` for an unknown ``method``, a ``chunk_size`` with ``method="tiled"`` or a

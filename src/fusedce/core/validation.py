@@ -40,8 +40,8 @@ def check_target(target: torch.Tensor, expected_shape, device: torch.device,
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor, got {type(target).__name__}")
     if target.dtype not in INDEX_DTYPES:
-        also = (" class indices, or a float32 / bfloat16 / float16 / float64 tensor of the logits' shape "
-                "(class probabilities)") if probabilities else ""
+        also = (" class indices, or a float32 / bfloat16 / float16 / float64 tensor with a last dimension "
+                "of V (class probabilities)") if probabilities else ""
         floats = "" if probabilities or not target.is_floating_point() else " (class indices stored as floats? " \
             "pass target.long(); this op takes no class probabilities)"
         raise TypeError(f"target must be int64 or int32{also}, got {target.dtype}{floats}")
@@ -216,8 +216,10 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
     float tensors, ``weight`` (V, H) with ``hidden`` (..., H) on one device, ``H > 0`` and ``V > 0``
     (``sharded``: this rank's ``V_r`` may be 0; the global V is checked by ``vocab_layout``),
     ``target`` (...), ``bias`` and class weights (V,), one dtype for hidden/weight/bias, a positive
-    integer ``chunk_size`` or None, a floating ``accum_dtype``; ``probabilities``: the op also takes float
-    probability targets (the RL ops do not), which the target's dtype error then names."""
+    integer ``chunk_size`` or None, a floating ``accum_dtype`` no narrower than the weight's dtype
+    (``ValueError``: fp16 sums of an fp32 weight's gradient overflow where the fp32 result would not);
+    ``probabilities``: the op also takes float probability targets (the RL ops do not), which the target's
+    dtype error then names."""
     w_name, b_name, cw_name = names
     check_float("hidden", hidden)
     check_float(w_name, weight)
@@ -246,6 +248,10 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
                         f"{weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")
     check_chunk_size(chunk_size)
     check_accum_dtype(accum_dtype)
+    if accum_dtype != weight.dtype and torch.finfo(accum_dtype).bits <= torch.finfo(weight.dtype).bits:
+        raise ValueError(f"accum_dtype {accum_dtype} is narrower than {w_name}'s {weight.dtype}: the {w_name} "
+                         f"gradient would be summed in less precision (or range) than it is returned; pass "
+                         f"accum_dtype=torch.float32 (the default) or {weight.dtype}")
 
 
 def check_num_items(num_items_in_batch, device: torch.device) -> None:
