@@ -17,7 +17,7 @@ from fusedce.core.bf16_products import applies, exact_bf16_gemms
 from fusedce.lm_head import chunked, fp32_linear
 
 KNOB = torch.backends.mkldnn.matmul
-ENGAGES = applies(torch.zeros(1, dtype=torch.bfloat16))   # this CPU has bf16 units and oneDNN
+ENGAGES = applies(torch.zeros(1, dtype=torch.bfloat16))   # the mode engages on this CPU (measured)
 U32 = 2.0 ** -24
 
 
@@ -44,6 +44,41 @@ def test_switches_for_bf16_cpu_operands_and_restores():
         assert KNOB.fp32_precision == ("bf16" if ENGAGES else "none")
         assert _mode_is_on() == ENGAGES
     assert KNOB.fp32_precision == "none" and not _mode_is_on()
+
+
+def test_the_decision_is_what_this_cpu_does():
+    """Issue 46 item 8: the library's belief (``ENGAGES``) is what the mode does on this CPU, whatever it has
+    (AMX, AVX512-BF16 only, neither, AMD): set by hand, the mode loses digits exactly where the library says it
+    engages. The probe leaves the setting as it found it."""
+    caps = bf16_products.cpu_bf16_capabilities()
+    assert set(caps) == {"cpu", "amx", "avx512_bf16", "bf16_gemm_mode"} and caps["bf16_gemm_mode"] == ENGAGES
+    assert KNOB.fp32_precision == "none"
+    KNOB.fp32_precision = "bf16"
+    assert _mode_is_on() == ENGAGES
+    KNOB.fp32_precision = "none"
+    assert not ENGAGES or caps["amx"] or caps["avx512_bf16"]
+
+
+@pytest.mark.parametrize("engages", [False, True])
+def test_the_switch_follows_the_measured_decision(monkeypatch, engages):
+    """The switch obeys the measurement, not the CPU flags: a CPU that reports bf16 support but where the
+    probe shows no bf16 math keeps the setting untouched (the AVX512-BF16-without-AMX Xeon of issue 46)."""
+    monkeypatch.setattr(bf16_products, "_cpu_has_bf16_units", lambda: engages)
+    bf = torch.zeros(2, 2, dtype=torch.bfloat16)
+    with exact_bf16_gemms(bf, bf):
+        assert KNOB.fp32_precision == ("bf16" if engages else "none")
+    assert KNOB.fp32_precision == "none"
+
+
+def test_a_probe_that_shows_no_bf16_math_means_no_switch(monkeypatch):
+    monkeypatch.setattr(bf16_products, "_probe_mode_engages", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    bf16_products.cpu_bf16_capabilities.cache_clear()
+    try:
+        caps = bf16_products.cpu_bf16_capabilities()
+        assert caps["avx512_bf16"] and not caps["bf16_gemm_mode"] and not applies(torch.zeros(1, dtype=torch.bfloat16))
+    finally:
+        bf16_products.cpu_bf16_capabilities.cache_clear()
 
 
 def test_restores_after_an_error():

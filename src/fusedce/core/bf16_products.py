@@ -19,9 +19,11 @@ fp32 values), never around a product of fp32 values that are not bf16 values (it
 restores the caller's value after, even on error; only the calling thread sets or restores it. A GEMM of
 fp32 data that ANOTHER Python thread runs at that same moment on the CPU would also use bf16 math; set
 ``FUSEDCE_CPU_BF16_GEMM=0`` (read at import) or ``ENABLED = False`` to keep the setting untouched.
-It is a no-op off the CPU, without bf16 units or oneDNN, while tracing
-(``torch.compile`` / ``torch.export``), and where the caller already chose a precision other than the
-default ("none" / "ieee").
+It is a no-op off the CPU, while tracing (``torch.compile`` / ``torch.export``), where the caller already
+chose a precision other than the default ("none" / "ieee"), and wherever the mode does not engage: the
+decision is measured once per process (``cpu_bf16_capabilities``: a probe GEMM of non-bf16 fp32 data in the
+mode loses digits only where oneDNN really ran it on bf16 units; CPU flags alone mislead, e.g. a Xeon with
+AVX512-BF16 and no AMX reports bf16 support while the mode leaves fp32 GEMMs as they are).
 """
 from __future__ import annotations
 
@@ -34,16 +36,63 @@ import torch
 ENABLED = os.environ.get("FUSEDCE_CPU_BF16_GEMM", "1") != "0"
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def _probe_mode_engages() -> bool:
+    """Whether an fp32 GEMM of non-bf16 values loses digits in the bf16 mode (then it ran on bf16 units).
+    The shape is one that torch hands to oneDNN (torch 2.11 keeps smaller fp32 GEMMs on MKL)."""
+    knob = torch.backends.mkldnn.matmul
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(128, 576, generator=g), torch.randn(576, 512, generator=g)
+    before = knob.fp32_precision
+    knob.fp32_precision = "bf16"
+    try:
+        out = a @ b
+    finally:
+        knob.fp32_precision = before
+    return bool(((out.double() - a.double() @ b.double()).abs().max() > 1e-3).item())
+
+
 @lru_cache(maxsize=None)
-def _cpu_has_bf16_units() -> bool:
-    """Whether oneDNN can run bf16 GEMMs natively here (AVX512-BF16 or AMX; probed once)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
+def cpu_bf16_capabilities() -> dict[str, object]:
+    """This CPU's bf16 GEMM facts, measured once per process: ``cpu`` (its name), ``amx`` and
+    ``avx512_bf16`` (what torch / the CPU flags report) and ``bf16_gemm_mode`` (whether oneDNN's bf16 math
+    mode really runs fp32 GEMMs on bf16 units here: the probe; only then does ``exact_bf16_gemms`` switch)."""
+    flags = _cpu_flags()
+    amx_probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    avx_probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    amx = bool(amx_probe()) if amx_probe is not None else "amx_bf16" in flags
+    avx512_bf16 = bool(avx_probe()) if avx_probe is not None else "avx512_bf16" in flags
     knob = getattr(torch.backends.mkldnn, "matmul", None)   # the fp32_precision API (torch >= 2.9)
-    if knob is None or not hasattr(knob, "fp32_precision"):
-        return False
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(bool(p()) for p in probes if p is not None)
+    usable = torch.backends.mkldnn.is_available() and knob is not None and hasattr(knob, "fp32_precision")
+    return {"cpu": _cpu_name(), "amx": amx, "avx512_bf16": avx512_bf16,
+            "bf16_gemm_mode": bool(usable and (amx or avx512_bf16) and _probe_mode_engages())}
+
+
+def _cpu_has_bf16_units() -> bool:
+    """Whether the bf16 mode engages on this CPU (measured once: ``cpu_bf16_capabilities``)."""
+    return bool(cpu_bf16_capabilities()["bf16_gemm_mode"])
 
 
 def applies(*operands: torch.Tensor) -> bool:
