@@ -46,7 +46,8 @@ TFLOP/s of 6 * BT * V * H, peak memory, log-prob / entropy error against float64
 torch's own bf16 error, ``parity.linear_token_log_probs``) and how far each method's gradients are from
 chunked's; fusedce's methods must also be within ``FP32_LOG_PROB_TOL`` of float64 (fp32 logits).
 
-The peers run after fusedce's paths in each shape, so a tight ``deadline`` skips them first. Estimated H200
+The peers run last, after fusedce's paths in every shape and the log-probs, so a tight ``deadline`` skips
+them first; a peer still running after ``PEER_LIMIT_S`` ends the process (``_PeerWatchdog``). Estimated H200
 time (benchmarks/README.md has the whole call's; at ~600 achieved bf16 TFLOP/s; 6 N V H FLOPs chunked and
 stock's matmuls, 8 N V H tiled; N = 6144 scored tokens, stock does all 8192): one fwd+bwd ~ 30-50 ms, so
 each path's warm-up + peak run + do_bench (~7 runs) + subset parity is ~0.5-1 s plus its library's first
@@ -56,8 +57,10 @@ log-probs: ~15 s; float64 references on 2048 rows: ~0.2 s each. A path is not st
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
 
 if __name__ == "__main__" and "--dry-run" in sys.argv:
@@ -120,6 +123,8 @@ PATH_FNS = {"stock": PATHS["linear-torch"].forward, "chunked": _fused("chunked")
             "quack": peers.quack_linear_cross_entropy}
 # reported, never in the verdict; "extra": a function of the inputs whose result is saved as "resolved"
 PEERS = {"torch-lce": dict(extra=PATHS["linear-torch-lce"].extra), "trl": {}, "liger": {}, "cce": {}, "quack": {}}
+OWN = [name for name in PATH_FNS if name not in PEERS]
+PEER_LIMIT_S = float(os.environ.get("FUSEDCE_GPU_CHECK_PEER_LIMIT_S", "90"))
 
 
 def run_determinism(data: inputs.Inputs) -> dict:
@@ -233,10 +238,40 @@ def _inputs(rows: int, hidden: int, vocab: int, device) -> inputs.Inputs:
     return inputs.build(source, ("hidden", "weight"), torch.bfloat16, str(device))
 
 
+class _PeerWatchdog:
+    """A peer that runs past ``PEER_LIMIT_S`` (the 2026-12-06 H100 run: quack's CuTe linear sat in its JIT
+    for 7+ minutes and the whole check was cut) ends this process with a log line, after ``progress()``
+    saved what was measured: fusedce's paths run first in every shape (``run``), and gpu_check.sh goes on
+    to the CuTe step. A Python-level timeout cannot interrupt a compiler call, hence the exit."""
+
+    def __init__(self, name: str, vocab: int, progress, out: dict):
+        self.timer = threading.Timer(PEER_LIMIT_S, self._fire, args=(name, vocab, progress, out))
+        self.timer.daemon = True
+
+    @staticmethod
+    def _fire(name, vocab, progress, out) -> None:
+        out["paths"][name] = dict(error=f"hung: still running after {PEER_LIMIT_S:.0f} s; the process exits "
+                                        f"(the peers after it are not measured)")
+        _log(f"[linear V={vocab}] {name:8s} still running after {PEER_LIMIT_S:.0f} s: exiting so the rest of "
+             f"gpu_check.sh runs")
+        try:
+            progress()
+        finally:
+            os._exit(3)
+
+    def __enter__(self):
+        self.timer.start()
+
+    def __exit__(self, *exc) -> None:
+        self.timer.cancel()
+
+
 def run_shape(rows: int, hidden: int, vocab: int, device, dry: bool, parity_rows, deadline: float,
-              out: dict | None = None, progress=None) -> dict:
-    """Every path of ``PATH_FNS`` at one shape. ``out``: the dict to fill (the caller may save it while
-    it grows); ``progress()`` is called after each path."""
+              out: dict | None = None, progress=None, names=None) -> dict:
+    """The paths ``names`` (default: every one of ``PATH_FNS``) at one shape. ``out``: the dict to fill
+    (the caller may save it while it grows; a peer pass adds to the fusedce pass's dict, whose stock row
+    it compares with); ``progress()`` is called after each path."""
+    names = list(PATH_FNS) if names is None else names
     data = _inputs(rows, hidden, vocab, device)
     scored = int((data.target != IGNORE).sum())
     flops = 6 * scored * vocab * hidden
@@ -246,11 +281,13 @@ def run_shape(rows: int, hidden: int, vocab: int, device, dry: bool, parity_rows
     sub_rows = parity.subset_rows(data.target, parity_rows, IGNORE)
     out = {} if out is None else out
     out.update(rows=rows, hidden=hidden, vocab=vocab, scored_tokens=scored, useful_flops=flops,
-               parity_rows=int(sub_rows.shape[0]), paths={})
+               parity_rows=int(sub_rows.shape[0]))
+    out.setdefault("paths", {})
     if (rows, hidden, vocab) in SHAPE_NAMES:
         out["name"] = SHAPE_NAMES[rows, hidden, vocab]
     progress = progress or (lambda: None)
-    for name, fn in PATH_FNS.items():
+    for name in names:
+        fn = PATH_FNS[name]
         progress()
         if time.time() > deadline:
             out["paths"][name] = dict(skipped="time budget of gpu_check.py spent")
@@ -261,12 +298,14 @@ def run_shape(rows: int, hidden: int, vocab: int, device, dry: bool, parity_rows
                 loss = fn(data)
                 loss.backward()
                 return loss.detach()
-            m = measure_step(step, (data.hidden, data.weight), device, dry)
-            m["loss"] = float(m.pop("last"))
-            m["tflops"] = flops / (m["ms"] * 1e-3) / 1e12
-            m["parity"] = _subset_parity(fn, data, sub_rows)
-            if PEERS.get(name, {}).get("extra"):
-                m["resolved"] = PEERS[name]["extra"](data)
+            with (_PeerWatchdog(name, vocab, progress, out) if name in PEERS and not dry
+                  else contextlib.nullcontext()):
+                m = measure_step(step, (data.hidden, data.weight), device, dry)
+                m["loss"] = float(m.pop("last"))
+                m["tflops"] = flops / (m["ms"] * 1e-3) / 1e12
+                m["parity"] = _subset_parity(fn, data, sub_rows)
+                if PEERS.get(name, {}).get("extra"):
+                    m["resolved"] = PEERS[name]["extra"](data)
         except Exception as exc:  # noqa: BLE001 - one failing path must not hide the others
             _reset(data.hidden, data.weight)
             out["paths"][name] = _failure(name, exc)
@@ -405,7 +444,7 @@ def run(device, dry: bool, deadline: float = float("inf"), progress=None) -> dic
             continue
         result["shapes"][key] = shape = {}
         try:
-            run_shape(rows, hidden, vocab, device, dry, cfg["parity_rows"], deadline, shape, tick)
+            run_shape(rows, hidden, vocab, device, dry, cfg["parity_rows"], deadline, shape, tick, OWN)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory building the inputs
             result["shapes"][key] = dict(error=_error(exc))
             _log(f"[linear {key}] FAILED: {_error(exc)}")
@@ -440,6 +479,19 @@ def run(device, dry: bool, deadline: float = float("inf"), progress=None) -> dic
                 del data
             except Exception as exc:  # noqa: BLE001
                 result["log_probs"] = dict(shape=key, error=_error(exc))
+    # The peers last, after every fusedce path and the log-probs: one that hangs costs only the peers after it.
+    for rows, hidden, vocab in cfg["shapes"]:
+        shape = result["shapes"].get(f"{rows}x{hidden}x{vocab}", {})
+        if "paths" not in shape or "stock" not in shape["paths"]:
+            continue
+        try:
+            run_shape(rows, hidden, vocab, device, dry, cfg["parity_rows"], deadline, shape, tick, list(PEERS))
+        except Exception as exc:  # noqa: BLE001
+            _log(f"[linear {rows}x{hidden}x{vocab}] peers FAILED: {_error(exc)}")
+        shape.pop("data", None)
+        shape.pop("sub_rows", None)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     tick()
     result["ok"], result["skipped_paths"] = verdict(result)
     return result

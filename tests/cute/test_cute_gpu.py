@@ -114,6 +114,7 @@ def test_cute_onchip_chunk_matches_two_read_chunk(v, dtype, opt, weighted, monke
     opts = LossOptions(**kw)
     g = torch.rand(rows, device="cuda")
     zg = torch.rand(rows, device="cuda")
+    assert tuning.onchip_cluster(v, x.element_size(), True) is not None   # before the loop sets ONCHIP=0
     res = {}
     for mode in ("1", "0"):
         monkeypatch.setenv("FUSEDCE_CUTE_ONCHIP", mode)
@@ -123,7 +124,6 @@ def test_cute_onchip_chunk_matches_two_read_chunk(v, dtype, opt, weighted, monke
         tw = torch.full((rows,), float("nan"), device="cuda") if opts.use_token_scaling else None
         launch.ce_chunk_(buf, t, w, None if w is None else w.sum().reshape(1), g, zg, opts, *outs, pred, tw)
         res[mode] = (buf, *outs, pred, tw)
-    assert tuning.onchip_cluster(v, x.element_size(), True) is not None
     on, off = res["1"], res["0"]
     for a, b in zip(on[1:4], off[1:4]):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)

@@ -158,3 +158,28 @@ def test_gpu_check_without_a_gpu_stops_first(tmp_path):
                           env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "sees no CUDA device" in proc.stderr and "--dry-run" in proc.stderr and proc.stdout == ""
+
+
+def test_a_hung_peer_ends_the_linear_section_after_saving(tmp_path):
+    """The 2026-12-06 H100 run lost 7+ minutes to one peer (quack's CuTe linear in its JIT): a peer still
+    running after ``PEER_LIMIT_S`` records itself as hung, saves through ``progress`` and exits the process
+    (rc 3), so gpu_check.sh goes on; fusedce's own paths run before any peer (``run``'s two passes)."""
+    code = f"""
+import json, sys, time
+sys.path.insert(0, {str(ROOT / 'benchmarks')!r})
+import gpu_check_linear as g
+g.PEER_LIMIT_S = 0.2
+out = dict(paths={{}})
+save = lambda: open({str(tmp_path / 'saved.json')!r}, 'w').write(json.dumps(out))
+with g._PeerWatchdog("quack", 1000, save, out):
+    time.sleep(30)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "still running after" in proc.stdout
+    saved = json.loads((tmp_path / "saved.json").read_text())
+    assert saved["paths"]["quack"]["error"].startswith("hung")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check_linear as linear   # the order: every own path before the first peer
+    assert linear.OWN and not set(linear.OWN) & set(linear.PEERS)
