@@ -95,6 +95,13 @@ class TiledCE(Protocol):
         ignores it)."""
         ...
 
+    def invariant_rows(self, n_classes: int) -> int:
+        """``batch_invariant=True``: the caller pads the rows to a multiple of this (ignored zero rows), so
+        that every token tile the kernels see is as tall as any other (1 where a partial tile's rows do not
+        change the other rows' arithmetic); with ``deterministic`` the results of a row then depend on its
+        own inputs only (``lm_head/invariant.py``)."""
+        ...
+
 
 def loss_then_grad_(ce, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
     """``ChunkCE.loss_and_grad_`` composed from ``ce.loss`` and ``ce.grad_`` (for a backend without a

@@ -259,7 +259,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                      bias, ce_weight, chunk_size, accum_dtype)
     check_method(method, chunk_size)
     check_logits_dtype(logits_dtype, method)
-    invariant.check(batch_invariant, resolve_method(method))
+    invariant.check(batch_invariant)
     deterministic = deterministic_mode(deterministic)
     if probabilities:   # ce/linear_soft.py: probability targets
         invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")

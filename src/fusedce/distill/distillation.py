@@ -222,7 +222,9 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
                               teacher_logit_scale=teacher_logit_scale, backend=backend,
                               heads=((student_weight, student_bias), (teacher_weight, teacher_bias)), method=method,
                               chunk_size=chunk_size, deterministic=deterministic)
-    invariant.check(batch_invariant, method)
+    invariant.check(batch_invariant)
+    invariant.refuse(batch_invariant and method == "tiled", "method='tiled' in the distillation losses yet: use "
+                     "method='chunked' (or 'auto')")
     hs = _scaled(student_hidden.reshape(-1, student_hidden.shape[-1]), call.logit_scale)
     ht = _scaled(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), call.teacher_logit_scale)
     bs, bt = _scaled(student_bias, call.logit_scale), _scaled(teacher_bias, call.teacher_logit_scale)

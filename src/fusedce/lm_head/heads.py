@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from fusedce.core.options import LossOptions
-from . import loop_ops
+from . import invariant, loop_ops
 from ..backends.protocol import ChunkCE, TiledCE
 from fusedce.core.row_math import grad_lse
 
@@ -28,6 +28,10 @@ class ChunkedHead:
 
     def __init__(self, ce: ChunkCE, chunk_size, logits: str = "float32"):
         self.ce, self.chunk_size, self.logits = ce, chunk_size, logits   # logits: chunked.logits_dtype's choice
+
+    def invariant_rows(self, n_classes: int) -> int:
+        """``batch_invariant``'s row multiple: the fixed chunk (``invariant.ROWS``; ``chunk_size`` is then it)."""
+        return invariant.ROWS
 
     def rows_for(self, hidden, weight) -> int:
         """The rows per chunk for these operands (for loops that run outside ``loop_ops``)."""
@@ -50,6 +54,10 @@ class TiledHead:
 
     def __init__(self, tiled: TiledCE, deterministic: bool = False, backend: str = ""):
         self.tiled, self.deterministic, self.backend = tiled, deterministic, backend   # backend: its NAME
+
+    def invariant_rows(self, n_classes: int) -> int:
+        """``batch_invariant``'s row multiple: the backend's token tile (``TiledCE.invariant_rows``)."""
+        return self.tiled.invariant_rows(n_classes)
 
     def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
                 entropy: bool = False):

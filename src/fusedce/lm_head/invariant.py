@@ -27,9 +27,18 @@ The reduction order of a row is therefore that of those fixed shapes; an inferen
 it by computing the same ``(64, H) x (H, V)`` GEMM (same library, thread count and dtype). The weight
 and bias gradients are sums over rows, so they depend on the batch by definition: exempt. Cost: the
 padded rows of the last chunk (at most 63 rows of work) and 64-row GEMMs (a GPU would prefer larger
-ones); one copy of the kept rows when padding is needed. ``method="tiled"`` (its tiles are shaped by
-the backend's tuning), a ``(..., K)`` target, probability targets and the CuTe backend are refused
-(``check``, ``refuse``, ``check_backend``).
+ones); one copy of the kept rows when padding is needed. A ``(..., K)`` target, probability targets and
+the CuTe backend are refused (``refuse``, ``check_backend``).
+
+``method="tiled"`` needs no chunks: its tiles are fixed per backend and never depend on BT, and each
+row meets the vocabulary tiles in order. What could still vary is the height of the last token tile
+and, on Triton, the order of the hidden gradient's atomic sums. So the kept rows are padded to a
+multiple of the backend's token tile instead (``TiledCE.invariant_rows``: the PyTorch backend's block
+rows, ``tuning.tile_sizes(V)``, 191 at V = 49152; 1 on Triton, whose kernels mask a partial tile's rows
+and compute each row's dots from its own hidden state only), and the backward runs without atomics
+(``deterministic``: Triton's grad_hidden kernel owns its rows and walks the vocabulary tiles in order;
+the PyTorch loops have no atomics and share the vocabulary blocks among a number of threads set by the
+thread count and V alone). Cost: docs/contract.md ("batch_invariant").
 
 The logits ops (``cross_entropy``, ``token_log_probs``) need no padding: the Triton row kernels run one
 program per row with a ``BLOCK_V`` chosen from V alone, and the PyTorch row loops reduce each row whole
@@ -45,15 +54,10 @@ import torch
 ROWS = 64   # rows per chunk: small enough that padding costs little (module docstring, "Cost")
 
 
-def check(batch_invariant, method: str = "chunked") -> bool:
-    """``batch_invariant`` checked: ``TypeError`` unless a bool; ``ValueError`` with ``method="tiled"``
-    (the tiled kernels are not built for it: use ``method="chunked"``; the logits ops, which have no
-    method, take the default). Returns it."""
+def check(batch_invariant) -> bool:
+    """``batch_invariant`` checked: ``TypeError`` unless a bool (every method takes it). Returns it."""
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
-    if batch_invariant and method == "tiled":
-        raise ValueError("batch_invariant=True needs method='chunked' (or 'auto'): the tiled kernels' tiles are "
-                         "not fixed for it")
     return batch_invariant
 
 
@@ -72,14 +76,15 @@ def refuse(batch_invariant: bool, what: str) -> None:
 
 
 def pad_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int,
-             extra: Optional[torch.Tensor] = None):
-    """``(hidden, target, extra)`` padded to a multiple of ``ROWS`` rows: zero hidden rows (differentiable:
+             extra: Optional[torch.Tensor] = None, rows: int = ROWS):
+    """``(hidden, target, extra)`` padded to a multiple of ``rows`` rows (the head's ``invariant_rows``:
+    ``ROWS`` for the chunk loop, the token tile for the tiled method): zero hidden rows (differentiable:
     the gradient of the real rows flows back through the concatenation), ``ignore_index`` targets and
     zero ``extra`` rows (per-row weights, or None). The inputs themselves when no padding is needed (under
     torch.compile the padding is always concatenated, possibly 0 rows: a traced ``pad == 0`` would specialize
     the graph on the token count)."""
     n = hidden.shape[0]
-    pad = -n % ROWS
+    pad = -n % rows
     if not torch.compiler.is_compiling() and pad == 0:
         return hidden, target, extra
     F = torch.nn.functional

@@ -144,7 +144,7 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
                                        return_entropy=return_entropy, return_stats=return_stats,
                                        chunk_size=chunk_size, method=method, deterministic=deterministic)
     check_logits_dtype(logits_dtype, method)
-    invariant.check(batch_invariant, resolve_method(method))
+    invariant.check(batch_invariant)
     impl = backends.get(backend, hidden.device, entropy=True, tiled=resolve_method(method) == "tiled")
     val.check_target_range(call.target, weight.shape[0], call.opts.ignore_index)
     invariant.check_backend(batch_invariant, impl)

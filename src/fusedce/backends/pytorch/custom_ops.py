@@ -50,6 +50,7 @@ from .slices import slice_stats as _slice_stats
 from .distill_tiled import tiled_distill as _tiled_distill
 from . import soft_tiled as _soft_tiled
 from .tiled import TorchTiledCE
+from .tiled import invariant_rows as tiled_invariant_rows
 from .token_stats import chunk_token_stats
 
 Opt = Optional[torch.Tensor]
@@ -227,6 +228,8 @@ def _(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_l
 
 class TorchTiledOps:
     """``TiledCE`` (``backends/protocol.py``) through the two ops above."""
+
+    invariant_rows = staticmethod(tiled_invariant_rows)
 
     @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,

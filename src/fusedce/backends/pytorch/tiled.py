@@ -111,6 +111,15 @@ def _target_columns(target: torch.Tensor, valid: torch.Tensor, start: int, width
     return owned, torch.where(owned, target - start, 0).long()
 
 
+def invariant_rows(n_classes: int) -> int:
+    """``TiledCE.invariant_rows``: the token blocks' rows (``tuning.tile_sizes``, from V alone). A row's
+    results depend on the shapes of its block's ops (a GEMM's blocking sets each dot product's order; the
+    row reductions run on ``(rows, vocab)`` blocks), not on its position in the block or the other rows: with
+    every block full they are the same whatever the batch. The backward's grad_h adds the vocabulary blocks of
+    each thread's share in order, then the shares in order: set by V and the thread count, not by BT."""
+    return tuning.tile_sizes(n_classes)[0]
+
+
 class TorchTiledCE:
     """``TiledCE`` (``backends/protocol.py``) in plain PyTorch (called through the custom ops
     of ``custom_ops.py``: ``TORCH_TILED``)."""

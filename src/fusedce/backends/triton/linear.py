@@ -59,6 +59,13 @@ class TritonTiledCE:
     in tests). ``hidden`` (n, H), ``weight`` (V, H), ``bias`` (V,) or None: one float dtype."""
 
     @staticmethod
+    def invariant_rows(n_classes: int) -> int:
+        """1: the tiles (``tuning.tiled_config``) never depend on n, a partial token tile's missing rows are
+        masked zeros that enter no other row's dot (no split over H or V), and every row meets the vocabulary
+        tiles in order; with ``deterministic`` the hidden gradient too (its own program, no atomics)."""
+        return 1
+
+    @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
                 entropy: bool = False, token_stats: bool = False) -> TiledRows:
         if token_stats:   # the RL ops: no class weights, no argmax of the raw logits
