@@ -115,8 +115,7 @@ class LinearCrossEntropyLoss(nn.Module):
     ``chunk_size`` and "tiled"), ``deterministic`` (keyword-only, as in the function: None follows
     ``torch.are_deterministic_algorithms_enabled()`` at each call; ``TypeError`` unless None or a bool),
     ``logits_dtype`` (keyword-only, as in the function; ``ValueError`` unless "float32" / "input"),
-    ``batch_invariant`` (keyword-only, as in the function; ``TypeError`` unless a bool, ``ValueError``
-    with ``method="tiled"``)
+    ``batch_invariant`` (keyword-only, as in the function; ``TypeError`` unless a bool)
     and ``accum_dtype`` (``TypeError`` unless a floating-point ``torch.dtype``).
     """
 

@@ -125,8 +125,8 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
             the same values; ``"input"``: rounded to ``hidden``'s dtype first, as ``F.linear`` (the stock
             composition's values, for exact parity with it). No effect on fp32 operands.
         batch_invariant: as in :func:`fusedce.linear_cross_entropy` (log-probs, entropy, statistics and
-            ``hidden``'s gradient rows bitwise independent of the rest of the batch; chunked method,
-            one class per token: ``ValueError`` with ``"tiled"`` or a ``(..., K)`` target).
+            ``hidden``'s gradient rows bitwise independent of the rest of the batch; either method, one
+            class per token: ``ValueError`` with a ``(..., K)`` target).
         A ``(..., K)`` target with ``"tiled"`` also computes the K target logits from gathered rows of
             ``weight`` (fp32 products, at most 2^22 elements at a time, or one row's K x H) and rounds
             the hidden gradient a second time in bf16 / fp16 (``rl/multi_head.py``).
