@@ -7,12 +7,14 @@ is placed into batches of 1 to 300 rows at the first, a middle and the last posi
 neighbours, with and without ignored neighbours (every third row); every per-row output of both linear
 ops (``linear_cross_entropy``'s ``"none"`` row, its lse and predicted token, ``linear_token_log_probs``'s
 log-prob, entropy and TRL statistics) and the probe's row of the hidden gradient of each op are compared
-bit for bit with the probe alone in a batch of one. PyTorch backend: tiles shrunk to 24 rows x 64 classes
-(V = 2053: 33 vocabulary tiles, the last partial), so the sizes straddle the token tile (23, 24, 25, 49)
-and reach 300 (13 tiles); one test keeps the shipped tiles (16 rows x 256 classes at V = 4099). Triton
-(the interpreter, its own 64-token tiles): sizes 1 to 130 across the 64-row tile, tiny H and V.
-``test_unpadded_tiles_are_not_invariant`` shows that the check can fail: the same placements without the
-padding (a partial last tile) change the probe's bits.
+bit for bit with the probe alone in a batch of one. PyTorch backend: ``batch_invariant``'s tiles are 64 rows
+(``tuning.INVARIANT_ROWS``) x 32 classes at V = 2053 (65 vocabulary tiles, the last 5 wide), so the sizes
+straddle the token tile (63, 64, 65, 127, 128) and reach 300 (5 tiles), the probe in a tile's first, middle
+and last row; one test keeps the shipped rule at V = 4099 (64 x 64). Triton (the interpreter, its own
+64-token tiles): sizes 1 to 130 across the 64-row tile, tiny H and V. The two ``..._not_invariant`` tests
+show that the check can fail: without the padding (a partial last tile), or with tiles of 18 rows (not whole
+vectors: the last row's last values go through ATen's scalar loop), the same kind of placements change the
+probe's bits.
 """
 from __future__ import annotations
 
@@ -26,17 +28,18 @@ from inputs import bit_identical
 
 PROBE_TARGET = 7
 # (batch size, probe position, ignored neighbours)
-PLACEMENTS = [(2, 1, False), (5, 3, True), (23, 22, False), (24, 10, True), (25, 24, False), (49, 30, True),
-              (130, 70, True), (300, 299, False), (300, 0, True)]
+PLACEMENTS = [(2, 1, False), (5, 3, True), (63, 62, False), (64, 63, False), (65, 64, True), (127, 126, False),
+              (128, 127, False), (130, 70, True), (300, 299, False), (300, 0, True)]
 # the Triton interpreter runs each program in Python: the 64-token tile crossed, up to 130 rows
 TRITON_PLACEMENTS = [(5, 3, True), (65, 64, False), (130, 100, True)]
 
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """24 token rows x 64 classes per PyTorch tile (V = 2053: ``tile_sizes`` gives (24, 64))."""
+    """24 token rows x 64 classes per PyTorch tile (V = 2053), 64 x 32 with ``batch_invariant``."""
     monkeypatch.setattr(torch_tuning, "TILE_ROWS", 24)
     monkeypatch.setattr(torch_tuning, "TILE_VOCAB", 64)
+    assert torch_tuning.tile_sizes(2053) == (24, 64) and torch_tuning.tile_sizes(2053, True) == (64, 32)
 
 
 def _batch(n, pos, ignored, width, n_classes, dtype):
@@ -81,15 +84,14 @@ def _changed(weight, bias, backend, placements, **kw) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_torch_tiled_rows_are_batch_invariant(small_tiles, dtype):
     weight, bias = _head(2053, 40, dtype)
-    assert torch_tuning.tile_sizes(2053) == (24, 64)
     assert _changed(weight, bias, "torch", PLACEMENTS, batch_invariant=True) == 0
 
 
 def test_torch_tiled_shipped_tiles_are_batch_invariant():
-    """The shipped tile rule: 16 rows x 256 classes at V = 4099 (17 vocabulary tiles)."""
+    """The shipped tile rule: 64 rows x 64 classes at V = 4099 with the flag (16 x 256 without)."""
     weight, bias = _head(4099, 64, torch.float32)
-    assert torch_tuning.tile_sizes(4099) == (16, 256)
-    assert _changed(weight, bias, "torch", [(15, 14, False), (17, 16, True), (200, 101, True)],
+    assert torch_tuning.tile_sizes(4099) == (16, 256) and torch_tuning.tile_sizes(4099, True) == (64, 64)
+    assert _changed(weight, bias, "torch", [(15, 14, False), (64, 63, True), (200, 127, False)],
                     batch_invariant=True) == 0
 
 
@@ -106,7 +108,19 @@ def test_unpadded_tiles_are_not_invariant(small_tiles, monkeypatch):
     on its height too, not only the GEMMs): the padding is what holds."""
     monkeypatch.setattr(custom_ops.TorchTiledOps, "invariant_rows", staticmethod(lambda n_classes: 1))
     weight, bias = _head(2053, 40, torch.float32)
-    assert _changed(weight, bias, "torch", PLACEMENTS[1:4], batch_invariant=True) > 0
+    assert _changed(weight, bias, "torch", PLACEMENTS[1:5], batch_invariant=True) > 0
+
+
+def test_tiles_of_partial_vectors_are_not_invariant(monkeypatch):
+    """Tiles of 9 rows x 32 classes at V = 301 (``INVARIANT_ROWS`` 9): the last vocabulary tile is 9 x 13 =
+    117 values, whose last ones (the last row's) ATen's elementwise loops compute with scalar code: a probe
+    in a tile's last row changes its bits (measured; rows a multiple of 64 are whole vectors)."""
+    monkeypatch.setattr(torch_tuning, "TILE_VOCAB", 32)
+    monkeypatch.setattr(torch_tuning, "INVARIANT_ROWS", 9)
+    assert torch_tuning.tile_sizes(301, True) == (9, 32)
+    weight, bias = _head(301, 40, torch.float32)
+    assert _changed(weight, bias, "torch", [(9, 8, False), (18, 17, False), (27, 26, False)],
+                    batch_invariant=True) > 0
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])

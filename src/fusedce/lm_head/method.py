@@ -60,12 +60,12 @@ def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, h
     ``deterministic`` selects the tiled backward without float atomics; the chunk loop has none (its
     kernels own their outputs, its matmuls are torch's), so it is deterministic anyway. ``device_type``
     picks the chunk rule (``chunk_rows``); ``logits`` the logits' dtype (``chunked.logits_dtype``).
-    ``batch_invariant`` implies the tiled backward without atomics (``invariant.py``); the caller pads the
-    rows to ``head.invariant_rows(V)`` (and passes ``chunk_size=invariant.ROWS``)."""
+    ``batch_invariant``: the tiled backend's fixed tiles and a backward without atomics (``invariant.py``);
+    the caller pads the rows to ``head.invariant_rows(V)`` (and passes ``chunk_size=invariant.ROWS``)."""
     if resolve_method(method) == "tiled":
         if tiled is None:
             raise RuntimeError("this backend has no method='tiled' (no TiledCE); use method='chunked'")
-        return TiledHead(tiled, deterministic or batch_invariant, getattr(ce, "NAME", ""))
+        return TiledHead(tiled, deterministic, getattr(ce, "NAME", ""), batch_invariant)
     return ChunkedHead(ce, chunk_size, logits)   # rows decided inside the loop's op (loop_ops.py)
 
 

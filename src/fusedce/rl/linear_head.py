@@ -86,7 +86,7 @@ class _LinearLogProbs(torch.autograd.Function):
             stats = _no_stats(lse)
         elif isinstance(head, TiledHead):
             rows = head.tiled.forward(hidden, weight, bias, target, None, None, opts, False, want_entropy,
-                                      token_stats=True)
+                                      token_stats=True, batch_invariant=head.batch_invariant)
             loss, lse, lse_lo, entropy, stats = rows.loss, rows.lse, rows.lse_lo, rows.entropy, rows.token_stats
         else:
             loss, lse, lse_lo, entropy, stats = loop_ops.loss_with_token_stats(
