@@ -31,17 +31,19 @@ ones); one copy of the kept rows when padding is needed. A ``(..., K)`` target, 
 the CuTe backend are refused (``refuse``, ``check_backend``).
 
 ``method="tiled"`` needs no chunks: its tiles are fixed per backend and never depend on BT, and each
-row meets the vocabulary tiles in order. What could still vary is the height of the last token tile
-and, on Triton, the order of the hidden gradient's atomic sums. So the kept rows are padded to a
-multiple of the backend's token tile instead (``TiledCE.invariant_rows``: the PyTorch backend's block
-rows, ``tuning.tile_sizes(V)``, 191 at V = 49152; 1 on Triton, whose kernels mask a partial tile's rows
-and compute each row's dots from its own hidden state only), and the backward runs without atomics
-(``deterministic``: Triton's grad_hidden kernel owns its rows and walks the vocabulary tiles in order;
-the PyTorch loops have no atomics and share the vocabulary blocks among a number of threads set by the
-thread count and V alone). Cost (same VM at load ~9, PyTorch, BT = 1024, H = 576, V = 49152,
-bf16, fwd+bwd, 6 alternated runs each): CPU time 3.96 -> 4.27 s (median, x1.08), 1024 rows padded to
-1146; on Triton the atomic-free backward recomputes the logits once more when both gradients are asked
-for (``kernels/tiled_backward_owned.py``; no GPU timing yet).
+row meets the vocabulary tiles in order. What could still vary is the height of the last token tile,
+a row's place in its tile and, on Triton, the order of the hidden gradient's atomic sums. So with the
+flag (passed to the backend: ``TiledCE.forward`` / ``backward``, the tiled distillation op) the kept
+rows are padded to a multiple of the backend's token tile (``TiledCE.invariant_rows``), whose rows are a
+multiple of 64: PyTorch: ``tuning.tile_sizes(V, True)``, 128 x 256 at V = 49152 (191 x 256 without the
+flag; ATen's elementwise loops compute the last ``numel % 32`` values of a block with scalar code, whose
+exp / log round differently from the vector code: measured, a row in the last row of 9-row tiles changed
+its bits); Triton: 64 (``BLOCK_N``; its kernels mask a partial tile's rows and compute each row's dots
+from its own hidden state, so the padding only fills the last tile and keeps the torch ops around the
+kernels in whole vectors on a CPU). The backward runs without atomics (Triton: the ``deterministic``
+kernels, whose grad_hidden program owns its rows and walks the vocabulary tiles in order; PyTorch: no
+atomics anyway, the vocabulary blocks shared among a number of threads set by the thread count and V
+alone). Cost: docs/contract.md (``batch_invariant``).
 
 The logits ops (``cross_entropy``, ``token_log_probs``) need no padding: the Triton row kernels run one
 program per row with a ``BLOCK_V`` chosen from V alone, and the PyTorch row loops reduce each row whole
