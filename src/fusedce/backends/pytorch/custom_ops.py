@@ -190,7 +190,8 @@ def rows_token_stats(logits, target, lse, lse_lo, opts: LossOptions):
 @opaque_op("fusedce_torch::tiled_forward", mutates_args=())
 def _tiled_forward(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, weight_sum: Opt,
                    ignore_index: int, scalars: list[float], stats: bool, entropy: bool, token_stats: bool,
-                   batch_invariant: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   batch_invariant: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     rows = TorchTiledCE.forward(hidden, weight, bias, target, w, weight_sum,
                                 LossOptions.from_op_args(ignore_index, scalars), stats, entropy, token_stats,
                                 batch_invariant)
