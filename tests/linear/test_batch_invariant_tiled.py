@@ -149,3 +149,12 @@ def test_module_takes_tiled():
     rows, target = _batch(30, 4, True, 40, 2053, torch.float32)
     alone = module(rows[4:5], weight, target[4:5])
     assert bit_identical(module(rows, weight, target)[4], alone[0])
+
+
+@pytest.mark.parametrize("n_classes", [65, 301, 4099, 49152, 128256])
+def test_invariant_tiles_are_whole_vectors_below_v(n_classes):
+    """The shipped rule with the flag: rows a multiple of 64, and every block below V logits (the tiled
+    method's memory contract) from V = 65 on."""
+    rows, vocab = torch_tuning.tile_sizes(n_classes, True)
+    assert rows % torch_tuning.INVARIANT_ROWS == 0 and rows * vocab < n_classes and vocab >= 1
+    assert custom_ops.TorchTiledOps.invariant_rows(n_classes) == rows
