@@ -36,9 +36,9 @@ a row's place in its tile and, on Triton, the order of the hidden gradient's ato
 flag (passed to the backend: ``TiledCE.forward`` / ``backward``, the tiled distillation op) the kept
 rows are padded to a multiple of the backend's token tile (``TiledCE.invariant_rows``), whose rows are a
 multiple of 64: PyTorch: ``tuning.tile_sizes(V, True)``, 128 x 256 at V = 49152 (191 x 256 without the
-flag; ATen's elementwise loops compute the last ``numel % 32`` values of a block with scalar code, whose
-exp / log round differently from the vector code: measured, a row in the last row of 9-row tiles changed
-its bits); Triton: 64 (``BLOCK_N``; its kernels mask a partial tile's rows and compute each row's dots
+flag; ATen's elementwise loops compute a block's last ``numel % (2 x vector width)`` values (up to 31 with
+AVX-512) with scalar code, whose exp / log round differently from the vector code: measured, a probe in the
+last row of 9-row tiles changed its bits); Triton: 64 (``BLOCK_N``; its kernels mask a partial tile's rows and compute each row's dots
 from its own hidden state, so the padding only fills the last tile and keeps the torch ops around the
 kernels in whole vectors on a CPU). The backward runs without atomics (Triton: the ``deterministic``
 kernels, whose grad_hidden program owns its rows and walks the vocabulary tiles in order; PyTorch: no
