@@ -143,12 +143,18 @@ def test_mark_dynamic_takes_the_token_dimension():
     assert counter.frame_count == 1
 
 
-@pytest.mark.parametrize("op", ["linear_cross_entropy", "log_probs", "distillation"])
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "log_probs", "distillation", "linear_cross_entropy_tiled",
+                                "log_probs_tiled"])
 def test_batch_invariant_compiles_once_with_and_without_padding(op):
-    """``batch_invariant=True`` pads the rows to a multiple of 64: under compile the padding is always
-    applied (``F.pad``, possibly 0 rows), so a count that needs none (64, 128) does not specialize the graph
-    (before: ``if pad == 0`` and ``torch.cat``'s empty-tensor test each added a guard)."""
+    """``batch_invariant=True`` pads the rows to a multiple of 64 (the tiled method: of its token tile): under
+    compile the padding is always applied (``F.pad``, possibly 0 rows), so a count that needs none (64, 128)
+    does not specialize the graph (before: ``if pad == 0`` and ``torch.cat``'s empty-tensor test each added a
+    guard)."""
     calls = {
+        "linear_cross_entropy_tiled": lambda h, W, t, ht, Wt: fusedce.linear_cross_entropy(
+            h, W, t, backend="torch", method="tiled", batch_invariant=True),
+        "log_probs_tiled": lambda h, W, t, ht, Wt: fusedce.linear_token_log_probs(
+            h, W, t, backend="torch", method="tiled", batch_invariant=True).sum(),
         "linear_cross_entropy": lambda h, W, t, ht, Wt: fusedce.linear_cross_entropy(
             h, W, t, backend="torch", batch_invariant=True),
         "log_probs": lambda h, W, t, ht, Wt: fusedce.linear_token_log_probs(

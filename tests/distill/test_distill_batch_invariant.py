@@ -102,6 +102,36 @@ def test_logits_long_rows_are_batch_invariant():
     assert all(bit_identical(a, b) for a, b in zip(*outs))
 
 
+@pytest.mark.parametrize("with_target", [True, False], ids=["target", "no-target"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tiled_rows_are_batch_invariant(backend, dtype, with_target, monkeypatch):
+    """``method="tiled"`` (issue 46 item 4; it was a ValueError): ``batch_invariant``'s PyTorch tiles are 64
+    rows x 4 classes here (``tile_sizes(301, True)``), so the placements cross token tiles (63, 64, 65, 130,
+    200 rows; the probe in a tile's first and last rows); Triton its own 64-row tiles."""
+    if backend == "triton" and (dtype == torch.float32 or not with_target):
+        pytest.skip("the interpreter is slow: the Triton tiled kernels in bf16 with a target")
+    from fusedce.backends.pytorch import tuning as torch_tuning
+    monkeypatch.setattr(torch_tuning, "TILE_ROWS", 24)
+    monkeypatch.setattr(torch_tuning, "TILE_VOCAB", 32)
+    assert torch_tuning.tile_sizes(V) == (9, 32) and torch_tuning.tile_sizes(V, True) == (64, 4)
+    heads = _heads(dtype)
+    probe = lambda n, pos, _chunk, ign: _linear_probe(heads, n, pos, None, ign and with_target, backend,
+                                                      with_target, method="tiled", batch_invariant=True)
+    placements = TRITON_PLACEMENTS if backend == "triton" else PLACEMENTS
+    assert _changed(probe, probe(1, 0, None, False), placements) == 0
+
+
+def test_tiled_unpadded_is_not_invariant(monkeypatch):
+    """Without the padding to whole tiles (``invariant_rows`` 1) the same placements change the probe's
+    bits: the padding is what holds."""
+    from fusedce.backends.pytorch import custom_ops
+    monkeypatch.setattr(custom_ops.tiled_distill, "invariant_rows", lambda n_classes: 1)
+    heads = _heads(torch.float32)
+    probe = lambda n, pos, _chunk, ign: _linear_probe(heads, n, pos, None, ign, "torch", method="tiled",
+                                                      batch_invariant=True)
+    assert _changed(probe, probe(1, 0, None, False), PLACEMENTS[1:6]) > 0
+
+
 def test_linear_default_is_not_invariant():
     heads = _heads(torch.float32)
     probe = lambda n, pos, chunk, ign: _linear_probe(heads, n, pos, chunk, ign, "torch")
@@ -130,7 +160,5 @@ def test_padding_changes_no_gradient(reduction, with_target):
 def test_refusals():
     ws, wt, _ = _heads(torch.float32)
     hs, ht = torch.randn(4, H), torch.randn(4, HT)
-    with pytest.raises(ValueError, match="method='chunked'"):
-        fusedce.linear_distillation_loss(hs, ws, ht, wt, method="tiled", batch_invariant=True)
     with pytest.raises(TypeError, match="batch_invariant must be a bool"):
         fusedce.distillation_loss(torch.randn(4, V), torch.randn(4, V), batch_invariant="yes")

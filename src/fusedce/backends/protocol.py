@@ -79,20 +79,27 @@ class TiledCE(Protocol):
     """
 
     def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
-                entropy: bool = False, token_stats: bool = False) -> TiledRows:
-        """With ``token_stats`` the rows' ``TiledRows.token_stats`` too, in the same pass."""
+                entropy: bool = False, token_stats: bool = False, batch_invariant: bool = False) -> TiledRows:
+        """With ``token_stats`` the rows' ``TiledRows.token_stats`` too, in the same pass;
+        ``batch_invariant``: the tiles of ``invariant_rows`` (n then a multiple of it)."""
         ...
 
     def backward(self, hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
                  opts: LossOptions, needs: Tuple[bool, bool, bool], accum_dtype: torch.dtype,
-                 grad_entropy: Opt = None, entropy: Opt = None, deterministic: bool = False
-                 ) -> Tuple[Opt, Opt, Opt]:
+                 grad_entropy: Opt = None, entropy: Opt = None, deterministic: bool = False,
+                 batch_invariant: bool = False) -> Tuple[Opt, Opt, Opt]:
         """``(grad_hidden, grad_weight, grad_bias)`` of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i +
         grad_entropy[i] entropy_i`` (per-row upstream gradients (n,), any float dtype and strides);
         ``needs`` says which of the three to compute (None for the others). ``grad_hidden`` in
         hidden's dtype, ``grad_weight`` / ``grad_bias`` in ``accum_dtype``. ``deterministic``: results
         bitwise identical run to run on the same device (no float atomics; a backend without atomics
-        ignores it)."""
+        ignores it); ``batch_invariant``: as in ``forward``, and no atomics in the hidden gradient."""
+        ...
+
+    def invariant_rows(self, n_classes: int) -> int:
+        """``batch_invariant=True``: the caller pads the rows to a multiple of this (ignored zero rows) and
+        passes ``batch_invariant`` to ``forward`` / ``backward``, so that every token tile the kernels see
+        is as tall as any other and a row's results depend on its own inputs only (``lm_head/invariant.py``)."""
         ...
 
 
@@ -149,7 +156,8 @@ class Backend(Protocol):
     with ``CAPABILITIES.distill``."""
     tiled_distill: Optional[Callable]
     """The distillation loss of both LM heads with no logits tensor (``method="tiled"``); only with
-    ``CAPABILITIES.distill``."""
+    ``CAPABILITIES.distill``. Its attribute ``invariant_rows(V)``: as ``TiledCE.invariant_rows`` (the
+    tiled distillation kernels take the tiled cross-entropy's token tiles)."""
     slice_stats: Callable
     """``slice_stats(logits, target, weight, opts, col_start) -> types.SliceStats`` on a vocabulary slice."""
     slice_grad: Callable

@@ -228,10 +228,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         batch_invariant: True: each row's outputs (``"none"`` rows, ``lse``, the statistics) and its row of
             ``hidden``'s gradient are bitwise the same whatever the other rows are, their number, the
             row's position, the ignored rows and ``chunk_size`` (for a fixed device, dtype, thread
-            count and version): the kept rows are processed in chunks of exactly 64, the last padded
-            with ignored zero rows (the reduction order: ``lm_head/invariant.py``); ``chunk_size`` has
-            no effect then. The weight and bias gradients (sums over rows) are exempt. Only with
-            ``method="chunked"`` / ``"auto"`` and class-index targets (``ValueError`` otherwise).
+            count and version): the kept rows are processed in chunks of exactly 64 (``"tiled"``: in
+            whole token tiles, the backward without atomics), the last padded with ignored zero rows (the
+            reduction order: ``lm_head/invariant.py``); ``chunk_size`` has no effect then. The weight and
+            bias gradients (sums over rows) are exempt. Class-index targets only (``ValueError`` otherwise).
 
     Returns:
         The fp32 loss, or ``CrossEntropyOutput``. Gradients of ``hidden``, ``weight``, ``bias`` have their
@@ -249,8 +249,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         ``TypeError`` when ``hidden``, ``weight`` and ``bias`` dtypes differ, ``chunk_size`` is not an
         integer (a float or a bool) or ``accum_dtype`` is not a floating-point ``torch.dtype``;
         ``ValueError`` for an unknown ``method``, a ``chunk_size`` with ``method="tiled"`` or a
-        ``logits_dtype`` not in ``("float32", "input")``, ``batch_invariant=True`` with ``method="tiled"``
-        or probability targets; ``TypeError`` for a ``batch_invariant`` that is not a bool;
+        ``logits_dtype`` not in ``("float32", "input")``, ``batch_invariant=True`` with probability
+        targets; ``TypeError`` for a ``batch_invariant`` that is not a bool;
         ``TypeError`` for a ``deterministic`` that is neither None nor a bool.
     """
     opts = loss_options(reduction, **options)
@@ -259,7 +259,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                      bias, ce_weight, chunk_size, accum_dtype)
     check_method(method, chunk_size)
     check_logits_dtype(logits_dtype, method)
-    invariant.check(batch_invariant, resolve_method(method))
+    invariant.check(batch_invariant)
     deterministic = deterministic_mode(deterministic)
     if probabilities:   # ce/linear_soft.py: probability targets
         invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")

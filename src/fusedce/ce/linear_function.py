@@ -117,8 +117,8 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
     ((BT,) fp32 constants, 0 on ignored rows, or None), or None when neither. ``method``: "chunked" /
     "tiled" / "auto" (``heads.py``; ``tiled`` is the backend's ``TiledCE``, required for "tiled");
     ``deterministic``: bitwise-reproducible gradients (``make_head``); ``logits``: the logits' dtype
-    (``chunked.logits_dtype``); ``batch_invariant``: the kept rows padded to 64-row chunks
-    (``lm_head/invariant.py``; ``chunk_size`` is then 64).
+    (``chunked.logits_dtype``); ``batch_invariant``: the kept rows padded to the head's fixed row multiple
+    (``lm_head/invariant.py``: 64-row chunks, ``chunk_size`` is then 64; or the tiled backend's token tile).
     """
     n = hidden.shape[0]
     w, weight_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
@@ -126,11 +126,12 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
     if index is not None and token_weights is not None:
         token_weights = token_weights.index_select(0, index)
     kept = hidden.shape[0]
-    if batch_invariant:
-        hidden, target, token_weights = invariant.pad_rows(hidden, target, opts.ignore_index, token_weights)
-        chunk_size = invariant.ROWS
+    chunk_size = invariant.ROWS if batch_invariant else chunk_size
     head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
-                     deterministic, hidden.device.type, logits)
+                     deterministic, hidden.device.type, logits, batch_invariant)
+    if batch_invariant:
+        hidden, target, token_weights = invariant.pad_rows(hidden, target, opts.ignore_index, token_weights,
+                                                           head.invariant_rows(weight.shape[0]))
     if scales is None:
         one = torch.ones((), device=hidden.device)
         scales = MeanScales(one, one)

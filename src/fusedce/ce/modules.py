@@ -11,7 +11,7 @@ from fusedce import backends
 from fusedce.core import validation as val
 from fusedce.core.options import check_accum_dtype, check_chunk_size, check_flag, deterministic_mode, loss_options
 from fusedce.lm_head import invariant
-from fusedce.lm_head.method import check_logits_dtype, check_method, resolve_method
+from fusedce.lm_head.method import check_logits_dtype, check_method
 from fusedce.ce.functional import cross_entropy, linear_cross_entropy
 from fusedce.core.options.signatures import with_loss_options
 from fusedce.core.options import LOSS_OPTION_NAMES, LossOptionValues
@@ -115,8 +115,7 @@ class LinearCrossEntropyLoss(nn.Module):
     ``chunk_size`` and "tiled"), ``deterministic`` (keyword-only, as in the function: None follows
     ``torch.are_deterministic_algorithms_enabled()`` at each call; ``TypeError`` unless None or a bool),
     ``logits_dtype`` (keyword-only, as in the function; ``ValueError`` unless "float32" / "input"),
-    ``batch_invariant`` (keyword-only, as in the function; ``TypeError`` unless a bool, ``ValueError``
-    with ``method="tiled"``)
+    ``batch_invariant`` (keyword-only, as in the function; ``TypeError`` unless a bool)
     and ``accum_dtype`` (``TypeError`` unless a floating-point ``torch.dtype``).
     """
 
@@ -132,7 +131,7 @@ class LinearCrossEntropyLoss(nn.Module):
         check_chunk_size(chunk_size)
         check_method(method, chunk_size)
         check_logits_dtype(logits_dtype, method)
-        invariant.check(batch_invariant, resolve_method(method))
+        invariant.check(batch_invariant)
         deterministic_mode(deterministic)
         check_flag("return_stats", return_stats)
         check_accum_dtype(accum_dtype)

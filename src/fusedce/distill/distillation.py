@@ -199,8 +199,9 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
             gradient bitwise independent of the rest of the batch (other rows, their number, the row's
             position, ignored rows, ``chunk_size``), for a fixed device, dtype, thread count and version:
             the kept rows in chunks of exactly 64 (``lm_head/invariant.py``, the last padded with zero rows
-            of both models that get no gradient), the chunked method (``method="tiled"``: ``ValueError``;
-            ``chunk_size`` is then 64). The weight and bias gradients, sums over rows, are exempt.
+            of both models that get no gradient; ``chunk_size`` is then 64), with ``method="tiled"`` in
+            whole token tiles, the gradients without atomics. The weight and bias gradients, sums over
+            rows, are exempt.
 
     A top-k teacher has its own door, :func:`fusedce.linear_topk_distillation_loss`; ``teacher_ids=`` /
     ``teacher_log_probs=`` here are a ``TypeError`` saying so.
@@ -222,7 +223,7 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
                               teacher_logit_scale=teacher_logit_scale, backend=backend,
                               heads=((student_weight, student_bias), (teacher_weight, teacher_bias)), method=method,
                               chunk_size=chunk_size, deterministic=deterministic)
-    invariant.check(batch_invariant, method)
+    invariant.check(batch_invariant)
     hs = _scaled(student_hidden.reshape(-1, student_hidden.shape[-1]), call.logit_scale)
     ht = _scaled(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), call.teacher_logit_scale)
     bs, bt = _scaled(student_bias, call.logit_scale), _scaled(teacher_bias, call.teacher_logit_scale)

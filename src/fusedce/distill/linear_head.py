@@ -104,13 +104,14 @@ class ChunkedDistill:
 class TiledDistill:
     """``method="tiled"``: the backend's ``tiled_distill`` (no logits tensor of either model)."""
 
-    def __init__(self, tiled_op, deterministic: bool):
-        self.tiled_op, self.deterministic = tiled_op, deterministic
+    def __init__(self, tiled_op, deterministic: bool, batch_invariant: bool = False):
+        self.tiled_op, self.deterministic, self.batch_invariant = tiled_op, deterministic, batch_invariant
 
     def run(self, hs, ws, bs, ht, wt, bt, target, grad_factor, kw: dict, needs):
         with torch.no_grad():
             loss, g_h, g_w, g_b = self.tiled_op(hs, ws, bs, ht, wt, bt, target, grad_factor, **kw,
-                                                deterministic=self.deterministic)
+                                                deterministic=self.deterministic,
+                                                batch_invariant=self.batch_invariant)
         if grad_factor is None:
             return loss, None, None, None
         return (loss, g_h if needs[0] else None, None if g_w is None or not needs[1] else g_w.float(),
@@ -176,19 +177,21 @@ class _LinearDistill(torch.autograd.Function):
 _N_INPUTS = len(inspect.signature(_LinearDistill.forward).parameters) - 1
 
 
-def make_distill_head(backend: str, tiled_op, method: str, chunk_size: Optional[int], deterministic: bool):
+def make_distill_head(backend: str, tiled_op, method: str, chunk_size: Optional[int], deterministic: bool,
+                      batch_invariant: bool = False):
     """``ChunkedDistill`` / ``TiledDistill`` for ``method`` ("auto" as ``linear_cross_entropy``'s rule,
     ``method.resolve_method``; the automatic chunk size is ``chunk_rule.chunk_rows``'s, on the real token
     count); ``backend`` the backend's name."""
     if resolve_method(method) == "tiled":
-        return TiledDistill(tiled_op, deterministic)
+        return TiledDistill(tiled_op, deterministic, batch_invariant)
     return ChunkedDistill(backend, chunk_size)
 
 
-def _pad_rows(hs, ht, target, ignore_index: int):
-    """``batch_invariant``: the rows padded to a multiple of ``invariant.ROWS`` with zero hidden rows of both
-    models (and ``ignore_index`` targets); the padding rows get a zero upstream factor (``_padded``)."""
-    pad = -hs.shape[0] % invariant.ROWS
+def _pad_rows(hs, ht, target, ignore_index: int, rows: int):
+    """``batch_invariant``: the rows padded to a multiple of ``rows`` (``invariant.ROWS``, or the tiled
+    op's token tile) with zero hidden rows of both models (and ``ignore_index`` targets); the padding rows
+    get a zero upstream factor (``_padded``)."""
+    pad = -hs.shape[0] % rows
     if not torch.compiler.is_compiling() and pad == 0:
         return hs, ht, target
     F = torch.nn.functional   # F.pad, not torch.cat: no traced size test (``invariant.pad_rows``)
@@ -203,7 +206,9 @@ def linear_distillation(backend: str, tiled_op, hs, ws, bs, ht, wt, bt, target, 
                         batch_invariant: bool = False):
     """(N, H) / (N, Ht) hidden states, (V, H) / (V, Ht) heads, (N,) target or None -> the reduced loss;
     ``backend`` the backend's name (its ``distill_rows`` runs each chunk), ``tiled_op`` its ``tiled_distill``.
-    ``batch_invariant``: the kept rows padded to 64-row chunks, the chunked method (``lm_head/invariant.py``)."""
+    ``batch_invariant``: the kept rows padded to 64-row chunks (``lm_head/invariant.py``; "auto" is the
+    chunked method), or with ``method="tiled"`` to whole token tiles (``tiled_op.invariant_rows``) and the
+    gradients without atomics."""
     n = hs.shape[0]
     index = None
     if target is not None:
@@ -212,11 +217,13 @@ def linear_distillation(backend: str, tiled_op, hs, ws, bs, ht, wt, bt, target, 
             ht = ht.index_select(0, index)
     n_real = hs.shape[0]
     if batch_invariant:
-        hs, ht, target = _pad_rows(hs, ht.detach(), target, kw["ignore_index"])
-        method, chunk_size = "chunked", invariant.ROWS
+        tiled = resolve_method(method) == "tiled"
+        rows = tiled_op.invariant_rows(ws.shape[0]) if tiled else invariant.ROWS
+        hs, ht, target = _pad_rows(hs, ht.detach(), target, kw["ignore_index"], rows)
+        method, chunk_size = ("tiled", None) if tiled else ("chunked", invariant.ROWS)
     ht, wt = ht.detach(), wt.detach()
     bt = None if bt is None else bt.detach()
-    head = make_distill_head(backend, tiled_op, method, chunk_size, deterministic)
+    head = make_distill_head(backend, tiled_op, method, chunk_size, deterministic, batch_invariant)
     needs = (hs.requires_grad, ws.requires_grad, bs is not None and bs.requires_grad)
     if torch.is_grad_enabled() and any(needs):
         out = _LinearDistill.apply(hs, ws, bs, ht, wt, bt, target, head, kw, reduction, scale, needs, n_real)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from fusedce.core.options import LossOptions
-from . import loop_ops
+from . import invariant, loop_ops
 from ..backends.protocol import ChunkCE, TiledCE
 from fusedce.core.row_math import grad_lse
 
@@ -28,6 +28,10 @@ class ChunkedHead:
 
     def __init__(self, ce: ChunkCE, chunk_size, logits: str = "float32"):
         self.ce, self.chunk_size, self.logits = ce, chunk_size, logits   # logits: chunked.logits_dtype's choice
+
+    def invariant_rows(self, n_classes: int) -> int:
+        """``batch_invariant``'s row multiple: the fixed chunk (``invariant.ROWS``; ``chunk_size`` is then it)."""
+        return invariant.ROWS
 
     def rows_for(self, hidden, weight) -> int:
         """The rows per chunk for these operands (for loops that run outside ``loop_ops``)."""
@@ -48,12 +52,18 @@ class ChunkedHead:
 class TiledHead:
     grads_in_forward = False
 
-    def __init__(self, tiled: TiledCE, deterministic: bool = False, backend: str = ""):
+    def __init__(self, tiled: TiledCE, deterministic: bool = False, backend: str = "", batch_invariant: bool = False):
         self.tiled, self.deterministic, self.backend = tiled, deterministic, backend   # backend: its NAME
+        self.batch_invariant = batch_invariant   # the backend's fixed tiles (``TiledCE.invariant_rows``)
+
+    def invariant_rows(self, n_classes: int) -> int:
+        """``batch_invariant``'s row multiple: the backend's token tile (``TiledCE.invariant_rows``)."""
+        return self.tiled.invariant_rows(n_classes)
 
     def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
                 entropy: bool = False):
-        rows = self.tiled.forward(hidden, weight, bias, target, w, weight_sum, opts, stats, entropy)
+        rows = self.tiled.forward(hidden, weight, bias, target, w, weight_sum, opts, stats, entropy,
+                                  batch_invariant=self.batch_invariant)
         token_weight = None
         if opts.use_token_scaling:   # p_t = exp((z_t - lse) - lse_lo), as ``row_math.target_probability``
             token_weight = torch.where(opts.kept(target),
@@ -69,5 +79,6 @@ class TiledHead:
             grad_row, z_grad_row = grad_row * token_weight, z_grad_row * token_weight
         g_h, g_w, g_b = self.tiled.backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row,
                                             grad_lse(lse, z_grad_row, opts), opts, needs, accum_dtype,
-                                            grad_entropy, entropy, deterministic=self.deterministic)
+                                            grad_entropy, entropy, deterministic=self.deterministic,
+                                            batch_invariant=self.batch_invariant)
         return None, lse, lse_lo, None, token_weight, g_h, g_w, g_b

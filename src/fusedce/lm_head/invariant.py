@@ -27,9 +27,23 @@ The reduction order of a row is therefore that of those fixed shapes; an inferen
 it by computing the same ``(64, H) x (H, V)`` GEMM (same library, thread count and dtype). The weight
 and bias gradients are sums over rows, so they depend on the batch by definition: exempt. Cost: the
 padded rows of the last chunk (at most 63 rows of work) and 64-row GEMMs (a GPU would prefer larger
-ones); one copy of the kept rows when padding is needed. ``method="tiled"`` (its tiles are shaped by
-the backend's tuning), a ``(..., K)`` target, probability targets and the CuTe backend are refused
-(``check``, ``refuse``, ``check_backend``).
+ones); one copy of the kept rows when padding is needed. A ``(..., K)`` target, probability targets and
+the CuTe backend are refused (``refuse``, ``check_backend``).
+
+``method="tiled"`` needs no chunks: its tiles are fixed per backend and never depend on BT, and each
+row meets the vocabulary tiles in order. What could still vary is the height of the last token tile,
+a row's place in its tile and, on Triton, the order of the hidden gradient's atomic sums. So with the
+flag (passed to the backend: ``TiledCE.forward`` / ``backward``, the tiled distillation op) the kept
+rows are padded to a multiple of the backend's token tile (``TiledCE.invariant_rows``), whose rows are a
+multiple of 64: PyTorch: ``tuning.tile_sizes(V, True)``, 128 x 256 at V = 49152 (191 x 256 without the
+flag; ATen's elementwise loops compute a block's last ``numel % (2 x vector width)`` values (up to 31 with
+AVX-512) with scalar code, whose exp / log round differently from the vector code: measured, a probe in the
+last row of 9-row tiles changed its bits); Triton: 64 (``BLOCK_N``; its kernels mask a partial tile's rows and compute each row's dots
+from its own hidden state, so the padding only fills the last tile and keeps the torch ops around the
+kernels in whole vectors on a CPU). The backward runs without atomics (Triton: the ``deterministic``
+kernels, whose grad_hidden program owns its rows and walks the vocabulary tiles in order; PyTorch: no
+atomics anyway, the vocabulary blocks shared among a number of threads set by the thread count and V
+alone). Cost: docs/contract.md (``batch_invariant``).
 
 The logits ops (``cross_entropy``, ``token_log_probs``) need no padding: the Triton row kernels run one
 program per row with a ``BLOCK_V`` chosen from V alone, and the PyTorch row loops reduce each row whole
@@ -45,15 +59,10 @@ import torch
 ROWS = 64   # rows per chunk: small enough that padding costs little (module docstring, "Cost")
 
 
-def check(batch_invariant, method: str = "chunked") -> bool:
-    """``batch_invariant`` checked: ``TypeError`` unless a bool; ``ValueError`` with ``method="tiled"``
-    (the tiled kernels are not built for it: use ``method="chunked"``; the logits ops, which have no
-    method, take the default). Returns it."""
+def check(batch_invariant) -> bool:
+    """``batch_invariant`` checked: ``TypeError`` unless a bool (every method takes it). Returns it."""
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
-    if batch_invariant and method == "tiled":
-        raise ValueError("batch_invariant=True needs method='chunked' (or 'auto'): the tiled kernels' tiles are "
-                         "not fixed for it")
     return batch_invariant
 
 
@@ -72,14 +81,15 @@ def refuse(batch_invariant: bool, what: str) -> None:
 
 
 def pad_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int,
-             extra: Optional[torch.Tensor] = None):
-    """``(hidden, target, extra)`` padded to a multiple of ``ROWS`` rows: zero hidden rows (differentiable:
+             extra: Optional[torch.Tensor] = None, rows: int = ROWS):
+    """``(hidden, target, extra)`` padded to a multiple of ``rows`` rows (the head's ``invariant_rows``:
+    ``ROWS`` for the chunk loop, the token tile for the tiled method): zero hidden rows (differentiable:
     the gradient of the real rows flows back through the concatenation), ``ignore_index`` targets and
     zero ``extra`` rows (per-row weights, or None). The inputs themselves when no padding is needed (under
     torch.compile the padding is always concatenated, possibly 0 rows: a traced ``pad == 0`` would specialize
     the graph on the token count)."""
     n = hidden.shape[0]
-    pad = -n % ROWS
+    pad = -n % rows
     if not torch.compiler.is_compiling() and pad == 0:
         return hidden, target, extra
     F = torch.nn.functional

@@ -53,15 +53,17 @@ def check_logits_dtype(logits_dtype, method: str = "auto") -> str:
 
 def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, hidden_size: int,
               vocab_size: int, chunk_size: Optional[int], deterministic: bool = False,
-              device_type: str = "cuda", logits: str = "float32"):
+              device_type: str = "cuda", logits: str = "float32", batch_invariant: bool = False):
     """The ``heads.py`` object for ``method`` ("auto" resolved by ``resolve_method``).
     ``deterministic`` selects the tiled backward without float atomics; the chunk loop has none (its
     kernels own their outputs, its matmuls are torch's), so it is deterministic anyway. ``device_type``
-    picks the chunk rule (``chunk_rows``); ``logits`` the logits' dtype (``chunked.logits_dtype``)."""
+    picks the chunk rule (``chunk_rows``); ``logits`` the logits' dtype (``chunked.logits_dtype``).
+    ``batch_invariant``: the tiled backend's fixed tiles and a backward without atomics (``invariant.py``);
+    the caller pads the rows to ``head.invariant_rows(V)`` (and passes ``chunk_size=invariant.ROWS``)."""
     if resolve_method(method) == "tiled":
         if tiled is None:
             raise RuntimeError("this backend has no method='tiled' (no TiledCE); use method='chunked'")
-        return TiledHead(tiled, deterministic, getattr(ce, "NAME", ""))
+        return TiledHead(tiled, deterministic, getattr(ce, "NAME", ""), batch_invariant)
     return ChunkedHead(ce, chunk_size, logits)   # rows decided inside the loop's op (loop_ops.py)
 
 

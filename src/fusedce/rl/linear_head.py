@@ -86,7 +86,7 @@ class _LinearLogProbs(torch.autograd.Function):
             stats = _no_stats(lse)
         elif isinstance(head, TiledHead):
             rows = head.tiled.forward(hidden, weight, bias, target, None, None, opts, False, want_entropy,
-                                      token_stats=True)
+                                      token_stats=True, batch_invariant=head.batch_invariant)
             loss, lse, lse_lo, entropy, stats = rows.loss, rows.lse, rows.lse_lo, rows.entropy, rows.token_stats
         else:
             loss, lse, lse_lo, entropy, stats = loop_ops.loss_with_token_stats(
@@ -126,15 +126,16 @@ def linear_token_log_probs(ce: ChunkCE, hidden, weight, target, bias, opts: Loss
                            batch_invariant: bool = False):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> as ``token_log_probs``
     (the five per-row outputs); ignored rows compacted away; ``deterministic`` as in ``method.make_head``;
-    ``batch_invariant``: the kept rows padded to 64-row chunks (``lm_head/invariant.py``)."""
+    ``batch_invariant``: the kept rows padded to the head's row multiple (``lm_head/invariant.py``)."""
     n = hidden.shape[0]
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
     kept = hidden.shape[0]
-    if batch_invariant:
-        hidden, target, _ = invariant.pad_rows(hidden, target, opts.ignore_index)
-        chunk_size = invariant.ROWS
+    chunk_size = invariant.ROWS if batch_invariant else chunk_size
     head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
-                     deterministic, hidden.device.type, logits)
+                     deterministic, hidden.device.type, logits, batch_invariant)
+    if batch_invariant:
+        hidden, target, _ = invariant.pad_rows(hidden, target, opts.ignore_index, None,
+                                               head.invariant_rows(weight.shape[0]))
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     log_probs, entropy, *stats = _LinearLogProbs.apply(hidden, weight, bias, target, head, opts, want_entropy,
                                                        want_stats, needs)

@@ -125,8 +125,8 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
             the same values; ``"input"``: rounded to ``hidden``'s dtype first, as ``F.linear`` (the stock
             composition's values, for exact parity with it). No effect on fp32 operands.
         batch_invariant: as in :func:`fusedce.linear_cross_entropy` (log-probs, entropy, statistics and
-            ``hidden``'s gradient rows bitwise independent of the rest of the batch; chunked method,
-            one class per token: ``ValueError`` with ``"tiled"`` or a ``(..., K)`` target).
+            ``hidden``'s gradient rows bitwise independent of the rest of the batch; either method, one
+            class per token: ``ValueError`` with a ``(..., K)`` target).
         A ``(..., K)`` target with ``"tiled"`` also computes the K target logits from gathered rows of
             ``weight`` (fp32 products, at most 2^22 elements at a time, or one row's K x H) and rounds
             the hidden gradient a second time in bf16 / fp16 (``rl/multi_head.py``).
@@ -144,7 +144,7 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
                                        return_entropy=return_entropy, return_stats=return_stats,
                                        chunk_size=chunk_size, method=method, deterministic=deterministic)
     check_logits_dtype(logits_dtype, method)
-    invariant.check(batch_invariant, resolve_method(method))
+    invariant.check(batch_invariant)
     impl = backends.get(backend, hidden.device, entropy=True, tiled=resolve_method(method) == "tiled")
     val.check_target_range(call.target, weight.shape[0], call.opts.ignore_index)
     invariant.check_backend(batch_invariant, impl)

@@ -50,6 +50,7 @@ from .slices import slice_stats as _slice_stats
 from .distill_tiled import tiled_distill as _tiled_distill
 from . import soft_tiled as _soft_tiled
 from .tiled import TorchTiledCE
+from .tiled import invariant_rows as tiled_invariant_rows
 from .token_stats import chunk_token_stats
 
 Opt = Optional[torch.Tensor]
@@ -188,10 +189,12 @@ def rows_token_stats(logits, target, lse, lse_lo, opts: LossOptions):
 
 @opaque_op("fusedce_torch::tiled_forward", mutates_args=())
 def _tiled_forward(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, weight_sum: Opt,
-                   ignore_index: int, scalars: list[float], stats: bool, entropy: bool, token_stats: bool
+                   ignore_index: int, scalars: list[float], stats: bool, entropy: bool, token_stats: bool,
+                   batch_invariant: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     rows = TorchTiledCE.forward(hidden, weight, bias, target, w, weight_sum,
-                                LossOptions.from_op_args(ignore_index, scalars), stats, entropy, token_stats)
+                                LossOptions.from_op_args(ignore_index, scalars), stats, entropy, token_stats,
+                                batch_invariant)
     extra = rows.token_stats if token_stats else (hidden.new_empty(0, dtype=torch.float32),
                                                    hidden.new_empty(0, dtype=torch.float32),
                                                    hidden.new_empty(0, dtype=torch.bool))
@@ -199,7 +202,8 @@ def _tiled_forward(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w:
 
 
 @_tiled_forward.register_fake
-def _(hidden, weight, bias, target, w, weight_sum, ignore_index, scalars, stats, entropy, token_stats):
+def _(hidden, weight, bias, target, w, weight_sum, ignore_index, scalars, stats, entropy, token_stats,
+      batch_invariant):
     n = hidden.shape[0]
     k = n if token_stats else 0
     return (*(_f32(hidden, n) for _ in range(3)), _i64(hidden, n), _f32(hidden, n), _f32(hidden, n if entropy else 0),
@@ -210,16 +214,17 @@ def _(hidden, weight, bias, target, w, weight_sum, ignore_index, scalars, stats,
 def _tiled_backward(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, weight_sum: Opt, lse: Tensor,
                     lse_lo: Tensor, grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
                     needs_hidden: bool, needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype,
-                    grad_entropy: Opt, entropy: Opt) -> tuple[Tensor, Tensor, Tensor]:
+                    grad_entropy: Opt, entropy: Opt, batch_invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
     grads = TorchTiledCE.backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,
                                   LossOptions.from_op_args(ignore_index, scalars),
-                                  (needs_hidden, needs_weight, needs_bias), accum_dtype, grad_entropy, entropy)
+                                  (needs_hidden, needs_weight, needs_bias), accum_dtype, grad_entropy, entropy,
+                                  batch_invariant=batch_invariant)
     return tuple(_or_empty(g, hidden, dtype) for g, dtype in zip(grads, (hidden.dtype, accum_dtype, accum_dtype)))
 
 
 @_tiled_backward.register_fake
 def _(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, ignore_index, scalars,
-      needs_hidden, needs_weight, needs_bias, accum_dtype, grad_entropy, entropy):
+      needs_hidden, needs_weight, needs_bias, accum_dtype, grad_entropy, entropy, batch_invariant):
     return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
             weight.new_empty(weight.shape if needs_weight else (0,), dtype=accum_dtype),
             weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=accum_dtype))
@@ -228,20 +233,23 @@ def _(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_l
 class TorchTiledOps:
     """``TiledCE`` (``backends/protocol.py``) through the two ops above."""
 
+    invariant_rows = staticmethod(tiled_invariant_rows)
+
     @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
-                entropy: bool = False, token_stats: bool = False) -> TiledRows:
+                entropy: bool = False, token_stats: bool = False, batch_invariant: bool = False) -> TiledRows:
         *rows, ent, lssp, mean, top1 = _tiled_forward(
-            hidden, weight, bias, target, w, weight_sum, *opts.op_args(), stats, entropy, token_stats)
+            hidden, weight, bias, target, w, weight_sum, *opts.op_args(), stats, entropy, token_stats,
+            batch_invariant)
         return TiledRows(*rows, _none_if_empty(ent, entropy), (lssp, mean, top1) if token_stats else None)
 
     @staticmethod
     def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
-                 needs, accum_dtype, grad_entropy=None, entropy=None, deterministic=False):
+                 needs, accum_dtype, grad_entropy=None, entropy=None, deterministic=False, batch_invariant=False):
         # deterministic: nothing to select, the loop has no atomics (``TorchTiledCE.backward``)
         grads = _tiled_backward(
             hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, *opts.op_args(),
-            *needs, accum_dtype, grad_entropy, None if grad_entropy is None else entropy)
+            *needs, accum_dtype, grad_entropy, None if grad_entropy is None else entropy, batch_invariant)
         return tuple(_none_if_empty(g, need) for g, need in zip(grads, needs))
 
 
@@ -306,18 +314,19 @@ def _empty_f32(like: Tensor) -> Tensor:
 def _tiled_distill_op(hs: Tensor, ws: Tensor, bs: Opt, ht: Tensor, wt: Tensor, bt: Opt, target: Opt,
                       grad_factor: Opt, beta: float, temperature: float, hard_label_weight: float, ignore_index: int,
                       student_softcap: Optional[float], teacher_softcap: Optional[float],
-                      deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      deterministic: bool, batch_invariant: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     loss, g_h, g_w, g_b = _tiled_distill(hs, ws, bs, ht, wt, bt, target, grad_factor, beta=beta,
                                          temperature=temperature, hard_label_weight=hard_label_weight,
                                          ignore_index=ignore_index, student_softcap=student_softcap,
-                                         teacher_softcap=teacher_softcap, deterministic=deterministic)
+                                         teacher_softcap=teacher_softcap, deterministic=deterministic,
+                                         batch_invariant=batch_invariant)
     return (loss, _empty_f32(hs) if g_h is None else g_h, _empty_f32(hs) if g_w is None else g_w,
             _empty_f32(hs) if g_b is None else g_b)
 
 
 @_tiled_distill_op.register_fake
 def _(hs, ws, bs, ht, wt, bt, target, grad_factor, beta, temperature, hard_label_weight, ignore_index,
-      student_softcap, teacher_softcap, deterministic):
+      student_softcap, teacher_softcap, deterministic, batch_invariant):
     n = hs.shape[0]
     loss = hs.new_empty(n, dtype=torch.float32)
     if grad_factor is None:
@@ -329,17 +338,20 @@ def _(hs, ws, bs, ht, wt, bt, target, grad_factor, beta, temperature, hard_label
 def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
                   target, grad_factor, *, beta: float, temperature: float, hard_label_weight: float,
                   ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float],
-                  deterministic: bool = False):
+                  deterministic: bool = False, batch_invariant: bool = False):
     """``distill_tiled.tiled_distill`` (same arguments and results) through the custom op."""
     loss, g_h, g_w, g_b = _tiled_distill_op(student_hidden, student_weight, student_bias, teacher_hidden,
                                             teacher_weight, teacher_bias, target, grad_factor, float(beta),
                                             float(temperature), float(hard_label_weight), int(ignore_index),
                                             None if student_softcap is None else float(student_softcap),
                                             None if teacher_softcap is None else float(teacher_softcap),
-                                            bool(deterministic))
+                                            bool(deterministic), bool(batch_invariant))
     if grad_factor is None:
         return loss, None, None, None
     return loss, g_h, g_w, (None if student_bias is None else g_b)
+
+
+tiled_distill.invariant_rows = tiled_invariant_rows   # its token blocks are ``tiled.py``'s (``tuning.tile_sizes``)
 
 
 # ---------------------------------------------------------------- probability targets, method="tiled"

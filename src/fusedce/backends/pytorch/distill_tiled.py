@@ -61,7 +61,7 @@ def _block_logits_pair(hs, ws, bs, ht, wt, bt, r, cols, s_cap, t_cap, inv_t, tem
 def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
                   target, grad_factor, *, beta: float, temperature: float, hard_label_weight: float,
                   ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float],
-                  deterministic: bool = False):
+                  deterministic: bool = False, batch_invariant: bool = False):
     """Per-row distillation loss of both heads' logits and, with ``grad_factor``, the student's gradients.
 
     Args:
@@ -81,7 +81,7 @@ def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, 
     dev = hs.device
     hard = hard_label_weight != 0.0 and target is not None
     inv_t = 1.0 / temperature
-    tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
+    tile_rows, tile_vocab = tuning.tile_sizes(n_classes, batch_invariant)   # batch_invariant: tiled.invariant_rows
     loss = torch.zeros(n, device=dev)
     lse_s, lse_t, lse_1 = torch.zeros_like(loss), torch.zeros_like(loss), torch.zeros_like(loss)
     row_sum = torch.zeros_like(loss) if beta != 0.0 else None

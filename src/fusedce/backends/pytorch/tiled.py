@@ -111,13 +111,23 @@ def _target_columns(target: torch.Tensor, valid: torch.Tensor, start: int, width
     return owned, torch.where(owned, target - start, 0).long()
 
 
+def invariant_rows(n_classes: int) -> int:
+    """``TiledCE.invariant_rows``: the rows of ``batch_invariant``'s token blocks (``tuning.tile_sizes(V,
+    True)``: from V alone, a multiple of 64). A row's results depend on the shapes of its block's ops (a GEMM's
+    blocking sets each dot product's order; the row reductions run on ``(rows, vocab)`` blocks), not on its
+    position in the block (whole vectors, ``tuning.INVARIANT_ROWS``) or the other rows: with every block full
+    they are the same whatever the batch. The backward's grad_h adds the vocabulary blocks of each thread's
+    share in order, then the shares in order: set by V and the thread count, not by BT."""
+    return tuning.tile_sizes(n_classes, True)[0]
+
+
 class TorchTiledCE:
     """``TiledCE`` (``backends/protocol.py``) in plain PyTorch (called through the custom ops
     of ``custom_ops.py``: ``TORCH_TILED``)."""
 
     @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
-                entropy: bool = False, token_stats: bool = False) -> TiledRows:
+                entropy: bool = False, token_stats: bool = False, batch_invariant: bool = False) -> TiledRows:
         n, n_classes = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         loss = torch.zeros(n, device=dev)
@@ -128,7 +138,7 @@ class TorchTiledCE:
             tstats = (torch.zeros_like(loss), torch.zeros_like(loss), torch.zeros(n, dtype=torch.bool, device=dev))
         valid_all = opts.kept(target)
         smoothing = opts.label_smoothing > 0.0
-        tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
+        tile_rows, tile_vocab = tuning.tile_sizes(n_classes, batch_invariant)
 
         def row_blocks(k, workers):   # share k: row blocks k, k + workers, ... (disjoint outputs)
             mine = [slice(r0, r0 + tile_rows) for r0 in range(k * tile_rows, n, workers * tile_rows)]
@@ -174,7 +184,7 @@ class TorchTiledCE:
 
     @staticmethod
     def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
-                 needs, accum_dtype, grad_entropy=None, entropy=None, deterministic=False):
+                 needs, accum_dtype, grad_entropy=None, entropy=None, deterministic=False, batch_invariant=False):
         # deterministic: nothing to select, this loop has no atomics (a fixed order of torch ops)
         n, n_classes = hidden.shape[0], weight.shape[0]
         dev = hidden.device
@@ -187,7 +197,7 @@ class TorchTiledCE:
         valid_all = opts.kept(target)
         safe_all = torch.where(valid_all & (target >= 0) & (target < n_classes), target, 0).long()
         w_t_all = None if w is None else w[safe_all]
-        tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
+        tile_rows, tile_vocab = tuning.tile_sizes(n_classes, batch_invariant)
 
         def vocab_blocks(k, workers):   # share k: vocabulary blocks k, k + workers, ... of every row block
             acc_h = grad_h if k == 0 or grad_h is None else torch.zeros_like(grad_h)

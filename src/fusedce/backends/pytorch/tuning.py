@@ -47,8 +47,22 @@ TILE_ROWS = 512
 TILE_VOCAB = 256
 
 
-def tile_sizes(n_classes: int) -> tuple:
+# ``batch_invariant=True`` (``lm_head/invariant.py``): block rows a multiple of INVARIANT_ROWS. A row's results
+# must not depend on where it sits in its block, and ATen's elementwise loops over a contiguous block (exp,
+# log, ...) compute the first multiple of 2 x the vector width (32 floats with AVX-512) with vector code and
+# the rest with scalar code, whose transcendental functions round differently: measured, a probe row in the
+# last row of 9-row blocks (V = 301) changed its bits, in any row of 64-row blocks it did not. With rows a
+# multiple of 64 every (rows,) and (rows, vocab) tensor of a block is whole vectors. 128 x 256 at V = 49152.
+INVARIANT_ROWS = 64
+
+
+def tile_sizes(n_classes: int, batch_invariant: bool = False) -> tuple:
     """``(rows, vocab)`` of the tiled method's blocks for a vocabulary of ``n_classes`` (>= 1): ``vocab <
-    n_classes`` and ``rows * vocab < n_classes`` whenever ``n_classes >= 2``."""
+    n_classes`` and ``rows * vocab < n_classes`` whenever ``n_classes >= 2``; with ``batch_invariant``
+    rows a multiple of ``INVARIANT_ROWS`` (then ``rows * vocab < n_classes`` needs ``n_classes > 64``)."""
     vocab = max(1, min(TILE_VOCAB, n_classes // 2))
-    return max(1, min(TILE_ROWS, (n_classes - 1) // vocab)), vocab
+    rows = max(1, min(TILE_ROWS, (n_classes - 1) // vocab))
+    if batch_invariant:
+        rows = INVARIANT_ROWS * max(1, rows // INVARIANT_ROWS)
+        vocab = max(1, min(vocab, (n_classes - 1) // rows))
+    return rows, vocab

@@ -68,7 +68,7 @@ def tiled_distill(student_hidden: torch.Tensor, student_weight: torch.Tensor, st
                   teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: Opt,
                   target: Opt, grad_factor: Opt, *, beta: float, temperature: float, hard_label_weight: float,
                   ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float],
-                  deterministic: bool) -> Tuple[torch.Tensor, Opt, Opt, Opt]:
+                  deterministic: bool, batch_invariant: bool = False) -> Tuple[torch.Tensor, Opt, Opt, Opt]:
     """Per-row distillation loss of two linear heads and the student head's gradients, with no logits of
     either model in memory (tiles of both heads' logits formed on chip: ``kernels/distill_tiled_*.py``).
 
@@ -80,6 +80,7 @@ def tiled_distill(student_hidden: torch.Tensor, student_weight: torch.Tensor, st
             teacher_softcap: as ``distill_rows``.
         deterministic: the gradient pass without atomics (bitwise identical run to run; one more
             recompute of both heads' logits).
+        batch_invariant: ``deterministic`` (the tiles are fixed anyway; ``invariant_rows`` below).
     Returns:
         ``(loss_rows (N,) fp32, grad_hidden, grad_weight, grad_bias)``, the gradients already multiplied
         by ``grad_factor`` per row: grad_hidden (N, H) in student_hidden's dtype, grad_weight (V, H) and
@@ -107,7 +108,12 @@ def tiled_distill(student_hidden: torch.Tensor, student_weight: torch.Tensor, st
     loss, gh, gw, gb = torch.ops.fusedce.tiled_distill(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target,
         grad_factor, float(beta), float(temperature), float(hard_label_weight), int(ignore_index),
-        student_softcap, teacher_softcap, bool(deterministic))
+        student_softcap, teacher_softcap, bool(deterministic or batch_invariant))
     if grad_factor is None:
         return loss, None, None, None
     return loss, gh, gw, (gb if student_bias is not None else None)
+
+
+# ``Backend.tiled_distill.invariant_rows``: 64, as ``TritonTiledCE.invariant_rows`` (tiles fixed per kernel and
+# dtype, ``tuning.distill_tiled_config``; a partial token tile's rows masked; with ``deterministic`` no atomics)
+tiled_distill.invariant_rows = lambda n_classes: 64

@@ -59,8 +59,18 @@ class TritonTiledCE:
     in tests). ``hidden`` (n, H), ``weight`` (V, H), ``bias`` (V,) or None: one float dtype."""
 
     @staticmethod
+    def invariant_rows(n_classes: int) -> int:
+        """64: the tiles (``tuning.tiled_config``) never depend on n, a partial token tile's missing rows are
+        masked zeros that enter no other row's dot (no split over H or V), and every row meets the vocabulary
+        tiles in order; with ``deterministic`` the hidden gradient too (its own program, no atomics). Padding
+        to 64 rows (``BLOCK_N``: the last tile's masked rows, no more work) keeps the (n,) torch ops around
+        the kernels in whole vectors on a CPU (the interpreter; ``pytorch/tuning.INVARIANT_ROWS``)."""
+        return 64
+
+    @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
-                entropy: bool = False, token_stats: bool = False) -> TiledRows:
+                entropy: bool = False, token_stats: bool = False, batch_invariant: bool = False) -> TiledRows:
+        # batch_invariant: nothing to select, the tiles are fixed (``invariant_rows``)
         if token_stats:   # the RL ops: no class weights, no argmax of the raw logits
             if w is not None or stats:
                 raise AssertionError("token_stats goes with the RL ops' options only")
@@ -77,8 +87,9 @@ class TritonTiledCE:
     @staticmethod
     def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
                  opts: LossOptions, needs: Tuple[bool, bool, bool], accum_dtype: torch.dtype,
-                 grad_entropy: Opt = None, entropy: Opt = None, deterministic: bool = False
-                 ) -> Tuple[Opt, Opt, Opt]:
+                 grad_entropy: Opt = None, entropy: Opt = None, deterministic: bool = False,
+                 batch_invariant: bool = False) -> Tuple[Opt, Opt, Opt]:
+        deterministic = deterministic or batch_invariant   # the hidden gradient without atomics
         needs_b = bool(needs[2]) and bias is not None
         gh, gw, gb = torch.ops.fusedce.tiled_backward(
             hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse,

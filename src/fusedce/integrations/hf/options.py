@@ -8,7 +8,7 @@ from torch import nn
 from fusedce.backends import BACKENDS
 from fusedce.ce.functional import linear_cross_entropy
 from fusedce.lm_head import invariant
-from fusedce.lm_head.method import check_logits_dtype, check_method, resolve_method
+from fusedce.lm_head.method import check_logits_dtype, check_method
 from fusedce.core.options import LOSS_OPTION_NAMES, check_chunk_size, deterministic_mode, loss_options
 from fusedce.integrations.hf.head import LogitTransform
 
@@ -44,7 +44,7 @@ def validate_options(model: nn.Module, options: dict, transform: LogitTransform)
     check_method(options.get("method", "auto"), options.get("chunk_size"))
     deterministic_mode(options.get("deterministic"))
     check_logits_dtype(options.get("logits_dtype", "float32"), options.get("method", "auto"))
-    invariant.check(options.get("batch_invariant", False), resolve_method(options.get("method", "auto")))
+    invariant.check(options.get("batch_invariant", False))
     backend = options.get("backend")  # the name only: the device is known at the first call
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid names are {BACKENDS}")
