@@ -33,6 +33,7 @@ import torch
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform, two_sum
 from . import block_threads, tuning
+from .block_accum import VocabBlockGrads
 from .tiled import _vocab_block
 
 _NEG_INF = float("-inf")
@@ -120,6 +121,7 @@ def soft_tiled_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q
         for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):   # vocabulary outer (``tiled.py``)
             cols = slice(v0, v0 + tile_vocab)
             w32, b32 = _vocab_block(weight, bias, cols)
+            block = VocabBlockGrads(grad_w, grad_b, cols)   # rounded to accum_dtype once (block_accum.py)
             for r0 in range(0, n, tile_rows):
                 r = slice(r0, r0 + tile_rows)
                 h, q_r = hidden[r], q[r]
@@ -131,10 +133,8 @@ def soft_tiled_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q
                 dz = mul_slope_(p.mul_(factor_all[r, None]).sub_(u.mul_(g_all[r, None])), z, opts)
                 if acc_h is not None:
                     acc_h[r].addmm_(dz, w32)
-                if grad_w is not None:
-                    grad_w[cols].addmm_(dz.t().to(accum_dtype), h32.to(accum_dtype))
-                if grad_b is not None:
-                    grad_b[cols] += dz.sum(dim=0, dtype=accum_dtype)
+                block.add(dz, h32)
+            block.store()
         return acc_h
 
     partial_h = block_threads.run(vocab_blocks, -(-n_classes // tile_vocab), dev)
