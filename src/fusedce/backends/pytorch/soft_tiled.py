@@ -16,12 +16,13 @@ Forward, per token block r, vocabulary block j (columns ``cols``):
     no cancellation; a column with u_c = 0 adds exactly 0, also at a -inf logit).
 Backward (from the saved lse pair and A; each block recomputed):
     dz = (g A + h) p - g u,  p = exp((z - lse) - lse_lo), then ``row_math.mul_slope_``, kept in fp32 (as
-    the chunked method on CPU); grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r, grad_b_j += sum_rows dz.
+    the chunked method on CPU); grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r, grad_b_j += sum_rows dz
+    (summed in fp32 per vocabulary block and rounded to ``accum_dtype`` once: ``block_accum.py``).
 Both passes loop vocabulary block outer (``tiled.py``'s order: each weight block upcast once per share,
 the same bits). FLOPs: 2 BT V H forward, 6 BT V H backward. Memory beyond the inputs and the returned
 gradients: a few fp32 blocks (logits, target, exp, gradient) of fewer than V values each per thread, O(BT) row
 statistics, and per extra thread of the backward one fp32 ``BT x H`` accumulator of grad_h (plus one
-for non-fp32 hidden). Threads: ``block_threads.py`` (the forward shares out row blocks, the backward
+for non-fp32 hidden); with a 16-bit ``accum_dtype`` one fp32 ``vocab x H`` block of grad_W per thread. Threads: ``block_threads.py`` (the forward shares out row blocks, the backward
 vocabulary blocks), as ``tiled.py``.
 """
 from __future__ import annotations
