@@ -276,6 +276,8 @@ def check_topk_ranges(classes: torch.Tensor, target, call: TopkCall, folded: boo
     (skipped under torch.compile / CUDA-graph capture: a NaN loss instead): a target not folded into
     ``classes`` is checked as their last column. A bad target is named first (error path only: one more
     read), then the first bad teacher id."""
+    if classes.numel() == 0 or not val.sync_allowed(classes, target):
+        return
     if target is not None and not folded:
         classes, folded = torch.cat([classes, target.long()[..., None]], dim=-1), True
     try:
