@@ -22,8 +22,9 @@ Both passes loop vocabulary block outer (``tiled.py``'s order: each weight block
 the same bits). FLOPs: 2 BT V H forward, 6 BT V H backward. Memory beyond the inputs and the returned
 gradients: a few fp32 blocks (logits, target, exp, gradient) of fewer than V values each per thread, O(BT) row
 statistics, and per extra thread of the backward one fp32 ``BT x H`` accumulator of grad_h (plus one
-for non-fp32 hidden); with a 16-bit ``accum_dtype`` one fp32 ``vocab x H`` block of grad_W per thread. Threads: ``block_threads.py`` (the forward shares out row blocks, the backward
-vocabulary blocks), as ``tiled.py``.
+for non-fp32 hidden); with a 16-bit ``accum_dtype`` one fp32 ``vocab x H`` block of grad_W per thread.
+Threads: ``block_threads.py`` (the forward shares out row blocks, the backward vocabulary blocks), as
+``tiled.py``.
 """
 from __future__ import annotations
 
