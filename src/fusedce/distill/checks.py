@@ -272,14 +272,19 @@ def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: i
 
 
 def check_topk_ranges(classes: torch.Tensor, target, call: TopkCall, folded: bool) -> None:
-    """``IndexError`` for a hard label (``target``) or a kept teacher id outside [0, V): the target first
-    when it is not folded into ``classes`` as their last column, then ``classes`` in one host sync (both
-    skipped under torch.compile / CUDA-graph capture: a NaN loss instead)."""
+    """``IndexError`` for a hard label (``target``) or a kept teacher id outside [0, V), in one host sync
+    (skipped under torch.compile / CUDA-graph capture: a NaN loss instead): a target not folded into
+    ``classes`` is checked as their last column. A bad target is named first (error path only: one more
+    read), then the first bad teacher id."""
+    if classes.numel() == 0 or not val.sync_allowed(classes, target):
+        return
     if target is not None and not folded:
-        val.check_target_range(target, call.n_classes, call.ignore_index)
+        classes, folded = torch.cat([classes, target.long()[..., None]], dim=-1), True
     try:
         val.check_target_range(classes, call.n_classes, call.ignore_index)
     except val.TargetOutOfRange as error:
+        if target is not None:
+            val.check_target_range(target, call.n_classes, call.ignore_index)   # the target's own error first
         position, teacher_k = error.position, classes.shape[-1] - (1 if folded else 0)
         if not position or position[-1] >= teacher_k:   # the folded hard label
             raise val.TargetOutOfRange(

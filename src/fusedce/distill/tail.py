@@ -25,9 +25,11 @@ dx W_v``), ``grad_weight[v]`` (``+= dx^T h``) and ``grad_bias[v]``, accumulated 
 to their dtypes (autograd then adds them to the K-class op's gradients: in a 16-bit dtype one more
 rounding).
 
-Written in PyTorch ops, the same on every backend (on CUDA: cuBLAS and elementwise kernels, no Triton
-kernel of its own). Cost: one more read of the logits (logits form), or one more head matmul in the
-forward and three in the backward (LM head). Blocks: whole rows for the logits form and the LM head's
+Each block loop is a custom op (``fusedce_distill::tail_{logits,head}_{forward,backward}``: a tracer such as
+``torch.compile(fullgraph=True)`` sees one node whatever the token count; plain eager calls run the bodies
+directly, ``core/opaque.py``). Written in PyTorch ops, the same on every backend (on CUDA: cuBLAS and
+elementwise kernels, no Triton kernel of its own). Cost: one more read of the logits (logits form), or
+one more head matmul in the forward and three in the backward (LM head). Blocks: whole rows for the logits form and the LM head's
 chunked method (``_WIDE_ELEMENTS`` logits a block; the head's backward cuts them in one vocabulary block
 per thread); for the tiled method the PyTorch tiled method's sizes (``backends/pytorch/tuning.
 tile_sizes``: ``rows x vocab < V``), so that it allocates no tensor with V or more elements besides the
@@ -40,16 +42,20 @@ No GPU timing exists (no Triton kernel of its own: the K-class op's kernels plus
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fusedce.backends.pytorch import block_threads
 from fusedce.backends.pytorch import tuning as torch_tuning
 from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
+from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform
 
 
+Tensor = torch.Tensor
 _WIDE_ELEMENTS = 1 << 21   # logits per block of whole rows (``wide``): 8 MiB of fp32 per temporary
 
 
@@ -133,13 +139,127 @@ def _block_grad(block_logits, ids, r, v, g, lse, lse_t, opts: LossOptions):
     return torch.where(gr != 0, mul_slope_(gr * inner, q, opts), 0.0)
 
 
+def _logits_grad(logits, ids, m, s, mt, st, g, opts: LossOptions):
+    """dL/dlogits (logits' shape and dtype) of ``sum_r g[r] log s_tail[r]``."""
+    lse, lse_t = _lses(m, s, mt, st)
+    g = g.float()
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    block = _logit_blocks(logits)
+    vocab_blocks, row_blocks = _blocks(logits.shape[0], logits.shape[1], True)
+
+    def share(k, workers):   # row blocks k, k + workers, ...: disjoint rows of grad
+        for r in row_blocks[k::workers]:
+            for v in vocab_blocks:
+                grad[r, v] = _block_grad(block, ids, r, v, g, lse, lse_t, opts).to(grad.dtype)
+
+    block_threads.run(share, len(row_blocks), logits.device)
+    return grad
+
+
+def _head_grads(hidden, weight, bias, ids, m, s, mt, st, g, opts: LossOptions, wide: bool, needs):
+    """``(grad_hidden, grad_weight, grad_bias)`` fp32 (None where ``needs`` says no) of ``sum_r g[r] log
+    s_tail[r]`` for the LM head."""
+    lse, lse_t = _lses(m, s, mt, st)
+    g = g.float()
+    need_h, need_w, need_b = needs
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    g_h = torch.zeros(hidden.shape, **f32) if need_h else None
+    g_w = torch.zeros(weight.shape, **f32) if need_w else None
+    g_b = torch.zeros(weight.shape[0], **f32) if need_b else None
+    block = _head_blocks(hidden, weight, bias)
+    # the shares take vocabulary blocks (disjoint rows of grad_weight): whole rows cut in one per thread
+    vocab_blocks, row_blocks = _blocks(hidden.shape[0], weight.shape[0], wide, _threads(hidden.device))
+
+    def share(k, workers):   # vocabulary blocks k, k + workers, ...: disjoint rows of grad_weight
+        acc_h = g_h if k == 0 or g_h is None else torch.zeros_like(g_h)
+        for v in vocab_blocks[k::workers]:
+            w32 = weight[v].float()
+            for r in row_blocks:
+                dx = _block_grad(block, ids, r, v, g, lse, lse_t, opts)
+                if acc_h is not None:
+                    acc_h[r] += dx @ w32
+                if need_w:
+                    g_w[v] += dx.t() @ hidden[r].float()
+                if need_b:
+                    g_b[v] += dx.sum(0)
+        return acc_h
+
+    parts = block_threads.run(share, len(vocab_blocks), hidden.device)
+    for part in parts[1:]:   # the other shares' grad_hidden, added in a fixed order (deterministic)
+        if part is not None:
+            g_h += part
+    return g_h, g_w, g_b
+
+
+# ---------------------------------------------------------------- the loops as ops (torch.compile)
+# Each block loop is one custom op (``core/opaque.py``; plain eager calls run the body directly), as the
+# other loops (``lm_head/loop_ops.py``'s reason): traced, the loop's ``block_threads`` hit
+# ``torch.is_inference_mode_enabled`` (Dynamo refused the graph), and a loop over the token count would
+# specialize the graph on it. The fakes give the shapes from the inputs' (symbolic) ones.
+
+def _stats_fake(x):
+    return tuple(x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(4))
+
+
+@opaque_op("fusedce_distill::tail_logits_forward", mutates_args=(), observable=True)
+def _logits_forward_op(logits: Tensor, ids: Tensor, ignore_index: int, scalars: list[float]
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _forward(_logit_blocks(logits), ids, logits.shape[0], logits.shape[1],
+                    LossOptions.from_op_args(ignore_index, scalars), logits.device, True)
+
+
+@_logits_forward_op.register_fake
+def _(logits, ids, ignore_index, scalars):
+    return _stats_fake(logits)
+
+
+@opaque_op("fusedce_distill::tail_logits_backward", mutates_args=(), observable=True)
+def _logits_backward_op(logits: Tensor, ids: Tensor, m: Tensor, s: Tensor, mt: Tensor, st: Tensor, g: Tensor,
+                        ignore_index: int, scalars: list[float]) -> Tensor:
+    return _logits_grad(logits, ids, m, s, mt, st, g, LossOptions.from_op_args(ignore_index, scalars))
+
+
+@_logits_backward_op.register_fake
+def _(logits, ids, m, s, mt, st, g, ignore_index, scalars):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@opaque_op("fusedce_distill::tail_head_forward", mutates_args=(), observable=True)
+def _head_forward_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, ignore_index: int,
+                     scalars: list[float], wide: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _forward(_head_blocks(hidden, weight, bias), ids, hidden.shape[0], weight.shape[0],
+                    LossOptions.from_op_args(ignore_index, scalars), hidden.device, wide)
+
+
+@_head_forward_op.register_fake
+def _(hidden, weight, bias, ids, ignore_index, scalars, wide):
+    return _stats_fake(hidden)
+
+
+@opaque_op("fusedce_distill::tail_head_backward", mutates_args=(), observable=True)
+def _head_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, m: Tensor, s: Tensor,
+                      mt: Tensor, st: Tensor, g: Tensor, ignore_index: int, scalars: list[float], wide: bool,
+                      needs_hidden: bool, needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    grads = _head_grads(hidden, weight, bias, ids, m, s, mt, st, g, LossOptions.from_op_args(ignore_index, scalars),
+                        wide, (needs_hidden, needs_weight, needs_bias))
+    return tuple(hidden.new_empty(0, dtype=torch.float32) if t is None else t for t in grads)
+
+
+@_head_backward_op.register_fake
+def _(hidden, weight, bias, ids, m, s, mt, st, g, ignore_index, scalars, wide, needs_hidden, needs_weight,
+      needs_bias):
+    f32 = torch.float32
+    return (hidden.new_empty(hidden.shape if needs_hidden else (0,), dtype=f32),
+            hidden.new_empty(weight.shape if needs_weight else (0,), dtype=f32),
+            hidden.new_empty(weight.shape[0] if needs_bias else 0, dtype=f32))
+
+
 class _TailLogits(torch.autograd.Function):
     """``log s_tail`` (n,) fp32 of ``logits`` (n, V), ``ids`` (n, K) the excluded classes (-1: none)."""
 
     @staticmethod
     def forward(ctx, logits, ids, opts: LossOptions):
-        m, s, mt, st = _forward(_logit_blocks(logits), ids, logits.shape[0], logits.shape[1], opts, logits.device,
-                                True)
+        m, s, mt, st = _logits_forward_op(logits, ids, *opts.op_args())
         ctx.save_for_backward(logits, ids, m, s, mt, st)
         ctx.opts = opts
         return _log_tail(m, s, mt, st)
@@ -149,19 +269,7 @@ class _TailLogits(torch.autograd.Function):
     def backward(ctx, g):
         check_backward_allowed(ctx, "fusedce.topk_distillation_loss(tail=True)")
         logits, ids, m, s, mt, st = ctx.saved_tensors
-        lse, lse_t = _lses(m, s, mt, st)
-        g = g.float()
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        block = _logit_blocks(logits)
-        vocab_blocks, row_blocks = _blocks(logits.shape[0], logits.shape[1], True)
-
-        def share(k, workers):   # row blocks k, k + workers, ...: disjoint rows of grad
-            for r in row_blocks[k::workers]:
-                for v in vocab_blocks:
-                    grad[r, v] = _block_grad(block, ids, r, v, g, lse, lse_t, ctx.opts).to(grad.dtype)
-
-        block_threads.run(share, len(row_blocks), logits.device)
-        return grad, None, None
+        return _logits_backward_op(logits, ids, m, s, mt, st, g.contiguous(), *ctx.opts.op_args()), None, None
 
 
 class _TailLinear(torch.autograd.Function):
@@ -170,8 +278,7 @@ class _TailLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, opts: LossOptions, wide: bool):
-        block = _head_blocks(hidden, weight, bias)
-        m, s, mt, st = _forward(block, ids, hidden.shape[0], weight.shape[0], opts, hidden.device, wide)
+        m, s, mt, st = _head_forward_op(hidden, weight, bias, ids, *opts.op_args(), wide)
         ctx.save_for_backward(hidden, weight, bias, ids, m, s, mt, st)
         ctx.opts, ctx.wide = opts, wide
         return _log_tail(m, s, mt, st)
@@ -181,37 +288,11 @@ class _TailLinear(torch.autograd.Function):
     def backward(ctx, g):
         check_backward_allowed(ctx, "fusedce.linear_topk_distillation_loss(tail=True)")
         hidden, weight, bias, ids, m, s, mt, st = ctx.saved_tensors
-        lse, lse_t = _lses(m, s, mt, st)
-        g = g.float()
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        f32 = dict(dtype=torch.float32, device=hidden.device)
-        g_h = torch.zeros(hidden.shape, **f32) if need_h else None
-        g_w = torch.zeros(weight.shape, **f32) if need_w else None
-        g_b = torch.zeros(weight.shape[0], **f32) if need_b else None
-        block = _head_blocks(hidden, weight, bias)
-        # the shares take vocabulary blocks (disjoint rows of grad_weight): whole rows cut in one per thread
-        vocab_blocks, row_blocks = _blocks(hidden.shape[0], weight.shape[0], ctx.wide, _threads(hidden.device))
-
-        def share(k, workers):   # vocabulary blocks k, k + workers, ...: disjoint rows of grad_weight
-            acc_h = g_h if k == 0 or g_h is None else torch.zeros_like(g_h)
-            for v in vocab_blocks[k::workers]:
-                w32 = weight[v].float()
-                for r in row_blocks:
-                    dx = _block_grad(block, ids, r, v, g, lse, lse_t, ctx.opts)
-                    if acc_h is not None:
-                        acc_h[r] += dx @ w32
-                    if need_w:
-                        g_w[v] += dx.t() @ hidden[r].float()
-                    if need_b:
-                        g_b[v] += dx.sum(0)
-            return acc_h
-
-        parts = block_threads.run(share, len(vocab_blocks), hidden.device)
-        for part in parts[1:]:   # the other shares' grad_hidden, added in a fixed order (deterministic)
-            if part is not None:
-                g_h += part
-        return (None if g_h is None else g_h.to(hidden.dtype), None if g_w is None else g_w.to(weight.dtype),
-                None if g_b is None else g_b.to(bias.dtype), None, None, None)
+        needs = tuple(ctx.needs_input_grad[:3])
+        g_h, g_w, g_b = _head_backward_op(hidden, weight, bias, ids, m, s, mt, st, g.contiguous(),
+                                          *ctx.opts.op_args(), ctx.wide, *needs)
+        return (g_h.to(hidden.dtype) if needs[0] else None, g_w.to(weight.dtype) if needs[1] else None,
+                g_b.to(bias.dtype) if needs[2] else None, None, None, None)
 
 
 def _logit_blocks(logits):

@@ -101,21 +101,78 @@ def _teacher_tail(lp, keep, ids, n_classes: int):
     return p_tail.float(), mass.float()
 
 
-def _tail_term(tail_rows, teacher_ids, lp, keep, target, call: dc.TopkCall):
-    """``(p_tail log(p_tail / s_tail), teacher_mass)`` per token, fp32 ``(...)``: 0 where ``p_tail = 0``
-    (and no gradient there) or the token is ignored. ``tail_rows(ids, active)`` gives the student's
-    ``log s_tail`` (N,) with ``ids`` (N, K) the classes to exclude (-1: none), on the ``active`` tokens
-    (non-ignored, ``p_tail > 0``); its other values are not used."""
+def _tail_inputs(teacher_ids, lp, keep, target, call: dc.TopkCall):
+    """``(p_tail, teacher_mass, active, excluded)`` per token (flat): the teacher's tail and mass
+    (``_teacher_tail``), the tokens whose tail term counts (non-ignored, ``p_tail > 0``) and the (N, K)
+    classes to exclude from the student's tail (-1: none; all -1 on the inactive tokens)."""
     k = keep.shape[-1]
     flat_keep, flat_ids = keep.reshape(-1, k), teacher_ids.reshape(-1, k).long()
     p_tail, mass = _teacher_tail(lp.reshape(-1, k), flat_keep, flat_ids, call.n_classes)
     active = p_tail > 0
     if target is not None:
         active = active & (target.reshape(-1) != call.ignore_index)
-    log_s_tail = tail_rows(torch.where(flat_keep, flat_ids, -1), active)
+    excluded = torch.where(flat_keep & active[:, None], flat_ids, -1)
+    return p_tail, mass, active, excluded
+
+
+def _tail_term(log_s_tail, p_tail, active, call: dc.TopkCall):
+    """``p_tail log(p_tail / s_tail)`` per token, fp32 ``(...)``: 0 where ``p_tail = 0`` (and no gradient
+    there) or the token is ignored; ``log_s_tail`` (N,) the student's (its inactive values unused)."""
     log_p_tail = torch.where(active, p_tail, 1.0).log()
     term = torch.where(active, p_tail * (log_p_tail - torch.where(active, log_s_tail, 0.0)), 0.0)
-    return term.reshape(call.lead), mass.reshape(call.lead)
+    return term.reshape(call.lead)
+
+
+class _LogitRows:
+    """The student given as logits: the K-class op and the tail pass on ``logits`` (no compaction)."""
+    compacts = False
+
+    def __init__(self, call: dc.TopkCall, logits):
+        self.call, self.logits = call, logits
+
+    def select(self, needed) -> None:
+        pass
+
+    def log_probs(self, classes, opts):
+        return multi.log_probs_rows(self.call.impl, self.logits, classes, opts, False)[0]
+
+    def log_tail(self, excluded):
+        flat = self.logits.reshape(-1, self.call.n_classes)
+        return student_tail.log_tail_logits(flat, excluded, self.call.opts)
+
+
+class _HeadRows:
+    """The student given as its LM head: the tokens it needs are kept once (``select``: the call's one
+    compaction, one host sync, skipped where ``compact_rows`` skips it), then every pass (the K classes,
+    the hard label at temperature 1, the tail) runs on those rows and scatters its results back (0
+    elsewhere: what the passes give an ignored token)."""
+    compacts = True
+
+    def __init__(self, call: dc.TopkCall, hidden, weight, bias, method, chunk_size):
+        self.call, self.weight, self.bias = call, weight, bias
+        self.method, self.chunk_size = method, chunk_size
+        self.hidden = hidden.reshape(-1, hidden.shape[-1])
+        self.n, self.index = self.hidden.shape[0], None
+
+    def select(self, needed) -> None:
+        ignore = self.call.ignore_index
+        rep = torch.where(needed, 0 if ignore != 0 else 1, ignore)
+        self.hidden, _, self.index = compact_rows(self.hidden, rep, ignore)
+
+    def _kept(self, t):
+        return t if self.index is None else t.index_select(0, self.index)
+
+    def log_probs(self, classes, opts):
+        flat = classes.reshape(-1, classes.shape[-1])
+        out = multi.linear_log_probs_rows(self.call.impl, self.hidden, self.weight, self._kept(flat), self.bias,
+                                          opts, False, self.chunk_size, self.method, self.call.deterministic,
+                                          compact=False)[0]
+        return out if self.index is None else out.new_zeros(self.n, out.shape[1]).index_copy(0, self.index, out)
+
+    def log_tail(self, excluded):
+        out = student_tail.log_tail_linear(self.hidden, self.weight, self.bias, self._kept(excluded),
+                                           self.call.opts, resolve_method(self.method))
+        return scatter_rows(out, self.index, self.n, 0.0)
 
 
 def _loss(log_s, p, lp, keep, target, hard, tail_term, call: dc.TopkCall, reduction, num_items_in_batch):
@@ -136,24 +193,34 @@ def _loss(log_s, p, lp, keep, target, hard, tail_term, call: dc.TopkCall, reduct
     return total * token_mean_scale(target, rows.numel(), call.ignore_index, num_items_in_batch, total.device)
 
 
-def _topk_loss(rows, tail_rows, teacher_ids, teacher_log_probs, call: dc.TopkCall, reduction, num_items_in_batch):
+def _topk_loss(student, teacher_ids, teacher_log_probs, call: dc.TopkCall, reduction, num_items_in_batch):
     """The reduced loss of both public ops (or ``TopkDistillationOutput`` with ``call.return_stats``),
-    once their arguments are checked (``call``): ``rows(classes, opts)`` is the internal K-class op
-    (``rl/multi.py``) on the student's logits or LM head, giving the fp32 ``(N, K)`` log-probs of
-    ``classes`` under ``opts``; ``tail_rows`` the student's ``log s_tail`` (``distill/tail.py``, called
-    with ``tail=True`` only)."""
+    once their arguments are checked (``call``): ``student`` (``_LogitRows`` / ``_HeadRows``) gives the
+    internal K-class op's fp32 ``(N, K)`` log-probs (``rl/multi.py``) and, with ``tail=True``, the
+    student's ``log s_tail`` (``distill/tail.py``)."""
     target, shape = call.target, tuple(call.lead)
     fold = call.hard_label_weight != 0.0 and call.temperature == 1.0
     classes, p, lp, keep = _classes(teacher_ids, teacher_log_probs, target, call.ignore_index, fold)
     dc.check_topk_ranges(classes, target, call, fold)
     dc.check_teacher_values(teacher_ids, teacher_log_probs, target, call.ignore_index, call.tail)
-    log_s = rows(classes, call.opts).reshape(classes.shape)
+    second_pass = call.hard_label_weight != 0.0 and not fold   # the hard label at temperature 1
+    tail = _tail_inputs(teacher_ids, lp, keep, target, call) if call.tail else None
+    if student.compacts:   # the tokens any pass needs
+        needed = (classes != call.ignore_index).any(-1).reshape(-1)
+        if second_pass:
+            needed = needed | (target.reshape(-1) != call.ignore_index)
+        if tail is not None:
+            needed = needed | tail[2]
+        student.select(needed)
+    log_s = student.log_probs(classes, call.opts).reshape(classes.shape)
     hard = None
-    if call.hard_label_weight != 0.0:   # the hard label at temperature 1: folded in, or one more pass
-        hard = log_s[..., -1] if fold else rows(target[..., None], call.hard_opts).reshape(shape)
+    if call.hard_label_weight != 0.0:
+        hard = student.log_probs(target[..., None], call.hard_opts).reshape(shape) if second_pass else log_s[..., -1]
     tail_term = mass = None
-    if call.tail:
-        tail_term, mass = _tail_term(tail_rows, teacher_ids, lp, keep, target, call)
+    if tail is not None:
+        p_tail, mass, active, excluded = tail
+        tail_term = _tail_term(student.log_tail(excluded), p_tail, active, call)
+        mass = mass.reshape(shape)
     loss = _loss(log_s, p, lp, keep, target, hard, tail_term, call, reduction, num_items_in_batch)
     if not call.return_stats:
         return loss
@@ -240,14 +307,8 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
                            student_softcap=student_softcap, logit_scale=logit_scale, backend=backend,
                            tail=tail, return_stats=return_stats)
 
-    def rows(classes, opts):
-        return multi.log_probs_rows(call.impl, student_logits, classes, opts, False)[0]
-
-    def tail_rows(ids, active):
-        flat = student_logits.reshape(-1, call.n_classes)
-        return student_tail.log_tail_logits(flat, torch.where(active[:, None], ids, -1), call.opts)
-
-    return _topk_loss(rows, tail_rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
+    return _topk_loss(_LogitRows(call, student_logits), teacher_ids, teacher_log_probs, call, reduction,
+                      num_items_in_batch)
 
 
 @public_op("linear", linear=(("student_hidden", "student_weight", "student_bias"),))
@@ -274,12 +335,13 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
             ``num_items_in_batch``, ``student_softcap``, ``logit_scale`` (inside the kernels), ``tail``,
             ``return_stats`` and ``backend``. The tail pass (``distill/tail.py``) recomputes the logits
             in blocks of fewer than V classes whichever ``method``: one more head matmul forward and
-            three backward (``grad_hidden``, ``grad_weight``, ``grad_bias`` accumulated in fp32); tokens
-            without a tail (ignored, or ``p_tail = 0``) cost it no FLOPs (one more host sync).
+            three backward (``grad_hidden``, ``grad_weight``, ``grad_bias`` accumulated in fp32), on the
+            tokens the call keeps (below).
         method, chunk_size, deterministic: as :func:`fusedce.linear_token_log_probs` with a ``(..., K)``
             target (``"chunked"``: one chunk of logits at a time; ``"tiled"``: vocabulary tiles, plus
-            gathers of the K teacher classes' weight rows). Tokens with no class left (ignored, or all
-            K entries padding, and no hard label) cost no matmul FLOPs (one host sync per call).
+            gathers of the K teacher classes' weight rows). Tokens no pass needs (ignored; or all K
+            entries padding, no hard label and no tail) cost no matmul FLOPs: one compaction for every
+            pass (one host sync per call, skipped under torch.compile / CUDA-graph capture).
 
     Returns:
         As :func:`topk_distillation_loss`; gradients of the student's hidden, weight and bias in their
@@ -297,19 +359,5 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
                            method=method, chunk_size=chunk_size, deterministic=deterministic, tail=tail,
                            return_stats=return_stats)
 
-    def rows(classes, opts):
-        return multi.linear_log_probs_rows(call.impl, student_hidden, student_weight, classes, student_bias, opts,
-                                           False, chunk_size, method, call.deterministic)[0]
-
-    def tail_rows(ids, active):
-        hidden = student_hidden.reshape(-1, student_hidden.shape[-1])
-        n, ignore = hidden.shape[0], call.ignore_index
-        rep = torch.where(active, 0 if ignore != 0 else 1, ignore)
-        hidden, _, index = compact_rows(hidden, rep, ignore)   # tokens without a tail: no matmul
-        if index is not None:
-            ids = ids.index_select(0, index)
-        out = student_tail.log_tail_linear(hidden, student_weight, student_bias, ids, call.opts,
-                                           resolve_method(method))
-        return scatter_rows(out, index, n, 0.0)
-
-    return _topk_loss(rows, tail_rows, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
+    student = _HeadRows(call, student_hidden, student_weight, student_bias, method, chunk_size)
+    return _topk_loss(student, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)

@@ -88,20 +88,32 @@ def _torch_errors(input, linear_weight, target, linear_bias, ignore_index) -> No
     if not isinstance(target, torch.Tensor):
         return
     lead = tuple(input.shape[:-1])
-    if target.is_floating_point():
-        if tuple(target.shape) == lead + (n_classes,):   # probabilities
-            if ignore_index is not None:
-                raise RuntimeError("ignore_index cannot be specified when target contains probabilities "
-                                   "(leave it None: no row of a probability target is ignored)")
-            return
-        if tuple(target.shape) == lead:
-            raise RuntimeError(f"expected target dtype to be Long or Byte, but got {str(target.dtype)[6:].title()} "
-                               "(class indices stored as floats? pass target.long())")
+    if tuple(target.shape) == lead + (n_classes,):   # the logits' shape: probabilities, whatever the dtype (torch's rule)
+        if ignore_index is not None:
+            raise RuntimeError("ignore_index cannot be specified when target contains probabilities "
+                               "(leave it None: no row of a probability target is ignored)")
+        if not target.is_floating_point():
+            raise RuntimeError(f"Expected floating point type for target with class probabilities, got "
+                               f"{_scalar_type(target.dtype)} (a target of the logits' shape {lead + (n_classes,)} "
+                               f"holds probabilities; class indices have shape {lead})")
+        return
+    if tuple(target.shape) == lead and target.dtype not in (torch.int64, torch.int32, torch.uint8):
+        hint = "class indices stored as floats? pass target.long()" if target.is_floating_point() else \
+            "class indices are int64 (int32 and uint8 accepted): pass target.long()"
+        raise RuntimeError(f"expected target dtype to be Long or Byte, but got {_scalar_type(target.dtype)} ({hint})")
     if target.dim() == len(lead) + 1 and target.shape[:-1] == lead:
         raise RuntimeError(f"0D or 1D target tensor expected, multi-target not supported (target of shape "
                            f"{tuple(target.shape)}: class probabilities need (N, C) = {lead + (n_classes,)})")
     if target.dim() >= 1 and lead and target.shape[0] != lead[0]:
         raise ValueError(f"Expected input batch_size ({lead[0]}) to match target batch_size ({target.shape[0]}).")
+
+
+def _scalar_type(dtype: torch.dtype) -> str:
+    """torch's C++ name of ``dtype`` (``Long``, ``Int``, ``Bool``, ``ComplexFloat``, ...), as its messages say."""
+    try:
+        return torch.empty(0, dtype=dtype).type().rsplit(".", 1)[-1].removesuffix("Tensor")
+    except (RuntimeError, TypeError):   # a dtype without a legacy tensor type name
+        return str(dtype).removeprefix("torch.")
 
 
 @public_op("linear", linear=(("input", "linear_weight", "linear_bias"),))
@@ -140,8 +152,9 @@ def linear_cross_entropy(
     Raises:
         Torch's errors (type and meaning) for what torch rejects (``_torch_errors``: an ``input`` not 1-D
         or 2-D, a 1-D ``linear_weight``, different ``in_features``, a K-dimensional head with unbatched
-        input, a ``linear_bias`` not ``(C,)``, ``ignore_index`` with probabilities, float class indices, a
-        2-D target that is not ``(N, C)``, another batch size); ``NotImplementedError`` for a K-dimensional
+        input, a ``linear_bias`` not ``(C,)``, ``ignore_index`` with probabilities, a non-float target of the
+        probabilities' shape (the shape decides, then the dtype, as torch), class indices of another dtype
+        than int64 / int32 / uint8, a 2-D target that is not ``(N, C)``, another batch size); ``NotImplementedError`` for a K-dimensional
         ``linear_weight``; ``TypeError`` for a probability target that requires grad or ``options`` of
         another type; otherwise ``fusedce.linear_cross_entropy``'s errors (``IndexError`` for a class out
         of range, as torch), their ``TypeError`` / ``ValueError`` messages in this function's argument names

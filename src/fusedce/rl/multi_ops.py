@@ -107,12 +107,16 @@ def _log_probs(x, target, n_classes: int, lse, lse_lo, opts: LossOptions):
 
 def linear_token_log_probs_multi(ce: ChunkCE, hidden, weight, target, bias, opts: LossOptions,
                                  want_entropy: bool, chunk_size: Optional[int], method: str, *,
-                                 tiled: Optional[TiledCE] = None, deterministic: bool = False, logits: str = "float32"):
+                                 tiled: Optional[TiledCE] = None, deterministic: bool = False, logits: str = "float32",
+                                 compact: bool = True):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT, K) -> as
-    ``multi_head.token_log_probs_multi``; rows whose K entries are all ignored are compacted away."""
+    ``multi_head.token_log_probs_multi``; rows whose K entries are all ignored are compacted away (one host
+    sync), unless ``compact`` is False (a caller that compacted its rows already: the top-k distillation)."""
     n, K = target.shape
-    rep = entries(target, opts, weight.shape[0]).rep
-    hidden, _, index = compact_rows(hidden, rep, opts.ignore_index)
+    index = None
+    if compact:
+        rep = entries(target, opts, weight.shape[0]).rep
+        hidden, _, index = compact_rows(hidden, rep, opts.ignore_index)
     if index is not None:
         target = target.index_select(0, index)
     head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,

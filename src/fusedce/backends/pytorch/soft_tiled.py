@@ -16,13 +16,15 @@ Forward, per token block r, vocabulary block j (columns ``cols``):
     no cancellation; a column with u_c = 0 adds exactly 0, also at a -inf logit).
 Backward (from the saved lse pair and A; each block recomputed):
     dz = (g A + h) p - g u,  p = exp((z - lse) - lse_lo), then ``row_math.mul_slope_``, kept in fp32 (as
-    the chunked method on CPU); grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r, grad_b_j += sum_rows dz.
+    the chunked method on CPU); grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r, grad_b_j += sum_rows dz
+    (summed in fp32 per vocabulary block and rounded to ``accum_dtype`` once: ``block_accum.py``).
 Both passes loop vocabulary block outer (``tiled.py``'s order: each weight block upcast once per share,
 the same bits). FLOPs: 2 BT V H forward, 6 BT V H backward. Memory beyond the inputs and the returned
 gradients: a few fp32 blocks (logits, target, exp, gradient) of fewer than V values each per thread, O(BT) row
 statistics, and per extra thread of the backward one fp32 ``BT x H`` accumulator of grad_h (plus one
-for non-fp32 hidden). Threads: ``block_threads.py`` (the forward shares out row blocks, the backward
-vocabulary blocks), as ``tiled.py``.
+for non-fp32 hidden); with a 16-bit ``accum_dtype`` one fp32 ``vocab x H`` block of grad_W per thread.
+Threads: ``block_threads.py`` (the forward shares out row blocks, the backward vocabulary blocks), as
+``tiled.py``.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform, two_sum
 from . import block_threads, tuning
+from .block_accum import VocabBlockGrads
 from .tiled import _vocab_block
 
 _NEG_INF = float("-inf")
@@ -120,6 +123,7 @@ def soft_tiled_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q
         for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):   # vocabulary outer (``tiled.py``)
             cols = slice(v0, v0 + tile_vocab)
             w32, b32 = _vocab_block(weight, bias, cols)
+            block = VocabBlockGrads(grad_w, grad_b, cols)   # rounded to accum_dtype once (block_accum.py)
             for r0 in range(0, n, tile_rows):
                 r = slice(r0, r0 + tile_rows)
                 h, q_r = hidden[r], q[r]
@@ -131,10 +135,8 @@ def soft_tiled_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q
                 dz = mul_slope_(p.mul_(factor_all[r, None]).sub_(u.mul_(g_all[r, None])), z, opts)
                 if acc_h is not None:
                     acc_h[r].addmm_(dz, w32)
-                if grad_w is not None:
-                    grad_w[cols].addmm_(dz.t().to(accum_dtype), h32.to(accum_dtype))
-                if grad_b is not None:
-                    grad_b[cols] += dz.sum(dim=0, dtype=accum_dtype)
+                block.add(dz, h32)
+            block.store()
         return acc_h
 
     partial_h = block_threads.run(vocab_blocks, -(-n_classes // tile_vocab), dev)

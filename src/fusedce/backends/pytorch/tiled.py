@@ -41,6 +41,7 @@ from fusedce.core.options import LossOptions
 from ..protocol import TiledRows
 from fusedce.core.row_math import row_loss, rows_grad, transform, two_sum
 from . import block_threads, tuning
+from .block_accum import VocabBlockGrads
 
 _NEG_INF = float("-inf")
 
@@ -204,6 +205,7 @@ class TorchTiledCE:
             for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):   # vocabulary outer, as forward
                 cols = slice(v0, v0 + tile_vocab)
                 w32, b32 = _vocab_block(weight, bias, cols)
+                block = VocabBlockGrads(grad_w, grad_b, cols)   # rounded to accum_dtype once (block_accum.py)
                 for r0 in range(0, n, tile_rows):   # grad_h[r] still gains its blocks in order, grad_W[cols] its rows
                     r = slice(r0, r0 + tile_rows)
                     h, t = hidden[r], target[r]
@@ -216,10 +218,8 @@ class TorchTiledCE:
                                    entropy=None if entropy is None else entropy[r])
                     if acc_h is not None:
                         acc_h[r].addmm_(dz, w32)
-                    if grad_w is not None:
-                        grad_w[cols].addmm_(dz.t().to(accum_dtype), h32.to(accum_dtype))
-                    if grad_b is not None:
-                        grad_b[cols] += dz.sum(dim=0, dtype=accum_dtype)
+                    block.add(dz, h32)
+                block.store()
             return acc_h
 
         partial_h = block_threads.run(vocab_blocks, -(-n_classes // tile_vocab), dev)

@@ -1,0 +1,48 @@
+"""The weight and bias gradients of one vocabulary block of the PyTorch tiled loops (``tiled.py``,
+``soft_tiled.py``), summed over every row block in at least fp32 and rounded to ``accum_dtype`` once.
+
+Why: a narrow ``accum_dtype`` (bf16) is the dtype of the V x H gradient the caller gets, not a licence to
+round after every row block. Added block by block into a bf16 ``grad_W[cols]``, each of the BT / rows
+row blocks rounded the running sum once more: 4-17x the stock composition's weight / bias gradient error
+(``F.linear`` + ``F.cross_entropy`` in bf16, one fp32-accumulated GEMM rounded once) at a few hundred
+tokens, growing with BT. The Triton tiled kernels already accumulate in fp32 and cast at the end. Here a
+block's sums live in an fp32 temporary of ``vocab x H`` (the block's rows of grad_W; fewer than V x H,
+one per thread) and are written once. With an fp32 / fp64 ``accum_dtype`` the temporary is the
+gradient's own slice (no copy; the same bits as before).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class VocabBlockGrads:
+    """``(acc_w, acc_b)`` of one vocabulary block ``cols`` of ``grad_w`` / ``grad_b`` (either None):
+    ``add(dz, h32)`` per row block (``acc_w += dz.T @ h32``, ``acc_b += sum_rows dz``), ``store()`` once
+    after the last row block."""
+
+    def __init__(self, grad_w: Optional[torch.Tensor], grad_b: Optional[torch.Tensor], cols: slice):
+        self.grad_w, self.grad_b, self.cols = grad_w, grad_b, cols
+        self.acc_w = None if grad_w is None else _wide(grad_w[cols])
+        self.acc_b = None if grad_b is None else _wide(grad_b[cols])
+
+    def add(self, dz: torch.Tensor, h32: torch.Tensor) -> None:
+        if self.acc_w is not None:
+            self.acc_w.addmm_(dz.t().to(self.acc_w.dtype), h32.to(self.acc_w.dtype))
+        if self.acc_b is not None:
+            self.acc_b += dz.sum(dim=0, dtype=self.acc_b.dtype)
+
+    def store(self) -> None:
+        """Round the block's sums into the gradients (nothing to do where they were the slices)."""
+        for acc, grad in ((self.acc_w, self.grad_w), (self.acc_b, self.grad_b)):
+            if acc is not None and acc.dtype != grad.dtype:
+                grad[self.cols] = acc
+
+
+def _wide(block: torch.Tensor) -> torch.Tensor:
+    """The slice itself when its dtype has at least fp32's precision, else a zeroed fp32 copy of its shape
+    (the slices start at zero: every vocabulary block is visited by one thread, once)."""
+    if torch.finfo(block.dtype).bits >= 32:
+        return block
+    return torch.zeros(block.shape, dtype=torch.float32, device=block.device)
