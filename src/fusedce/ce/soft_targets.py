@@ -32,7 +32,7 @@ def check_soft_target(target: torch.Tensor, logits: torch.Tensor, opts: LossOpti
     the logits' dtype) and when it requires grad (a constant here: no gradient reaches it); ``ValueError``
     unless it has ``logits.shape`` (naming both shapes, with a hint for class indices stored as floats)
     and is on the logits' device, and for ``use_token_scaling`` (its ``p_t`` needs a target class);
-    ``ValueError`` naming ``target`` and the first position for a negative or NaN value
+    ``ValueError`` naming ``target`` and the first position for a negative, NaN or +inf value
     (``validation.check_probabilities``: one host sync, skipped under torch.compile / CUDA-graph capture
     as the target-range check; ``values=False``: not here, the vocab-parallel ops check them in their setup
     collective). ``q`` need not sum to 1, as in torch."""

@@ -164,32 +164,34 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
 
 
 def bad_probabilities(target: torch.Tensor) -> Optional[torch.Tensor]:
-    """A 0-dim bool device tensor: does the probability target ``target`` hold a negative or NaN value?
-    None when the check is skipped (an empty target, torch.compile, CUDA-graph capture, fake tensors:
-    :func:`sync_allowed`, the target-range check's rule). No host sync here: the caller reads the flag,
-    in the one sync it has (:func:`check_probabilities`; the vocab-parallel ops' setup ``all_gather``)."""
+    """A 0-dim bool device tensor: does the probability target ``target`` hold a negative, NaN or +inf
+    value? None when the check is skipped (an empty target, torch.compile, CUDA-graph capture, fake
+    tensors: :func:`sync_allowed`, the target-range check's rule). No host sync here: the caller reads the
+    flag, in the one sync it has (:func:`check_probabilities`; the vocab-parallel ops' setup ``all_gather``)."""
     if target.numel() == 0 or not sync_allowed(target):
         return None
     # one reduction, no temporary of the target's size (two bool masks and their OR were 3 BT V bytes:
-    # 576 MiB at 4096 x 49152, more than the tiled method's whole working memory); min propagates NaN
-    low = target.min()
-    return (low < 0) | torch.isnan(low)
+    # 576 MiB at 4096 x 49152, more than the tiled method's whole working memory); aminmax propagates NaN
+    low, high = torch.aminmax(target)
+    return (low < 0) | torch.isnan(low) | (high == float("inf"))
 
 
 def raise_bad_probabilities(target: torch.Tensor, name: str = "target") -> None:
-    """The ``ValueError`` of a probability target with a negative or NaN value, naming the first one
+    """The ``ValueError`` of a probability target with a negative, NaN or +inf value, naming the first one
     (error path only: it reads the position back)."""
-    bad = ((target < 0) | torch.isnan(target)).reshape(-1).nonzero()[0, 0]
+    bad = ((target < 0) | ~torch.isfinite(target)).reshape(-1).nonzero()[0, 0]
     pos = [int(i) for i in torch.unravel_index(bad, tuple(target.shape))]
     value = float(target.reshape(-1)[bad])
     hint = " (log-probabilities? pass their exp(), e.g. softmax of the teacher's logits)" if value < 0 else ""
+    if value == float("inf"):
+        hint = " (an overflow upstream? probabilities come from a softmax, or a normalized count)"
     raise ValueError(f"{name}{pos} = {value}: a floating-point {name} holds class probabilities, which must "
-                     f"be >= 0 and not NaN{hint}")
+                     f"be >= 0 and not NaN or +inf{hint}")
 
 
 def check_probabilities(target: torch.Tensor, name: str = "target",
                         token_weights: Optional[torch.Tensor] = None) -> None:
-    """``ValueError`` naming the first negative or NaN value of the probability target ``target`` (every
+    """``ValueError`` naming the first negative, NaN or +inf value of the probability target ``target`` (every
     row is kept: probability targets ignore no row), then the first NaN or infinite value of
     ``token_weights`` (the logits' ``shape[:-1]``, or None), as the class-index targets' check does. One host
     sync for both, the target-range check's kind and rule: skipped under torch.compile, CUDA-graph capture
