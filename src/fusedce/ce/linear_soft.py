@@ -31,9 +31,10 @@ def check_linear_soft_target(target: torch.Tensor, hidden: torch.Tensor, weight:
                              opts: LossOptions, values: bool = True) -> None:
     """``TypeError`` unless float32 / bfloat16 / float16 / float64 and for a target that requires grad;
     ``ValueError`` unless of shape ``hidden.shape[:-1] + (V,)`` on hidden's device, with
-    ``use_token_scaling``, and for a negative, NaN or +inf value (naming ``target`` and its position; the one
-    host sync, skipped under torch.compile / CUDA-graph capture; ``values=False``: not here, the
-    vocab-parallel op checks them in its setup collective)."""
+    ``use_token_scaling`` or a class ``ignore_index`` (>= 0, as torch), and for a negative, NaN or +inf
+    value (naming ``target`` and its position; the one host sync, skipped under torch.compile /
+    CUDA-graph capture; ``values=False``: not here, the vocab-parallel op checks them in its setup
+    collective)."""
     if target.dtype not in SOFT_TARGET_DTYPES:
         raise TypeError(f"a floating-point target holds class probabilities and must be float32, bfloat16, "
                         f"float16 or float64, got {target.dtype}")
@@ -52,6 +53,7 @@ def check_linear_soft_target(target: torch.Tensor, hidden: torch.Tensor, weight:
     if opts.use_token_scaling:
         raise ValueError("use_token_scaling multiplies each row by p_t = softmax(z)[t], which needs a target "
                          "class: it is not defined for probability (float) targets")
+    val.check_soft_ignore_index(opts.ignore_index)
     if values:
         val.check_probabilities(target)   # last: the one host sync (skipped under compile / graph capture)
 

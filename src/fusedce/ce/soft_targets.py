@@ -31,7 +31,8 @@ def check_soft_target(target: torch.Tensor, logits: torch.Tensor, opts: LossOpti
     """A probability target: ``TypeError`` unless float32 / bfloat16 / float16 / float64 (independent of
     the logits' dtype) and when it requires grad (a constant here: no gradient reaches it); ``ValueError``
     unless it has ``logits.shape`` (naming both shapes, with a hint for class indices stored as floats)
-    and is on the logits' device, and for ``use_token_scaling`` (its ``p_t`` needs a target class);
+    and is on the logits' device, for a class ``ignore_index`` (>= 0, as torch), and for
+    ``use_token_scaling`` (its ``p_t`` needs a target class);
     ``ValueError`` naming ``target`` and the first position for a negative, NaN or +inf value
     (``validation.check_probabilities``: one host sync, skipped under torch.compile / CUDA-graph capture
     as the target-range check; ``values=False``: not here, the vocab-parallel ops check them in their setup
@@ -54,6 +55,7 @@ def check_soft_target(target: torch.Tensor, logits: torch.Tensor, opts: LossOpti
     if opts.use_token_scaling:
         raise ValueError("use_token_scaling multiplies each row by p_t = softmax(z)[t], which needs a target "
                          "class: it is not defined for probability (float) targets")
+    val.check_soft_ignore_index(opts.ignore_index)
     if values:
         val.check_probabilities(target)   # last: the one host sync (skipped under compile / graph capture)
 

@@ -32,3 +32,15 @@ def reshape_hint(target_shape: tuple, expected_shape: tuple) -> str:
     if len(target_shape) == len(expected_shape) or math.prod(target_shape) != math.prod(expected_shape):
         return ""
     return f" (the same {math.prod(target_shape)} tokens in another shape: pass target.view{expected_shape})"
+
+
+def shifted_labels_hint(labels_shape: tuple, positions: tuple) -> str:
+    """The hint for a patched causal LM given labels shifted already, ``(B, T - 1)`` beside its ``(B, T)``
+    positions (the patch shifts them itself, as Hugging Face's loss does), or ``""``."""
+    if len(labels_shape) != len(positions) or not positions or tuple(labels_shape[:-1]) != tuple(positions[:-1]) \
+            or labels_shape[-1] != positions[-1] - 1:
+        return ""
+    return (f"labels {tuple(labels_shape)} look shifted already, one shorter than the {tuple(positions)} "
+            f"positions: pass the unshifted labels of input_ids' shape {tuple(positions)} (the model shifts "
+            "them by one itself, as Hugging Face's loss does: position t predicts labels[t + 1]), or your "
+            "shifted ones padded back to that shape as shift_labels=")
