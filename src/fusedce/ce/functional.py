@@ -132,7 +132,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
         val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t),
                          probabilities=True)
         target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
-    val.check_vector("weight", weight, n_classes, logits.device, constant=True)
+    val.check_vector("weight", weight, n_classes, logits.device, constant=True, position="third")
     val.check_num_items(num_items_in_batch, logits.device)
     check_flag("inplace_backward", inplace_backward)
     check_flag("return_stats", return_stats)
