@@ -7,8 +7,9 @@ Markers: HTML comment lines right above a fence (invisible once rendered) say ho
 - ``<!-- snippet: continues -->``: it reads names of the python block above it in the same file and runs
   after it, in its namespace (the whole chain is one test, named after its first block);
 - ``<!-- snippet: needs MODULE ... -->``: skipped unless each module imports (the optional extras);
-- ``<!-- snippet: skip REASON -->``: not run, for a block that needs what a test cannot have: a GPU, a
-  multi-process launcher (``torchrun``), a network download; the reason is the skip's message;
+- ``<!-- snippet: skip REASON -->``: not run (only compiled), for a block that needs what a test cannot
+  have: a GPU, a multi-process launcher (``torchrun``), a network download; the reason is the skip's
+  message;
 - ``<!-- snippet: signatures -->``: a list of call signatures (``name(params) -> result``, ``.method(params)``
   below a class), each compared with ``inspect.signature`` of the real ``fusedce`` object: the same
   parameters, in order, of the same kinds, with equal defaults.
@@ -123,8 +124,9 @@ def _check_signatures(code: str) -> None:
 
 @pytest.mark.parametrize("path,chain", _chains())
 def test_snippet_runs_as_written(path, chain, tmp_path, monkeypatch):
-    for _, _, markers in chain:
-        if "skip" in markers:
+    for line, code, markers in chain:
+        if "skip" in markers:   # not run, but it must at least be Python
+            compile(code, f"{path.name}:{line}", "exec")
             pytest.skip(markers["skip"] or "marked skip")
         for module in markers.get("needs", "").split():
             pytest.importorskip(module)
