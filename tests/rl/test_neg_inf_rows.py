@@ -2,7 +2,8 @@
 (float64 torch gives NaN for both), never a healthy-looking 0 that an entropy bonus would reward (issue 47
 item 6). A row with some -inf logits (a masked vocabulary) keeps finite values: those classes add 0.
 Both backends (triton under the interpreter), the logits op (class-index and (..., K) targets, with
-``return_stats``) and the linear op (a -inf bias: both methods), against float64 torch."""
+``return_stats``), the linear op (a -inf bias: both methods) and the vocab-parallel ops (one gloo rank),
+against float64 torch."""
 import pytest
 import torch
 
@@ -69,4 +70,30 @@ def test_linear_token_log_probs_neg_inf_bias(backend, method):
     everything = torch.full((V,), float("-inf"))   # every class masked: no distribution on any row
     out = fusedce.linear_token_log_probs(hidden, weight, t, everything, return_entropy=True, method=method,
                                          backend=backend)
+    assert torch.isnan(out.log_probs).all() and torch.isnan(out.entropy).all(), (out.log_probs, out.entropy)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """A one-rank gloo group for the vocab-parallel ops (made unless one exists; destroyed if made here)."""
+    import torch.distributed as dist
+    created = not dist.is_initialized()
+    if created:
+        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_log_probs(backend, one_rank):
+    """The vocab-parallel ops' entropy (from exchanged row statistics) on one rank: NaN on the same rows."""
+    import fusedce.distributed as fd
+    z, t = _logits(torch.float32), _target()
+    out = fd.vocab_parallel_token_log_probs(z, t, return_entropy=True, backend=backend)
+    _check(out.log_probs, out.entropy, z, t)
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(2, 3, H, generator=g), torch.randn(V, H, generator=g)
+    out = fd.vocab_parallel_linear_token_log_probs(hidden, weight, t, torch.full((V,), float("-inf")),
+                                                   return_entropy=True, backend=backend)
     assert torch.isnan(out.log_probs).all() and torch.isnan(out.entropy).all(), (out.log_probs, out.entropy)
