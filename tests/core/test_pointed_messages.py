@@ -54,7 +54,8 @@ def test_a_head_module_gets_a_weight_hint():
                        ("weight", lambda: fusedce.linear_token_log_probs(h, head, t)),
                        ("student_weight", lambda: fusedce.linear_distillation_loss(h, head, th, tw, t))):
         msg = _message(TypeError, call)
-        assert f"{name} must be a tensor, got Linear (a module: pass its weight tensor, e.g. lm_head.weight" in msg, msg
+        expected = f"{name} must be a tensor, got Linear (a module: pass its weight tensor, e.g. lm_head.weight"
+        assert expected in msg, msg
 
 
 def test_positional_ignore_index_is_named():

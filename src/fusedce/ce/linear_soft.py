@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from fusedce.ce.soft_targets import SOFT_TARGET_DTYPES, backend_rows
+from fusedce.ce.soft_targets import SOFT_TARGET_DTYPES, backend_rows, check_soft_ignore_index
 from fusedce.core import reduction as red
 from fusedce.core import validation as val
 from fusedce.core.autocast import backward_formula
@@ -53,7 +53,7 @@ def check_linear_soft_target(target: torch.Tensor, hidden: torch.Tensor, weight:
     if opts.use_token_scaling:
         raise ValueError("use_token_scaling multiplies each row by p_t = softmax(z)[t], which needs a target "
                          "class: it is not defined for probability (float) targets")
-    val.check_soft_ignore_index(opts.ignore_index)
+    check_soft_ignore_index(opts.ignore_index)
     if values:
         val.check_probabilities(target)   # last: the one host sync (skipped under compile / graph capture)
 

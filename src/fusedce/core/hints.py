@@ -1,5 +1,8 @@
-"""The likely mistakes that the shape errors of ``validation.py`` point out: each hint is ``""`` or the
-text appended to a ``ValueError`` about the target's shape. Imports nothing of fusedce."""
+"""The likely mistakes that argument errors point out (``validation.py``, the distillation checks, the
+Hugging Face patch): each hint is ``""`` or the text appended to the error's message, naming the mistake
+the shapes or types suggest (swapped or transposed arguments, a class dimension in torch's place, a
+module for its weight, an ``ignore_index`` in a positional slot, pre-shifted labels). Imports nothing of
+fusedce."""
 from __future__ import annotations
 
 import math

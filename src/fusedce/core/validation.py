@@ -196,16 +196,6 @@ def raise_bad_probabilities(target: torch.Tensor, name: str = "target") -> None:
                      f"be >= 0 and not NaN or +inf{hint}")
 
 
-def check_soft_ignore_index(ignore_index: int) -> None:
-    """Probability targets ignore no row: a class ``ignore_index`` (>= 0) is a ``ValueError``, as
-    ``F.cross_entropy`` refuses it for a floating-point target; a negative one names no class and is
-    accepted with no effect (torch's rule, so the default -100 passes)."""
-    if ignore_index >= 0:
-        raise ValueError(f"ignore_index={ignore_index} names a class, but a floating-point target holds class "
-                         "probabilities and no row of it is ignored (F.cross_entropy refuses it too): leave "
-                         "ignore_index at its default, or zero the ignored rows with token_weights")
-
-
 def check_probabilities(target: torch.Tensor, name: str = "target",
                         token_weights: Optional[torch.Tensor] = None) -> None:
     """``ValueError`` naming the first negative, NaN or +inf value of the probability target ``target`` (every
