@@ -96,7 +96,7 @@ OPTIONS = {
     "token_weights+num_items": {"token_weights": True, "lse_square_scale": 1e-2, "num_items_in_batch": 11},
     "everything": {"weight": True, "label_smoothing": 0.2, "lse_square_scale": 1e-2, "softcap": 8.0,
                    "logit_scale": 0.75, "token_weights": True, "num_items_in_batch": torch.tensor(5),
-                   "inplace_backward": True, "return_stats": True, "ignore_index": 3},   # ignore_index: unused
+                   "inplace_backward": True, "return_stats": True, "ignore_index": -1},   # negative: unused (torch)
 }
 
 

@@ -1,4 +1,4 @@
-"""The value check of probability ("soft") targets (issue 30): a negative or NaN probability is a
+"""The value check of probability ("soft") targets (issue 30): a negative, NaN or +inf probability is a
 ``ValueError`` naming ``target`` and the first bad position, raised before anything is written, on every
 single-process op that takes a float target (``cross_entropy``, ``linear_cross_entropy`` chunked and
 tiled, ``fusedce.nn.functional.linear_cross_entropy``, both modules), both backends; what torch accepts
@@ -19,7 +19,7 @@ import fusedce.nn.functional as FF
 
 LEAD, V, H = (2, 3), 75, 16
 BAD_AT = (1, 2, 7)
-BAD_VALUES = {"negative": -1e-3, "nan": float("nan"), "minus-inf": float("-inf")}
+BAD_VALUES = {"negative": -1e-3, "nan": float("nan"), "minus-inf": float("-inf"), "plus-inf": float("inf")}
 
 
 def _target(q_dtype=torch.float32):

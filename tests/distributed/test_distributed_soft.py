@@ -174,13 +174,13 @@ def _raises(fn, *words):
 
 @check
 def soft_bad_values(rank, world):
-    """A negative or NaN probability on ONE rank's slice: ValueError naming ``target`` on EVERY rank (no
+    """A negative, NaN or +inf probability on ONE rank's slice: ValueError naming ``target`` on EVERY rank (no
     rank left waiting in a collective), before any gradient is written; a wrong width names the shape."""
     sizes = SIZES[world]
     sl = _slice(rank, sizes)
     logits, q = torch.randn(*SHAPE, V), _target()
     hidden, weight = torch.randn(*SHAPE, H), torch.randn(V, H)
-    for bad_rank, value in ((world - 1, -0.25), (0, float("nan"))):
+    for bad_rank, value in ((world - 1, -0.25), (0, float("nan")), (world - 1, float("inf"))):
         mine = q[..., sl].clone()
         if rank == bad_rank:
             mine.view(-1, sizes[rank])[4, 0] = value

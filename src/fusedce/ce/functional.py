@@ -47,7 +47,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             and the stats as for class indices (``token_accuracy``: the argmax of the logits equals the
             argmax of the target, every row counted); ``use_token_scaling`` is a ``ValueError`` (its
             ``p_t`` needs a target class). The target is a constant (a tensor that requires grad is a
-            ``TypeError``); a negative or NaN value is a ``ValueError`` naming ``target`` and its first
+            ``TypeError``); a negative, NaN or +inf value is a ``ValueError`` naming ``target`` and its first
             position (one host sync, the target-range check's: skipped under torch.compile and CUDA-graph
             capture, where the value reaches the loss); its rows need not sum to 1 and values above 1 are
             accepted (as in torch); a class with ``q'_c w_c
@@ -132,7 +132,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
         val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t),
                          probabilities=True)
         target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
-    val.check_vector("weight", weight, n_classes, logits.device, constant=True)
+    val.check_vector("weight", weight, n_classes, logits.device, constant=True, position="third")
     val.check_num_items(num_items_in_batch, logits.device)
     check_flag("inplace_backward", inplace_backward)
     check_flag("return_stats", return_stats)

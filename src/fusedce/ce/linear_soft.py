@@ -7,7 +7,7 @@ Semantics: exactly ``cross_entropy``'s with a float target (``ce/soft_targets.py
 no row ignored; ``"mean"`` divides the loss and the z-loss by the number of rows (or
 ``num_items_in_batch``). Gradients: mean / sum chunked made in the forward times the power-of-two
 headroom (``lm_head/headroom.py``) as the class-index path; "none" and tiled recompute in backward.
-One host sync: the check that no value of the target is negative or NaN (``validation.check_probabilities``,
+One host sync: the check that no value of the target is negative, NaN or +inf (``validation.check_probabilities``,
 the target-range check's rule: skipped under torch.compile and CUDA-graph capture).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from fusedce.ce.soft_targets import SOFT_TARGET_DTYPES, backend_rows
+from fusedce.ce.soft_targets import SOFT_TARGET_DTYPES, backend_rows, check_soft_ignore_index
 from fusedce.core import reduction as red
 from fusedce.core import validation as val
 from fusedce.core.autocast import backward_formula
@@ -31,9 +31,10 @@ def check_linear_soft_target(target: torch.Tensor, hidden: torch.Tensor, weight:
                              opts: LossOptions, values: bool = True) -> None:
     """``TypeError`` unless float32 / bfloat16 / float16 / float64 and for a target that requires grad;
     ``ValueError`` unless of shape ``hidden.shape[:-1] + (V,)`` on hidden's device, with
-    ``use_token_scaling``, and for a negative or NaN value (naming ``target`` and its position; the one
-    host sync, skipped under torch.compile / CUDA-graph capture; ``values=False``: not here, the
-    vocab-parallel op checks them in its setup collective)."""
+    ``use_token_scaling`` or a class ``ignore_index`` (>= 0, as torch), and for a negative, NaN or +inf
+    value (naming ``target`` and its position; the one host sync, skipped under torch.compile /
+    CUDA-graph capture; ``values=False``: not here, the vocab-parallel op checks them in its setup
+    collective)."""
     if target.dtype not in SOFT_TARGET_DTYPES:
         raise TypeError(f"a floating-point target holds class probabilities and must be float32, bfloat16, "
                         f"float16 or float64, got {target.dtype}")
@@ -52,6 +53,7 @@ def check_linear_soft_target(target: torch.Tensor, hidden: torch.Tensor, weight:
     if opts.use_token_scaling:
         raise ValueError("use_token_scaling multiplies each row by p_t = softmax(z)[t], which needs a target "
                          "class: it is not defined for probability (float) targets")
+    check_soft_ignore_index(opts.ignore_index)
     if values:
         val.check_probabilities(target)   # last: the one host sync (skipped under compile / graph capture)
 

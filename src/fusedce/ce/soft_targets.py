@@ -27,12 +27,23 @@ def is_soft_target(target) -> bool:
     return isinstance(target, torch.Tensor) and target.is_floating_point()
 
 
+def check_soft_ignore_index(ignore_index: int) -> None:
+    """Probability targets ignore no row: a class ``ignore_index`` (>= 0) is a ``ValueError``, as
+    ``F.cross_entropy`` refuses it for a floating-point target; a negative one names no class and is
+    accepted with no effect (torch's rule, so the default -100 passes)."""
+    if ignore_index >= 0:
+        raise ValueError(f"ignore_index={ignore_index} names a class, but a floating-point target holds class "
+                         "probabilities and no row of it is ignored (F.cross_entropy refuses it too): leave "
+                         "ignore_index at its default, or zero the ignored rows with token_weights")
+
+
 def check_soft_target(target: torch.Tensor, logits: torch.Tensor, opts: LossOptions, values: bool = True) -> None:
     """A probability target: ``TypeError`` unless float32 / bfloat16 / float16 / float64 (independent of
     the logits' dtype) and when it requires grad (a constant here: no gradient reaches it); ``ValueError``
     unless it has ``logits.shape`` (naming both shapes, with a hint for class indices stored as floats)
-    and is on the logits' device, and for ``use_token_scaling`` (its ``p_t`` needs a target class);
-    ``ValueError`` naming ``target`` and the first position for a negative or NaN value
+    and is on the logits' device, for a class ``ignore_index`` (>= 0, as torch), and for
+    ``use_token_scaling`` (its ``p_t`` needs a target class);
+    ``ValueError`` naming ``target`` and the first position for a negative, NaN or +inf value
     (``validation.check_probabilities``: one host sync, skipped under torch.compile / CUDA-graph capture
     as the target-range check; ``values=False``: not here, the vocab-parallel ops check them in their setup
     collective). ``q`` need not sum to 1, as in torch."""
@@ -54,6 +65,7 @@ def check_soft_target(target: torch.Tensor, logits: torch.Tensor, opts: LossOpti
     if opts.use_token_scaling:
         raise ValueError("use_token_scaling multiplies each row by p_t = softmax(z)[t], which needs a target "
                          "class: it is not defined for probability (float) targets")
+    check_soft_ignore_index(opts.ignore_index)
     if values:
         val.check_probabilities(target)   # last: the one host sync (skipped under compile / graph capture)
 

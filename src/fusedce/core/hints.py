@@ -1,8 +1,12 @@
-"""The likely mistakes that the shape errors of ``validation.py`` point out: each hint is ``""`` or the
-text appended to a ``ValueError`` about the target's shape. Imports nothing of fusedce."""
+"""The likely mistakes that argument errors point out (``validation.py``, the distillation checks, the
+Hugging Face patch): each hint is ``""`` or the text appended to the error's message, naming the mistake
+the shapes or types suggest (swapped or transposed arguments, a class dimension in torch's place, a
+module for its weight, an ``ignore_index`` in a positional slot, pre-shifted labels). Imports nothing of
+fusedce."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 
 def class_dim_hint(logits_shape: tuple, target_shape: tuple) -> str:
@@ -32,3 +36,61 @@ def reshape_hint(target_shape: tuple, expected_shape: tuple) -> str:
     if len(target_shape) == len(expected_shape) or math.prod(target_shape) != math.prod(expected_shape):
         return ""
     return f" (the same {math.prod(target_shape)} tokens in another shape: pass target.view{expected_shape})"
+
+
+def shifted_labels_hint(labels_shape: tuple, positions: tuple) -> str:
+    """The hint for a patched causal LM given labels shifted already, ``(B, T - 1)`` beside its ``(B, T)``
+    positions (the patch shifts them itself, as Hugging Face's loss does), or ``""``."""
+    if len(labels_shape) != len(positions) or not positions or tuple(labels_shape[:-1]) != tuple(positions[:-1]) \
+            or labels_shape[-1] != positions[-1] - 1:
+        return ""
+    return (f"labels {tuple(labels_shape)} look shifted already, one shorter than the {tuple(positions)} "
+            f"positions: pass the unshifted labels of input_ids' shape {tuple(positions)} (the model shifts "
+            "them by one itself, as Hugging Face's loss does: position t predicts labels[t + 1]), or your "
+            "shifted ones padded back to that shape as shift_labels=")
+
+
+def module_hint(name: str, value) -> str:
+    """The hint for a module passed where its weight tensor is expected (``linear_cross_entropy(hidden,
+    lm_head, target)``), or ``""``."""
+    weight = getattr(value, "weight", None)
+    if not callable(value) or weight is None or not hasattr(weight, "shape"):
+        return ""
+    return f" (a module: pass its weight tensor, e.g. lm_head.weight, as {name})"
+
+
+def positional_hint(name: str, value, position: str, keyword: str = "ignore_index") -> str:
+    """The hint for an integer given positionally where the tensor ``name`` sits (``cross_entropy(logits,
+    target, -100)``: the third positional argument is ``weight``, as in ``F.cross_entropy``, and
+    ``ignore_index`` a keyword), or ``""``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return ""
+    return (f" ({value} was passed as {name}, the {position} positional argument; for {keyword}, pass "
+            f"{keyword}={value} by keyword)")
+
+
+def distill_swap_hint(student: tuple, student_w: tuple, teacher: tuple, teacher_w: tuple,
+                      target: Optional[tuple] = None) -> str:
+    """The hint for ``linear_distillation_loss`` with one model's hidden states and head swapped, or ``""``
+    (shapes: the hidden states, the heads as given, the target's or None). A model looks swapped when its
+    "hidden states" are 2-D with as many rows as the other head's V and its "head" has as many rows as the
+    other's tokens. Both can look so (2-D hidden states: the shapes alone cannot tell); then the target,
+    whose shape is the tokens', picks the one, else both are named."""
+    def looks_swapped(hidden, own_w, other, other_w):
+        return len(hidden) == 2 and hidden[0] == other_w[0] and own_w[0] == math.prod(other[:-1])
+
+    names = [name for name, hidden, own_w, other, other_w in (("student", student, student_w, teacher, teacher_w),
+                                                              ("teacher", teacher, teacher_w, student, student_w))
+             if looks_swapped(hidden, own_w, other, other_w)]
+    if len(names) == 2 and target is not None:
+        names = [name for name, hidden in (("student", student), ("teacher", teacher))
+                 if tuple(hidden[:-1]) != tuple(target)] or names
+    order = " the order is (student_hidden, student_weight, teacher_hidden, teacher_weight)"
+    if len(names) == 1:
+        name = names[0]
+        given = student if name == "student" else teacher
+        return f"; {name}_hidden {tuple(given)} and {name}_weight look swapped:{order}"
+    if len(names) == 2:
+        return (f"; the student's or the teacher's hidden states and head look swapped (the shapes cannot "
+                f"tell which; a target would):{order}")
+    return ""

@@ -115,9 +115,10 @@ def row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes: int, opts: LossOpt
 
 def entropy_rows(z: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor) -> torch.Tensor:
     """``-sum_c p_c u_c`` per row of fp32 ``z`` ((n, V)), ``u_c = (z_c - lse) - lse_lo``, ``p = exp(u)``:
-    the entropy of ``softmax(z)``, a sum of non-negative terms (no cancellation); -inf logits add 0."""
+    the entropy of ``softmax(z)``, a sum of non-negative terms (no cancellation); -inf logits add 0, but
+    a row of -inf only (lse -inf, no distribution) is NaN, as its log-prob and float64 torch's entropy."""
     u = (z - lse[:, None]) - lse_lo[:, None]
-    return -torch.where(z == float("-inf"), 0.0, torch.exp(u) * u).sum(dim=1)
+    return -torch.where((z == float("-inf")) & (lse[:, None] != float("-inf")), 0.0, torch.exp(u) * u).sum(dim=1)
 
 
 def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],

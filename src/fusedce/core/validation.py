@@ -9,7 +9,8 @@ from typing import Callable, Optional
 import torch
 
 from fusedce.core.options.checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_accum_dtype, check_chunk_size, finite, fp32_range)
-from fusedce.core.hints import class_dim_hint, reshape_hint, swapped_hint  # noqa: F401 (val.*_hint)
+from fusedce.core.hints import (class_dim_hint, module_hint, positional_hint, reshape_hint,  # noqa: F401 (val.*_hint)
+                                 swapped_hint)
 from fusedce.core.transforms import values_unavailable
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -60,19 +61,23 @@ def check_target(target: torch.Tensor, expected_shape, device: torch.device,
 
 def check_float(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}{module_hint(name, t)}")
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
 
 
 def check_vector(name: str, t: Optional[torch.Tensor], size: int, device: torch.device,
-                 constant: bool = False) -> None:
+                 constant: bool = False, position: str = "") -> None:
     """An optional ``(size,)`` float tensor on ``device`` (class weights, bias). ``constant`` (class weights,
-    which get no gradient): one that requires grad in grad mode is a ``TypeError``, as in ``F.cross_entropy``."""
+    which get no gradient): one that requires grad in grad mode is a ``TypeError``, as in ``F.cross_entropy``.
+    ``position`` ("third", ...): where ``name`` sits among the positional arguments, for the hint on an
+    integer given there (an ``ignore_index`` passed positionally)."""
     if t is None:
         return
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor")
+        got = t.dtype if isinstance(t, torch.Tensor) else f"{type(t).__name__} {t!r}"
+        hint = positional_hint(name, t, position) if position else ""
+        raise TypeError(f"{name} must be a floating-point tensor, got {got}{hint}")
     if constant and t.requires_grad and torch.is_grad_enabled():
         raise TypeError(f"{name} requires grad, but class weights are a constant of the loss (no gradient; "
                         f"F.cross_entropy refuses them too): pass {name}.detach()")
@@ -84,11 +89,13 @@ def check_vector(name: str, t: Optional[torch.Tensor], size: int, device: torch.
 
 def check_class_weights(name: str, t: Optional[torch.Tensor]) -> None:
     """An optional 1-D float tensor whose length is not known yet (a module's class weights, checked
-    again against V at each call): ``TypeError`` unless a floating-point tensor, ``ValueError`` unless 1-D."""
+    again against V at each call, the modules' first positional argument as in torch's):
+    ``TypeError`` unless a floating-point tensor, ``ValueError`` unless 1-D."""
     if t is None:
         return
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor")
+        got = t.dtype if isinstance(t, torch.Tensor) else f"{type(t).__name__} {t!r}"
+        raise TypeError(f"{name} must be a floating-point tensor, got {got}{positional_hint(name, t, 'first')}")
     if t.dim() != 1:
         raise ValueError(f"{name} must have shape (V,), got {tuple(t.shape)}")
 
@@ -164,32 +171,34 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
 
 
 def bad_probabilities(target: torch.Tensor) -> Optional[torch.Tensor]:
-    """A 0-dim bool device tensor: does the probability target ``target`` hold a negative or NaN value?
-    None when the check is skipped (an empty target, torch.compile, CUDA-graph capture, fake tensors:
-    :func:`sync_allowed`, the target-range check's rule). No host sync here: the caller reads the flag,
-    in the one sync it has (:func:`check_probabilities`; the vocab-parallel ops' setup ``all_gather``)."""
+    """A 0-dim bool device tensor: does the probability target ``target`` hold a negative, NaN or +inf
+    value? None when the check is skipped (an empty target, torch.compile, CUDA-graph capture, fake
+    tensors: :func:`sync_allowed`, the target-range check's rule). No host sync here: the caller reads the
+    flag, in the one sync it has (:func:`check_probabilities`; the vocab-parallel ops' setup ``all_gather``)."""
     if target.numel() == 0 or not sync_allowed(target):
         return None
     # one reduction, no temporary of the target's size (two bool masks and their OR were 3 BT V bytes:
-    # 576 MiB at 4096 x 49152, more than the tiled method's whole working memory); min propagates NaN
-    low = target.min()
-    return (low < 0) | torch.isnan(low)
+    # 576 MiB at 4096 x 49152, more than the tiled method's whole working memory); aminmax propagates NaN
+    low, high = torch.aminmax(target)
+    return (low < 0) | torch.isnan(low) | (high == float("inf"))
 
 
 def raise_bad_probabilities(target: torch.Tensor, name: str = "target") -> None:
-    """The ``ValueError`` of a probability target with a negative or NaN value, naming the first one
+    """The ``ValueError`` of a probability target with a negative, NaN or +inf value, naming the first one
     (error path only: it reads the position back)."""
-    bad = ((target < 0) | torch.isnan(target)).reshape(-1).nonzero()[0, 0]
+    bad = ((target < 0) | ~torch.isfinite(target)).reshape(-1).nonzero()[0, 0]
     pos = [int(i) for i in torch.unravel_index(bad, tuple(target.shape))]
     value = float(target.reshape(-1)[bad])
     hint = " (log-probabilities? pass their exp(), e.g. softmax of the teacher's logits)" if value < 0 else ""
+    if value == float("inf"):
+        hint = " (an overflow upstream? probabilities come from a softmax, or a normalized count)"
     raise ValueError(f"{name}{pos} = {value}: a floating-point {name} holds class probabilities, which must "
-                     f"be >= 0 and not NaN{hint}")
+                     f"be >= 0 and not NaN or +inf{hint}")
 
 
 def check_probabilities(target: torch.Tensor, name: str = "target",
                         token_weights: Optional[torch.Tensor] = None) -> None:
-    """``ValueError`` naming the first negative or NaN value of the probability target ``target`` (every
+    """``ValueError`` naming the first negative, NaN or +inf value of the probability target ``target`` (every
     row is kept: probability targets ignore no row), then the first NaN or infinite value of
     ``token_weights`` (the logits' ``shape[:-1]``, or None), as the class-index targets' check does. One host
     sync for both, the target-range check's kind and rule: skipped under torch.compile, CUDA-graph capture
@@ -241,7 +250,7 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
         raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
     check_target(target, hidden.shape[:-1], hidden.device,
                  lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape), probabilities)
-    check_vector(b_name, bias, weight.shape[0], hidden.device)
+    check_vector(b_name, bias, weight.shape[0], hidden.device, position="fourth" if b_name == "bias" else "")
     check_vector(cw_name, ce_weight, weight.shape[0], hidden.device, constant=True)
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
         raise TypeError(f"hidden, {w_name} and {b_name} must share a dtype; got {hidden.dtype}, "

@@ -12,6 +12,7 @@ import torch
 
 from fusedce import backends
 from fusedce.core import validation as val
+from fusedce.core.hints import distill_swap_hint
 from fusedce.core.options import (REDUCTIONS, LossOptions, check_chunk_size, check_temperature, deterministic_mode,
                                   log_prob_options)
 from fusedce.core.options.checks import check_flag, integer_option
@@ -36,8 +37,10 @@ def check_head(hidden, weight, bias, model: str) -> None:
     val.check_float(h_name, hidden)
     val.check_float(w_name, weight)
     if hidden.dim() < 1 or weight.dim() != 2:
+        swapped = (f"; they look swapped: {h_name} is the hidden states (..., H), {w_name} the LM head's weight "
+                   "(V, H)") if hidden.dim() == 2 else ""
         raise ValueError(f"{h_name} must be (..., H) and {w_name} (V, H); got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
+                         f"{tuple(weight.shape)}{swapped}")
     val.check_nonzero(h_name, hidden.shape, -1, "H")
     val.check_nonzero(w_name, weight.shape, 0, "V")
     if hidden.shape[-1] != weight.shape[1]:
@@ -56,16 +59,6 @@ def check_vocab(student_v: int, teacher_v: int, what: str, hint: str = "") -> No
     if student_v != teacher_v:
         raise ValueError(f"the student's and the teacher's heads must have the same vocabulary size V: {what} "
                          f"gives V = {student_v} for the student and {teacher_v} for the teacher" + hint)
-
-
-def _swap_hint(student, ws, teacher, wt) -> str:
-    """A hint when one model's hidden states and head look swapped: its hidden states have as many rows as
-    the other head's V (the arguments are ``student_hidden, student_weight, teacher_hidden, teacher_weight``)."""
-    for name, hidden, other_v in (("student", student, wt.shape[0]), ("teacher", teacher, ws.shape[0])):
-        if hidden.dim() == 2 and hidden.shape[0] == other_v:
-            return (f"; {name}_hidden {tuple(hidden.shape)} and {name}_weight look swapped: the order is "
-                    "(student_hidden, student_weight, teacher_hidden, teacher_weight)")
-    return ""
 
 
 def check_target(target, shape, device: torch.device, n_classes: int, ignore_index: int):
@@ -134,7 +127,9 @@ def checked_distill(student, teacher, target, *, beta, temperature, hard_label_w
         check_head(student, ws, bs, "student")
         check_head(teacher, wt, bt, "teacher")
         n_classes = ws.shape[0]
-        check_vocab(n_classes, wt.shape[0], "weight.shape[0]", _swap_hint(student, ws, teacher, wt))
+        check_vocab(n_classes, wt.shape[0], "weight.shape[0]",
+                    distill_swap_hint(tuple(student.shape), tuple(ws.shape), tuple(teacher.shape), tuple(wt.shape),
+                                      tuple(target.shape) if isinstance(target, torch.Tensor) else None))
     check_pair(student, teacher, s_name, t_name)
     if heads is not None:
         check_chunk_size(chunk_size)

@@ -84,7 +84,7 @@ def vocab_parallel_cross_entropy(
             ``num_items_in_batch``; ``predicted_tokens`` / ``token_accuracy`` against the global argmax of
             the target; ``use_token_scaling`` refused). Only row statistics are exchanged
             (``distributed/soft_rows.py``: all_reduce(MAX) of BT fp32, all_reduce(SUM) of BT x 4 fp32,
-            + all_reduce(MAX) of BT x 2 int64 with stats); a negative or NaN probability on any rank is
+            + all_reduce(MAX) of BT x 2 int64 with stats); a negative, NaN or +inf probability on any rank is
             a ``ValueError`` naming ``target`` on every rank, found in the setup all_gather (its 4th
             int64; skipped under torch.compile / CUDA-graph capture).
         weight_shard: optional ``(V_r,)`` class weights of this rank's slice.

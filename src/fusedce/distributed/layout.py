@@ -6,7 +6,7 @@ Every rank holds the contiguous global classes ``[start, start + size)``. The sl
 Collective (setup, once per call): ``all_gather`` of 3 int64 per rank ``(has_start, start, size)``,
 i.e. 24 bytes sent and ``24 * world_size`` bytes received per rank, then one host sync to read them
 (the global ``V`` is needed on the host for the target range check and ``eps / V``). With a probability
-target a 4th int64 rides along: whether this rank's slice of the target holds a negative or NaN value
+target a 4th int64 rides along: whether this rank's slice of the target holds a negative, NaN or +inf value
 (``validation.bad_probabilities``), so that every rank raises in the same place (32 bytes per rank).
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
         RuntimeError: ``torch.distributed`` is not initialized.
         ValueError: ``vocab_start_index`` given on some ranks only, slices that overlap, leave a gap
             or do not start at 0, a global vocabulary of 0 classes (every slice empty), or a probability
-            target with a negative or NaN value on some rank (naming ``target`` and, on that rank, the
+            target with a negative, NaN or +inf value on some rank (naming ``target`` and, on that rank, the
             position).
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -112,6 +112,7 @@ def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
                 val.raise_bad_probabilities(probabilities)
             except ValueError as error:
                 raise ValueError(f"{error} (rank {rank}'s slice of the vocabulary: the last index is local)") from None
-        raise ValueError(f"target (the probabilities) holds a negative or NaN value on rank(s) {ranks} of {world} "
-                         "(that rank's error names the position): probabilities must be >= 0 and not NaN")
+        raise ValueError(f"target (the probabilities) holds a negative, NaN or +inf value on rank(s) {ranks} "
+                         f"of {world} (that rank's error names the position): probabilities must be >= 0 and not "
+                         "NaN or +inf")
     return VocabLayout(start=starts[rank], size=sizes[rank], n_classes=n_classes, group=group)

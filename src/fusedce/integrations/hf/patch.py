@@ -29,6 +29,7 @@ from fusedce.core.entrance import public_op
 from fusedce.ce.functional import linear_cross_entropy
 from fusedce.core import validation as val
 from fusedce.core.dtensor import replicated_to_local
+from fusedce.core.hints import shifted_labels_hint
 from fusedce.core.options import check_flag
 from fusedce.integrations.hf.adapters import kind as head_kind
 from fusedce.integrations.hf.call import HeadCall, module_name
@@ -63,6 +64,9 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
       the last position predicts nothing), or the ``shift_labels`` kwarg as given (TRL's padding-free
       batches: ``position_ids`` pass through to the family); ``ignore_index=-100``;
       ``num_items_in_batch`` (the Trainer's kwarg under gradient accumulation) is the mean's denominator;
+    - ``reduction="none"``: ``loss`` is the flat fp32 ``(B*T,)`` per-position loss, element ``b*T + t`` that
+      of predicting ``labels[b, t + 1]`` at position t, 0 where that label is ignored and at each sequence's
+      last position (nothing to predict); ``loss.view(B, T)`` gives the positions' layout;
     - the family's logit transform, read from the config and its text config (``get_text_config()``:
       multimodal models keep it there; ``hf_head.DECLARED``): ``final_logit_softcapping`` (Gemma 2/3/4,
       PaliGemma 2) becomes ``softcap``; the logit scales (Cohere ``logit_scale`` and FalconH1
@@ -293,12 +297,14 @@ def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias,
         bias = None if bias is None else bias[:n_classes]
     hidden = hidden.to(weight.device)
     target = shift_labels.to(weight.device).reshape(-1)
-    hidden = hidden.reshape(-1, hidden.shape[-1])
+    positions, hidden = tuple(hidden.shape[:-1]), hidden.reshape(-1, hidden.shape[-1])
     if hidden.shape[0] != target.shape[0]:
-        raise ValueError(f"{type(model).__name__}: the labels give {target.shape[0]} targets after the "
+        shifted = "" if given_shifted else shifted_labels_hint(tuple(labels.shape), positions)
+        raise ValueError(f"{type(model).__name__}: " + (shifted or (
+                         f"the labels give {target.shape[0]} targets after the "
                          f"shift but the model kept {hidden.shape[0]} positions (logits_to_keep?); with "
                          "logits_to_keep=k pass the labels of the kept positions only, labels[..., -k:] (or "
-                         "shift_labels of that shape)")
+                         "shift_labels of that shape)")))
     if isinstance(num_items, torch.Tensor):
         num_items = num_items.to(hidden.device)
     # under autocast, linear_cross_entropy casts hidden / head to the autocast dtype as F.linear would
