@@ -6,7 +6,10 @@ Kept set of a row (the sampler's order: temperature, top-k, top-p; ``docs/contra
 then the classes whose strictly-larger mass ``sum_{j kept, q_j > q_i} p_k[j]`` is < ``top_p`` (classes tied
 in ``q`` share it, so they are kept or dropped together; the largest always stays). Both steps keep a prefix
 of the row sorted by ``q``, so the kept set is ``{c : q_c >= thr}`` for one threshold ``thr`` per row, found
-once (one sort of the chunk) in the forward and saved: the backward needs no sort. The masses are fp32
+once (one sort of the chunk) in the forward and saved: the backward needs no sort. The threshold is the value
+at the last sorted position whose mass ahead is < ``top_p``; the mass ahead is non-decreasing and equals the
+strictly-larger mass at the first member of a tie group, so a group is kept whole exactly when its first
+member's strictly-larger mass is < ``top_p`` (no tie grouping needed in the code). The masses are fp32
 (a cumulative sum of the sorted ``p_k``), compared with ``top_p`` in fp32.
 
 On the kept set ``S``: ``lse_S = logsumexp(q_S)``, ``log_prob = q_t - lse_S`` (``-inf`` when ``t`` is
@@ -39,14 +42,11 @@ def threshold(q: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torc
     k = torch.where(top_k > 0, top_k.clamp(max=v), v) - 1
     in_k = sorted_q >= sorted_q.gather(1, k[:, None])
     p = torch.softmax(sorted_q.masked_fill(~in_k, NEG_INF), dim=1).nan_to_num_(0.0)   # all -inf row: 0
-    before = torch.zeros_like(p)   # mass ahead in the sorted order ...
-    torch.cumsum(p[:, :-1], dim=1, out=before[:, 1:])
-    descending = sorted_q.neg()   # ascending, for the first index of each tie group
-    first = torch.searchsorted(descending, descending, side="left")
-    larger = before.gather(1, first)   # ... at the first of its ties: the strictly-larger mass
-    keep = in_k & ((larger < top_p[:, None]) | (top_p >= 1.0)[:, None])
+    before = torch.zeros_like(p)   # the mass ahead in the sorted order: at the first of a tie group, the
+    torch.cumsum(p[:, :-1], dim=1, out=before[:, 1:])   # group's strictly-larger mass, and no less after it
+    keep = in_k & ((before < top_p[:, None]) | (top_p >= 1.0)[:, None])
     count = keep.sum(dim=1, keepdim=True).clamp_(min=1)
-    return sorted_q.gather(1, count - 1)
+    return sorted_q.gather(1, count - 1)   # the last kept position's value: its whole tie group is kept
 
 
 def forward(q: torch.Tensor, target: torch.Tensor, thr: torch.Tensor, want_entropy: bool):
