@@ -186,3 +186,21 @@ def test_leading_shape_and_per_row_tensors():
                             p.reshape(6).tolist())
     _close(out.log_probs.reshape(6), lp64, "log_probs")
     _close(out.entropy.reshape(6), ent64, "entropy")
+
+
+def test_empty_all_ignored_and_all_minus_inf_rows():
+    """No NaN anywhere: an empty batch, a batch of ignored rows (0, zero gradient, linear form compacted to
+    nothing) and rows whose logits are all -inf (-inf log-prob, entropy 0, zero gradient)."""
+    w = torch.randn(V, 3, requires_grad=True)
+    for n in (0, 4):
+        h = torch.randn(n, 3, requires_grad=True)
+        out = fusedce.linear_token_log_probs(h, w, torch.full((n,), -100), top_p=torch.full((n,), 0.5),
+                                             return_entropy=True)
+        assert out.log_probs.eq(0).all() and out.entropy.eq(0).all()
+        gh, gw = torch.autograd.grad(out.log_probs.sum() + out.entropy.sum(), (h, w))
+        assert gh.eq(0).all() and gw.eq(0).all()
+    x = torch.full((2, V), float("-inf"), requires_grad=True)
+    out = fusedce.token_log_probs(x, torch.tensor([1, 2]), top_k=2, top_p=0.5, return_entropy=True)
+    assert out.log_probs.eq(float("-inf")).all() and out.entropy.eq(0).all()
+    (g,) = torch.autograd.grad((out.log_probs, out.entropy), x, (torch.ones(2), torch.ones(2)))
+    assert g.eq(0).all()

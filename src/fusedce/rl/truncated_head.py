@@ -53,10 +53,10 @@ def _chunk_grad(q, target, thr, lse, entropy, g_lp, g_ent, opts: LossOptions):
     return mul_slope_(grad, q, opts)
 
 
-def _outputs(ctx, log_prob, entropy, thr, lse, want_entropy: bool):
+def _outputs(ctx, log_prob, entropy, want_entropy: bool):
+    """The Function's two outputs (the entropy empty unless asked, as ``rl/linear_head.py``)."""
     ctx.want_entropy = want_entropy
-    entropy = entropy if want_entropy else log_prob.new_empty(0)
-    return log_prob, entropy
+    return log_prob, (entropy if want_entropy else log_prob.new_empty(0))
 
 
 class _TruncatedLogProbs(torch.autograd.Function):
@@ -75,7 +75,7 @@ class _TruncatedLogProbs(torch.autograd.Function):
                 ent[c] = out[1]
         ctx.save_for_backward(logits, target, thr, lse, ent)
         ctx.opts = opts
-        return _outputs(ctx, lp, ent, thr, lse, want_entropy)
+        return _outputs(ctx, lp, ent, want_entropy)
 
     @staticmethod
     @backward_formula
@@ -111,7 +111,7 @@ class _TruncatedLinearLogProbs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, target, thr, lse, ent)
         ctx.opts, ctx.rows, ctx.logits, ctx.needs = opts, rows, logits, needs
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return _outputs(ctx, lp, ent, thr, lse, want_entropy)
+        return _outputs(ctx, lp, ent, want_entropy)
 
     @staticmethod
     @backward_formula
