@@ -14,6 +14,7 @@ import torch
 from fusedce.core import validation as val
 from fusedce.core.options import LossOptions, check_flag, deterministic_mode, log_prob_options
 from fusedce.lm_head.method import check_method
+from fusedce.rl.truncation_checks import checked_truncation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,13 @@ class LogProbsCall:
     target: torch.Tensor             # (*lead) or, K-class form, (*lead, K); int64-safe (its range: the op's)
     multi: bool                      # the K-class form (rl/multi.py)
     deterministic: bool = False
+    top_k: object = None             # None (off), an int >= 1, or a per-row integer tensor (rl/truncation_checks.py)
+    top_p: object = None             # None (off), a float in (0, 1), or a per-row float tensor
+
+    @property
+    def truncated(self) -> bool:
+        """Whether ``top_k`` / ``top_p`` ask for the sampler's truncated distribution (``rl/truncated_head.py``)."""
+        return self.top_k is not None or self.top_p is not None
 
 
 def is_multi(data: torch.Tensor, target) -> bool:
@@ -48,7 +56,8 @@ def _flags(multi: bool, return_entropy, return_stats) -> None:
 
 
 def checked_log_probs(logits, target, *, temperature, softcap, logit_scale, ignore_index, return_entropy,
-                      return_stats=False, name: str = "logits", sharded: bool = False) -> LogProbsCall:
+                      return_stats=False, name: str = "logits", sharded: bool = False, top_k=None,
+                      top_p=None) -> LogProbsCall:
     """The checks of an RL op on logits (``name``: ``"logits"``, or ``"logits_shard"`` with ``sharded``,
     whose ``V_r`` may be 0): float logits of at least one dimension,
     ``V > 0``, the options (``log_prob_options``: the one temperature check), the target (shape with
@@ -68,12 +77,13 @@ def checked_log_probs(logits, target, *, temperature, softcap, logit_scale, igno
                          f"; or a (..., K) target of {len(lead) + 1} dimensions, K target ids per token")
     target = val.widen_target(target, opts.ignore_index)
     _flags(multi, return_entropy, return_stats)
-    return LogProbsCall(opts, lead, target, multi)
+    top_k, top_p = checked_truncation(top_k, top_p, target, multi, return_stats)
+    return LogProbsCall(opts, lead, target, multi, top_k=top_k, top_p=top_p)
 
 
 def checked_linear_log_probs(hidden, weight, target, bias, *, temperature, softcap, logit_scale, ignore_index,
                              return_entropy, return_stats=False, chunk_size=None, method: Optional[str] = "auto",
-                             deterministic=None, sharded: bool = False) -> LogProbsCall:
+                             deterministic=None, sharded: bool = False, top_k=None, top_p=None) -> LogProbsCall:
     """The checks of an RL op on the LM head (``sharded``: the vocab-parallel one, tensors named
     ``weight_shard`` / ``bias_shard``, ``V_r`` may be 0, no ``method``): the
     options, ``deterministic``, the head and target (``check_linear``; for a ``(..., K)`` target K >= 1
@@ -95,4 +105,5 @@ def checked_linear_log_probs(hidden, weight, target, bias, *, temperature, softc
         check_method(method, chunk_size)
     target = val.widen_target(target, opts.ignore_index)
     _flags(multi, return_entropy, return_stats)
-    return LogProbsCall(opts, hidden.shape[:-1], target, multi, deterministic)
+    top_k, top_p = checked_truncation(top_k, top_p, target, multi, return_stats)
+    return LogProbsCall(opts, hidden.shape[:-1], target, multi, deterministic, top_k, top_p)

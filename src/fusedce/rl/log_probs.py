@@ -13,6 +13,8 @@ from fusedce.core import validation as val
 from fusedce.lm_head import invariant
 from fusedce.lm_head.method import check_logits_dtype, resolve_method
 from fusedce.rl import checks as rc
+from fusedce.rl.truncation_checks import check_truncated_method
+from fusedce.rl import truncated_head
 from fusedce.core.rows import rows_view
 from fusedce.core.types import TokenLogProbs, TokenStats
 
@@ -30,7 +32,7 @@ def _result(out, shape, return_entropy: bool, return_stats: bool):
 def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0,
                     softcap: Optional[float] = None, logit_scale: float = 1.0, ignore_index: int = -100,
                     return_entropy: bool = False, return_stats: bool = False,
-                    backend: Optional[str] = None, batch_invariant: bool = False
+                    backend: Optional[str] = None, batch_invariant: bool = False, top_k=None, top_p=None
                     ) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
     """Per-token ``log softmax(q)[target]`` (and the entropy of ``softmax(q)``) for policy-gradient RL.
 
@@ -62,6 +64,12 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
         batch_invariant: as in :func:`fusedce.cross_entropy` (log-probs, entropy, statistics and the
             gradient's rows bitwise independent of the rest of the batch; free on logits; ``ValueError``
             with a ``(..., K)`` target or ``backend="cute"``).
+        top_k, top_p: the sampler's truncation (``docs/contract.md``, "Top-k / top-p"): an int >= 0 / a
+            number in (0, 1], or per-row tensors of ``target.shape`` (integer / floating); 0 / 1.0 / None:
+            off. Then the log-probs and entropy are those of the renormalized kept set (temperature, then
+            top-k, then top-p), gradients through the kept classes only, ``-inf`` (zero gradient) for a
+            target outside its kept set. ``ValueError`` with a ``(..., K)`` target, ``return_stats`` or
+            ``batch_invariant``.
 
     Returns:
         fp32 ``log_probs`` of ``target.shape`` (with a ``(..., K)`` target: ``(..., K)``, and the entropy
@@ -79,11 +87,18 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
             ``RuntimeError`` for ``backend="cute"`` (no entropy kernels yet).
     """
     call = rc.checked_log_probs(logits, target, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-                                ignore_index=ignore_index, return_entropy=return_entropy, return_stats=return_stats)
+                                ignore_index=ignore_index, return_entropy=return_entropy, return_stats=return_stats,
+                                top_k=top_k, top_p=top_p)
     invariant.check(batch_invariant)
+    if call.truncated:
+        check_truncated_method("chunked", batch_invariant)
     impl = backends.get(backend, logits.device, entropy=True)
     invariant.check_backend(batch_invariant, impl)
     val.check_target_range(call.target, logits.shape[-1], call.opts.ignore_index)
+    if call.truncated:
+        out = truncated_head.token_log_probs(rows_view(logits, False), call.target.reshape(-1), call.top_k,
+                                             call.top_p, call.opts, return_entropy)
+        return _result(out, call.lead, return_entropy, False)
     if call.multi:
         invariant.refuse(batch_invariant, "a (..., K) target")
         out = multi.log_probs_rows(impl, logits, call.target, call.opts, return_entropy)
@@ -100,8 +115,8 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
                            return_entropy: bool = False, return_stats: bool = False,
                            chunk_size: Optional[int] = None, method: str = "auto",
                            backend: Optional[str] = None, deterministic: Optional[bool] = None,
-                           logits_dtype: str = "float32", batch_invariant: bool = False
-                           ) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
+                           logits_dtype: str = "float32", batch_invariant: bool = False, top_k=None,
+                           top_p=None) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
     """:func:`token_log_probs` of ``hidden @ weight.T + bias`` without ever allocating BT x V logits.
 
     Args:
@@ -127,6 +142,8 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
         batch_invariant: as in :func:`fusedce.linear_cross_entropy` (log-probs, entropy, statistics and
             ``hidden``'s gradient rows bitwise independent of the rest of the batch; either method, one
             class per token: ``ValueError`` with a ``(..., K)`` target).
+        top_k, top_p: as in :func:`token_log_probs`; with ``method="chunked"`` (or ``"auto"``; ``"tiled"``:
+            ``ValueError``), one chunk of logits at a time, on every backend (PyTorch ops on each chunk).
         A ``(..., K)`` target with ``"tiled"`` also computes the K target logits from gathered rows of
             ``weight`` (fp32 products, at most 2^22 elements at a time, or one row's K x H) and rounds
             the hidden gradient a second time in bf16 / fp16 (``rl/multi_head.py``).
@@ -142,11 +159,19 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
     call = rc.checked_linear_log_probs(hidden, weight, target, bias, temperature=temperature, softcap=softcap,
                                        logit_scale=logit_scale, ignore_index=ignore_index,
                                        return_entropy=return_entropy, return_stats=return_stats,
-                                       chunk_size=chunk_size, method=method, deterministic=deterministic)
+                                       chunk_size=chunk_size, method=method, deterministic=deterministic,
+                                       top_k=top_k, top_p=top_p)
     check_logits_dtype(logits_dtype, method)
     invariant.check(batch_invariant)
+    if call.truncated:
+        check_truncated_method(method, batch_invariant)
     impl = backends.get(backend, hidden.device, entropy=True, tiled=resolve_method(method) == "tiled")
     val.check_target_range(call.target, weight.shape[0], call.opts.ignore_index)
+    if call.truncated:
+        out = truncated_head.linear_token_log_probs(
+            hidden.reshape(-1, hidden.shape[-1]), weight, call.target.reshape(-1), bias, call.top_k, call.top_p,
+            call.opts, return_entropy, None if chunk_size is None else int(chunk_size), logits_dtype)
+        return _result(out, call.lead, return_entropy, False)
     invariant.check_backend(batch_invariant, impl)
     if call.multi:
         invariant.refuse(batch_invariant, "a (..., K) target")

@@ -1,0 +1,88 @@
+"""The per-row math of the sampler's truncated distribution (``top_k`` / ``top_p`` of the RL log-prob ops),
+PyTorch ops on one chunk of fp32 ``q = transform(x) / temperature`` (``(n, V)``), every backend alike.
+
+Kept set of a row (the sampler's order: temperature, top-k, top-p; ``docs/contract.md``): the classes whose
+``q`` is >= the k-th largest ``q`` (every class tied with the k-th value is kept), renormalized to ``p_k``;
+then the classes whose strictly-larger mass ``sum_{j kept, q_j > q_i} p_k[j]`` is < ``top_p`` (classes tied
+in ``q`` share it, so they are kept or dropped together; the largest always stays). Both steps keep a prefix
+of the row sorted by ``q``, so the kept set is ``{c : q_c >= thr}`` for one threshold ``thr`` per row, found
+once (one sort of the chunk) in the forward and saved: the backward needs no sort. The threshold is the value
+at the last sorted position whose mass ahead is < ``top_p``; the mass ahead is non-decreasing and equals the
+strictly-larger mass at the first member of a tie group, so a group is kept whole exactly when its first
+member's strictly-larger mass is < ``top_p`` (no tie grouping needed in the code). The masses are fp32
+(a cumulative sum of the sorted ``p_k``), compared with ``top_p`` in fp32.
+
+On the kept set ``S``: ``lse_S = logsumexp(q_S)``, ``log_prob = q_t - lse_S`` (``-inf`` when ``t`` is
+outside ``S``, with zero gradient), ``entropy = lse_S - sum_S p q`` with ``p = exp(q - lse_S)`` on ``S``.
+Gradients with respect to ``q`` (zero outside ``S``): ``d log_prob / dq = onehot_t - p`` (target in ``S``),
+``d entropy / dq = -p (q - lse_S + entropy)``.
+"""
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def per_row(value, n: int, dtype: torch.dtype, off, device) -> torch.Tensor:
+    """``(n,)`` tensor of ``dtype`` from a checked ``top_k`` / ``top_p`` (None: ``off`` everywhere; a number;
+    a per-row tensor of any shape with n elements)."""
+    if value is None:
+        value = off
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).to(device=device, dtype=dtype)
+    return torch.full((n,), value, dtype=dtype, device=device)
+
+
+def threshold(q: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``(n, 1)`` fp32: the smallest kept ``q`` of each row (module docstring); ``top_k`` (n,) int64 with 0 for
+    off, ``top_p`` (n,) fp32 with values >= 1 for off."""
+    v = q.shape[1]
+    sorted_q = torch.sort(q, dim=1, descending=True).values
+    k = torch.where(top_k > 0, top_k.clamp(max=v), v) - 1
+    in_k = sorted_q >= sorted_q.gather(1, k[:, None])
+    p = torch.softmax(sorted_q.masked_fill(~in_k, NEG_INF), dim=1).nan_to_num_(0.0)   # all -inf row: 0
+    before = torch.zeros_like(p)   # the mass ahead in the sorted order: at the first of a tie group, the
+    torch.cumsum(p[:, :-1], dim=1, out=before[:, 1:])   # group's strictly-larger mass, and no less after it
+    keep = in_k & ((before < top_p[:, None]) | (top_p >= 1.0)[:, None])
+    count = keep.sum(dim=1, keepdim=True).clamp_(min=1)
+    return sorted_q.gather(1, count - 1)   # the last kept position's value: its whole tie group is kept
+
+
+def forward(q: torch.Tensor, target: torch.Tensor, thr: torch.Tensor, want_entropy: bool):
+    """``(log_prob, entropy or None, lse_S)`` (n,) fp32 of the rows of ``q`` kept at ``q >= thr``; ``target``
+    (n,) int64 in [0, V) (ignored rows: the caller's; any valid class here)."""
+    kept = q >= thr
+    lse = torch.logsumexp(q.masked_fill(~kept, NEG_INF), dim=1)
+    finite = lse > NEG_INF
+    q_t = q.gather(1, target[:, None]).squeeze(1)
+    inside = (q_t >= thr.squeeze(1)) & finite
+    log_prob = torch.where(inside, q_t - lse, NEG_INF)
+    entropy = None
+    if want_entropy:
+        p = _probs(q, kept, lse, finite)
+        entropy = torch.where(finite, lse - torch.where(p > 0, p * q, 0.0).sum(dim=1), 0.0)
+    return log_prob, entropy, lse
+
+
+def _probs(q, kept, lse, finite):
+    return torch.where(kept & finite[:, None], torch.exp(q - lse[:, None]), 0.0)
+
+
+def grad_q(q: torch.Tensor, target: torch.Tensor, thr: torch.Tensor, lse: torch.Tensor, g_log_prob, g_entropy,
+           entropy) -> torch.Tensor:
+    """``(n, V)`` fp32 gradient with respect to ``q`` of ``sum(g_log_prob * log_prob + g_entropy * entropy)``
+    (either upstream None: unused; rows meant to get none must carry 0 upstream), zero outside each kept set."""
+    kept = q >= thr
+    finite = lse > NEG_INF
+    p = _probs(q, kept, lse, finite)
+    grad = torch.zeros_like(q)
+    if g_log_prob is not None:
+        q_t = q.gather(1, target[:, None])
+        g = torch.where((q_t >= thr) & finite[:, None], g_log_prob.float()[:, None], 0.0)
+        grad -= g * p
+        grad.scatter_add_(1, target[:, None], g)
+    if g_entropy is not None:
+        centered = torch.where(p > 0, q - lse[:, None] + entropy[:, None], 0.0)
+        grad -= g_entropy.float()[:, None] * p * centered
+    return grad
