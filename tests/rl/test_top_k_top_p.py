@@ -190,7 +190,8 @@ def test_leading_shape_and_per_row_tensors():
 
 def test_empty_all_ignored_and_all_minus_inf_rows():
     """No NaN anywhere: an empty batch, a batch of ignored rows (0, zero gradient, linear form compacted to
-    nothing) and rows whose logits are all -inf (-inf log-prob, entropy 0, zero gradient)."""
+    nothing); rows whose logits are all -inf have no distribution: NaN log-prob and entropy (as the untruncated
+    op and float64 torch: an entropy bonus must not see a healthy value there), zero gradient."""
     w = torch.randn(V, 3, requires_grad=True)
     for n in (0, 4):
         h = torch.randn(n, 3, requires_grad=True)
@@ -201,6 +202,8 @@ def test_empty_all_ignored_and_all_minus_inf_rows():
         assert gh.eq(0).all() and gw.eq(0).all()
     x = torch.full((2, V), float("-inf"), requires_grad=True)
     out = fusedce.token_log_probs(x, torch.tensor([1, 2]), top_k=2, top_p=0.5, return_entropy=True)
-    assert out.log_probs.eq(float("-inf")).all() and out.entropy.eq(0).all()
+    assert out.log_probs.isnan().all() and out.entropy.isnan().all()
+    full = fusedce.token_log_probs(x.detach(), torch.tensor([1, 2]), return_entropy=True)
+    assert full.log_probs.isnan().all() and full.entropy.isnan().all()
     (g,) = torch.autograd.grad((out.log_probs, out.entropy), x, (torch.ones(2), torch.ones(2)))
     assert g.eq(0).all()

@@ -13,7 +13,7 @@ member's strictly-larger mass is < ``top_p`` (no tie grouping needed in the code
 (a cumulative sum of the sorted ``p_k``), compared with ``top_p`` in fp32.
 
 On the kept set ``S``: ``lse_S = logsumexp(q_S)``, ``log_prob = q_t - lse_S`` (``-inf`` when ``t`` is
-outside ``S``, with zero gradient), ``entropy = lse_S - sum_S p q`` with ``p = exp(q - lse_S)`` on ``S``.
+outside ``S``, with zero gradient; NaN, with NaN entropy, on a row of -inf logits), ``entropy = lse_S - sum_S p q`` with ``p = exp(q - lse_S)`` on ``S``.
 Gradients with respect to ``q`` (zero outside ``S``): ``d log_prob / dq = onehot_t - p`` (target in ``S``),
 ``d entropy / dq = -p (q - lse_S + entropy)``.
 """
@@ -57,11 +57,12 @@ def forward(q: torch.Tensor, target: torch.Tensor, thr: torch.Tensor, want_entro
     finite = lse > NEG_INF
     q_t = q.gather(1, target[:, None]).squeeze(1)
     inside = (q_t >= thr.squeeze(1)) & finite
-    log_prob = torch.where(inside, q_t - lse, NEG_INF)
+    # a row of -inf logits has no distribution: NaN log-prob and entropy, as the untruncated op and float64
+    log_prob = torch.where(inside, q_t - lse, torch.where(finite, NEG_INF, float("nan")))
     entropy = None
     if want_entropy:
         p = _probs(q, kept, lse, finite)
-        entropy = torch.where(finite, lse - torch.where(p > 0, p * q, 0.0).sum(dim=1), 0.0)
+        entropy = torch.where(finite, lse - torch.where(p > 0, p * q, 0.0).sum(dim=1), float("nan"))
     return log_prob, entropy, lse
 
 
