@@ -1,0 +1,100 @@
+"""``FusedLinearCrossEntropy``: torchtitan's token-sum cross-entropy / ``global_valid_tokens`` from the LM
+head's weight through fusedce (the trainer/PP/FSDP flow of ``ChunkedLossWrapper``, one fused call instead of
+``num_chunks`` logits chunks)."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.config import CompileConfig
+
+import fusedce
+from fusedce.distributed import vocab_parallel_linear_cross_entropy
+from fusedce.integrations.torchtitan.head import head_params, local_view, spmd_tp_group, to_partial
+
+_WHERE = "fusedce.integrations.torchtitan.FusedLinearCrossEntropy"
+
+
+def token_sum_loss(hidden, weight, bias, labels, chunk_size, backend):
+    """fp32 sum over the non-ignored tokens of the cross-entropy of ``hidden @ weight.T (+ bias)``:
+    ``weight`` full, a ``Shard(0)`` DTensor, or (spmd_types TP) this rank's rows."""
+    kw = dict(reduction="sum", ignore_index=IGNORE_INDEX, chunk_size=chunk_size, backend=backend)
+    group = None if isinstance(weight, DTensor) else spmd_tp_group()
+    if group is not None:
+        return vocab_parallel_linear_cross_entropy(to_partial(hidden, group), weight, labels, bias,
+                                                   group=group, **kw)
+    loss = fusedce.linear_cross_entropy(hidden, weight, labels, bias, **kw)
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+class FusedLinearCrossEntropy(ChunkedLossWrapper):
+    """torchtitan's ``ChunkedLossWrapper`` + ``CrossEntropyLoss`` (token-sum / ``global_valid_tokens``,
+    metrics ``{}``) computed by ``fusedce.linear_cross_entropy`` from the LM head's weight.
+
+    Select it as ``Trainer.Config(loss=FusedLinearCrossEntropy.Config(), ...)``. The head must be a plain
+    linear layer (``TypeError`` otherwise, at the first call). ``num_chunks`` (inherited) is unused.
+
+    Raises:
+        ValueError: ``loss_fn`` other than ``CrossEntropyLoss.Config``; ``pred`` sharded over its hidden
+            dimension or partial.
+        RuntimeError: called before ``set_lm_head``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ChunkedLossWrapper.Config):
+        chunk_size: int | None = None
+        """Tokens per fusedce chunk (logits are ``chunk_size x V`` (``V/TP`` under TP)); None: fusedce's rule."""
+
+        backend: str | None = None
+        """fusedce backend (None: its default for the device)."""
+
+    def __init__(self, config: Config, *, compile_config: CompileConfig | None = None):
+        if type(config.loss_fn) is not CrossEntropyLoss.Config:
+            raise ValueError(f"{_WHERE}: loss_fn must be CrossEntropyLoss.Config (the fused loss is the "
+                             f"cross-entropy), got {type(config.loss_fn).__name__}; use ChunkedLossWrapper for it")
+        super().__init__(config, compile_config=compile_config)
+        self.chunk_size = config.chunk_size
+        self.backend = config.backend
+
+    def __call__(self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor | None = None,
+                 **loss_inputs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``pred`` ``[B, L, H]`` normed hidden states (``_skip_lm_head``), ``labels`` ``[B, L]`` ->
+        (the detached fp32 loss whose backward hands the hidden-state gradient to the decoder, ``{}``).
+        The head's weight gradient is accumulated here, as ChunkedLossWrapper does."""
+        del loss_inputs   # as CrossEntropyLoss (e.g. ``positions``)
+        from torch.distributed._composable.fsdp import FSDPModule
+
+        lm_head = self.lm_head
+        if lm_head is None:
+            raise RuntimeError(f"{_WHERE}: set_lm_head(model.lm_head) must be called first (the trainer does)")
+        hidden, hidden_dt = local_view(pred, "pred", _WHERE)
+        labels_local, _ = local_view(labels, "labels", _WHERE)
+        requires_grad = pred.requires_grad
+        fsdp = isinstance(lm_head, FSDPModule)
+        if fsdp:   # the head's parameters unsharded as FSDP hands them to its forward
+            lm_head.unshard()
+        try:
+            weight, bias = head_params(lm_head, _WHERE)
+            leaf = hidden.detach().requires_grad_(requires_grad)
+            with torch.enable_grad() if requires_grad else torch.no_grad():
+                h = leaf.to(weight.dtype) if fsdp else leaf   # FSDP's cast of the forward inputs
+                loss = token_sum_loss(h, weight, bias, labels_local, self.chunk_size, self.backend)
+                if global_valid_tokens is not None:
+                    loss = loss / global_valid_tokens
+                if requires_grad:
+                    loss.backward()
+        finally:
+            if fsdp:
+                lm_head.reshard()   # the weight gradient is reduce-scattered by FSDP's post-backward
+        loss = loss.detach()
+        if not requires_grad:
+            return loss, {}
+        grad = leaf.grad.to(hidden.dtype)
+        if hidden_dt is not None:
+            grad = DTensor.from_local(grad, hidden_dt.device_mesh, hidden_dt.placements)
+        return self._gradient_backprop(pred, grad, loss, lm_head, fsdp), {}
