@@ -1,0 +1,120 @@
+"""``fusedce.integrations.torchtitan`` on 2 gloo ranks (``dist_harness.py``), against torchtitan 0.3.0's own
+``ChunkedLossWrapper`` + ``CrossEntropyLoss`` driven the same way (fp32, torch's default tolerances):
+
+- TP under the ``partial_dtensor`` backend: the head ``ColwiseParallel`` (its weight a ``Shard(0)`` DTensor,
+  uneven rows 21 / 20), fusedce through its DTensor vocabulary-parallel path;
+- TP under the ``spmd_types`` backend (torchtitan's default): plain local rows and the current SPMD mesh's
+  ``"tp"`` group; the hidden-state gradient is a partial sum there (the decoder's norm boundary all-reduces
+  it), so the ranks' sums are compared, and each rank's head rows;
+- FSDP2 (``fully_shard`` on the head and on the root, data parallel: each rank its own batch, the global
+  token count): the head's parameters as FSDP hands them, its gradient reduce-scattered by FSDP.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("torchtitan", reason="torchtitan is installed by `make install`")
+
+from dist_harness import assert_passed, results  # noqa: E402
+from titan_models import IGNORE_INDEX, V, Tail, batch, fused_loss, run, stock_loss  # noqa: E402
+
+WORLD = 2
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _mesh(name):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (WORLD,), mesh_dim_names=(name,))
+
+
+def _close_grads(stock_model, fused_model, full=lambda t: t):
+    for (name, p), q in zip(stock_model.named_parameters(), fused_model.parameters()):
+        torch.testing.assert_close(full(q.grad), full(p.grad), msg=name)
+
+
+@check
+def tp_dtensor_head(rank, world):
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torchtitan.distributed.utils import set_spmd_backend
+    set_spmd_backend("partial_dtensor")
+    try:
+        mesh = _mesh("tp")
+        stock_model = Tail()
+        fused_model = copy.deepcopy(stock_model)
+        for m in (stock_model, fused_model):
+            parallelize_module(m.lm_head, mesh, ColwiseParallel(use_local_output=False))
+        assert isinstance(fused_model.lm_head.weight, DTensor)
+        assert fused_model.lm_head.weight.placements == (Shard(0),)
+        assert fused_model.lm_head.weight.to_local().shape[0] == (21, 20)[rank]
+        x, labels = batch()
+        gvt = (labels != IGNORE_INDEX).sum()
+        stock, _ = run(stock_loss(), stock_model, x, labels, gvt)
+        fused, _ = run(fused_loss(), fused_model, x, labels, gvt)
+        torch.testing.assert_close(fused, stock)
+        _close_grads(stock_model, fused_model, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+    finally:
+        set_spmd_backend("spmd_types")
+
+
+@check
+def tp_spmd_types_local_rows(rank, world):
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import get_spmd_backend
+    assert get_spmd_backend() == "spmd_types"
+    mesh = _mesh("tp")
+    full = Tail()
+    rows = -(-V // world)   # torchtitan's _LossParallelCrossEntropy rows: ceil(V / TP), the last rank fewer
+    start, stop = rank * rows, min(V, (rank + 1) * rows)
+    stock_model = Tail(stop - start)
+    with torch.no_grad():
+        stock_model.proj.weight.copy_(full.proj.weight)
+        stock_model.lm_head.weight.copy_(full.lm_head.weight[start:stop])
+    fused_model = copy.deepcopy(stock_model)
+    x, labels = batch()
+    gvt = (labels != IGNORE_INDEX).sum()
+    x_s, x_f = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with set_current_spmd_mesh(mesh):
+        stock, _ = run(stock_loss(V), stock_model, x_s, labels, gvt)
+        fused, _ = run(fused_loss(), fused_model, x_f, labels, gvt)
+    torch.testing.assert_close(fused, stock)
+    torch.testing.assert_close(fused_model.lm_head.weight.grad, stock_model.lm_head.weight.grad)
+    # partial sums over TP on both sides (what the norm boundary all-reduces): compare their sums
+    for a in (x_s.grad, x_f.grad, stock_model.proj.weight.grad, fused_model.proj.weight.grad):
+        dist.all_reduce(a)
+    torch.testing.assert_close(x_f.grad, x_s.grad)
+    torch.testing.assert_close(fused_model.proj.weight.grad, stock_model.proj.weight.grad)
+
+
+@check
+def fsdp2_data_parallel(rank, world):
+    from torch.distributed.fsdp import fully_shard
+    mesh = _mesh("dp")
+    stock_model = Tail()
+    fused_model = copy.deepcopy(stock_model)
+    for m in (stock_model, fused_model):
+        fully_shard(m.lm_head, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    x, labels = batch(10 + rank)   # each rank its own batch
+    gvt = (labels != IGNORE_INDEX).sum()
+    dist.all_reduce(gvt)           # the trainer's global_valid_tokens
+    stock, _ = run(stock_loss(), stock_model, x, labels, gvt)
+    fused, _ = run(fused_loss(), fused_model, x, labels, gvt)
+    torch.testing.assert_close(fused, stock)
+    _close_grads(stock_model, fused_model, lambda t: t.full_tensor())
+    assert fused_model.lm_head.weight.grad.to_local().shape[0] == (21, 20)[rank]   # reduce-scattered
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_torchtitan_two_ranks(name, request, tmp_path_factory):
+    outcome = results(__name__, CHECKS, WORLD, "torch", request, tmp_path_factory)[name]
+    assert_passed(outcome, WORLD)
