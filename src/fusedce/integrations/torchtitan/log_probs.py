@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.loss import IGNORE_INDEX
 
-import fusedce
+from fusedce.rl.log_probs import linear_token_log_probs
 from fusedce.distributed import vocab_parallel_linear_token_log_probs
 from fusedce.integrations.torchtitan.head import head_params, spmd_tp_group, to_partial
 
@@ -40,7 +40,7 @@ def compute_logprobs(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Ten
         out = vocab_parallel_linear_token_log_probs(to_partial(hidden, group), weight, labels, bias,
                                                     group=group, **kw)
     else:
-        out = fusedce.linear_token_log_probs(hidden, weight, labels, bias, **kw)
+        out = linear_token_log_probs(hidden, weight, labels, bias, **kw)
 
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.config import CompileConfig
 
-import fusedce
+from fusedce.ce.functional import linear_cross_entropy
 from fusedce.distributed import vocab_parallel_linear_cross_entropy
 from fusedce.integrations.torchtitan.head import head_params, local_view, spmd_tp_group, to_partial
 
@@ -28,7 +28,7 @@ def token_sum_loss(hidden, weight, bias, labels, chunk_size, backend):
     if group is not None:
         return vocab_parallel_linear_cross_entropy(to_partial(hidden, group), weight, labels, bias,
                                                    group=group, **kw)
-    loss = fusedce.linear_cross_entropy(hidden, weight, labels, bias, **kw)
+    loss = linear_cross_entropy(hidden, weight, labels, bias, **kw)
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
