@@ -6,8 +6,12 @@
 - TP under the ``spmd_types`` backend (torchtitan's default): plain local rows and the current SPMD mesh's
   ``"tp"`` group; the hidden-state gradient is a partial sum there (the decoder's norm boundary all-reduces
   it), so the ranks' sums are compared, and each rank's head rows;
-- FSDP2 (``fully_shard`` on the head and on the root, data parallel: each rank its own batch, the global
-  token count): the head's parameters as FSDP hands them, its gradient reduce-scattered by FSDP.
+- FSDP2 (``fully_shard`` on the head and on the root, data parallel: each rank its own batches, the global
+  token count, 2 microbatches accumulated): the head's parameters as FSDP hands them, its gradient
+  reduce-scattered by FSDP;
+- CP: ``pred`` / ``labels`` DTensors sharded over the sequence, against the stock loss on the local rows.
+
+PP is not run here (the last stage's loss is this same object, called by the schedule).
 """
 from __future__ import annotations
 
@@ -104,14 +108,51 @@ def fsdp2_data_parallel(rank, world):
     for m in (stock_model, fused_model):
         fully_shard(m.lm_head, mesh=mesh)
         fully_shard(m, mesh=mesh)
-    x, labels = batch(10 + rank)   # each rank its own batch
-    gvt = (labels != IGNORE_INDEX).sum()
-    dist.all_reduce(gvt)           # the trainer's global_valid_tokens
-    stock, _ = run(stock_loss(), stock_model, x, labels, gvt)
-    fused, _ = run(fused_loss(), fused_model, x, labels, gvt)
-    torch.testing.assert_close(fused, stock)
+    stock_fn, fused_fn = stock_loss(), fused_loss()
+    for micro in range(2):             # gradient accumulation over 2 microbatches
+        x, labels = batch(10 + 2 * rank + micro)   # each rank its own batch
+        gvt = (labels != IGNORE_INDEX).sum()
+        dist.all_reduce(gvt)           # the trainer's global_valid_tokens
+        stock, _ = run(stock_fn, stock_model, x, labels, gvt)
+        fused, _ = run(fused_fn, fused_model, x, labels, gvt)
+        torch.testing.assert_close(fused, stock)
     _close_grads(stock_model, fused_model, lambda t: t.full_tensor())
     assert fused_model.lm_head.weight.grad.to_local().shape[0] == (21, 20)[rank]   # reduce-scattered
+
+
+@check
+def cp_dtensor_sequence_shards(rank, world):
+    """``pred`` / ``labels`` DTensors sharded over the sequence (CP): each rank's local rows, the
+    hidden-state gradient a DTensor of ``pred``'s placements; compared with the stock loss on the local
+    rows (what ChunkedLossWrapper's ``local_map`` computes)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torchtitan.distributed.utils import set_spmd_backend
+    set_spmd_backend("partial_dtensor")
+    try:
+        mesh = _mesh("cp")
+        stock_model = Tail()
+        fused_model = copy.deepcopy(stock_model)
+        x, labels = batch()
+        half = x.shape[1] // world
+        x_local, labels_local = x[:, rank * half:(rank + 1) * half], labels[:, rank * half:(rank + 1) * half]
+        gvt = (labels != IGNORE_INDEX).sum()
+        stock, _ = run(stock_loss(), stock_model, x_local, labels_local, gvt)
+        loss_fn = fused_loss()
+        loss_fn.set_lm_head(fused_model.lm_head)
+        pred = DTensor.from_local(fused_model(x_local), mesh, (Shard(1),))
+        leaf = pred.detach().requires_grad_()
+        fused, metrics = loss_fn(leaf, DTensor.from_local(labels_local, mesh, (Shard(1),)), gvt)
+        fused.backward()
+        assert metrics == {} and leaf.grad.placements == (Shard(1),)
+        torch.testing.assert_close(fused, stock)
+        torch.testing.assert_close(fused_model.lm_head.weight.grad, stock_model.lm_head.weight.grad)
+        pred_s = stock_model(x_local).detach().requires_grad_()
+        stock_fn = stock_loss()
+        stock_fn.set_lm_head(copy.deepcopy(stock_model.lm_head))
+        stock_fn(pred_s, labels_local, gvt)[0].backward()
+        torch.testing.assert_close(leaf.grad.to_local(), pred_s.grad)
+    finally:
+        set_spmd_backend("spmd_types")
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
