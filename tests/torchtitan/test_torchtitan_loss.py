@@ -108,6 +108,14 @@ def test_refusals():
         loss(torch.randn(1, 8, 4), torch.zeros(1, 8, dtype=torch.long))
 
 
+def test_spmd_type_checking_is_refused():
+    from spmd_types.checker import typecheck
+    model, _ = _pair()
+    with typecheck(local=False), pytest.raises(NotImplementedError, match="debug.spmd_typechecking"):
+        run(fused_loss(), model, *batch(), None)
+    assert model.lm_head.weight.grad is None
+
+
 def test_other_torchtitan_versions_are_refused(monkeypatch):
     from fusedce.integrations.torchtitan import version
     assert metadata.version("torchtitan") == tt.SUPPORTED_VERSION

@@ -3,10 +3,10 @@ head's weight through fusedce (the trainer/PP/FSDP flow of ``ChunkedLossWrapper`
 ``num_chunks`` logits chunks)."""
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import spmd_types as spmd
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -43,6 +43,7 @@ class FusedLinearCrossEntropy(ChunkedLossWrapper):
         ValueError: ``loss_fn`` other than ``CrossEntropyLoss.Config``; ``pred`` sharded over its hidden
             dimension or partial.
         RuntimeError: called before ``set_lm_head``.
+        NotImplementedError: under torchtitan's SPMD type checking (``debug.spmd_typechecking``).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -69,9 +70,13 @@ class FusedLinearCrossEntropy(ChunkedLossWrapper):
         del loss_inputs   # as CrossEntropyLoss (e.g. ``positions``)
         from torch.distributed._composable.fsdp import FSDPModule
 
+        if spmd.is_type_checking():
+            raise NotImplementedError(f"{_WHERE}: torchtitan's SPMD type checking (debug.spmd_typechecking=True) "
+                                      "is not supported; turn it off, or use ChunkedLossWrapper to type-check")
         lm_head = self.lm_head
         if lm_head is None:
             raise RuntimeError(f"{_WHERE}: set_lm_head(model.lm_head) must be called first (the trainer does)")
+        head_params(lm_head, _WHERE)   # its checks, before FSDP gathers anything
         hidden, hidden_dt = local_view(pred, "pred", _WHERE)
         labels_local, _ = local_view(labels, "labels", _WHERE)
         requires_grad = pred.requires_grad
