@@ -11,7 +11,8 @@
   reduce-scattered by FSDP;
 - CP: ``pred`` / ``labels`` DTensors sharded over the sequence, against the stock loss on the local rows.
 
-PP is not run here (the last stage's loss is this same object, called by the schedule).
+- PP: 2 stages (``torch.distributed.pipelining``, GPipe, 2 microbatches), the loss on the last stage as
+  torchtitan hands it to the schedule; every stage's gradients and the microbatch losses.
 """
 from __future__ import annotations
 
@@ -153,6 +154,58 @@ def cp_dtensor_sequence_shards(rank, world):
         torch.testing.assert_close(leaf.grad.to_local(), pred_s.grad)
     finally:
         set_spmd_backend("spmd_types")
+
+
+def _pp_grads(loss_cfg_fn, rank, x, labels, gvt):
+    """2 pipeline stages (rank 0: the first ``proj``; rank 1: a second ``proj`` and the head), GPipe over 2
+    microbatches, the loss handed to the schedule as torchtitan does (``_scalar_loss_fn``, unscaled)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    torch.manual_seed(123)
+    first, last = torch.nn.Linear(x.shape[-1], x.shape[-1], bias=False), Tail()
+    part = first if rank == 0 else last
+    loss_fn = loss_cfg_fn()
+    if rank == 1:
+        loss_fn.set_lm_head(last.lm_head)
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda pred, y: loss_fn(pred, y, gvt)[0],
+                             scale_grads=False)
+    for _ in range(2):   # the first step also infers the stages' shapes (a loss call on an unfilled buffer)
+        part.zero_grad(set_to_none=True)
+        losses = []
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=labels, losses=losses)
+    return [p.grad for p in part.parameters()], losses
+
+
+@check
+def pp_last_stage(rank, world):
+    """Against torchtitan's ChunkedLossWrapper on the same schedule and plain autograd through the same two
+    stages (logits, ``F.cross_entropy`` sum / gvt per microbatch). The second step is compared: the first
+    one's shape inference calls the loss on an unfilled receive buffer (both losses then write its
+    gradients, as they compute the head's gradient during the loss call)."""
+    import torch.nn.functional as F
+    x, labels = batch()
+    gvt = (labels != IGNORE_INDEX).sum()
+    fused_grads, fused_losses = _pp_grads(fused_loss, rank, x, labels, gvt)
+    stock_grads, stock_losses = _pp_grads(stock_loss, rank, x, labels, gvt)
+    for a, b in zip(fused_grads + fused_losses, stock_grads + stock_losses):
+        torch.testing.assert_close(a, b)
+    torch.manual_seed(123)
+    first, last = torch.nn.Linear(x.shape[-1], x.shape[-1], bias=False), Tail()
+    ref_losses = []
+    for xm, ym in zip(x.chunk(2), labels.chunk(2)):
+        logits = last.lm_head(last(first(xm)))
+        loss = F.cross_entropy(logits.flatten(0, 1), ym.flatten(), reduction="sum", ignore_index=IGNORE_INDEX) / gvt
+        loss.backward()
+        ref_losses.append(loss.detach())
+    ref_grads = [p.grad for p in (first if rank == 0 else last).parameters()]
+    assert len(fused_grads) == len(ref_grads) == (1 if rank == 0 else 2)
+    for a, b in zip(fused_grads, ref_grads):
+        torch.testing.assert_close(a, b)
+    if rank == 1:
+        torch.testing.assert_close(torch.stack(fused_losses), torch.stack(ref_losses))
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
