@@ -123,3 +123,14 @@ def test_other_torchtitan_versions_are_refused(monkeypatch):
     monkeypatch.setattr(version.metadata, "version", lambda name: "0.2.2")
     with pytest.raises(ImportError, match=r"torchtitan==0\.3\.0 only.*found torchtitan 0\.2\.2"):
         version.check_version()
+
+
+def test_all_labels_ignored_equals_stock():
+    stock_model, fused_model = _pair()
+    x, labels = batch(4)
+    labels[:] = -100
+    stock, _ = run(stock_loss(), stock_model, x, labels, torch.tensor(7))
+    fused, _ = run(fused_loss(), fused_model, x, labels, torch.tensor(7))
+    torch.testing.assert_close(fused, stock)
+    for p, q in zip(stock_model.parameters(), fused_model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
