@@ -5,10 +5,15 @@ refused with a message naming the family, or not buildable (why). One test loops
 and the refusal reasons are printed (``pytest -s``) and the patched = stock and refused lists are also
 part of the assertion messages.
 
+With ``output_router_logits=True`` wherever a config has it, every MoE family adds its router loss; the
+named MoE families (text-only and multimodal) must add it as stock. A representative subset also runs compiled
+before its first call (``hf_sweep.run(compile_first=True)``).
+
 Named families whose forward transforms the head with numbers the patch finds in their config, not by
 the attribute's name (``hf_fit``), must be patched = stock where this transformers has them (the lent GPU
 image's 5.17 lacks some): HyperCLOVA X and its vision model (``logits * logits_scaling``), Granite (``logits /
-logits_scaling``), Muse Glimmer and Muse Spark (``softcap * tanh(logits * output_multiplier / softcap)``).
+logits_scaling``), Muse Glimmer and Muse Spark (``softcap * tanh(logits * output_multiplier / softcap)``),
+Aya Vision (``logits * text_config.logit_scale`` from transformers 5.25; before, its forward ignored it).
 """
 from __future__ import annotations
 
@@ -22,15 +27,28 @@ transformers = pytest.importorskip("transformers")
 import hf_sweep  # noqa: E402
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
 
+# MoE families whose forward adds its router loss (output_router_logits=True in the sweep, coefficients set to
+# visible values): the patched loss must add the same ``coefficient * aux_loss``. The multimodal wrappers keep
+# the coefficient in ``config.text_config`` (Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4V-MoE, MiniMax-M3), JetMoE under
+# its own name (``aux_loss_coef``).
+MOE_MUST_MATCH = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "JetMoeForCausalLM", "Qwen3_5MoeForCausalLM",
+                  "Qwen3VLMoeForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                  "Glm4vMoeForConditionalGeneration", "MiniMaxM3SparseForConditionalGeneration")
+# Compiled before the first call (``torch.compile``, as ``Trainer(torch_compile=True)``): the first labelled
+# call checks the transform outside the graph; a representative subset (tracing costs seconds per family):
+# a transform read off the forward (HyperCLOVA X multiplies; MiniCPM3 scales the hidden states, not the
+# logits), a declared one (Granite divides), a MoE router loss.
+COMPILED_FIRST = ("HyperCLOVAXForCausalLM", "MiniCPM3ForCausalLM", "GraniteForCausalLM", "MixtralForCausalLM")
 MUST_MATCH = ("HyperCLOVAXForCausalLM", "HyperCLOVAXVisionV2ForConditionalGeneration", "GraniteForCausalLM",
-              "MuseGlimmerForConditionalGeneration", "MuseSparkForConditionalGeneration")
+              "MuseGlimmerForConditionalGeneration", "MuseSparkForConditionalGeneration",
+              "AyaVisionForConditionalGeneration")
 FAILING = ("differs", "crashed")
 
 
 @pytest.fixture(scope="module")
 def sweep():
     start = time.perf_counter()
-    names = sorted(set(hf_sweep.classes(transformers)) | set(MUST_MATCH))
+    names = sorted(set(hf_sweep.classes(transformers)) | set(MUST_MATCH) | set(MOE_MUST_MATCH))
     results = {name: hf_sweep.run(transformers, name, patch_causal_lm) for name in names}
     seconds = time.perf_counter() - start
     counts = collections.Counter(outcome for outcome, _, _ in results.values())
@@ -58,6 +76,24 @@ def test_refusals_name_the_family(sweep):
 @pytest.mark.parametrize("name", MUST_MATCH)
 def test_transforming_families_patched_as_stock(sweep, name):
     outcome, detail, _ = sweep[name]
+    if outcome == "absent":
+        pytest.skip(detail)
+    assert outcome == "patched = stock", f"{name}: {outcome}: {detail}"
+
+
+@pytest.mark.parametrize("name", MOE_MUST_MATCH)
+def test_moe_families_add_the_router_loss_as_stock(sweep, name):
+    outcome, detail, _ = sweep[name]
+    if outcome == "absent":
+        pytest.skip(detail)
+    assert outcome == "patched = stock" and "aux_loss" in detail, f"{name}: {outcome}: {detail}"
+
+
+@pytest.mark.parametrize("name", COMPILED_FIRST)
+def test_compiled_first_patched_as_stock(name):
+    """Both calls of a model compiled before its first call (the verifying one, then the traced one) train
+    the stock loss and gradients."""
+    outcome, detail, _ = hf_sweep.run(transformers, name, patch_causal_lm, compile_first=True)
     if outcome == "absent":
         pytest.skip(detail)
     assert outcome == "patched = stock", f"{name}: {outcome}: {detail}"

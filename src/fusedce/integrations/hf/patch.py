@@ -35,6 +35,7 @@ from fusedce.integrations.hf.call import HeadCall, module_name
 from fusedce.integrations.hf.options import LOSS_OPTIONS, validate_options  # noqa: F401  (hf.LOSS_OPTIONS: the public list)
 from fusedce.integrations.hf.fit import choose_transform
 from fusedce.integrations.hf.head import LogitTransform, base_model, check_causal_loss, describe, logit_transforms, output_head
+from fusedce.integrations.hf.settings import model_config, router_aux_coef, wrapper_setting
 from fusedce.integrations.hf.output import as_tuple, bad_label_message, replace
 from fusedce.integrations.hf.token_weights import flat_token_weights
 
@@ -84,7 +85,9 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
       labels are refused at patch time (``hf_head.check_causal_loss``). When the text config and the top-level config declare different transforms (some
       wrappers, e.g. LLaVA-NeXT, ignore their text config's), that call computes the loss for both and
       keeps the one the forward applied (one extra fused forward and backward, once);
-    - MoE models: a returned ``aux_loss`` is added times ``router_aux_loss_coef``, as the families do;
+    - MoE models: a returned ``aux_loss`` (``output_router_logits=True``) is added times the coefficient the
+      family's forward uses, as it does (``hf_settings.router_aux_coef``: the model's ``router_aux_loss_coef``
+      / ``aux_loss_coef``, else its text config's ``router_aux_loss_coef``, where multimodal wrappers keep it);
     - ``use_token_scaling`` is also accepted as a forward keyword (as Liger-patched models accept it; TRL
       passes it for ``loss_type="dft"``): it overrides the patch-time option for that call;
     - ``token_weights`` (a forward keyword, with ``labels``): per-token loss weights of the labels'
@@ -151,7 +154,7 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
     head_kind(head, module_name(model, head))
     base_model(model)
     check_causal_loss(model)
-    transforms = logit_transforms(getattr(model, "config", None))
+    transforms = logit_transforms(model_config(model))
     options = validate_options(model, loss_options, transforms[0])
     state = getattr(model, _STATE, None)
     keep_logits = None if keep_logits is None else check_flag("keep_logits", keep_logits)
@@ -212,6 +215,8 @@ def _forward(model, *args, **kwargs):
     kwargs = _as_kwargs(state.signature, args, kwargs)
     if kwargs.get("fused_lm_head"):  # TRL's own fused LM head (add_fused_lm_head) answers this call
         return _call_original(model, state, (), kwargs)
+    if not state.verified and kwargs.get("labels") is not None and torch.compiler.is_compiling():
+        return _verifying_forward(model, **kwargs)   # a graph break: this call runs eagerly (see below)
     token_scaling = kwargs.pop("use_token_scaling", None)   # Liger's forward keyword (TRL's "dft")
     token_weights = kwargs.pop("token_weights", None)
     labels = kwargs.pop("labels", None)
@@ -221,14 +226,14 @@ def _forward(model, *args, **kwargs):
         return _call_original(model, state, (), kwargs)
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
-    config = getattr(model, "config", None)
+    config = model_config(model)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:  # transformers' can_return_tuple rule
-        return_dict = getattr(config, "return_dict", True)
+        return_dict = wrapper_setting(model, "return_dict", True)
     name = type(model).__name__
     head = output_head(model)
     keep = state.keep_logits if state.keep_logits is not None else not torch.is_grad_enabled()
-    verify = not state.verified and not torch.compiler.is_compiling()
+    verify = not state.verified
 
     # Several candidate transforms (a multimodal config whose text config declares one, which some wrappers
     # ignore): the verifying call computes the loss for each, inside the head's call, and keeps the one the
@@ -262,11 +267,22 @@ def _forward(model, *args, **kwargs):
     loss = call.final_loss(out.logits)
     if len(candidates) > 1:
         loss = loss[chosen]
-    aux, coef = getattr(out, "aux_loss", None), getattr(config, "router_aux_loss_coef", None)
-    if aux is not None and coef:
+    aux = getattr(out, "aux_loss", None)
+    coef = None if aux is None else router_aux_coef(model)
+    if coef:
         loss = loss + coef * aux.to(loss.device)
     out = replace(out, loss=loss, logits=out.logits if keep else None)
     return out if return_dict else as_tuple(out)
+
+
+# The first labelled call reads the family's logit transform off its forward (host reads of the probe row):
+# under torch.compile it runs outside the graph, eagerly; the next call is traced with the transform found
+# (``state.verified`` is guarded, so the change recompiles). With ``fullgraph=True`` the graph break is an error
+# whose message, this reason, says how to proceed.
+_verifying_forward = torch.compiler.disable(
+    _forward, reason="fusedce.patch_causal_lm checks the family's logit transform on the first labelled call, "
+    "outside the graph: make one labelled forward call of the patched model before compiling it with "
+    "fullgraph=True, or compile without fullgraph")
 
 
 def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias, labels, shift_labels,
