@@ -8,9 +8,13 @@ generation models take neither and are left out, counted as not text).
 How tiny: the config class's defaults with every size ``SHRINK`` names replaced where the config (or any
 of its sub-configs: text, vision, audio, ...) has it: hidden 32, one layer (encoder and decoder), 4 heads
 of 8, 2 key-value heads, 4 experts of which 2 are routed, vocabulary 128; per-layer lists cut to one
-layer. A family whose config rejects that, whose model cannot be made from it, that has more than
-``MAX_PARAMS`` parameters after it (a size no attribute here names), or whose stock forward fails on a
-text-only batch is "not buildable", with the exception's first line as the reason.
+layer; a hybrid stack (``layer_types`` of several kinds) keeps one layer of each kind; latent attention
+(``kv_lora_rank``) as many key-value heads as heads; a multimodal rotary embedding's sections rescaled to the
+shrunk head. MoE: ``output_router_logits=True`` wherever a config has it and the router-loss coefficients
+visible (``ROUTER``, ``COEFFICIENTS``), so every MoE family adds its router loss. A family whose config
+rejects that, whose model cannot be made from it, that has more than ``MAX_PARAMS`` parameters after it (a
+size no attribute here names), or whose stock forward fails on a text-only batch is "not buildable", with
+the exception's first line as the reason.
 
 Each case: 2 sequences of ``SEQ`` tokens drawn away from every token id the config names, labels with the
 first 3 positions -100; the same seed before the stock and the patched forward (a family that draws

@@ -22,22 +22,18 @@ import types
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fusedce.core.entrance import public_op
-from fusedce.ce.functional import linear_cross_entropy
-from fusedce.core import validation as val
-from fusedce.core.dtensor import replicated_to_local
 from fusedce.core.options import check_flag
 from fusedce.integrations.hf.adapters import kind as head_kind
 from fusedce.integrations.hf.call import HeadCall, module_name
 from fusedce.integrations.hf.options import LOSS_OPTIONS, validate_options  # noqa: F401  (hf.LOSS_OPTIONS: the public list)
 from fusedce.integrations.hf.fit import choose_transform
-from fusedce.integrations.hf.head import LogitTransform, base_model, check_causal_loss, describe, logit_transforms, output_head
+from fusedce.integrations.hf.head import base_model, check_causal_loss, describe, logit_transforms, output_head
+from fusedce.integrations.hf.loss import causal_loss
 from fusedce.integrations.hf.settings import model_config, router_aux_coef, wrapper_setting
-from fusedce.integrations.hf.output import as_tuple, bad_label_message, replace
-from fusedce.integrations.hf.token_weights import flat_token_weights
+from fusedce.integrations.hf.output import as_tuple, replace
 
 _STATE = "_fusedce_patch"
 @dataclasses.dataclass
@@ -241,8 +237,8 @@ def _forward(model, *args, **kwargs):
     candidates = state.transforms if verify else state.transforms[:1]
 
     def compute(hidden, weight, bias):  # runs inside the head's call (its hooks have run)
-        losses = [_loss(model, state, t, hidden, weight, bias, labels, shift_labels, num_items, token_scaling,
-                        token_weights) for t in candidates]
+        losses = [causal_loss(model, state.loss_options, t, hidden, weight, bias, labels, shift_labels, num_items,
+                              token_scaling, token_weights) for t in candidates]
         return losses[0] if len(losses) == 1 else torch.stack(losses)
     with HeadCall(head, module_name(model, head), compute, keep, verify) as call:
         out = _call_original(model, state, (), {**kwargs, "return_dict": True})
@@ -259,8 +255,9 @@ def _forward(model, *args, **kwargs):
                                                       candidates, config, name, probe=not keep)
         if chosen is None:   # read off the forward: this call's loss again, for that transform
             validate_options(model, state.loss_options, transform)
-            call.recompute(lambda h, w, b: _loss(model, state, transform, h, w, b, labels, shift_labels, num_items,
-                                                 token_scaling, token_weights), name, describe(transform))
+            call.recompute(lambda h, w, b: causal_loss(model, state.loss_options, transform, h, w, b, labels,
+                                                       shift_labels, num_items, token_scaling, token_weights),
+                           name, describe(transform))
             candidates, chosen = (transform,), 0
         if settled:   # else (real logits too small to tell) the next labelled call looks again
             state.transforms, state.verified = (transform,), True
@@ -283,46 +280,3 @@ _verifying_forward = torch.compiler.disable(
     _forward, reason="fusedce.patch_causal_lm checks the family's logit transform on the first labelled call, "
     "outside the graph: make one labelled forward call of the patched model before compiling it with "
     "fullgraph=True, or compile without fullgraph")
-
-
-def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias, labels, shift_labels,
-          num_items, token_scaling, token_weights=None) -> torch.Tensor:
-    """``linear_cross_entropy`` of the head's pieces: ``hidden`` (..., H), ``weight`` (V, H), ``bias``, for
-    the family's post-head ``transform``."""
-    options = dict(state.loss_options)
-    if transform.softcap is not None:
-        options["softcap"] = transform.softcap
-    if transform.scale != 1.0:
-        options["logit_scale"] = transform.scale
-    if token_scaling is not None:
-        check_flag("use_token_scaling", token_scaling)
-        options = {**options, "use_token_scaling": token_scaling}
-    ignore_index = options.get("ignore_index", -100)
-    given_shifted = shift_labels is not None
-    token_weights = flat_token_weights(token_weights, shift_labels if given_shifted else labels, given_shifted,
-                                       weight.device)
-    if shift_labels is None:  # Hugging Face's ForCausalLMLoss: pad one ignored label, drop the first
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    n_classes = transform.width(weight.shape[0])
-    if n_classes < weight.shape[0]:  # the family keeps logits[..., :n_classes] (a padded head): those rows
-        weight = weight[:n_classes]  # (a view; the padded rows get a zero gradient, as in the stock model)
-        bias = None if bias is None else bias[:n_classes]
-    hidden = hidden.to(weight.device)
-    target = shift_labels.to(weight.device).reshape(-1)
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    if hidden.shape[0] != target.shape[0]:
-        raise ValueError(f"{type(model).__name__}: the labels give {target.shape[0]} targets after the "
-                         f"shift but the model kept {hidden.shape[0]} positions (logits_to_keep?); with "
-                         "logits_to_keep=k pass the labels of the kept positions only, labels[..., -k:] (or "
-                         "shift_labels of that shape)")
-    if isinstance(num_items, torch.Tensor):
-        num_items = num_items.to(hidden.device)
-    # under autocast, linear_cross_entropy casts hidden / head to the autocast dtype as F.linear would
-    try:
-        loss = linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items,
-                                    token_weights=token_weights, **options)
-    except val.TargetOutOfRange as err:  # name the user's element, not the flattened shifted target's
-        raise IndexError(bad_label_message(err, shift_labels.shape, given_shifted)) from None
-    # a head sharded over the vocabulary (transformers' tp_plan: a Shard(0) DTensor weight) gives a replicated
-    # DTensor loss; the stock model's is a plain tensor (its head gathers the logits)
-    return replicated_to_local(loss)
