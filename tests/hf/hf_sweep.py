@@ -185,15 +185,18 @@ def _by_fusedce(err: BaseException) -> bool:
     return isinstance(err, (TypeError, ValueError)) and bool(frames) and "/fusedce/" in frames[-1].filename
 
 
-def _compiled(model, graphs: list):
-    """``model`` under ``torch.compile`` with a backend that records each graph and runs it as traced (the
-    patch's question is what dynamo traces, not how inductor lowers it); dynamo's caches reset first, so every
-    family is traced afresh (its recompile limit is per code object, and the patched forward's is shared)."""
+def _compiled(model, graph_runs: list):
+    """``model`` under ``torch.compile`` with a backend that runs each graph as traced (the patch's question
+    is what dynamo traces, not how inductor lowers it) and appends to ``graph_runs`` each time a compiled graph
+    runs; dynamo's caches reset first, so every family is traced afresh (its recompile limit is per code
+    object, and the patched forward's is shared)."""
     torch._dynamo.reset()
 
     def backend(graph, inputs):
-        graphs.append(graph)
-        return graph.forward
+        def run(*args):
+            graph_runs.append(graph)
+            return graph.forward(*args)
+        return run
     return torch.compile(model, backend=backend)
 
 
@@ -201,7 +204,7 @@ def run(transformers, name: str, patch, compile_first: bool = False) -> tuple:
     """``(outcome, detail, seconds)`` for the class ``name`` (see the module docstring). ``compile_first``: the
     patched model is compiled before its first call, and called twice (the first labelled call, which checks
     the family's logit transform, then one traced with what it found): both must be patched = stock, and the
-    second must have been traced (``"not compiled"`` otherwise)."""
+    second must have run compiled graphs (``"not compiled"`` otherwise)."""
     start = time.perf_counter()
     if not hasattr(transformers, name):
         return "absent", f"transformers {transformers.__version__} has no {name}", 0.0
@@ -216,18 +219,18 @@ def run(transformers, name: str, patch, compile_first: bool = False) -> tuple:
         ref, ref_grads = loss_and_grads(stock, input_ids=ids, labels=labels)
     except Exception as err:   # noqa: BLE001
         return "not buildable", f"stock forward: {_first_line(err)}", time.perf_counter() - start
-    graphs, results = [], []
+    graph_runs, results = [], []
     try:
         fused = patch(copy.deepcopy(stock))
-        forward = _compiled(fused, graphs) if compile_first else fused
+        forward = _compiled(fused, graph_runs) if compile_first else fused
         for call in range(2 if compile_first else 1):
             torch.manual_seed(1)
-            before = len(graphs)
+            before = len(graph_runs)
             fused.zero_grad(set_to_none=True)
             out = forward(input_ids=ids, labels=labels)
             out.loss.backward()
             grads = {n: p.grad.clone() for n, p in fused.named_parameters() if p.grad is not None}
-            results.append((out, grads, len(graphs) > before))
+            results.append((out, grads, len(graph_runs) > before))
     except Exception as err:   # noqa: BLE001
         outcome = "refused" if _by_fusedce(err) else "crashed"
         return outcome, f"{type(err).__name__}: {err}", time.perf_counter() - start
@@ -245,7 +248,7 @@ def run(transformers, name: str, patch, compile_first: bool = False) -> tuple:
         except AssertionError as err:
             return "differs", f"call {call + 1}: {str(err).splitlines()[0][:300]}", time.perf_counter() - start
     if compile_first and not results[-1][2]:
-        return "not compiled", "the second call traced no graph", time.perf_counter() - start
+        return "not compiled", "the second call ran no compiled graph", time.perf_counter() - start
     aux = getattr(ref, "aux_loss", None)
     detail = f"loss {float(ref.loss.detach()):.4f}" + ("" if aux is None else f" (aux_loss {float(aux.detach()):.4f})")
     return "patched = stock", detail, time.perf_counter() - start
