@@ -60,14 +60,16 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
       the last position predicts nothing), or the ``shift_labels`` kwarg as given (TRL's padding-free
       batches: ``position_ids`` pass through to the family); ``ignore_index=-100``;
       ``num_items_in_batch`` (the Trainer's kwarg under gradient accumulation) is the mean's denominator;
-    - the family's logit transform, read from the config and its text config (``get_text_config()``:
+    - the family's logit transform, read from the config and its text config (``hf_settings``:
       multimodal models keep it there; ``hf_head.DECLARED``): ``final_logit_softcapping`` (Gemma 2/3/4,
       PaliGemma 2) becomes ``softcap``; the logit scales (Cohere ``logit_scale`` and FalconH1
       ``lm_head_multiplier``: ``logits * s``; Granite and Granite vision ``logits_scaling``: ``logits /
       s``) become ``logit_scale`` (applied inside the loss, in fp32); ``unpadded_vocab_size`` (Inkling: the
       model keeps ``logits[..., :n]`` of a padded head) makes the loss run over the head's first ``n`` rows
       (the padded rows get zero gradient, as in the stock model). The first labelled call checks that this
-      is exactly what the family does (one host sync): its head returns one probe row of all V columns
+      is exactly what the family does (one host sync; under ``torch.compile`` that call runs eagerly,
+      outside the graph, and the next is traced with what it found; with ``fullgraph=True`` the graph break
+      is an error saying to make one labelled call before compiling): its head returns one probe row of all V columns
       (``(1, ..., 1, V)``; with real logits under ``keep_logits``, its first, middle and last positions),
       and the family's output must be the declared transform of it, same width, same shape. If it is not,
       the transform is read off that output (``hf_fit``): ``T * tanh(m * x / T)`` with ``m`` 1, a number
