@@ -278,7 +278,10 @@ def _forward(model, *args, **kwargs):
 # under torch.compile it runs outside the graph, eagerly; the next call is traced with the transform found
 # (``state.verified`` is guarded, so the change recompiles). With ``fullgraph=True`` the graph break is an error
 # whose message, this reason, says how to proceed.
-_verifying_forward = torch.compiler.disable(
-    _forward, reason="fusedce.patch_causal_lm checks the family's logit transform on the first labelled call, "
-    "outside the graph: make one labelled forward call of the patched model before compiling it with "
-    "fullgraph=True, or compile without fullgraph")
+_REASON = ("fusedce.patch_causal_lm checks the family's logit transform on the first labelled call, outside the "
+           "graph: make one labelled forward call of the patched model before compiling it with fullgraph=True, "
+           "or compile without fullgraph")
+try:
+    _verifying_forward = torch.compiler.disable(_forward, reason=_REASON)
+except TypeError:   # a torch whose disable takes no reason (before 2.8): the same graph break, torch's message
+    _verifying_forward = torch.compiler.disable(_forward)
