@@ -52,7 +52,8 @@ SHRINK = dict(
     n_positions=64, max_window_layers=1, first_k_dense_replace=0, out_hidden_size=32, projector_hidden_size=32,
     moe_hidden_size=16, text_hidden_size=32, vision_hidden_size=32, projection_dim=32, qk_nope_head_dim=8,
     qk_rope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16, moe_layer_start_index=0, n_group=1,
-    topk_group=1, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_state=8, mamba_chunk_size=16)
+    topk_group=1, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_state=8, mamba_chunk_size=16, mamba_num_heads=4,
+    mamba_head_dim=8, ssm_state_size=8, n_groups=1)
 # Lists of layers that do NOT route (dense MLPs only): emptied, so the one layer kept is a MoE layer.
 MOE_LAYER_LISTS = ("mlp_only_layers",)
 # The logit transforms' numbers, set away from the identity where a config has them (a default of 1, or a

@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_sweep  # noqa: E402
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
+from versions import transformers_at_least  # noqa: E402
 
 # MoE families whose forward adds its router loss (output_router_logits=True in the sweep, coefficients set to
 # visible values): the patched loss must add the same ``coefficient * aux_loss``. The multimodal wrappers keep
@@ -89,7 +90,9 @@ def test_moe_families_add_the_router_loss_as_stock(sweep, name):
     outcome, detail, _ = sweep[name]
     if outcome == "absent":
         pytest.skip(detail)
-    assert outcome == "patched = stock" and "aux_loss" in detail, f"{name}: {outcome}: {detail}"
+    assert outcome == "patched = stock", f"{name}: {outcome}: {detail}"
+    if transformers_at_least(5, 24):   # 5.17's forwards of these families return no router loss at all
+        assert "aux_loss" in detail, f"{name}: the stock forward returned no aux_loss: the case tests nothing"
 
 
 @pytest.mark.parametrize("name", COMPILED_FIRST)
