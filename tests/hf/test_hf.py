@@ -235,3 +235,22 @@ def test_tiled_method_through_the_patch():
     (fused_grad,) = torch.autograd.grad(fused, model.lm_head.weight)
     torch.testing.assert_close(fused, stock, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused_grad, stock_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_fullgraph_compile_before_the_first_labelled_call_says_how():
+    """The first labelled call checks the family's transform outside the graph (a graph break): compiled
+    with ``fullgraph=True`` before it, the error says to make one labelled call first; after one, the same
+    compile traces the checked forward as one graph and trains the stock loss."""
+    stock = build("granite")
+    model = patch_causal_lm(copy.deepcopy(stock))
+    ids, mask, labels = batch()
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(Exception, match="make one labelled forward call of the patched model before"):
+            torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids, attention_mask=mask, labels=labels)
+        model(input_ids=ids, attention_mask=mask, labels=labels)   # the check, eagerly
+        fused = torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids, attention_mask=mask,
+                                                                     labels=labels).loss
+    finally:
+        torch._dynamo.reset()
+    assert_close(fused, stock(input_ids=ids, attention_mask=mask, labels=labels).loss, "loss")

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from fusedce.integrations.hf.settings import text_configs
 from fusedce.integrations.hf.head import LogitTransform, describe, mismatch, verify_rtol, width_mismatch
 
 # Columns each candidate is first checked on (all of them for the survivors), and the grid on which two
@@ -38,15 +39,11 @@ _COUNTS = ("num_", "n_", "max_")
 
 def config_scalars(config) -> list:
     """``(name, value)`` of every finite non-zero int or float attribute of ``config`` and of its text
-    config (``get_text_config()``, named ``text_config.<attr>``), in attribute order, text config first;
+    config (``hf_settings.text_config``, named ``text_config.<attr>``), in attribute order, text config first;
     token ids, sizes and counts left out (``_NOT_SCALES``, ``_COUNTS``)."""
-    if config is None:
-        return []
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
     found = []
-    for prefix, source in (("text_config.", text), ("", config)):
-        if source is None or (prefix and source is config):
-            continue
+    configs = text_configs(config)
+    for prefix, source in zip(("text_config.", "") if len(configs) == 2 else ("",), configs):
         for name, value in vars(source).items():
             if name.endswith(_NOT_SCALES) or name.startswith(_COUNTS):
                 continue

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from fusedce.integrations.hf.settings import text_configs, wrapper_setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ def check_causal_loss(model: nn.Module) -> None:
     ``CpmAntForCausalLM``: labels aligned with the logits, not shifted). A forward that computes no loss
     (a wrapper that delegates) is not refused."""
     name = type(model).__name__
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+    if wrapper_setting(model, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model (config.is_encoder_decoder): its loss is over the "
                          "decoder's unshifted labels, not a causal LM's shifted ones, so patch_causal_lm refuses it")
     for cls in type(model).__mro__:
@@ -154,18 +155,18 @@ def _transform(found: dict) -> LogitTransform:
 
 def logit_transforms(config) -> tuple:
     """The post-head transforms ``config`` declares (``DECLARED``, the scales multiplied together), as
-    candidates for ``hf_fit.choose_transform``: first the text config's (``get_text_config()``, where multimodal
-    models keep them; an attribute it lacks is taken from the top level), then, if different, the top-level
-    config's alone (multimodal wrappers such as LLaVA-NeXT, Aya Vision or Cohere 2 Vision ignore their
-    text config's). Llama, Mistral, Qwen2/3, Gemma, Phi3, GPT-2 declare none: ``(LogitTransform(),)``.
-    ``ValueError`` for a scale that is not a finite non-zero number, a softcap <= 0 or a vocabulary
+    candidates for ``hf_fit.choose_transform``: first the text config's (``hf_settings.text_config``, where
+    multimodal models keep them; an attribute it lacks is taken from the top level), then, if different, the
+    top-level config's alone (multimodal wrappers such as LLaVA-NeXT or Cohere 2 Vision ignore their text
+    config's; Aya Vision did before transformers 5.25, which applies ``text_config.logit_scale``). Llama,
+    Mistral, Qwen2/3, Gemma, Phi3, GPT-2 declare none: ``(LogitTransform(),)``. ``ValueError`` for a scale that is not a finite non-zero number, a softcap <= 0 or a vocabulary
     size < 1."""
-    if config is None:
+    configs = text_configs(config)
+    if not configs:
         return (LogitTransform(),)
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
-    if text is None or text is config:
+    if len(configs) == 1:
         return (_transform(_declared(config)),)
-    first, top = _transform(_declared(text, config)), _transform(_declared(config))
+    first, top = _transform(_declared(*configs)), _transform(_declared(config))
     return (first,) if first == top else (first, top)
 
 

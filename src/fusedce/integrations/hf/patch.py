@@ -22,22 +22,18 @@ import types
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fusedce.core.entrance import public_op
-from fusedce.ce.functional import linear_cross_entropy
-from fusedce.core import validation as val
-from fusedce.core.dtensor import replicated_to_local
-from fusedce.core.hints import shifted_labels_hint
 from fusedce.core.options import check_flag
 from fusedce.integrations.hf.adapters import kind as head_kind
 from fusedce.integrations.hf.call import HeadCall, module_name
 from fusedce.integrations.hf.options import LOSS_OPTIONS, validate_options  # noqa: F401  (hf.LOSS_OPTIONS: the public list)
 from fusedce.integrations.hf.fit import choose_transform
-from fusedce.integrations.hf.head import LogitTransform, base_model, check_causal_loss, describe, logit_transforms, output_head
-from fusedce.integrations.hf.output import as_tuple, bad_label_message, replace
-from fusedce.integrations.hf.token_weights import flat_token_weights
+from fusedce.integrations.hf.head import base_model, check_causal_loss, describe, logit_transforms, output_head
+from fusedce.integrations.hf.loss import causal_loss
+from fusedce.integrations.hf.settings import model_config, router_aux_coef, wrapper_setting
+from fusedce.integrations.hf.output import as_tuple, replace
 
 _STATE = "_fusedce_patch"
 @dataclasses.dataclass
@@ -67,14 +63,16 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
     - ``reduction="none"``: ``loss`` is the flat fp32 ``(B*T,)`` per-position loss, element ``b*T + t`` that
       of predicting ``labels[b, t + 1]`` at position t, 0 where that label is ignored and at each sequence's
       last position (nothing to predict); ``loss.view(B, T)`` gives the positions' layout;
-    - the family's logit transform, read from the config and its text config (``get_text_config()``:
+    - the family's logit transform, read from the config and its text config (``hf_settings``:
       multimodal models keep it there; ``hf_head.DECLARED``): ``final_logit_softcapping`` (Gemma 2/3/4,
       PaliGemma 2) becomes ``softcap``; the logit scales (Cohere ``logit_scale`` and FalconH1
       ``lm_head_multiplier``: ``logits * s``; Granite and Granite vision ``logits_scaling``: ``logits /
       s``) become ``logit_scale`` (applied inside the loss, in fp32); ``unpadded_vocab_size`` (Inkling: the
       model keeps ``logits[..., :n]`` of a padded head) makes the loss run over the head's first ``n`` rows
       (the padded rows get zero gradient, as in the stock model). The first labelled call checks that this
-      is exactly what the family does (one host sync): its head returns one probe row of all V columns
+      is exactly what the family does (one host sync; under ``torch.compile`` that call runs eagerly,
+      outside the graph, and the next is traced with what it found; with ``fullgraph=True`` the graph break
+      is an error saying to make one labelled call before compiling): its head returns one probe row of all V columns
       (``(1, ..., 1, V)``; with real logits under ``keep_logits``, its first, middle and last positions),
       and the family's output must be the declared transform of it, same width, same shape. If it is not,
       the transform is read off that output (``hf_fit``): ``T * tanh(m * x / T)`` with ``m`` 1, a number
@@ -88,7 +86,9 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
       labels are refused at patch time (``hf_head.check_causal_loss``). When the text config and the top-level config declare different transforms (some
       wrappers, e.g. LLaVA-NeXT, ignore their text config's), that call computes the loss for both and
       keeps the one the forward applied (one extra fused forward and backward, once);
-    - MoE models: a returned ``aux_loss`` is added times ``router_aux_loss_coef``, as the families do;
+    - MoE models: a returned ``aux_loss`` (``output_router_logits=True``) is added times the coefficient the
+      family's forward uses, as it does (``hf_settings.router_aux_coef``: the model's ``router_aux_loss_coef``
+      / ``aux_loss_coef``, else its text config's ``router_aux_loss_coef``, where multimodal wrappers keep it);
     - ``use_token_scaling`` is also accepted as a forward keyword (as Liger-patched models accept it; TRL
       passes it for ``loss_type="dft"``): it overrides the patch-time option for that call;
     - ``token_weights`` (a forward keyword, with ``labels``): per-token loss weights of the labels'
@@ -155,7 +155,7 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
     head_kind(head, module_name(model, head))
     base_model(model)
     check_causal_loss(model)
-    transforms = logit_transforms(getattr(model, "config", None))
+    transforms = logit_transforms(model_config(model))
     options = validate_options(model, loss_options, transforms[0])
     state = getattr(model, _STATE, None)
     keep_logits = None if keep_logits is None else check_flag("keep_logits", keep_logits)
@@ -216,6 +216,8 @@ def _forward(model, *args, **kwargs):
     kwargs = _as_kwargs(state.signature, args, kwargs)
     if kwargs.get("fused_lm_head"):  # TRL's own fused LM head (add_fused_lm_head) answers this call
         return _call_original(model, state, (), kwargs)
+    if not state.verified and kwargs.get("labels") is not None and torch.compiler.is_compiling():
+        return _verifying_forward(model, **kwargs)   # a graph break: this call runs eagerly (see below)
     token_scaling = kwargs.pop("use_token_scaling", None)   # Liger's forward keyword (TRL's "dft")
     token_weights = kwargs.pop("token_weights", None)
     labels = kwargs.pop("labels", None)
@@ -225,14 +227,14 @@ def _forward(model, *args, **kwargs):
         return _call_original(model, state, (), kwargs)
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
-    config = getattr(model, "config", None)
+    config = model_config(model)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:  # transformers' can_return_tuple rule
-        return_dict = getattr(config, "return_dict", True)
+        return_dict = wrapper_setting(model, "return_dict", True)
     name = type(model).__name__
     head = output_head(model)
     keep = state.keep_logits if state.keep_logits is not None else not torch.is_grad_enabled()
-    verify = not state.verified and not torch.compiler.is_compiling()
+    verify = not state.verified
 
     # Several candidate transforms (a multimodal config whose text config declares one, which some wrappers
     # ignore): the verifying call computes the loss for each, inside the head's call, and keeps the one the
@@ -240,8 +242,8 @@ def _forward(model, *args, **kwargs):
     candidates = state.transforms if verify else state.transforms[:1]
 
     def compute(hidden, weight, bias):  # runs inside the head's call (its hooks have run)
-        losses = [_loss(model, state, t, hidden, weight, bias, labels, shift_labels, num_items, token_scaling,
-                        token_weights) for t in candidates]
+        losses = [causal_loss(model, state.loss_options, t, hidden, weight, bias, labels, shift_labels, num_items,
+                              token_scaling, token_weights) for t in candidates]
         return losses[0] if len(losses) == 1 else torch.stack(losses)
     with HeadCall(head, module_name(model, head), compute, keep, verify) as call:
         out = _call_original(model, state, (), {**kwargs, "return_dict": True})
@@ -258,61 +260,31 @@ def _forward(model, *args, **kwargs):
                                                       candidates, config, name, probe=not keep)
         if chosen is None:   # read off the forward: this call's loss again, for that transform
             validate_options(model, state.loss_options, transform)
-            call.recompute(lambda h, w, b: _loss(model, state, transform, h, w, b, labels, shift_labels, num_items,
-                                                 token_scaling, token_weights), name, describe(transform))
+            call.recompute(lambda h, w, b: causal_loss(model, state.loss_options, transform, h, w, b, labels,
+                                                       shift_labels, num_items, token_scaling, token_weights),
+                           name, describe(transform))
             candidates, chosen = (transform,), 0
         if settled:   # else (real logits too small to tell) the next labelled call looks again
             state.transforms, state.verified = (transform,), True
     loss = call.final_loss(out.logits)
     if len(candidates) > 1:
         loss = loss[chosen]
-    aux, coef = getattr(out, "aux_loss", None), getattr(config, "router_aux_loss_coef", None)
-    if aux is not None and coef:
+    aux = getattr(out, "aux_loss", None)
+    coef = None if aux is None else router_aux_coef(model)
+    if coef:
         loss = loss + coef * aux.to(loss.device)
     out = replace(out, loss=loss, logits=out.logits if keep else None)
     return out if return_dict else as_tuple(out)
 
 
-def _loss(model, state: _Patch, transform: LogitTransform, hidden, weight, bias, labels, shift_labels,
-          num_items, token_scaling, token_weights=None) -> torch.Tensor:
-    """``linear_cross_entropy`` of the head's pieces: ``hidden`` (..., H), ``weight`` (V, H), ``bias``, for
-    the family's post-head ``transform``."""
-    options = dict(state.loss_options)
-    if transform.softcap is not None:
-        options["softcap"] = transform.softcap
-    if transform.scale != 1.0:
-        options["logit_scale"] = transform.scale
-    if token_scaling is not None:
-        check_flag("use_token_scaling", token_scaling)
-        options = {**options, "use_token_scaling": token_scaling}
-    ignore_index = options.get("ignore_index", -100)
-    given_shifted = shift_labels is not None
-    token_weights = flat_token_weights(token_weights, shift_labels if given_shifted else labels, given_shifted,
-                                       weight.device)
-    if shift_labels is None:  # Hugging Face's ForCausalLMLoss: pad one ignored label, drop the first
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    n_classes = transform.width(weight.shape[0])
-    if n_classes < weight.shape[0]:  # the family keeps logits[..., :n_classes] (a padded head): those rows
-        weight = weight[:n_classes]  # (a view; the padded rows get a zero gradient, as in the stock model)
-        bias = None if bias is None else bias[:n_classes]
-    hidden = hidden.to(weight.device)
-    target = shift_labels.to(weight.device).reshape(-1)
-    positions, hidden = tuple(hidden.shape[:-1]), hidden.reshape(-1, hidden.shape[-1])
-    if hidden.shape[0] != target.shape[0]:
-        shifted = "" if given_shifted else shifted_labels_hint(tuple(labels.shape), positions)
-        raise ValueError(f"{type(model).__name__}: " + (shifted or (
-                         f"the labels give {target.shape[0]} targets after the "
-                         f"shift but the model kept {hidden.shape[0]} positions (logits_to_keep?); with "
-                         "logits_to_keep=k pass the labels of the kept positions only, labels[..., -k:] (or "
-                         "shift_labels of that shape)")))
-    if isinstance(num_items, torch.Tensor):
-        num_items = num_items.to(hidden.device)
-    # under autocast, linear_cross_entropy casts hidden / head to the autocast dtype as F.linear would
-    try:
-        loss = linear_cross_entropy(hidden, weight, target, bias, num_items_in_batch=num_items,
-                                    token_weights=token_weights, **options)
-    except val.TargetOutOfRange as err:  # name the user's element, not the flattened shifted target's
-        raise IndexError(bad_label_message(err, shift_labels.shape, given_shifted)) from None
-    # a head sharded over the vocabulary (transformers' tp_plan: a Shard(0) DTensor weight) gives a replicated
-    # DTensor loss; the stock model's is a plain tensor (its head gathers the logits)
-    return replicated_to_local(loss)
+# The first labelled call reads the family's logit transform off its forward (host reads of the probe row):
+# under torch.compile it runs outside the graph, eagerly; the next call is traced with the transform found
+# (``state.verified`` is guarded, so the change recompiles). With ``fullgraph=True`` the graph break is an error
+# whose message, this reason, says how to proceed.
+_REASON = ("fusedce.patch_causal_lm checks the family's logit transform on the first labelled call, outside the "
+           "graph: make one labelled forward call of the patched model before compiling it with fullgraph=True, "
+           "or compile without fullgraph")
+try:
+    _verifying_forward = torch.compiler.disable(_forward, reason=_REASON)
+except TypeError:   # a torch whose disable takes no reason (before 2.8): the same graph break, torch's message
+    _verifying_forward = torch.compiler.disable(_forward)
