@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import legend
-from .machine import busy_warning
+from .machine import busy_warning, header
 from .names import row_name
 
 INTERPRETER_NOTE = ("(interp.) rows: the Triton kernels under TRITON_INTERPRET=1 on a slice of rows, for "
@@ -42,6 +42,17 @@ OP_TITLES = {
     "cross_entropy": "cross_entropy on the logits (BT, V)",
     "linear_cross_entropy": "linear_cross_entropy: LM head + loss from hidden (BT, H) and weight (V, H)",
 }
+
+
+# Ops bound by arithmetic, not memory traffic (the LM head: 6 * BT * V * H FLOPs over (BT + V) * H elements):
+# on a CPU their GB/s over the byte floor says nothing (a few GB/s of a compute-bound run), so that column is
+# shown for them on a GPU only (where it is set against the datasheet bandwidth).
+COMPUTE_BOUND_OPS = ("linear_cross_entropy",)
+
+
+def shows_gbps(device: str, op: str) -> bool:
+    """Whether the main table of ``op`` on ``device`` has the GB/s column: on a GPU, or a memory-bound op."""
+    return device == "cuda" or op not in COMPUTE_BOUND_OPS
 
 
 def _title(shape: str, op: str, rows: list[dict], inputs: dict) -> str:
@@ -105,10 +116,13 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     """The rich table of one shape's rows of one op; long reasons go to numbered notes in the caption."""
     rows = [r for r in report["results"] if r["shape"] == shape and r.get("op", "cross_entropy") == op]
     machine = report["machine"]
-    out = Table(title=f"{_title(shape, op, rows, report['inputs'])}\n{report['device']}: {machine['name']}",
+    out = Table(title=f"{_title(shape, op, rows, report['inputs'])}\n{header(report['device'], machine)}",
                 title_justify="left", caption_justify="left")
     floors = {r["dtype"]: r["gemm_floor_ms"] for r in rows if r.get("gemm_floor_ms")}
     columns = COLUMNS if not floors else COLUMNS[:8] + (("x GEMMs", "right"),) + COLUMNS[8:]
+    gbps = shows_gbps(report["device"], op)
+    if not gbps:
+        columns = tuple(c for c in columns if c[0] != "GB/s")
     for name, justify in columns:
         out.add_column(name, justify=justify, no_wrap=name != "path")
     reasons = []
@@ -124,7 +138,7 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
                     _num(r.get("loss_abs_err"), ".1e"), _num(r.get("grad_max_abs_err"), ".1e"),
                     _num(r.get("grad_rel_err"), ".1e"), _num(r.get("time_ms"), ".1f"),
                     *([_over(r.get("time_ms"), floors.get(r["dtype"]))] if floors else []),
-                    _gbps(r.get("floor_gbps"), machine.get("peak_gbps")),
+                    *([_gbps(r.get("floor_gbps"), machine.get("peak_gbps"))] if gbps else []),
                     _num(None if peak is None else peak / 2**20, ".0f"),
                     status, style={"error": "red", "unavailable": "yellow"}.get(r["status"]))
     facts = []
@@ -144,26 +158,38 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     return out
 
 
+MARKS = {"met": "[green]met[/]", "MISSED": "[red]MISSED[/]", "inconclusive": "[yellow]inconclusive[/]",
+         "n/a": "[yellow]n/a[/]"}
+
+
+def verdict_mark(goal: dict) -> str:
+    """A goal's or target's verdict, colored (an old result without ``verdict``: from ``met``)."""
+    verdict = goal.get("verdict") or {True: "met", False: "MISSED", None: "n/a"}[goal["met"]]
+    return MARKS[verdict]
+
+
 GOALS_LEGEND = {
     "shape": "the main table's input (real: SmolLM2 on KJV)",
     "goal": "what fusedce should do against the peers (torch LCE, TRL ChunkedLogProb) on that input",
-    "met": "met / MISSED; n/a: a row it needs failed or is missing",
-    "numbers": "the rows' ms and MiB; (x): the peer's time / fusedce chunked's (stock/path's direction: "
-               "> 1 means fusedce is faster)",
+    "met": ("met / MISSED; inconclusive: a time goal whose interval (see numbers) covers its threshold, so "
+            "these few runs cannot tell; n/a: a row it needs failed or is missing"),
+    "numbers": "the rows' ms (median, min-max over the timed runs) and MiB; (x): the peer's time / fusedce "
+               "chunked's (stock/path's direction: > 1 means fusedce is faster), the medians' ratio, then its "
+               "interval from the extreme runs (slowest peer run / fastest chunked run ...) and the runs it rests "
+               "on: met only if the whole interval is > 1",
 }
 
 
 def goals_table(report: dict) -> Table:
     """fusedce against the peers on the bench's own inputs (``report["goals"]``, ``goals.real_goals``)."""
-    out = Table(title=f"fusedce vs the peers (same run; shown, not enforced)\n{report['device']}: "
-                      f"{report['machine']['name']}", title_justify="left", caption_justify="left")
+    out = Table(title=f"fusedce vs the peers (same run; shown, not enforced)\n"
+                      f"{header(report['device'], report['machine'])}", title_justify="left", caption_justify="left")
     for name in ("shape", "dtype", "goal", "met", "numbers"):
         out.add_column(name, no_wrap=name != "numbers")
-    marks = {True: "[green]met[/]", False: "[red]MISSED[/]", None: "[yellow]n/a[/]"}
     for entry in report.get("goals") or []:
         for i, goal in enumerate(entry["goals"].values()):
             out.add_row(entry["shape"] if i == 0 else "", DTYPE_SHORT.get(entry["dtype"], entry["dtype"])
-                        if i == 0 else "", goal["want"], marks[goal["met"]], goal["detail"])
+                        if i == 0 else "", goal["want"], verdict_mark(goal), goal["detail"])
     out.caption = "\n".join(legend.lines(legend.of_table(out), GOALS_LEGEND))
     return out
 
@@ -199,10 +225,10 @@ def print_report(report: dict, console: Console) -> None:
         console.print(sweep_table(report))
     if report.get("distillation"):
         from .report_distill import print_table
-        print_table(report["distillation"], console)
+        print_table(report["distillation"], console, header(report["device"], report["machine"]))
     if report.get("rl_precision"):
         from .report_rl import print_table as print_rl
-        print_rl(report["rl_precision"], console)
+        print_rl(report["rl_precision"], console, header(report["device"], report["machine"]))
     if report.get("wall_seconds") is not None:   # the last line, after every table
         sweep = report.get("sweep") or {}
         cpu = [r["process_cpu_s"] for r in report["results"] + sweep.get("results", [])
