@@ -20,8 +20,9 @@ The tiled kernels (``tiled_forward`` / ``tiled_backward``, ``method="tiled"``: h
 ``mma`` column says whether ``tl.dot`` lowered to tensor-core instructions in the PTX (``wgmma`` on
 sm_90, ``mma`` for mma.sync / tcgen05) or to FMA (``none``: fp32 IEEE dots). ``ALIGN`` is 0 for them.
 
-What it compiles: by default a quick set (about 1 min on 2 CPU cores): sm_90, V = 128256, the ``plain``
-variant of every kernel (a distillation kernel's first divergence), bf16 and fp32. ``--all`` compiles every default arch (90, 100), vocabulary and
+What it compiles: by default a quick set (32 rows, under a minute on 2 quiet CPU cores: 23 CPU
+seconds): sm_90, V = 128256, the ``plain`` variant of every kernel (a distillation kernel's first
+divergence), bf16 and fp32. ``--all`` compiles every default arch (90, 100), vocabulary and
 representative variant (about 10 min, some 1,500 lines); ``--arch`` / ``--vocab`` / ``--kernel`` /
 ``--variant`` / ``--dtype`` choose each axis, ``--every-variant`` every flag combination.
 """
@@ -215,10 +216,10 @@ HELP = "static GPU report of the Triton kernels (registers, spills, smem, 128-bi
 DESCRIPTION = __doc__
 
 
-# What a bare ``fusedce inspect`` compiles (a quick look, ~1 min on 2 CPU cores): sm_90 at Llama-3's V, each
-# kernel's first variant (its simplest: "plain", or a distillation kernel's first divergence), both dtypes.
-# ``--all`` takes every default value on every axis not given (both archs, DEFAULT_VOCABS, the representative
-# variants: ~10 min on 2 CPU cores, ~1,500 table lines).
+# What a bare ``fusedce inspect`` compiles (a quick look, under a minute on 2 quiet CPU cores): sm_90 at
+# Llama-3's V, each kernel's first variant (its simplest: "plain", or a distillation kernel's first
+# divergence), both dtypes. ``--all`` takes every default value on every axis not given (both archs,
+# DEFAULT_VOCABS, the representative variants: ~10 min on 2 CPU cores, ~1,500 table lines).
 QUICK = {"arch": (90,), "vocab": (128256,)}
 
 
@@ -237,7 +238,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true",
                    help="the full report: every default arch, vocabulary and representative variant for the "
                         "options not given (about 10 min and 1,500 lines on 2 CPU cores; without it, about "
-                        "1 min)")
+                        "a minute)")
     p.add_argument("--every-variant", action="store_true",
                    help="every combination of the constexpr flags instead of the representative ones")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
