@@ -236,7 +236,18 @@ def print_report(report: dict, console: Console) -> None:
         console.print(f"bench wall time {report['wall_seconds']:.0f} s"
                       + ("" if sweep.get("wall_seconds") is None else
                          f" (memory sweep {sweep['wall_seconds']:.0f} s)")
-                      + (f"; the measuring processes used {sum(cpu):.0f} CPU seconds" if cpu else ""))
+                      + (f"; the measuring processes used {sum(cpu):.0f} CPU seconds" if cpu else "")
+                      + _cpu_text(report))
+
+
+def _cpu_text(report: dict) -> str:
+    """The run's CPU seconds and the wall time they need at least on idle cores (``cpu_seconds``)."""
+    used, cores = report.get("cpu_seconds"), report.get("machine", {}).get("cpu_cores")
+    if not used or not cores:
+        return ""
+    total = sum(used.values())
+    return (f"; the whole run {total:.0f} CPU seconds (this process {used['self']:.0f}, its workers "
+            f"{used['workers']:.0f}): at least {total / cores / 60:.1f} min on {cores} idle cores")
 
 
 def write_json(report: dict, out: Path) -> Path:
