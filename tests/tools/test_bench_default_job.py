@@ -78,3 +78,24 @@ def test_sweep_only_runs_the_sweep_alone(tmp_path, monkeypatch):
 def test_sweep_on_cuda_is_refused(capsys):
     assert cli.main(["bench", "--device", "cuda", "--sweep", "--shapes", "8x8"]) == 2
     assert "--sweep" in capsys.readouterr().err
+
+
+def test_bf16_rows_are_left_out_by_default_only_without_bf16_units_and_the_table_says_so(monkeypatch):
+    """On an AVX2-only CPU torch's bf16 GEMMs are emulated (one backward GEMM of the real shape: 58 CPU s
+    against 0.55 in fp32): the default run there is fp32 alone, with a note under the table."""
+    from fusedce.tools.bench import machine
+    from fusedce.tools.bench.report import table
+    caps = {"amx": False, "avx512_bf16": False, "bf16_gemm_mode": False, "avx2": True, "avx512f": False}
+    monkeypatch.setattr(machine, "cpu_capabilities", lambda: caps)
+    dtype, note = command.default_dtypes("cpu")
+    assert dtype == "float32" and "--dtype float32,bfloat16" in note
+    monkeypatch.setattr(machine, "cpu_capabilities", lambda: dict(caps, avx512_bf16=True))
+    assert command.default_dtypes("cpu") == ("float32,bfloat16", None)
+    assert command.default_dtypes("cuda") == ("float32,bfloat16", None)
+    row = {"shape": "8x40", "dtype": "float32", "path": "torch", "op": "cross_entropy", "mode": "timed",
+           "baseline": True, "peer": False, "label": "stock", "status": "ok"}
+    result = {"device": "cpu", "machine": {"name": "x (2 cores)", "cpu_cores": 2}, "inputs": {}, "results": [row],
+              "methods": command._methods([row], paths.plan("cpu", ["torch"]), Namespace(device="cpu", repeats=1,
+                                                                                           warmup=0)),
+              "notes": [note]}
+    assert "bf16 rows not run by default" in str(table(result, "8x40", "cross_entropy").caption)

@@ -64,7 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default="real",
                         help="comma list: 'real' (SmolLM2 on KJV), a named shape (smollm2, llama3-8b, "
                              "gemma2-2b, qwen2.5-7b, ... synthetic data) or HxV such as 64x1000")
-    parser.add_argument("--dtype", default=",".join(DTYPES), help=f"comma list of {', '.join(DTYPES)}")
+    parser.add_argument("--dtype", default=None,
+                        help=f"comma list of {', '.join(DTYPES)} (default: both, except on a CPU without bf16 "
+                             "units (no AMX, no AVX512-BF16), where torch's bf16 GEMMs are emulated and one bf16 "
+                             "row takes minutes: float32 there, and the table says so)")
     parser.add_argument("--tokens", type=int, default=None,
                         help=f"BT, tokens per batch (default: {TOKENS['cpu']} with --device cpu, {TOKENS['cuda']} "
                              "with cuda; every table title says how many)")
@@ -274,6 +277,24 @@ def _methods(rows, plan, args) -> dict:
     }
 
 
+# Why the bf16 rows are left out by default on a CPU without bf16 units (measured on an AVX2-only AMD EPYC,
+# torch 2.13: the backward's g @ W, (700 x 49152) @ (49152 x 576), took 58 CPU seconds in bf16, 0.55 in fp32).
+NO_BF16_UNITS = ("bf16 rows not run by default: this CPU has no bf16 units (no AMX, no AVX512-BF16), so torch's "
+                 "bf16 GEMMs are emulated, up to ~100x slower than fp32 (one backward GEMM at the real shape: 58 "
+                 "CPU seconds against 0.55), minutes per row; --dtype float32,bfloat16 runs them")
+
+
+def default_dtypes(device: str) -> tuple[str, "str | None"]:
+    """(--dtype's value, the note saying what was left out and why, or None): both dtypes on CUDA and on a
+    CPU with AMX or AVX512-BF16, float32 alone elsewhere (``NO_BF16_UNITS``)."""
+    if device == "cpu":
+        from .machine import cpu_capabilities
+        caps = cpu_capabilities()
+        if not (caps["amx"] or caps["avx512_bf16"]):
+            return "float32", NO_BF16_UNITS
+    return ",".join(DTYPES), None
+
+
 def _cpu_seconds() -> dict:
     """CPU seconds (user + system) of this process (the real input's build, the references) and of its
     finished workers: on a busy machine the wall time stretches, these do not (much); their sum over the
@@ -296,6 +317,9 @@ def run(args) -> int:
     out = Console() if sys.stdout.isatty() else Console(width=220)  # logs and pipes: every column whole
     if args.tokens is None:
         args.tokens = TOKENS[args.device]
+    skipped_dtypes = None
+    if args.dtype is None:
+        args.dtype, skipped_dtypes = default_dtypes(args.device)
     try:
         dtypes = _check_args(args)
         shapes = shape_table.parse_shapes(args.shapes)
@@ -352,6 +376,7 @@ def run(args) -> int:
         "distillation": distillation,
         "rl_precision": rl_precision,
         "failures": failures,
+        "notes": [skipped_dtypes] if skipped_dtypes else [],
         "wall_seconds": round(time.perf_counter() - began, 1),
         "cpu_seconds": _cpu_seconds(),
     }

@@ -154,6 +154,7 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     busy = busy_warning(machine)
     if report["device"] == "cpu" and busy:
         notes.append(busy + ".")
+    notes += [note + "." for note in report.get("notes") or []]   # e.g. why the bf16 rows are not here
     out.caption = "\n".join(notes + reasons)
     return out
 
