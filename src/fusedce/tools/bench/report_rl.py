@@ -56,3 +56,5 @@ def print_table(section: dict, console: Console, machine_line: str = "") -> None
     changed = ", ".join(f"{label} {n}" for label, n in section["placements_changed"].items())
     console.print(f"batch invariance: placements (of {section['placements']}: {section['method']['placements']}) "
                   f"that change row {section['row']}'s result: {changed}; {section['input']['threads']} threads.")
+    for note in section.get("notes") or []:
+        console.print(f"note: {note}.")
