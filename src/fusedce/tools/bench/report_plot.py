@@ -21,7 +21,7 @@ from .plot_axes import value_axis
 MIB = 2.0 ** -20
 LOG_FLOOR = 1e-12   # a log panel draws an exact 0 here (its number still says 0)
 BAR_INCHES, ROW_INCHES = 0.22, 1.0   # figure height per bar, and per row of panels (titles, axis labels)
-TITLE_LINE_INCHES = 0.19             # one line of the figure's 9-point title, with its leading
+TITLE_LINE_INCHES = 0.17             # one line of the figure's 9-point title, with its leading
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 OP_SHORT = {"cross_entropy": "CE", "linear_cross_entropy": "linear CE"}
 
@@ -142,7 +142,7 @@ def figure(report: dict):
     text = title(report)
     fig.suptitle(text, fontsize=9, color="darkred" if busy else "black")
     # the panels below the title's lines (9 pt ~ 0.17 inch each, and a margin), never under them
-    fig.tight_layout(rect=(0, 0, 1, 1 - TITLE_LINE_INCHES * (text.count("\n") + 1.5) / size))
+    fig.tight_layout(rect=(0, 0, 1, 1 - TITLE_LINE_INCHES * (text.count("\n") + 1) / size))
     return fig
 
 
