@@ -2,7 +2,7 @@
 "inconclusive" where that spread covers the goal (a sweep row whose times swung 1.5-2x under load printed
 ``time MISSED``, which read as a regression). Judged on made-up runs: nothing is measured."""
 from fusedce.tools.bench import goals, report_sweep, sweep
-from fusedce.tools.bench.report import verdict_mark
+from fusedce.tools.bench.goals import verdict_mark
 
 MIB = 2 ** 20
 

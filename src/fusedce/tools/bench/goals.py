@@ -128,3 +128,13 @@ def real_goals(rows: list[dict], chunked: str, tiled: str) -> list[dict]:
         out.append({"shape": shape, "dtype": dtype,
                     "goals": versus_peers(by_path.get(chunked), by_path.get(tiled), peers, others)})
     return out
+
+
+MARKS = {"met": "[green]met[/]", "MISSED": "[red]MISSED[/]", "inconclusive": "[yellow]inconclusive[/]",
+         "n/a": "[yellow]n/a[/]"}
+
+
+def verdict_mark(goal: dict) -> str:
+    """A goal's or target's verdict in rich markup, colored (an old result without ``verdict``: from ``met``)."""
+    verdict = goal.get("verdict") or {True: "met", False: "MISSED", None: "n/a"}[goal["met"]]
+    return MARKS[verdict]

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import legend
+from .goals import verdict_mark
 from .machine import busy_warning, header
 from .names import row_name
 
@@ -157,16 +158,6 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     notes += [note + "." for note in report.get("notes") or []]   # e.g. why the bf16 rows are not here
     out.caption = "\n".join(notes + reasons)
     return out
-
-
-MARKS = {"met": "[green]met[/]", "MISSED": "[red]MISSED[/]", "inconclusive": "[yellow]inconclusive[/]",
-         "n/a": "[yellow]n/a[/]"}
-
-
-def verdict_mark(goal: dict) -> str:
-    """A goal's or target's verdict, colored (an old result without ``verdict``: from ``met``)."""
-    verdict = goal.get("verdict") or {True: "met", False: "MISSED", None: "n/a"}[goal["met"]]
-    return MARKS[verdict]
 
 
 GOALS_LEGEND = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from . import legend
-from .goals import interval_text
+from .goals import interval_text, verdict_mark
 from .colors import path_color
 from .machine import busy_warning, header
 from .names import TORCH_LCE, TRL, path_name
@@ -28,7 +28,6 @@ def _num(value, fmt: str, suffix: str = "") -> str:
 
 
 def _mark(target: dict) -> str:
-    from .report import verdict_mark
     return verdict_mark(target)
 
 
