@@ -1,8 +1,10 @@
 # fusedce: two commands on a fresh machine (durations: the 2-core CPU dev VM, no GPU).
-#   make bench          the main job: fused vs stock cross-entropy on SmolLM2-135M over KJV text (~18-37 min)
+#   make bench          the main job: fused vs stock cross-entropy on SmolLM2-135M over KJV text, the peers,
+#                       accuracy, RL precision, distillation (README "Two commands": the measured durations)
 #   make test           the test suite on CPU; Triton kernels run under TRITON_INTERPRET=1
 #                       (~12-15 min; 18+ min when other jobs share the cores)
-# Also: make install (the set-up alone), make test-cute (~5 min), make docs, make check-package,
+# Also: make install (the set-up alone), make bench-sweep (the CPU memory sweep alone, ~10-20 min),
+#       make test-cute (~5 min), make docs, make check-package,
 #       make test-compat (other torch / triton / Python versions in stand-in venvs: scripts/test_compat.sh).
 PY      ?= python3
 VENV    := .venv
@@ -11,7 +13,7 @@ STAMP   := $(VENV)/.fusedce-installed
 DOCS_STAMP := $(VENV)/.fusedce-docs-installed
 PKG_VENV   := build/package-check-venv
 
-.PHONY: bench test test-cute test-compat install docs check-package clean
+.PHONY: bench bench-sweep test test-cute test-compat install docs check-package clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -33,6 +35,11 @@ install: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/fusedce bench
+
+# The memory sweep of the fused LM head (stock, chunked, tiled and the peers at SmolLM2's and Llama-3's
+# vocabularies, 0% / 50% ignored), alone: `fusedce bench --sweep` runs it after the main job.
+bench-sweep: $(STAMP)
+	$(VENV)/bin/fusedce bench --sweep only --out results/sweep
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 --timeout 900 --durations=15

@@ -18,7 +18,8 @@ What it does:
    Stock: both models' logits ``(tokens x V)`` in fp32 and the formula in PyTorch; fused:
    ``linear_distillation_loss(h_s, W_s, h_t, W_t, target, ...)`` (no logits of either model with
    ``--method tiled``; one chunk of tokens' logits of each with ``chunked``).
-4. prints both losses every step and their largest difference, then the peak memory of the head + loss
+4. prints both losses every step with each one's error against the float64 loss of its own head inputs
+   (which one is nearer float64) and their difference, then the peak memory of the head + loss
    part alone (forward + backward on one batch's hidden states and both heads as inputs, as ``fusedce
    bench`` measures: peak RSS over the inputs on CPU, ``torch.cuda.max_memory_allocated`` on CUDA).
    Writes ``results/distill.json``.
@@ -91,11 +92,12 @@ def next_token_target(ids: torch.Tensor) -> torch.Tensor:
     return F.pad(ids, (0, 1), value=IGNORE)[:, 1:]
 
 
-def stock_loss(h_s, w_s, h_t, w_t, target, beta, temperature, hard_label_weight):
-    """The loss from both models' full fp32 logits (``tokens x V`` each), the formula in PyTorch."""
-    z_s = F.linear(h_s, w_s).float()
+def stock_loss(h_s, w_s, h_t, w_t, target, beta, temperature, hard_label_weight, dtype=torch.float32):
+    """The loss from both models' full logits (``tokens x V`` each) in ``dtype`` (fp32: stock; float64 inputs
+    and ``dtype=torch.float64``: the reference), the formula in PyTorch."""
+    z_s = F.linear(h_s, w_s).to(dtype)
     with torch.no_grad():
-        z_t = F.linear(h_t, w_t).float()
+        z_t = F.linear(h_t, w_t).to(dtype)
     log_s = torch.log_softmax(z_s / temperature, -1)
     log_t = torch.log_softmax(z_t / temperature, -1)
     if beta == 0.0:
@@ -103,7 +105,8 @@ def stock_loss(h_s, w_s, h_t, w_t, target, beta, temperature, hard_label_weight)
     elif beta == 1.0:
         rows = F.kl_div(log_t, log_s, reduction="none", log_target=True).sum(-1)        # KL(s || t)
     else:
-        log_m = torch.logaddexp(log_s + torch.log1p(torch.tensor(-beta)), log_t + torch.log(torch.tensor(beta)))
+        log_m = torch.logaddexp(log_s + torch.log1p(torch.tensor(-beta, dtype=dtype)),
+                                log_t + torch.log(torch.tensor(beta, dtype=dtype)))
         rows = (beta * F.kl_div(log_m, log_t, reduction="none", log_target=True)
                 + (1 - beta) * F.kl_div(log_m, log_s, reduction="none", log_target=True)).sum(-1)
     valid = target != IGNORE
@@ -130,17 +133,37 @@ def teacher_hidden(teacher, ids: torch.Tensor) -> torch.Tensor:
         return teacher.model(input_ids=ids, use_cache=False).last_hidden_state.reshape(-1, teacher.config.hidden_size)
 
 
-def step(student, optimizer, teacher, h_t, ids, args, fused: bool) -> float:
+def reference_loss(h_s, w_s, h_t, w_t, target, args) -> float:
+    """The loss of the same head inputs in float64 (the formula of ``stock_loss``), without gradient."""
+    with torch.no_grad():
+        return float(stock_loss(*(t.detach().double() for t in (h_s, w_s, h_t, w_t)), target, args.beta,
+                                args.temperature, args.hard_label_weight, dtype=torch.float64))
+
+
+def step(student, optimizer, teacher, h_t, ids, args, fused: bool, reference: bool = False):
     """One optimizer step of ``student`` on the batch ``ids`` (``h_t``: the teacher's hidden states of
-    it); returns the loss."""
+    it); returns the loss, or with ``reference`` (loss, the float64 loss of the same head inputs)."""
     h_s = student.model(input_ids=ids, use_cache=False).last_hidden_state
     target = next_token_target(ids).reshape(-1)
-    loss = head_loss(fused, h_s.reshape(-1, h_s.shape[-1]), student.get_output_embeddings().weight,
-                     h_t, teacher.get_output_embeddings().weight, target, args)
+    inputs = (h_s.reshape(-1, h_s.shape[-1]), student.get_output_embeddings().weight, h_t,
+              teacher.get_output_embeddings().weight, target)
+    loss = head_loss(fused, *inputs, args)
+    loss64 = reference_loss(*inputs, args) if reference else None
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
-    return float(loss.detach())
+    return float(loss.detach()) if not reference else (float(loss.detach()), loss64)
+
+
+def step_line(i: int, losses: dict, references: dict) -> str:
+    """One step's line: each run's loss and its error vs the float64 loss of its own head inputs, which one
+    is nearer float64, and how far the two runs are apart (their students drift apart by rounding)."""
+    err = {name: abs(losses[name] - references[name]) for name in losses}
+    nearer = ("both equally near" if err["stock"] == err["fused"] else
+              f"{min(err, key=err.get)} nearer")
+    return (f"step {i:3d}  loss stock {losses['stock']:.6f} (|vs float64| {err['stock']:.1e})  fused "
+            f"{losses['fused']:.6f} (|vs float64| {err['fused']:.1e}): {nearer} float64; "
+            f"|stock - fused| {abs(losses['stock'] - losses['fused']):.1e}")
 
 
 def head_peak(student, teacher, ids, args, fused: bool, device: str) -> int:
@@ -180,17 +203,18 @@ def main(argv=None) -> int:
     fused_student = copy.deepcopy(stock_student)
     students = {"stock": stock_student, "fused": fused_student}
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=args.lr) for k, m in students.items()}
-    curve = {"stock": [], "fused": []}
+    curve, curve64 = {"stock": [], "fused": []}, {"stock": [], "fused": []}
     bar = tqdm(range(args.steps), desc="distilling", unit="step", file=sys.stdout, dynamic_ncols=True)
     for i in bar:
         h_t = teacher_hidden(teacher, data[i])
         for name, model in students.items():
-            curve[name].append(step(model, optimizers[name], teacher, h_t, data[i], args, name == "fused"))
-        diff = abs(curve["stock"][-1] - curve["fused"][-1])
-        bar.write(f"step {i + 1:3d}  loss stock {curve['stock'][-1]:.6f}  fused {curve['fused'][-1]:.6f}  "
-                  f"|diff| {diff:.2e}")
+            loss, loss64 = step(model, optimizers[name], teacher, h_t, data[i], args, name == "fused", reference=True)
+            curve[name].append(loss)
+            curve64[name].append(loss64)
+        bar.write(step_line(i + 1, {k: v[-1] for k, v in curve.items()}, {k: v[-1] for k, v in curve64.items()}))
     bar.close()
     max_diff = max(abs(a - b) for a, b in zip(curve["stock"], curve["fused"]))
+    max_err = {name: max(abs(a - b) for a, b in zip(curve[name], curve64[name])) for name in curve}
     peaks = {name: head_peak(students["fused"], teacher, data[0], args, name == "fused", device)
              for name in ("stock", "fused")}
     result = {
@@ -200,12 +224,15 @@ def main(argv=None) -> int:
         "teacher": f"SmolLM2-135M-Instruct ({find_gguf().name})", "vocab_size": teacher.config.vocab_size,
         "teacher_hidden": teacher.config.hidden_size, "student_hidden": args.hidden, "student_layers": args.layers,
         "loss_stock": curve["stock"], "loss_fused": curve["fused"], "loss_max_abs_diff": max_diff,
+        "loss64_stock": curve64["stock"], "loss64_fused": curve64["fused"], "loss_max_abs_err_vs_float64": max_err,
         "head_peak_bytes": peaks,
     }
     mib = {k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()}
     print(f"{args.steps} steps of {args.tokens} tokens on {result['machine']['name']}: loss "
           f"{curve['stock'][0]:.4f} -> {curve['stock'][-1]:.4f} (stock), {curve['fused'][0]:.4f} -> "
-          f"{curve['fused'][-1]:.4f} (fused); largest |diff| over the curve {max_diff:.2e}")
+          f"{curve['fused'][-1]:.4f} (fused); largest |stock - fused| over the curve {max_diff:.2e} (the two "
+          f"students drift apart by rounding); largest error vs float64 of the same head inputs: stock "
+          f"{max_err['stock']:.1e}, fused {max_err['fused']:.1e}")
     print(f"head + loss peak memory over inputs ({args.tokens} tokens, V={teacher.config.vocab_size}): "
           f"stock {mib['stock']}, fused ({args.method}) {mib['fused']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -68,3 +68,21 @@ def test_command_runs_it_in_a_fresh_process(real_file):
     assert command._rl_precision(Namespace(no_rl_precision=True, device="cpu", timeout=600), console,
                                  {"real": {"cache_file": real_file}}) is None
     assert command._rl_precision(args, console, {}) is None   # synthetic shapes only: no table
+
+
+def test_without_bf16_units_the_stock_placements_are_left_out_and_said(real_file, monkeypatch):
+    """Issue 47 item 1: on an AVX2-only CPU the stock bf16 path's 12 placements (2,758 rows of emulated bf16
+    forward+backward) took minutes of the main job; there they are not counted, and the table says so."""
+    from fusedce.tools.bench import machine
+    caps = {"amx": False, "avx512_bf16": False, "bf16_gemm_mode": False, "avx2": True, "avx512f": False}
+    monkeypatch.setattr(machine, "cpu_capabilities", lambda: caps)
+    _row, spec, _env = rl_precision.job(real_file, "cpu")
+    assert spec["stock_placements"] is False
+    out = rl_precision.measure({**spec, "tokens": N})
+    assert path_name("stock-bf16") not in out["placements_changed"] and out["notes"]
+    assert out["placements_changed"]["fusedce batch_invariant=True"] == 0
+    console = Console(record=True, width=200)
+    print_table(out, console)
+    assert "stock bf16 placements not counted" in console.export_text()
+    monkeypatch.setattr(machine, "cpu_capabilities", lambda: dict(caps, amx=True))
+    assert rl_precision.job(real_file, "cpu")[1]["stock_placements"] is True

@@ -329,3 +329,63 @@ def test_the_wall_time_is_the_last_line_after_every_table(monkeypatch):
     assert lines[-1].startswith("bench wall time 300 s"), lines[-3:]
     titles = " ".join(str(t.title) for t in tables)
     assert "distillation" in titles and text.index("distillation") < text.index("bench wall time")
+
+
+AVX2_ONLY = {"amx": False, "avx512_bf16": False, "bf16_gemm_mode": False, "avx2": True, "avx512f": False}
+
+
+def test_every_table_header_names_the_cpus_bf16_capabilities(monkeypatch):
+    """Issue 47 item 3: the bf16 rows, ``x GEMMs`` and the RL-precision figures depend on AMX / AVX512-BF16
+    and on whether the bf16 GEMM mode engages; every table's title says which (and bench.json holds them)."""
+    data = synthetic_report(busy=False)
+    data["machine"]["cpu_bf16"] = AVX2_ONLY
+    tables, _text = _printed(data, monkeypatch)
+    assert len(tables) >= 6
+    for table in tables:
+        assert "AVX2 only (no AMX, no AVX512-BF16); bf16 GEMM mode off" in str(table.title), table.title
+    amx = dict(AVX2_ONLY, amx=True, avx512_bf16=True, bf16_gemm_mode=True, avx512f=True)
+    from fusedce.tools.bench.machine import capabilities_text
+    assert capabilities_text({"cpu_bf16": amx}).startswith("AMX + AVX512-BF16; bf16 GEMM mode on")
+
+
+def test_the_saved_machine_holds_the_capabilities_and_the_cores():
+    from fusedce.core.bf16_products import cpu_bf16_capabilities
+    from fusedce.tools.bench import machine
+    described = machine.describe("cpu")
+    facts = {k: v for k, v in cpu_bf16_capabilities().items() if k != "cpu"}
+    assert described["cpu_bf16"].items() >= facts.items() and described["cpu_cores"] >= 1
+    assert {"amx", "avx512_bf16", "bf16_gemm_mode"} <= set(described["cpu_bf16"])
+
+
+def test_gbps_only_where_it_means_something(monkeypatch):
+    """Issue 47 item 8: GB/s over the byte floor says nothing for the compute-bound LM head on a CPU; it is
+    shown for the memory-bound cross_entropy table, and for every op on a GPU."""
+    data = synthetic_report(busy=False)
+    tables, _text = _printed(data, monkeypatch)
+    linear = next(t for t in tables if "linear_cross_entropy: LM head" in str(t.title))
+    plain = next(t for t in tables if "cross_entropy on the logits" in str(t.title))
+    assert "GB/s" not in _headers(linear) and "GB/s" in _headers(plain)
+    data["device"] = "cuda"
+    data["machine"].update(gpu="NVIDIA H100 80GB HBM3", peak_gbps=3350)
+    linear_gpu = report.table(data, "64x1000", "linear_cross_entropy")
+    assert "GB/s" in _headers(linear_gpu)
+
+
+def test_the_pictures_title_stays_above_the_panels(monkeypatch, tmp_path):
+    """Issue 47 item 8: the busy-machine warning (the title's last line) overlapped the top panels' titles."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    fig = _figure(synthetic_report(busy=True), monkeypatch, tmp_path)
+    canvas = FigureCanvasAgg(fig)   # the closed figure's canvas is a bare one: draw it as savefig did
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    top = fig._suptitle.get_window_extent(renderer)
+    for ax in fig.axes:   # at least half a title line (9 pt) of room between the two: they touched
+        panel = ax.title.get_window_extent(renderer)
+        assert (top.y0 - panel.y1) * 72 / fig.dpi >= 4.5, (ax.get_title(), panel, top)
+
+
+def test_the_sweeps_time_panel_is_on_a_log_axis(monkeypatch, tmp_path):
+    """One 210 s row flattened every other bar of the sweep's time panel (linear axis)."""
+    fig = _figure(synthetic_report(busy=False), monkeypatch, tmp_path)
+    [time_panel] = [ax for ax in fig.axes if ax.get_title().startswith("memory sweep") and "time" in ax.get_title()]
+    assert time_panel.get_xscale() == "log"

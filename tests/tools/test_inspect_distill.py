@@ -14,7 +14,7 @@ DISTILL = ("distill_rows", "distill_tiled_stats", "distill_tiled_jsd", "distill_
 
 def test_distill_kernels_compile_clean_bf16_sm90(tmp_path):
     argv = [a for k in DISTILL for a in ("--kernel", k)]
-    rows = _inspect(tmp_path, "--arch", "90", "--dtype", "bf16", "--vocab", "32000", "--strict", *argv)
+    rows = _inspect(tmp_path, "--all", "--arch", "90", "--dtype", "bf16", "--vocab", "32000", "--strict", *argv)
     assert len(rows) == 5 * 6 + 2    # 6 variants per kernel, 2 for the JSD-only pass
     for row in rows:
         name = f"{row['kernel']} {row['variant']}"

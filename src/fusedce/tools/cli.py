@@ -12,7 +12,7 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-from .help_format import DefaultsFormatter
+from .help_format import DefaultsFormatter, plain
 
 COMMANDS = {
     "bench": ("fusedce.tools.bench.command",
@@ -35,9 +35,12 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
             sub.add_parser(name, help=help_line)
             continue
         module = importlib.import_module(module_name)
-        parser_ = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION,
+        parser_ = sub.add_parser(name, help=module.HELP, description=plain(module.DESCRIPTION),
                                  formatter_class=DefaultsFormatter)
         module.add_arguments(parser_)
+        for action in parser_._actions:   # a terminal shows no reStructuredText
+            if action.help and action.help is not argparse.SUPPRESS:
+                action.help = plain(action.help)
         parser_.set_defaults(handler=module.run)
     return parser
 

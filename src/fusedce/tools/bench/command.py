@@ -20,15 +20,20 @@ cross_entropy on logits, and linear_cross_entropy (the LM head fused with the lo
 fused heads: torch's F.linear_cross_entropy with LinearCrossEntropyOptions() and TRL's
 ChunkedLogProbFunction, and a table of fusedce against them): loss and gradient parity against float64,
 forward+backward time, peak memory and (timed rows) GB/s over the byte floor. By default on real input: SmolLM2-135M-Instruct's final hidden states on King James Bible
-verses (SFT-style masking; built once, then cached under .cache/). On CPU the Triton kernels run under
-the interpreter on a slice of rows, for parity only. On CPU a memory sweep follows (--no-sweep skips
-it): stock, fused (chunked, tiled) and the peers' linear cross-entropy at SmolLM2's and Llama-3's
-vocabulary shapes, 0% and 50% of targets ignored, peak memory and time with their ratios. On the real input
+verses (SFT-style masking; built once, then cached under .cache/), 1024 tokens on CPU and 4096 on CUDA
+(--tokens). On CPU the Triton kernels run under the interpreter on a slice of rows, for parity only.
+With --sweep (CPU) a memory sweep follows: stock, fused (chunked, tiled) and the peers' linear
+cross-entropy at SmolLM2's and Llama-3's vocabulary shapes, 0% and 50% of targets ignored, peak memory
+and time with their ratios; --sweep only runs it alone. On the real input
 an RL-precision table follows (--no-rl-precision skips it): per-token log-prob and entropy error vs float64
 of a bf16 head for stock, an fp32 head copy (TRL's cast_lm_head_to_fp32), TRL's kernel, torch's LCE and
 fusedce, and how many of 12 placements of a row in other batches change its result, with and without
 batch_invariant=True. Writes OUT/bench.json and OUT/bench.png."""
 DTYPES = ("float32", "bfloat16")
+# --tokens by device: on a 2-core CPU one fwd+bwd of the LM head at the real shape (H=576, V=49152) is
+# ~6 * BT * V * H FLOPs, 2-3 s at 1024 tokens, 10-20 s at 4096; with parity, peak memory and timed runs in
+# each of the ten linear rows, 4096 tokens took the main job past 20 minutes (issue 47).
+TOKENS = {"cpu": 1024, "cuda": 4096}
 LOAD_SAMPLE_SECONDS = 5.0
 # The names --paths accepts (``paths.PATHS``, which imports torch; tests/test_bench_cli.py keeps the two
 # equal), by op: fusedce's paths, stock PyTorch's and the peers'.
@@ -53,12 +58,19 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = DefaultsFormatter
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the paths run: cpu (the Triton kernels under the interpreter, for parity "
+                             "only) or cuda (every path timed)")
     parser.add_argument("--shapes", default="real",
                         help="comma list: 'real' (SmolLM2 on KJV), a named shape (smollm2, llama3-8b, "
                              "gemma2-2b, qwen2.5-7b, ... synthetic data) or HxV such as 64x1000")
-    parser.add_argument("--dtype", default=",".join(DTYPES), help=f"comma list of {', '.join(DTYPES)}")
-    parser.add_argument("--tokens", type=int, default=4096, help="BT, tokens per batch")
+    parser.add_argument("--dtype", default=None,
+                        help=f"comma list of {', '.join(DTYPES)} (default: both, except on a CPU without bf16 "
+                             "units (no AMX, no AVX512-BF16), where torch's bf16 GEMMs are emulated and one bf16 "
+                             "row takes minutes: float32 there, and the table says so)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help=f"BT, tokens per batch (default: {TOKENS['cpu']} with --device cpu, {TOKENS['cuda']} "
+                             "with cuda; every table title says how many)")
     parser.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs (CPU)")
     parser.add_argument("--warmup", type=int, default=0,
                         help="untimed runs before timing (CPU), besides the peak-memory run, which is one")
@@ -77,9 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="real-input cache folder; None: $FUSEDCE_CACHE_DIR, else the checkout's .cache/")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per measurement")
-    parser.add_argument("--no-sweep", action="store_true",
-                        help="skip the memory sweep (default: False: it runs with --device cpu; about 7-20 min on "
-                             "2 CPU cores, more under load)")
+    parser.add_argument("--sweep", nargs="?", const="after", choices=("after", "only"), default=None,
+                        help="also run the CPU memory sweep of the fused LM head after the main job ('--sweep'), "
+                             "or the sweep alone ('--sweep only', `make bench-sweep`); about 10-20 min on 2 CPU "
+                             "cores, more under load (default: no sweep)")
+    parser.add_argument("--no-sweep", action="store_true", help=argparse.SUPPRESS)   # the default now
     parser.add_argument("--no-rl-precision", action="store_true",
                         help="skip the RL-precision table (real input only; about 30-60 s on 2 CPU cores)")
     parser.add_argument("--sweep-repeats", type=int, default=2,
@@ -263,6 +277,34 @@ def _methods(rows, plan, args) -> dict:
     }
 
 
+# Why the bf16 rows are left out by default on a CPU without bf16 units (measured on an AVX2-only AMD EPYC,
+# torch 2.13: the backward's g @ W, (700 x 49152) @ (49152 x 576), took 58 CPU seconds in bf16, 0.55 in fp32).
+NO_BF16_UNITS = ("bf16 rows not run by default: this CPU has no bf16 units (no AMX, no AVX512-BF16), so torch's "
+                 "bf16 GEMMs are emulated, up to ~100x slower than fp32 (one backward GEMM at the real shape: 58 "
+                 "CPU seconds against 0.55), minutes per row; --dtype float32,bfloat16 runs them")
+
+
+def default_dtypes(device: str) -> tuple[str, "str | None"]:
+    """(--dtype's value, the note saying what was left out and why, or None): both dtypes on CUDA and on a
+    CPU with AMX or AVX512-BF16, float32 alone elsewhere (``NO_BF16_UNITS``)."""
+    if device == "cpu":
+        from .machine import cpu_capabilities
+        caps = cpu_capabilities()
+        if not (caps["amx"] or caps["avx512_bf16"]):
+            return "float32", NO_BF16_UNITS
+    return ",".join(DTYPES), None
+
+
+def _cpu_seconds() -> dict:
+    """CPU seconds (user + system) of this process (the real input's build, the references) and of its
+    finished workers: on a busy machine the wall time stretches, these do not (much); their sum over the
+    cores is the least wall time the run could take on idle cores."""
+    import resource
+    usage = {who: resource.getrusage(flag) for who, flag in (("self", resource.RUSAGE_SELF),
+                                                             ("workers", resource.RUSAGE_CHILDREN))}
+    return {who: round(u.ru_utime + u.ru_stime, 1) for who, u in usage.items()}
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.panel import Panel
@@ -273,6 +315,11 @@ def run(args) -> int:
     began = time.perf_counter()
     err = Console(stderr=True)
     out = Console() if sys.stdout.isatty() else Console(width=220)  # logs and pipes: every column whole
+    if args.tokens is None:
+        args.tokens = TOKENS[args.device]
+    skipped_dtypes = None
+    if args.dtype is None:
+        args.dtype, skipped_dtypes = default_dtypes(args.device)
     try:
         dtypes = _check_args(args)
         shapes = shape_table.parse_shapes(args.shapes)
@@ -288,6 +335,10 @@ def run(args) -> int:
                              f"input only: add 'real' to --shapes (got {args.shapes!r})")
         # --paths naming only distillation paths: that row alone (the real input is still prepared)
         plan = [] if main_paths == [] else paths.plan(args.device, main_paths)
+        if args.sweep and args.device != "cpu":
+            raise ValueError("--sweep: the memory sweep measures CPU memory; run it with --device cpu")
+        if args.sweep == "only":   # the sweep alone: no main table, no real input
+            shapes, plan = [], []
     except ValueError as exc:
         err.print(f"[red]fusedce bench: {exc}")
         return 2
@@ -307,7 +358,7 @@ def run(args) -> int:
         failures += _recheck_real(rows, inputs_meta)
         distillation = _distillation(args, err, inputs_meta)
         rl_precision = _rl_precision(args, err, inputs_meta) if plan else None
-        sweep = _sweep(args, err) if args.device == "cpu" and not args.no_sweep and plan else None
+        sweep = _sweep(args, err) if args.device == "cpu" and args.sweep else None
 
     result = {
         "fusedce_bench": 1,
@@ -325,7 +376,9 @@ def run(args) -> int:
         "distillation": distillation,
         "rl_precision": rl_precision,
         "failures": failures,
+        "notes": [skipped_dtypes] if skipped_dtypes else [],
         "wall_seconds": round(time.perf_counter() - began, 1),
+        "cpu_seconds": _cpu_seconds(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     report.print_report(result, out)

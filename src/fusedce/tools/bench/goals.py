@@ -6,8 +6,16 @@ the same inputs in the same run: the goals the bench reports (shown, never enfor
 - ``tiled least``: ``method="tiled"`` has the least peak memory of every path measured (stock, chunked,
   the peers).
 
-Each goal is ``{"want": text, "met": True | False | None, "detail": text}``; None when a row it needs
-failed or is missing (an unavailable peer is left out; with no peer at all the peer goals are None).
+Each goal is ``{"want": text, "met": True | False | None, "verdict": "met" | "MISSED" | "inconclusive" |
+"n/a", "detail": text}``; ``met`` None when a row it needs failed or is missing (an unavailable peer is left
+out; with no peer at all the peer goals are None), or when the verdict is inconclusive.
+
+A time verdict rests on a few noisy samples (2-3 fwd+bwd per row on a CPU), so it is judged on the spread
+of the ratio, not on the ratio of medians alone (``ratio_verdict``): the ratio's interval runs from the
+slowest numerator run over the fastest denominator run's opposite, ``[min(a) / max(b), max(a) / min(b)]``;
+"met" when the goal holds over the whole interval, "MISSED" when it fails over the whole interval,
+"inconclusive" when the interval covers the goal's threshold. The detail text carries the interval and the
+number of runs it rests on.
 """
 from __future__ import annotations
 
@@ -26,8 +34,48 @@ def _ok(row: Optional[dict]) -> bool:
         and row.get("peak_bytes") is not None
 
 
-def _goal(key: str, met, detail: str) -> dict:
-    return {"want": WANT[key], "met": met, "detail": detail}
+def _goal(key: str, met, detail: str, verdict: Optional[str] = None) -> dict:
+    verdict = verdict or {True: "met", False: "MISSED", None: "n/a"}[met]
+    return {"want": WANT[key], "met": met, "verdict": verdict, "detail": detail}
+
+
+def times(row: dict) -> list:
+    """Every timed run of ``row`` in ms (``times_ms``), else its one ``time_ms`` (a CUDA median, an old
+    result)."""
+    return list(row.get("times_ms") or [row["time_ms"]])
+
+
+def spread(values) -> dict:
+    """min / median / max and the count of ``values``."""
+    import statistics
+    values = sorted(values)
+    return {"min": values[0], "median": statistics.median(values), "max": values[-1], "n": len(values)}
+
+
+def ratio_verdict(numerator, denominator, threshold: float, strict: bool = False) -> dict:
+    """The goal ``numerator / denominator >= threshold`` (``> threshold`` if ``strict``) judged on runs:
+    ``numerator`` / ``denominator`` are the two rows' timed runs (ms). Returns ``ratio`` (of the medians),
+    ``low`` / ``high`` (the interval: the extreme runs against each other), ``runs`` (the two counts),
+    ``verdict`` ("met" over the whole interval, "MISSED" over none of it, else "inconclusive") and ``met``
+    (True / False / None for inconclusive)."""
+    a, b = spread(numerator), spread(denominator)
+    holds = (lambda r: r > threshold) if strict else (lambda r: r >= threshold)  # noqa: E731
+    low, high = a["min"] / b["max"], a["max"] / b["min"]
+    verdict = "met" if holds(low) else "MISSED" if not holds(high) else "inconclusive"
+    return {"ratio": a["median"] / b["median"], "low": low, "high": high, "runs": [a["n"], b["n"]],
+            "verdict": verdict, "met": {"met": True, "MISSED": False}.get(verdict)}
+
+
+def interval_text(judged: dict) -> str:
+    """``"1.23x, range 1.10-1.30x over 3 x 3 runs"``: the ratio, its interval and the runs it rests on."""
+    runs = " x ".join(str(n) for n in judged["runs"])
+    return f"{judged['ratio']:.2f}x, range {judged['low']:.2f}-{judged['high']:.2f}x over {runs} runs"
+
+
+def _combined(judged: list) -> str:
+    """One verdict for "every one of these holds": MISSED if one is missed, inconclusive if one is."""
+    verdicts = [j["verdict"] for j in judged]
+    return "MISSED" if "MISSED" in verdicts else "inconclusive" if "inconclusive" in verdicts else "met"
 
 
 def versus_peers(chunked: Optional[dict], tiled: Optional[dict], peers: dict, others: dict) -> dict:
@@ -39,13 +87,17 @@ def versus_peers(chunked: Optional[dict], tiled: Optional[dict], peers: dict, ot
         out["chunked_faster"] = _goal("chunked_faster", None, "no measured chunked row or no peer")
         out["chunked_leaner"] = _goal("chunked_leaner", None, "no measured chunked row or no peer")
     else:
-        slowest_ratio = min(row["time_ms"] / chunked["time_ms"] for row in peers.values())
+        judged = {label: ratio_verdict(times(row), times(chunked), 1.0, strict=True)
+                  for label, row in peers.items()}
+        verdict = _combined(list(judged.values()))
+        own = spread(times(chunked))
         leanest = min(peers, key=lambda label: peers[label]["peak_bytes"])
         out["chunked_faster"] = _goal(
-            "chunked_faster", slowest_ratio > 1.0,
-            f"{chunked['time_ms']:.0f} ms; " + ", ".join(
-                f"{label} {row['time_ms']:.0f} ms ({row['time_ms'] / chunked['time_ms']:.2f}x)"
-                for label, row in peers.items()))
+            "chunked_faster", {"met": True, "MISSED": False}.get(verdict),
+            f"{chunked['time_ms']:.0f} ms ({own['min']:.0f}-{own['max']:.0f} over {own['n']} runs); " + ", ".join(
+                f"{label} {row['time_ms']:.0f} ms ({interval_text(judged[label])})"
+                for label, row in peers.items()), verdict)
+        out["chunked_faster"]["intervals"] = judged   # {peer: ratio_verdict of peer time / chunked time}
         out["chunked_leaner"] = _goal(
             "chunked_leaner", chunked["peak_bytes"] <= peers[leanest]["peak_bytes"],
             f"{chunked['peak_bytes'] * MIB:.2f} MiB; leanest peer {leanest} "
@@ -76,3 +128,13 @@ def real_goals(rows: list[dict], chunked: str, tiled: str) -> list[dict]:
         out.append({"shape": shape, "dtype": dtype,
                     "goals": versus_peers(by_path.get(chunked), by_path.get(tiled), peers, others)})
     return out
+
+
+MARKS = {"met": "[green]met[/]", "MISSED": "[red]MISSED[/]", "inconclusive": "[yellow]inconclusive[/]",
+         "n/a": "[yellow]n/a[/]"}
+
+
+def verdict_mark(goal: dict) -> str:
+    """A goal's or target's verdict in rich markup, colored (an old result without ``verdict``: from ``met``)."""
+    verdict = goal.get("verdict") or {True: "met", False: "MISSED", None: "n/a"}[goal["met"]]
+    return MARKS[verdict]

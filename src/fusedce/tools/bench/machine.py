@@ -48,7 +48,54 @@ def describe(device: str) -> dict:
         info["cuda"] = torch.version.cuda
     info["name"] = info.get("gpu") or f"{info['cpu']} ({cores} cores)"
     info["peak_gbps"] = peak_bandwidth_gbps(info.get("gpu", ""))
+    info["cpu_bf16"] = cpu_capabilities()
     return info
+
+
+def cpu_capabilities() -> dict:
+    """``fusedce.core.bf16_products.cpu_bf16_capabilities()`` (measured once per process): ``amx``,
+    ``avx512_bf16``, ``bf16_gemm_mode`` (whether oneDNN's bf16 mode really engages for fp32 GEMMs of bf16
+    values here), and ``avx2`` / ``avx512f`` from the CPU flags; on which the bf16 rows' times, the
+    ``x GEMMs`` column and the RL-precision figures depend."""
+    from fusedce.core.bf16_products import cpu_bf16_capabilities
+    facts = {k: v for k, v in cpu_bf16_capabilities().items() if k != "cpu"}
+    flags = _cpu_flags()
+    return {**facts, "avx2": "avx2" in flags, "avx512f": "avx512f" in flags}
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def capabilities_text(machine: dict) -> str:
+    """The CPU's vector units and bf16 GEMM mode in a few words (every table header names them), e.g.
+    ``"AVX2 only (no AVX-512, no AMX); bf16 GEMM mode off"``; an old result without them says so."""
+    caps = machine.get("cpu_bf16")
+    if not caps:
+        return "CPU capabilities not recorded"
+    units = [name for name, key in (("AMX", "amx"), ("AVX512-BF16", "avx512_bf16")) if caps.get(key)]
+    if not units:
+        base = "AVX-512" if caps.get("avx512f") else "AVX2" if caps.get("avx2") else "no AVX2"
+        units_text = f"{base} only (no AMX, no AVX512-BF16)"
+    else:
+        units_text = " + ".join(units) + ("" if caps.get("amx") else " (no AMX)")
+    mode = "on: fp32 GEMMs of bf16 values run on the bf16 units" if caps.get("bf16_gemm_mode") else "off"
+    return f"{units_text}; bf16 GEMM mode {mode}"
+
+
+def header(device: str, machine: dict) -> str:
+    """The machine line under every table title: device, name (cores), and on a CPU its capabilities."""
+    text = f"{device}: {machine['name']}"
+    if machine.get("gpu"):
+        return text
+    return f"{text}; {capabilities_text(machine)}"
 
 
 # Memory bandwidth from the vendors' datasheets (GB/s), to put a kernel's GB/s in proportion.

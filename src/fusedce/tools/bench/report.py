@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from . import legend
-from .machine import busy_warning
+from .goals import verdict_mark
+from .machine import busy_warning, header
 from .names import row_name
 
 INTERPRETER_NOTE = ("(interp.) rows: the Triton kernels under TRITON_INTERPRET=1 on a slice of rows, for "
@@ -42,6 +43,17 @@ OP_TITLES = {
     "cross_entropy": "cross_entropy on the logits (BT, V)",
     "linear_cross_entropy": "linear_cross_entropy: LM head + loss from hidden (BT, H) and weight (V, H)",
 }
+
+
+# Ops bound by arithmetic, not memory traffic (the LM head: 6 * BT * V * H FLOPs over (BT + V) * H elements):
+# on a CPU their GB/s over the byte floor says nothing (a few GB/s of a compute-bound run), so that column is
+# shown for them on a GPU only (where it is set against the datasheet bandwidth).
+COMPUTE_BOUND_OPS = ("linear_cross_entropy",)
+
+
+def shows_gbps(device: str, op: str) -> bool:
+    """Whether the main table of ``op`` on ``device`` has the GB/s column: on a GPU, or a memory-bound op."""
+    return device == "cuda" or op not in COMPUTE_BOUND_OPS
 
 
 def _title(shape: str, op: str, rows: list[dict], inputs: dict) -> str:
@@ -105,10 +117,13 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     """The rich table of one shape's rows of one op; long reasons go to numbered notes in the caption."""
     rows = [r for r in report["results"] if r["shape"] == shape and r.get("op", "cross_entropy") == op]
     machine = report["machine"]
-    out = Table(title=f"{_title(shape, op, rows, report['inputs'])}\n{report['device']}: {machine['name']}",
+    out = Table(title=f"{_title(shape, op, rows, report['inputs'])}\n{header(report['device'], machine)}",
                 title_justify="left", caption_justify="left")
     floors = {r["dtype"]: r["gemm_floor_ms"] for r in rows if r.get("gemm_floor_ms")}
     columns = COLUMNS if not floors else COLUMNS[:8] + (("x GEMMs", "right"),) + COLUMNS[8:]
+    gbps = shows_gbps(report["device"], op)
+    if not gbps:
+        columns = tuple(c for c in columns if c[0] != "GB/s")
     for name, justify in columns:
         out.add_column(name, justify=justify, no_wrap=name != "path")
     reasons = []
@@ -124,7 +139,7 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
                     _num(r.get("loss_abs_err"), ".1e"), _num(r.get("grad_max_abs_err"), ".1e"),
                     _num(r.get("grad_rel_err"), ".1e"), _num(r.get("time_ms"), ".1f"),
                     *([_over(r.get("time_ms"), floors.get(r["dtype"]))] if floors else []),
-                    _gbps(r.get("floor_gbps"), machine.get("peak_gbps")),
+                    *([_gbps(r.get("floor_gbps"), machine.get("peak_gbps"))] if gbps else []),
                     _num(None if peak is None else peak / 2**20, ".0f"),
                     status, style={"error": "red", "unavailable": "yellow"}.get(r["status"]))
     facts = []
@@ -140,6 +155,7 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
     busy = busy_warning(machine)
     if report["device"] == "cpu" and busy:
         notes.append(busy + ".")
+    notes += [note + "." for note in report.get("notes") or []]   # e.g. why the bf16 rows are not here
     out.caption = "\n".join(notes + reasons)
     return out
 
@@ -147,23 +163,25 @@ def table(report: dict, shape: str, op: str = "cross_entropy") -> Table:
 GOALS_LEGEND = {
     "shape": "the main table's input (real: SmolLM2 on KJV)",
     "goal": "what fusedce should do against the peers (torch LCE, TRL ChunkedLogProb) on that input",
-    "met": "met / MISSED; n/a: a row it needs failed or is missing",
-    "numbers": "the rows' ms and MiB; (x): the peer's time / fusedce chunked's (stock/path's direction: "
-               "> 1 means fusedce is faster)",
+    "met": ("met / MISSED; inconclusive: a time goal whose interval (see numbers) covers its threshold, so "
+            "these few runs cannot tell; n/a: a row it needs failed or is missing"),
+    "numbers": "the rows' ms (median, min-max over the timed runs) and MiB; (x): the peer's time / fusedce "
+               "chunked's (stock/path's direction: > 1 means fusedce is faster), the medians' ratio, then its "
+               "interval from the extreme runs (slowest peer run / fastest chunked run ...) and the runs it rests "
+               "on: met only if the whole interval is > 1",
 }
 
 
 def goals_table(report: dict) -> Table:
     """fusedce against the peers on the bench's own inputs (``report["goals"]``, ``goals.real_goals``)."""
-    out = Table(title=f"fusedce vs the peers (same run; shown, not enforced)\n{report['device']}: "
-                      f"{report['machine']['name']}", title_justify="left", caption_justify="left")
+    out = Table(title=f"fusedce vs the peers (same run; shown, not enforced)\n"
+                      f"{header(report['device'], report['machine'])}", title_justify="left", caption_justify="left")
     for name in ("shape", "dtype", "goal", "met", "numbers"):
         out.add_column(name, no_wrap=name != "numbers")
-    marks = {True: "[green]met[/]", False: "[red]MISSED[/]", None: "[yellow]n/a[/]"}
     for entry in report.get("goals") or []:
         for i, goal in enumerate(entry["goals"].values()):
             out.add_row(entry["shape"] if i == 0 else "", DTYPE_SHORT.get(entry["dtype"], entry["dtype"])
-                        if i == 0 else "", goal["want"], marks[goal["met"]], goal["detail"])
+                        if i == 0 else "", goal["want"], verdict_mark(goal), goal["detail"])
     out.caption = "\n".join(legend.lines(legend.of_table(out), GOALS_LEGEND))
     return out
 
@@ -199,10 +217,10 @@ def print_report(report: dict, console: Console) -> None:
         console.print(sweep_table(report))
     if report.get("distillation"):
         from .report_distill import print_table
-        print_table(report["distillation"], console)
+        print_table(report["distillation"], console, header(report["device"], report["machine"]))
     if report.get("rl_precision"):
         from .report_rl import print_table as print_rl
-        print_rl(report["rl_precision"], console)
+        print_rl(report["rl_precision"], console, header(report["device"], report["machine"]))
     if report.get("wall_seconds") is not None:   # the last line, after every table
         sweep = report.get("sweep") or {}
         cpu = [r["process_cpu_s"] for r in report["results"] + sweep.get("results", [])
@@ -210,7 +228,18 @@ def print_report(report: dict, console: Console) -> None:
         console.print(f"bench wall time {report['wall_seconds']:.0f} s"
                       + ("" if sweep.get("wall_seconds") is None else
                          f" (memory sweep {sweep['wall_seconds']:.0f} s)")
-                      + (f"; the measuring processes used {sum(cpu):.0f} CPU seconds" if cpu else ""))
+                      + (f"; the measuring processes used {sum(cpu):.0f} CPU seconds" if cpu else "")
+                      + _cpu_text(report))
+
+
+def _cpu_text(report: dict) -> str:
+    """The run's CPU seconds and the wall time they need at least on idle cores (``cpu_seconds``)."""
+    used, cores = report.get("cpu_seconds"), report.get("machine", {}).get("cpu_cores")
+    if not used or not cores:
+        return ""
+    total = sum(used.values())
+    return (f"; the whole run {total:.0f} CPU seconds (this process {used['self']:.0f}, its workers "
+            f"{used['workers']:.0f}): at least {total / cores / 60:.1f} min on {cores} idle cores")
 
 
 def write_json(report: dict, out: Path) -> Path:

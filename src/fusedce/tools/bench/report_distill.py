@@ -51,19 +51,21 @@ def _rows_table(title: str, section: dict, reference: str) -> Table:
     return table
 
 
-def print_table(section: dict, console: Console) -> None:
+def print_table(section: dict, console: Console, machine_line: str = "") -> None:
     """Per path the loss, its error and the gradient error vs float64, time, peak memory: the GKD JSD
-    table, then (``section["soft_ce"]``) the soft-target cross-entropy table."""
+    table, then (``section["soft_ce"]``) the soft-target cross-entropy table; ``machine_line``
+    (``machine.header``) under each title."""
+    below = f"\n{machine_line}" if machine_line else ""
     meta = section["input"]
     if meta is not None:
         title = (f"distillation (GKD JSD, beta={meta['beta']}, T={meta['temperature']}) on the real input: "
                  f"{meta['tokens']} tokens ({meta['scored_tokens']} scored), H={meta['hidden_size']}, "
-                 f"V={meta['vocab_size']}\nteacher: {meta['teacher']}; student: {meta['student']}")
+                 f"V={meta['vocab_size']}\nteacher: {meta['teacher']}; student: {meta['student']}{below}")
         console.print(_rows_table(title, section, "float64 reference JSD"))
     soft = section.get("soft_ce")
     if soft is not None:
         meta = soft["input"]
         title = (f"distillation, soft-target linear cross-entropy on the real input: {meta['tokens']} tokens, "
                  f"H={meta['hidden_size']}, V={meta['vocab_size']}\ntarget: {meta['target']}; "
-                 f"student: {meta['student']}")
+                 f"student: {meta['student']}{below}")
         console.print(_rows_table(title, soft, "float64 reference loss"))

@@ -14,13 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from .colors import legend_text, path_color
-from .machine import busy_warning
+from .machine import busy_warning, header
 from .names import path_name, row_name
 from .plot_axes import value_axis
 
 MIB = 2.0 ** -20
 LOG_FLOOR = 1e-12   # a log panel draws an exact 0 here (its number still says 0)
 BAR_INCHES, ROW_INCHES = 0.22, 1.0   # figure height per bar, and per row of panels (titles, axis labels)
+TITLE_LINE_INCHES = 0.17             # one line of the figure's 9-point title, with its leading
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 OP_SHORT = {"cross_entropy": "CE", "linear_cross_entropy": "linear CE"}
 
@@ -111,7 +112,7 @@ def _paths(node) -> set:
 
 def title(report: dict) -> str:
     """The picture's title: machine, colors, methods, and the busy-machine warning when there is one."""
-    text = (f"fusedce bench, {report['device']}: {report['machine']['name']}\n{legend_text(_paths(report))}\n"
+    text = (f"fusedce bench, {header(report['device'], report['machine'])}\n{legend_text(_paths(report))}\n"
             "time: median fwd+bwd (ms); memory: peak beyond the inputs (MiB); errors vs float64 "
             "(methods in bench.json)")
     busy = busy_warning(report["machine"])
@@ -138,8 +139,10 @@ def figure(report: dict):
         from .report_sweep import plot_sweep
         plot_sweep(sweep, axes[-1])
     busy = busy_warning(report["machine"])
-    fig.suptitle(title(report), fontsize=9, color="darkred" if busy else "black")
-    fig.tight_layout()
+    text = title(report)
+    fig.suptitle(text, fontsize=9, color="darkred" if busy else "black")
+    # the panels below the title's lines (9 pt ~ 0.17 inch each, and a margin), never under them
+    fig.tight_layout(rect=(0, 0, 1, 1 - TITLE_LINE_INCHES * (text.count("\n") + 1) / size))
     return fig
 
 

@@ -21,11 +21,13 @@ def _ms(row: dict) -> str:
     return "-" if ms is None else f"{ms:.0f}"
 
 
-def table(section: dict) -> Table:
-    """Per path: log-prob and entropy error vs float64, fwd+bwd time, peak memory beyond the inputs."""
+def table(section: dict, machine_line: str = "") -> Table:
+    """Per path: log-prob and entropy error vs float64, fwd+bwd time, peak memory beyond the inputs;
+    ``machine_line`` (``machine.header``) under the title."""
     meta, method = section["input"], section["method"]
     title = (f"RL precision on the real input, bf16 hidden + head: {meta['tokens']} tokens "
-             f"({meta['scored_tokens']} scored), H={meta['hidden_size']}, V={meta['vocab_size']}")
+             f"({meta['scored_tokens']} scored), H={meta['hidden_size']}, V={meta['vocab_size']}"
+             + (f"\n{machine_line}" if machine_line else ""))
     out = Table(title=title, title_justify="left", caption_justify="left")
     for header in HEADERS:
         out.add_column(header, justify="left" if header in ("path", "status") else "right")
@@ -45,12 +47,14 @@ def table(section: dict) -> Table:
     return out
 
 
-def print_table(section: dict, console: Console) -> None:
-    """The table, then the batch-invariance line."""
+def print_table(section: dict, console: Console, machine_line: str = "") -> None:
+    """The table (``machine_line`` under its title), then the batch-invariance line."""
     if section.get("status") != "ok":
         console.print(f"[red]RL precision: {section.get('status')}: {section.get('reason', '')}")
         return
-    console.print(table(section))
+    console.print(table(section, machine_line))
     changed = ", ".join(f"{label} {n}" for label, n in section["placements_changed"].items())
     console.print(f"batch invariance: placements (of {section['placements']}: {section['method']['placements']}) "
                   f"that change row {section['row']}'s result: {changed}; {section['input']['threads']} threads.")
+    for note in section.get("notes") or []:
+        console.print(f"note: {note}.")

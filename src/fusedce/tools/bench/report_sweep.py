@@ -8,8 +8,9 @@ from __future__ import annotations
 from rich.table import Table
 
 from . import legend
+from .goals import interval_text, verdict_mark
 from .colors import path_color
-from .machine import busy_warning
+from .machine import busy_warning, header
 from .names import TORCH_LCE, TRL, path_name
 from .plot_axes import value_axis
 
@@ -27,17 +28,23 @@ def _num(value, fmt: str, suffix: str = "") -> str:
 
 
 def _mark(target: dict) -> str:
-    return {True: "[green]met[/]", False: "[red]MISSED[/]", None: "[yellow]n/a[/]"}[target["met"]]
+    return verdict_mark(target)
 
 
 def _targets(s: dict) -> list[str]:
+    """The configuration's verdicts, one line each (a line per path row of the table); each time verdict
+    with the interval of runs it rests on (``goals.ratio_verdict``)."""
     t, goals = s["targets"], s.get("peer_goals", {})
-    lines = [f"vs stock: mem {_mark(t['memory'])}, time {_mark(t['time'])}; "
-             f"tiled/floor {_mark(t.get('tiled', {'met': None}))}"]
-    names = {"chunked_faster": "chunked fastest", "chunked_leaner": "chunked <= leanest peer",
-             "tiled_least": "tiled least"}
+    time = t["time"]
+    lines = [f"vs stock: mem {_mark(t['memory'])}; tiled/floor {_mark(t.get('tiled', {'met': None}))}",
+             f"vs stock: time {_mark(time)}" + (f", stock/chunked {time['detail']}" if time.get("detail") else "")]
+    names = {"chunked_leaner": "chunked <= leanest peer", "tiled_least": "tiled least"}
     if goals:
-        lines.append("vs peers: " + ", ".join(f"{names[k]} {_mark(g)}" for k, g in goals.items()))
+        lines.append("vs peers: " + ", ".join(f"{names[k]} {_mark(g)}" for k, g in goals.items() if k in names))
+        if "chunked_faster" in goals:
+            g = goals["chunked_faster"]
+            lines.append(f"vs peers: chunked fastest {_mark(g)}" + "".join(
+                f", {label}/chunked {interval_text(judged)}" for label, judged in g.get("intervals", {}).items()))
     return lines
 
 
@@ -48,7 +55,7 @@ def sweep_table(report: dict) -> Table:
     sweep, machine = report["sweep"], report["machine"]
     out = Table(title="memory sweep: linear_cross_entropy, stock F.linear + F.cross_entropy, fusedce "
                       f"(backend='torch', chunked and tiled) and the peers {TORCH_LCE} and {TRL}, fp32\n"
-                      f"{report['device']}: {machine['name']}", title_justify="left", caption_justify="left")
+                      f"{header(report['device'], machine)}", title_justify="left", caption_justify="left")
     for name, justify in COLUMNS:
         out.add_column(name, justify=justify, no_wrap=True)
     for s in sweep["summary"]:
@@ -80,7 +87,9 @@ def sweep_table(report: dict) -> Table:
         "Δloss vs stock": "|loss - stock's loss|, absolute, in nats: the runs' own losses on the same seeded data",
         "targets": f"of the memory sweep (shown, not enforced): {method['targets']}; vs peers: fusedce chunked "
                    "faster than every peer and no more memory than the leanest, tiled the least memory of all "
-                   "paths"})
+                   "paths; a time verdict gives the medians' ratio, then its interval from the extreme runs "
+                   "(slowest against fastest) and the runs it rests on: met / MISSED only when the whole interval "
+                   "is on one side of the goal, else inconclusive (these few runs cannot tell)"})
     resolved = list(dict.fromkeys(f"{r['shape']}: {TORCH_LCE}'s 'auto' resolved to " + ", ".join(
         f"{k}={v}" for k, v in r["extra"].items()) for r in sweep["results"]
         if r["path"] == "linear-torch-lce" and r.get("extra")))
@@ -103,9 +112,10 @@ def plot_sweep(sweep: dict, axes) -> None:
     summary = sweep["summary"]
     labels = list(dict.fromkeys((path_name(r["path"]), r["path"]) for r in sweep["results"]))
     height = 0.8 / max(1, len(labels))
-    panels = (("peak_bytes", MIB, "peak memory over inputs + .grad (MiB)", ",.0f"),
-              ("time_ms", 1.0, "fwd+bwd time (ms)", ",.0f"))
-    for ax, (key, scale, unit, fmt) in zip(axes, panels):
+    # time on a log axis: one slow row (a peer at Llama-3's V: minutes) would flatten every other bar
+    panels = (("peak_bytes", MIB, "peak memory over inputs + .grad (MiB)", ",.0f", False),
+              ("time_ms", 1.0, "fwd+bwd time (ms), log scale", ",.0f", True))
+    for ax, (key, scale, unit, fmt, log) in zip(axes, panels):
         for j, (label, path) in enumerate(labels):
             offset = (j - (len(labels) - 1) / 2) * height
             values = []
@@ -113,15 +123,30 @@ def plot_sweep(sweep: dict, axes) -> None:
                 row = next((r for r in sweep["results"] if r["path"] == path and r["status"] == "ok"
                             and (r["shape"], r["ignore_fraction"]) == (s["shape"], s["ignore_fraction"])), None)
                 values.append(0.0 if row is None or row.get(key) is None else row[key] * scale)
-            ax.barh([i + offset for i in range(len(summary))], values, height=height,
-                    color=path_color(path), label=label)
+            if log:   # a bar from 1 ms; a missing row (0) draws nothing
+                starts = [1.0] * len(values)
+                ax.barh([i + offset for i in range(len(summary))], [max(v - 1.0, 0.0) for v in values],
+                        left=starts, height=height, color=path_color(path), label=label)
+            else:
+                ax.barh([i + offset for i in range(len(summary))], values, height=height,
+                        color=path_color(path), label=label)
             for i, v in enumerate(values):
-                ax.text(v, i + offset, f" {v:{fmt}}", va="center", fontsize=6)
+                if v > 0 or not log:
+                    ax.text(v, i + offset, f" {v:{fmt}}", va="center", fontsize=6)
         ax.set_yticks(range(len(summary)), [f"{s['shape']}\n{s['ignore_fraction']:.0%} ignored" for s in summary],
                       fontsize=8)
         ax.invert_yaxis()
-        ax.margins(x=0.15)
-        value_axis(ax)
+        if log:
+            from matplotlib.ticker import FuncFormatter, NullFormatter
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:,.10g}"))
+            drawn = [r[key] * scale for r in sweep["results"] if r.get("status") == "ok" and r.get(key)]
+            if drawn:
+                ax.set_xlim(left=min(drawn) / 3, right=max(drawn) * 8)
+        else:
+            ax.margins(x=0.15)
+            value_axis(ax)
         ax.set_xlabel(unit)
         ax.set_title(f"memory sweep (fp32, CPU): {unit}", fontsize=9)
     # one legend, beside the panels, so that no bar is hidden under it

@@ -160,6 +160,18 @@ def placements_changed(name: str, hidden, weight, target, r: int, **options) -> 
     return changed
 
 
+# On a CPU without AMX / AVX512-BF16 torch emulates bf16 GEMMs (the backward's g @ W: ~100x fp32's time):
+# the stock bf16 path's 12 placements (2,758 rows of bf16 forward+backward) alone took minutes of CPU there.
+NO_STOCK_PLACEMENTS = ("stock bf16 placements not counted on this CPU (no AMX, no AVX512-BF16: torch's bf16 "
+                       "GEMMs are emulated, minutes for the 12 placements); fusedce's are")
+
+
+def _cpu_has_bf16_units() -> bool:
+    from .machine import cpu_capabilities
+    caps = cpu_capabilities()
+    return bool(caps["amx"] or caps["avx512_bf16"])
+
+
 def load(source_file: str, tokens: int, device: str):
     data = torch.load(source_file, map_location="cpu", weights_only=True)
     hidden = data["hidden"][:tokens].to(torch.bfloat16).contiguous().to(device)
@@ -185,13 +197,14 @@ def measure(spec: dict) -> dict:
                             "reason": f"{type(exc).__name__}: {exc}"})
     r = int((target != IGNORE_INDEX).nonzero()[0])
     placements = {}
-    for label, name, options in ((path_name("stock-bf16"), "stock-bf16", {}),
-                                 (path_name("fusedce"), "fusedce", {}),
-                                 (f"{path_name('fusedce')} batch_invariant=True", "fusedce",
-                                  {"batch_invariant": True})):
+    counted = ((path_name("stock-bf16"), "stock-bf16", {}),) if spec.get("stock_placements", True) else ()
+    for label, name, options in counted + ((path_name("fusedce"), "fusedce", {}),
+                                           (f"{path_name('fusedce')} batch_invariant=True", "fusedce",
+                                            {"batch_invariant": True})):
         placements[label] = placements_changed(name, hidden, weight, target, r, **options)
     n, h = hidden.shape
-    return {"status": "ok", "results": results, "placements_changed": placements,
+    notes = [] if spec.get("stock_placements", True) else [NO_STOCK_PLACEMENTS]
+    return {"status": "ok", "results": results, "placements_changed": placements, "notes": notes,
             "placements": len(PLACEMENTS), "row": r,
             "input": {"tokens": n, "scored_tokens": int((target != IGNORE_INDEX).sum()), "hidden_size": h,
                       "vocab_size": weight.shape[0], "dtype": "bfloat16", "reference_rows": int(rows.numel()),
@@ -205,8 +218,10 @@ def measure(spec: dict) -> dict:
 
 
 def job(source_file: str, device: str) -> tuple:
-    """(row, worker spec, extra env) for ``command._measure_all``."""
-    spec = {"rl": True, "device": device, "source_file": source_file, "tokens": TOKENS}
+    """(row, worker spec, extra env) for ``command._measure_all``; on a CPU without bf16 units the stock
+    bf16 placements are not counted (``NO_STOCK_PLACEMENTS``)."""
+    spec = {"rl": True, "device": device, "source_file": source_file, "tokens": TOKENS,
+            "stock_placements": device != "cpu" or _cpu_has_bf16_units()}
     return {"label": "RL precision (log-probs, entropy, batch invariance)"}, spec, None
 
 

@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, default=8,
                    help="distinct batches, cycled over the steps (8: ~4 epochs in 30 steps, so the "
                         "loss visibly falls instead of only tracking each new batch's difficulty)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="torch.manual_seed of each run (both get the same, so they differ only in the loss)")
     p.add_argument("--chunk-size", type=int, default=None,
                    help="linear_cross_entropy's chunk_size for the patched run (None: automatic)")
     p.add_argument("--out", type=Path, default=Path("results"), help="folder for finetune.json/.png")

@@ -19,6 +19,12 @@ The tiled kernels (``tiled_forward`` / ``tiled_backward``, ``method="tiled"``: h
 (V, 4096), no logits) have no streaming rule (their operands are staged through shared memory); their
 ``mma`` column says whether ``tl.dot`` lowered to tensor-core instructions in the PTX (``wgmma`` on
 sm_90, ``mma`` for mma.sync / tcgen05) or to FMA (``none``: fp32 IEEE dots). ``ALIGN`` is 0 for them.
+
+What it compiles: by default a quick set (32 rows, under a minute on 2 quiet CPU cores: 23 CPU
+seconds): sm_90, V = 128256, the ``plain`` variant of every kernel (a distillation kernel's first
+divergence), bf16 and fp32. ``--all`` compiles every default arch (90, 100), vocabulary and
+representative variant (about 10 min, some 1,500 lines); ``--arch`` / ``--vocab`` / ``--kernel`` /
+``--variant`` / ``--dtype`` choose each axis, ``--every-variant`` every flag combination.
 """
 from __future__ import annotations
 
@@ -163,8 +169,9 @@ def arch_supported(arch: int) -> Optional[str]:
 
 
 def collect(archs=ARCHS, dtypes=tuple(DTYPES), vocabs=DEFAULT_VOCABS, kernels=ALL_KERNELS,
-        variants=None, every=False, progress=None) -> tuple:
-    """All rows for the requested configurations, and notes on targets that were skipped."""
+        variants=None, every=False, progress=None, first=False) -> tuple:
+    """All rows for the requested configurations (``first``: each kernel's first variant only), and notes
+    on targets that were skipped."""
     rows, notes = [], []
     for arch in archs:
         why = arch_supported(arch)
@@ -173,7 +180,7 @@ def collect(archs=ARCHS, dtypes=tuple(DTYPES), vocabs=DEFAULT_VOCABS, kernels=AL
             continue
         for kernel in kernels:
             table = every_variant(kernel) if every else VARIANTS[kernel]
-            for name, variant in table.items():
+            for name, variant in list(table.items())[:1] if first else table.items():
                 if variants and name not in variants:
                     continue
                 for dtype in dtypes:
@@ -209,13 +216,29 @@ HELP = "static GPU report of the Triton kernels (registers, spills, smem, 128-bi
 DESCRIPTION = __doc__
 
 
+# What a bare ``fusedce inspect`` compiles (a quick look, under a minute on 2 quiet CPU cores): sm_90 at
+# Llama-3's V, each kernel's first variant (its simplest: "plain", or a distillation kernel's first
+# divergence), both dtypes. ``--all`` takes every default value on every axis not given (both archs,
+# DEFAULT_VOCABS, the representative variants: ~10 min on 2 CPU cores, ~1,500 table lines).
+QUICK = {"arch": (90,), "vocab": (128256,)}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``fusedce inspect`` (the ``fusedce`` CLI's subcommand interface)."""
-    p.add_argument("--arch", type=int, action="append", help="compute capability (default: 90 and 100)")
+    full = "; with --all: 90 and 100"
+    p.add_argument("--arch", type=int, action="append",
+                   help=f"compute capability, repeatable (default: {QUICK['arch'][0]}{full})")
     p.add_argument("--dtype", action="append", choices=list(DTYPES), help="logits dtype (default: all)")
-    p.add_argument("--vocab", type=int, action="append", help=f"V (default: {list(DEFAULT_VOCABS)})")
+    p.add_argument("--vocab", type=int, action="append",
+                   help=f"V, repeatable (default: {QUICK['vocab'][0]}; with --all: {list(DEFAULT_VOCABS)})")
     p.add_argument("--kernel", action="append", choices=list(ALL_KERNELS), help="default: all")
-    p.add_argument("--variant", action="append", help="flag combination, e.g. plain, all (default: all)")
+    p.add_argument("--variant", action="append",
+                   help="flag combination, e.g. plain, all, repeatable (default: each kernel's first, plain "
+                        "for most; with --all: every representative one)")
+    p.add_argument("--all", action="store_true",
+                   help="the full report: every default arch, vocabulary and representative variant for the "
+                        "options not given (about 10 min and 1,500 lines on 2 CPU cores; without it, about "
+                        "a minute)")
     p.add_argument("--every-variant", action="store_true",
                    help="every combination of the constexpr flags instead of the representative ones")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -226,9 +249,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="exit 1 if any kernel spills or misses 128-bit accesses on aligned rows")
 
 
+def selection(args) -> dict:
+    """The archs, vocabularies and variants (None: every one of the kernel's table) that ``args`` asks
+    for, and ``first`` (only each kernel's first variant): each given option as given; else ``QUICK``'s,
+    or with ``--all`` every default."""
+    full = getattr(args, "all", False)
+    return {"archs": tuple(args.arch or (ARCHS if full else QUICK["arch"])),
+            "vocabs": tuple(args.vocab or (DEFAULT_VOCABS if full else QUICK["vocab"])),
+            "variants": args.variant, "first": not (full or args.variant or args.every_variant)}
+
+
 def main(argv=None) -> int:
     """``python -m fusedce.tools.inspect [options]`` (same options as ``fusedce inspect``)."""
-    parser = argparse.ArgumentParser(prog="fusedce inspect", description=__doc__.split("\n\n")[0])
+    from ..help_format import DefaultsFormatter, plain
+    parser = argparse.ArgumentParser(prog="fusedce inspect", description=plain(DESCRIPTION),
+                                     formatter_class=DefaultsFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
@@ -244,9 +279,9 @@ def run(args) -> int:
         print("fusedce inspect compiles for a GPU target; unset TRITON_INTERPRET (the interpreter replaces "
               "the kernels by Python functions)", file=sys.stderr)
         return 2
-    rows, notes = collect(archs=tuple(args.arch or ARCHS), dtypes=tuple(args.dtype or DTYPES),
-                          vocabs=tuple(args.vocab or DEFAULT_VOCABS),
-                          kernels=tuple(args.kernel or ALL_KERNELS), variants=args.variant,
+    chosen = selection(args)
+    rows, notes = collect(archs=chosen["archs"], dtypes=tuple(args.dtype or DTYPES), vocabs=chosen["vocabs"],
+                          kernels=tuple(args.kernel or ALL_KERNELS), variants=chosen["variants"], first=chosen["first"],
                           every=args.every_variant,
                           progress=lambda msg: print(f"compiling {msg}", file=sys.stderr, flush=True))
     print(f"Triton {triton.__version__}: kernels compiled offline (no GPU), BT = {ROWS}, "
@@ -254,7 +289,7 @@ def run(args) -> int:
     print(format_table(rows))
     for note in notes:
         print(note)
-    vocab_notes = [f"  V={v}: {VOCABS[v]}" for v in (args.vocab or DEFAULT_VOCABS) if v in VOCABS]
+    vocab_notes = [f"  V={v}: {VOCABS[v]}" for v in chosen["vocabs"] if v in VOCABS]
     if vocab_notes:
         print("vocabularies:\n" + "\n".join(vocab_notes))
     cute_rows = _cute_section(args)
@@ -262,6 +297,10 @@ def run(args) -> int:
     print(f"{len(rows)} configs, {len(problems)} with problems"
           + "".join(f"\n  PROBLEM sm_{r.arch} {r.kernel} {r.variant} {r.dtype} V={r.vocab}: {r.problem}"
                     f"{' (' + r.error + ')' if r.error else ''}" for r in problems))
+    if not (args.all or args.arch or args.vocab or args.variant or args.every_variant):
+        print(f"quick set: sm_{QUICK['arch'][0]}, V={QUICK['vocab'][0]}, the first variant of each "
+              "kernel; --all for every arch, vocabulary and representative variant (about 10 min on 2 CPU cores), "
+              "or choose with --arch / --vocab / --kernel / --variant / --dtype")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "notes": notes,
@@ -275,7 +314,7 @@ def _cute_section(args) -> list:
     if not getattr(args, "cute", False):
         return []
     from . import cute_report
-    archs = tuple(a for a in (args.arch or ARCHS) if a in cute_report.ARCH_NAMES) or (90, 100)
+    archs = tuple(a for a in selection(args)["archs"] if a in cute_report.ARCH_NAMES) or (90, 100)
     rows, notes = cute_report.collect(archs, every=args.every_variant,
                                       progress=lambda msg: print(f"compiling {msg}", file=sys.stderr, flush=True))
     print("\nCuTe DSL kernels (backend='cute'), compiled offline with fake tensors (dynamic BT and V):")
