@@ -51,3 +51,17 @@ def _no_backend_env(monkeypatch):
     if INTERPRET:   # a test that changed it gets it back
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A one-rank gloo process group for the vocabulary-parallel ops (made unless one exists; destroyed
+    after the module if made here)."""
+    import torch.distributed as dist
+    created = not dist.is_initialized()
+    if created:
+        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()

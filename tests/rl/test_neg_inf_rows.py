@@ -73,20 +73,7 @@ def test_linear_token_log_probs_neg_inf_bias(backend, method):
     assert torch.isnan(out.log_probs).all() and torch.isnan(out.entropy).all(), (out.log_probs, out.entropy)
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """A one-rank gloo group for the vocab-parallel ops (made unless one exists; destroyed if made here)."""
-    import torch.distributed as dist
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
-def test_vocab_parallel_log_probs(backend, one_rank):
+def test_vocab_parallel_log_probs(backend, group):
     """The vocab-parallel ops' entropy (from exchanged row statistics) on one rank: NaN on the same rows."""
     import fusedce.distributed as fd
     z, t = _logits(torch.float32), _target()
