@@ -19,7 +19,8 @@ PACKAGES = {"torch": "fusedce.backends.pytorch", "triton": "fusedce.backends.tri
 # job -> file: the same name in every backend that has the job
 JOBS = {"cross_entropy.py", "custom_ops.py", "launch.py", "linear.py", "slices.py", "tuning.py", "__init__.py"}
 OPTIONAL = {"tiled.py", "token_stats.py", "soft_targets.py", "soft_launch.py", "block_threads.py", "variants.py",
-            "compile.py", "distill.py", "distill_launch.py", "distill_tiled.py", "soft_tiled.py", "fused_rows.py"}
+            "compile.py", "distill.py", "distill_launch.py", "distill_tiled.py", "soft_tiled.py", "fused_rows.py",
+            "block_accum.py"}
 
 
 @pytest.mark.parametrize("name", sorted(PACKAGES))

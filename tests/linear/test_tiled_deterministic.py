@@ -260,6 +260,8 @@ ALLOWED_TORCH_ATOMICS = {
     # the hard label's one-hot, one index per row: no two additions meet in one element
     "backends/pytorch/distill.py": "scatter_add", "backends/pytorch/distill_tiled.py": "scatter_add",
     "rl/log_probs.py": "index_add",   # the word in a docstring (the deterministic keyword's description)
+    # the top-k / top-p log-prob gradient's one-hot, one target index per row: no two additions meet
+    "rl/truncated_rows.py": "scatter_add",
 }
 
 
