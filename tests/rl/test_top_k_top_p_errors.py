@@ -66,3 +66,13 @@ def test_off_scalars_keep_every_option():
     """top_k=0 / top_p=1.0 are off: the options the truncation refuses stay available."""
     logits, target = _logits()
     fusedce.token_log_probs(logits, target, top_k=0, top_p=1.0, return_stats=True, batch_invariant=True)
+
+
+def test_a_per_row_top_p_that_requires_grad_is_a_type_error():
+    """A sampling setting gets no gradient: a per-row tensor that requires grad is refused (as
+    ``num_items_in_batch``), not silently made part of the graph (fresh-user finding)."""
+    z, t = torch.randn(3, 7), torch.tensor([0, 1, 2])
+    with pytest.raises(TypeError, match=r"top_p is a sampling setting.*top_p\.detach\(\)"):
+        fusedce.token_log_probs(z, t, top_p=torch.full((3,), 0.9, requires_grad=True))
+    with torch.no_grad():
+        fusedce.token_log_probs(z, t, top_p=torch.full((3,), 0.9, requires_grad=True))

@@ -19,6 +19,9 @@ def _tensor(name: str, value: torch.Tensor, target: torch.Tensor, integer: bool)
         else value.is_floating_point()
     if not ok:
         raise TypeError(f"{name} as a per-row tensor must have {kind} dtype, got {value.dtype}")
+    if value.requires_grad and torch.is_grad_enabled():
+        raise TypeError(f"{name} is a sampling setting and gets no gradient, but it requires grad; pass "
+                        f"{name}.detach()")
     if value.shape != target.shape:
         raise ValueError(f"{name} as a per-row tensor must have the target's shape {tuple(target.shape)} (one "
                          f"value per token), got {tuple(value.shape)}")
