@@ -365,3 +365,15 @@ def test_accum_dtype_narrower_than_the_weight(backend, pair):
     assert weight.grad is None
     for ok in (dtype, torch.float64):
         fusedce.linear_cross_entropy(hidden, weight, target, backend=backend, accum_dtype=ok).backward()
+
+
+def test_logits_passed_as_hidden_are_named_as_such():
+    """A fresh user's finding: logits (..., V) given as hidden were called a transposed head, though the head
+    (V, H) was right; a head has more rows than columns, which tells the two mistakes apart."""
+    hidden, weight, target = torch.randn(4, 6), torch.randn(20, 6), torch.randint(0, 20, (4,))
+    logits = hidden @ weight.T
+    for call in (lambda: fusedce.linear_cross_entropy(logits, weight, target),
+                 lambda: fusedce.linear_token_log_probs(logits, weight, target)):
+        with pytest.raises(ValueError, match=r"hidden looks like logits \(\.\.\., V = 20\)") as info:
+            call()
+        assert "transposed" not in str(info.value)

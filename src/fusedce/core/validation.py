@@ -242,10 +242,15 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
     if not sharded:
         check_nonzero(w_name, weight.shape, 0, "V")
     if hidden.shape[-1] != weight.shape[1]:
-        transposed = weight.shape[0] == hidden.shape[-1]
-        layout = f"; {w_name} looks transposed: the LM head is (V, H), the nn.Linear layout" if transposed else ""
+        # hidden's width is weight's first dimension: either the head is transposed (H, V) or hidden holds
+        # logits (..., V); a head has more rows (V) than columns (H) in practice, which tells the two apart
+        matches_rows = weight.shape[0] == hidden.shape[-1]
+        logits = matches_rows and weight.shape[0] > weight.shape[1]
+        layout = (f"; hidden looks like logits (..., V = {weight.shape[0]}): pass the hidden states before the LM "
+                  f"head" if logits else f"; {w_name} looks transposed: the LM head is (V, H), the nn.Linear "
+                  f"layout (lm_head.weight, not its .T)" if matches_rows else "")
         raise ValueError(f"hidden.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = {weight.shape[1]}"
-                         f"{layout}{' (lm_head.weight, not its .T)' if transposed else ''}")
+                         f"{layout}")
     if weight.device != hidden.device:
         raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
     check_target(target, hidden.shape[:-1], hidden.device,
