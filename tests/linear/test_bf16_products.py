@@ -128,10 +128,12 @@ def test_fp32_logits_of_bf16_operands_stay_exact_sums():
     assert KNOB.fp32_precision == "none"
 
 
-def test_weight_gradient_of_a_bf16_chunk_stays_an_exact_sum():
+@pytest.mark.parametrize("scalar_fallback", [False, True])
+def test_weight_gradient_of_a_bf16_chunk_stays_an_exact_sum(monkeypatch, scalar_fallback):
     """``backprop_chunk_`` with an fp32 chunk gradient of bf16 operands (the default fp32 logits): the
     gradient is rounded to bf16 once (as stock), then ``grad_W += g.T @ h`` sums the exact products in
     fp32; ``g`` itself holds the rounded values after (the documented in-place write)."""
+    monkeypatch.setattr(bf16_products, "_scalar_fallback", lambda dtype: scalar_fallback)
     gen = torch.Generator().manual_seed(0)
     n, hidden_size, vocab = 96, 256, 2000
     h = torch.randn(n, hidden_size, generator=gen).bfloat16()
@@ -144,7 +146,49 @@ def test_weight_gradient_of_a_bf16_chunk_stays_an_exact_sum():
     assert torch.equal(g, rounded.float())
     # into an existing 0.5: one more rounding at 0.5's scale (half an ulp, 2^-25); the - 0.5 is exact (Sterbenz)
     _within_gamma(grad_w - 0.5, rounded.double().T, h.double(), extra=2.0 ** -25)
-    assert torch.equal(grad_h, rounded @ w)                          # the bf16 GEMM, as stock's backward
+    if scalar_fallback:   # one weight block (2000 rows): the fp32 GEMM of the same values, rounded once
+        assert torch.equal(grad_h, (rounded.float() @ w.float()).bfloat16())
+    else:
+        assert torch.equal(grad_h, rounded @ w)                      # the bf16 GEMM, as stock's backward
+
+
+def test_scalar_fallback_is_what_torch_reports():
+    """The upcast GEMMs engage exactly where oneDNN has no kernel for the dtype on this CPU (torch's own
+    bf16 / fp16 GEMM is then its scalar fallback, ~30x an fp32 GEMM of the same values)."""
+    for dtype, probe in ((torch.bfloat16, torch.ops.mkldnn._is_mkldnn_bf16_supported),
+                         (torch.float16, torch.ops.mkldnn._is_mkldnn_fp16_supported)):
+        t = torch.zeros(1, dtype=dtype)
+        assert bf16_products.upcast_gemms(t, t) == (not probe())
+    assert not bf16_products.upcast_gemms(torch.zeros(1), torch.zeros(1))          # fp32: never
+    assert not bf16_products.upcast_gemms(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1))   # mixed: never
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_upcast_hidden_gradient_within_one_rounding_of_float64(monkeypatch, dtype):
+    """The fallback's hidden gradient over several weight blocks (forced small) is the float64 product
+    within fp32 summation error plus the one final rounding to ``dtype`` (half an ulp): as accurate as a
+    native low-precision GEMM with fp32 accumulation; the logits of ``logits="input"`` likewise."""
+    monkeypatch.setattr(bf16_products, "_scalar_fallback", lambda dt: True)
+    monkeypatch.setattr(fp32_linear, "BLOCK_ELEMENTS", 256 * 300)   # 300-row weight blocks: 7 of them
+    gen = torch.Generator().manual_seed(0)
+    n, hidden_size, vocab = 40, 256, 2000
+    h = torch.randn(n, hidden_size, generator=gen).to(dtype)
+    w = torch.randn(vocab, hidden_size, generator=gen).to(dtype)
+    g = (torch.randn(n, vocab, generator=gen) * 1e-3).to(dtype).float()
+    grad_h = torch.empty(n, hidden_size, dtype=dtype)
+    chunked.backprop_chunk_(g.clone(), h, w, slice(0, n), grad_h, None, None)
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11   # the dtype's unit roundoff (half an ulp)
+
+    def within(got, exact, size, terms):
+        summed = terms * U32 * size * 1.01                       # fp32 summation (gamma_terms)
+        return ((got.double() - exact).abs() <= u * (exact.abs() + summed) + summed).all()
+    assert within(grad_h, g.double() @ w.double(), g.double().abs() @ w.double().abs(), vocab)
+    logits = chunked.logits_chunk(h, w, None, logits="input")
+    assert logits.dtype == dtype
+    assert within(logits, h.double() @ w.double().T, h.double().abs() @ w.double().abs().T, hidden_size)
+    # the bound is tight enough to fail: an fp32 result is not within it for a coarser rounding (2 ulps)
+    assert not within(logits.double() * (1 + 4 * u), h.double() @ w.double().T, h.double().abs() @ w.double().abs().T,
+                      hidden_size)
 
 
 

@@ -124,3 +124,29 @@ def exact_bf16_gemms(*operands: torch.Tensor):
         yield
     finally:
         knob.fp32_precision = before
+
+
+_NATIVE_PROBES = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+
+
+@lru_cache(maxsize=None)
+def _scalar_fallback(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU GEMM of ``dtype`` is its scalar fallback here (oneDNN has no kernel for it on
+    this CPU, e.g. bf16 without AVX-512): measured 144 x 49152 @ 49152 x 576 bf16 in 21.8 s where the fp32
+    GEMM of the same values took 0.67 s (AMD EPYC, AVX2 only; ``benchmarks/README.md``)."""
+    probe = getattr(torch.ops.mkldnn, _NATIVE_PROBES[dtype], None)
+    try:
+        return probe is not None and not bool(probe())
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def upcast_gemms(*operands: torch.Tensor) -> bool:
+    """Whether GEMMs of these bf16 / fp16 CPU operands run as fp32 GEMMs of their (exact) upcast values,
+    rounded once: where torch's own kernel for that dtype is the scalar fallback (eager only)."""
+    if not operands or torch.compiler.is_compiling():
+        return False
+    dtype = operands[0].dtype
+    if dtype not in _NATIVE_PROBES or any(t.dtype != dtype or t.device.type != "cpu" for t in operands):
+        return False
+    return _scalar_fallback(dtype)

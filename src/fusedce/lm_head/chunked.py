@@ -29,11 +29,11 @@ from typing import Optional
 
 import torch
 
-from fusedce.core.bf16_products import exact_bf16_gemms
+from fusedce.core.bf16_products import exact_bf16_gemms, upcast_gemms
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import grad_lse, target_probability
 from fusedce.core.validation import sync_allowed
-from .fp32_linear import linear_fp32_
+from .fp32_linear import grad_hidden_fp32_, linear_fp32_
 
 _OUT_DTYPE_MM: dict = {}   # device type -> bool; filled only by eager calls on real tensors
 
@@ -56,6 +56,9 @@ def logits_chunk(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         out = buffer[: h.shape[0]] if buffer is not None else torch.empty(
             h.shape[0], weight.shape[0], dtype=dtype, device=h.device)
         return linear_fp32_(h, weight, bias, out, _mm_out_dtype_ok(out))
+    if upcast_gemms(h, weight):   # the operands' rounding from an fp32 GEMM: torch's own is the scalar fallback
+        out32 = linear_fp32_(h, weight, bias, torch.empty(h.shape[0], weight.shape[0], device=h.device), False)
+        return out32.to(dtype) if buffer is None else buffer[: h.shape[0]].copy_(out32)
     if buffer is None:
         return torch.nn.functional.linear(h, weight, bias)
     out = buffer[: h.shape[0]]
@@ -136,7 +139,10 @@ def backprop_chunk_(g: torch.Tensor, h_c: torch.Tensor, weight: torch.Tensor, ro
     scratch = None
     if g.dtype != weight.dtype:
         scratch, g = g, g.to(weight.dtype)
-    if grad_h is not None:
+    if grad_h is not None and upcast_gemms(g, weight):   # torch's low-precision GEMM: the scalar fallback
+        g32 = scratch.copy_(g) if scratch is not None else g.float()
+        grad_hidden_fp32_(g32, weight, grad_h[rows])
+    elif grad_h is not None:
         torch.mm(g, weight, out=grad_h[rows])
     if grad_w is not None:
         accumulate_(grad_w, g, h_c, scratch)

@@ -30,7 +30,10 @@ On a CPU with bf16 units (AVX512-BF16 / AMX) each block's fp32 GEMM runs in oneD
 the bf16 GEMM itself 13 ms; what remains is the upcast of the weight blocks.
 
 The backward rounds the logits' gradient to the operands' dtype before its two GEMMs (as the stock
-composition's bf16 backward, ``chunked.backprop_chunk_``), so they stay the fast low-precision ones.
+composition's bf16 backward, ``chunked.backprop_chunk_``), so they stay the fast low-precision ones;
+where torch's low-precision CPU GEMM is its scalar fallback (no oneDNN kernel for the dtype on that CPU:
+``bf16_products.upcast_gemms``), the hidden gradient and ``logits="input"``'s logits are fp32 GEMMs of the
+same values rounded once (``grad_hidden_fp32_``; 30x faster on an AVX2-only CPU).
 """
 from __future__ import annotations
 
@@ -76,3 +79,20 @@ def linear_fp32_(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if bias is not None:
         out += bias.float()
     return out
+
+
+def grad_hidden_fp32_(g32: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = g @ weight`` rounded once into ``out`` (``(n, H)``, the weight's dtype) from ``g32``
+    (``(n, V)`` fp32 holding low-precision values) and ``weight`` ``(V, H)``: fp32 GEMMs over blocks of
+    ``weight_block_rows(H)`` weight rows (a fixed split, whatever ``n``), summed in fp32. For CPUs whose
+    low-precision GEMM is torch's scalar fallback (``bf16_products.upcast_gemms``)."""
+    vocab, hidden = weight.shape
+    step = weight_block_rows(hidden)
+    acc = torch.zeros(g32.shape[0], hidden, dtype=torch.float32, device=g32.device)
+    blocks = torch.empty((min(step, vocab), hidden), dtype=torch.float32, device=weight.device)
+    for v in range(0, vocab, step):
+        w32 = blocks[:min(step, vocab - v)]
+        w32.copy_(weight[v:v + step])
+        acc.addmm_(g32[:, v:v + step], w32)
+    return out.copy_(acc)
+
