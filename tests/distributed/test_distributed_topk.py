@@ -192,7 +192,7 @@ def _raises(exc, match, fn):
 def bad_inputs(rank, world):
     """The same clear error on every rank, before any loss is computed: a teacher id outside the GLOBAL
     [0, V) (an id of another rank's slice is valid), a target outside it, slices that do not tile [0, V),
-    an LM-head shard of the wrong hidden size, ``tail`` not a bool."""
+    an LM-head shard of the wrong hidden size, ``tail`` not a bool, a teacher K differing between ranks."""
     sizes, cols = SIZES[world], _cols(rank, SIZES[world])
     ids, lp, target = _teacher()
     x = torch.randn(*SHAPE, V)[..., cols]
@@ -209,6 +209,10 @@ def bad_inputs(rank, world):
     _raises(ValueError, "student_hidden.shape[-1]", lambda: lin(h, torch.randn(sizes[rank], H + 1), ids, lp))
     _raises(TypeError, "tail", lambda: vp(x, ids, lp, target, tail=1))
     _raises(ValueError, "(..., K)", lambda: vp(x, ids[..., None], lp[..., None], target))
+    if rank == world - 1:   # one rank's teacher with another K: refused on every rank in the setup exchange
+        ids, lp = torch.cat([ids, ids[..., :1]], -1), torch.cat([lp, lp[..., :1]], -1)
+    _raises(ValueError, "must be the same on every rank", lambda: vp(x, ids, lp, target))
+    _raises(ValueError, "must be the same on every rank", lambda: lin(h, W, ids, lp, target))
     dist.barrier()
 
 

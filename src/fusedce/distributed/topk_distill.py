@@ -68,10 +68,12 @@ class _ShardHeadRows(HeadRows):
         return ShardTailLinear.apply(self.hidden, self.weight, self.bias, excluded, self.layout, self.call.opts)
 
 
-def _global(call: dc.TopkCall, n_local: int, vocab_start_index, group, device) -> tuple:
-    """The slices' layout (one ``all_gather``, the setup's host sync; its errors the same on every rank) and
-    the call with the GLOBAL V, which the range checks then use."""
-    layout = vocab_layout(n_local, vocab_start_index, group, device)
+def _global(call: dc.TopkCall, n_local: int, teacher_ids, vocab_start_index, group, device) -> tuple:
+    """The slices' layout (one ``all_gather``, the setup's host sync; its errors the same on every rank, a
+    token count or K differing between ranks among them) and the call with the GLOBAL V, which the range
+    checks then use."""
+    same = {"the token count": math.prod(call.lead), "teacher_ids.shape[-1] (K)": teacher_ids.shape[-1]}
+    layout = vocab_layout(n_local, vocab_start_index, group, device, same=same)
     return dataclasses.replace(call, n_classes=layout.n_classes), layout
 
 
@@ -121,7 +123,7 @@ def vocab_parallel_topk_distillation_loss(
                            reduction=reduction, num_items_in_batch=num_items_in_batch,
                            student_softcap=student_softcap, logit_scale=logit_scale, backend=backend, tail=tail,
                            return_stats=return_stats)
-    call, layout = _global(call, logits_shard.shape[-1], vocab_start_index, group, logits_shard.device)
+    call, layout = _global(call, logits_shard.shape[-1], teacher_ids, vocab_start_index, group, logits_shard.device)
     return topk_loss(_ShardLogitRows(call, logits_shard, layout), teacher_ids, teacher_log_probs, call, reduction,
                      num_items_in_batch)
 
@@ -171,6 +173,6 @@ def vocab_parallel_linear_topk_distillation_loss(
                            student_softcap=student_softcap, logit_scale=logit_scale, backend=backend,
                            method="chunked", chunk_size=chunk_size, deterministic=deterministic, tail=tail,
                            return_stats=return_stats, sharded=True)
-    call, layout = _global(call, weight_shard.shape[0], vocab_start_index, group, student_hidden.device)
+    call, layout = _global(call, weight_shard.shape[0], teacher_ids, vocab_start_index, group, student_hidden.device)
     student = _ShardHeadRows(call, student_hidden, weight_shard, bias_shard, chunk_size, layout)
     return topk_loss(student, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
