@@ -179,6 +179,40 @@ def linear_form_with_an_empty_slice(rank, world):
     _linear_case(rank, EMPTY[world], True, None, True, True, 1.0, 0.5)
 
 
+@check
+def exchanges_row_statistics_only(rank, world):
+    """No collective carries a logits row: with V = 64 (BT x V_r >= 192 elements per rank), every tensor
+    all-reduced or all-gathered by both forms (forward and backward, tail and hard label on) has at most
+    BT x (K + 1) elements (the K classes' logits and the hard label's), or BT x H (``grad_hidden``)."""
+    v = 64
+    ids, lp, target = _teacher()
+    sizes = [v // world + (r < v % world) for r in range(world)]
+    cols = _cols(rank, sizes)
+    seen = []
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+
+    def spy(name):
+        def call(tensor, *args, **kwargs):
+            seen.append(sum(t.numel() for t in tensor) if isinstance(tensor, list) else tensor.numel())
+            return real[name](tensor, *args, **kwargs)
+        return call
+
+    x = torch.randn(*SHAPE, v)[..., cols].clone().requires_grad_()
+    h, W = torch.randn(*SHAPE, H).requires_grad_(), (torch.randn(v, H)[cols] * 0.7).requires_grad_()
+    try:
+        for name in real:
+            setattr(dist, name, spy(name))
+        fd.vocab_parallel_topk_distillation_loss(x, ids, lp, target, tail=True, hard_label_weight=0.5,
+                                                 temperature=2.0).backward()
+        fd.vocab_parallel_linear_topk_distillation_loss(h, W, ids, lp, target, tail=True,
+                                                        hard_label_weight=0.5).backward()
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    bt = SHAPE[0] * SHAPE[1]
+    assert seen and max(seen) <= max(bt * (K + 1), bt * H) < bt * min(sizes), seen
+
+
 def _raises(exc, match, fn):
     try:
         fn()
