@@ -92,6 +92,13 @@ CALLS = {
     "fusedce.distributed.vocab_parallel_linear_token_log_probs": ("linear", lambda x, b: _tuple(
         D.vocab_parallel_linear_token_log_probs(x["hidden"], x["weight"], x["target"], x["bias"],
                                                 return_entropy=True, backend=b))),
+    "fusedce.distributed.vocab_parallel_topk_distillation_loss": ("logits", lambda x, b: _tuple(
+        D.vocab_parallel_topk_distillation_loss(x["logits"], x["teacher_ids"], x["teacher_log_probs"], x["target"],
+                                                tail=True, backend=b))),
+    "fusedce.distributed.vocab_parallel_linear_topk_distillation_loss": ("linear", lambda x, b: _tuple(
+        D.vocab_parallel_linear_topk_distillation_loss(x["hidden"], x["weight"], x["teacher_ids"],
+                                                       x["teacher_log_probs"], x["target"], bias_shard=x["bias"],
+                                                       tail=True, backend=b))),
     "fusedce.nn.functional.linear_cross_entropy": ("linear", lambda x, b: _tuple(
         fusedce.nn.functional.linear_cross_entropy(x["hidden"], x["weight"], x["target"], linear_bias=x["bias"],
                                                    reduction="sum"))),

@@ -11,16 +11,17 @@ composition does for replicated operands:
 - a vocabulary-sharded DTensor (an LM-head ``weight`` placed ``Shard(0)``, logits ``Shard(-1)``, on one
   mesh dimension and ``Replicate()`` on the others; its ``bias`` / class weights sharded the same way or
   absent) into an op that has a vocabulary-parallel form (``register_vocab_parallel``: cross_entropy,
-  linear_cross_entropy, token_log_probs, linear_token_log_probs) runs that form on the local shards over
-  the process group of that mesh dimension (``DeviceMesh.get_group(dim)``; each rank's slice follows the
-  group's rank order, as DTensor's ``Shard`` places it): replicated results; the gradients come back in
-  the inputs' placements (the shard's gradient ``Shard``, a replicated input's ``Replicate``), with the
-  single-process op's values on the concatenated vocabulary. ``method="tiled"``, ``logits_dtype="input"``
-  and ``batch_invariant=True`` are refused there with a ``ValueError`` naming the keyword (the
-  vocabulary-parallel linear ops are chunked, form fp32 logits and are not batch-invariant; the default
-  values pass). A probability (float) ``target`` is either a DTensor sharded like the vocabulary
-  (``Shard(-1)`` on the same mesh dimension: each rank's columns) or the full ``(..., V)`` tensor (plain,
-  or a replicated DTensor), whose columns of this rank are taken locally (no communication);
+  linear_cross_entropy, token_log_probs, linear_token_log_probs, the top-k distillation losses) runs that
+  form on the local shards over the process group of that mesh dimension (``DeviceMesh.get_group(dim)``;
+  each rank's slice follows the group's rank order, as DTensor's ``Shard`` places it): replicated results;
+  the gradients come back in the inputs' placements (the shard's gradient ``Shard``, a replicated input's
+  ``Replicate``), with the single-process op's values on the concatenated vocabulary. ``method="tiled"``,
+  ``logits_dtype="input"``, ``batch_invariant=True`` and ``top_k`` / ``top_p`` on (the RL ops' sampler
+  truncation: its kept set needs a global threshold) are refused there with a ``ValueError`` naming the
+  keyword (the vocabulary-parallel linear ops are chunked, form fp32 logits and are not batch-invariant;
+  the default values pass). A probability (float) ``target`` is either a DTensor sharded like the
+  vocabulary (``Shard(-1)`` on the same mesh dimension: each rank's columns) or the full ``(..., V)``
+  tensor (plain, or a replicated DTensor), whose columns of this rank are taken locally (no communication);
 - any other placement (``Partial``, a shard of another dimension, a sharded argument of an op without a
   vocabulary-parallel form) is a ``ValueError`` that says what to use instead: the full tensor
   (``full_tensor()``, or ``patch_causal_lm``, whose module hooks let FSDP2 gather the head's weight), or,
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 
 import torch
 
@@ -123,6 +125,7 @@ def _pop_unsupported(named: dict, op: str) -> None:
                "logits_dtype": (("float32",), "the vocabulary-parallel linear ops form fp32 logits"),
                "batch_invariant": ((False,), "the vocabulary-parallel ops do not make a row's results "
                                    "independent of the batch (their chunks and collectives depend on it)")}
+    _pop_truncation(named, op)
     for name, (accepted, why) in refused.items():
         if name in named:
             value = named.pop(name)
@@ -130,6 +133,22 @@ def _pop_unsupported(named: dict, op: str) -> None:
                 raise ValueError(f"fusedce.{op}: {name}={value!r} with a vocabulary-sharded DTensor: {why}; pass "
                                  + " or ".join(f"{name}={a!r}" for a in accepted) + " (or omit it), or the full "
                                  "tensors")
+
+
+def _pop_truncation(named: dict, op: str) -> None:
+    """Drop ``top_k`` / ``top_p`` (the RL ops' sampler truncation) when off (None, ``top_k=0``, ``top_p=1.0``);
+    on, or a per-row tensor, is a ``ValueError`` naming the keyword: the kept set needs a global threshold
+    (the k-th largest logit, and for top-p the sorted cumulative mass) over the whole vocabulary, which the
+    vocabulary-parallel ops do not compute (docs/contract.md, "Top-k / top-p")."""
+    for name, off, kind in (("top_k", 0, numbers.Integral), ("top_p", 1, numbers.Real)):
+        value = named.pop(name, None)
+        if value is None or (isinstance(value, kind) and not isinstance(value, bool) and value == off):
+            continue
+        shown = f"a per-row tensor {name}" if isinstance(value, torch.Tensor) else f"{name}={value!r}"
+        raise ValueError(f"fusedce.{op}: {shown} with a vocabulary-sharded DTensor: the sampler's kept set needs a "
+                         f"global threshold over the whole vocabulary, which the vocabulary-parallel ops do not "
+                         f"compute; pass the full logits or head for {name} (x.full_tensor(), or "
+                         f"x.redistribute(mesh, [Replicate()])), or omit {name} (None: the full softmax)")
 
 
 def _local_columns(target, sharded: dict, shards: dict, mesh, dim: int, dtensor):

@@ -30,10 +30,13 @@ def check_pair(student: torch.Tensor, teacher: torch.Tensor, s_name: str, t_name
         raise ValueError(f"{t_name} is on {teacher.device} but {s_name} is on {student.device}")
 
 
-def check_head(hidden, weight, bias, model: str) -> None:
+def check_head(hidden, weight, bias, model: str, sharded: bool = False) -> None:
     """One model's ``hidden`` (..., H), ``weight`` (V, H), ``bias`` (V,) or None: float tensors of one dtype
-    (``TypeError``) on one device, H > 0, V > 0 (``ValueError``)."""
+    (``TypeError``) on one device, H > 0, V > 0 (``ValueError``). ``sharded``: a vocabulary slice of the
+    head (``weight_shard`` / ``bias_shard``, the vocab-parallel ops' names), which may be empty."""
     h_name, w_name, b_name = f"{model}_hidden", f"{model}_weight", f"{model}_bias"
+    if sharded:
+        w_name, b_name = "weight_shard", "bias_shard"
     val.check_float(h_name, hidden)
     val.check_float(w_name, weight)
     if hidden.dim() < 1 or weight.dim() != 2:
@@ -42,7 +45,8 @@ def check_head(hidden, weight, bias, model: str) -> None:
         raise ValueError(f"{h_name} must be (..., H) and {w_name} (V, H); got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}{swapped}")
     val.check_nonzero(h_name, hidden.shape, -1, "H")
-    val.check_nonzero(w_name, weight.shape, 0, "V")
+    if not sharded:
+        val.check_nonzero(w_name, weight.shape, 0, "V")
     if hidden.shape[-1] != weight.shape[1]:
         transposed = "; it looks transposed: the LM head is (V, H), the nn.Linear layout" if weight.shape[0] == hidden.shape[-1] else ""
         raise ValueError(f"{h_name}.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = {weight.shape[1]}"
@@ -189,13 +193,15 @@ def _check_teacher(teacher_ids, teacher_log_probs, lead, device) -> None:
 def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_probs, target, *, temperature,
                  hard_label_weight, ignore_index, reduction, num_items_in_batch, student_softcap, logit_scale,
                  backend, method=None, chunk_size=None, deterministic=None, tail=False,
-                 return_stats=False) -> TopkCall:
+                 return_stats=False, sharded: bool = False) -> TopkCall:
     """Every check of a top-k distillation op but the value ranges (``check_topk_ranges``, once the
     classes are formed): ``student`` (its logits, or with ``weight`` its hidden states, ``name``), the
     scalar options (``check_temperature``: the one temperature check), ``num_items_in_batch``, the
     teacher's top-K, the student's head and ``method`` / ``chunk_size`` / ``deterministic`` (linear form),
     the target's shape, softcap and ``logit_scale`` (``log_prob_options``), the backend; ``tail`` and
-    ``return_stats`` first (``TypeError`` unless a bool). The teacher's values: ``check_teacher_values``."""
+    ``return_stats`` first (``TypeError`` unless a bool). The teacher's values: ``check_teacher_values``.
+    ``sharded``: the vocab-parallel ops' vocabulary slice (``weight_shard`` / ``bias_shard``, possibly empty);
+    ``n_classes`` is then the slice's width, which the caller replaces by the global V of its layout."""
     linear = weight is not None
     tail = check_flag("tail", tail)
     return_stats = check_flag("return_stats", return_stats)
@@ -214,7 +220,7 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
     lead = tuple(student.shape[:-1])
     _check_teacher(teacher_ids, teacher_log_probs, lead, student.device)
     if linear:
-        check_head(student, weight, bias, "student")
+        check_head(student, weight, bias, "student", sharded)
         check_chunk_size(chunk_size)
         check_method(method, chunk_size)
         deterministic = deterministic_mode(deterministic)

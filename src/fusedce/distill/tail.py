@@ -320,3 +320,39 @@ def log_tail_linear(hidden, weight, bias, ids: torch.Tensor, opts: LossOptions, 
     differentiable w.r.t. the three. ``method`` (resolved: ``"chunked"`` or ``"tiled"``) picks the
     blocks: whole rows (chunked) or fewer than V logits per block (tiled)."""
     return _TailLinear.apply(hidden, weight, bias, ids, opts, method == "chunked")
+
+
+# ---------------------------------------------------------------- the passes on a vocabulary slice
+# The vocab-parallel form (``distributed/topk_tail.py``) runs the same ops on its slice and exchanges the
+# statistics ``(m, s, mt, st)`` between them: ``ids`` are then LOCAL columns (a class outside the slice is
+# out of ``[0, V_r)`` and masks nothing), and the backward takes the exchanged (global) statistics.
+
+def logits_stats(logits: torch.Tensor, ids: torch.Tensor, opts: LossOptions) -> tuple:
+    """Per row ``(m, s, mt, st)`` fp32 (n,) of ``logits`` (n, V) over all classes and over the classes not
+    in ``ids`` (n, K) (``s = sum exp(q - m)``, ``q`` the transformed logits; an empty row: ``-inf, 0``)."""
+    return _logits_forward_op(logits, ids, *opts.op_args())
+
+
+def logits_grad(logits: torch.Tensor, ids: torch.Tensor, stats, g: torch.Tensor, opts: LossOptions):
+    """dL/dlogits (logits' shape and dtype) of ``sum_r g[r] log s_tail[r]``, ``stats`` the row's
+    ``(m, s, mt, st)`` over the whole vocabulary."""
+    return _logits_backward_op(logits, ids, *stats, g.contiguous(), *opts.op_args())
+
+
+def head_stats(hidden, weight, bias, ids: torch.Tensor, opts: LossOptions, wide: bool) -> tuple:
+    """:func:`logits_stats` of ``hidden @ weight.T + bias`` (fp32 from the operands' values), in blocks
+    (``wide``: whole rows; otherwise fewer than V logits a block)."""
+    return _head_forward_op(hidden, weight, bias, ids, *opts.op_args(), wide)
+
+
+def head_grads(hidden, weight, bias, ids: torch.Tensor, stats, g: torch.Tensor, opts: LossOptions, wide: bool,
+               needs) -> tuple:
+    """``(grad_hidden, grad_weight, grad_bias)`` fp32 (None where ``needs`` says no) of ``sum_r g[r] log
+    s_tail[r]``; ``grad_hidden`` the sum over this head's classes only."""
+    out = _head_backward_op(hidden, weight, bias, ids, *stats, g.contiguous(), *opts.op_args(), wide, *needs)
+    return tuple(t if need else None for t, need in zip(out, needs))
+
+
+def log_tail_of(stats) -> torch.Tensor:
+    """``log s_tail`` (n,) fp32 from a row's ``(m, s, mt, st)``; ``-inf`` where no class is outside ``ids``."""
+    return _log_tail(*stats)

@@ -141,11 +141,12 @@ class _LogitRows:
         return student_tail.log_tail_logits(flat, excluded, self.call.opts)
 
 
-class _HeadRows:
+class HeadRows:
     """The student given as its LM head: the tokens it needs are kept once (``select``: the call's one
     compaction, one host sync, skipped where ``compact_rows`` skips it), then every pass (the K classes,
     the hard label at temperature 1, the tail) runs on those rows and scatters its results back (0
-    elsewhere: what the passes give an ignored token)."""
+    elsewhere: what the passes give an ignored token). The passes on the kept rows are ``class_log_probs``
+    and ``kept_log_tail`` (the vocab-parallel form, ``distributed/topk_distill.py``, replaces those two)."""
     compacts = True
 
     def __init__(self, call: dc.TopkCall, hidden, weight, bias, method, chunk_size):
@@ -162,17 +163,23 @@ class _HeadRows:
     def _kept(self, t):
         return t if self.index is None else t.index_select(0, self.index)
 
+    def class_log_probs(self, classes, opts):
+        """(n', K) fp32 log-probs of the kept rows' ``classes`` (n', K)."""
+        return multi.linear_log_probs_rows(self.call.impl, self.hidden, self.weight, classes, self.bias, opts, False,
+                                           self.chunk_size, self.method, self.call.deterministic, compact=False)[0]
+
+    def kept_log_tail(self, excluded):
+        """(n',) fp32 ``log s_tail`` of the kept rows, ``excluded`` (n', K)."""
+        return student_tail.log_tail_linear(self.hidden, self.weight, self.bias, excluded, self.call.opts,
+                                            resolve_method(self.method))
+
     def log_probs(self, classes, opts):
         flat = classes.reshape(-1, classes.shape[-1])
-        out = multi.linear_log_probs_rows(self.call.impl, self.hidden, self.weight, self._kept(flat), self.bias,
-                                          opts, False, self.chunk_size, self.method, self.call.deterministic,
-                                          compact=False)[0]
+        out = self.class_log_probs(self._kept(flat), opts)
         return out if self.index is None else out.new_zeros(self.n, out.shape[1]).index_copy(0, self.index, out)
 
     def log_tail(self, excluded):
-        out = student_tail.log_tail_linear(self.hidden, self.weight, self.bias, self._kept(excluded),
-                                           self.call.opts, resolve_method(self.method))
-        return scatter_rows(out, self.index, self.n, 0.0)
+        return scatter_rows(self.kept_log_tail(self._kept(excluded)), self.index, self.n, 0.0)
 
 
 def _loss(log_s, p, lp, keep, target, hard, tail_term, call: dc.TopkCall, reduction, num_items_in_batch):
@@ -193,9 +200,10 @@ def _loss(log_s, p, lp, keep, target, hard, tail_term, call: dc.TopkCall, reduct
     return total * token_mean_scale(target, rows.numel(), call.ignore_index, num_items_in_batch, total.device)
 
 
-def _topk_loss(student, teacher_ids, teacher_log_probs, call: dc.TopkCall, reduction, num_items_in_batch):
+def topk_loss(student, teacher_ids, teacher_log_probs, call: dc.TopkCall, reduction, num_items_in_batch):
     """The reduced loss of both public ops (or ``TopkDistillationOutput`` with ``call.return_stats``),
-    once their arguments are checked (``call``): ``student`` (``_LogitRows`` / ``_HeadRows``) gives the
+    once their arguments are checked (``call``): ``student`` (``_LogitRows`` / ``HeadRows``, or the
+    vocab-parallel forms' rows, ``distributed/topk_distill.py``) gives the
     internal K-class op's fp32 ``(N, K)`` log-probs (``rl/multi.py``) and, with ``tail=True``, the
     student's ``log s_tail`` (``distill/tail.py``)."""
     target, shape = call.target, tuple(call.lead)
@@ -307,7 +315,7 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
                            student_softcap=student_softcap, logit_scale=logit_scale, backend=backend,
                            tail=tail, return_stats=return_stats)
 
-    return _topk_loss(_LogitRows(call, student_logits), teacher_ids, teacher_log_probs, call, reduction,
+    return topk_loss(_LogitRows(call, student_logits), teacher_ids, teacher_log_probs, call, reduction,
                       num_items_in_batch)
 
 
@@ -359,5 +367,5 @@ def linear_topk_distillation_loss(student_hidden: torch.Tensor, student_weight: 
                            method=method, chunk_size=chunk_size, deterministic=deterministic, tail=tail,
                            return_stats=return_stats)
 
-    student = _HeadRows(call, student_hidden, student_weight, student_bias, method, chunk_size)
-    return _topk_loss(student, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)
+    student = HeadRows(call, student_hidden, student_weight, student_bias, method, chunk_size)
+    return topk_loss(student, teacher_ids, teacher_log_probs, call, reduction, num_items_in_batch)

@@ -7,16 +7,20 @@ Files: ``layout.py`` (where each rank's slice sits), ``shard_rows.py`` (per-row 
 communication), ``exchange.py`` (the forward's two collectives), ``cross_entropy.py`` and ``linear.py``
 (autograd Functions and public functions), ``output.py`` (reduction and stats), ``log_probs.py`` and
 ``linear_log_probs.py`` (the RL ops: ``token_log_probs`` / ``linear_token_log_probs``), ``soft_ops.py`` and
-``soft_rows.py`` (the cross-entropy ops with probability targets: each rank's slice of the target).
+``soft_rows.py`` (the cross-entropy ops with probability targets: each rank's slice of the target),
+``topk_distill.py`` and ``topk_tail.py`` (top-k distillation: the student's slice).
 """
 from fusedce.core.dtensor import register_vocab_parallel
 from fusedce.distributed.cross_entropy import vocab_parallel_cross_entropy
 from fusedce.distributed.linear import vocab_parallel_linear_cross_entropy
 from fusedce.distributed.linear_log_probs import vocab_parallel_linear_token_log_probs
 from fusedce.distributed.log_probs import vocab_parallel_token_log_probs
+from fusedce.distributed.topk_distill import (vocab_parallel_linear_topk_distillation_loss,
+                                              vocab_parallel_topk_distillation_loss)
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
-           "vocab_parallel_linear_token_log_probs", "vocab_parallel_token_log_probs"]
+           "vocab_parallel_linear_token_log_probs", "vocab_parallel_token_log_probs",
+           "vocab_parallel_topk_distillation_loss", "vocab_parallel_linear_topk_distillation_loss"]
 
 # The public ops' vocabulary-sharded DTensor arguments run these forms (core/dtensor.py). Keys name the public
 # ops by module and name (strings: the families need not be imported here).
@@ -28,3 +32,8 @@ register_vocab_parallel("fusedce.rl.log_probs.token_log_probs", vocab_parallel_t
                         {"logits": ("logits_shard", -1)})
 register_vocab_parallel("fusedce.rl.log_probs.linear_token_log_probs", vocab_parallel_linear_token_log_probs,
                         {"weight": ("weight_shard", 0), "bias": ("bias_shard", 0)})
+register_vocab_parallel("fusedce.distill.topk.topk_distillation_loss", vocab_parallel_topk_distillation_loss,
+                        {"student_logits": ("logits_shard", -1)})
+register_vocab_parallel("fusedce.distill.topk.linear_topk_distillation_loss",
+                        vocab_parallel_linear_topk_distillation_loss,
+                        {"student_weight": ("weight_shard", 0), "student_bias": ("bias_shard", 0)})

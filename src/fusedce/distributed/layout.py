@@ -50,7 +50,8 @@ def _gather(mine: list, world: int, group, device: torch.device, flag=None) -> l
 
 
 def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
-                 device: torch.device, probabilities: Optional[torch.Tensor] = None) -> VocabLayout:
+                 device: torch.device, probabilities: Optional[torch.Tensor] = None,
+                 same: Optional[dict] = None) -> VocabLayout:
     """Gather every rank's ``(start, size)`` and check that the slices tile ``[0, V)``.
 
     ``vocab_start_index=None`` on every rank: slices follow rank order (rank r starts where rank r-1
@@ -58,12 +59,15 @@ def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
     on ``device`` (CUDA for NCCL). ``probabilities``: None for class-index targets; this rank's slice
     of a probability target otherwise (every rank of the call passes one): whether it holds a negative
     or NaN value (``validation.bad_probabilities``; not checked under torch.compile / CUDA-graph
-    capture) is gathered with the table and read in its one sync.
+    capture) is gathered with the table and read in its one sync. ``same``: ``{what: int}`` that every rank
+    must pass equal (e.g. the token count and K of a top-k teacher), gathered with the table too, so that a
+    mismatch is an error on every rank rather than a collective of unequal sizes later.
 
     Raises (the same error on every rank, since all see the same gathered table):
         RuntimeError: ``torch.distributed`` is not initialized.
-        ValueError: ``vocab_start_index`` given on some ranks only, slices that overlap, leave a gap
-            or do not start at 0, a global vocabulary of 0 classes (every slice empty), or a probability
+        ValueError: ``vocab_start_index`` given on some ranks only, ``same`` differing between ranks, slices
+            that overlap, leave a gap or do not start at 0, a global vocabulary of 0 classes (every slice
+            empty), or a probability
             target with a negative, NaN or +inf value on some rank (naming ``target`` and, on that rank, the
             position).
     """
@@ -77,6 +81,8 @@ def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
     if probabilities is not None:
         mine.append(0)
         flag = val.bad_probabilities(probabilities)
+    base = len(mine)
+    mine.extend(int(v) for v in (same or {}).values())
     if not (values_unavailable() or device.type == "meta"):
         rows = _gather(mine, world, group, device, flag)
     elif world == 1:   # tracing (fake / meta tensors, make_fx, export) on one rank: nothing to exchange
@@ -88,6 +94,9 @@ def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
     if len(flags) != 1:
         raise ValueError("vocab_start_index must be given on every rank or on none; given on ranks "
                          f"{[i for i, r in enumerate(rows) if r[0]]} of {world}")
+    if same and len({tuple(r[base:]) for r in rows}) != 1:
+        raise ValueError(f"{', '.join(same)} must be the same on every rank (every rank passes the same tokens); "
+                         "got " + "; ".join(f"rank {i}: {tuple(r[base:])}" for i, r in enumerate(rows)))
     sizes = [r[2] for r in rows]
     if given:
         starts = [r[1] for r in rows]
