@@ -95,8 +95,9 @@ def _assert_same(loss, grads, ref_loss, ref_grads):
         torch.testing.assert_close(grads[name], ref_grads[name], msg=lambda m, n=name: f"grad of {n}: {m}")
 
 
-def _stock_vs_patched(rank, world, tied):
-    model = tiny_gpt(world, tied=tied)
+def _stock_vs_patched(rank, world, tied, sp):
+    model = tiny_gpt(world, tied=tied, sequence_parallel=sp)
+    assert model.output_layer.sequence_parallel == sp
     inputs = batch()
     upstream = torch.rand(inputs[3].shape) + 0.5
     calls = _gemm_spy(model)
@@ -112,16 +113,15 @@ def _stock_vs_patched(rank, world, tied):
     assert "forward" not in vars(model.output_layer)
 
 
-CHECKS.update({f"{'tied' if tied else 'untied'}_head": functools.partial(_stock_vs_patched, tied=tied)
-               for tied in (True, False)})
+CHECKS.update({f"{'tied' if tied else 'untied'}_head{'_sequence_parallel' if sp else ''}":
+               functools.partial(_stock_vs_patched, tied=tied, sp=sp) for tied in (True, False) for sp in (False, True)})
 
 
-@check
-def multi_token_prediction_heads(rank, world):
-    # eval(): in training mode megatron-core 0.16 logs each MTP loss into a tensor on
-    # torch.cuda.current_device() (MTPLossLoggingHelper); the losses and their gradients are the same
+def _multi_token_prediction(rank, world, tied, sp):
+    # training mode: megatron-core logs each MTP loss (MTPLossLoggingHelper, a tensor on
+    # torch.cuda.current_device(): "cpu" here) and folds its gradient into the main head's (MTPLossAutoScaler)
     from fusedce.integrations.megatron import megatron_token_log_probs
-    model = tiny_gpt(world, tied=False, mtp_num_layers=1).eval()
+    model = tiny_gpt(world, tied=tied, mtp_num_layers=1, sequence_parallel=sp).train()
     inputs = batch(4)
     upstream = torch.rand(inputs[3].shape) + 0.5
     calls = _gemm_spy(model)
@@ -135,6 +135,11 @@ def multi_token_prediction_heads(rank, world):
     _assert_same(loss, grads, ref_loss, ref_grads)
     with pytest.raises(ValueError, match="multi-token"):
         megatron_token_log_probs(model, *inputs)
+
+
+CHECKS.update({f"multi_token_prediction_{'tied' if tied else 'untied'}{'_sequence_parallel' if sp else ''}":
+               functools.partial(_multi_token_prediction, tied=tied, sp=sp)
+               for tied, sp in ((False, False), (True, True))})
 
 
 @check
@@ -166,10 +171,9 @@ def without_labels_unchanged(rank, world):
     torch.testing.assert_close(patched, stock, rtol=0, atol=0)
 
 
-@check
-def token_log_probs_and_entropy(rank, world):
+def _token_log_probs_and_entropy(rank, world, sp):
     from fusedce.integrations.megatron import megatron_token_log_probs
-    model = tiny_gpt(world, tied=True)
+    model = tiny_gpt(world, tied=True, sequence_parallel=sp)
     inputs = batch(3)
     ids, pos, mask, target = inputs
     up_lp, up_ent = torch.rand(target.shape), torch.rand(target.shape)
@@ -185,6 +189,10 @@ def token_log_probs_and_entropy(rank, world):
     _assert_same(out.log_probs.detach(), _grads(model), ref_lp.detach(), ref_grads)
     torch.testing.assert_close(out.entropy.detach(), ref_ent.detach().float())
     assert "_fusedce_megatron" not in vars(model), "the temporary patch was not undone"
+
+
+CHECKS.update({f"token_log_probs_and_entropy{'_sequence_parallel' if sp else ''}":
+               functools.partial(_token_log_probs_and_entropy, sp=sp) for sp in (False, True)})
 
 
 @check
@@ -203,10 +211,6 @@ def errors(rank, world):
     with pytest.raises(TypeError, match="ColumnParallelLinear"):
         fusedce.patch_megatron(model)
     model.output_layer = layer
-    model.config.sequence_parallel = True
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
-        fusedce.patch_megatron(model)
-    model.config.sequence_parallel = False
     version, package_info.__version__ = package_info.__version__, "0.15.0"
     try:
         with pytest.raises(RuntimeError, match="0.16"):

@@ -12,7 +12,8 @@ untouched):
   code runs: the logits are made and returned, as for inference);
 - ``output_layer.forward``: while active, returns ``head.DeferredLogits`` (the hidden states, the weight
   the call was given or its own, its bias, its tensor-parallel group) instead of multiplying; the
-  module's ``__call__`` and hooks still run;
+  module's ``__call__`` and hooks still run; under ``sequence_parallel`` the ``[s/TP, b, H]`` hidden
+  states are gathered first, as the stock layer gathers them (``sequence.py``);
 - ``compute_language_model_loss``: given ``DeferredLogits``, returns ``head.loss`` (the ``[b, s]`` fp32
   per-token loss; ``token_weights`` a forward keyword); given real logits, the stock code.
 
@@ -32,6 +33,7 @@ from torch import nn
 from fusedce.core.entrance import public_op
 from fusedce.integrations.megatron import head
 from fusedce.integrations.megatron.options import validate_options
+from fusedce.integrations.megatron.sequence import gather_sequence
 from fusedce.integrations.megatron.version import check_megatron, megatron_core
 
 _STATE = "_fusedce_megatron"
@@ -73,9 +75,6 @@ def _check_model(gpt) -> None:
                         "tensor_parallel.ColumnParallelLinear (the local layer spec's head); a Transformer Engine "
                         "or other head is not supported")
     config = gpt.config
-    if config.sequence_parallel or layer.sequence_parallel:
-        raise NotImplementedError("fusedce.patch_megatron: sequence_parallel=True is not supported (the hidden "
-                                  "states reach the head sequence-sharded); set sequence_parallel=False")
     if config.defer_embedding_wgrad_compute:
         raise NotImplementedError("fusedce.patch_megatron: defer_embedding_wgrad_compute=True is not supported "
                                   "(the fused op computes the head's weight gradient in its own backward)")
@@ -122,6 +121,8 @@ def _install(gpt, state: _Patch) -> None:
                                f"{None if weight is None else tuple(weight.shape)}, expected "
                                f"{(layer.output_size_per_partition, layer.input_size)}")
         bias = None if layer.skip_bias_add else layer.bias
+        if layer.sequence_parallel:
+            input_ = gather_sequence(input_, layer.tp_group)
         return head.DeferredLogits(input_, weight, bias, layer.tp_group), None
 
     def compute_language_model_loss(labels, logits):
@@ -189,7 +190,7 @@ def patch_megatron(model: nn.Module, **loss_options) -> nn.Module:
             an unknown loss option (``reduction``, ``num_items_in_batch`` included).
         ValueError: no ``post_process`` (not the last pipeline stage); a bad option value. At a call:
             ``token_weights`` of another shape than ``labels`` or without labels, or with MTP heads.
-        NotImplementedError: ``sequence_parallel``, ``defer_embedding_wgrad_compute``, the config logger.
+        NotImplementedError: ``defer_embedding_wgrad_compute``, the config logger.
     """
     check_megatron()
     gpt = gpt_model(model)
