@@ -208,23 +208,34 @@ def errors(rank, world):
     with pytest.raises(TypeError, match="GPTModel"):
         fusedce.patch_megatron(torch.nn.Linear(2, 2))
     layer, model.output_layer = model.output_layer, torch.nn.Linear(2, 2)
-    with pytest.raises(TypeError, match="ColumnParallelLinear"):
+    with pytest.raises(TypeError, match="ColumnParallelLinear.*get_gpt_layer_local_spec"):
         fusedce.patch_megatron(model)
     model.output_layer = layer
     version, package_info.__version__ = package_info.__version__, "0.15.0"
     try:
-        with pytest.raises(RuntimeError, match="0.16"):
+        with pytest.raises(RuntimeError, match="0.16.1, 0.17.0, 0.18.0, 0.19.2"):
             fusedce.patch_megatron(model)
     finally:
         package_info.__version__ = version
     from fusedce.integrations.megatron import version as mversion
-    name = next(iter(mversion.FINGERPRINTS))
-    expected, mversion.FINGERPRINTS[name] = mversion.FINGERPRINTS[name], "0" * 16
-    try:
-        with pytest.raises(RuntimeError, match="differs"):
-            fusedce.patch_megatron(model)
-    finally:
-        mversion.FINGERPRINTS[name] = expected
+    fingerprints = mversion.check_megatron().fingerprints
+    for name in list(fingerprints):
+        expected, fingerprints[name] = fingerprints[name], "0" * 16
+        try:
+            with pytest.raises(RuntimeError, match="differs"):
+                fusedce.patch_megatron(model)
+        finally:
+            fingerprints[name] = expected
+    gtp = vars(model.output_layer).get("gtp_remat_size")   # 0.19: the weight's second shard axis (1: none)
+    model.output_layer.gtp_remat_size = 2
+    with pytest.raises(NotImplementedError, match="gtp_remat_size"):
+        fusedce.patch_megatron(model)
+    if gtp is None:
+        del model.output_layer.gtp_remat_size
+    else:
+        model.output_layer.gtp_remat_size = gtp
+    with pytest.raises(TypeError, match="HybridModel.*output_processor"):
+        fusedce.patch_megatron(type("HybridModel", (torch.nn.Module,), {})())
     assert "_fusedce_megatron" not in vars(model), "a refused patch left state behind"
     fusedce.patch_megatron(model)
     ids, pos, mask, labels = batch()

@@ -23,6 +23,7 @@ check it before the model runs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Optional
@@ -31,32 +32,36 @@ import torch
 from torch import nn
 
 from fusedce.core.entrance import public_op
-from fusedce.integrations.megatron import head
+from fusedce.integrations.megatron import acceptance, head
 from fusedce.integrations.megatron.options import validate_options
 from fusedce.integrations.megatron.sequence import gather_sequence
-from fusedce.integrations.megatron.version import check_megatron, megatron_core
+from fusedce.integrations.megatron.version import Release, check_megatron, megatron_core
 
 _STATE = "_fusedce_megatron"
-_MODEL_ATTRS = ("forward", "_postprocess", "compute_language_model_loss")
 
 
 @dataclasses.dataclass
 class _Patch:
     loss_options: dict
     saved: dict                      # (owner, attribute) -> the instance attribute it had before, or None
-    active: bool = False             # inside a labelled _postprocess
+    release: Release
+    active: bool = False             # inside a labelled call
     token_weights: Optional[torch.Tensor] = None
     log_probs: Optional[dict] = None  # megatron_token_log_probs' options during its call
 
 
 def gpt_model(model: nn.Module) -> nn.Module:
     """The ``GPTModel`` inside ``model`` (Megatron's DDP / ``Float16Module`` wrappers hold it as ``.module``);
-    ``TypeError`` when there is none."""
+    ``TypeError`` when there is none (a ``HybridModel`` named: not supported)."""
     megatron_core()
     from megatron.core.models.gpt.gpt_model import GPTModel
     inner, seen = model, 0
     while not isinstance(inner, GPTModel) and isinstance(getattr(inner, "module", None), nn.Module) and seen < 8:
         inner, seen = inner.module, seen + 1
+    if type(inner).__name__ == "HybridModel":
+        raise TypeError("fusedce.patch_megatron: HybridModel (megatron-core 0.18+) is not supported: it computes "
+                        "its logits and loss inline in forward, with no output_processor hook; build a GPTModel "
+                        "or leave the model unpatched")
     if not isinstance(inner, GPTModel):
         raise TypeError(f"fusedce.patch_megatron expects a megatron.core GPTModel (or a wrapper holding one as "
                         f".module), got {type(model).__name__}")
@@ -72,8 +77,13 @@ def _check_model(gpt) -> None:
     layer = getattr(gpt, "output_layer", None)
     if not isinstance(layer, ColumnParallelLinear):
         raise TypeError(f"fusedce.patch_megatron: output_layer is {type(layer).__name__}, not megatron.core's "
-                        "tensor_parallel.ColumnParallelLinear (the local layer spec's head); a Transformer Engine "
-                        "or other head is not supported")
+                        "tensor_parallel.ColumnParallelLinear; a Transformer Engine (or other) head is not "
+                        "supported: build the model with the local layer spec (get_gpt_layer_local_spec, "
+                        "transformer_impl='local')")
+    if getattr(layer, "gtp_remat_size", 1) > 1:
+        raise NotImplementedError(f"fusedce.patch_megatron: the output layer's weight is GTP-sharded "
+                                  f"(gtp_remat_size={layer.gtp_remat_size}); the fused head needs each rank's "
+                                  "whole vocabulary shard: run without the gtp_remat group (size 1)")
     config = gpt.config
     if config.defer_embedding_wgrad_compute:
         raise NotImplementedError("fusedce.patch_megatron: defer_embedding_wgrad_compute=True is not supported "
@@ -88,28 +98,46 @@ def _set(state: _Patch, owner: nn.Module, name: str, value) -> None:
     setattr(owner, name, value)
 
 
+def _output_processor(*, hidden_states, output_layer, output_weight, labels, runtime_gather_output,
+                      compute_language_model_loss, scale_logits, **_context):
+    """The ``output_processor`` hook of ``GPTModel.forward`` (0.18+): the stock head's three steps, each
+    of them the patched one (deferred logits, their MuP scale, the fused loss)."""
+    logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+    return compute_language_model_loss(labels, scale_logits(logits))
+
+
 def _install(gpt, state: _Patch) -> None:
+    release, config = state.release, gpt.config
     stock_forward, stock_post, stock_loss = gpt.forward, gpt._postprocess, gpt.compute_language_model_loss
     layer = gpt.output_layer
     stock_layer = layer.forward
     forward_signature, post_signature = inspect.signature(stock_forward), inspect.signature(stock_post)
 
+    @contextlib.contextmanager
+    def active(on: bool):
+        before, state.active = state.active, on
+        try:
+            yield
+        finally:
+            state.active = before
+
     def forward(*args, token_weights: Optional[torch.Tensor] = None, **kwargs):
-        _check_call(gpt, state, forward_signature.bind(*args, **kwargs).arguments.get("labels"), token_weights)
+        bound = forward_signature.bind(*args, **kwargs).arguments
+        labels = bound.get("labels")
+        _check_call(gpt, state, labels, token_weights)
+        hook = release.output_processor and labels is not None and bound.get("output_processor") is None
+        if hook:   # 0.18+: the head through the hook; MTP heads (before it) through the patched pieces
+            kwargs["output_processor"] = _output_processor
         state.token_weights = token_weights
         try:
-            return stock_forward(*args, **kwargs)
+            with active(hook or state.active):
+                return stock_forward(*args, **kwargs)
         finally:
             state.token_weights = None
 
-    def _postprocess(*args, **kwargs):
-        if post_signature.bind(*args, **kwargs).arguments.get("labels") is None:
+    def _postprocess(*args, **kwargs):   # 0.16 / 0.17: active while a labelled _postprocess runs
+        with active(post_signature.bind(*args, **kwargs).arguments.get("labels") is not None):
             return stock_post(*args, **kwargs)
-        state.active = True
-        try:
-            return stock_post(*args, **kwargs)
-        finally:
-            state.active = False
 
     def output_forward(input_, weight=None, runtime_gather_output=None):
         if not state.active:
@@ -130,12 +158,27 @@ def _install(gpt, state: _Patch) -> None:
             return stock_loss(labels, logits)
         if state.log_probs is not None:
             return head.log_probs(logits, labels, state.log_probs)
-        return head.loss(logits, labels, state.loss_options, state.token_weights)
+        predictions = release.acceptance_counts and gpt.training and bool(config.mtp_num_layers)
+        return head.loss(logits, labels, state.loss_options, state.token_weights, predictions)
 
     _set(state, gpt, "forward", forward)
-    _set(state, gpt, "_postprocess", _postprocess)
+    if not release.output_processor:
+        _set(state, gpt, "_postprocess", _postprocess)
     _set(state, gpt, "compute_language_model_loss", compute_language_model_loss)
     _set(state, layer, "forward", output_forward)
+    if release.scale_logits:
+        stock_scale = gpt._scale_logits
+
+        def _scale_logits(logits):
+            if not isinstance(logits, head.DeferredLogits):
+                return stock_scale(logits)
+            if config.use_mup and config.mup_output_mult != 1.0:
+                return head.scaled(logits, config.mup_output_mult)
+            return logits
+
+        _set(state, gpt, "_scale_logits", _scale_logits)
+    if release.acceptance_counts:
+        acceptance.install()
 
 
 def _check_call(gpt, state: _Patch, labels: Optional[torch.Tensor], weights) -> None:
@@ -192,12 +235,12 @@ def patch_megatron(model: nn.Module, **loss_options) -> nn.Module:
             ``token_weights`` of another shape than ``labels`` or without labels, or with MTP heads.
         NotImplementedError: ``defer_embedding_wgrad_compute``, the config logger.
     """
-    check_megatron()
+    release = check_megatron()
     gpt = gpt_model(model)
     _check_model(gpt)
     options = validate_options(loss_options)
     unpatch_megatron(gpt)
-    state = _Patch(options, {})
+    state = _Patch(options, {}, release)
     _install(gpt, state)
     gpt.__dict__[_STATE] = state
     return model
