@@ -23,13 +23,15 @@ import torch.distributed as dist
 pytest.importorskip("megatron.core", reason="megatron-core is installed by `make install` (the megatron extra)")
 
 import fusedce  # noqa: E402
+import fusedce.integrations.megatron.version  # noqa: E402
 from dist_harness import assert_passed, results  # noqa: E402
-from megatron_models import VOCAB, batch, tiny_gpt  # noqa: E402
+from megatron_models import HIDDEN, VOCAB, batch, tiny_gpt  # noqa: E402
 from reference64 import reference_loss  # noqa: E402
 from reference64_log_probs import reference_log_probs  # noqa: E402
 
 WORLD = 2
 CHECKS = {}
+RELEASE = fusedce.integrations.megatron.version.check_megatron()   # the installed release's route
 
 
 def check(fn):
@@ -117,22 +119,41 @@ CHECKS.update({f"{'tied' if tied else 'untied'}_head{'_sequence_parallel' if sp 
                functools.partial(_stock_vs_patched, tied=tied, sp=sp) for tied in (True, False) for sp in (False, True)})
 
 
-def _multi_token_prediction(rank, world, tied, sp):
+def _mtp_metrics() -> dict:
+    """What megatron-core logged for the MTP heads since the last call (the loss; from 0.19 the acceptance
+    counts), cleared."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    logged = {k: v.clone() for k, v in MTPLossLoggingHelper.tracker.items() if isinstance(v, torch.Tensor)}
+    MTPLossLoggingHelper.tracker.clear()
+    return logged
+
+
+def _multi_token_prediction(rank, world, tied, sp, mup=False):
     # training mode: megatron-core logs each MTP loss (MTPLossLoggingHelper, a tensor on
-    # torch.cuda.current_device(): "cpu" here) and folds its gradient into the main head's (MTPLossAutoScaler)
+    # torch.cuda.current_device(): "cpu" here; 0.19 adds the acceptance counts, an argmax over the head's
+    # logits) and folds its gradient into the main head's (MTPLossAutoScaler)
     from fusedce.integrations.megatron import megatron_token_log_probs
-    model = tiny_gpt(world, tied=tied, mtp_num_layers=1, sequence_parallel=sp).train()
+    config = dict(use_mup=True, mup_base_hidden_size=HIDDEN // 2) if mup else {}   # mup_output_mult = 0.5
+    model = tiny_gpt(world, tied=tied, mtp_num_layers=1, sequence_parallel=sp, **config).train()
+    assert not mup or model.config.mup_output_mult == 0.5
     inputs = batch(4)
     upstream = torch.rand(inputs[3].shape) + 0.5
+    loss_mask = (torch.rand(inputs[3].shape) > 0.25).float()
     calls = _gemm_spy(model)
-    ref_loss, ref_grads = _run(model, inputs, upstream)
+    _mtp_metrics()
+    ref_loss, ref_grads = _run(model, inputs, upstream, loss_mask=loss_mask)
+    ref_logged = _mtp_metrics()
     assert len(calls) == 2, f"stock: {len(calls)} output-layer GEMMs, expected the main head's and one MTP head's"
-    assert any(name.startswith("mtp.") for name in ref_grads)
+    assert any(name.startswith("mtp.") for name in ref_grads) and ref_logged
     fusedce.patch_megatron(model)
     calls.clear()
-    loss, grads = _run(model, inputs, upstream)
+    loss, grads = _run(model, inputs, upstream, loss_mask=loss_mask)
     assert not calls, f"the patched model ran the output layer's GEMM {len(calls)} time(s)"
     _assert_same(loss, grads, ref_loss, ref_grads)
+    logged = _mtp_metrics()
+    assert logged.keys() == ref_logged.keys()
+    for key in logged:
+        torch.testing.assert_close(logged[key], ref_logged[key], msg=lambda m, k=key: f"MTP {k}: {m}")
     with pytest.raises(ValueError, match="multi-token"):
         megatron_token_log_probs(model, *inputs)
 
@@ -140,6 +161,64 @@ def _multi_token_prediction(rank, world, tied, sp):
 CHECKS.update({f"multi_token_prediction_{'tied' if tied else 'untied'}{'_sequence_parallel' if sp else ''}":
                functools.partial(_multi_token_prediction, tied=tied, sp=sp)
                for tied, sp in ((False, False), (True, True))})
+if RELEASE.scale_logits:   # MuP (0.17+): the logits times mup_output_mult, main and MTP heads
+    CHECKS["multi_token_prediction_mup_sequence_parallel"] = functools.partial(
+        _multi_token_prediction, tied=False, sp=True, mup=True)
+
+
+if RELEASE.acceptance_counts:
+    @check
+    def mtp_acceptance_counts(rank, world):
+        # 0.19's count of argmax hits per MTP head, from the fused loss's predictions vs the stock
+        # vocabulary-parallel argmax over real logits; half the labels are the argmax (hits), ties none
+        from megatron.core.transformer import multi_token_prediction as mtp
+        from fusedce.integrations.megatron import acceptance, head
+        acceptance.install()
+        s, b, hidden_size, vocab = 6, 2, 8, 16
+        hidden, full = torch.randn(s, b, hidden_size), torch.randn(vocab, hidden_size)
+        shard = full.chunk(world)[rank]
+        labels = (hidden @ full.T).argmax(-1).transpose(0, 1).clone()
+        labels[:, ::2] = torch.randint(0, vocab, labels[:, ::2].shape)
+        labels[0, 1] = -100
+        loss_mask = (torch.rand(b, s) > 0.2).float()
+        layer = tiny_gpt(world, tied=False).output_layer
+        stock = mtp._compute_mtp_acceptance_counts(hidden @ shard.T, labels, loss_mask, layer, None,
+                                                   dist.group.WORLD)
+        deferred = head.DeferredLogits(hidden, shard, None, dist.group.WORLD)
+        head.loss(deferred, labels, {}, None, predictions=True)
+        ours = mtp._compute_mtp_acceptance_counts(deferred, labels, loss_mask, layer, None, dist.group.WORLD)
+        assert stock[0] > 0 and stock[1] > stock[0]
+        torch.testing.assert_close(ours, stock, rtol=0, atol=0)
+
+
+@check
+def route_and_own_output_processor(rank, world):
+    # 0.18+: the main head through GPTModel.forward's output_processor hook (no _postprocess replaced);
+    # before: the _postprocess wrapper. A caller's own output_processor runs as given (stock logits).
+    from fusedce.integrations.megatron import patch
+    model = tiny_gpt(world, tied=False, sequence_parallel=True)
+    ids, pos, mask, labels = batch(5)
+    stock = model(ids, pos, mask, labels=labels).detach()
+    fusedce.patch_megatron(model)
+    assert ("_postprocess" in vars(model)) != RELEASE.output_processor
+    if not RELEASE.output_processor:
+        return
+    hooked, spied = [], patch._output_processor
+    patch._output_processor = lambda **kw: hooked.append(1) or spied(**kw)
+    try:
+        torch.testing.assert_close(model(ids, pos, mask, labels=labels).detach(), stock)
+    finally:
+        patch._output_processor = spied
+    assert hooked == [1]
+
+    def own(**kw):
+        logits, _ = kw["output_layer"](kw["hidden_states"], weight=kw["output_weight"],
+                                       runtime_gather_output=kw["runtime_gather_output"])
+        return kw["compute_language_model_loss"](kw["labels"], kw["scale_logits"](logits))
+
+    calls = _gemm_spy(model)
+    torch.testing.assert_close(model(ids, pos, mask, labels=labels, output_processor=own).detach(), stock)
+    assert calls, "the caller's output_processor did not get the stock output layer"
 
 
 @check
