@@ -116,7 +116,8 @@ def _stock_vs_patched(rank, world, tied, sp):
 
 
 CHECKS.update({f"{'tied' if tied else 'untied'}_head{'_sequence_parallel' if sp else ''}":
-               functools.partial(_stock_vs_patched, tied=tied, sp=sp) for tied in (True, False) for sp in (False, True)})
+               functools.partial(_stock_vs_patched, tied=tied, sp=sp)
+               for tied in (True, False) for sp in (False, True)})
 
 
 def _mtp_metrics() -> dict:

@@ -1,25 +1,31 @@
 """``fusedce.patch_megatron(model, **loss_options)`` / ``unpatch_megatron(model)``: a Megatron-core
 ``GPTModel`` computes its language-model loss through the vocabulary-parallel fused linear cross-entropy.
 
-How it hooks in (megatron-core 0.16, ``version.py``). ``GPTModel._postprocess`` runs the output layer
-(``ColumnParallelLinear``: ``[s, b, H]`` hidden states times this rank's ``(V/TP, H)`` vocabulary rows, the
-tied embedding's when ``share_embeddings_and_output_weights``) and hands the ``[s, b, V/TP]`` logits to
-``compute_language_model_loss(labels, logits)``, for the main head and for each multi-token-prediction
-head. The patch sets three attributes on the one model instance (its class and every other instance are
-untouched):
+How it hooks in (megatron-core 0.16 .. 0.19; ``version.py`` checks the release and says which route it
+offers; docs/megatron.md). The stock head runs the output layer (``ColumnParallelLinear``: ``[s, b, H]``
+hidden states times this rank's ``(V/TP, H)`` vocabulary rows, the tied embedding's when
+``share_embeddings_and_output_weights``; under sequence parallel it first gathers the ``[s/TP, b, H]``
+shard), from 0.17 multiplies the logits by MuP's ``mup_output_mult`` (``_scale_logits``), and hands the
+``[s, b, V/TP]`` logits to ``compute_language_model_loss(labels, logits)``, for the main head and for each
+multi-token-prediction head (in ``_postprocess``; from 0.17 in ``process_mtp_loss``, which in 0.19 also
+counts each MTP head's argmax hits). The patch sets attributes on the one model instance (its class and
+every other instance are untouched):
 
-- ``_postprocess``: while it runs with ``labels``, the call is marked active (without labels the stock
-  code runs: the logits are made and returned, as for inference);
-- ``output_layer.forward``: while active, returns ``head.DeferredLogits`` (the hidden states, the weight
-  the call was given or its own, its bias, its tensor-parallel group) instead of multiplying; the
-  module's ``__call__`` and hooks still run; under ``sequence_parallel`` the ``[s/TP, b, H]`` hidden
-  states are gathered first, as the stock layer gathers them (``sequence.py``);
+- ``forward``: takes the ``token_weights`` keyword out and checks the call before the model runs; from
+  0.18, with ``labels`` and no ``output_processor`` of the caller's, passes fusedce's
+  ``output_processor`` (the main head) and marks the call active (the MTP heads before the hook);
+- ``_postprocess`` (0.16 / 0.17): while it runs with ``labels``, the call is marked active (without labels
+  the stock code runs: the logits are made and returned, as for inference);
+- ``output_layer.forward``: while active, returns ``head.DeferredLogits`` (the hidden states, gathered
+  under ``sequence_parallel`` as the stock layer gathers them, ``sequence.py``; the weight the call was
+  given or its own, its bias, its tensor-parallel group) instead of multiplying; the module's
+  ``__call__`` and hooks still run;
+- ``_scale_logits`` (0.17+): ``DeferredLogits`` carry MuP's factor (the fused op's ``logit_scale``);
 - ``compute_language_model_loss``: given ``DeferredLogits``, returns ``head.loss`` (the ``[b, s]`` fp32
   per-token loss; ``token_weights`` a forward keyword); given real logits, the stock code.
 
-So the ``[s, b, V/TP]`` logits (and their fp32 copy) are never formed; logits exist one chunk of tokens at
-a time inside the fused op. ``forward`` is wrapped too, to take the ``token_weights`` keyword out and
-check it before the model runs.
+0.19's acceptance count reads the fused loss's argmax (``acceptance.py``). So the ``[s, b, V/TP]`` logits
+(and their fp32 copy) are never formed; logits exist one chunk of tokens at a time inside the fused op.
 """
 from __future__ import annotations
 
@@ -211,14 +217,18 @@ def patch_megatron(model: nn.Module, **loss_options) -> nn.Module:
     V/TP]`` logits are never formed: ``output_layer`` does not multiply (its module call and hooks still
     run). Multi-token prediction heads (``mtp_num_layers``) go through the same path. Without ``labels``
     the stock forward runs and returns the logits. Megatron's loss mask and reduction are applied by the
-    caller, as before. Precision: the logits are formed in fp32 from the operands' values (bf16 / fp16
-    models included; the stock head rounds them to the model's dtype before its fp32 cross-entropy), so
+    caller, as before. ``sequence_parallel=True`` is served (the ``[s/TP, b, H]`` hidden states gathered at
+    the head, their gradient returned reduce-scattered), and MuP's ``mup_output_mult`` (0.17+) multiplies
+    ``logit_scale``. Releases: megatron-core 0.16.1, 0.17.0, 0.18.0, 0.19.2 (0.18+: through
+    ``GPTModel.forward``'s ``output_processor`` hook; a caller's own ``output_processor`` runs unchanged).
+    Precision: the logits are formed in fp32 from the operands' values (bf16 / fp16 models included; the
+    stock head rounds them to the model's dtype before its fp32 cross-entropy), so
     fp32 models agree to fp32 rounding and bf16 ones to bf16 precision.
 
     Args:
         model: a ``GPTModel`` or a wrapper holding one as ``.module`` (Megatron's DDP, ``Float16Module``),
             on the last pipeline stage (``post_process``), with megatron-core's ``ColumnParallelLinear``
-            head (the local layer spec).
+            head (the local layer spec). Not ``HybridModel``.
         **loss_options: ``label_smoothing`` (torch's definition over the global V), ``lse_square_scale``
             (z-loss), ``softcap``, ``logit_scale``, ``use_token_scaling``, ``ignore_index`` (default -100:
             labels of that value get loss 0), ``deterministic``, ``chunk_size``, ``accum_dtype``, ``backend``:
@@ -227,13 +237,15 @@ def patch_megatron(model: nn.Module, **loss_options) -> nn.Module:
 
     Raises:
         ImportError: megatron-core is not installed.
-        RuntimeError: the installed megatron-core is not 0.16.x, or the source of the pieces the patch
-            relies on differs (``version.py``).
-        TypeError: ``model`` holds no ``GPTModel``; its ``output_layer`` is not ``ColumnParallelLinear``;
-            an unknown loss option (``reduction``, ``num_items_in_batch`` included).
+        RuntimeError: the installed megatron-core is not 0.16 .. 0.19, or the source of the pieces the
+            patch relies on differs (``version.py``).
+        TypeError: ``model`` holds no ``GPTModel`` (a ``HybridModel`` named); its ``output_layer`` is not
+            ``ColumnParallelLinear`` (a Transformer Engine head); an unknown loss option (``reduction``,
+            ``num_items_in_batch`` included).
         ValueError: no ``post_process`` (not the last pipeline stage); a bad option value. At a call:
             ``token_weights`` of another shape than ``labels`` or without labels, or with MTP heads.
-        NotImplementedError: ``defer_embedding_wgrad_compute``, the config logger.
+        NotImplementedError: ``defer_embedding_wgrad_compute``, the config logger, a GTP-sharded output
+            weight (``gtp_remat_size > 1``, 0.19).
     """
     release = check_megatron()
     gpt = gpt_model(model)
