@@ -251,12 +251,17 @@ def without_labels_unchanged(rank, world):
     torch.testing.assert_close(patched, stock, rtol=0, atol=0)
 
 
-def _token_log_probs_and_entropy(rank, world, sp):
+def _token_log_probs_and_entropy(rank, world, sp, classes=None):
+    # classes: K target classes per token ([b, s, K], one of them ignored) instead of one
     from fusedce.integrations.megatron import megatron_token_log_probs
     model = tiny_gpt(world, tied=True, sequence_parallel=sp)
     inputs = batch(3)
     ids, pos, mask, target = inputs
-    up_lp, up_ent = torch.rand(target.shape), torch.rand(target.shape)
+    if classes is not None:
+        target = torch.randint(0, VOCAB, (*target.shape, classes))
+        target[0, 1, 0] = -100
+        inputs = (ids, pos, mask, target)
+    up_lp, up_ent = torch.rand(target.shape), torch.rand(target.shape[:2])
     model.zero_grad(set_to_none=True)
     ref_lp, ref_ent = reference_log_probs(_gathered_logits(model, inputs).double(), target, temperature=0.7)
     ((ref_lp * up_lp).sum() + (ref_ent * up_ent).sum()).backward()
@@ -271,8 +276,9 @@ def _token_log_probs_and_entropy(rank, world, sp):
     assert "_fusedce_megatron" not in vars(model), "the temporary patch was not undone"
 
 
-CHECKS.update({f"token_log_probs_and_entropy{'_sequence_parallel' if sp else ''}":
-               functools.partial(_token_log_probs_and_entropy, sp=sp) for sp in (False, True)})
+CHECKS.update({f"token_log_probs_and_entropy{'_sequence_parallel_3_classes' if sp else ''}":
+               functools.partial(_token_log_probs_and_entropy, sp=sp, classes=3 if sp else None)
+               for sp in (False, True)})
 
 
 @check
