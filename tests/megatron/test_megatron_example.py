@@ -1,6 +1,7 @@
 """examples/megatron_tp.py run as its docstring says (torchrun, 2 gloo ranks on CPU, TP = 2) with sequence
 parallel and one multi-token-prediction depth, at tiny sizes: it finishes, the stock and patched models'
-first-step losses agree to fp32 rounding, and the head measurement reports both runs for both ranks."""
+first-step losses agree to fp32 rounding, and the head measurement reports both runs for both ranks (on
+0.16 / 0.17: it calls their ``_postprocess``; skipped from 0.18)."""
 from __future__ import annotations
 
 import json
@@ -28,4 +29,8 @@ def test_example_sequence_parallel_mtp(tmp_path):
     out = json.loads((tmp_path / "results" / "megatron_tp.json").read_text())
     assert out["args"]["sequence_parallel"] and out["args"]["mtp"] == 1 and out["world"] == 2
     torch.testing.assert_close(torch.tensor(out["curves"]["fusedce"][0]), torch.tensor(out["curves"]["stock"][0]))
-    assert all(set(rank) >= {"stock", "fusedce"} for rank in out["head_memory_bytes_per_rank"])
+    from fusedce.integrations.megatron.version import check_megatron
+    if check_megatron().output_processor:   # 0.18+: the example's head measurement is 0.16 / 0.17's
+        assert out["head_memory_bytes_per_rank"] == [None, None]
+    else:
+        assert all(set(rank) >= {"stock", "fusedce"} for rank in out["head_memory_bytes_per_rank"])
