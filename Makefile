@@ -5,7 +5,8 @@
 #                       (~12-15 min; 18+ min when other jobs share the cores)
 # Also: make install (the set-up alone), make bench-sweep (the CPU memory sweep alone, ~10-20 min),
 #       make test-cute (~5 min), make docs, make check-package,
-#       make test-compat (other torch / triton / Python versions in stand-in venvs: scripts/test_compat.sh).
+#       make test-compat (other torch / triton / Python versions in stand-in venvs: scripts/test_compat.sh),
+#       make test-megatron (tests/megatron on megatron-core 0.17 / 0.18 / 0.19.2, Python 3.12: scripts/test_megatron.sh).
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -13,7 +14,7 @@ STAMP   := $(VENV)/.fusedce-installed
 DOCS_STAMP := $(VENV)/.fusedce-docs-installed
 PKG_VENV   := build/package-check-venv
 
-.PHONY: bench bench-sweep test test-cute test-compat install docs check-package clean
+.PHONY: bench bench-sweep test test-cute test-compat test-megatron install docs check-package clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -55,6 +56,12 @@ test-cute: $(STAMP)
 # representative part of the suite in each (~6 GB of downloads once, then ~10-15 min per environment).
 test-compat:
 	bash scripts/test_compat.sh
+
+# fusedce.patch_megatron on the megatron-core releases that need Python 3.12 (0.17.0, 0.18.0, 0.19.2) in a
+# stand-in venv under .cache/megatron312/ (Python 3.12 + torch 2.11.0, ~3.4 GB once, then ~1 min per release);
+# 0.16.1 runs in `make test`.
+test-megatron:
+	bash scripts/test_megatron.sh
 
 # The API reference (from the docstrings) and the pages under docs/, into build/docs; any warning fails.
 $(DOCS_STAMP): $(STAMP) pyproject.toml

@@ -4,8 +4,13 @@ megatron-core 0.16's attention (``DotProductAttention``) asks for two CUDA-only 
 memory buffer (``parallel_state.get_global_memory_buffer()``: a CUDA scratch tensor that ``baddbmm`` reads
 with ``beta=0``, so any tensor of the shape serves) and the CUDA RNG tracker's ``fork()`` (around the
 attention dropout, 0 here). Its multi-token-prediction block gathers the hidden states over the
-tensor-parallel ranks into a buffer on ``torch.cuda.current_device()`` (``mappings._gather_along_last_dim``).
-``install_cpu_stand_ins`` gives the three a CPU stand-in, in these test processes only (the library never
+tensor-parallel ranks into a buffer on ``torch.cuda.current_device()`` (``mappings._gather_along_last_dim``),
+as sequence parallel's mappings (gather / reduce-scatter along the sequence) and the MTP loss logging do:
+``torch.cuda.current_device`` returns ``"cpu"`` here. The local spec's torch norm asserts
+``not config.sequence_parallel`` (a guard: it has no sequence-parallel code; under SP its weight gradient is
+each rank's partial sum, which Megatron's DDP all-reduces), so it is built from a copy of the config with
+``sequence_parallel=False``; its per-rank gradients are compared rank by rank like every other.
+``install_cpu_stand_ins`` gives these a CPU stand-in, in these test processes only (the library never
 touches them).
 
 Sizes: H = 16 and 2 attention heads (one per rank at TP = 2), V = 64 (32 rows per rank), s = 8, b = 2:
@@ -14,6 +19,7 @@ the smallest model whose every piece (embedding, attention, MLP, final norm, hea
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -36,13 +42,27 @@ def _gather_along_last_dim(input_, group):
     return torch.cat(parts, dim=-1)
 
 
+def _norm_without_sequence_parallel(stock_new):
+    def new(cls, config, *args, **kwargs):
+        if getattr(config, "sequence_parallel", False):
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        return stock_new(cls, config, *args, **kwargs)
+    new._fusedce_stand_in = True
+    return new
+
+
 def install_cpu_stand_ins() -> None:
     """The CUDA-only helpers replaced by CPU stand-ins (module docstring)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     parallel_state.get_global_memory_buffer = _CpuBuffer
     tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: _NoForkTracker()
     mappings._gather_along_last_dim = _gather_along_last_dim
+    torch.cuda.current_device = lambda: "cpu"
+    if not getattr(WrappedTorchNorm.__new__, "_fusedce_stand_in", False):
+        WrappedTorchNorm.__new__ = _norm_without_sequence_parallel(WrappedTorchNorm.__new__)
 
 
 def init_tensor_parallel(world: int) -> None:

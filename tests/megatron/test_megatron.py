@@ -23,13 +23,15 @@ import torch.distributed as dist
 pytest.importorskip("megatron.core", reason="megatron-core is installed by `make install` (the megatron extra)")
 
 import fusedce  # noqa: E402
+import fusedce.integrations.megatron.version  # noqa: E402
 from dist_harness import assert_passed, results  # noqa: E402
-from megatron_models import VOCAB, batch, tiny_gpt  # noqa: E402
+from megatron_models import HIDDEN, VOCAB, batch, tiny_gpt  # noqa: E402
 from reference64 import reference_loss  # noqa: E402
 from reference64_log_probs import reference_log_probs  # noqa: E402
 
 WORLD = 2
 CHECKS = {}
+RELEASE = fusedce.integrations.megatron.version.check_megatron()   # the installed release's route
 
 
 def check(fn):
@@ -95,8 +97,9 @@ def _assert_same(loss, grads, ref_loss, ref_grads):
         torch.testing.assert_close(grads[name], ref_grads[name], msg=lambda m, n=name: f"grad of {n}: {m}")
 
 
-def _stock_vs_patched(rank, world, tied):
-    model = tiny_gpt(world, tied=tied)
+def _stock_vs_patched(rank, world, tied, sp):
+    model = tiny_gpt(world, tied=tied, sequence_parallel=sp)
+    assert model.output_layer.sequence_parallel == sp
     inputs = batch()
     upstream = torch.rand(inputs[3].shape) + 0.5
     calls = _gemm_spy(model)
@@ -112,29 +115,111 @@ def _stock_vs_patched(rank, world, tied):
     assert "forward" not in vars(model.output_layer)
 
 
-CHECKS.update({f"{'tied' if tied else 'untied'}_head": functools.partial(_stock_vs_patched, tied=tied)
-               for tied in (True, False)})
+CHECKS.update({f"{'tied' if tied else 'untied'}_head{'_sequence_parallel' if sp else ''}":
+               functools.partial(_stock_vs_patched, tied=tied, sp=sp)
+               for tied in (True, False) for sp in (False, True)})
+
+
+def _mtp_metrics() -> dict:
+    """What megatron-core logged for the MTP heads since the last call (the loss; from 0.19 the acceptance
+    counts), cleared."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    logged = {k: v.clone() for k, v in MTPLossLoggingHelper.tracker.items() if isinstance(v, torch.Tensor)}
+    MTPLossLoggingHelper.tracker.clear()
+    return logged
+
+
+def _multi_token_prediction(rank, world, tied, sp, mup=False):
+    # training mode: megatron-core logs each MTP loss (MTPLossLoggingHelper, a tensor on
+    # torch.cuda.current_device(): "cpu" here; 0.19 adds the acceptance counts, an argmax over the head's
+    # logits) and folds its gradient into the main head's (MTPLossAutoScaler)
+    from fusedce.integrations.megatron import megatron_token_log_probs
+    config = dict(use_mup=True, mup_base_hidden_size=HIDDEN // 2) if mup else {}   # mup_output_mult = 0.5
+    model = tiny_gpt(world, tied=tied, mtp_num_layers=1, sequence_parallel=sp, **config).train()
+    assert not mup or model.config.mup_output_mult == 0.5
+    inputs = batch(4)
+    upstream = torch.rand(inputs[3].shape) + 0.5
+    loss_mask = (torch.rand(inputs[3].shape) > 0.25).float()
+    calls = _gemm_spy(model)
+    _mtp_metrics()
+    ref_loss, ref_grads = _run(model, inputs, upstream, loss_mask=loss_mask)
+    ref_logged = _mtp_metrics()
+    assert len(calls) == 2, f"stock: {len(calls)} output-layer GEMMs, expected the main head's and one MTP head's"
+    assert any(name.startswith("mtp.") for name in ref_grads) and ref_logged
+    fusedce.patch_megatron(model)
+    calls.clear()
+    loss, grads = _run(model, inputs, upstream, loss_mask=loss_mask)
+    assert not calls, f"the patched model ran the output layer's GEMM {len(calls)} time(s)"
+    _assert_same(loss, grads, ref_loss, ref_grads)
+    logged = _mtp_metrics()
+    assert logged.keys() == ref_logged.keys()
+    for key in logged:
+        torch.testing.assert_close(logged[key], ref_logged[key], msg=lambda m, k=key: f"MTP {k}: {m}")
+    with pytest.raises(ValueError, match="multi-token"):
+        megatron_token_log_probs(model, *inputs)
+
+
+CHECKS.update({f"multi_token_prediction_{'tied' if tied else 'untied'}{'_sequence_parallel' if sp else ''}":
+               functools.partial(_multi_token_prediction, tied=tied, sp=sp)
+               for tied, sp in ((False, False), (True, True))})
+if RELEASE.scale_logits:   # MuP (0.17+): the logits times mup_output_mult, main and MTP heads
+    CHECKS["multi_token_prediction_mup_sequence_parallel"] = functools.partial(
+        _multi_token_prediction, tied=False, sp=True, mup=True)
+
+
+if RELEASE.acceptance_counts:
+    @check
+    def mtp_acceptance_counts(rank, world):
+        # 0.19's count of argmax hits per MTP head, from the fused loss's predictions vs the stock
+        # vocabulary-parallel argmax over real logits; half the labels are the argmax (hits), ties none
+        from megatron.core.transformer import multi_token_prediction as mtp
+        from fusedce.integrations.megatron import acceptance, head
+        acceptance.install()
+        s, b, hidden_size, vocab = 6, 2, 8, 16
+        hidden, full = torch.randn(s, b, hidden_size), torch.randn(vocab, hidden_size)
+        shard = full.chunk(world)[rank]
+        labels = (hidden @ full.T).argmax(-1).transpose(0, 1).clone()
+        labels[:, ::2] = torch.randint(0, vocab, labels[:, ::2].shape)
+        labels[0, 1] = -100
+        loss_mask = (torch.rand(b, s) > 0.2).float()
+        layer = tiny_gpt(world, tied=False).output_layer
+        stock = mtp._compute_mtp_acceptance_counts(hidden @ shard.T, labels, loss_mask, layer, None,
+                                                   dist.group.WORLD)
+        deferred = head.DeferredLogits(hidden, shard, None, dist.group.WORLD)
+        head.loss(deferred, labels, {}, None, predictions=True)
+        ours = mtp._compute_mtp_acceptance_counts(deferred, labels, loss_mask, layer, None, dist.group.WORLD)
+        assert stock[0] > 0 and stock[1] > stock[0]
+        torch.testing.assert_close(ours, stock, rtol=0, atol=0)
 
 
 @check
-def multi_token_prediction_heads(rank, world):
-    # eval(): in training mode megatron-core 0.16 logs each MTP loss into a tensor on
-    # torch.cuda.current_device() (MTPLossLoggingHelper); the losses and their gradients are the same
-    from fusedce.integrations.megatron import megatron_token_log_probs
-    model = tiny_gpt(world, tied=False, mtp_num_layers=1).eval()
-    inputs = batch(4)
-    upstream = torch.rand(inputs[3].shape) + 0.5
-    calls = _gemm_spy(model)
-    ref_loss, ref_grads = _run(model, inputs, upstream)
-    assert len(calls) == 2, f"stock: {len(calls)} output-layer GEMMs, expected the main head's and one MTP head's"
-    assert any(name.startswith("mtp.") for name in ref_grads)
+def route_and_own_output_processor(rank, world):
+    # 0.18+: the main head through GPTModel.forward's output_processor hook (no _postprocess replaced);
+    # before: the _postprocess wrapper. A caller's own output_processor runs as given (stock logits).
+    from fusedce.integrations.megatron import patch
+    model = tiny_gpt(world, tied=False, sequence_parallel=True)
+    ids, pos, mask, labels = batch(5)
+    stock = model(ids, pos, mask, labels=labels).detach()
     fusedce.patch_megatron(model)
-    calls.clear()
-    loss, grads = _run(model, inputs, upstream)
-    assert not calls, f"the patched model ran the output layer's GEMM {len(calls)} time(s)"
-    _assert_same(loss, grads, ref_loss, ref_grads)
-    with pytest.raises(ValueError, match="multi-token"):
-        megatron_token_log_probs(model, *inputs)
+    assert ("_postprocess" in vars(model)) != RELEASE.output_processor
+    if not RELEASE.output_processor:
+        return
+    hooked, spied = [], patch._output_processor
+    patch._output_processor = lambda **kw: hooked.append(1) or spied(**kw)
+    try:
+        torch.testing.assert_close(model(ids, pos, mask, labels=labels).detach(), stock)
+    finally:
+        patch._output_processor = spied
+    assert hooked == [1]
+
+    def own(**kw):
+        logits, _ = kw["output_layer"](kw["hidden_states"], weight=kw["output_weight"],
+                                       runtime_gather_output=kw["runtime_gather_output"])
+        return kw["compute_language_model_loss"](kw["labels"], kw["scale_logits"](logits))
+
+    calls = _gemm_spy(model)
+    torch.testing.assert_close(model(ids, pos, mask, labels=labels, output_processor=own).detach(), stock)
+    assert calls, "the caller's output_processor did not get the stock output layer"
 
 
 @check
@@ -166,13 +251,17 @@ def without_labels_unchanged(rank, world):
     torch.testing.assert_close(patched, stock, rtol=0, atol=0)
 
 
-@check
-def token_log_probs_and_entropy(rank, world):
+def _token_log_probs_and_entropy(rank, world, sp, classes=None):
+    # classes: K target classes per token ([b, s, K], one of them ignored) instead of one
     from fusedce.integrations.megatron import megatron_token_log_probs
-    model = tiny_gpt(world, tied=True)
+    model = tiny_gpt(world, tied=True, sequence_parallel=sp)
     inputs = batch(3)
     ids, pos, mask, target = inputs
-    up_lp, up_ent = torch.rand(target.shape), torch.rand(target.shape)
+    if classes is not None:
+        target = torch.randint(0, VOCAB, (*target.shape, classes))
+        target[0, 1, 0] = -100
+        inputs = (ids, pos, mask, target)
+    up_lp, up_ent = torch.rand(target.shape), torch.rand(target.shape[:2])
     model.zero_grad(set_to_none=True)
     ref_lp, ref_ent = reference_log_probs(_gathered_logits(model, inputs).double(), target, temperature=0.7)
     ((ref_lp * up_lp).sum() + (ref_ent * up_ent).sum()).backward()
@@ -185,6 +274,11 @@ def token_log_probs_and_entropy(rank, world):
     _assert_same(out.log_probs.detach(), _grads(model), ref_lp.detach(), ref_grads)
     torch.testing.assert_close(out.entropy.detach(), ref_ent.detach().float())
     assert "_fusedce_megatron" not in vars(model), "the temporary patch was not undone"
+
+
+CHECKS.update({f"token_log_probs_and_entropy{'_sequence_parallel_3_classes' if sp else ''}":
+               functools.partial(_token_log_probs_and_entropy, sp=sp, classes=3 if sp else None)
+               for sp in (False, True)})
 
 
 @check
@@ -200,27 +294,34 @@ def errors(rank, world):
     with pytest.raises(TypeError, match="GPTModel"):
         fusedce.patch_megatron(torch.nn.Linear(2, 2))
     layer, model.output_layer = model.output_layer, torch.nn.Linear(2, 2)
-    with pytest.raises(TypeError, match="ColumnParallelLinear"):
+    with pytest.raises(TypeError, match="ColumnParallelLinear.*get_gpt_layer_local_spec"):
         fusedce.patch_megatron(model)
     model.output_layer = layer
-    model.config.sequence_parallel = True
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
-        fusedce.patch_megatron(model)
-    model.config.sequence_parallel = False
     version, package_info.__version__ = package_info.__version__, "0.15.0"
     try:
-        with pytest.raises(RuntimeError, match="0.16"):
+        with pytest.raises(RuntimeError, match="0.16.1, 0.17.0, 0.18.0, 0.19.2"):
             fusedce.patch_megatron(model)
     finally:
         package_info.__version__ = version
     from fusedce.integrations.megatron import version as mversion
-    name = next(iter(mversion.FINGERPRINTS))
-    expected, mversion.FINGERPRINTS[name] = mversion.FINGERPRINTS[name], "0" * 16
-    try:
-        with pytest.raises(RuntimeError, match="differs"):
-            fusedce.patch_megatron(model)
-    finally:
-        mversion.FINGERPRINTS[name] = expected
+    fingerprints = mversion.check_megatron().fingerprints
+    for name in list(fingerprints):
+        expected, fingerprints[name] = fingerprints[name], "0" * 16
+        try:
+            with pytest.raises(RuntimeError, match="differs"):
+                fusedce.patch_megatron(model)
+        finally:
+            fingerprints[name] = expected
+    gtp = vars(model.output_layer).get("gtp_remat_size")   # 0.19: the weight's second shard axis (1: none)
+    model.output_layer.gtp_remat_size = 2
+    with pytest.raises(NotImplementedError, match="gtp_remat_size"):
+        fusedce.patch_megatron(model)
+    if gtp is None:
+        del model.output_layer.gtp_remat_size
+    else:
+        model.output_layer.gtp_remat_size = gtp
+    with pytest.raises(TypeError, match="HybridModel.*output_processor"):
+        fusedce.patch_megatron(type("HybridModel", (torch.nn.Module,), {})())
     assert "_fusedce_megatron" not in vars(model), "a refused patch left state behind"
     fusedce.patch_megatron(model)
     ids, pos, mask, labels = batch()

@@ -20,26 +20,46 @@ from fusedce.distributed import vocab_parallel_linear_cross_entropy, vocab_paral
 
 @dataclasses.dataclass(frozen=True)
 class DeferredLogits:
-    """The output layer's operands in place of its output: ``hidden`` ``[s, b, H]``, ``weight`` this
-    rank's vocabulary rows ``(V/TP, H)`` (the output layer's or the tied embedding's), ``bias``
-    ``(V/TP,)`` or None, ``group`` the tensor-parallel group the rows are split over."""
+    """The output layer's operands in place of its output: ``hidden`` ``[s, b, H]`` (gathered under
+    sequence parallel), ``weight`` this rank's vocabulary rows ``(V/TP, H)`` (the output layer's or the
+    tied embedding's), ``bias`` ``(V/TP,)`` or None, ``group`` the tensor-parallel group the rows are split
+    over, ``scale`` the factor the logits carry (MuP's ``mup_output_mult``, from ``_scale_logits``);
+    ``outputs``: what the loss left for later readers (``"predicted"``: the ``[s, b]`` global argmax)."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
     bias: Optional[torch.Tensor]
     group: object
+    scale: float = 1.0
+    outputs: dict = dataclasses.field(default_factory=dict, compare=False)
+
+
+def scaled(logits: DeferredLogits, factor: float) -> DeferredLogits:
+    """``logits`` times ``factor`` (still deferred)."""
+    return dataclasses.replace(logits, scale=logits.scale * factor)
+
+
+def _with_scale(options: dict, logits: DeferredLogits) -> dict:
+    if logits.scale == 1.0:
+        return options
+    return {**options, "logit_scale": options.get("logit_scale", 1.0) * logits.scale}
 
 
 def loss(logits: DeferredLogits, labels: torch.Tensor, options: dict,
-         token_weights: Optional[torch.Tensor]) -> torch.Tensor:
+         token_weights: Optional[torch.Tensor], predictions: bool = False) -> torch.Tensor:
     """``[b, s]`` fp32 per-token cross-entropy (contiguous, as Megatron's), ``labels`` ``[b, s]`` global
     class ids, ``token_weights`` ``[b, s]`` or None; ``options``: ``vocab_parallel_linear_cross_entropy``'s
-    keywords. The op runs on the ``[s, b]`` layout of the hidden states (no copy of them)."""
+    keywords (``logit_scale`` times ``logits.scale``). The op runs on the ``[s, b]`` layout of the hidden
+    states (no copy of them). ``predictions``: the op's argmax per token is left in
+    ``logits.outputs["predicted"]`` (``[s, b]`` int64, -1 where the label is ignored)."""
     weights = None if token_weights is None else token_weights.transpose(0, 1)
-    rows = vocab_parallel_linear_cross_entropy(logits.hidden, logits.weight, labels.transpose(0, 1), logits.bias,
-                                               group=logits.group, reduction="none", token_weights=weights,
-                                               **options)
-    return rows.transpose(0, 1).contiguous()
+    out = vocab_parallel_linear_cross_entropy(logits.hidden, logits.weight, labels.transpose(0, 1), logits.bias,
+                                              group=logits.group, reduction="none", token_weights=weights,
+                                              return_stats=predictions, **_with_scale(options, logits))
+    if predictions:
+        logits.outputs["predicted"] = out.predicted_tokens
+        out = out.loss
+    return out.transpose(0, 1).contiguous()
 
 
 def log_probs(logits: DeferredLogits, labels: torch.Tensor, options: dict):
@@ -47,7 +67,7 @@ def log_probs(logits: DeferredLogits, labels: torch.Tensor, options: dict):
     ``fusedce.TokenLogProbs`` of two ``[b, s]`` tensors); ``options``:
     ``vocab_parallel_linear_token_log_probs``'s keywords."""
     out = vocab_parallel_linear_token_log_probs(logits.hidden, logits.weight, labels.transpose(0, 1), logits.bias,
-                                                group=logits.group, **options)
+                                                group=logits.group, **_with_scale(options, logits))
     if isinstance(out, torch.Tensor):
         return out.transpose(0, 1).contiguous()
     return type(out)(*(t.transpose(0, 1).contiguous() for t in out))

@@ -29,11 +29,12 @@ def megatron_token_log_probs(model: nn.Module, input_ids: torch.Tensor, position
 
     Args:
         model: a ``GPTModel`` (or a wrapper holding one as ``.module``) as :func:`fusedce.patch_megatron`
-            takes, patched or not (an unpatched one is patched for this call only). No multi-token
-            prediction heads.
+            takes, patched or not (an unpatched one is patched for this call only), sequence parallel
+            or not, on the same releases. No multi-token prediction heads.
         input_ids, position_ids, attention_mask, ``**forward_kwargs``: the model's forward arguments.
         target: ``[b, s]`` int, the token each position's log-prob is taken of (Megatron's ``labels``:
-            already shifted); ``ignore_index`` positions get 0 in both outputs.
+            already shifted), or ``[b, s, K]``: K classes per token (log-probs ``[b, s, K]``, entropy
+            ``[b, s]``); ``ignore_index`` entries get 0 (the entropy where all of a token's are ignored).
         temperature, softcap, logit_scale, ignore_index, return_entropy, chunk_size, backend, deterministic:
             as in :func:`fusedce.distributed.vocab_parallel_linear_token_log_probs`.
 

@@ -1,27 +1,35 @@
 """``fusedce.patch_megatron(model, **loss_options)`` / ``unpatch_megatron(model)``: a Megatron-core
 ``GPTModel`` computes its language-model loss through the vocabulary-parallel fused linear cross-entropy.
 
-How it hooks in (megatron-core 0.16, ``version.py``). ``GPTModel._postprocess`` runs the output layer
-(``ColumnParallelLinear``: ``[s, b, H]`` hidden states times this rank's ``(V/TP, H)`` vocabulary rows, the
-tied embedding's when ``share_embeddings_and_output_weights``) and hands the ``[s, b, V/TP]`` logits to
-``compute_language_model_loss(labels, logits)``, for the main head and for each multi-token-prediction
-head. The patch sets three attributes on the one model instance (its class and every other instance are
-untouched):
+How it hooks in (megatron-core 0.16 .. 0.19; ``version.py`` checks the release and says which route it
+offers; docs/megatron.md). The stock head runs the output layer (``ColumnParallelLinear``: ``[s, b, H]``
+hidden states times this rank's ``(V/TP, H)`` vocabulary rows, the tied embedding's when
+``share_embeddings_and_output_weights``; under sequence parallel it first gathers the ``[s/TP, b, H]``
+shard), from 0.17 multiplies the logits by MuP's ``mup_output_mult`` (``_scale_logits``), and hands the
+``[s, b, V/TP]`` logits to ``compute_language_model_loss(labels, logits)``, for the main head and for each
+multi-token-prediction head (in ``_postprocess``; from 0.17 in ``process_mtp_loss``, which in 0.19 also
+counts each MTP head's argmax hits). The patch sets attributes on the one model instance (its class and
+every other instance are untouched):
 
-- ``_postprocess``: while it runs with ``labels``, the call is marked active (without labels the stock
-  code runs: the logits are made and returned, as for inference);
-- ``output_layer.forward``: while active, returns ``head.DeferredLogits`` (the hidden states, the weight
-  the call was given or its own, its bias, its tensor-parallel group) instead of multiplying; the
-  module's ``__call__`` and hooks still run;
+- ``forward``: takes the ``token_weights`` keyword out and checks the call before the model runs; from
+  0.18, with ``labels`` and no ``output_processor`` of the caller's, passes fusedce's
+  ``output_processor`` (the main head) and marks the call active (the MTP heads before the hook);
+- ``_postprocess`` (0.16 / 0.17): while it runs with ``labels``, the call is marked active (without labels
+  the stock code runs: the logits are made and returned, as for inference);
+- ``output_layer.forward``: while active, returns ``head.DeferredLogits`` (the hidden states, gathered
+  under ``sequence_parallel`` as the stock layer gathers them, ``sequence.py``; the weight the call was
+  given or its own, its bias, its tensor-parallel group) instead of multiplying; the module's
+  ``__call__`` and hooks still run;
+- ``_scale_logits`` (0.17+): ``DeferredLogits`` carry MuP's factor (the fused op's ``logit_scale``);
 - ``compute_language_model_loss``: given ``DeferredLogits``, returns ``head.loss`` (the ``[b, s]`` fp32
   per-token loss; ``token_weights`` a forward keyword); given real logits, the stock code.
 
-So the ``[s, b, V/TP]`` logits (and their fp32 copy) are never formed; logits exist one chunk of tokens at
-a time inside the fused op. ``forward`` is wrapped too, to take the ``token_weights`` keyword out and
-check it before the model runs.
+0.19's acceptance count reads the fused loss's argmax (``acceptance.py``). So the ``[s, b, V/TP]`` logits
+(and their fp32 copy) are never formed; logits exist one chunk of tokens at a time inside the fused op.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Optional
@@ -30,31 +38,36 @@ import torch
 from torch import nn
 
 from fusedce.core.entrance import public_op
-from fusedce.integrations.megatron import head
+from fusedce.integrations.megatron import acceptance, head
 from fusedce.integrations.megatron.options import validate_options
-from fusedce.integrations.megatron.version import check_megatron, megatron_core
+from fusedce.integrations.megatron.sequence import gather_sequence
+from fusedce.integrations.megatron.version import Release, check_megatron, megatron_core
 
 _STATE = "_fusedce_megatron"
-_MODEL_ATTRS = ("forward", "_postprocess", "compute_language_model_loss")
 
 
 @dataclasses.dataclass
 class _Patch:
     loss_options: dict
     saved: dict                      # (owner, attribute) -> the instance attribute it had before, or None
-    active: bool = False             # inside a labelled _postprocess
+    release: Release
+    active: bool = False             # inside a labelled call
     token_weights: Optional[torch.Tensor] = None
     log_probs: Optional[dict] = None  # megatron_token_log_probs' options during its call
 
 
 def gpt_model(model: nn.Module) -> nn.Module:
     """The ``GPTModel`` inside ``model`` (Megatron's DDP / ``Float16Module`` wrappers hold it as ``.module``);
-    ``TypeError`` when there is none."""
+    ``TypeError`` when there is none (a ``HybridModel`` named: not supported)."""
     megatron_core()
     from megatron.core.models.gpt.gpt_model import GPTModel
     inner, seen = model, 0
     while not isinstance(inner, GPTModel) and isinstance(getattr(inner, "module", None), nn.Module) and seen < 8:
         inner, seen = inner.module, seen + 1
+    if type(inner).__name__ == "HybridModel":
+        raise TypeError("fusedce.patch_megatron: HybridModel (megatron-core 0.18+) is not supported: it computes "
+                        "its logits and loss inline in forward, with no output_processor hook; build a GPTModel "
+                        "or leave the model unpatched")
     if not isinstance(inner, GPTModel):
         raise TypeError(f"fusedce.patch_megatron expects a megatron.core GPTModel (or a wrapper holding one as "
                         f".module), got {type(model).__name__}")
@@ -70,12 +83,14 @@ def _check_model(gpt) -> None:
     layer = getattr(gpt, "output_layer", None)
     if not isinstance(layer, ColumnParallelLinear):
         raise TypeError(f"fusedce.patch_megatron: output_layer is {type(layer).__name__}, not megatron.core's "
-                        "tensor_parallel.ColumnParallelLinear (the local layer spec's head); a Transformer Engine "
-                        "or other head is not supported")
+                        "tensor_parallel.ColumnParallelLinear; a Transformer Engine (or other) head is not "
+                        "supported: build the model with the local layer spec (get_gpt_layer_local_spec, "
+                        "transformer_impl='local')")
+    if getattr(layer, "gtp_remat_size", 1) > 1:
+        raise NotImplementedError(f"fusedce.patch_megatron: the output layer's weight is GTP-sharded "
+                                  f"(gtp_remat_size={layer.gtp_remat_size}); the fused head needs each rank's "
+                                  "whole vocabulary shard: run without the gtp_remat group (size 1)")
     config = gpt.config
-    if config.sequence_parallel or layer.sequence_parallel:
-        raise NotImplementedError("fusedce.patch_megatron: sequence_parallel=True is not supported (the hidden "
-                                  "states reach the head sequence-sharded); set sequence_parallel=False")
     if config.defer_embedding_wgrad_compute:
         raise NotImplementedError("fusedce.patch_megatron: defer_embedding_wgrad_compute=True is not supported "
                                   "(the fused op computes the head's weight gradient in its own backward)")
@@ -89,28 +104,46 @@ def _set(state: _Patch, owner: nn.Module, name: str, value) -> None:
     setattr(owner, name, value)
 
 
+def _output_processor(*, hidden_states, output_layer, output_weight, labels, runtime_gather_output,
+                      compute_language_model_loss, scale_logits, **_context):
+    """The ``output_processor`` hook of ``GPTModel.forward`` (0.18+): the stock head's three steps, each
+    of them the patched one (deferred logits, their MuP scale, the fused loss)."""
+    logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+    return compute_language_model_loss(labels, scale_logits(logits))
+
+
 def _install(gpt, state: _Patch) -> None:
+    release, config = state.release, gpt.config
     stock_forward, stock_post, stock_loss = gpt.forward, gpt._postprocess, gpt.compute_language_model_loss
     layer = gpt.output_layer
     stock_layer = layer.forward
     forward_signature, post_signature = inspect.signature(stock_forward), inspect.signature(stock_post)
 
+    @contextlib.contextmanager
+    def active(on: bool):
+        before, state.active = state.active, on
+        try:
+            yield
+        finally:
+            state.active = before
+
     def forward(*args, token_weights: Optional[torch.Tensor] = None, **kwargs):
-        _check_call(gpt, state, forward_signature.bind(*args, **kwargs).arguments.get("labels"), token_weights)
+        bound = forward_signature.bind(*args, **kwargs).arguments
+        labels = bound.get("labels")
+        _check_call(gpt, state, labels, token_weights)
+        hook = release.output_processor and labels is not None and bound.get("output_processor") is None
+        if hook:   # 0.18+: the head through the hook; MTP heads (before it) through the patched pieces
+            kwargs["output_processor"] = _output_processor
         state.token_weights = token_weights
         try:
-            return stock_forward(*args, **kwargs)
+            with active(hook or state.active):
+                return stock_forward(*args, **kwargs)
         finally:
             state.token_weights = None
 
-    def _postprocess(*args, **kwargs):
-        if post_signature.bind(*args, **kwargs).arguments.get("labels") is None:
+    def _postprocess(*args, **kwargs):   # 0.16 / 0.17: active while a labelled _postprocess runs
+        with active(post_signature.bind(*args, **kwargs).arguments.get("labels") is not None):
             return stock_post(*args, **kwargs)
-        state.active = True
-        try:
-            return stock_post(*args, **kwargs)
-        finally:
-            state.active = False
 
     def output_forward(input_, weight=None, runtime_gather_output=None):
         if not state.active:
@@ -122,6 +155,8 @@ def _install(gpt, state: _Patch) -> None:
                                f"{None if weight is None else tuple(weight.shape)}, expected "
                                f"{(layer.output_size_per_partition, layer.input_size)}")
         bias = None if layer.skip_bias_add else layer.bias
+        if layer.sequence_parallel:
+            input_ = gather_sequence(input_, layer.tp_group)
         return head.DeferredLogits(input_, weight, bias, layer.tp_group), None
 
     def compute_language_model_loss(labels, logits):
@@ -129,12 +164,27 @@ def _install(gpt, state: _Patch) -> None:
             return stock_loss(labels, logits)
         if state.log_probs is not None:
             return head.log_probs(logits, labels, state.log_probs)
-        return head.loss(logits, labels, state.loss_options, state.token_weights)
+        predictions = release.acceptance_counts and gpt.training and bool(config.mtp_num_layers)
+        return head.loss(logits, labels, state.loss_options, state.token_weights, predictions)
 
     _set(state, gpt, "forward", forward)
-    _set(state, gpt, "_postprocess", _postprocess)
+    if not release.output_processor:
+        _set(state, gpt, "_postprocess", _postprocess)
     _set(state, gpt, "compute_language_model_loss", compute_language_model_loss)
     _set(state, layer, "forward", output_forward)
+    if release.scale_logits:
+        stock_scale = gpt._scale_logits
+
+        def _scale_logits(logits):
+            if not isinstance(logits, head.DeferredLogits):
+                return stock_scale(logits)
+            if config.use_mup and config.mup_output_mult != 1.0:
+                return head.scaled(logits, config.mup_output_mult)
+            return logits
+
+        _set(state, gpt, "_scale_logits", _scale_logits)
+    if release.acceptance_counts:
+        acceptance.install()
 
 
 def _check_call(gpt, state: _Patch, labels: Optional[torch.Tensor], weights) -> None:
@@ -167,14 +217,18 @@ def patch_megatron(model: nn.Module, **loss_options) -> nn.Module:
     V/TP]`` logits are never formed: ``output_layer`` does not multiply (its module call and hooks still
     run). Multi-token prediction heads (``mtp_num_layers``) go through the same path. Without ``labels``
     the stock forward runs and returns the logits. Megatron's loss mask and reduction are applied by the
-    caller, as before. Precision: the logits are formed in fp32 from the operands' values (bf16 / fp16
-    models included; the stock head rounds them to the model's dtype before its fp32 cross-entropy), so
+    caller, as before. ``sequence_parallel=True`` is served (the ``[s/TP, b, H]`` hidden states gathered at
+    the head, their gradient returned reduce-scattered), and MuP's ``mup_output_mult`` (0.17+) multiplies
+    ``logit_scale``. Releases: megatron-core 0.16.1, 0.17.0, 0.18.0, 0.19.2 (0.18+: through
+    ``GPTModel.forward``'s ``output_processor`` hook; a caller's own ``output_processor`` runs unchanged).
+    Precision: the logits are formed in fp32 from the operands' values (bf16 / fp16 models included; the
+    stock head rounds them to the model's dtype before its fp32 cross-entropy), so
     fp32 models agree to fp32 rounding and bf16 ones to bf16 precision.
 
     Args:
         model: a ``GPTModel`` or a wrapper holding one as ``.module`` (Megatron's DDP, ``Float16Module``),
             on the last pipeline stage (``post_process``), with megatron-core's ``ColumnParallelLinear``
-            head (the local layer spec).
+            head (the local layer spec). Not ``HybridModel``.
         **loss_options: ``label_smoothing`` (torch's definition over the global V), ``lse_square_scale``
             (z-loss), ``softcap``, ``logit_scale``, ``use_token_scaling``, ``ignore_index`` (default -100:
             labels of that value get loss 0), ``deterministic``, ``chunk_size``, ``accum_dtype``, ``backend``:
@@ -183,20 +237,22 @@ def patch_megatron(model: nn.Module, **loss_options) -> nn.Module:
 
     Raises:
         ImportError: megatron-core is not installed.
-        RuntimeError: the installed megatron-core is not 0.16.x, or the source of the pieces the patch
-            relies on differs (``version.py``).
-        TypeError: ``model`` holds no ``GPTModel``; its ``output_layer`` is not ``ColumnParallelLinear``;
-            an unknown loss option (``reduction``, ``num_items_in_batch`` included).
+        RuntimeError: the installed megatron-core is not 0.16 .. 0.19, or the source of the pieces the
+            patch relies on differs (``version.py``).
+        TypeError: ``model`` holds no ``GPTModel`` (a ``HybridModel`` named); its ``output_layer`` is not
+            ``ColumnParallelLinear`` (a Transformer Engine head); an unknown loss option (``reduction``,
+            ``num_items_in_batch`` included).
         ValueError: no ``post_process`` (not the last pipeline stage); a bad option value. At a call:
             ``token_weights`` of another shape than ``labels`` or without labels, or with MTP heads.
-        NotImplementedError: ``sequence_parallel``, ``defer_embedding_wgrad_compute``, the config logger.
+        NotImplementedError: ``defer_embedding_wgrad_compute``, the config logger, a GTP-sharded output
+            weight (``gtp_remat_size > 1``, 0.19).
     """
-    check_megatron()
+    release = check_megatron()
     gpt = gpt_model(model)
     _check_model(gpt)
     options = validate_options(loss_options)
     unpatch_megatron(gpt)
-    state = _Patch(options, {})
+    state = _Patch(options, {}, release)
     _install(gpt, state)
     gpt.__dict__[_STATE] = state
     return model

@@ -1,27 +1,62 @@
-"""The installed megatron-core is the one ``patch_megatron`` was written against, or ``RuntimeError``.
+"""The installed megatron-core is one ``patch_megatron`` was written against (0.16 .. 0.19), or
+``RuntimeError``; what that release offers at the head (``Release``) chooses the route (``patch.py``).
 
-The patch relies on three pieces of megatron-core and reproduces what they compute
-(``patch.py``): ``GPTModel._postprocess`` (it calls ``output_layer(hidden, weight=..., runtime_gather_output=...)``
-and passes the result to ``compute_language_model_loss(labels, logits)``, for the main head and each
-multi-token-prediction head), ``LanguageModule.compute_language_model_loss`` (``[b, s]`` labels, ``[s, b,
-V/TP]`` logits -> ``[b, s]`` fp32 per-token cross-entropy over the tensor-parallel group) and
-``ColumnParallelLinear.forward`` (the vocabulary shard ``weight`` ``(V/TP, H)``, the hidden states copied
-to the tensor-parallel region: identity forward, all-reduced gradient). A SHA-256 fingerprint of each
-one's source in megatron-core 0.16.1 is checked, as ``patch_trl`` checks TRL's, so that a release that
-changes them is refused instead of silently computing something else.
+The patch relies on pieces of megatron-core and reproduces what they compute: ``GPTModel._postprocess``
+(the output layer called as ``output_layer(hidden, weight=..., runtime_gather_output=...)``, its result
+handed to ``compute_language_model_loss(labels, logits)``, for the main head and each multi-token-prediction
+head), ``LanguageModule.compute_language_model_loss`` (``[b, s]`` labels, ``[s, b, V/TP]`` logits -> ``[b,
+s]`` fp32 per-token cross-entropy over the tensor-parallel group), ``ColumnParallelLinear.forward`` (the
+vocabulary shard ``(V/TP, H)``; under sequence parallel the ``[s/TP, b, H]`` input gathered), and from
+0.17 ``LanguageModule._scale_logits`` (MuP's ``mup_output_mult``) and
+``transformer.multi_token_prediction.process_mtp_loss`` (the MTP heads' losses), from 0.18
+``GPTModel.forward`` (its ``output_processor`` hook), in 0.19 ``_compute_mtp_acceptance_counts`` (an argmax
+over each MTP head's logits). A SHA-256 fingerprint of each one's source in the release named is checked,
+as ``patch_trl`` checks TRL's, so that a release that changes them is refused instead of silently computing
+something else.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 from fusedce.integrations.sources import check_sources
 
-SUPPORTED_MEGATRON = "0.16"
-# sha256 (first 16 hex digits) of inspect.getsource of what the patch relies on, in megatron-core 0.16.1
-_LOSS = "megatron.core.models.common.language_module.language_module.LanguageModule.compute_language_model_loss"
-FINGERPRINTS = {
-    "megatron.core.models.gpt.gpt_model.GPTModel._postprocess": "a5f7de0bfb1cad97",
-    _LOSS: "86cf8e890a0f9c9b",
-    "megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward": "3f9d98f23b319c03",
+_GPT = "megatron.core.models.gpt.gpt_model.GPTModel"
+_LM = "megatron.core.models.common.language_module.language_module.LanguageModule"
+_MTP = "megatron.core.transformer.multi_token_prediction"
+POSTPROCESS, FORWARD = f"{_GPT}._postprocess", f"{_GPT}.forward"
+LOSS, SCALE = f"{_LM}.compute_language_model_loss", f"{_LM}._scale_logits"
+LAYER = "megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward"
+MTP_LOSS, ACCEPTANCE = f"{_MTP}.process_mtp_loss", f"{_MTP}._compute_mtp_acceptance_counts"
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """What a megatron-core release offers at the head; ``fingerprints``: sha256 (first 16 hex digits) of
+    ``inspect.getsource`` of each piece the patch relies on, in the release ``tested``."""
+
+    tested: str
+    output_processor: bool      # GPTModel.forward(..., output_processor=...) (0.18+)
+    scale_logits: bool          # LanguageModule._scale_logits, MuP (0.17+)
+    acceptance_counts: bool     # process_mtp_loss counts argmax hits of each MTP head (0.19)
+    fingerprints: dict
+
+
+RELEASES = {
+    "0.16": Release("0.16.1", False, False, False, {
+        POSTPROCESS: "a5f7de0bfb1cad97", LOSS: "86cf8e890a0f9c9b", LAYER: "3f9d98f23b319c03"}),
+    "0.17": Release("0.17.0", False, True, False, {
+        POSTPROCESS: "4ae592221f4fd816", LOSS: "86cf8e890a0f9c9b", LAYER: "3f9d98f23b319c03",
+        SCALE: "8eb5ca0ddad585c9", MTP_LOSS: "0a0fdf623bd095c1"}),
+    "0.18": Release("0.18.0", True, True, False, {
+        POSTPROCESS: "de4dbfb0d7d41088", FORWARD: "ecf2ffcb318347f6", LOSS: "7ab354400f220b50",
+        LAYER: "8de69f2acd5f7e9b", SCALE: "8eb5ca0ddad585c9", MTP_LOSS: "55b7a80ffcbc078c"}),
+    "0.19": Release("0.19.2", True, True, True, {
+        POSTPROCESS: "41700c5f809c197c", FORWARD: "ecf2ffcb318347f6", LOSS: "cfdd820917a28309",
+        LAYER: "dac5d6cfeaa44ba6", SCALE: "8eb5ca0ddad585c9", MTP_LOSS: "7a459bac5884e8bf",
+        ACCEPTANCE: "cf771eb0e275b108"}),
 }
+SUPPORTED = ", ".join(f"{r.tested}" for r in RELEASES.values())
 
 
 def megatron_core():
@@ -30,30 +65,46 @@ def megatron_core():
         import megatron.core
         from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: F401  (importable: checked here)
     except ImportError as err:
-        raise ImportError("fusedce.patch_megatron needs megatron-core "
-                          f"(pip install --no-deps 'megatron-core=={SUPPORTED_MEGATRON}.1', or 'fusedce[megatron]')"
-                          ) from err
+        raise ImportError("fusedce.patch_megatron needs megatron-core (tested: "
+                          f"{SUPPORTED}; pip install --no-deps 'megatron-core==0.16.1' on Python 3.11, "
+                          "or 'fusedce[megatron]')") from err
     return megatron.core
 
 
-def pieces() -> dict:
-    """{qualified name: object} of the megatron-core pieces the patch relies on (module docstring)."""
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-    return {"megatron.core.models.gpt.gpt_model.GPTModel._postprocess": GPTModel._postprocess,
-            _LOSS: LanguageModule.compute_language_model_loss,
-            "megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward": ColumnParallelLinear.forward}
+def resolve(qualified: str):
+    """The object a dotted ``module.Class.attribute`` name refers to."""
+    parts = qualified.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(qualified)
 
 
-def check_megatron() -> None:
-    """``RuntimeError`` unless the installed megatron-core is 0.16.x with the pieces' sources unchanged
-    (naming the difference); ``ImportError`` if it is not installed."""
+def installed_version() -> str:
     core = megatron_core()
-    version = str(getattr(getattr(core, "package_info", None), "__version__", "unknown"))
-    if version.split(".")[:2] != SUPPORTED_MEGATRON.split("."):
-        raise RuntimeError(f"fusedce.patch_megatron was written against megatron-core {SUPPORTED_MEGATRON}.x and "
+    return str(getattr(getattr(core, "package_info", None), "__version__", "unknown"))
+
+
+def check_megatron() -> Release:
+    """The installed release's ``Release``; ``RuntimeError`` unless it is 0.16 .. 0.19 with the pieces'
+    sources unchanged (naming the difference); ``ImportError`` if it is not installed."""
+    version = installed_version()
+    release = RELEASES.get(".".join(version.split(".")[:2]))
+    if release is None:
+        raise RuntimeError(f"fusedce.patch_megatron was written against megatron-core {SUPPORTED} and "
                            f"megatron-core {version} is installed: its GPTModel loss path may differ, so fusedce "
-                           f"refuses to replace it (install megatron-core=={SUPPORTED_MEGATRON}.* or leave the model "
-                           "unpatched)")
-    check_sources("fusedce.patch_megatron", f"megatron-core {version}", pieces(), FINGERPRINTS)
+                           "refuses to replace it (install one of those releases or leave the model unpatched)")
+    pieces = {}
+    for name in release.fingerprints:
+        try:
+            pieces[name] = resolve(name)
+        except (ImportError, AttributeError) as err:
+            raise RuntimeError(f"fusedce.patch_megatron: megatron-core {version} has no {name} ({err}), which "
+                               f"megatron-core {release.tested} has; refusing to patch") from err
+    check_sources("fusedce.patch_megatron", f"megatron-core {version}", pieces, release.fingerprints)
+    return release
