@@ -5,7 +5,8 @@
 #                       (~12-15 min; 18+ min when other jobs share the cores)
 # Also: make install (the set-up alone), make bench-sweep (the CPU memory sweep alone, ~10-20 min),
 #       make test-cute (~5 min), make docs, make check-package,
-#       make test-compat (other torch / triton / Python versions in stand-in venvs: scripts/test_compat.sh).
+#       make test-compat (other torch / triton / Python versions in stand-in venvs: scripts/test_compat.sh),
+#       make test-verl (fusedce.integrations.verl against verl 0.9.1 in its own venv: scripts/test_verl.sh).
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -13,7 +14,7 @@ STAMP   := $(VENV)/.fusedce-installed
 DOCS_STAMP := $(VENV)/.fusedce-docs-installed
 PKG_VENV   := build/package-check-venv
 
-.PHONY: bench bench-sweep test test-cute test-compat install docs check-package clean
+.PHONY: bench bench-sweep test test-cute test-compat test-verl install docs check-package clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -55,6 +56,13 @@ test-cute: $(STAMP)
 # representative part of the suite in each (~6 GB of downloads once, then ~10-15 min per environment).
 test-compat:
 	bash scripts/test_compat.sh
+
+# fusedce.integrations.verl inside verl 0.9.1 (its engine's forward step and PPO loss on CPU, the Megatron
+# route over 2 gloo ranks): a venv under .cache/verl/ (verl needs transformers < 5.11 and ray; built once,
+# ~10 min and ~2 GB of downloads), then tests/verl/ (~2.5 min). Not part of `make test` (tests/verl/ skips
+# there: no verl in .venv).
+test-verl:
+	bash scripts/test_verl.sh
 
 # The API reference (from the docstrings) and the pages under docs/, into build/docs; any warning fails.
 $(DOCS_STAMP): $(STAMP) pyproject.toml

@@ -6,7 +6,8 @@
 # (the version verl's own cpu extra pins), and megatron-core 0.16.1 without its deps (as `make install` does:
 # verl's Megatron modules then import, so their fused functions are patched and tested; 0.16 has no
 # output_processor hook, so verl takes its legacy forward route). fusedce comes from this checkout (PYTHONPATH=src).
-#   scripts/test_verl.sh [PYTEST ARGS ...]     (default: tests/verl/; ~2 GB of downloads the first time)
+#   scripts/test_verl.sh [PYTEST ARGS ...]     (tests/verl/ and the extra pytest arguments; ~2 GB of downloads
+#                                              and ~10 min the first time)
 # $PYTHON311: the interpreter to build from (default: python3.11 on PATH, then pyenv's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,4 +40,4 @@ if ! build; then echo "test-verl: building $VENV FAILED"; exit 1; fi
 print(f"test-verl: Python {sys.version.split()[0]}, torch {torch.__version__}, "
       f"transformers {transformers.__version__}, verl {verl.__version__}")' || exit 1
 TRITON_INTERPRET=1 PYTHONPATH=$ROOT/src:$ROOT/tests:$ROOT/tests/references \
-  exec "$VENV/bin/python" -m pytest -p no:cacheprovider -rfEs "${@:-tests/verl}"
+  exec "$VENV/bin/python" -m pytest -p no:cacheprovider -rfEs tests/verl "$@"
