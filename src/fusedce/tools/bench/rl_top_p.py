@@ -1,0 +1,60 @@
+"""The top-p row of the RL-precision table: ``fusedce.linear_token_log_probs(..., top_p=TOP_P)`` (the
+log-probs and entropy of the distribution a top-p sampler draws from) against a float64 reference of that
+truncated distribution, written here from the contract's rule (``docs/contract.md``, "Top-k / top-p"):
+keep the classes whose strictly-larger probability mass is ``< top_p``, renormalize; a target outside the
+kept set has log-prob ``-inf``.
+
+The reference sorts each scored row's float64 logits once; a tie group (equal logits) shares the mass
+strictly above its first member. Error: max |x - x64| over the scored rows whose target is kept (both
+finite); a row where one is finite and the other not counts as an infinite error.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .inputs import IGNORE_INDEX
+
+TOP_P = 0.9
+CHUNK = 1 << 22   # float64 logits per reference chunk (32 MiB; a few copies of it live at once)
+PATHS = {"fusedce-top-p": f"fusedce linear_token_log_probs(top_p={TOP_P}) vs float64 of the truncated distribution"}
+
+
+def forward(hidden, weight, target, **options):
+    import fusedce
+    out = fusedce.linear_token_log_probs(hidden, weight, target, ignore_index=IGNORE_INDEX, return_entropy=True,
+                                         top_p=TOP_P, **options)
+    return out.log_probs, out.entropy
+
+
+def reference(x64: torch.Tensor, target: torch.Tensor, top_p: float = TOP_P):
+    """float64 ``(log_probs, entropy)`` of the top-p truncated softmax of ``x64`` (n, V) at ``target`` (n,)."""
+    values, order = x64.sort(dim=-1, descending=True)
+    probs = torch.softmax(values, dim=-1)
+    above = probs.cumsum(-1) - probs                       # mass of the classes sorted before
+    first = torch.searchsorted(-values, -values, side="left")   # first member of each tie group
+    keep_sorted = above.gather(-1, first) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    q = x64.masked_fill(~keep, float("-inf"))
+    logp = torch.log_softmax(q, dim=-1)
+    lp = logp.gather(-1, target.clamp_min(0)[:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp.where(keep, 0.0)).sum(-1)
+    ignored = target == IGNORE_INDEX
+    return lp.where(~ignored, 0.0), ent.where(~ignored, 0.0)
+
+
+def errors(hidden, weight, target, log_probs, entropy, rows) -> dict:
+    """``log_probs_max_abs_err``, ``entropy_max_abs_err`` on ``rows`` (module docstring), ``CHUNK`` float64
+    elements of logits at a time."""
+    step = max(1, CHUNK // weight.shape[0])
+    parts = [reference(F.linear(hidden.detach()[idx].double(), weight.detach().double()), target[idx])
+             for idx in rows.split(step)]
+    ref_lp, ref_ent = (torch.cat(p) for p in zip(*parts))
+    got = log_probs.detach()[rows].double()
+    both = torch.isfinite(got) & torch.isfinite(ref_lp)
+    lp_err = float((got - ref_lp)[both].abs().max()) if bool(both.any()) else 0.0
+    if bool((torch.isfinite(got) != torch.isfinite(ref_lp)).any()):
+        lp_err = float("inf")
+    ent_err = float((entropy.detach()[rows].double() - ref_ent).abs().max())
+    return {"log_probs_max_abs_err": lp_err, "entropy_max_abs_err": ent_err,
+            "kept_targets": int(both.sum()), "rows": int(rows.numel())}
