@@ -132,7 +132,7 @@ def test_top_p_reference_keeps_the_contracts_set():
     x[2, :5] = x[2, 5]            # a tie group at the top
     x[3] = torch.linspace(-1, 1, 40, dtype=torch.float64)
     target = torch.randint(0, 40, (6,))
-    lp, ent = rl_top_p.reference(x, target, 0.7)
+    lp, ent, _margin, _keep = rl_top_p.reference(x, target, 0.7)
     ref_lp, ref_ent = trunc64.reference(x, target, [0] * 6, [0.7] * 6)
     assert torch.equal(torch.isfinite(lp), torch.isfinite(ref_lp))
     finite = torch.isfinite(lp)

@@ -138,7 +138,8 @@ def _path_row(name: str, hidden, weight, target, up, rows, device: str) -> dict:
         err = rl_top_p.errors(hidden, weight, target, lp, ent, rows)
     else:
         err = parity.linear_token_log_probs(hidden, weight, target, lp, ent, rows, IGNORE_INDEX)
-    return {"path": name, "label": path_name(name), "what": PATHS[name], "status": "ok",
+    what = PATHS[name] + (f" ({err['note']})" if err.get("note") else "")
+    return {"path": name, "label": path_name(name), "what": what, "status": "ok",
             "log_probs_max_abs_err": err["log_probs_max_abs_err"],
             "entropy_max_abs_err": err["entropy_max_abs_err"], "fwd_bwd_s": box["s"], "time_ms": box["s"] * 1e3,
             "peak_bytes": peak}
