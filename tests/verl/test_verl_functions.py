@@ -205,3 +205,17 @@ def test_import_without_verl_is_refused():
         if not had_verl:
             sys.modules.pop("verl", None)
         sys.modules.update(saved)
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("batch_invariant", True, "batch_invariant=True"), ("top_p", 0.9, "top_k / top_p"),
+    ("logits_dtype", "input", "logits_dtype='input'"), ("method", "tiled", "method='tiled'")])
+def test_tensor_parallel_route_refuses_what_the_vocab_parallel_op_lacks(plugin, option, value, match):
+    """verl's Megatron call (a tensor-parallel group): options the vocabulary-parallel op cannot honour are a
+    ValueError naming them, raised before any collective."""
+    from fusedce.integrations.hf.head import LogitTransform
+    plugin.options.configure(**{option: value})
+    hidden, weight, labels = _inputs((1, 4))
+    with pytest.raises(ValueError, match=f"{match}.*tensor-parallel"):
+        plugin.tensor_parallel.log_probs(hidden.reshape(4, H), weight, labels.reshape(4), 1.0, LogitTransform(),
+                                         None, plugin.options.OPTIONS, False)
