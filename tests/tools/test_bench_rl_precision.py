@@ -86,3 +86,55 @@ def test_without_bf16_units_the_stock_placements_are_left_out_and_said(real_file
     assert "stock bf16 placements not counted" in console.export_text()
     monkeypatch.setattr(machine, "cpu_capabilities", lambda: dict(caps, amx=True))
     assert rl_precision.job(real_file, "cpu")[1]["stock_placements"] is True
+
+
+def _verl_folder():
+    """verl's installed files: the main venv's (make install: --no-deps), else make test-verl's venv's."""
+    from pathlib import Path
+    from fusedce.tools.bench import rl_verl
+    try:
+        return rl_verl._verl_dir()
+    except ImportError:
+        found = sorted(Path(__file__).resolve().parents[2].glob(".cache/verl/venv/lib/python3*/site-packages/verl"))
+        if not found:
+            pytest.skip("verl's files are not installed (make install adds verl 0.9.1 with --no-deps)")
+        return found[0]
+
+
+def test_verl_kernels_and_top_p_rows(real_file, monkeypatch):
+    """Issue 45 item 4: verl's torch backend (its module file loaded without importing verl) is off by its
+    bf16 logits where fusedce is within fp32 rounding; verl's Triton kernel is reported unavailable on CPU
+    with the reason; the top-p row is within fp32 rounding of float64 of the truncated distribution."""
+    from fusedce.tools.bench import rl_verl
+    folder = _verl_folder()
+    monkeypatch.setattr(rl_verl, "_verl_dir", lambda: folder)
+    monkeypatch.setattr(rl_verl, "_loaded", {})
+    out = rl_precision.measure({"device": "cpu", "source_file": real_file, "tokens": N, "stock_placements": False})
+    rows = {r["path"]: r for r in out["results"]}
+    fused, theirs, top_p = rows["fusedce"], rows["verl-torch"], rows["fusedce-top-p"]
+    assert theirs["status"] == "ok", theirs
+    assert theirs["log_probs_max_abs_err"] > 100 * fused["log_probs_max_abs_err"], (theirs, fused)
+    assert theirs["entropy_max_abs_err"] > 100 * fused["entropy_max_abs_err"], (theirs, fused)
+    assert rows["verl-triton"]["status"] == "unavailable" and "CUDA" in rows["verl-triton"]["reason"]
+    assert top_p["status"] == "ok", top_p
+    assert top_p["log_probs_max_abs_err"] < 1e-5 and top_p["entropy_max_abs_err"] < 1e-5, top_p
+    console = Console(record=True, width=240)
+    print_table(out, console)
+    assert path_name("verl-torch") in console.export_text()
+
+
+def test_top_p_reference_keeps_the_contracts_set():
+    """The bench's float64 top-p reference against the sort-free one of the tests (pairwise comparisons),
+    ties included: the same kept sets, log-probs and entropy."""
+    import truncated_reference64 as trunc64
+    from fusedce.tools.bench import rl_top_p
+    x = torch.randn(6, 40, dtype=torch.float64)
+    x[2, :5] = x[2, 5]            # a tie group at the top
+    x[3] = torch.linspace(-1, 1, 40, dtype=torch.float64)
+    target = torch.randint(0, 40, (6,))
+    lp, ent, _margin, _keep = rl_top_p.reference(x, target, 0.7)
+    ref_lp, ref_ent = trunc64.reference(x, target, [0] * 6, [0.7] * 6)
+    assert torch.equal(torch.isfinite(lp), torch.isfinite(ref_lp))
+    finite = torch.isfinite(lp)
+    torch.testing.assert_close(lp[finite], ref_lp[finite].detach())
+    torch.testing.assert_close(ent, ref_ent.detach())

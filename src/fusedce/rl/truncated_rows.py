@@ -13,7 +13,8 @@ member's strictly-larger mass is < ``top_p`` (no tie grouping needed in the code
 (a cumulative sum of the sorted ``p_k``), compared with ``top_p`` in fp32.
 
 On the kept set ``S``: ``lse_S = logsumexp(q_S)``, ``log_prob = q_t - lse_S`` (``-inf`` when ``t`` is
-outside ``S``, with zero gradient; NaN, with NaN entropy, on a row of -inf logits), ``entropy = lse_S - sum_S p q`` with ``p = exp(q - lse_S)`` on ``S``.
+outside ``S``, with zero gradient; NaN, with NaN entropy, on a row of -inf logits), ``entropy = sum_S p (lse_S - q)`` (``= lse_S - sum_S p q``; computed on ``q`` minus the row's max, so
+large logits cost it no precision) with ``p = exp(q - lse_S)`` on ``S``.
 Gradients with respect to ``q`` (zero outside ``S``): ``d log_prob / dq = onehot_t - p`` (target in ``S``),
 ``d entropy / dq = -p (q - lse_S + entropy)``.
 """
@@ -61,8 +62,15 @@ def forward(q: torch.Tensor, target: torch.Tensor, thr: torch.Tensor, want_entro
     log_prob = torch.where(inside, q_t - lse, torch.where(finite, NEG_INF, float("nan")))
     entropy = None
     if want_entropy:
-        p = _probs(q, kept, lse, finite)
-        entropy = torch.where(finite, lse - torch.where(p > 0, p * q, 0.0).sum(dim=1), float("nan"))
+        # sum_S p (lse_S - q) on q shifted by the row's max (exact in fp32 near the max): non-negative O(1)
+        # terms, so neither the cancellation of lse - sum p q (two O(|q|) sums) nor lse's own rounding at
+        # |q| ~ 100 reaches the O(1) entropy
+        top = torch.where(finite, q.amax(dim=1), 0.0)[:, None]
+        shifted = q - top
+        lse_shifted = torch.logsumexp(shifted.masked_fill(~kept, NEG_INF), dim=1, keepdim=True)
+        p = torch.where(kept & finite[:, None], torch.exp(shifted - lse_shifted), 0.0)
+        entropy = torch.where(finite, torch.where(p > 0, p * (lse_shifted - shifted), 0.0).sum(dim=1),
+                              float("nan"))
     return log_prob, entropy, lse
 
 

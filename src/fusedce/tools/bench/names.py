@@ -28,6 +28,7 @@ NAMES = {
     # RL precision (per-token log-probs and entropy of a bf16 head)
     "stock-bf16": STOCK, "fp32-head-copy": "fp32 head copy", "trl-kernel": TRL, "torch-lce": TORCH_LCE,
     "fusedce": "fusedce", "fusedce-input": "fusedce (logits_dtype='input')",
+    "verl-torch": "verl torch backend", "verl-triton": "verl Triton backend", "fusedce-top-p": "fusedce top_p=0.9",
 }
 
 

@@ -15,6 +15,9 @@ Paths (each: per-token log-probs of the target and, where the path has it, the e
 - ``torch-lce``: ``-F.linear_cross_entropy(..., reduction="none")`` (torch >= 2.13; no entropy).
 - ``fusedce``: ``fusedce.linear_token_log_probs(..., return_entropy=True)`` (fp32 logits, the default).
 - ``fusedce-input``: the same with ``logits_dtype="input"`` (the stock composition's rounding).
+- ``verl-torch`` / ``verl-triton``: verl 0.9.1's own kernels (``rl_verl``: where they load and run).
+- ``fusedce-top-p``: fusedce's log-probs of the top-p truncated distribution, scored against a float64
+  reference of that distribution (``rl_top_p``), not of the full softmax.
 
 Per path: the max |error| of log-probs and entropy against float64 on the same bf16 values
 (``parity.linear_token_log_probs`` on ``REFERENCE_ROWS`` scored rows), the time and the peak memory beyond
@@ -32,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import parity
+from . import parity, rl_top_p, rl_verl
 from .inputs import IGNORE_INDEX
 from .names import path_name
 
@@ -49,6 +52,8 @@ PATHS = {
     "torch-lce": "torch F.linear_cross_entropy (reduction='none')",
     "fusedce": "fusedce linear_token_log_probs (fp32 logits, default)",
     "fusedce-input": "fusedce linear_token_log_probs (logits_dtype='input')",
+    **rl_verl.PATHS,
+    **rl_top_p.PATHS,
 }
 
 
@@ -94,11 +99,15 @@ def forward(name: str, hidden, weight, target, **fusedce_options):
         out = fusedce.linear_token_log_probs(hidden, weight, target, ignore_index=IGNORE_INDEX,
                                              return_entropy=True, **fusedce_options)
         return out.log_probs, out.entropy
+    if name in rl_verl.PATHS:
+        return rl_verl.forward(name, hidden, weight, target)
+    if name in rl_top_p.PATHS:
+        return rl_top_p.forward(hidden, weight, target, **fusedce_options)
     raise KeyError(name)
 
 
 def _objective(lp, ent, up_lp, up_ent):
-    total = (lp * up_lp).sum()
+    total = (lp.where(torch.isfinite(lp), 0.0) * up_lp).sum()   # top-p: -inf for a target outside the set
     return total if ent is None else total + (ent * up_ent).sum()
 
 
@@ -125,8 +134,12 @@ def _path_row(name: str, hidden, weight, target, up, rows, device: str) -> dict:
         box["out"] = (lp.detach(), None if ent is None else ent.detach())
     peak, _ = harness.peak_memory(run, device)
     lp, ent = box["out"]
-    err = parity.linear_token_log_probs(hidden, weight, target, lp, ent, rows, IGNORE_INDEX)
-    return {"path": name, "label": path_name(name), "what": PATHS[name], "status": "ok",
+    if name in rl_top_p.PATHS:
+        err = rl_top_p.errors(hidden, weight, target, lp, ent, rows)
+    else:
+        err = parity.linear_token_log_probs(hidden, weight, target, lp, ent, rows, IGNORE_INDEX)
+    what = PATHS[name] + (f" ({err['note']})" if err.get("note") else "")
+    return {"path": name, "label": path_name(name), "what": what, "status": "ok",
             "log_probs_max_abs_err": err["log_probs_max_abs_err"],
             "entropy_max_abs_err": err["entropy_max_abs_err"], "fwd_bwd_s": box["s"], "time_ms": box["s"] * 1e3,
             "peak_bytes": peak}

@@ -1,0 +1,110 @@
+"""The plugin's options, from one place: ``$FUSEDCE_VERL`` (read when the plugin activates; verl's workers
+are separate processes, so an environment variable is what reaches them, e.g. through Ray's
+``runtime_env``) or :func:`configure` in the process that computes (it overrides the variable's values).
+
+``FUSEDCE_VERL="batch_invariant=1,logits_dtype=float32,method=chunked,top_p=0.95"``: comma-separated
+``name=value`` pairs of ``DEFAULTS``' names. Every value is checked when read: ``ValueError`` naming the
+option and what it takes.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+ENV = "FUSEDCE_VERL"
+DEFAULTS = {"batch_invariant": False, "logits_dtype": "float32", "method": "auto", "chunk_size": None,
+            "backend": None, "top_k": None, "top_p": None}
+OPTIONS = dict(DEFAULTS)   # the values every fused call of the plugin uses (process-wide, as the patch)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _check(name: str, value):
+    """``value`` of option ``name`` checked and normalized (a string from the environment parsed)."""
+    if name == "batch_invariant":
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            value = value.lower() in _TRUE
+        if not isinstance(value, bool):
+            raise ValueError(f"fusedce.integrations.verl: batch_invariant must be a bool (or 1/0), got {value!r}")
+    elif name == "logits_dtype":
+        if value not in ("float32", "input"):
+            raise ValueError(f"fusedce.integrations.verl: logits_dtype must be 'float32' (fp32 logits, the "
+                             f"default) or 'input' (rounded to the hidden states' dtype), got {value!r}")
+    elif name == "method":
+        if value not in ("auto", "chunked", "tiled"):
+            raise ValueError(f"fusedce.integrations.verl: method must be 'auto', 'chunked' or 'tiled', got {value!r}")
+    elif name == "backend":
+        if value in ("", "none", "None"):
+            value = None
+        if value not in (None, "auto", "torch", "triton", "cute"):
+            raise ValueError(f"fusedce.integrations.verl: backend must be None, 'auto', 'torch', 'triton' or "
+                             f"'cute', got {value!r}")
+    elif name in ("chunk_size", "top_k"):
+        value = _number(name, value, int)
+        # verl's rollout config says -1 for "no top-k"; fusedce says 0 / None
+        if name == "top_k" and value is not None and value in (-1, 0):
+            value = None
+        if value is not None and value < 1:
+            raise ValueError(f"fusedce.integrations.verl: {name} must be an int >= 1 (or None; top_k also -1 / 0 "
+                             f"for off, as verl's rollout config), got {value!r}")
+    elif name == "top_p":
+        value = _number(name, value, float)
+        if value is not None and not (0.0 < value <= 1.0 and math.isfinite(value)):
+            raise ValueError(f"fusedce.integrations.verl: top_p must be a number in (0, 1] (or None), got {value!r}")
+        if value == 1.0:
+            value = None
+    else:
+        raise ValueError(f"fusedce.integrations.verl: unknown option {name!r}; the options are "
+                         f"{', '.join(DEFAULTS)}")
+    return value
+
+
+def _number(name: str, value, kind):
+    if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"fusedce.integrations.verl: {name} must be a number, got {value!r}")
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"fusedce.integrations.verl: {name} must be a number, got {value!r}") from None
+    if kind is int and isinstance(value, float) and number != value:
+        raise ValueError(f"fusedce.integrations.verl: {name} must be an integer, got {value!r}")
+    return number
+
+
+def parse(text: str) -> dict:
+    """The options ``text`` (``$FUSEDCE_VERL``'s form) sets, checked."""
+    found = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"${ENV}: {item!r} is not name=value (e.g. {ENV}='batch_invariant=1,top_p=0.9')")
+        found[name.strip()] = _check(name.strip(), value.strip())
+    return found
+
+
+def load_env() -> None:
+    """``OPTIONS`` = the defaults updated with ``$FUSEDCE_VERL``'s values."""
+    values = parse(os.environ.get(ENV, ""))
+    OPTIONS.clear()
+    OPTIONS.update(DEFAULTS, **values)
+
+
+def configure(**options) -> dict:
+    """Set the verl plugin's options for this process (the other ones keep their values); returns them all.
+
+    Options (``$FUSEDCE_VERL`` takes the same names): ``batch_invariant`` (bool, default False: each
+    token's log-prob, entropy and hidden-gradient row bitwise independent of the rest of the batch),
+    ``logits_dtype`` (``"float32"``, the default: fp32 logits from a bf16 head; ``"input"``: rounded to
+    the hidden states' dtype), ``method`` (``"auto"`` / ``"chunked"`` / ``"tiled"``), ``chunk_size``
+    (int or None), ``backend`` (None: ``$FUSEDCE_BACKEND``), ``top_k`` (int >= 1; None, 0 or -1: off),
+    ``top_p`` (in (0, 1]; None or 1.0: off): the rollout's sampler truncation, to compute the log-probs
+    of the distribution the rollout sampled from (set them to ``actor_rollout_ref.rollout.top_k`` /
+    ``top_p``: verl 0.9.1 does not hand those to the actor). See docs/verl.md.
+
+    Raises:
+        ValueError: an unknown option or a bad value (naming it).
+    """
+    checked = {name: _check(name, value) for name, value in options.items()}
+    OPTIONS.update(checked)
+    return dict(OPTIONS)

@@ -1,0 +1,62 @@
+"""The Megatron engine's call (``dist_process_group`` = verl's tensor-parallel group, ``weight`` this rank's
+contiguous vocabulary shard ``(V/TP, H)``, ``hidden`` the same on every rank) through
+``fusedce.distributed.vocab_parallel_linear_token_log_probs`` (fp32 logits; row statistics exchanged, never
+logits).
+
+The hidden states' gradient. verl's kernel returns each rank's share of it (the gradient through this rank's
+shard); its callers reduce the shares over the group (the sequence-parallel gather's backward, a
+reduce-scatter). fusedce's op returns the complete gradient on every rank, so it is passed back divided by
+the group's size: the shares then add up to the complete gradient exactly as verl's do.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fusedce.distributed.linear_log_probs import vocab_parallel_linear_token_log_probs
+
+
+def world_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+class _Share(torch.autograd.Function):
+    """Identity forward; the backward divides the gradient by ``size`` (this rank's share of it)."""
+
+    @staticmethod
+    def forward(ctx, hidden, size):
+        ctx.size = size
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.size, None
+
+
+def _refuse(what: str):
+    raise ValueError(f"fusedce.integrations.verl: {what} is not available on a tensor-parallel (vocabulary-"
+                     "sharded) LM head; unset it, or run with tensor_model_parallel_size=1")
+
+
+def log_probs(hidden, weight_shard, labels, temperature: float, transform, group, options: dict, want_sq: bool):
+    """``(log_probs, entropy, None)`` fp32 ``(N,)`` for ``hidden`` ``(N, H)`` and global ``labels`` ``(N,)``."""
+    if options["batch_invariant"]:
+        _refuse("batch_invariant=True")
+    if options["top_k"] is not None or options["top_p"] is not None:
+        _refuse("top_k / top_p")
+    if options["logits_dtype"] != "float32":
+        _refuse(f"logits_dtype={options['logits_dtype']!r} (the vocabulary-parallel op forms fp32 logits)")
+    if options["method"] == "tiled":
+        _refuse("method='tiled' (the vocabulary-parallel op is chunked)")
+    if want_sq:
+        _refuse("calculate_sum_pi_squared")
+    if transform.n_classes is not None:
+        _refuse("a head padded beyond the vocabulary (unpadded_vocab_size)")
+    size = world_size(group)
+    if hidden.requires_grad:
+        hidden = _Share.apply(hidden, size)
+    out = vocab_parallel_linear_token_log_probs(
+        hidden, weight_shard, labels.long(), group=group, temperature=temperature, softcap=transform.softcap,
+        logit_scale=transform.scale, return_entropy=True, backend=options["backend"],
+        chunk_size=options["chunk_size"])
+    return out.log_probs, out.entropy, None
