@@ -21,9 +21,11 @@ import torch._dynamo  # noqa: E402,F401  (import before any test patches torch.e
 
 import interpreter_index  # noqa: E402
 import interpreter_math  # noqa: E402
+import interpreter_speed  # noqa: E402
 
 interpreter_math.install()   # the interpreter's exp / log correctly rounded on every CPU (interpreter_math.py)
 interpreter_index.install()  # Triton < 3.7 with numpy >= 2.4: a tensor loop bound (interpreter_index.py)
+interpreter_speed.install()  # two per-call costs of the interpreter cached, results unchanged (interpreter_speed.py)
 
 # Every backend of the contract that can run on this machine's CPU tensors. "triton" runs under the
 # interpreter; it is NOT skipped when its package is missing: that failure is real information.
