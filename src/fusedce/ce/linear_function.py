@@ -27,8 +27,7 @@ import torch
 from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.reduction import MeanScales, reduce, times, token_scaled, z_rows
-from fusedce.core.options import LossOptions
-from fusedce.backends.protocol import ChunkCE, TiledCE
+from fusedce import backends
 from fusedce.lm_head import invariant
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
 from fusedce.lm_head.headroom import headroom, scaled_
@@ -102,33 +101,28 @@ def _weighted(grad_row: torch.Tensor, token_weights: Optional[torch.Tensor]) -> 
     return grad_row if token_weights is None else grad_row * token_weights
 
 
-def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, opts: LossOptions, reduction: str,
-                         scales: Optional[MeanScales], chunk_size, accum_dtype, stats: bool, method: str = "auto",
-                         *, tiled: Optional[TiledCE] = None, deterministic: bool = False,
-                         token_weights: Optional[torch.Tensor] = None, logits: str = "float32",
-                         batch_invariant: bool = False):
-    """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> (loss, lse, predicted,
-    token_weight).
+def linear_cross_entropy(call, hidden, weight, bias):
+    """The op on a checked ``CECall`` (``ce/checks.py``) with class indices, ``hidden`` (BT, H) -> (loss, lse,
+    predicted, token_weight).
 
-    ``loss`` is the reduced scalar (``scales`` = the mean's 1/D and 1/N for "mean", None otherwise) or
-    (BT,) per-row for "none"; lse (BT,) fp32 is 0 on ignored rows (their logits are never computed);
-    predicted (BT,) int64, -1 on ignored rows; token_weight (BT,) fp32, the factor each row's loss was
-    multiplied by (0 on ignored rows): ``p_t`` with ``use_token_scaling``, times ``token_weights``
-    ((BT,) fp32 constants, 0 on ignored rows, or None), or None when neither. ``method``: "chunked" /
-    "tiled" / "auto" (``heads.py``; ``tiled`` is the backend's ``TiledCE``, required for "tiled");
-    ``deterministic``: bitwise-reproducible gradients (``make_head``); ``logits``: the logits' dtype
-    (``chunked.logits_dtype``); ``batch_invariant``: the kept rows padded to the head's fixed row multiple
-    (``lm_head/invariant.py``: 64-row chunks, ``chunk_size`` is then 64; or the tiled backend's token tile).
+    ``loss`` is the reduced scalar or (BT,) per-row for "none"; lse (BT,) fp32 is 0 on ignored rows (their
+    logits are never computed); predicted (BT,) int64, -1 on ignored rows; token_weight (BT,) fp32, the factor
+    each row's loss was multiplied by (0 on ignored rows): ``p_t`` with ``use_token_scaling``, times the
+    token weights, or None when neither. ``batch_invariant``: the kept rows padded to the head's fixed row
+    multiple (``lm_head/invariant.py``).
     """
+    opts, reduction, spec, stats = call.opts, call.reduction, call.head, call.return_stats
+    target, ce_weight, token_weights, scales = call.target, call.class_weights, call.token_weights, call.scales
+    accum_dtype, batch_invariant = spec.accum_dtype, spec.batch_invariant
+    impl = backends.named(call.backend)
     n = hidden.shape[0]
     w, weight_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
     if index is not None and token_weights is not None:
         token_weights = token_weights.index_select(0, index)
     kept = hidden.shape[0]
-    chunk_size = invariant.ROWS if batch_invariant else chunk_size
-    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
-                     deterministic, hidden.device.type, logits, batch_invariant)
+    head = make_head(impl.CHUNK_CE, impl.TILED_CE, spec.method, hidden.shape[0], hidden.shape[1], weight.shape[0],
+                     spec.rows, spec.deterministic, hidden.device.type, spec.logits, batch_invariant)
     if batch_invariant:
         hidden, target, token_weights = invariant.pad_rows(hidden, target, opts.ignore_index, token_weights,
                                                            head.invariant_rows(weight.shape[0]))

@@ -1,5 +1,5 @@
-"""``linear_cross_entropy`` with probability ("soft") targets: the checks of such a target, the autograd
-Function around the soft heads (``lm_head/soft_loop.py``) and the op after the common checks.
+"""``linear_cross_entropy`` with probability ("soft") targets: the autograd Function around the soft heads
+(``lm_head/soft_loop.py``) and the op after ``ce/checks.py``.
 ``functional.linear_cross_entropy`` dispatches here when its ``target`` is a floating-point tensor.
 
 Semantics: exactly ``cross_entropy``'s with a float target (``ce/soft_targets.py``) on the logits
@@ -13,56 +13,15 @@ the target-range check's rule: skipped under torch.compile and CUDA-graph captur
 from __future__ import annotations
 
 import inspect
-from typing import Optional
 
 import torch
 
-from fusedce.ce.soft_targets import SOFT_TARGET_DTYPES, backend_rows, check_soft_ignore_index
+from fusedce import backends
 from fusedce.core import reduction as red
-from fusedce.core import validation as val
 from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
-from fusedce.core.options import LossOptions
 from fusedce.lm_head.headroom import headroom, scaled_
 from fusedce.lm_head.soft_loop import make_soft_head
-
-
-def check_linear_soft_target(target: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                             opts: LossOptions, values: bool = True) -> None:
-    """``TypeError`` unless float32 / bfloat16 / float16 / float64 and for a target that requires grad;
-    ``ValueError`` unless of shape ``hidden.shape[:-1] + (V,)`` on hidden's device, with
-    ``use_token_scaling`` or a class ``ignore_index`` (>= 0, as torch), and for a negative, NaN or +inf
-    value (naming ``target`` and its position; the one host sync, skipped under torch.compile /
-    CUDA-graph capture; ``values=False``: not here, the vocab-parallel op checks them in its setup
-    collective)."""
-    if target.dtype not in SOFT_TARGET_DTYPES:
-        raise TypeError(f"a floating-point target holds class probabilities and must be float32, bfloat16, "
-                        f"float16 or float64, got {target.dtype}")
-    expected = tuple(hidden.shape[:-1]) + (weight.shape[0],)
-    if tuple(target.shape) != expected:
-        hint = ""
-        if tuple(target.shape) == tuple(hidden.shape[:-1]):
-            hint = " (it has hidden.shape[:-1]: class indices stored as floats? pass target.long())"
-        raise ValueError(f"a floating-point target holds class probabilities and must have shape "
-                         f"hidden.shape[:-1] + (V,) = {expected}, got {tuple(target.shape)}{hint}")
-    if target.device != hidden.device:
-        raise ValueError(f"target is on {target.device} but hidden is on {hidden.device}")
-    if target.requires_grad:
-        raise TypeError("probability targets are constants of the loss (no gradient reaches them): pass "
-                        "target.detach()")
-    if opts.use_token_scaling:
-        raise ValueError("use_token_scaling multiplies each row by p_t = softmax(z)[t], which needs a target "
-                         "class: it is not defined for probability (float) targets")
-    check_soft_ignore_index(opts.ignore_index)
-    if values:
-        val.check_probabilities(target)   # last: the one host sync (skipped under compile / graph capture)
-
-
-def index_stand_in(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """An int64 stand-in of shape ``hidden.shape[:-1]`` on the target's device (one element, expanded) so
-    that ``validation.check_linear`` checks the operands of a call with a probability target."""
-    shape = hidden.shape[:-1] if hidden.dim() >= 1 else ()
-    return torch.zeros((), dtype=torch.int64, device=target.device).expand(shape)
 
 
 def _weighted(grad_row, token_weights):
@@ -121,40 +80,32 @@ class _LinearSoftCE(torch.autograd.Function):
 _N_INPUTS = len(inspect.signature(_LinearSoftCE.forward).parameters) - 1
 
 
-def linear_cross_entropy(impl, backend_name, hidden, weight, target, bias, ce_weight, opts: LossOptions,
-                         reduction: str, num_items_in_batch, chunk_size, method: str, accum_dtype,
-                         return_stats: bool, token_weights, logits: str = "float32"):
-    """The op on checked common arguments (``functional.linear_cross_entropy``'s): ``target`` (..., V)
-    float probabilities. Returns the fp32 loss or ``CrossEntropyOutput`` (``token_accuracy``: the argmax
-    of the logits equals the argmax of the target, every row counted; one more read of the target).
-    ``logits``: the chunked method's logits dtype (``chunked.logits_dtype``)."""
-    backend_rows(impl, backend_name)   # NotImplementedError on a backend without probability targets
-    shape, n_classes = hidden.shape[:-1], weight.shape[0]
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    n = flat_hidden.shape[0]
-    q = target.reshape(n, n_classes)
-    if q.stride(-1) != 1 and n_classes > 1:
-        q = q.contiguous()
-    w = None if ce_weight is None else ce_weight.detach().float()
-    factor = None if token_weights is None else token_weights.detach().reshape(-1).float()
-    if reduction == "mean":
-        scales = red.row_count_scales(n, hidden.device, num_items_in_batch)
-    else:
+def linear_cross_entropy(call, hidden, weight, bias):
+    """The op on a checked ``CECall`` (``ce/checks.py``) with probability targets, ``hidden`` (BT, H). Returns
+    the fp32 loss or ``CrossEntropyOutput`` (``token_accuracy``: the argmax of the logits equals the argmax of
+    the target, every row counted; one more read of the target)."""
+    opts, reduction, q, spec, n = call.opts, call.reduction, call.target, call.head, hidden.shape[0]
+    w = None if call.class_weights is None else call.class_weights.float()
+    factor = call.token_weights
+    scales = call.scales
+    if scales is None:
         one = torch.ones((), device=hidden.device)
         scales = red.MeanScales(one, one)
-    head = make_soft_head(impl, method, n, hidden.shape[-1], n_classes, chunk_size, hidden.device.type, logits)
+    head = make_soft_head(backends.named(call.backend), spec.method, n, hidden.shape[-1], weight.shape[0], spec.rows,
+                          hidden.device.type, spec.logits)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and any(needs):
-        loss, lse, predicted = _LinearSoftCE.apply(flat_hidden, weight, bias, q, head, w, opts, reduction,
-                                                   torch.stack(scales), accum_dtype, return_stats, needs, factor)
+        loss, lse, predicted = _LinearSoftCE.apply(hidden, weight, bias, q, head, w, opts, reduction,
+                                                   torch.stack(scales), spec.accum_dtype, call.return_stats, needs,
+                                                   factor)
     else:
         with torch.no_grad():
-            rows, lse, _lo, _a, predicted = head.forward(flat_hidden, weight, bias, q, w, opts, return_stats)
+            rows, lse, _lo, _a, predicted = head.forward(hidden, weight, bias, q, w, opts, call.return_stats)
             loss = red.reduce(*red.token_scaled(rows, red.z_rows(lse, opts), factor), reduction, scales, rows.shape)
     if reduction == "none":
-        loss = loss.reshape(shape)
-    if not return_stats:
+        loss = loss.reshape(call.lead)
+    if not call.return_stats:
         return loss
     expected = q.argmax(dim=1)
-    return red.stats(loss, lse, predicted, expected, opts, reduction, scales if reduction == "mean" else None,
-                     shape, factor, valid=torch.ones_like(expected, dtype=torch.bool))
+    return red.stats(loss, lse, predicted, expected, opts, reduction, call.scales, call.lead, factor,
+                     valid=torch.ones_like(expected, dtype=torch.bool))

@@ -26,8 +26,7 @@ import torch.distributed as dist
 
 from fusedce.core.autocast import backward_formula
 from fusedce.core.entrance import public_op
-from fusedce.core import reduction as red, validation as val
-from fusedce.core.options import check_flag, deterministic_mode, loss_options
+from fusedce.core import reduction as red
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
 from fusedce import backends
@@ -35,7 +34,7 @@ from fusedce.core.types import CrossEntropyOutput
 from fusedce.core.options import LossOptions, LossOptionValues
 from fusedce.distributed.exchange import ce_outputs, exchange_ce
 from fusedce.distributed.layout import VocabLayout, vocab_layout
-from fusedce.ce.soft_targets import is_soft_target
+from fusedce.ce.checks import check_range, checked_vocab_parallel_linear
 from fusedce.distributed import soft_ops
 from fusedce.distributed.output import finish
 from fusedce.distributed import chunk_ops
@@ -81,11 +80,6 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
         return (grad_h, grad_w, grad_b) + (None,) * 7
-
-
-def _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype):
-    val.check_linear(hidden, weight_shard, target, bias_shard, ce_weight_shard, chunk_size, accum_dtype,
-                     names=("weight_shard", "bias_shard", "ce_weight_shard"), sharded=True)
 
 
 @public_op("linear")
@@ -154,38 +148,30 @@ def vocab_parallel_linear_cross_entropy(
         when ``hidden``, ``weight_shard`` and ``bias_shard`` dtypes differ, ``chunk_size`` is not an
         integer or ``accum_dtype`` is not a floating-point ``torch.dtype``.
     """
-    if is_soft_target(target):   # soft_ops.py: this rank's slice of probability targets
-        deterministic_mode(deterministic)
-        return soft_ops.linear_cross_entropy(hidden, weight_shard, target, bias_shard, ce_weight_shard, group,
-                                             vocab_start_index, loss_options(reduction, **options), reduction,
-                                             num_items_in_batch, chunk_size, accum_dtype, return_stats, backend,
-                                             token_weights)
-    _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype)
-    deterministic_mode(deterministic)   # checked; nothing to select (see the docstring)
-    opts = loss_options(reduction, **options)
-    target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
-    val.check_num_items(num_items_in_batch, hidden.device)
-    check_flag("return_stats", return_stats)
-    val.check_token_weights(token_weights, target)
-    impl = backends.get(backend, hidden.device)
+    call = checked_vocab_parallel_linear(
+        hidden, weight_shard, target, bias_shard, ce_weight_shard=ce_weight_shard, reduction=reduction,
+        num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, accum_dtype=accum_dtype,
+        return_stats=return_stats, backend=backend, deterministic=deterministic, token_weights=token_weights,
+        options=options)
+    impl = backends.named(call.backend)
+    if call.probs:   # soft_ops.py: this rank's slice of probability targets
+        return soft_ops.linear_cross_entropy(call, impl, hidden, weight_shard, target, bias_shard, group,
+                                             vocab_start_index)
+    opts = call.opts
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
-    token_weights = red.row_token_weights(token_weights, target, opts.ignore_index)
-    val.check_target_range(target, layout.n_classes, opts.ignore_index,
-                           None if token_weights is None else token_weights.reshape(target.shape))
+    check_range(call, layout.n_classes)
 
-    shape, size = target.shape, hidden.shape[-1]
+    shape, size = call.lead, hidden.shape[-1]
     n = math.prod(shape)
-    flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1),
-                                                   opts.ignore_index)
-    rows = None if chunk_size is None else int(chunk_size)   # None: the rule, decided in the loop op
+    flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), call.target, opts.ignore_index)
     loss_rows, lse, predicted, w_t, target_prob = _VocabParallelLinearCE.apply(
-        flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, rows, accum_dtype,
-        impl)
+        flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, call.head.rows,
+        accum_dtype, impl)
     # back to every row: ignored rows have loss 0, lse 0, argmax -1, w_t 0
     loss_rows, lse, target_prob = (scatter_rows(t, index, n, 0.0) for t in (loss_rows, lse, target_prob))
     predicted = scatter_rows(predicted, index, n, -1)
     if ce_weight_shard is not None:
         w_t = scatter_rows(w_t, index, n, 0.0)
     return finish(loss_rows, lse, predicted, None if ce_weight_shard is None else w_t,
-                  target.reshape(-1), opts, reduction, num_items_in_batch, return_stats, shape,
-                  red.times(target_prob if opts.use_token_scaling else None, token_weights))
+                  call.target, opts, reduction, num_items_in_batch, return_stats, shape,
+                  red.times(target_prob if opts.use_token_scaling else None, call.token_weights))
