@@ -14,7 +14,7 @@ import torch
 import fusedce
 from fusedce.core import bf16_products
 from fusedce.core.bf16_products import applies, exact_bf16_gemms
-from fusedce.lm_head import chunked, fp32_linear
+from fusedce.lm_head import fp32_linear, loop
 
 KNOB = torch.backends.mkldnn.matmul
 ENGAGES = applies(torch.zeros(1, dtype=torch.bfloat16))   # the mode engages on this CPU (measured)
@@ -140,7 +140,7 @@ def test_weight_gradient_of_a_bf16_chunk_stays_an_exact_sum():
     rounded = g.bfloat16()
     grad_h = torch.empty(n, hidden_size, dtype=torch.bfloat16)
     grad_w = torch.full((vocab, hidden_size), 0.5)
-    chunked.backprop_chunk_(g, h, w, slice(0, n), grad_h, grad_w, None)
+    loop.backprop_chunk_(g, h, w, slice(0, n), grad_h, grad_w, None)
     assert torch.equal(g, rounded.float())
     # into an existing 0.5: one more rounding at 0.5's scale (half an ulp, 2^-25); the - 0.5 is exact (Sterbenz)
     _within_gamma(grad_w - 0.5, rounded.double().T, h.double(), extra=2.0 ** -25)

@@ -13,7 +13,7 @@ from fusedce import backends
 from fusedce.core import reduction as red, validation as val
 from fusedce.core.options import LossOptions, check_flag, deterministic_mode, loss_options
 from fusedce.lm_head import invariant
-from fusedce.lm_head.method import check_logits_dtype, check_method, resolve_method
+from fusedce.lm_head.head import check_logits_dtype, check_method, resolve_method
 
 PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _PROBS = "probability targets (a float target of shape (..., V))"
@@ -153,13 +153,15 @@ def checked_cross_entropy(logits, target, weight, *, reduction, num_items_in_bat
     val.check_num_items(num_items_in_batch, logits.device)
     check_flag("inplace_backward", inplace_backward)
     check_flag("return_stats", return_stats)
-    invariant.check(batch_invariant)
+    if batch_invariant is not False:   # the default needs no check
+        invariant.check(batch_invariant)
     val.check_token_weights(token_weights, target, shape)
     if probs:   # the probability values and the token weights: one host sync
         val.check_probabilities(target, token_weights=token_weights)
     weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
     impl = backends.get(backend, logits.device)
-    invariant.check_backend(batch_invariant, impl)
+    if batch_invariant:
+        invariant.check_backend(batch_invariant, impl)
     n = shape.numel()
     if probs:
         invariant.refuse(batch_invariant, _PROBS)
@@ -183,7 +185,8 @@ def checked_linear_cross_entropy(hidden, weight, target, bias, *, ce_weight, red
     val.check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype)
     check_method(method, chunk_size)
     check_logits_dtype(logits_dtype, method)
-    invariant.check(batch_invariant)
+    if batch_invariant is not False:   # the default needs no check
+        invariant.check(batch_invariant)
     deterministic = deterministic_mode(deterministic)
     method = resolve_method(method)
     head = HeadSpec(method, invariant.ROWS if batch_invariant else _rows(chunk_size), logits_dtype, accum_dtype, deterministic,
@@ -208,7 +211,8 @@ def checked_linear_cross_entropy(hidden, weight, target, bias, *, ce_weight, red
     val.check_token_weights(token_weights, target)
     ce_weight = None if ce_weight is None else ce_weight.detach()   # class weights are constants
     impl = backends.get(backend, hidden.device, tiled=method == "tiled")
-    invariant.check_backend(batch_invariant, impl)
+    if batch_invariant:
+        invariant.check_backend(batch_invariant, impl)
     flat = target.reshape(-1)
     token_weights = _index_weights(token_weights, flat, opts, target.shape, n_classes)
     return CECall(opts, reduction, shape, flat, False, impl.NAME, ce_weight, token_weights,

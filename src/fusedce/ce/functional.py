@@ -167,12 +167,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             :func:`cross_entropy`, on fp32 logits (``logits_dtype``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
             None = automatic: ``max(64, H / 4)`` rows on CPU, ``max(1024, BT * H / V)`` elsewhere, capped
-            at BT (rule and its measurement in ``lm_head/method.py``). Only with ``method="chunked"`` (or "auto").
+            at BT (rule and its measurement in ``lm_head/head.py``). Only with ``method="chunked"`` (or "auto").
         method: ``"chunked"``: logits of one chunk of tokens at a time (3 matmuls per token);
             ``"tiled"``: no tensor with V or more elements besides ``weight``, ``bias``, ``ce_weight``
             and their gradients (Triton: tiles on chip; PyTorch: blocks of tokens x a vocabulary block
             smaller than V); its backward recomputes the logits tile by tile (4 matmuls per token);
-            ``"auto"``: the rule in ``lm_head/method.py`` (chunked today).
+            ``"auto"``: the rule in ``lm_head/head.py`` (chunked today).
         accum_dtype: dtype in which the ``weight`` and ``bias`` gradients accumulate across chunks.
         return_stats: return ``CrossEntropyOutput``; its ``lse`` is 0 on ignored rows (never computed),
             as in :func:`cross_entropy`.

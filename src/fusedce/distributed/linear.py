@@ -2,8 +2,8 @@
 
 Each rank holds ``weight[start:start + V_r]`` (and the same slice of ``bias`` and class weights) and
 the full, identical ``hidden`` and ``target``. Logits exist one chunk of tokens at a time, ``rows x V_r``
-(never BT x V_r), through the single-process LM head's chunk loop pieces (``lm_head/chunked.py``: the
-chunk buffer, the logits, the gradient buffers and the backprop of a chunk; ``lm_head/compaction.py``),
+(never BT x V_r), through the single-process LM head's chunk loop pieces (``lm_head/loop.py``: the
+chunk buffer, the logits, the gradient buffers and the backprop of a chunk; ``lm_head/head.py``),
 each pass's loop one op (``chunk_ops.py``: one compilation for every token count), the collectives outside:
 
     forward   per chunk: logits_c = h_c @ W_r.T + b_r (fp32 from the operands' values,
@@ -28,7 +28,7 @@ from fusedce.core.autocast import backward_formula
 from fusedce.core.entrance import public_op
 from fusedce.core import reduction as red
 from fusedce.core.autograd_checks import check_backward_allowed
-from fusedce.lm_head.compaction import compact_rows, scatter_rows
+from fusedce.lm_head.head import compact_rows, scatter_rows
 from fusedce import backends
 from fusedce.core.types import CrossEntropyOutput
 from fusedce.core.options import LossOptions, LossOptionValues
@@ -112,7 +112,7 @@ def vocab_parallel_linear_cross_entropy(
         reduction, num_items_in_batch, ``**options`` (the loss options, listed below):
             as in ``fusedce.cross_entropy``, on logits computed in ``hidden``'s dtype (fp32 accumulation).
         chunk_size: tokens per chunk (logits are ``chunk_size x V_r``). None = the single-process rule
-            (``lm_head/method.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
+            (``lm_head/head.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
         accum_dtype: dtype of the ``weight_shard`` / ``bias_shard`` gradient accumulators.
         return_stats: ``CrossEntropyOutput``; as in the single-process op, ``lse`` is 0 on ignored rows.
         backend: as in ``fusedce.linear_cross_entropy``: the kernels of this rank's statistics and

@@ -7,7 +7,7 @@ concatenated vocabulary (label smoothing's ``eps / V`` with the global ``V``, cl
 vocabulary, z-loss on the global lse, softcap, logit scale, ``token_weights``; no row ignored; ``"mean"``
 divides by the number of rows or ``num_items_in_batch``). The per-slice statistics, the collectives and the
 slice gradient are ``soft_rows.py``'s; the linear op's chunk loop is the class-index op's
-(``lm_head/chunked.py``: chunk buffer, fp32 logits, ``backprop_chunks``; one op per pass,
+(``lm_head/loop.py``: chunk buffer, fp32 logits, ``backprop_chunks``; one op per pass,
 ``chunk_ops.py``), with ``all_reduce(SUM)`` of
 ``grad_hidden`` in backward. The target's values are checked in the setup ``all_gather`` (``layout.py``).
 """
