@@ -189,8 +189,8 @@ def checked_linear_cross_entropy(hidden, weight, target, bias, *, ce_weight, red
         invariant.check(batch_invariant)
     deterministic = deterministic_mode(deterministic)
     method = resolve_method(method)
-    head = HeadSpec(method, invariant.ROWS if batch_invariant else _rows(chunk_size), logits_dtype, accum_dtype, deterministic,
-                    batch_invariant)
+    head = HeadSpec(method, invariant.ROWS if batch_invariant else _rows(chunk_size), logits_dtype, accum_dtype,
+                    deterministic, batch_invariant)
     shape, n_classes = hidden.shape[:-1], weight.shape[0]
     n = shape.numel()
     if probs:
