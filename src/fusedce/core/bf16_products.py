@@ -1,7 +1,7 @@
 """fp32 GEMMs whose operands hold bf16 values, on the CPU's bf16 units: ``exact_bf16_gemms()``.
 
 The LM head forms fp32 logits (and fp32 weight-gradient sums) from bf16 operands by upcasting them
-(``lm_head/fp32_linear.py``, ``lm_head/chunked.accumulate_``): torch 2.13's CPU kernels have no
+(``lm_head/fp32_linear.py``, ``lm_head/loop.accumulate_``): torch 2.13's CPU kernels have no
 fp32-output GEMM of bf16 operands (``aten::mm.dtype`` is CUDA-only). An fp32 GEMM then runs on the fp32
 units although every operand is a bf16 value. oneDNN's bf16 math mode (torch's
 ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``) lets an fp32 GEMM convert its operands to bf16
