@@ -159,7 +159,7 @@ def test_only_the_tools_import_the_tools():
 def test_the_graph_is_read():
     """The checks above see real arrows (a sanity check of the parser, from known imports)."""
     assert "fusedce.ce.linear_function" in GRAPH["fusedce.ce.functional"]
-    assert "fusedce.backends.protocol" in GRAPH["fusedce.lm_head.heads"]
+    assert "fusedce.backends.protocol" in GRAPH["fusedce.lm_head.head"]
     assert "fusedce.core.row_math" in GRAPH["fusedce.backends.pytorch.tiled"]
     assert "fusedce.tools.bench.harness" in GRAPH["fusedce.tools.bench.command"]   # a lazy import
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedce
-from fusedce.ce import soft_targets
+from fusedce.ce import checks
 from inputs import DTYPE_IDS, DTYPES, make_weight, poisoned_allocations
 from reference64_soft import reference_soft
 from tolerances import assert_grad_close, assert_loss_close, assert_lse_close
@@ -276,7 +276,7 @@ def test_cute_refuses():
     tensors backend="cute" is refused earlier, by backend selection, with its RuntimeError)."""
     from fusedce.backends import cute
     with pytest.raises(NotImplementedError, match="probability.*'cute'"):
-        soft_targets.backend_rows(cute, "cute")
+        checks.probs_backend(cute, "cute")
 
 
 def test_integer_targets_unchanged(backend):

@@ -1,7 +1,7 @@
 """The order of first calls must not matter: compiled first then eager, or eager first then compiled
 (case C15 of ``docs/cases.md``: ``compile_first``).
 
-``lm_head/chunked.py`` once probed ``torch.addmm(out_dtype=...)`` and cached the
+``lm_head/loop.py`` once probed ``torch.addmm(out_dtype=...)`` and cached the
 answer for the whole process. Probed inside a Dynamo trace (compile first), fake tensors accepted the
 op, the compiled backward then failed in Inductor (``tuned_addmm() takes 3 positional arguments but 4
 were given``) and every later EAGER call failed too (``aten::addmm.dtype_out`` has no CPU kernel). The

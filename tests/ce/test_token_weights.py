@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import fusedce
 import fusedce.distributed as fd
-from fusedce.lm_head import compaction
+from fusedce.lm_head import head
 from fusedce.core import validation
 from inputs import make_logits, make_target, make_weight
 from reference64 import reference_loss
@@ -145,7 +145,7 @@ def test_linear_second_backward_recomputes_with_the_weights(backend):
 
 def test_fp16_headroom_includes_the_largest_weight():
     """The chunked method forms its gradients in the forward at a power-of-two headroom P sized by the
-    largest per-logit gradient (``lm_head/headroom.py``); a weight of 2^12 on one row must lower P, or that
+    largest per-logit gradient (``lm_head/head.py``); a weight of 2^12 on one row must lower P, or that
     row's fp16 gradient overflows (inf) before the backward divides by P."""
     hidden, weight, _, t = linear_inputs(bias=False)
     tw = torch.rand(SHAPE) + 0.5
@@ -165,7 +165,7 @@ def test_no_compaction_ignored_rows_and_non_finite_weights(backend, monkeypatch)
     """Under torch.compile / CUDA-graph capture (no host sync) every row goes through the kernels and the
     value check is skipped: NaN weights on ignored rows still change nothing; a NaN weight on a kept
     row propagates into the loss and that row's hidden gradient only (as stock's composition)."""
-    monkeypatch.setattr(compaction, "sync_allowed", lambda *tensors: False)
+    monkeypatch.setattr(head, "sync_allowed", lambda *tensors: False)
     monkeypatch.setattr(validation, "sync_allowed", lambda *tensors: False)
     check_linear(backend, "chunked", "mean", OPTIONS["all"], chunk_size=8)
     hidden, weight, _, t = linear_inputs(bias=False)

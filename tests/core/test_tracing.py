@@ -7,7 +7,7 @@ launches (no custom op), which a fake tensor cannot run.
 
 Inputs: ``public_ops.make_inputs`` (10 tokens, H = 12, V = 37); the vocab-parallel ops on a one-rank gloo
 group. Replay vs eager: bitwise with no ignored rows. With ignored rows eager compacts the kept rows
-before the LM head (``lm_head/compaction.py``, a host count a trace cannot make) and the graph computes
+before the LM head (``lm_head/head.py``, a host count a trace cannot make) and the graph computes
 all rows, so the linear ops' matmuls see other row counts: there, torch's default fp32 closeness.
 """
 from __future__ import annotations

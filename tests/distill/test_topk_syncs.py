@@ -1,5 +1,5 @@
 """Host syncs of the top-k distillation (issue 46 item 3): the contract's one compaction of the LM head's
-ignored tokens (one host sync: ``lm_head/compaction.compact_rows``) and one read each for the range check
+ignored tokens (one host sync: ``lm_head/head.compact_rows``) and one read each for the range check
 and the teacher-value check. Before, ``linear_topk_distillation_loss(tail=True)`` compacted twice (the K-class
 op, then the tail pass; three times with a hard label at another temperature), and the range check read the
 host twice when the target was not folded into the K classes (the target, then the teacher ids).

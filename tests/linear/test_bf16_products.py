@@ -14,7 +14,7 @@ import torch
 import fusedce
 from fusedce.core import bf16_products
 from fusedce.core.bf16_products import applies, exact_bf16_gemms
-from fusedce.lm_head import chunked, fp32_linear
+from fusedce.lm_head import fp32_linear, loop
 
 KNOB = torch.backends.mkldnn.matmul
 ENGAGES = applies(torch.zeros(1, dtype=torch.bfloat16))   # the mode engages on this CPU (measured)
@@ -142,7 +142,7 @@ def test_weight_gradient_of_a_bf16_chunk_stays_an_exact_sum(monkeypatch, scalar_
     rounded = g.bfloat16()
     grad_h = torch.empty(n, hidden_size, dtype=torch.bfloat16)
     grad_w = torch.full((vocab, hidden_size), 0.5)
-    chunked.backprop_chunk_(g, h, w, slice(0, n), grad_h, grad_w, None)
+    loop.backprop_chunk_(g, h, w, slice(0, n), grad_h, grad_w, None)
     assert torch.equal(g, rounded.float())
     # into an existing 0.5: one more rounding at 0.5's scale (half an ulp, 2^-25); the - 0.5 is exact (Sterbenz)
     _within_gamma(grad_w - 0.5, rounded.double().T, h.double(), extra=2.0 ** -25)
@@ -176,14 +176,14 @@ def test_upcast_hidden_gradient_within_one_rounding_of_float64(monkeypatch, dtyp
     w = torch.randn(vocab, hidden_size, generator=gen).to(dtype)
     g = (torch.randn(n, vocab, generator=gen) * 1e-3).to(dtype).float()
     grad_h = torch.empty(n, hidden_size, dtype=dtype)
-    chunked.backprop_chunk_(g.clone(), h, w, slice(0, n), grad_h, None, None)
+    loop.backprop_chunk_(g.clone(), h, w, slice(0, n), grad_h, None, None)
     u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11   # the dtype's unit roundoff (half an ulp)
 
     def within(got, exact, size, terms):
         summed = terms * U32 * size * 1.01                       # fp32 summation (gamma_terms)
         return ((got.double() - exact).abs() <= u * (exact.abs() + summed) + summed).all()
     assert within(grad_h, g.double() @ w.double(), g.double().abs() @ w.double().abs(), vocab)
-    logits = chunked.logits_chunk(h, w, None, logits="input")
+    logits = loop.logits_chunk(h, w, None, logits="input")
     assert logits.dtype == dtype
     assert within(logits, h.double() @ w.double().T, h.double().abs() @ w.double().abs().T, hidden_size)
     # the bound is tight enough to fail: an fp32 result is not within it for a coarser rounding (2 ulps)

@@ -2,7 +2,7 @@
 forward and backward:
 
 - no BT x V tensor, ever: every tensor an op allocates holds at most one chunk of logits (``chunk_size x V``
-  elements), for a given chunk size and for the automatic one (lm_head/method.py's rule);
+  elements), for a given chunk size and for the automatic one (lm_head/head.py's rule);
 - no gradient buffers under ``torch.no_grad()`` (nothing of the weight's V x H size), same loss;
 - ignored tokens cost no matmul FLOPs: counted from every mm / addmm's operand shapes.
 """
@@ -13,7 +13,7 @@ from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedce
-from fusedce.lm_head.method import CPU_MIN_ROWS, MIN_ROWS, chunk_rows
+from fusedce.lm_head.loop import CPU_MIN_ROWS, MIN_ROWS, chunk_rows
 from inputs import make_target
 from reference64_linear import make_linear
 

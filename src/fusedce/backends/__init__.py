@@ -86,6 +86,17 @@ def _check_cute(device: torch.device) -> None:
         raise RuntimeError("backend='cute' needs " + " and ".join(missing))
 
 
+def named(name: str):
+    """The package of the resolved, checked backend ``name`` (a ``CECall``'s ``backend``): no checks."""
+    if name == "triton":
+        from . import triton as module
+    elif name == "cute":
+        from . import cute as module
+    else:
+        from . import pytorch as module
+    return module
+
+
 def get(name, device: torch.device, *, tiled: bool = False, entropy: bool = False, slices: bool = False,
         distill: bool = False):
     """The backend package for ``name`` (see ``resolve``), imported on first use, checked to have what the
@@ -97,12 +108,7 @@ def get(name, device: torch.device, *, tiled: bool = False, entropy: bool = Fals
     import statement but graph-breaks on ``importlib``, and this runs inside every compiled call.
     """
     resolved = resolve(name, device)
-    if resolved == "triton":
-        from . import triton as module
-    elif resolved == "cute":
-        from . import cute as module
-    else:
-        from . import pytorch as module
+    module = named(resolved)
     caps = module.CAPABILITIES
     missing = [what for what, asked, has in (("method='tiled'", tiled, caps.tiled),
                                              ("entropy / log-prob kernels (the RL ops)", entropy, caps.entropy),

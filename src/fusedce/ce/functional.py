@@ -7,13 +7,9 @@ import torch
 
 from fusedce.core.entrance import public_op
 from fusedce import backends
-from fusedce.ce import linear_function
-from fusedce.core import reduction as red, validation as val
-from fusedce.ce import soft_targets as soft
-from fusedce.ce import linear_soft
-from fusedce.core.options import check_flag, deterministic_mode, loss_options
-from fusedce.lm_head import invariant
-from fusedce.lm_head.method import check_logits_dtype, check_method, resolve_method
+from fusedce.ce import linear_function, linear_soft, soft_targets as soft
+from fusedce.ce.checks import checked_cross_entropy, checked_linear_cross_entropy
+from fusedce.core import reduction as red
 from fusedce.core.row_math import target_probability
 from fusedce.core.rows import rows_view
 from fusedce.core.types import CrossEntropyOutput
@@ -119,52 +115,21 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
             ``backend="cute"`` on CPU tensors or without the ``cute`` extra (naming which is missing).
         NotImplementedError: probability targets with ``backend="cute"``.
     """
-    val.check_float("logits", logits)
-    if logits.dim() < 1:
-        raise ValueError("logits must have at least one dimension (the classes, last)")
-    val.check_nonzero("logits", logits.shape, -1, "V")
-    opts = loss_options(reduction, **options)
-    shape, n_classes = logits.shape[:-1], logits.shape[-1]
-    probabilities = soft.is_soft_target(target)
-    if probabilities:
-        soft.check_soft_target(target, logits, opts, values=False)   # values below, with token_weights
-    else:
-        val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t),
-                         probabilities=True)
-        target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
-    val.check_vector("weight", weight, n_classes, logits.device, constant=True, position="third")
-    val.check_num_items(num_items_in_batch, logits.device)
-    check_flag("inplace_backward", inplace_backward)
-    check_flag("return_stats", return_stats)
-    invariant.check(batch_invariant)
-    val.check_token_weights(token_weights, target, shape)
-    if probabilities:   # the probability values and the token weights: one host sync
-        val.check_probabilities(target, token_weights=token_weights)
-    weight = None if weight is None else weight.detach()   # class weights are constants (as in torch)
-    impl = backends.get(backend, logits.device)
-    invariant.check_backend(batch_invariant, impl)
-    if probabilities:   # ce/soft_targets.py: F.cross_entropy's probability targets
-        invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")
-        return soft.cross_entropy(soft.backend_rows(impl, backend), rows_view(logits, inplace_backward), target,
-                                  weight, opts, reduction, num_items_in_batch, inplace_backward, return_stats,
-                                  token_weights, shape)
-    flat_target = target.reshape(-1)
-    token_weights = red.row_token_weights(token_weights, flat_target, opts.ignore_index)
-    val.check_target_range(target, n_classes, opts.ignore_index,
-                           None if token_weights is None else token_weights.reshape(target.shape))
-
+    call = checked_cross_entropy(logits, target, weight, reduction=reduction, num_items_in_batch=num_items_in_batch,
+                                 inplace_backward=inplace_backward, return_stats=return_stats, backend=backend,
+                                 token_weights=token_weights, batch_invariant=batch_invariant, options=options)
     rows = rows_view(logits, inplace_backward)
+    impl = backends.named(call.backend)
+    if call.probs:   # ce/soft_targets.py: F.cross_entropy's probability targets
+        return soft.cross_entropy(call, impl, rows)
+    opts, flat_target = call.opts, call.target
     ce_rows, lse, lse_lo, predicted = impl.cross_entropy_rows(
-        rows, flat_target, weight, opts, inplace_backward, return_stats)
-    scales = None
-    if reduction == "mean":
-        scales = red.mean_scales(flat_target, red.target_weights(flat_target, weight, opts.ignore_index),
-                                 opts.ignore_index, num_items_in_batch)
+        rows, flat_target, call.class_weights, opts, inplace_backward, return_stats)
     token_weight = None
     if opts.use_token_scaling:
         token_weight = target_probability(rows, flat_target, lse.detach(), lse_lo, opts)
-    return red.loss_and_stats(ce_rows, lse, predicted, flat_target, opts, reduction, scales, shape,
-                              return_stats, red.times(token_weight, token_weights))
+    return red.loss_and_stats(ce_rows, lse, predicted, flat_target, opts, reduction, call.scales, call.lead,
+                              return_stats, red.times(token_weight, call.token_weights))
 
 
 @public_op("linear", hints=dict(weight="the second argument is the LM head's weight (V, H); class weights of the loss are `ce_weight=`"))
@@ -202,12 +167,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             :func:`cross_entropy`, on fp32 logits (``logits_dtype``); the loss math is fp32.
         chunk_size: tokens per chunk; logits exist for one chunk at a time (``chunk_size x V``).
             None = automatic: ``max(64, H / 4)`` rows on CPU, ``max(1024, BT * H / V)`` elsewhere, capped
-            at BT (rule and its measurement in ``lm_head/method.py``). Only with ``method="chunked"`` (or "auto").
+            at BT (rule and its measurement in ``lm_head/head.py``). Only with ``method="chunked"`` (or "auto").
         method: ``"chunked"``: logits of one chunk of tokens at a time (3 matmuls per token);
             ``"tiled"``: no tensor with V or more elements besides ``weight``, ``bias``, ``ce_weight``
             and their gradients (Triton: tiles on chip; PyTorch: blocks of tokens x a vocabulary block
             smaller than V); its backward recomputes the logits tile by tile (4 matmuls per token);
-            ``"auto"``: the rule in ``lm_head/method.py`` (chunked today).
+            ``"auto"``: the rule in ``lm_head/head.py`` (chunked today).
         accum_dtype: dtype in which the ``weight`` and ``bias`` gradients accumulate across chunks.
         return_stats: return ``CrossEntropyOutput``; its ``lse`` is 0 on ignored rows (never computed),
             as in :func:`cross_entropy`.
@@ -253,50 +218,17 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         targets; ``TypeError`` for a ``batch_invariant`` that is not a bool;
         ``TypeError`` for a ``deterministic`` that is neither None nor a bool.
     """
-    opts = loss_options(reduction, **options)
-    probabilities = soft.is_soft_target(target)
-    val.check_linear(hidden, weight, linear_soft.index_stand_in(hidden, target) if probabilities else target,
-                     bias, ce_weight, chunk_size, accum_dtype)
-    check_method(method, chunk_size)
-    check_logits_dtype(logits_dtype, method)
-    invariant.check(batch_invariant)
-    deterministic = deterministic_mode(deterministic)
-    if probabilities:   # ce/linear_soft.py: probability targets
-        invariant.refuse(batch_invariant, "probability targets (a float target of shape (..., V))")
-        linear_soft.check_linear_soft_target(target, hidden, weight, opts, values=False)
-        val.check_num_items(num_items_in_batch, hidden.device)
-        check_flag("return_stats", return_stats)
-        val.check_token_weights(token_weights, target, hidden.shape[:-1])
-        val.check_probabilities(target, token_weights=token_weights)   # one host sync for both
-        impl = backends.get(backend, hidden.device, tiled=resolve_method(method) == "tiled")
-        return linear_soft.linear_cross_entropy(impl, backend, hidden, weight, target, bias, ce_weight, opts,
-                                                reduction, num_items_in_batch,
-                                                None if chunk_size is None else int(chunk_size), method,
-                                                accum_dtype, return_stats, token_weights, logits_dtype)
-    target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
-    val.check_num_items(num_items_in_batch, hidden.device)
-    check_flag("return_stats", return_stats)
-    val.check_token_weights(token_weights, target)
-    ce_weight = None if ce_weight is None else ce_weight.detach()   # class weights are constants
-    shape, n_classes = hidden.shape[:-1], weight.shape[0]
-    impl = backends.get(backend, hidden.device, tiled=resolve_method(method) == "tiled")
-    invariant.check_backend(batch_invariant, impl)
-    flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-    token_weights = red.row_token_weights(token_weights, flat_target, opts.ignore_index)
-    val.check_target_range(target, n_classes, opts.ignore_index,
-                           None if token_weights is None else token_weights.reshape(target.shape))
-
-    scales = None
-    if reduction == "mean":
-        scales = red.mean_scales(flat_target, red.target_weights(flat_target, ce_weight, opts.ignore_index),
-                                 opts.ignore_index, num_items_in_batch)
-    loss, lse, predicted, token_weight = linear_function.linear_cross_entropy(
-        impl.CHUNK_CE, flat_hidden, weight, flat_target, bias, ce_weight, opts, reduction, scales,
-        None if chunk_size is None else int(chunk_size), accum_dtype, return_stats, method,
-        tiled=impl.TILED_CE, deterministic=deterministic, token_weights=token_weights, logits=logits_dtype,
-        batch_invariant=batch_invariant)
+    call = checked_linear_cross_entropy(
+        hidden, weight, target, bias, ce_weight=ce_weight, reduction=reduction, num_items_in_batch=num_items_in_batch,
+        chunk_size=chunk_size, method=method, accum_dtype=accum_dtype, return_stats=return_stats, backend=backend,
+        deterministic=deterministic, token_weights=token_weights, logits_dtype=logits_dtype,
+        batch_invariant=batch_invariant, options=options)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if call.probs:   # ce/linear_soft.py: probability targets
+        return linear_soft.linear_cross_entropy(call, flat_hidden, weight, bias)
+    loss, lse, predicted, token_weight = linear_function.linear_cross_entropy(call, flat_hidden, weight, bias)
     if reduction == "none":
-        loss = loss.reshape(shape)
+        loss = loss.reshape(call.lead)
     if not return_stats:
         return loss
-    return red.stats(loss, lse, predicted, flat_target, opts, reduction, scales, shape, token_weight)
+    return red.stats(loss, lse, predicted, call.target, call.opts, reduction, call.scales, call.lead, token_weight)

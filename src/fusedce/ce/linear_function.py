@@ -1,4 +1,4 @@
-"""Autograd Function and compaction around the chunk loop (``chunked.py``).
+"""The class-index linear op around the heads' autograd skeleton (``lm_head/head.LinearHeadFunction``):
 
 - mean / sum: the forward computes the loss and every gradient chunk by chunk with the per-row upstream
   gradients already applied (``1/D`` for the cross-entropy and ``1/N`` for the z-loss with mean, 1 with
@@ -19,116 +19,36 @@
 """
 from __future__ import annotations
 
-import inspect
-from typing import Optional
-
 import torch
 
-from fusedce.core.autocast import backward_formula
-from fusedce.core.autograd_checks import check_backward_allowed
+from fusedce import backends
 from fusedce.core.reduction import MeanScales, reduce, times, token_scaled, z_rows
-from fusedce.core.options import LossOptions
-from fusedce.backends.protocol import ChunkCE, TiledCE
 from fusedce.lm_head import invariant
-from fusedce.lm_head.compaction import compact_rows, scatter_rows
-from fusedce.lm_head.headroom import headroom, scaled_
-from fusedce.lm_head.method import make_head
-
-class _LinearCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, head, w, weight_sum, opts, reduction, scale_pair, accum_dtype,
-                stats, needs, token_weights):
-        # scale_pair (2,) = (1/D, 1/N): one tensor, since the two are often the same tensor and an
-        # autograd.Function may not take one tensor twice under torch.compile. token_weights: (n,) fp32
-        # constants (0 on ignored rows) or None: every per-row upstream gradient is multiplied by them
-        ctx.grads = None
-        ce_scale, z_scale = scale_pair[0], scale_pair[1]
-        scales = MeanScales(ce_scale, z_scale)
-        if reduction == "none" or not head.grads_in_forward:
-            loss, lse, lse_lo, predicted, token_weight, _ = head.forward(hidden, weight, bias, target, w,
-                                                                         weight_sum, opts, stats)
-        else:   # gradients made here, times P (``headroom``); the backward applies g / P
-            n = hidden.shape[0]
-            p = headroom(scales, w, opts, token_weights)
-            ctx.unscale = 1.0 / p   # exact: a power of two
-            grad_row, z_grad_row = (_weighted((s * p).expand(n), token_weights) for s in scales)
-            loss, lse, lse_lo, predicted, token_weight, *ctx.grads = head.grads(
-                hidden, weight, bias, target, w, weight_sum, opts, grad_row, z_grad_row, needs, accum_dtype,
-                stats=stats)
-        out = reduce(*token_scaled(loss, z_rows(lse, opts), times(token_weight, token_weights)), reduction, scales,
-                     loss.shape)
-        if token_weight is None:
-            token_weight = lse.new_empty(0)
-        ctx.save_for_backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair, token_weight,
-                              token_weights)
-        ctx.head, ctx.opts, ctx.accum = head, opts, accum_dtype
-        ctx.needs, ctx.reduction = needs, reduction
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.mark_non_differentiable(lse, predicted, token_weight)
-        return out, lse, predicted, token_weight
-
-    @staticmethod
-    @backward_formula
-    def backward(ctx, grad_out, _grad_lse, _grad_pred, _grad_token_weight):
-        check_backward_allowed(ctx, "fusedce.linear_cross_entropy")
-        if ctx.grads is not None:   # the first backward of chunked mean / sum: scale what the forward made
-            (g_h, g_w, g_b), ctx.grads = ctx.grads, None
-            g = grad_out.float() * ctx.unscale
-            g_h, g_w, g_b = (scaled_(t, g) for t in (g_h, g_w, g_b))
-        else:                       # "none", tiled, or a second backward: recompute from the saved inputs
-            hidden, weight, bias, target, w, weight_sum, lse, lse_lo, scale_pair, token_weight, token_weights = (
-                ctx.saved_tensors)
-            ce_scale, z_scale = scale_pair[0], scale_pair[1]
-            n = hidden.shape[0]
-            if ctx.reduction == "none":
-                grad_row = z_grad_row = grad_out
-            else:
-                g = grad_out.float()
-                grad_row, z_grad_row = (ce_scale * g).expand(n), (z_scale * g).expand(n)
-            grad_row, z_grad_row = _weighted(grad_row, token_weights), _weighted(z_grad_row, token_weights)
-            saved = (lse, lse_lo, token_weight if ctx.opts.use_token_scaling else None, None)
-            *_, g_h, g_w, g_b = ctx.head.grads(hidden, weight, bias, target, w, weight_sum, ctx.opts, grad_row,
-                                               z_grad_row, ctx.needs, ctx.accum, saved=saved)
-        g_w = None if g_w is None else g_w.to(ctx.dtypes[1])
-        g_b = None if g_b is None else g_b.to(ctx.dtypes[2])
-        return (g_h, g_w, g_b) + (None,) * (_N_INPUTS - 3)
+from fusedce.lm_head.head import LinearHeadFunction, compact_rows, make_head, scatter_rows
 
 
-_N_INPUTS = len(inspect.signature(_LinearCE.forward).parameters) - 1   # forward's inputs, ctx excluded
+def linear_cross_entropy(call, hidden, weight, bias):
+    """The op on a checked ``CECall`` (``ce/checks.py``) with class indices, ``hidden`` (BT, H) -> (loss, lse,
+    predicted, token_weight).
 
-
-def _weighted(grad_row: torch.Tensor, token_weights: Optional[torch.Tensor]) -> torch.Tensor:
-    """A per-row upstream gradient times the user's per-row loss weights (None: unchanged)."""
-    return grad_row if token_weights is None else grad_row * token_weights
-
-
-def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, opts: LossOptions, reduction: str,
-                         scales: Optional[MeanScales], chunk_size, accum_dtype, stats: bool, method: str = "auto",
-                         *, tiled: Optional[TiledCE] = None, deterministic: bool = False,
-                         token_weights: Optional[torch.Tensor] = None, logits: str = "float32",
-                         batch_invariant: bool = False):
-    """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> (loss, lse, predicted,
-    token_weight).
-
-    ``loss`` is the reduced scalar (``scales`` = the mean's 1/D and 1/N for "mean", None otherwise) or
-    (BT,) per-row for "none"; lse (BT,) fp32 is 0 on ignored rows (their logits are never computed);
-    predicted (BT,) int64, -1 on ignored rows; token_weight (BT,) fp32, the factor each row's loss was
-    multiplied by (0 on ignored rows): ``p_t`` with ``use_token_scaling``, times ``token_weights``
-    ((BT,) fp32 constants, 0 on ignored rows, or None), or None when neither. ``method``: "chunked" /
-    "tiled" / "auto" (``heads.py``; ``tiled`` is the backend's ``TiledCE``, required for "tiled");
-    ``deterministic``: bitwise-reproducible gradients (``make_head``); ``logits``: the logits' dtype
-    (``chunked.logits_dtype``); ``batch_invariant``: the kept rows padded to the head's fixed row multiple
-    (``lm_head/invariant.py``: 64-row chunks, ``chunk_size`` is then 64; or the tiled backend's token tile).
+    ``loss`` is the reduced scalar or (BT,) per-row for "none"; lse (BT,) fp32 is 0 on ignored rows (their
+    logits are never computed); predicted (BT,) int64, -1 on ignored rows; token_weight (BT,) fp32, the factor
+    each row's loss was multiplied by (0 on ignored rows): ``p_t`` with ``use_token_scaling``, times the
+    token weights, or None when neither. ``batch_invariant``: the kept rows padded to the head's fixed row
+    multiple (``lm_head/invariant.py``).
     """
+    opts, reduction, spec, stats = call.opts, call.reduction, call.head, call.return_stats
+    target, ce_weight, token_weights, scales = call.target, call.class_weights, call.token_weights, call.scales
+    accum_dtype, batch_invariant = spec.accum_dtype, spec.batch_invariant
+    impl = backends.named(call.backend)
     n = hidden.shape[0]
     w, weight_sum = (None, None) if ce_weight is None else (ce_weight.float(), ce_weight.float().sum())
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
     if index is not None and token_weights is not None:
         token_weights = token_weights.index_select(0, index)
     kept = hidden.shape[0]
-    chunk_size = invariant.ROWS if batch_invariant else chunk_size
-    head = make_head(ce, tiled, method, hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_size,
-                     deterministic, hidden.device.type, logits, batch_invariant)
+    head = make_head(impl.CHUNK_CE, impl.TILED_CE, spec.method, hidden.shape[0], hidden.shape[1], weight.shape[0],
+                     spec.rows, spec.deterministic, hidden.device.type, spec.logits, batch_invariant)
     if batch_invariant:
         hidden, target, token_weights = invariant.pad_rows(hidden, target, opts.ignore_index, token_weights,
                                                            head.invariant_rows(weight.shape[0]))
@@ -137,9 +57,9 @@ def linear_cross_entropy(ce: ChunkCE, hidden, weight, target, bias, ce_weight, o
         scales = MeanScales(one, one)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and any(needs):
-        out, lse, predicted, token_weight = _LinearCE.apply(hidden, weight, bias, target, head, w, weight_sum,
-                                                            opts, reduction, torch.stack(scales), accum_dtype,
-                                                            stats, needs, token_weights)
+        out, lse, predicted, token_weight = LinearHeadFunction.apply(
+            hidden, weight, bias, target, head, w, weight_sum, opts, reduction, torch.stack(scales), accum_dtype, stats,
+            needs, token_weights)
         token_weight = times(token_weight if opts.use_token_scaling else None, token_weights)
     else:
         with torch.no_grad():

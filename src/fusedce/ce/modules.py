@@ -11,7 +11,7 @@ from fusedce import backends
 from fusedce.core import validation as val
 from fusedce.core.options import check_accum_dtype, check_chunk_size, check_flag, deterministic_mode, loss_options
 from fusedce.lm_head import invariant
-from fusedce.lm_head.method import check_logits_dtype, check_method
+from fusedce.lm_head.head import check_logits_dtype, check_method
 from fusedce.ce.functional import cross_entropy, linear_cross_entropy
 from fusedce.core.options.signatures import with_loss_options
 from fusedce.core.options import LOSS_OPTION_NAMES, LossOptionValues

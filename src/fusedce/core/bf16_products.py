@@ -1,7 +1,7 @@
 """fp32 GEMMs whose operands hold bf16 values, on the CPU's bf16 units: ``exact_bf16_gemms()``.
 
 The LM head forms fp32 logits (and fp32 weight-gradient sums) from bf16 operands by upcasting them
-(``lm_head/fp32_linear.py``, ``lm_head/chunked.accumulate_``): torch 2.13's CPU kernels have no
+(``lm_head/fp32_linear.py``, ``lm_head/loop.accumulate_``): torch 2.13's CPU kernels have no
 fp32-output GEMM of bf16 operands (``aten::mm.dtype`` is CUDA-only). An fp32 GEMM then runs on the fp32
 units although every operand is a bf16 value. oneDNN's bf16 math mode (torch's
 ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``) lets an fp32 GEMM convert its operands to bf16
@@ -13,7 +13,7 @@ VM, Xeon with AMX, 144 x 576 rows against V = 49152: fp32 logits 41 -> 22 ms, th
 accumulation 35 -> 20 ms per chunk; ``benchmarks/README.md``).
 
 Scope and hazard: the mode is a process-wide torch setting. ``exact_bf16_gemms`` sets it around the GEMMs
-of one chunk (``fp32_linear``, ``chunked.accumulate_``) or around a region whose only GEMMs are of bf16
+of one chunk (``fp32_linear``, ``loop.accumulate_``) or around a region whose only GEMMs are of bf16
 values (the tiled method's forward, whose threads run the blocks' logits and row math without a product of
 fp32 values), never around a product of fp32 values that are not bf16 values (it would round them), and
 restores the caller's value after, even on error; only the calling thread sets or restores it. A GEMM of

@@ -8,7 +8,7 @@
   ``jacrev``) is untouched.
 - Tracing without data (fake or meta tensors, ``make_fx`` in any mode, ``aot_function``, ``torch.export``):
   ``values_unavailable`` says when a tensor's values cannot be read on the host, so that a host check
-  (``core/validation.check_target_range``) or a host-sized allocation (``lm_head/compaction.py``) is
+  (``core/validation.check_target_range``) or a host-sized allocation (``lm_head/head.py``) is
   skipped rather than dying on a data-dependent guard.
 """
 from __future__ import annotations

@@ -228,12 +228,14 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
     integer ``chunk_size`` or None, a floating ``accum_dtype`` no narrower than the weight's dtype
     (``ValueError``: fp16 sums of an fp32 weight's gradient overflow where the fp32 result would not);
     ``probabilities``: the op also takes float probability targets (the RL ops do not), which the target's
-    dtype error then names."""
+    dtype error then names; such a target's device is checked here, the rest by ``ce/checks.check_probs``."""
     w_name, b_name, cw_name = names
     check_float("hidden", hidden)
     check_float(w_name, weight)
+    probs = probabilities and isinstance(target, torch.Tensor) and target.is_floating_point()
     if hidden.dim() < 1 or weight.dim() != 2:
-        swapped = swapped_hint(tuple(hidden.shape), tuple(weight.shape), tuple(getattr(target, "shape", ())))
+        lead = (tuple(hidden.shape[:-1]) if hidden.dim() >= 1 else ()) if probs else getattr(target, "shape", ())
+        swapped = swapped_hint(tuple(hidden.shape), tuple(weight.shape), tuple(lead))
         swapped = swapped.replace(" (hidden.shape[:-1]);", ";")
         raise ValueError(f"hidden must be (..., H) and {w_name} (V, H); got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}{swapped}")
@@ -253,8 +255,12 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
                          f"{layout}")
     if weight.device != hidden.device:
         raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
-    check_target(target, hidden.shape[:-1], hidden.device,
-                 lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape), probabilities)
+    if probs:   # a probability target's dtype and shape: ce/checks.check_probs
+        if target.device != hidden.device:
+            raise ValueError(f"target is on {target.device} but the data is on {hidden.device}")
+    else:
+        check_target(target, hidden.shape[:-1], hidden.device,
+                     lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape), probabilities)
     check_vector(b_name, bias, weight.shape[0], hidden.device, position="fourth" if b_name == "bias" else "")
     check_vector(cw_name, ce_weight, weight.shape[0], hidden.device, constant=True)
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):

@@ -18,7 +18,7 @@ from fusedce.core.options import (REDUCTIONS, LossOptions, check_chunk_size, che
 from fusedce.core.options.checks import check_flag, integer_option
 from fusedce.core.options.distill import (LOG_PROB_SLACK, DistillOptions, distill_options, hard_label_weight_option,
                                          teacher_mass_slack)
-from fusedce.lm_head.method import check_method, resolve_method
+from fusedce.lm_head.head import check_method, resolve_method
 
 
 def check_pair(student: torch.Tensor, teacher: torch.Tensor, s_name: str, t_name: str) -> None:

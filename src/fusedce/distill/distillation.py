@@ -191,7 +191,7 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
             no tensor of V or more elements besides the weights, biases and the student's gradients) or
             ``"auto"`` (the rule of :func:`fusedce.linear_cross_entropy`). Ignored tokens are dropped
             before the matmuls (one host sync per call; skipped under torch.compile / graph capture).
-        chunk_size: None (automatic, ``lm_head/method.py``) or a positive integer;
+        chunk_size: None (automatic, ``lm_head/head.py``) or a positive integer;
             ``"chunked"`` only.
         deterministic: None follows ``torch.are_deterministic_algorithms_enabled()``; True selects
             backward paths without float atomics (bitwise run-to-run identical results).

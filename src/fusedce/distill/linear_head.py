@@ -5,12 +5,12 @@
   once more with the per-row upstream gradient (``scale * g`` for mean / sum, the caller's per-row
   gradient for "none"), so every reduction's backward is exact and a second backward recomputes.
 - LM heads given (``_LinearDistill``): ``"chunked"`` (``ChunkedDistill``) computes the logits of both
-  models ``rows`` tokens at a time into one buffer each (``chunked.logits_chunk``), the row op on them, and
+  models ``rows`` tokens at a time into one buffer each (``loop.logits_chunk``), the row op on them, and
   with mean / sum the student's gradients in the same pass (``grad_h_c = d_c @ W_s``, ``grad_W_s +=
-  d_c.T @ h_c``, ``grad_b_s += sum d_c``, fp32 accumulators, ``chunked.accumulate_``); ``"tiled"``
+  d_c.T @ h_c``, ``grad_b_s += sum d_c``, fp32 accumulators, ``loop.accumulate_``); ``"tiled"``
   (``TiledDistill``) hands the whole thing to the backend's ``tiled_distill`` (no logits of either
   model). With mean / sum the gradients are made in the forward, times a power of two ``P`` (the
-  headroom of ``lm_head/headroom.py``: fp16 keeps dlogits far below ``2^-24 / S`` when a GradScaler's ``S`` arrives
+  headroom of ``lm_head/head.py``: fp16 keeps dlogits far below ``2^-24 / S`` when a GradScaler's ``S`` arrives
   in the backward), and the first backward multiplies them by ``g / P`` (exact for a power-of-two
   ``g``); "none" and any later backward recompute with the exact per-row upstream gradient.
 - The teacher is a constant: its tensors enter detached (no gradient, whatever their ``requires_grad``).
@@ -27,9 +27,7 @@ import torch
 from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.lm_head import invariant
-from fusedce.lm_head.headroom import HEADROOM_EXP, scaled_
-from fusedce.lm_head.compaction import compact_rows, scatter_rows
-from fusedce.lm_head.method import resolve_method
+from fusedce.lm_head.head import HEADROOM_EXP, compact_rows, resolve_method, scaled_, scatter_rows
 from .chunk_op import chunked_distill
 
 
@@ -180,7 +178,7 @@ _N_INPUTS = len(inspect.signature(_LinearDistill.forward).parameters) - 1
 def make_distill_head(backend: str, tiled_op, method: str, chunk_size: Optional[int], deterministic: bool,
                       batch_invariant: bool = False):
     """``ChunkedDistill`` / ``TiledDistill`` for ``method`` ("auto" as ``linear_cross_entropy``'s rule,
-    ``method.resolve_method``; the automatic chunk size is ``chunk_rule.chunk_rows``'s, on the real token
+    ``head.resolve_method``; the automatic chunk size is ``loop.chunk_rows``'s, on the real token
     count); ``backend`` the backend's name."""
     if resolve_method(method) == "tiled":
         return TiledDistill(tiled_op, deterministic, batch_invariant)

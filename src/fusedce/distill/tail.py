@@ -193,7 +193,7 @@ def _head_grads(hidden, weight, bias, ids, m, s, mt, st, g, opts: LossOptions, w
 
 # ---------------------------------------------------------------- the loops as ops (torch.compile)
 # Each block loop is one custom op (``core/opaque.py``; plain eager calls run the body directly), as the
-# other loops (``lm_head/loop_ops.py``'s reason): traced, the loop's ``block_threads`` hit
+# other loops (``lm_head/loop.py``'s reason): traced, the loop's ``block_threads`` hit
 # ``torch.is_inference_mode_enabled`` (Dynamo refused the graph), and a loop over the token count would
 # specialize the graph on it. The fakes give the shapes from the inputs' (symbolic) ones.
 

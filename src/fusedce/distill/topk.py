@@ -57,8 +57,7 @@ from fusedce.core.reduction import token_mean_scale
 from fusedce.core.types import TopkDistillationOutput
 from fusedce.distill import checks as dc
 from fusedce.distill import tail as student_tail
-from fusedce.lm_head.compaction import compact_rows, scatter_rows
-from fusedce.lm_head.method import resolve_method
+from fusedce.lm_head.head import compact_rows, resolve_method, scatter_rows
 from fusedce.rl import multi
 
 

@@ -1,5 +1,5 @@
 """The vocab-parallel linear ops' chunk loops as one op each, so that a tracer sees one node per loop
-(issue 27 item 3, as ``lm_head/loop_ops.py`` for the single-process ops).
+(issue 27 item 3, as ``lm_head/loop.py`` for the single-process ops).
 
 Why: a loop ``for s in range(0, n, rows)`` over the token count ``n``, traced by Dynamo with a symbolic ``n``
 (``torch.compile(dynamic=True)``), needs a concrete ``n``: one compilation per distinct token count. Here the
@@ -7,14 +7,14 @@ collective-free part of each pass is a custom op (``core/opaque.py``: plain eage
 directly), whose fake implementation allocates the same outputs from the inputs' (symbolic) shapes; the
 collectives stay outside, in the autograd Functions (``linear.py``, ``linear_log_probs.py``,
 ``multi_log_probs.py``, ``soft_ops.py``). The body decides the chunk size from the real ``n`` by the eager
-rule (``chunk_rule.chunk_rows`` with ``V_r`` for ``V``), so compiled and eager calls make the same chunks.
+rule (``loop.chunk_rows`` with ``V_r`` for ``V``), so compiled and eager calls make the same chunks.
 
 Ops (namespace ``fusedce_dist``; the layout travels as ``start, size, n_classes`` ints, the options as
 ``LossOptions.op_args``, the backend by its ``NAME``; ``chunk_size`` 0 for the rule):
 
 - ``forward_chunks(kind, hidden, weight, bias, rowwise, shared, ...) -> list``: per chunk the slice's logits
-  (fp32, ``chunked.logits_chunk``) and the kind's partial statistics, written into the rows of the outputs.
-- ``backward_chunks(kind, ...) -> (grad_hidden, grad_weight, grad_bias)``: ``chunked.backprop_chunks`` with
+  (fp32, ``loop.logits_chunk``) and the kind's partial statistics, written into the rows of the outputs.
+- ``backward_chunks(kind, ...) -> (grad_hidden, grad_weight, grad_bias)``: ``loop.backprop_chunks`` with
   the kind's slice gradient (``grad_hidden`` is this rank's partial sum; the caller all-reduces it). An
   output not asked for is a (0,) tensor.
 
@@ -34,8 +34,7 @@ from fusedce.distributed.layout import VocabLayout
 from fusedce.distributed.multi_rows import gather_local, grad_of_slice, local_entries
 from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
 from fusedce.distributed.soft_rows import SoftPartials, SoftSlice
-from fusedce.lm_head.chunked import backprop_chunks, chunk_buffer, logits_chunk
-from fusedce.lm_head.loop_ops import or_empty, rows_of
+from fusedce.lm_head.loop import backprop_chunks, chunk_buffer, logits_chunk, or_empty, rows_of
 from fusedce.rl.multi_head import entries
 
 Tensor = torch.Tensor

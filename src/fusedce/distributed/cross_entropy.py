@@ -16,15 +16,14 @@ import torch
 
 from fusedce.core.autocast import backward_formula
 from fusedce.core.entrance import public_op
-from fusedce.core import reduction as red, validation as val
-from fusedce.core.options import check_flag, loss_options
+from fusedce.core import reduction as red
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce import backends
 from fusedce.core.types import CrossEntropyOutput
 from fusedce.core.options import LossOptions, LossOptionValues
 from fusedce.distributed.exchange import ce_outputs, exchange_ce
 from fusedce.distributed.layout import VocabLayout, vocab_layout
-from fusedce.ce.soft_targets import is_soft_target
+from fusedce.ce.checks import check_range, checked_vocab_parallel
 from fusedce.distributed import soft_ops
 from fusedce.distributed.output import finish
 from fusedce.distributed.shard_rows import shard_forward, shard_grad
@@ -126,32 +125,22 @@ def vocab_parallel_cross_entropy(
         rank only is raised on that rank before any collective; the others then wait in the setup
         ``all_gather``.
     """
-    val.check_float("logits_shard", logits_shard)
-    if logits_shard.dim() < 1:
-        raise ValueError("logits_shard must have at least one dimension (the classes, last)")
-    opts = loss_options(reduction, **options)
-    shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
-    if is_soft_target(target):   # soft_ops.py: this rank's slice of probability targets
-        return soft_ops.cross_entropy(logits_shard, target, weight_shard, group, vocab_start_index, opts, reduction,
-                                      num_items_in_batch, return_stats, backend, token_weights)
-    val.check_target(target, shape, device)
-    target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
-    val.check_vector("weight_shard", weight_shard, n_local, device, constant=True)
-    val.check_num_items(num_items_in_batch, device)
-    check_flag("return_stats", return_stats)
-    val.check_token_weights(token_weights, target)
-    impl = backends.get(backend, device)
-    layout = vocab_layout(n_local, vocab_start_index, group, device)
-    token_weights = red.row_token_weights(token_weights, target, opts.ignore_index)
-    val.check_target_range(target, layout.n_classes, opts.ignore_index,
-                           None if token_weights is None else token_weights.reshape(target.shape))
+    call = checked_vocab_parallel(logits_shard, target, weight_shard, reduction=reduction,
+                                  num_items_in_batch=num_items_in_batch, return_stats=return_stats, backend=backend,
+                                  token_weights=token_weights, options=options)
+    impl = backends.named(call.backend)
+    if call.probs:   # soft_ops.py: this rank's slice of probability targets
+        return soft_ops.cross_entropy(call, impl, logits_shard, target, group, vocab_start_index)
+    opts, shape, n_local = call.opts, call.lead, logits_shard.shape[-1]
+    layout = vocab_layout(n_local, vocab_start_index, group, logits_shard.device)
+    check_range(call, layout.n_classes)
 
     rows = logits_shard.reshape(math.prod(shape), n_local)
     if rows.stride(-1) != 1 and n_local > 1:
         rows = rows.contiguous()  # one copy, only when the class dim is strided
-    flat_target = target.reshape(-1)
+    flat_target = call.target
     loss_rows, lse, predicted, w_t, target_prob = _VocabParallelCrossEntropy.apply(
         rows, flat_target, weight_shard, layout, opts, impl)
     return finish(loss_rows, lse, predicted, None if weight_shard is None else w_t, flat_target, opts,
                   reduction, num_items_in_batch, return_stats, shape,
-                  red.times(target_prob if opts.use_token_scaling else None, token_weights))
+                  red.times(target_prob if opts.use_token_scaling else None, call.token_weights))

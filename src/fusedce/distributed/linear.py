@@ -2,8 +2,8 @@
 
 Each rank holds ``weight[start:start + V_r]`` (and the same slice of ``bias`` and class weights) and
 the full, identical ``hidden`` and ``target``. Logits exist one chunk of tokens at a time, ``rows x V_r``
-(never BT x V_r), through the single-process LM head's chunk loop pieces (``lm_head/chunked.py``: the
-chunk buffer, the logits, the gradient buffers and the backprop of a chunk; ``lm_head/compaction.py``),
+(never BT x V_r), through the single-process LM head's chunk loop pieces (``lm_head/loop.py``: the
+chunk buffer, the logits, the gradient buffers and the backprop of a chunk; ``lm_head/head.py``),
 each pass's loop one op (``chunk_ops.py``: one compilation for every token count), the collectives outside:
 
     forward   per chunk: logits_c = h_c @ W_r.T + b_r (fp32 from the operands' values,
@@ -26,16 +26,15 @@ import torch.distributed as dist
 
 from fusedce.core.autocast import backward_formula
 from fusedce.core.entrance import public_op
-from fusedce.core import reduction as red, validation as val
-from fusedce.core.options import check_flag, deterministic_mode, loss_options
+from fusedce.core import reduction as red
 from fusedce.core.autograd_checks import check_backward_allowed
-from fusedce.lm_head.compaction import compact_rows, scatter_rows
+from fusedce.lm_head.head import compact_rows, scatter_rows
 from fusedce import backends
 from fusedce.core.types import CrossEntropyOutput
 from fusedce.core.options import LossOptions, LossOptionValues
 from fusedce.distributed.exchange import ce_outputs, exchange_ce
 from fusedce.distributed.layout import VocabLayout, vocab_layout
-from fusedce.ce.soft_targets import is_soft_target
+from fusedce.ce.checks import check_range, checked_vocab_parallel_linear
 from fusedce.distributed import soft_ops
 from fusedce.distributed.output import finish
 from fusedce.distributed import chunk_ops
@@ -83,11 +82,6 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         return (grad_h, grad_w, grad_b) + (None,) * 7
 
 
-def _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype):
-    val.check_linear(hidden, weight_shard, target, bias_shard, ce_weight_shard, chunk_size, accum_dtype,
-                     names=("weight_shard", "bias_shard", "ce_weight_shard"), sharded=True)
-
-
 @public_op("linear")
 def vocab_parallel_linear_cross_entropy(
     hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
@@ -118,7 +112,7 @@ def vocab_parallel_linear_cross_entropy(
         reduction, num_items_in_batch, ``**options`` (the loss options, listed below):
             as in ``fusedce.cross_entropy``, on logits computed in ``hidden``'s dtype (fp32 accumulation).
         chunk_size: tokens per chunk (logits are ``chunk_size x V_r``). None = the single-process rule
-            (``lm_head/method.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
+            (``lm_head/head.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
         accum_dtype: dtype of the ``weight_shard`` / ``bias_shard`` gradient accumulators.
         return_stats: ``CrossEntropyOutput``; as in the single-process op, ``lse`` is 0 on ignored rows.
         backend: as in ``fusedce.linear_cross_entropy``: the kernels of this rank's statistics and
@@ -154,38 +148,30 @@ def vocab_parallel_linear_cross_entropy(
         when ``hidden``, ``weight_shard`` and ``bias_shard`` dtypes differ, ``chunk_size`` is not an
         integer or ``accum_dtype`` is not a floating-point ``torch.dtype``.
     """
-    if is_soft_target(target):   # soft_ops.py: this rank's slice of probability targets
-        deterministic_mode(deterministic)
-        return soft_ops.linear_cross_entropy(hidden, weight_shard, target, bias_shard, ce_weight_shard, group,
-                                             vocab_start_index, loss_options(reduction, **options), reduction,
-                                             num_items_in_batch, chunk_size, accum_dtype, return_stats, backend,
-                                             token_weights)
-    _check(hidden, weight_shard, bias_shard, ce_weight_shard, target, chunk_size, accum_dtype)
-    deterministic_mode(deterministic)   # checked; nothing to select (see the docstring)
-    opts = loss_options(reduction, **options)
-    target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
-    val.check_num_items(num_items_in_batch, hidden.device)
-    check_flag("return_stats", return_stats)
-    val.check_token_weights(token_weights, target)
-    impl = backends.get(backend, hidden.device)
+    call = checked_vocab_parallel_linear(
+        hidden, weight_shard, target, bias_shard, ce_weight_shard=ce_weight_shard, reduction=reduction,
+        num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, accum_dtype=accum_dtype,
+        return_stats=return_stats, backend=backend, deterministic=deterministic, token_weights=token_weights,
+        options=options)
+    impl = backends.named(call.backend)
+    if call.probs:   # soft_ops.py: this rank's slice of probability targets
+        return soft_ops.linear_cross_entropy(call, impl, hidden, weight_shard, target, bias_shard, group,
+                                             vocab_start_index)
+    opts = call.opts
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
-    token_weights = red.row_token_weights(token_weights, target, opts.ignore_index)
-    val.check_target_range(target, layout.n_classes, opts.ignore_index,
-                           None if token_weights is None else token_weights.reshape(target.shape))
+    check_range(call, layout.n_classes)
 
-    shape, size = target.shape, hidden.shape[-1]
+    shape, size = call.lead, hidden.shape[-1]
     n = math.prod(shape)
-    flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1),
-                                                   opts.ignore_index)
-    rows = None if chunk_size is None else int(chunk_size)   # None: the rule, decided in the loop op
+    flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), call.target, opts.ignore_index)
     loss_rows, lse, predicted, w_t, target_prob = _VocabParallelLinearCE.apply(
-        flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, rows, accum_dtype,
-        impl)
+        flat_hidden, weight_shard, bias_shard, flat_target, ce_weight_shard, layout, opts, call.head.rows,
+        accum_dtype, impl)
     # back to every row: ignored rows have loss 0, lse 0, argmax -1, w_t 0
     loss_rows, lse, target_prob = (scatter_rows(t, index, n, 0.0) for t in (loss_rows, lse, target_prob))
     predicted = scatter_rows(predicted, index, n, -1)
     if ce_weight_shard is not None:
         w_t = scatter_rows(w_t, index, n, 0.0)
     return finish(loss_rows, lse, predicted, None if ce_weight_shard is None else w_t,
-                  target.reshape(-1), opts, reduction, num_items_in_batch, return_stats, shape,
-                  red.times(target_prob if opts.use_token_scaling else None, token_weights))
+                  call.target, opts, reduction, num_items_in_batch, return_stats, shape,
+                  red.times(target_prob if opts.use_token_scaling else None, call.token_weights))

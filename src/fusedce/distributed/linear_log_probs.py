@@ -24,7 +24,7 @@ from fusedce import backends
 from fusedce.core import validation as val
 from fusedce.rl import checks as rc
 from fusedce.core.autograd_checks import check_backward_allowed
-from fusedce.lm_head.compaction import compact_rows, scatter_rows
+from fusedce.lm_head.head import compact_rows, scatter_rows
 from fusedce.core.options import LossOptions
 from fusedce.core.types import TokenLogProbs
 from fusedce.rl.multi import result
@@ -99,7 +99,7 @@ def vocab_parallel_linear_token_log_probs(
             rounding to ``hidden``'s dtype), the rest in fp32.
         backend: the kernels of this rank's statistics and gradients (the matmuls are torch's).
         chunk_size: tokens per chunk (logits ``chunk_size x V_r``); None = ``max(1024, BT * H / V_r)``
-            rows (``lm_head/method.py``). The chunked method only (no tiled form).
+            rows (``lm_head/head.py``). The chunked method only (no tiled form).
         deterministic: accepted as in ``fusedce.linear_token_log_probs``; this op is deterministic
             whatever its value (as ``vocab_parallel_linear_cross_entropy``: no float atomics).
 

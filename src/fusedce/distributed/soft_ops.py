@@ -7,7 +7,7 @@ concatenated vocabulary (label smoothing's ``eps / V`` with the global ``V``, cl
 vocabulary, z-loss on the global lse, softcap, logit scale, ``token_weights``; no row ignored; ``"mean"``
 divides by the number of rows or ``num_items_in_batch``). The per-slice statistics, the collectives and the
 slice gradient are ``soft_rows.py``'s; the linear op's chunk loop is the class-index op's
-(``lm_head/chunked.py``: chunk buffer, fp32 logits, ``backprop_chunks``; one op per pass,
+(``lm_head/loop.py``: chunk buffer, fp32 logits, ``backprop_chunks``; one op per pass,
 ``chunk_ops.py``), with ``all_reduce(SUM)`` of
 ``grad_hidden`` in backward. The target's values are checked in the setup ``all_gather`` (``layout.py``).
 """
@@ -18,13 +18,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from fusedce.ce.linear_soft import check_linear_soft_target, index_stand_in
-from fusedce.ce.soft_targets import backend_rows, check_soft_target
-from fusedce.core import reduction as red, validation as val
+from fusedce.core import reduction as red
 from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
-from fusedce.core.options import LossOptions, check_flag
-from fusedce import backends
+from fusedce.core.options import LossOptions
 from fusedce.distributed import chunk_ops
 from fusedce.distributed.layout import VocabLayout, vocab_layout
 from fusedce.distributed.soft_rows import SoftPartials, SoftSlice, exchange_soft
@@ -97,68 +94,36 @@ class _LinearSoftCE(torch.autograd.Function):
         return (grad_h, grad_w, grad_b) + (None,) * 8
 
 
-def _finish(loss_rows, lse, predicted, expected, opts, reduction, num_items_in_batch, return_stats, shape,
-            token_weights):
-    n = loss_rows.shape[0]
-    factor = None if token_weights is None else token_weights.detach().reshape(-1).float()
-    scales = red.row_count_scales(n, loss_rows.device, num_items_in_batch) if reduction == "mean" else None
-    loss = red.reduce(*red.token_scaled(loss_rows, red.z_rows(lse, opts), factor), reduction, scales, shape)
-    if not return_stats:
+def _finish(call, loss_rows, lse, predicted, expected):
+    opts, reduction, factor = call.opts, call.reduction, call.token_weights
+    scales = red.row_count_scales(loss_rows.shape[0], loss_rows.device, call.num_items) if reduction == "mean" else None
+    loss = red.reduce(*red.token_scaled(loss_rows, red.z_rows(lse, opts), factor), reduction, scales, call.lead)
+    if not call.return_stats:
         return loss
-    return red.stats(loss, lse, predicted, expected, opts, reduction, scales, shape, factor,
+    return red.stats(loss, lse, predicted, expected, opts, reduction, scales, call.lead, factor,
                      valid=torch.ones_like(expected, dtype=torch.bool))
 
 
-def _flat_slice(target: torch.Tensor, n: int, n_local: int) -> torch.Tensor:
-    q = target.reshape(n, n_local)
-    return q.contiguous() if q.stride(-1) != 1 and n_local > 1 else q
-
-
-def cross_entropy(logits_shard, target, weight_shard, group, vocab_start_index, opts: LossOptions, reduction,
-                  num_items_in_batch, return_stats, backend, token_weights):
-    """``vocab_parallel_cross_entropy`` with ``target`` the (..., V_r) probabilities of this rank's slice
-    (after its common checks: ``logits_shard``, ``opts``)."""
-    shape, n_local, device = logits_shard.shape[:-1], logits_shard.shape[-1], logits_shard.device
-    check_soft_target(target, logits_shard, opts, values=False)
-    val.check_vector("weight_shard", weight_shard, n_local, device, constant=True)
-    val.check_num_items(num_items_in_batch, device)
-    check_flag("return_stats", return_stats)
-    val.check_token_weights(token_weights, target, shape)
-    impl = backends.get(backend, device)
-    backend_rows(impl, backend)   # NotImplementedError on a backend without probability targets
+def cross_entropy(call, impl, logits_shard, target, group, vocab_start_index):
+    """``vocab_parallel_cross_entropy`` on a checked ``CECall`` with this rank's slice of probabilities
+    (``target``: as given, for the value check of the setup collective)."""
+    shape, n_local, device = call.lead, logits_shard.shape[-1], logits_shard.device
     layout = vocab_layout(n_local, vocab_start_index, group, device, probabilities=target)
     n = math.prod(shape)
     rows = logits_shard.reshape(n, n_local)
     if rows.stride(-1) != 1 and n_local > 1:
         rows = rows.contiguous()
-    w = None if weight_shard is None else weight_shard.detach().float().contiguous()
-    loss_rows, lse, predicted, expected = _SoftCE.apply(rows, _flat_slice(target, n, n_local), w, layout, opts,
-                                                        impl, return_stats)
-    return _finish(loss_rows, lse, predicted, expected, opts, reduction, num_items_in_batch, return_stats, shape,
-                   token_weights)
+    loss_rows, lse, predicted, expected = _SoftCE.apply(rows, call.target, call.class_weights, layout, call.opts,
+                                                        impl, call.return_stats)
+    return _finish(call, loss_rows, lse, predicted, expected)
 
 
-def linear_cross_entropy(hidden, weight_shard, target, bias_shard, ce_weight_shard, group, vocab_start_index,
-                         opts: LossOptions, reduction, num_items_in_batch, chunk_size, accum_dtype, return_stats,
-                         backend, token_weights):
-    """``vocab_parallel_linear_cross_entropy`` with ``target`` the (..., V_r) probabilities of this rank's
-    slice."""
-    val.check_linear(hidden, weight_shard, index_stand_in(hidden, target), bias_shard, ce_weight_shard, chunk_size,
-                     accum_dtype, names=("weight_shard", "bias_shard", "ce_weight_shard"), sharded=True)
-    check_linear_soft_target(target, hidden, weight_shard, opts, values=False)
-    val.check_num_items(num_items_in_batch, hidden.device)
-    check_flag("return_stats", return_stats)
-    val.check_token_weights(token_weights, target, hidden.shape[:-1])
-    impl = backends.get(backend, hidden.device)
-    backend_rows(impl, backend)
-    n_local = weight_shard.shape[0]
-    layout = vocab_layout(n_local, vocab_start_index, group, hidden.device, probabilities=target)
-    shape, size = hidden.shape[:-1], hidden.shape[-1]
-    n = math.prod(shape)
-    rows = None if chunk_size is None else int(chunk_size)   # None: the rule, decided in the loop op
-    w = None if ce_weight_shard is None else ce_weight_shard.detach().float().contiguous()
+def linear_cross_entropy(call, impl, hidden, weight_shard, target, bias_shard, group, vocab_start_index):
+    """``vocab_parallel_linear_cross_entropy`` on a checked ``CECall`` with this rank's slice of
+    probabilities."""
+    layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device, probabilities=target)
+    n = math.prod(call.lead)
     loss_rows, lse, predicted, expected = _LinearSoftCE.apply(
-        hidden.reshape(n, size), weight_shard, bias_shard, _flat_slice(target, n, n_local), w, layout, opts,
-        rows, accum_dtype, impl, return_stats)
-    return _finish(loss_rows, lse, predicted, expected, opts, reduction, num_items_in_batch, return_stats, shape,
-                   token_weights)
+        hidden.reshape(n, hidden.shape[-1]), weight_shard, bias_shard, call.target, call.class_weights, layout,
+        call.opts, call.head.rows, call.head.accum_dtype, impl, call.return_stats)
+    return _finish(call, loss_rows, lse, predicted, expected)

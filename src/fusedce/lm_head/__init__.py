@@ -1,8 +1,6 @@
-"""The machinery every linear op family shares, for every backend: the chunked head (``chunked.py``: logits
-of one chunk of tokens at a time) and the tiled head (``heads.py``: the backend's ``TiledCE``, no logits),
-the method (``method.py``: ``METHODS``, ``resolve_method``, ``make_head``, the chunk size), the compaction
-of ignored rows (``compaction.py``) and the fp16 headroom of forward-made gradients (``headroom.py``). The
-families built on it live above: ``ce/linear_function.py`` (the linear cross-entropy's autograd Function),
-``rl/linear_head.py`` and ``rl/multi_head.py`` (log-probs), ``distill/linear_head.py`` (distillation). A
-backend plugs in its per-chunk cross-entropy (``ChunkCE``) and its tiled LM head + loss (``TiledCE``):
-``backends/protocol.py``."""
+"""The machinery every linear op family shares, for every backend: the chunk loop and its custom ops
+(``loop.py``), the method and the two heads built on it (``head.py``: chunked and tiled; the headroom of
+forward-made gradients, the compaction of ignored rows), ``batch_invariant``'s fixed shapes (``invariant.py``)
+and fp32 logits from low-precision operands (``fp32_linear.py``); probability targets' heads in
+``soft_loop.py``. A backend plugs in its ``ChunkCE`` and ``TiledCE`` (``backends/protocol.py``). Design:
+``docs/lm_head.md``."""

@@ -6,7 +6,7 @@ partial sum), where the stock composition (``F.linear`` in the operands' dtype) 
 the operands' dtype at the end (2^-8 relative in bf16: 0.03 nats at a logit of 8). Two ways to form them:
 
 - eager CUDA builds with an fp32-output GEMM of low-precision operands (``torch.mm(..., out_dtype=
-  torch.float32)``; probed once per device type, ``chunked._mm_out_dtype_ok``): the tensor cores read the
+  torch.float32)``; probed once per device type, ``loop._mm_out_dtype_ok``): the tensor cores read the
   bf16 operands and write fp32, no upcast copy at all (the same FLOPs as the bf16 GEMM).
 - everywhere else (the CPU kernels have no such GEMM in torch 2.13: ``aten::mm.dtype`` has no CPU
   kernel; traced code): the weight is upcast ``weight_block_rows(H, n, V)`` rows at a time (about
@@ -30,7 +30,7 @@ On a CPU with bf16 units (AVX512-BF16 / AMX) each block's fp32 GEMM runs in oneD
 the bf16 GEMM itself 13 ms; what remains is the upcast of the weight blocks.
 
 The backward rounds the logits' gradient to the operands' dtype before its two GEMMs (as the stock
-composition's bf16 backward, ``chunked.backprop_chunk_``), so they stay the fast low-precision ones;
+composition's bf16 backward, ``loop.backprop_chunk_``), so they stay the fast low-precision ones;
 where torch's low-precision CPU GEMM is its scalar fallback (no oneDNN kernel for the dtype on that CPU:
 ``bf16_products.upcast_gemms``), the hidden gradient and ``logits="input"``'s logits are fp32 GEMMs of the
 same values rounded once (``grad_hidden_fp32_``; 30x faster on an AVX2-only CPU).
@@ -51,7 +51,7 @@ def weight_block_rows(hidden_size: int, n_rows: int = 0, vocab_size: int = 0) ->
     """Rows of the weight upcast at once: ``E / H``, at least 1, with ``E`` = ``BLOCK_ELEMENTS`` raised to
     the chunk's fp32 logits size ``n_rows * vocab_size`` and capped at ``MAX_BLOCK_FACTOR *
     BLOCK_ELEMENTS`` (32 MiB in fp32): a block no larger than the chunk buffer that the backward's
-    weight-gradient step already upcasts (``chunked.accumulate_``), fewer and wider GEMMs per chunk.
+    weight-gradient step already upcasts (``loop.accumulate_``), fewer and wider GEMMs per chunk.
     Measured (issue 32, 2-core CPU VM, load 4.4-4.8, 144 x 576 rows against V = 49152, median of 5
     in one process): 7281-row blocks 287-299 ms, 12288-row blocks 235-245 ms, 16384: 276 ms."""
     elements = min(max(BLOCK_ELEMENTS, n_rows * vocab_size), MAX_BLOCK_FACTOR * BLOCK_ELEMENTS)
@@ -62,7 +62,7 @@ def linear_fp32_(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  fused_gemm: bool) -> torch.Tensor:
     """``out = h @ weight.T (+ bias)`` in fp32 (``out``: ``(n, V)`` fp32, written in place and returned)
     from ``h`` ``(n, H)`` and ``weight`` ``(V, H)`` of one low-precision dtype. ``fused_gemm``: use the
-    fp32-output GEMM (only where ``chunked._mm_out_dtype_ok`` said the build has it); else the weight
+    fp32-output GEMM (only where ``loop._mm_out_dtype_ok`` said the build has it); else the weight
     is upcast in blocks of ``weight_block_rows(H, n, V)`` rows (never V x H in fp32)."""
     if fused_gemm:
         torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)

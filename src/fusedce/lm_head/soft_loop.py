@@ -1,11 +1,11 @@
 """The LM head with probability ("soft") targets: the chunk loop over the backends' probability-target row
 ops and the tiled head over the PyTorch blocked loop, behind one small interface used by
-``ce/linear_soft.py`` (the shape of ``heads.py``, with the target a (BT, V) tensor and no row ignored).
+``ce/linear_soft.py`` (the shape of ``head.py``, with the target a (BT, V) tensor and no row ignored).
 
 - ``SoftChunkedHead`` (``method="chunked"``): per chunk of ``rows`` tokens, ``logits_c = h_c @ W.T (+ b)``
-  into one reused buffer (``chunked.logits_chunk``), then the backend's ``soft_ce_forward`` op on
+  into one reused buffer (``loop.logits_chunk``), then the backend's ``soft_ce_forward`` op on
   ``(logits_c, q[c])`` and, for mean / sum, its ``soft_ce_backward_inplace`` op writing dL/dlogits_c over
-  the chunk, then ``chunked.backprop_chunk_`` (3 matmuls per token; the same ops ``cross_entropy`` runs
+  the chunk, then ``loop.backprop_chunk_`` (3 matmuls per token; the same ops ``cross_entropy`` runs
   with a float target: ``backends/pytorch/soft_targets.py``, ``backends/triton/soft_targets.py``).
 - ``SoftTiledHead`` (``method="tiled"``): ``backends/pytorch/soft_tiled.py`` (blocks of tokens x a
   vocabulary block, the target read block by block) on every backend; 4 matmuls per token.
@@ -24,9 +24,9 @@ from fusedce.backends.pytorch.custom_ops import soft_tiled_backward, soft_tiled_
 from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import grad_lse
-from . import chunked as loop
-from .loop_ops import f32, or_empty, rows_of
-from .method import resolve_method
+from . import loop
+from .loop import f32, or_empty, rows_of
+from .head import resolve_method
 
 _OP_NAMESPACES = {"torch": "fusedce_torch", "triton": "fusedce"}   # backends/*/soft_targets.py
 Opt = Optional[torch.Tensor]
@@ -141,9 +141,23 @@ def _(hidden, weight, bias, q, w, ignore_index, scalars, backend, chunk_size, lo
             weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=accum_dtype))
 
 
-class SoftChunkedHead:
+class _ProbsRows:
+    def rows_forward(self, hidden, weight, bias, q, w, weight_sum, opts: LossOptions, stats: bool):
+        """``head.LinearHeadFunction``'s interface: no per-row factor, ``a`` the per-row state."""
+        loss, lse, lse_lo, a, predicted = self.forward(hidden, weight, bias, q, w, opts, stats)
+        return loss, lse, lse_lo, predicted, None, a
+
+    def rows_grads(self, hidden, weight, bias, q, w, weight_sum, opts: LossOptions, grad_row, z_grad_row, needs,
+                   accum_dtype, saved=None, stats: bool = False):
+        saved = None if saved is None else (saved[0], saved[1], saved[3])
+        loss, lse, lse_lo, a, predicted, *grads = self.grads(hidden, weight, bias, q, w, opts, grad_row, z_grad_row,
+                                                             needs, accum_dtype, saved, stats)
+        return (loss, lse, lse_lo, predicted, None, a, *grads)
+
+
+class SoftChunkedHead(_ProbsRows):
     """``method="chunked"``: ``_SoftChunks`` through one op per loop (``fusedce_lm::soft_chunked_forward`` /
-    ``soft_chunked_grads``: a tracer sees one node whatever the token count, ``loop_ops.py``'s reason; the
+    ``soft_chunked_grads``: a tracer sees one node whatever the token count, ``loop.py``'s reason; the
     rows per chunk decided from the real count, ``chunk_size`` None for the rule)."""
     grads_in_forward = True
 
@@ -169,7 +183,7 @@ class SoftChunkedHead:
         return (loss, lse_o, lo_o, a_o, predicted if stats else None, *grads)
 
 
-class SoftTiledHead:
+class SoftTiledHead(_ProbsRows):
     grads_in_forward = False
 
     def forward(self, hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
@@ -187,7 +201,7 @@ class SoftTiledHead:
 
 def make_soft_head(impl, method: str, n_rows: int, hidden_size: int, vocab_size: int,
                    chunk_size: Optional[int], device_type: str, logits: str = "float32"):
-    """The head for ``method`` ("auto" resolved by ``method.resolve_method``)."""
+    """The head for ``method`` ("auto" resolved by ``head.resolve_method``)."""
     if resolve_method(method) == "tiled":
         return SoftTiledHead()
     return SoftChunkedHead(impl, chunk_size, logits)   # rows decided inside the loop's op

@@ -13,7 +13,7 @@ import torch
 
 from fusedce.core import validation as val
 from fusedce.core.options import LossOptions, check_flag, deterministic_mode, log_prob_options
-from fusedce.lm_head.method import check_method
+from fusedce.lm_head.head import check_method
 from fusedce.rl.truncation_checks import checked_truncation
 
 

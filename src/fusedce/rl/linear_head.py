@@ -22,10 +22,8 @@ import torch
 from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
-from fusedce.lm_head import invariant, loop_ops
-from fusedce.lm_head.compaction import compact_rows, scatter_rows
-from fusedce.lm_head.method import make_head
-from fusedce.lm_head.heads import TiledHead
+from fusedce.lm_head import invariant, loop
+from fusedce.lm_head.head import TiledHead, compact_rows, make_head, scatter_rows
 from fusedce.backends.protocol import ChunkCE, TiledCE
 
 
@@ -75,7 +73,7 @@ class _LogProbs(torch.autograd.Function):
 
 
 class _LinearLogProbs(torch.autograd.Function):
-    """``hidden @ weight.T + bias`` never materialized: a ``heads.py`` head (chunked or tiled)."""
+    """``hidden @ weight.T + bias`` never materialized: a ``head.py`` head (chunked or tiled)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, head, opts: LossOptions, want_entropy: bool, want_stats: bool,
@@ -89,7 +87,7 @@ class _LinearLogProbs(torch.autograd.Function):
                                       token_stats=True, batch_invariant=head.batch_invariant)
             loss, lse, lse_lo, entropy, stats = rows.loss, rows.lse, rows.lse_lo, rows.entropy, rows.token_stats
         else:
-            loss, lse, lse_lo, entropy, stats = loop_ops.loss_with_token_stats(
+            loss, lse, lse_lo, entropy, stats = loop.loss_with_token_stats(
                 head.ce, head.chunk_size, hidden, weight, bias, target, opts, want_entropy, head.logits)
         log_probs, entropy_out = _outputs(loss, entropy, target, opts)
         ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy_out)
@@ -125,7 +123,7 @@ def linear_token_log_probs(ce: ChunkCE, hidden, weight, target, bias, opts: Loss
                            tiled: Optional[TiledCE] = None, deterministic: bool = False, logits: str = "float32",
                            batch_invariant: bool = False):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT,) -> as ``token_log_probs``
-    (the five per-row outputs); ignored rows compacted away; ``deterministic`` as in ``method.make_head``;
+    (the five per-row outputs); ignored rows compacted away; ``deterministic`` as in ``head.make_head``;
     ``batch_invariant``: the kept rows padded to the head's row multiple (``lm_head/invariant.py``)."""
     n = hidden.shape[0]
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)

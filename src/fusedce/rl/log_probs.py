@@ -11,7 +11,7 @@ from fusedce.rl import linear_head
 from fusedce.rl import multi
 from fusedce.core import validation as val
 from fusedce.lm_head import invariant
-from fusedce.lm_head.method import check_logits_dtype, resolve_method
+from fusedce.lm_head.head import check_logits_dtype, resolve_method
 from fusedce.rl import checks as rc
 from fusedce.rl.truncation_checks import check_truncated_method
 from fusedce.rl import truncated_head

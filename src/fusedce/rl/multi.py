@@ -38,7 +38,7 @@ def linear_log_probs_rows(impl, hidden, weight, classes, bias, opts: LossOptions
     """The internal K-class op of the LM head on CHECKED arguments (no check, no entrance; the top-k
     distillation calls it): ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` ``(V,)`` or None,
     ``classes`` ``(..., K)`` as :func:`log_probs_rows`, ``impl`` from ``backends.get(..., entropy=True,
-    tiled=...)``, ``logits`` as ``chunked.logits_dtype``, ``compact`` as ``multi_ops.
+    tiled=...)``, ``logits`` as ``loop.logits_dtype``, ``compact`` as ``multi_ops.
     linear_token_log_probs_multi``'s. Returns ``(log_probs (N, K), entropy (N,) or None)``."""
     return multi_ops.linear_token_log_probs_multi(
         impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, classes.reshape(-1, classes.shape[-1]), bias,

@@ -45,8 +45,8 @@ from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform
-from fusedce.lm_head import chunked as loop
-from fusedce.lm_head.heads import TiledHead
+from fusedce.lm_head import loop
+from fusedce.lm_head.head import TiledHead
 from fusedce.rl.multi_head_tiled import sparse_grads_, target_logits
 from fusedce.backends.protocol import ChunkCE
 
@@ -151,7 +151,7 @@ def _fix_columns_(grad: torch.Tensor, x: torch.Tensor, e: Entries, g, G, lse, ls
 
 
 class _KClassCE:
-    """A ``ChunkCE`` whose ``grad_`` takes (n, K) targets and upstream gradients (``chunked.grads`` slices
+    """A ``ChunkCE`` whose ``grad_`` takes (n, K) targets and upstream gradients (``loop.grads_loop`` slices
     both by rows): the one-class kernel with ``grad_lse = -G``, then ``_fix_columns_``."""
 
     def __init__(self, ce: ChunkCE, n_classes: int):
@@ -198,7 +198,7 @@ class _LogProbsK(torch.autograd.Function):
 
 
 def linear_forward(head, hidden, weight, bias, target, opts: LossOptions, want_entropy: bool):
-    """The linear K-class forward on a ``heads.py`` head: ``(lse, lse_lo, entropy or None, x)``, ``x`` (n, K)
+    """The linear K-class forward on a ``head.py`` head: ``(lse, lse_lo, entropy or None, x)``, ``x`` (n, K)
     the target logits before the transform (the chunk logits' dtype; fp32 with the tiled head)."""
     e = entries(target, opts, weight.shape[0])
     if isinstance(head, TiledHead):
@@ -222,7 +222,7 @@ def linear_grads(head, hidden, weight, bias, target, lse, lse_lo, entropy, x, gr
         d = mul_slope_(g.clone(), transform(x.float(), opts), opts)
         return sparse_grads_(grads, hidden, weight, d, e.safe, needs, head.deterministic)
     saved = (lse, lse_lo, None, entropy if k is not None else None)
-    *_, g_h, g_w, g_b = loop.grads(_KClassCE(head.ce, weight.shape[0]), hidden, weight, bias, target, None,
+    *_, g_h, g_w, g_b = loop.grads_loop(_KClassCE(head.ce, weight.shape[0]), hidden, weight, bias, target, None,
                                    None, opts, head.rows_for(hidden, weight), g, g, needs, torch.float32,
                                    saved=saved, grad_entropy=k, logits=head.logits)
     return g_h, g_w, g_b

@@ -1,6 +1,6 @@
 """The linear K-class log-probs (``linear_token_log_probs`` with a ``(..., K)`` target) through two ops, so
 that a tracer sees one node for the forward and one for the backward whatever the token count (issue 27
-item 3; the reason and the mechanism are ``lm_head/loop_ops.py``'s: the chunk loops, the gathers and the
+item 3; the reason and the mechanism are ``lm_head/loop.py``'s: the chunk loops, the gathers and the
 sparse gradient loops all step over the rows). The math is ``multi_head.py``'s.
 
 - ``fusedce_rl::k_forward(hidden, weight, bias?, target (n, K), <options>, <head>, want_entropy) -> (lse,
@@ -10,7 +10,7 @@ sparse gradient loops all step over the rows). The math is ``multi_head.py``'s.
   ((0,) where not needed; the last two fp32).
 
 ``<options>`` = ``ignore_index, scalars`` (``LossOptions.op_args``); ``<head>`` = ``backend, tiled, chunk_size,
-deterministic, logits`` (``method.head_spec``: the head is rebuilt in the body, ``method.rebuild_head``).
+deterministic, logits`` (``head.head_spec``: the head is rebuilt in the body, ``head.rebuild_head``).
 Plain eager calls run the bodies directly (``core/opaque.py``).
 """
 from __future__ import annotations
@@ -24,9 +24,8 @@ from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.backends.protocol import ChunkCE, TiledCE
-from fusedce.lm_head import chunked as loop
-from fusedce.lm_head.compaction import compact_rows, scatter_rows
-from fusedce.lm_head.method import head_spec, make_head, rebuild_head
+from fusedce.lm_head import loop
+from fusedce.lm_head.head import compact_rows, head_spec, make_head, rebuild_head, scatter_rows
 from fusedce.rl.multi_head import entries, linear_forward, linear_grads, log_probs_at
 
 Opt = Optional[torch.Tensor]
@@ -76,7 +75,7 @@ def _(hidden, weight, bias, target, lse, lse_lo, entropy, x, grad_log_probs, gra
 
 
 class _LinearLogProbsK(torch.autograd.Function):
-    """``hidden @ weight.T + bias`` never materialized: a ``heads.py`` head (chunked or tiled)."""
+    """``hidden @ weight.T + bias`` never materialized: a ``head.py`` head (chunked or tiled)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, spec: tuple, opts: LossOptions, want_entropy: bool, needs):

@@ -1,6 +1,6 @@
 """The autograd Functions of the RL log-prob ops with ``top_k`` / ``top_p`` (``rl/log_probs.py`` routes there
 when either is on): ``token_log_probs`` over row chunks of the logits, ``linear_token_log_probs`` over the
-chunked LM-head loop (``lm_head/chunked.py``: one chunk of logits at a time, recomputed in the backward), the
+chunked LM-head loop (``lm_head/loop.py``: one chunk of logits at a time, recomputed in the backward), the
 row math in ``truncated_rows.py`` (PyTorch ops on each chunk's fp32 ``q``: the same on every backend).
 
 Saved per row: the kept set's threshold and ``lse_S`` (and the entropy), so the backward needs no sort.
@@ -18,9 +18,9 @@ from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform
-from fusedce.lm_head import chunked
-from fusedce.lm_head.chunk_rule import chunk_rows
-from fusedce.lm_head.compaction import compact_rows, scatter_rows
+from fusedce.lm_head import loop
+from fusedce.lm_head.loop import chunk_rows
+from fusedce.lm_head.head import compact_rows, scatter_rows
 from fusedce.rl import truncated_rows as tr
 
 CHUNK_ELEMENTS = 1 << 23   # rows of the logits form per chunk: this many elements of q (32 MiB in fp32)
@@ -93,17 +93,17 @@ class _TruncatedLogProbs(torch.autograd.Function):
 
 
 class _TruncatedLinearLogProbs(torch.autograd.Function):
-    """``hidden @ weight.T + bias`` one chunk of ``rows`` tokens at a time (``lm_head/chunked.py``)."""
+    """``hidden @ weight.T + bias`` one chunk of ``rows`` tokens at a time (``lm_head/loop.py``)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, top_k, top_p, opts: LossOptions, want_entropy: bool,
                 rows: int, logits: str, needs):
         n = hidden.shape[0]
         lp, ent, thr, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4))
-        buffer = chunked.chunk_buffer(n, rows, weight, hidden.dtype, logits)
+        buffer = loop.chunk_buffer(n, rows, weight, hidden.dtype, logits)
         for s in range(0, n, rows):
             c = slice(s, s + rows)
-            x = chunked.logits_chunk(hidden[c], weight, bias, buffer, logits)
+            x = loop.logits_chunk(hidden[c], weight, bias, buffer, logits)
             out = _chunk_forward(_q(x, opts), target[c], top_k[c], top_p[c], opts, want_entropy)
             lp[c], thr[c], lse[c] = out[0], out[2], out[3]
             if want_entropy:
@@ -124,7 +124,7 @@ class _TruncatedLinearLogProbs(torch.autograd.Function):
             return _chunk_grad(_q(x, ctx.opts), target[c], thr[c], lse[c], ent[c],
                                None if g_lp is None else g_lp[c], None if g_ent is None else g_ent[c], ctx.opts)
 
-        g_h, g_w, g_b = chunked.backprop_chunks(hidden, weight, bias, ctx.rows, ctx.needs, torch.float32,
+        g_h, g_w, g_b = loop.backprop_chunks(hidden, weight, bias, ctx.rows, ctx.needs, torch.float32,
                                                 grad_of_chunk, ctx.logits)
         g_w = None if g_w is None else g_w.to(ctx.dtypes[0])
         g_b = None if g_b is None else g_b.to(ctx.dtypes[1])

@@ -25,7 +25,7 @@ class CuteChunkCE:
     """``ChunkCE`` (``backends/protocol.py``) with the CuTe kernels (CUDA), through the
     ``fusedce_cute`` custom ops (``custom_ops.py``). No entropy kernels yet: the RL ops refuse this
     backend (``fusedce/rl/log_probs.py``)."""
-    NAME = "cute"   # the backend's name (lm_head/loop_ops.py finds this class by it)
+    NAME = "cute"   # the backend's name (lm_head/loop.py finds this class by it)
 
 
     @staticmethod

@@ -6,7 +6,7 @@ from .custom_ops import rows_grad_, rows_loss, rows_loss_grad_, rows_token_stats
 
 class TorchChunkCE:
     """``ChunkCE`` in plain PyTorch (row sub-chunks keep the fp32 temporaries small; each loop one custom op)."""
-    NAME = "torch"   # the backend's name (lm_head/loop_ops.py finds this class by it)
+    NAME = "torch"   # the backend's name (lm_head/loop.py finds this class by it)
 
 
     @staticmethod

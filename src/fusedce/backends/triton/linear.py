@@ -30,7 +30,7 @@ def _w(w, weight_sum):
 
 class TritonChunkCE:
     """``ChunkCE`` with the Triton kernels (CUDA, or the interpreter in tests)."""
-    NAME = "triton"   # the backend's name (lm_head/loop_ops.py finds this class by it)
+    NAME = "triton"   # the backend's name (lm_head/loop.py finds this class by it)
 
 
     @staticmethod

@@ -8,7 +8,7 @@ from torch import nn
 from fusedce.backends import BACKENDS
 from fusedce.ce.functional import linear_cross_entropy
 from fusedce.lm_head import invariant
-from fusedce.lm_head.method import check_logits_dtype, check_method
+from fusedce.lm_head.head import check_logits_dtype, check_method
 from fusedce.core.options import LOSS_OPTION_NAMES, check_chunk_size, deterministic_mode, loss_options
 from fusedce.integrations.hf.head import LogitTransform
 

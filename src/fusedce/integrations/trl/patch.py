@@ -34,7 +34,7 @@ from fusedce.core.entrance import public_op
 from fusedce.integrations.sources import check_sources
 from fusedce.integrations.trl import forward
 from fusedce.lm_head import invariant
-from fusedce.lm_head.method import check_logits_dtype
+from fusedce.lm_head.head import check_logits_dtype
 
 SUPPORTED_TRL = "1.16"
 # sha256 (first 16 hex digits) of inspect.getsource of what fusedce reproduces, in TRL 1.16.0

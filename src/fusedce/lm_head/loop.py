@@ -1,28 +1,6 @@
-"""The chunk loop: logits of ``rows`` tokens at a time, never BT x V.
-
-Per chunk c (hidden rows h_c, n_c x H):
-    logits_c = h_c @ W.T (+ b)                       n_c x V fp32 from the operands' values (``fp32_linear``;
-                                                     ``logits="input"``: hidden's dtype, as F.linear),
-                                                     written into one chunk buffer reused by every chunk
-    loss_c, lse_c, g_c = dloss/dlogits_c              one backend call, ``ChunkCE.loss_and_grad_``: the
-                                                     gradient written over logits_c (Triton: one fused
-                                                     kernel, the chunk read once and written once)
-    grad_h_c = g_c @ W;  grad_W += g_c.T @ h_c;  grad_b += sum_rows g_c   (accum_dtype accumulators)
-FLOPs: 2 n_c V H for the logits and 2 n_c V H for each of grad_h and grad_W, as the unfused path.
-Launches per chunk (Triton, mean / sum): 1 matmul + 1 cross-entropy kernel + the gradient matmuls.
-
-``grad_W += g_c.T @ h_c`` with a ``grad_W`` wider than the chunk (fp32 accumulator, bf16/fp16 chunk):
-eager calls use ``torch.addmm(..., out_dtype=fp32, out=grad_W)`` where the build has it (CUDA; a one-time
-probe per device type, cached for the process), so no fp32 copy of the chunk is made; elsewhere (CPU
-kernels) the chunk operands are upcast to fp32 (n_c x V and n_c x H, never V x H; the fp32 logits' own
-chunk buffer serves as the upcast gradient, ``backprop_chunk_``), and on a CPU with bf16 units that GEMM of
-bf16 values runs on them (``core/bf16_products.py``: exact, fp32 accumulation). Traced or captured
-code (``torch.compile`` / ``torch.export``, CUDA-graph capture, fake tensors) always takes the upcast path
-and never probes nor fills the cache: Inductor cannot lower an ``out_dtype`` addmm, fake tensors would
-accept it on any device, and a graph must not depend on which call came first. So on CUDA,
-``addmm(out_dtype)`` runs only in eager; compiled graphs and captured CUDA graphs use the upcast path
-(the same fp32 sums of exact products; only the summation order may differ).
-"""
+"""The chunk loop of the LM head (logits of ``rows`` tokens at a time, never BT x V), its rows rule and its
+custom ops for torch.compile (one node per loop, one compilation for every token count). The design, the
+rule's measurements and the ops' contracts: ``docs/lm_head.md``."""
 from __future__ import annotations
 
 from typing import Optional
@@ -30,10 +8,34 @@ from typing import Optional
 import torch
 
 from fusedce.core.bf16_products import exact_bf16_gemms, upcast_gemms
+from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import grad_lse, target_probability
 from fusedce.core.validation import sync_allowed
 from .fp32_linear import grad_hidden_fp32_, linear_fp32_
+
+Opt = Optional[torch.Tensor]
+Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------- the rows rule (chunk_size=None)
+
+MIN_ROWS = 1024
+CPU_MIN_ROWS = 64
+CPU_H_FRACTION = 4
+
+
+def chunk_rows(n_rows: int, hidden_size: int, vocab_size: int, device_type: str = "cuda") -> int:
+    """Rows per chunk for ``chunk_size=None`` on a ``device_type`` device ("cpu", "cuda", ...): at least 1,
+    at most ``n_rows`` (the rule in the module docstring)."""
+    if device_type == "cpu" and not torch.compiler.is_compiling():
+        rows = max(CPU_MIN_ROWS, -(-hidden_size // CPU_H_FRACTION))
+    else:
+        rows = max(MIN_ROWS, -(-n_rows * hidden_size // max(vocab_size, 1)))
+    return max(1, min(n_rows, rows))
+
+
+# ---------------------------------------------------------------- the loop
 
 _OUT_DTYPE_MM: dict = {}   # device type -> bool; filled only by eager calls on real tensors
 
@@ -167,7 +169,7 @@ def backprop_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     return grad_h, grad_w, grad_b
 
 
-def loss_only(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, stats: bool,
+def loss_loop(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, stats: bool,
               entropy: bool = False, logits: str = "float32"):
     """Per-row ``(loss, lse, lse_lo, predicted, token_weight, entropy)`` for every token (cross-entropy
     without z-loss, fp32; predicted int64, -1 where not computed; ``token_weight`` the detached ``p_t``
@@ -195,7 +197,7 @@ def loss_only(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions
     return loss, lse, lse_lo, predicted, token_weight, ent
 
 
-def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, grad_row, z_grad_row,
+def grads_loop(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, rows: int, grad_row, z_grad_row,
           needs, accum_dtype, saved=None, stats: bool = False, grad_entropy=None, logits: str = "float32"):
     """Gradients of ``sum_i grad_row[i] ce_i + z_grad_row[i] z_i (+ grad_entropy[i] entropy_i)``
     (``ce_i`` the cross-entropy of row i, ``z_i = s lse_i**2`` its z-loss) and, when ``saved`` is None,
@@ -249,3 +251,166 @@ def grads(ce, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, ro
         backprop_chunk_(logits, h_c, weight, c, grad_h, grad_w, grad_b)
         del logits   # without a buffer: free this chunk before the next is allocated (one alive, not two)
     return loss, lse, lse_lo, predicted, token_weight, grad_h, grad_w, grad_b
+
+
+# ---------------------------------------------------------------- the loop as custom ops
+
+def chunk_ce(backend: str, device: torch.device):
+    """The ``ChunkCE`` of the backend named ``backend`` (resolved and checked by the caller)."""
+    from fusedce import backends
+    return backends.named(backend).CHUNK_CE
+
+
+def rows_of(chunk_size: int, hidden: Tensor, weight: Tensor) -> int:
+    """``chunk_size``, or the rule's rows (``loop.chunk_rows``) for 0 / None."""
+    return chunk_size or chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.device.type)
+
+
+def _empty(like: Tensor, dtype=torch.float32) -> Tensor:
+    return like.new_empty(0, dtype=dtype)
+
+
+def or_empty(t: Opt, like: Tensor, dtype=torch.float32) -> Tensor:
+    """``t``, or a (0,) tensor of ``dtype`` for an output a loop op does not make (ops return tensors)."""
+    return _empty(like, dtype) if t is None else t
+
+
+def f32(like: Tensor, n) -> Tensor:
+    """An uninitialized fp32 ``(n,)`` tensor on ``like``'s device (fake implementations' per-row outputs)."""
+    return like.new_empty(n, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- forward without gradients
+
+@opaque_op("fusedce_lm::chunked_loss", mutates_args=(), observable=True)
+def _loss_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, weight_sum: Opt, ignore_index: int,
+             scalars: list[float], backend: str, chunk_size: int, logits: str, stats: bool, entropy: bool
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    opts = LossOptions.from_op_args(ignore_index, scalars)
+    loss, lse, lse_lo, predicted, token_weight, ent = loss_loop(
+        chunk_ce(backend, hidden.device), hidden, weight, bias, target, w, weight_sum, opts,
+        rows_of(chunk_size, hidden, weight), stats, entropy, logits)
+    return loss, lse, lse_lo, predicted, or_empty(token_weight, hidden), or_empty(ent, hidden)
+
+
+@_loss_op.register_fake
+def _(hidden, weight, bias, target, w, weight_sum, ignore_index, scalars, backend, chunk_size, logits, stats, entropy):
+    n = hidden.shape[0]
+    scaling = LossOptions.from_op_args(ignore_index, scalars).use_token_scaling
+    return (f32(hidden, n), f32(hidden, n), f32(hidden, n), hidden.new_empty(n, dtype=torch.int64),
+            f32(hidden, n if scaling else 0), f32(hidden, n if entropy else 0))
+
+
+def loss_only(ce, chunk_size: Optional[int], hidden, weight, bias, target, w, weight_sum, opts: LossOptions,
+              stats: bool, entropy: bool = False, logits: str = "float32"):
+    """``loss_loop`` as one op (``chunk_size`` None: the rule's rows)."""
+    loss, lse, lse_lo, predicted, token_weight, ent = _loss_op(
+        hidden, weight, bias, target, w, weight_sum, *opts.op_args(), ce.NAME, chunk_size or 0, logits, stats,
+        entropy)
+    return (loss, lse, lse_lo, predicted, token_weight if opts.use_token_scaling else None,
+            ent if entropy else None)
+
+
+# ---------------------------------------------------------------- gradients (with or without the forward)
+
+@opaque_op("fusedce_lm::chunked_grads", mutates_args=(), observable=True)
+def _grads_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, w: Opt, weight_sum: Opt, ignore_index: int,
+              scalars: list[float], backend: str, chunk_size: int, logits: str, grad_row: Tensor, z_grad_row: Tensor,
+              needs_hidden: bool, needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype, stats: bool,
+              lse: Opt, lse_lo: Opt, token_weight: Opt, grad_entropy: Opt, entropy: Opt
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    opts = LossOptions.from_op_args(ignore_index, scalars)
+    saved = None if lse is None else (lse, lse_lo, token_weight, entropy)
+    out = grads_loop(chunk_ce(backend, hidden.device), hidden, weight, bias, target, w, weight_sum, opts,
+                     rows_of(chunk_size, hidden, weight), grad_row, z_grad_row,
+                     (needs_hidden, needs_weight, needs_bias), accum_dtype, saved=saved, stats=stats,
+                     grad_entropy=grad_entropy, logits=logits)
+    loss, lse_out, lse_lo_out, predicted, tw, g_h, g_w, g_b = out
+    if saved is not None:   # never return an input (a custom op may not alias one): the entry point has them
+        lse_out = lse_lo_out = None
+        if token_weight is not None:
+            tw = None
+    return (or_empty(loss, hidden), or_empty(lse_out, hidden), or_empty(lse_lo_out, hidden),
+            or_empty(predicted, hidden, torch.int64), or_empty(tw, hidden), or_empty(g_h, hidden, hidden.dtype),
+            or_empty(g_w, hidden, accum_dtype), or_empty(g_b, hidden, accum_dtype))
+
+
+@_grads_op.register_fake
+def _(hidden, weight, bias, target, w, weight_sum, ignore_index, scalars, backend, chunk_size, logits, grad_row,
+      z_grad_row, needs_hidden, needs_weight, needs_bias, accum_dtype, stats, lse, lse_lo, token_weight,
+      grad_entropy, entropy):
+    n = hidden.shape[0]
+    forward = lse is None
+    k = n if forward else 0
+    scaling = LossOptions.from_op_args(ignore_index, scalars).use_token_scaling
+    return (f32(hidden, k), f32(hidden, k), f32(hidden, k), hidden.new_empty(k, dtype=torch.int64),
+            f32(hidden, n if scaling and (forward or token_weight is None) else 0),
+            hidden.new_empty(hidden.shape if needs_hidden else (0,)),
+            weight.new_empty(weight.shape if needs_weight else (0,), dtype=accum_dtype),
+            weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=accum_dtype))
+
+
+def grads(ce, chunk_size: Optional[int], hidden, weight, bias, target, w, weight_sum, opts: LossOptions, grad_row,
+          z_grad_row, needs, accum_dtype, saved=None, stats: bool = False, grad_entropy=None,
+          logits: str = "float32"):
+    """``grads_loop`` as one op (same arguments and results; ``chunk_size`` None: the rule's rows)."""
+    lse, lse_lo, token_weight, entropy = (None,) * 4 if saved is None else saved
+    loss, lse_out, lse_lo_out, predicted, tw, g_h, g_w, g_b = _grads_op(
+        hidden, weight, bias, target, w, weight_sum, *opts.op_args(), ce.NAME, chunk_size or 0, logits, grad_row,
+        z_grad_row, *needs, accum_dtype, stats, lse, lse_lo, token_weight, grad_entropy,
+        None if grad_entropy is None else entropy)
+    if saved is not None:
+        loss = predicted = None
+        lse_out, lse_lo_out = lse, lse_lo
+        if token_weight is not None:
+            tw = token_weight
+    if not opts.use_token_scaling:
+        tw = None
+    return (loss, lse_out, lse_lo_out, predicted, tw, g_h if needs[0] else None, g_w if needs[1] else None,
+            g_b if needs[2] else None)
+
+
+# ---------------------------------------------------------------- the RL forward with TRL's statistics
+
+@opaque_op("fusedce_lm::chunked_token_stats", mutates_args=(), observable=True)
+def _stats_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, ignore_index: int, scalars: list[float],
+              backend: str, chunk_size: int, logits: str, entropy: bool
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    ce = chunk_ce(backend, hidden.device)
+    opts = LossOptions.from_op_args(ignore_index, scalars)
+    rows = rows_of(chunk_size, hidden, weight)
+    n = hidden.shape[0]
+    loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
+    ent = torch.empty_like(loss) if entropy else _empty(hidden)
+    stats = (torch.empty_like(loss), torch.empty_like(loss), torch.empty(n, dtype=torch.bool, device=hidden.device))
+    buffer = chunk_buffer(n, rows, weight, hidden.dtype, logits)
+    kind = logits   # the name ``logits`` is the chunk's tensor below
+    for s in range(0, n, rows):
+        c = slice(s, s + rows)
+        logits = logits_chunk(hidden[c], weight, bias, buffer, kind)
+        out = ce.loss(logits, target[c], None, None, opts, False, entropy)
+        loss[c], lse[c], lse_lo[c] = out[:3]
+        if entropy:
+            ent[c] = out[4]
+        for dst, value in zip(stats, ce.token_stats(logits, target[c], lse[c], lse_lo[c], opts)):
+            dst[c] = value
+        del logits
+    return loss, lse, lse_lo, ent, *stats
+
+
+@_stats_op.register_fake
+def _(hidden, weight, bias, target, ignore_index, scalars, backend, chunk_size, logits, entropy):
+    n = hidden.shape[0]
+    return (f32(hidden, n), f32(hidden, n), f32(hidden, n), f32(hidden, n if entropy else 0), f32(hidden, n),
+            f32(hidden, n), hidden.new_empty(n, dtype=torch.bool))
+
+
+def loss_with_token_stats(ce, chunk_size: Optional[int], hidden, weight, bias, target, opts: LossOptions,
+                          want_entropy: bool, logits: str = "float32"):
+    """The chunked forward with TRL's statistics, per chunk the logits once, then ``ce.loss`` and
+    ``ce.token_stats`` on them: ``(loss, lse, lse_lo, entropy or None, (log_sum_sq_probs, mean_logits,
+    is_top1))``."""
+    loss, lse, lse_lo, ent, *stats = _stats_op(hidden, weight, bias, target, *opts.op_args(), ce.NAME,
+                                               chunk_size or 0, logits, want_entropy)
+    return loss, lse, lse_lo, ent if want_entropy else None, tuple(stats)
