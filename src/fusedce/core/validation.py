@@ -100,15 +100,18 @@ def check_class_weights(name: str, t: Optional[torch.Tensor]) -> None:
         raise ValueError(f"{name} must have shape (V,), got {tuple(t.shape)}")
 
 
-def sync_allowed(*tensors) -> bool:
-    """The target-range check host-syncs; skip it under torch.compile and CUDA-graph capture, and when the
-    values of ``tensors`` cannot be read (fake / meta tensors, ``make_fx`` / ``aot_function`` /
-    ``torch.export`` tracing: ``core/transforms.values_unavailable``)."""
+def host_readable(*tensors) -> bool:
+    """True when the host may read the values of ``tensors`` (a host sync): not under torch.compile or
+    CUDA-graph capture, and real values (not fake / meta tensors or tracing: ``core/transforms.values_unavailable``)."""
     if torch.compiler.is_compiling() or values_unavailable(*tensors):
         return False
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False
     return True
+
+
+# The old name, still imported by lm_head/ (renamed there by the cross-entropy rebuild, issue 43 items 1-3).
+sync_allowed = host_readable
 
 
 class TargetOutOfRange(IndexError):
@@ -150,7 +153,7 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
     non-finite weight propagates into the loss and that row's gradient) while compiling or capturing a
     CUDA graph.
     """
-    if target.numel() == 0 or not sync_allowed(target, token_weights):
+    if target.numel() == 0 or not host_readable(target, token_weights):
         return
     kept = target != ignore_index
     bad = kept & ((target < 0) | (target >= n_classes))
@@ -173,9 +176,9 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
 def bad_probabilities(target: torch.Tensor) -> Optional[torch.Tensor]:
     """A 0-dim bool device tensor: does the probability target ``target`` hold a negative, NaN or +inf
     value? None when the check is skipped (an empty target, torch.compile, CUDA-graph capture, fake
-    tensors: :func:`sync_allowed`, the target-range check's rule). No host sync here: the caller reads the
+    tensors: :func:`host_readable`, the target-range check's rule). No host sync here: the caller reads the
     flag, in the one sync it has (:func:`check_probabilities`; the vocab-parallel ops' setup ``all_gather``)."""
-    if target.numel() == 0 or not sync_allowed(target):
+    if target.numel() == 0 or not host_readable(target):
         return None
     # one reduction, no temporary of the target's size (two bool masks and their OR were 3 BT V bytes:
     # 576 MiB at 4096 x 49152, more than the tiled method's whole working memory); aminmax propagates NaN
@@ -288,7 +291,7 @@ def check_num_items(num_items_in_batch, device: torch.device) -> None:
                              f"{tuple(num_items_in_batch.shape)}")
         if num_items_in_batch.device not in (device, torch.device("cpu")):
             raise ValueError(f"num_items_in_batch is on {num_items_in_batch.device} but the data is on {device}")
-        if num_items_in_batch.device.type == "cpu" and sync_allowed(num_items_in_batch):
+        if num_items_in_batch.device.type == "cpu" and host_readable(num_items_in_batch):
             value = float(num_items_in_batch)   # a CPU tensor: reading it syncs with no device
             if not (finite(value) and value >= 0):
                 raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {value}")

@@ -236,10 +236,10 @@ def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: i
     probabilities sum above 1 by more than ``teacher_mass_slack`` (log-probs not normalized over the
     vocabulary: the tail ``1 - sum_k p_k`` would be negative; within the slack it is clamped at 0).
     Padding entries (-inf, or an id equal to ``ignore_index``) and ignored tokens are not looked at.
-    One host sync (one flag), skipped where the target-range check is (``core/validation.sync_allowed``:
+    One host sync (one flag), skipped where the target-range check is (``core/validation.host_readable``:
     torch.compile, CUDA-graph capture, tracing): a positive log-prob then enters the formula as given and
     an excess mass gives a tail of 0. NaN is not checked (it gives a NaN loss)."""
-    if teacher_log_probs.numel() == 0 or not val.sync_allowed(teacher_log_probs, teacher_ids, target):
+    if teacher_log_probs.numel() == 0 or not val.host_readable(teacher_log_probs, teacher_ids, target):
         return
     lp = teacher_log_probs.detach().float()
     keep = (lp != float("-inf")) & (teacher_ids != ignore_index)
@@ -271,7 +271,7 @@ def check_topk_ranges(classes: torch.Tensor, target, call: TopkCall, folded: boo
     (skipped under torch.compile / CUDA-graph capture: a NaN loss instead): a target not folded into
     ``classes`` is checked as their last column. A bad target is named first (error path only: one more
     read), then the first bad teacher id."""
-    if classes.numel() == 0 or not val.sync_allowed(classes, target):
+    if classes.numel() == 0 or not val.host_readable(classes, target):
         return
     if target is not None and not folded:
         classes, folded = torch.cat([classes, target.long()[..., None]], dim=-1), True

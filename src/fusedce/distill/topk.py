@@ -2,7 +2,7 @@
 given as ``teacher_ids (..., K)`` and ``teacher_log_probs (..., K)`` per token, as axolotl's ``kd``
 datasets and TRL's teacher servers store them, instead of a teacher model.
 
-Built on the internal K-class RL op (``rl/multi.py``: ``log_probs_rows`` / ``linear_log_probs_rows``, the
+Built on the internal K-class RL op (``rl/kclass.py``: ``log_probs_rows`` / ``linear_log_probs_rows``, the
 rows of ``token_log_probs`` / ``linear_token_log_probs`` with a ``(..., K)`` target, called directly: the
 arguments are checked once, by ``distill/checks.checked_topk``, and the public RL entrance is not
 re-entered): the student's ``log s[id_k]`` at the temperature come from one pass of its row statistics
@@ -59,7 +59,7 @@ from fusedce.distill import checks as dc
 from fusedce.distill import tail as student_tail
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
 from fusedce.lm_head.method import resolve_method
-from fusedce.rl import multi
+from fusedce.rl import kclass
 
 
 def _classes(teacher_ids, teacher_log_probs, target, ignore_index: int, fold_target: bool):
@@ -134,7 +134,7 @@ class _LogitRows:
         pass
 
     def log_probs(self, classes, opts):
-        return multi.log_probs_rows(self.call.impl, self.logits, classes, opts, False)[0]
+        return kclass.log_probs_rows(self.call.impl, self.logits, classes, opts, False)[0]
 
     def log_tail(self, excluded):
         flat = self.logits.reshape(-1, self.call.n_classes)
@@ -164,7 +164,7 @@ class _HeadRows:
 
     def log_probs(self, classes, opts):
         flat = classes.reshape(-1, classes.shape[-1])
-        out = multi.linear_log_probs_rows(self.call.impl, self.hidden, self.weight, self._kept(flat), self.bias,
+        out = kclass.linear_log_probs_rows(self.call.impl, self.hidden, self.weight, self._kept(flat), self.bias,
                                           opts, False, self.chunk_size, self.method, self.call.deterministic,
                                           compact=False)[0]
         return out if self.index is None else out.new_zeros(self.n, out.shape[1]).index_copy(0, self.index, out)
@@ -196,7 +196,7 @@ def _loss(log_s, p, lp, keep, target, hard, tail_term, call: dc.TopkCall, reduct
 def _topk_loss(student, teacher_ids, teacher_log_probs, call: dc.TopkCall, reduction, num_items_in_batch):
     """The reduced loss of both public ops (or ``TopkDistillationOutput`` with ``call.return_stats``),
     once their arguments are checked (``call``): ``student`` (``_LogitRows`` / ``_HeadRows``) gives the
-    internal K-class op's fp32 ``(N, K)`` log-probs (``rl/multi.py``) and, with ``tail=True``, the
+    internal K-class op's fp32 ``(N, K)`` log-probs (``rl/kclass.py``) and, with ``tail=True``, the
     student's ``log s_tail`` (``distill/tail.py``)."""
     target, shape = call.target, tuple(call.lead)
     fold = call.hard_label_weight != 0.0 and call.temperature == 1.0
@@ -284,7 +284,7 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
 
     Returns:
         fp32 scalar, or ``(...)`` for ``"none"`` (or the stats tuple above); exact backward for every
-        reduction (through the internal K-class op of :func:`fusedce.token_log_probs`, ``rl/multi.py``,
+        reduction (through the internal K-class op of :func:`fusedce.token_log_probs`, ``rl/kclass.py``,
         and with ``tail`` the tail pass's explicit gradient: one ``student_logits``-shaped gradient).
 
     Raises:

@@ -6,7 +6,7 @@ Why: a loop ``for s in range(0, n, rows)`` over the token count ``n``, traced by
 collective-free part of each pass is a custom op (``core/opaque.py``: plain eager calls run the body
 directly), whose fake implementation allocates the same outputs from the inputs' (symbolic) shapes; the
 collectives stay outside, in the autograd Functions (``linear.py``, ``linear_log_probs.py``,
-``multi_log_probs.py``, ``soft_ops.py``). The body decides the chunk size from the real ``n`` by the eager
+``kclass_log_probs.py``, ``soft_ops.py``). The body decides the chunk size from the real ``n`` by the eager
 rule (``chunk_rule.chunk_rows`` with ``V_r`` for ``V``), so compiled and eager calls make the same chunks.
 
 Ops (namespace ``fusedce_dist``; the layout travels as ``start, size, n_classes`` ints, the options as
@@ -20,7 +20,7 @@ Ops (namespace ``fusedce_dist``; the layout travels as ``start, size, n_classes`
 
 ``rowwise`` tensors are per row (sliced with the chunk), ``shared`` ones whole (class weights, ``W``); either
 list may hold None. Kinds: ``"ce"`` (class-index cross-entropy and one-class log-probs: ``shard_rows``),
-``"multi"`` (K classes per token: ``multi_rows``), ``"soft"`` (probability targets: ``soft_rows``).
+``"kclass"`` (K classes per token: ``kclass_rows``), ``"soft"`` (probability targets: ``soft_rows``).
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ import torch
 from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.distributed.layout import VocabLayout
-from fusedce.distributed.multi_rows import gather_local, grad_of_slice, local_entries
+from fusedce.distributed.kclass_rows import gather_local, grad_of_slice, local_entries
 from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
 from fusedce.distributed.soft_rows import SoftPartials, SoftSlice
 from fusedce.lm_head.chunked import backprop_chunks, chunk_buffer, logits_chunk
 from fusedce.lm_head.loop_ops import or_empty, rows_of
-from fusedce.rl.multi_head import entries
+from fusedce.rl.kclass_head import entries
 
 Tensor = torch.Tensor
 Opts = list[Optional[Tensor]]
@@ -79,10 +79,10 @@ class _CE:
                           opts, grad_entropy=grad_entropy, entropy=entropy)
 
 
-class _Multi(_CE):
+class _KClass(_CE):
     """K classes per token. Forward rowwise ``[target (n, K)]``, ``flag`` = the entropy column; outputs as
     ``_CE``'s plus ``x`` (n, K) fp32, the logits of the local entries (0 elsewhere). Backward rowwise
-    ``[target, g, G, lse, lse_lo, k, entropy]`` (``multi_rows.grad_of_slice``)."""
+    ``[target, g, G, lse, lse_lo, k, entropy]`` (``kclass_rows.grad_of_slice``)."""
 
     @classmethod
     def outputs(cls, hidden, rowwise: Opts, shared: Opts, opts, flag) -> list:
@@ -130,7 +130,7 @@ class _Soft:
         return part.grad_(x, q, shared[0], lse, lse_lo, mass, grad_row, grad_lse)
 
 
-KINDS = {"ce": _CE, "multi": _Multi, "soft": _Soft}
+KINDS = {"ce": _CE, "kclass": _KClass, "soft": _Soft}
 
 
 def _setup(kind, start, size, n_classes, ignore_index, scalars, backend, device):

@@ -27,12 +27,12 @@ from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.lm_head.compaction import compact_rows, scatter_rows
 from fusedce.core.options import LossOptions
 from fusedce.core.types import TokenLogProbs
-from fusedce.rl.multi import result
-from fusedce.rl.multi_head import entries
+from fusedce.rl.kclass import result
+from fusedce.rl.kclass_head import entries
 from fusedce.distributed.exchange import Partials
 from fusedce.distributed.layout import VocabLayout, vocab_layout
 from fusedce.distributed.log_probs import exchange_log_probs, finish, upstreams
-from fusedce.distributed.multi_log_probs import VocabParallelLinearLogProbsK
+from fusedce.distributed.kclass_log_probs import VocabParallelLinearLogProbsK
 from fusedce.distributed import chunk_ops
 from fusedce.distributed.shard_rows import Columns
 
@@ -130,8 +130,8 @@ def vocab_parallel_linear_token_log_probs(
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)
 
-    if call.multi:
-        return _multi(hidden, weight_shard, bias_shard, target, layout, opts, impl, chunk_size, return_entropy)
+    if call.kclass:
+        return _kclass(hidden, weight_shard, bias_shard, target, layout, opts, impl, chunk_size, return_entropy)
     shape, size = target.shape, hidden.shape[-1]
     n = math.prod(shape)
     flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1), opts.ignore_index)
@@ -144,9 +144,9 @@ def vocab_parallel_linear_token_log_probs(
     return finish(log_probs, entropy, shape, return_entropy)
 
 
-def _multi(hidden, weight_shard, bias_shard, target, layout: VocabLayout, opts: LossOptions, impl, chunk_size,
+def _kclass(hidden, weight_shard, bias_shard, target, layout: VocabLayout, opts: LossOptions, impl, chunk_size,
            return_entropy: bool):
-    """The ``(..., K)`` target (``multi_log_probs.py``): rows whose K entries are all ignored compacted away."""
+    """The ``(..., K)`` target (``kclass_log_probs.py``): rows whose K entries are all ignored compacted away."""
     size, K = hidden.shape[-1], target.shape[-1]
     n = math.prod(target.shape[:-1])
     flat_target = target.reshape(n, K)

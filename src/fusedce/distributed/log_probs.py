@@ -29,9 +29,9 @@ from fusedce.core.options import LossOptions
 from fusedce.core.types import TokenLogProbs
 from fusedce.distributed.exchange import Partials, exchange
 from fusedce.distributed.layout import VocabLayout, vocab_layout
-from fusedce.distributed.multi_log_probs import VocabParallelLogProbsK
+from fusedce.distributed.kclass_log_probs import VocabParallelLogProbsK
 from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
-from fusedce.rl.multi import result
+from fusedce.rl.kclass import result
 
 
 def exchange_log_probs(partials: Partials, target: torch.Tensor, layout: VocabLayout, opts: LossOptions,
@@ -103,7 +103,7 @@ def vocab_parallel_token_log_probs(
             rank; ``ignore_index`` marks rows (prompt, padding) that get 0 in both outputs and exactly
             zero gradient. Or ``(..., K)``, K >= 1: the log-probs of K classes per token (as
             ``fusedce.token_log_probs`` takes them: an ignored entry gives 0, a token whose K entries are
-            all ignored is an ignored row; duplicates add their upstreams), ``distributed/multi_log_probs.py``.
+            all ignored is an ignored row; duplicates add their upstreams), ``distributed/kclass_log_probs.py``.
         group, vocab_start_index: as in ``vocab_parallel_cross_entropy`` (None: the default group; slices
             in rank order).
         temperature, softcap, ignore_index, logit_scale: as in ``fusedce.token_log_probs``.
@@ -141,7 +141,7 @@ def vocab_parallel_token_log_probs(
     rows = logits_shard.reshape(math.prod(shape), n_local)
     if rows.stride(-1) != 1 and n_local > 1:
         rows = rows.contiguous()  # one copy, only when the class dim is strided
-    if call.multi:   # (..., K) classes: distributed/multi_log_probs.py
+    if call.kclass:   # (..., K) classes: distributed/kclass_log_probs.py
         log_probs, entropy = VocabParallelLogProbsK.apply(rows, target.reshape(-1, target.shape[-1]), layout, opts,
                                                           impl, return_entropy)
         return result(log_probs, entropy, target.shape, return_entropy)

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from .inputs import IGNORE_INDEX, Inputs
-from .paths import Path
+from .paths import BenchPath
 
 RESULT_PREFIX = "FUSEDCE-BENCH-RESULT "
 TIME_METHOD = {
@@ -112,14 +112,14 @@ def clear_grads(inputs: Inputs) -> None:
         tensor.grad = None
 
 
-def forward_backward(path: Path, inputs: Inputs) -> torch.Tensor:
+def forward_backward(path: BenchPath, inputs: Inputs) -> torch.Tensor:
     """One forward+backward of ``path``; returns the detached loss."""
     loss = path.forward(inputs)
     loss.backward()
     return loss.detach()
 
 
-def tiny_run(path: Path, inputs: Inputs, seed: int = 0) -> None:
+def tiny_run(path: BenchPath, inputs: Inputs, seed: int = 0) -> None:
     """One forward+backward of ``path`` on 16 rows x 32 classes of ``inputs``' dtype, device and hidden
     size, half the targets ignored: loads and sets up what a first call needs, at no memory cost."""
     gen = torch.Generator().manual_seed(seed)
@@ -133,7 +133,7 @@ def tiny_run(path: Path, inputs: Inputs, seed: int = 0) -> None:
     forward_backward(path, Inputs(target=target.to(like.device), **made))
 
 
-def extra_facts(path: Path, inputs: Inputs) -> dict:
+def extra_facts(path: BenchPath, inputs: Inputs) -> dict:
     """``path.extra(inputs)`` (facts saved with the row), or ``{"error": ...}``; never raises."""
     try:
         return path.extra(inputs)
@@ -174,7 +174,7 @@ def median_ms(fn: Callable[[], object], reset: Callable[[], None], device: str, 
     return statistics.median(times), times
 
 
-def measure(path: Path, inputs: Inputs, device: str, mode: str = "timed", repeats: int = 5,
+def measure(path: BenchPath, inputs: Inputs, device: str, mode: str = "timed", repeats: int = 5,
             warmup: int = 1) -> dict:
     """Parity (always), and for ``mode="timed"`` peak memory and time, of one path on ``inputs``.
 

@@ -33,7 +33,7 @@ import torch
 
 from . import goals, harness
 from .inputs import Inputs
-from .paths import Path
+from .paths import BenchPath
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def jobs(repeats: int = REPEATS, shapes=None, fractions=None) -> list:
     return out
 
 
-def measure(path: Path, inputs: Inputs, repeats: int = REPEATS, warmup: int = 0) -> dict:
+def measure(path: BenchPath, inputs: Inputs, repeats: int = REPEATS, warmup: int = 0) -> dict:
     """Peak memory (over inputs + preallocated ``.grad``) and fwd+bwd time of ``path`` on CPU.
 
     Call it in a fresh process (``run_isolated`` with a spec from ``jobs``)."""

@@ -25,8 +25,8 @@ everything but the first term when called with ``grad_row = 0`` and ``grad_lse =
   += g_k x'_k`` (``x'`` = dz/dx at the target, from the forward's saved target logits). ``grad_hidden``
   is then rounded a second time in a 16-bit dtype (at most one more half-ulp); the index-add into
   ``grad_weight`` / ``grad_bias`` uses float atomics on CUDA unless ``deterministic`` (then a sorted
-  segment sum per class, one more host sync; ``multi_head_tiled.py``). The target logits
-  come from ``F.linear`` on gathered rows of ``weight`` (``multi_head_tiled.py``); the kernels' own tile
+  segment sum per class, one more host sync; ``kclass_head_tiled.py``). The target logits
+  come from ``F.linear`` on gathered rows of ``weight`` (``kclass_head_tiled.py``); the kernels' own tile
   matmul may sum in another order, so on a GPU a target logit can differ from the one the lse saw by
   one rounding of hidden's dtype (the chunked method gathers them from the very logits the lse came
   from). The gathers are the temporaries not bounded by the tiles: at most 2^22 elements (or one
@@ -47,7 +47,7 @@ from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform
 from fusedce.lm_head import chunked as loop
 from fusedce.lm_head.heads import TiledHead
-from fusedce.rl.multi_head_tiled import sparse_grads_, target_logits
+from fusedce.rl.kclass_head_tiled import sparse_grads_, target_logits
 from fusedce.backends.protocol import ChunkCE
 
 _SAME_CLASS_ELEMENTS = 1 << 22   # the (rows, K, K) class-equality temporary of ``class_sums``
@@ -119,7 +119,7 @@ def column_grads(x: torch.Tensor, e: Entries, kept_rows: torch.Tensor, g, G, lse
                  opts: LossOptions) -> torch.Tensor:
     """The module docstring's whole formula, fp32 (n, K), at the entries of ``e`` (their logits ``x``
     before the transform): ``class_sums`` over ``e``'s valid entries; the entropy term on the rows
-    ``kept_rows`` (n,) bool. Also the vocab-parallel op's (``distributed/multi_log_probs.py``, with the
+    ``kept_rows`` (n,) bool. Also the vocab-parallel op's (``distributed/kclass_log_probs.py``, with the
     entries its slice holds)."""
     z = transform(x.float(), opts)
     u = (z - lse[:, None]) - lse_lo[:, None]
@@ -250,7 +250,7 @@ def _chunked_forward(head, hidden, weight, bias, e: Entries, opts: LossOptions, 
     return lse, lse_lo, entropy, x
 
 
-def token_log_probs_multi(ce: ChunkCE, logits: torch.Tensor, target: torch.Tensor, opts: LossOptions,
+def token_log_probs_kclass(ce: ChunkCE, logits: torch.Tensor, target: torch.Tensor, opts: LossOptions,
                           want_entropy: bool):
     """Backend entry: ``logits`` (BT, V) last-dim stride 1, ``target`` (BT, K) -> ``(log_probs (BT, K),
     entropy (BT,) or empty)`` fp32."""

@@ -1,4 +1,4 @@
-"""The K-class log-probabilities on one vocabulary slice (``multi_log_probs.py``'s module docstring has the
+"""The K-class log-probabilities on one vocabulary slice (``kclass_log_probs.py``'s module docstring has the
 formulas): which of a row's K entries this slice holds, their logits, the exchange of those logits and the
 slice's gradient (the backend's ``slice_grad``, then the local entries' columns rewritten in fp32). Shared by
 the logits op and the linear op's chunk loop (``chunk_ops.py``).
@@ -14,7 +14,7 @@ from fusedce.core.options import LossOptions
 from fusedce.core.row_math import transform
 from fusedce.distributed.layout import VocabLayout
 from fusedce.distributed.shard_rows import shard_grad
-from fusedce.rl.multi_head import Entries, column_grads, scatter_columns_
+from fusedce.rl.kclass_head import Entries, column_grads, scatter_columns_
 
 
 def local_entries(e: Entries, layout: VocabLayout) -> Entries:
