@@ -93,8 +93,8 @@ FP32_LOG_PROB_TOL = 1e-4
 
 def interpreter_fixes() -> None:
     """For a dry run (Triton interpreter): the tests' fix of Triton < 3.7's interpreter under numpy >= 2.4
-    (a tensor loop bound, ``tests/interpreter_index.py``; it does nothing on other versions)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    (a tensor loop bound, ``tests/support/interpreter_index.py``; it does nothing on other versions)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support"))
     import interpreter_index
     interpreter_index.install()
 

@@ -1,6 +1,6 @@
 """The one entrance (``core/entrance.py``): every public function goes through ``public_op``, and every
 tensor op behaves under ``torch.autocast`` as the stock composition it replaces, found by walking the
-public lists (``tests/public_ops.py``), so that a new op cannot be missed.
+public lists (``tests/support/public_ops.py``), so that a new op cannot be missed.
 
 Autocast: a ``"linear"`` op under ``torch.autocast("cpu", dtype)`` must equal the same op called outside
 autocast on ``hidden``, ``weight``, ``bias`` (and a teacher's head) cast to ``dtype`` by hand, as autocast

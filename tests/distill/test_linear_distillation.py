@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedce
-from distill_tol import assert_loss, row_scale
+from tolerances import assert_loss, row_scale
 from inputs import poisoned_allocations
 from reference64_distill import distill_rows64, distillation_loss64
 from tolerances import FP32_UNITS, TOLERANCES, U32, _check
@@ -232,7 +232,7 @@ def test_upstream_scale_as_accurate_as_stock(backend, method, dtype):
     """GradScaler's S = 2^16 with a large mean denominator (gradient accumulation): each student gradient's
     relative error no worse than 2x stock's (F.linear in the dtype, then the oracle's formula on those
     logits, backward with S: the logits' gradient rounded to the dtype once S is applied), as
-    tests/ce/test_loss_scaling.py asks of the CE paths."""
+    tests/ce/gradients/test_loss_scaling.py asks of the CE paths."""
     student, teacher, target = _inputs(dtype)
     s, d = 2.0 ** 16, 2 ** 16
     kw = dict(beta=0.5, temperature=2.0, hard_label_weight=0.5)

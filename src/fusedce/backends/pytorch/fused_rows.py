@@ -12,7 +12,7 @@ ops on the same values). What differs is the softmax of the gradient: ``rows_for
 with ``p_t = e_t / s`` (notation of ``row_math``). ``exp(z - max) / sum`` is torch's own softmax formula (its
 CPU kernel multiplies by ``1 / sum``): one rounding of ``z - max`` (exact near the max), one of the
 exponential, two of the scaling, where ``exp((z - lse) - lse_lo)`` rounds the argument twice; both are as
-accurate as ``F.cross_entropy``'s gradient (``tests/ce/test_fused_rows.py`` measures it against float64).
+accurate as ``F.cross_entropy``'s gradient (``tests/ce/values/test_fused_rows.py`` measures it against float64).
 Passes over the block: max (and argmax with stats), subtract, exp, sum, scale; with the block in cache
 (``launch.block_rows``) the later ones read the cache.
 """

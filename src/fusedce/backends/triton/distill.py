@@ -98,7 +98,7 @@ def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tar
                  student_softcap: Optional[float], teacher_softcap: Optional[float]
                  ) -> Tuple[torch.Tensor, Opt]:
     """Per-row distillation loss and its student-logit gradient (the formulas: ``kernels/distill_math.py``,
-    oracle ``tests/references/reference64_distill.py``).
+    oracle ``tests/support/reference64_distill.py``).
 
     Args:
         student_logits, teacher_logits: (N, V), any float dtypes (may differ), any row stride (a last dim

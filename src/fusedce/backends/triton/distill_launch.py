@@ -27,7 +27,7 @@ Opt = Optional[torch.Tensor]
 
 @dataclasses.dataclass(frozen=True)
 class DistillKnobs(DistillOptions):
-    """The distillation options as the kernels take them (see ``tests/references/reference64_distill.py``):
+    """The distillation options as the kernels take them (see ``tests/support/reference64_distill.py``):
     ``options.distill.DistillOptions``' fields, then ``has_target``."""
 
     has_target: bool

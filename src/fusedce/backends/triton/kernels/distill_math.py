@@ -2,7 +2,7 @@
 written once: the row kernel calls these on 1-D blocks of a row, the tiled kernels on 2-D tiles (rows x
 columns) with the per-row values as (rows, 1) columns. fp32 throughout.
 
-Notation (``tests/references/reference64_distill.py`` is the float64 oracle; GKD, arXiv 2306.13649, Eq. 1, in TRL's
+Notation (``tests/support/reference64_distill.py`` is the float64 oracle; GKD, arXiv 2306.13649, Eq. 1, in TRL's
 ``generalized_jsd_loss`` form). ``c(z) = cap tanh(z / cap)`` per model (``cap_logits``), ``T`` the
 temperature, ``u = c(z_s) / T``, ``w = c(z_t) / T``, ``s = softmax(u)``, ``t = softmax(w)``:
 

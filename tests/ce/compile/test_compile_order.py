@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parents[1] / "references"   # reference64_linear
+TESTS = Path(__file__).resolve().parents[2] / "support"   # reference64_linear
 
 SCRIPT = textwrap.dedent("""
     import sys
