@@ -1,7 +1,8 @@
 """``fusedce.linear_distillation_loss`` (both LM heads fused with the loss), chunked and tiled, against
 float64 autograd of the oracle (reference64_distill.py) on the contract's logits (since 2026-12-02: fp32
 logits of the inputs' exact values, so the reference takes the exact float64 products; the chunked
-backward rounds the logits' gradient to the dtype once, as stock's): every beta / reduction, hard labels, ignored rows, softcaps, biases, dtypes, the student's three
+backward rounds the logits' gradient to the dtype once, as stock's): every beta / reduction, hard labels, ignored rows,
+softcaps, biases, dtypes, the student's three
 gradients, the teacher's none, upstream scaling, poisoned allocations, empty / all-ignored batches, bad
 inputs."""
 from __future__ import annotations

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import fusedce
-from fusedce.backends.pytorch import tuning as torch_tuning
 from inputs import DTYPE_IDS, DTYPES, poisoned_allocations
 from reference64_distill import distill_rows64
 from reference64_linear import make_linear

@@ -199,7 +199,8 @@ def test_k_covering_v_is_the_full_forward_kl(backend):
     b = fusedce.topk_distillation_loss(student, ids, lp, reduction="none", backend=backend)
     assert torch.equal(a, b)
     log_s = torch.log_softmax(student.double(), dim=-1).gather(-1, ids)
-    torch.testing.assert_close(a.double(), (lp.double().exp() * (lp.double() - log_s)).sum(-1), rtol=0, atol=FP32_MATH_ATOL)
+    expected = (lp.double().exp() * (lp.double() - log_s)).sum(-1)
+    torch.testing.assert_close(a.double(), expected, rtol=0, atol=FP32_MATH_ATOL)
 
 
 def test_num_items_and_no_target(backend):
@@ -213,7 +214,8 @@ def test_num_items_and_no_target(backend):
         loss = fusedce.linear_topk_distillation_loss(hidden, weight, ids, lp, tail=True, method=method,
                                                      backend=backend)
         exact = hidden.detach().double() @ weight.detach().double().T
-        check(loss, topk_rows64(exact, ids, lp, tail=True).mean(), FP32_MATH_ATOL, name=f"mean without target, {method}")
+        check(loss, topk_rows64(exact, ids, lp, tail=True).mean(), FP32_MATH_ATOL,
+              name=f"mean without target, {method}")
 
 
 @pytest.mark.parametrize("tail", [False, True])

@@ -81,8 +81,9 @@ def _compare(world, two_d, run, leaves_spec):
     plain["logits"] = hidden @ weight.t() + bias
     want = _outputs(run(plain))
     leaves = [k for k in ("hidden", "weight", "bias") if k in leaves_spec or "logits" in leaves_spec]
-    total = lambda outs: sum((o.float() * (1 + 0.5 * torch.ones_like(o.float()).reshape(-1).cumsum(0).reshape(o.shape) % 3)).sum()  # noqa: E731
-                             for o in outs if o.requires_grad)
+    def total(outs):
+        return sum((o.float() * (1 + 0.5 * torch.ones_like(o.float()).reshape(-1).cumsum(0).reshape(o.shape) % 3)).sum()
+                   for o in outs if o.requires_grad)
     want_grads = torch.autograd.grad(total(want), [plain[k] for k in leaves], allow_unused=True)
 
     mesh, tp = _mesh(world, two_d)

@@ -25,7 +25,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
-from hf_models import VOCAB, assert_parity, build  # noqa: E402
+from hf_models import assert_parity, build  # noqa: E402
 from trl_data import _dataset, _tokenizer  # noqa: E402
 
 STEPS = 3

@@ -225,7 +225,7 @@ def run(transformers, name: str, patch, compile_first: bool = False) -> tuple:
     try:
         fused = patch(copy.deepcopy(stock))
         forward = _compiled(fused, graph_runs) if compile_first else fused
-        for call in range(2 if compile_first else 1):
+        for _call in range(2 if compile_first else 1):
             torch.manual_seed(1)
             before = len(graph_runs)
             fused.zero_grad(set_to_none=True)
@@ -239,7 +239,7 @@ def run(transformers, name: str, patch, compile_first: bool = False) -> tuple:
     finally:
         if compile_first:
             torch._dynamo.reset()
-    for call, (out, grads, traced) in enumerate(results):
+    for call, (out, grads, _traced) in enumerate(results):
         try:
             torch.testing.assert_close(out.loss, ref.loss, rtol=HF_RTOL, atol=0.0, msg="loss")
             assert grads.keys() == ref_grads.keys(), f"gradients of {sorted(set(grads) ^ set(ref_grads))}"

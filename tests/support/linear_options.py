@@ -1,4 +1,5 @@
-"""The linear ops' option matrix (``tests/linear/test_linear_options.py``, ``test_linear_tiled.py``) and a non-unit upstream."""
+"""The linear ops' option matrix (``tests/linear/test_linear_options.py``, ``test_linear_tiled.py``) and a
+non-unit upstream."""
 import torch
 
 

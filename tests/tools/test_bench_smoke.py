@@ -262,7 +262,8 @@ def test_random_source_is_seeded_and_ignores_the_asked_fraction():
     assert not bool((none.target == -100).any())
 
 
-@pytest.mark.parametrize("name", [sweep.STOCK, sweep.FUSED, sweep.TILED, pytest.param(sweep.TORCH_LCE, marks=needs_torch_lce),
+@pytest.mark.parametrize("name", [sweep.STOCK, sweep.FUSED, sweep.TILED,
+                                  pytest.param(sweep.TORCH_LCE, marks=needs_torch_lce),
                                   pytest.param(sweep.TRL, marks=needs_trl)])
 def test_sweep_measure_accumulates_into_preallocated_grads(name):
     data = inputs.build(TINY_RANDOM, ("hidden", "weight"), torch.float32, "cpu")

@@ -12,10 +12,6 @@ Shapes: V = 32000 (Llama-2, a multiple of 16: Triton's own specialization applie
 (Llama-3); V = 1000 (a 32-way vocabulary shard of 32000: V % 16 == 8, so 128-bit bf16 accesses rely on
 the kernels' ALIGN hint); V = 50257 (GPT-2, odd: rows are unaligned, scalar access is the right answer).
 """
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 

@@ -128,15 +128,15 @@ def linear_op(fn, groups=None):
         device_type = autocast_device_type(args[first[0]] if len(args) > first[0] else kwargs.get(first[1]))
         if device_type is None:
             return fn(*args, **kwargs)
-        args, kwargs = list(args), dict(kwargs)
+        call_args, kwargs = list(args), dict(kwargs)
         for group in slots:
-            given = [args[i] if i < len(args) else kwargs.get(name) for i, name in group]
+            given = [call_args[i] if i < len(call_args) else kwargs.get(name) for i, name in group]
             for (index, name), value in zip(group, linear_inputs(*given)):
-                if index < len(args):
-                    args[index] = value
+                if index < len(call_args):
+                    call_args[index] = value
                 elif name in kwargs:
                     kwargs[name] = value
         with disabled(device_type):
-            return fn(*args, **kwargs)
+            return fn(*call_args, **kwargs)
 
     return wrapper

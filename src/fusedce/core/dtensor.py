@@ -32,6 +32,7 @@ argument the decorator costs one type test per argument; under torch.compile it 
 from __future__ import annotations
 
 import functools
+from typing import Any
 import inspect
 
 import torch
@@ -82,14 +83,16 @@ def _vocab_parallel_call(fn, named: dict, dtensor):
     """Run ``fn``'s vocabulary-parallel form when its sharded DTensor arguments are vocabulary shards of
     one mesh dimension (module docstring); None when ``fn`` has no such form or nothing is sharded."""
     entry = VOCAB_PARALLEL.get(f"{fn.__module__}.{fn.__qualname__}")
-    sharded = {k: v for k, v in named.items() if isinstance(v, dtensor) and not all(p.is_replicate() for p in v.placements)}
+    sharded = {k: v for k, v in named.items()
+               if isinstance(v, dtensor) and not all(p.is_replicate() for p in v.placements)}
     if entry is None or not sharded:
         return None
     form, shards = entry
     target = named.get("target")
     if isinstance(target, dtensor) and target.is_floating_point() and "target" in sharded:
         shards = {**shards, "target": ("target", -1)}   # a probability target sharded like the vocabulary
-    mesh, dims = None, set()
+    mesh: Any = None
+    dims: set[int] = set()
     for name, value in sharded.items():
         dim = _vocab_shard_dim(value, shards[name][1]) if name in shards else None
         if dim is None or (mesh is not None and value.device_mesh != mesh):

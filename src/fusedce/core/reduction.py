@@ -103,11 +103,13 @@ def reduce(ce_rows: torch.Tensor, z: Optional[torch.Tensor], reduction: str,
         return (ce_rows if z is None else ce_rows + z).reshape(shape)
     if reduction == "sum":
         return ce_rows.sum() if z is None else ce_rows.sum() + z.sum()
+    assert scales is not None, "reduction='mean' needs its scales"
     total = ce_rows.sum() * scales.ce
     return total if z is None else total + z.sum() * scales.z
 
 
-def token_scaled(ce_rows: torch.Tensor, z: Optional[torch.Tensor], token_weight: Optional[torch.Tensor]):
+def token_scaled(ce_rows: torch.Tensor, z: Optional[torch.Tensor],
+                 token_weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Each row's cross-entropy and z-loss times ``token_weight`` (detached, so the gradient is
     ``token_weight`` times the row's gradient): ``use_token_scaling``'s ``p_t`` (Dynamic Fine-Tuning;
     Liger's flag, TRL's ``loss_type="dft"``) and / or the user's ``token_weights`` (``times``);

@@ -27,7 +27,7 @@ column is formed as ``p_t - 1`` before scaling, so the gradient is exactly 0 whe
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
@@ -140,7 +140,7 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.T
     zsum = None
     if opts.label_smoothing > 0.0:
         zsum = z.sum(dim=1) if weight is None else z @ weight
-    total_w = n_classes if weight is None else weight_sum
+    total_w = n_classes if weight is None else cast(torch.Tensor, weight_sum)   # given with weight
     loss = row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes, opts)
     ent = torch.where(valid, entropy_rows(z, lse, lse_lo), 0.0) if entropy else None
     loss, lse, lse_lo = masked_stats(loss, lse, lse_lo, valid, in_range)
@@ -191,7 +191,7 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
     else:
         w_t = torch.ones_like(lse) if weight is None or n_local == 0 else weight[safe]
     a, b = (1.0 - opts.label_smoothing) * w_t, opts.label_smoothing / n_classes
-    total_w = n_classes if weight is None else weight_sum
+    total_w = n_classes if weight is None else cast(torch.Tensor, weight_sum)   # given with weight
     g = torch.where(valid, grad_row.float(), 0.0)
     h = None if grad_lse is None else torch.where(valid, grad_lse.float(), 0.0)
     row_factor = g * (a + b * total_w) if h is None else g * (a + b * total_w) + h

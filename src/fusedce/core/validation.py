@@ -8,7 +8,8 @@ from typing import Callable, Optional
 
 import torch
 
-from fusedce.core.options.checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_accum_dtype, check_chunk_size, finite, fp32_range)
+from fusedce.core.options.checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_accum_dtype, check_chunk_size,
+                                         finite, fp32_range)
 from fusedce.core.hints import (class_dim_hint, module_hint, positional_hint, reshape_hint,  # noqa: F401 (val.*_hint)
                                  swapped_hint)
 from fusedce.core.transforms import values_unavailable
@@ -161,9 +162,10 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
     if not bool((bad if bad_weight is None else bad | bad_weight).any()):   # the one sync
         return
     if bad_weight is not None and not bool(bad.any()):   # (error paths only from here)
+        assert token_weights is not None
         flat = bad_weight.reshape(-1).nonzero()[0, 0]
-        pos = [int(i) for i in torch.unravel_index(flat, tuple(target.shape))]
-        raise ValueError(f"token_weights{pos} = {float(token_weights.reshape(-1)[flat])} on a non-ignored row: "
+        at = [int(i) for i in torch.unravel_index(flat, tuple(target.shape))]
+        raise ValueError(f"token_weights{at} = {float(token_weights.reshape(-1)[flat])} on a non-ignored row: "
                          "token weights must be finite")
     flat = bad.reshape(-1).nonzero()[0, 0]
     pos = tuple(int(i) for i in torch.unravel_index(flat, tuple(target.shape)))
@@ -216,6 +218,7 @@ def check_probabilities(target: torch.Tensor, name: str = "target",
         return
     if bool(bad_probabilities(target)):   # (error paths only from here)
         raise_bad_probabilities(target, name)
+    assert token_weights is not None
     flat = (~torch.isfinite(token_weights)).reshape(-1).nonzero()[0, 0]
     pos = [int(i) for i in torch.unravel_index(flat, tuple(token_weights.shape))]
     raise ValueError(f"token_weights{pos} = {float(token_weights.reshape(-1)[flat])}: token weights must be "

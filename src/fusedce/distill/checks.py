@@ -44,7 +44,8 @@ def check_head(hidden, weight, bias, model: str) -> None:
     val.check_nonzero(h_name, hidden.shape, -1, "H")
     val.check_nonzero(w_name, weight.shape, 0, "V")
     if hidden.shape[-1] != weight.shape[1]:
-        transposed = "; it looks transposed: the LM head is (V, H), the nn.Linear layout" if weight.shape[0] == hidden.shape[-1] else ""
+        transposed = ("; it looks transposed: the LM head is (V, H), the nn.Linear layout"
+                      if weight.shape[0] == hidden.shape[-1] else "")
         raise ValueError(f"{h_name}.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = {weight.shape[1]}"
                          + transposed)
     if weight.device != hidden.device:
@@ -257,8 +258,9 @@ def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: i
     if bool(high.any()):   # (error paths only from here)
         pos = [int(i) for i in high.nonzero()[0]]
         raise ValueError(f"teacher_log_probs{pos} = {float(lp[tuple(pos)]):.6g} > 0: teacher_log_probs must be "
-                         "natural-log probabilities (<= 0); these look like probabilities or logits (pass .log() of the "
-                         "probabilities, or torch.log_softmax of the teacher's logits over the vocabulary)")
+                         "natural-log probabilities (<= 0); these look like probabilities or logits "
+                         "(pass .log() of the probabilities, or torch.log_softmax of the teacher's logits over the "
+                         "vocabulary)")
     pos = [int(i) for i in over.nonzero()[0]]
     raise ValueError(f"teacher_log_probs{pos}: the teacher's K probabilities of this token sum to "
                      f"{float(mass[tuple(pos)]):.7g} > 1 + {slack:.2g} (rounding): with tail=True they must be "

@@ -63,8 +63,8 @@ def _(hs, ws, bs, ht, wt, bt, target, grad_factor, beta, temperature, hard_label
     want = grad_factor is not None
     return (hs.new_empty(hs.shape[0], dtype=torch.float32),
             torch.empty_like(hs) if want and needs_hidden else hs.new_empty(0, dtype=torch.float32),
-            hs.new_empty(ws.shape, dtype=torch.float32) if want and needs_weight else hs.new_empty(0, dtype=torch.float32),
-            hs.new_empty(ws.shape[0], dtype=torch.float32) if want and needs_bias else hs.new_empty(0, dtype=torch.float32))
+            hs.new_empty(ws.shape if want and needs_weight else 0, dtype=torch.float32),
+            hs.new_empty(ws.shape[0] if want and needs_bias else 0, dtype=torch.float32))
 
 
 def chunked_distill(backend: str, chunk_size: Optional[int], hs, ws, bs, ht, wt, bt, target, grad_factor, kw: dict,

@@ -29,12 +29,14 @@ Each block loop is a custom op (``fusedce_distill::tail_{logits,head}_{forward,b
 ``torch.compile(fullgraph=True)`` sees one node whatever the token count; plain eager calls run the bodies
 directly, ``core/opaque.py``). Written in PyTorch ops, the same on every backend (on CUDA: cuBLAS and
 elementwise kernels, no Triton kernel of its own). Cost: one more read of the logits (logits form), or
-one more head matmul in the forward and three in the backward (LM head). Blocks: whole rows for the logits form and the LM head's
+one more head matmul in the forward and three in the backward (LM head). Blocks: whole rows for the logits form and the
+LM head's
 chunked method (``_WIDE_ELEMENTS`` logits a block; the head's backward cuts them in one vocabulary block
 per thread); for the tiled method the PyTorch tiled method's sizes (``backends/pytorch/tuning.
 tile_sizes``: ``rows x vocab < V``), so that it allocates no tensor with V or more elements besides the
 inputs and their gradients. On the CPU the blocks run on ``backends/pytorch/block_threads``' threads,
-one intra-op thread each, as the PyTorch tiled method's. Measured (the 2-core dev VM, CPU, torch backend, fp32, BT = 512,
+one intra-op thread each, as the PyTorch tiled method's. Measured (the 2-core dev VM, CPU, torch backend, fp32, BT =
+512,
 H = 576, V = 49152, K = 20, forward + backward, median of 3, one run at load 2.6-2.9 from other jobs):
 ``tail=True`` / ``tail=False`` = 3.0x (logits form, 0.33 s -> 1.0 s), 2.6x (chunked), 2.3x (tiled); with
 the default intra-op pool instead of ``block_threads`` the same run at load 5-6 had been 8.3x, 5.3x, 1.6x.

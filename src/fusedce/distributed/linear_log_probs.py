@@ -3,7 +3,8 @@ by vocabulary rows over the ranks, logits one chunk of tokens at a time (``rows 
 as ``linear.py`` does for the cross-entropy (each pass's loop one op, ``chunk_ops.py``):
 
     forward   per chunk: logits_c = h_c @ W_r.T + b_r (fp32 from the operands' values, no rounding to
-              hidden's dtype: ``lm_head/fp32_linear.py``; one reused buffer); the backend's ``slice_stats`` (with the entropy's ``tsum``); then ``exchange.py``'s
+              hidden's dtype: ``lm_head/fp32_linear.py``; one reused buffer); the backend's ``slice_stats`` (with the
+              entropy's ``tsum``); then ``exchange.py``'s
               two collectives (``log_probs.exchange_log_probs``)
     backward  per chunk, logits recomputed: g_c = d/dlogits_c by the backend's ``slice_grad`` (the
               log-probs' and the entropy's upstreams at once, hidden's dtype); grad_h_c = g_c @ W_r;

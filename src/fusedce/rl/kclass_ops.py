@@ -63,7 +63,8 @@ def _backward_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, lse:
     grads = linear_grads(head, hidden, weight, bias, target, lse, lse_lo, entropy, x, grad_log_probs, grad_entropy,
                          LossOptions.from_op_args(ignore_index, scalars), needs)
     dtypes = (hidden.dtype, torch.float32, torch.float32)
-    return tuple(hidden.new_empty(0, dtype=d) if g is None or not need else g for g, need, d in zip(grads, needs, dtypes))
+    return tuple(hidden.new_empty(0, dtype=d) if g is None or not need else g
+                 for g, need, d in zip(grads, needs, dtypes))
 
 
 @_backward_op.register_fake

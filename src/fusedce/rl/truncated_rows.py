@@ -13,7 +13,8 @@ member's strictly-larger mass is < ``top_p`` (no tie grouping needed in the code
 (a cumulative sum of the sorted ``p_k``), compared with ``top_p`` in fp32.
 
 On the kept set ``S``: ``lse_S = logsumexp(q_S)``, ``log_prob = q_t - lse_S`` (``-inf`` when ``t`` is
-outside ``S``, with zero gradient; NaN, with NaN entropy, on a row of -inf logits), ``entropy = lse_S - sum_S p q`` with ``p = exp(q - lse_S)`` on ``S``.
+outside ``S``, with zero gradient; NaN, with NaN entropy, on a row of -inf logits), ``entropy = lse_S - sum_S p q``
+with ``p = exp(q - lse_S)`` on ``S``.
 Gradients with respect to ``q`` (zero outside ``S``): ``d log_prob / dq = onehot_t - p`` (target in ``S``),
 ``d entropy / dq = -p (q - lse_S + entropy)``.
 """

@@ -12,7 +12,8 @@ gradients).
 Shapes: V = 45 / 70 classes (not powers of two), (3, 7) = 21 tokens with every 4th ignored (the ignored
 rows hold NaN weights: they must not matter), chunk_size 8 (three chunks, a partial last one). Weights
 span [-1, 3) with one exact 0 (reward-weighted SFT has negative weights). Tolerance: fp32 paths against
-float64, ``LINEAR_MAX_RTOL`` of each value plus ``LINEAR_MAX_RTOL`` of the tensor's largest magnitude (a few hundred fp32 ulps;
+float64, ``LINEAR_MAX_RTOL`` of each value plus ``LINEAR_MAX_RTOL`` of the tensor's largest magnitude (a few hundred
+fp32 ulps;
 a missing or doubled weight is an O(1) error).
 """
 from __future__ import annotations

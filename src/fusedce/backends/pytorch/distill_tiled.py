@@ -101,7 +101,7 @@ def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, 
             run_s, run_t = _Lse(m, dev), _Lse(m, dev)
             run_1 = _Lse(m, dev) if hard and temperature != 1.0 else None
             c_tgt = torch.zeros(m, device=dev)
-            for v0, cols, cs, us, ut in blocks(r):
+            for v0, _cols, cs, us, ut in blocks(r):
                 run_s.add(us)
                 run_t.add(ut)
                 if run_1 is not None:
@@ -113,7 +113,7 @@ def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, 
             l10 = ls0 if run_1 is None else run_1.value()
             div = torch.zeros(m, device=dev)
             rsum = torch.zeros(m, device=dev)
-            for v0, cols, cs, us, ut in blocks(r):
+            for _v0, _cols, _cs, us, ut in blocks(r):
                 d_div, d_sum = divergence(us - ls0[:, None], ut - lt0[:, None], beta)
                 div += d_div
                 if d_sum is not None:

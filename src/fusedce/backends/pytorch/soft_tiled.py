@@ -91,7 +91,7 @@ def soft_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q:
                     best_idx = torch.where(take, bidx + v0, best_idx)
                     best = torch.where(take, bmax, best)
                 st[:] = [m, shift, s, d, a, best, best_idx]
-        for r, (m, shift, s, d, a, best, best_idx) in zip(mine, state):
+        for r, (_m, shift, s, d, a, _best, best_idx) in zip(mine, state):
             log_s = torch.log(s)
             hi, lo = two_sum(shift, log_s)
             loss[r] = d + a * log_s

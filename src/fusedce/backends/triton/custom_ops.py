@@ -1,7 +1,8 @@
 """The Triton launches as torch custom ops, so ``torch.compile(fullgraph=True)`` traces through them.
 
 Six ops in the ``fusedce`` namespace (plus the two tiled ones of ``tiled.py``), each "allocate, then
-call a launcher" (``launch.py``) plus a fake (meta) implementation that gives the output shapes, dtypes and strides without touching data:
+call a launcher" (``launch.py``) plus a fake (meta) implementation that gives the output shapes, dtypes and strides
+without touching data:
 
 - ``fusedce::ce_forward(logits, target, weight?, weight_sum?, <options>, stats, inplace_backward)
   -> (loss, lse, lse_lo, predicted)``

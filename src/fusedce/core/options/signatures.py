@@ -41,7 +41,7 @@ def with_loss_options(obj):
     ``__signature__``, by the loss options it does not name itself (placed after its other
     parameters, keyword-only) and append ``loss_options_doc`` to its (the class's) docstring. ``obj`` is
     returned itself (no wrapper: nothing runs per call)."""
-    fn = obj.__init__ if isinstance(obj, type) else obj
+    fn = obj.__init__ if isinstance(obj, type) else obj  # type: ignore[misc]
     sig = inspect.signature(fn)
     params = list(sig.parameters.values())
     if not params or params[-1].kind is not inspect.Parameter.VAR_KEYWORD:

@@ -12,7 +12,8 @@ tolerance. The simplest candidate that matches wins (no softcap before a softcap
 the config's order among equals). Anything else is refused by the caller: an offset (a bias the head does
 not hold), a scale no config number gives, a non-linear map other than the softcap, or a transform that
 depends on the position. Read off real logits (``keep_logits``), the simplest candidate may be one of
-several that agree on them but not on the probe's range ``[-24, 24]`` (a tiny model's O(1) logits cannot tell a softcap of 128 from none): it is then used
+several that agree on them but not on the probe's range ``[-24, 24]`` (a tiny model's O(1) logits cannot tell a softcap
+of 128 from none): it is then used
 for that call only (it reproduces that call's logits) and the next labelled call looks again.
 """
 from __future__ import annotations

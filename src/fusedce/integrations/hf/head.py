@@ -159,7 +159,8 @@ def logit_transforms(config) -> tuple:
     multimodal models keep them; an attribute it lacks is taken from the top level), then, if different, the
     top-level config's alone (multimodal wrappers such as LLaVA-NeXT or Cohere 2 Vision ignore their text
     config's; Aya Vision did before transformers 5.25, which applies ``text_config.logit_scale``). Llama,
-    Mistral, Qwen2/3, Gemma, Phi3, GPT-2 declare none: ``(LogitTransform(),)``. ``ValueError`` for a scale that is not a finite non-zero number, a softcap <= 0 or a vocabulary
+    Mistral, Qwen2/3, Gemma, Phi3, GPT-2 declare none: ``(LogitTransform(),)``. ``ValueError`` for a scale that is not
+    a finite non-zero number, a softcap <= 0 or a vocabulary
     size < 1."""
     configs = text_configs(config)
     if not configs:

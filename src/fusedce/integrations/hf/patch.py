@@ -83,7 +83,8 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
       then). Else ``ValueError`` naming the family and what its forward does (an undeclared vocabulary
       slice, an offset, a scale or softcap no config number gives, another non-linear map, a transform
       that depends on the position). Encoder-decoders and families whose stock loss does not shift the
-      labels are refused at patch time (``hf_head.check_causal_loss``). When the text config and the top-level config declare different transforms (some
+      labels are refused at patch time (``hf_head.check_causal_loss``). When the text config and the top-level config
+      declare different transforms (some
       wrappers, e.g. LLaVA-NeXT, ignore their text config's), that call computes the loss for both and
       keeps the one the forward applied (one extra fused forward and backward, once);
     - MoE models: a returned ``aux_loss`` (``output_router_logits=True``) is added times the coefficient the

@@ -19,7 +19,8 @@ Compare the stock PyTorch cross-entropy with every fusedce path available on the
 cross_entropy on logits, and linear_cross_entropy (the LM head fused with the loss, next to the peers'
 fused heads: torch's F.linear_cross_entropy with LinearCrossEntropyOptions() and TRL's
 ChunkedLogProbFunction, and a table of fusedce against them): loss and gradient parity against float64,
-forward+backward time, peak memory and (timed rows) GB/s over the byte floor. By default on real input: SmolLM2-135M-Instruct's final hidden states on King James Bible
+forward+backward time, peak memory and (timed rows) GB/s over the byte floor. By default on real input:
+SmolLM2-135M-Instruct's final hidden states on King James Bible
 verses (SFT-style masking; built once, then cached under .cache/), 1024 tokens on CPU and 4096 on CUDA
 (--tokens). On CPU the Triton kernels run under the interpreter on a slice of rows, for parity only.
 With --sweep (CPU) a memory sweep follows: stock, fused (chunked, tiled) and the peers' linear

@@ -194,7 +194,8 @@ def _fusedce_linear(backend: str, method: str = "auto") -> Callable[[Inputs], to
 
 register(BenchPath("linear-torch", path_name("linear-torch"), LINEAR_CROSS_ENTROPY, _stock_linear,
               "F.cross_entropy(F.linear(hidden, weight).float(), target, ignore_index=-100), mean"))
-register(BenchPath("linear-fusedce-torch", path_name("linear-fusedce-torch"), LINEAR_CROSS_ENTROPY, _fusedce_linear("torch"),
+register(BenchPath("linear-fusedce-torch", path_name("linear-fusedce-torch"), LINEAR_CROSS_ENTROPY,
+                   _fusedce_linear("torch"),
               "fusedce.linear_cross_entropy(hidden, weight, target, backend='torch'): chunked PyTorch, "
               "chunk_size=None, mean"))
 register(BenchPath("linear-fusedce-triton", path_name("linear-fusedce-triton"), LINEAR_CROSS_ENTROPY,
