@@ -266,7 +266,7 @@ ALLOWED_TORCH_ATOMICS = {
 
 
 def test_no_other_kernel_or_op_accumulates_with_atomics():
-    """The README's statement, checked on the sources: the atomic tiled backward and the atomic tiled
+    """The README's statement ("Determinism"), checked on the sources: the atomic tiled backward and the atomic tiled
     distillation gradient are the only kernels with atomics (Triton ``tl.atomic_*``, CuTe ``atomic``), and
     torch ops with atomic CUDA kernels appear only at the places listed in ``ALLOWED_TORCH_ATOMICS``."""
     kernels = sorted((SRC / "backends").glob("*/kernels/*.py"))
