@@ -1,8 +1,7 @@
 """The one checked call of each distillation op (``checked_distill`` for ``distillation_loss`` /
-``linear_distillation_loss``, ``checked_topk`` for ``topk_distillation_loss`` /
-``linear_topk_distillation_loss``): every argument check, in one walk down to ``core/validation.py``,
-before any kernel; each returns a small frozen dataclass of the normalized arguments. The scalar options:
-``core/options/distill.py`` (dense) and ``core/options`` (``check_temperature``, ``log_prob_options``)."""
+``linear_distillation_loss``, ``checked_topk`` for ``topk_distillation_loss`` / ``linear_topk_distillation_loss``):
+every argument check, in one walk down to ``core/validation.py``, before any kernel; each returns a small frozen
+dataclass of the normalized arguments."""
 from __future__ import annotations
 
 import dataclasses
@@ -63,9 +62,8 @@ def check_vocab(student_v: int, teacher_v: int, what: str, hint: str = "") -> No
 
 
 def check_target(target, shape, device: torch.device, n_classes: int, ignore_index: int):
-    """None, or an int64 / int32 tensor of ``shape`` on ``device`` (``TypeError`` / ``ValueError``), whose
-    non-ignored values lie in [0, V) (``IndexError``; the one host sync, skipped under torch.compile /
-    CUDA-graph capture). Returns the flat int64-safe target or None."""
+    """None, or an int64 / int32 tensor of ``shape`` on ``device`` (``TypeError`` / ``ValueError``), whose non-ignored
+    values lie in [0, V) (``IndexError``; the one host sync, skipped under torch.compile / CUDA-graph capture)."""
     if target is None:
         return None
     val.check_target(target, shape, device)
@@ -191,12 +189,12 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
                  hard_label_weight, ignore_index, reduction, num_items_in_batch, student_softcap, logit_scale,
                  backend, method=None, chunk_size=None, deterministic=None, tail=False,
                  return_stats=False) -> TopkCall:
-    """Every check of a top-k distillation op but the value ranges (``check_topk_ranges``, once the
-    classes are formed): ``student`` (its logits, or with ``weight`` its hidden states, ``name``), the
-    scalar options (``check_temperature``: the one temperature check), ``num_items_in_batch``, the
-    teacher's top-K, the student's head and ``method`` / ``chunk_size`` / ``deterministic`` (linear form),
-    the target's shape, softcap and ``logit_scale`` (``log_prob_options``), the backend; ``tail`` and
-    ``return_stats`` first (``TypeError`` unless a bool). The teacher's values: ``check_teacher_values``."""
+    """Every check of a top-k distillation op but the value ranges (``check_topk_ranges``, once the classes are
+    formed): ``student`` (its logits, or with ``weight`` its hidden states, ``name``), the scalar options
+    (``check_temperature``: the one temperature check), ``num_items_in_batch``, the teacher's top-K, the student's
+    head and ``method`` / ``chunk_size`` / ``deterministic`` (linear form), the target's shape, softcap and
+    ``logit_scale`` (``log_prob_options``), the backend; ``tail`` and ``return_stats`` first (``TypeError`` unless a
+    bool)."""
     linear = weight is not None
     tail = check_flag("tail", tail)
     return_stats = check_flag("return_stats", return_stats)
@@ -232,14 +230,10 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
 
 
 def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: int, tail: bool) -> None:
-    """``ValueError`` naming ``teacher_log_probs`` for a kept value above ``LOG_PROB_SLACK`` (probabilities
-    or logits passed as log-probs; +inf included) and, with ``tail``, for a token whose kept entries'
-    probabilities sum above 1 by more than ``teacher_mass_slack`` (log-probs not normalized over the
-    vocabulary: the tail ``1 - sum_k p_k`` would be negative; within the slack it is clamped at 0).
-    Padding entries (-inf, or an id equal to ``ignore_index``) and ignored tokens are not looked at.
-    One host sync (one flag), skipped where the target-range check is (``core/validation.host_readable``:
-    torch.compile, CUDA-graph capture, tracing): a positive log-prob then enters the formula as given and
-    an excess mass gives a tail of 0. NaN is not checked (it gives a NaN loss)."""
+    """``ValueError`` naming ``teacher_log_probs`` for a kept value above ``LOG_PROB_SLACK`` (probabilities or logits
+    passed as log-probs; +inf included) and, with ``tail``, for a token whose kept entries' probabilities sum above
+    1 by more than ``teacher_mass_slack`` (log-probs not normalized over the vocabulary: the tail ``1 - sum_k p_k``
+    would be negative; within the slack it is clamped at 0)."""
     if teacher_log_probs.numel() == 0 or not val.host_readable(teacher_log_probs, teacher_ids, target):
         return
     lp = teacher_log_probs.detach().float()
@@ -269,10 +263,9 @@ def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: i
 
 
 def check_topk_ranges(classes: torch.Tensor, target, call: TopkCall, folded: bool) -> None:
-    """``IndexError`` for a hard label (``target``) or a kept teacher id outside [0, V), in one host sync
-    (skipped under torch.compile / CUDA-graph capture: a NaN loss instead): a target not folded into
-    ``classes`` is checked as their last column. A bad target is named first (error path only: one more
-    read), then the first bad teacher id."""
+    """``IndexError`` for a hard label (``target``) or a kept teacher id outside [0, V), in one host sync (skipped
+    under torch.compile / CUDA-graph capture: a NaN loss instead): a target not folded into ``classes`` is checked
+    as their last column."""
     if classes.numel() == 0 or not val.host_readable(classes, target):
         return
     if target is not None and not folded:

@@ -1,12 +1,4 @@
-"""Vocab-parallel cross-entropy on logits whose class dimension is split over the ranks of a group.
-
-Each rank holds ``logits[..., start:start + V_r]`` of the global ``(..., V)`` logits (e.g. the output of
-a column-parallel LM head) and the same global ``target`` on every rank. Forward: the chosen backend's
-partial statistics of the local logits (``slice_stats``: one Triton kernel launch, or PyTorch in row
-chunks), then the two collectives of ``exchange.py``. Backward: no collective; the backend writes the
-gradient of the rank's slice from the saved global statistics (``slice_grad``: the single-process
-backward kernel with a column offset).
-"""
+"""Vocab-parallel cross-entropy on logits whose class dimension is split over the ranks of a group."""
 from __future__ import annotations
 
 import math

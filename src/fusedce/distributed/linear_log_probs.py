@@ -1,16 +1,6 @@
-"""Vocab-parallel per-token log-probabilities and entropy from the hidden states (RL): the LM head split
-by vocabulary rows over the ranks, logits one chunk of tokens at a time (``rows x V_r``, never BT x V_r),
-as ``linear.py`` does for the cross-entropy (each pass's loop one op, ``chunk_ops.py``):
-
-    forward   per chunk: logits_c = h_c @ W_r.T + b_r (fp32 from the operands' values, no rounding to
-              hidden's dtype: ``lm_head/fp32_linear.py``; one reused buffer); the backend's ``slice_stats`` (with the
-              entropy's ``tsum``); then ``exchange.py``'s
-              two collectives (``log_probs.exchange_log_probs``)
-    backward  per chunk, logits recomputed: g_c = d/dlogits_c by the backend's ``slice_grad`` (the
-              log-probs' and the entropy's upstreams at once, hidden's dtype); grad_h_c = g_c @ W_r;
-              grad_W_r += g_c.T @ h_c; grad_b_r += sum g_c (fp32); then all_reduce(SUM) of grad_h
-FLOPs per rank: 2 BT V_r H forward, 6 BT V_r H backward.
-"""
+"""Vocab-parallel per-token log-probabilities and entropy from the hidden states (RL): the LM head split by vocabulary
+rows over the ranks, logits one chunk of tokens at a time (``rows x V_r``, never BT x V_r), as ``linear.py`` does
+for the cross-entropy (each pass's loop one op, ``chunk_ops.py``)."""
 from __future__ import annotations
 
 import math

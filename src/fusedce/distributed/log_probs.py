@@ -1,17 +1,4 @@
-"""Vocab-parallel per-token log-probabilities and entropy (RL) on logits split by vocabulary over ranks.
-
-The single-process ``fusedce.token_log_probs`` on the logits concatenated over the vocabulary, through
-the vocab-parallel cross-entropy's machinery: the log-prob options (temperature and softcap folded into
-the loss options, ``options.log_prob_options``) make the exchanged cross-entropy of a row
-``-log_probs``, and one more exchanged column, ``tsum`` (``shard_rows.Columns``), gives the entropy
-``log S - T / S`` of the global ``softmax(q)``. Forward: the backend's ``slice_stats`` (its kernels), then
-``exchange.py``'s two collectives. Backward: no collective; the backend's ``slice_grad`` writes the
-slice's gradient from the global lse pair and entropy:
-
-    dL/dq_c = -g (p_c - [c == t]) - k p_c (log p_c + entropy)     (g, k: upstreams of log_probs, entropy)
-
-(``lm_head/protocols.py``), times ``dq/dx``.
-"""
+"""Vocab-parallel per-token log-probabilities and entropy (RL) on logits split by vocabulary over ranks."""
 from __future__ import annotations
 
 import math
@@ -36,9 +23,8 @@ from fusedce.rl.kclass import result
 
 def exchange_log_probs(partials: Partials, target: torch.Tensor, layout: VocabLayout, opts: LossOptions,
                        cols: Columns):
-    """The collectives on this rank's filled ``partials`` -> ``(log_probs, entropy, lse, lse_lo)`` (n,)
-    fp32 each, global and identical on every rank (0 on ignored rows; ``entropy`` empty without the
-    ``tsum`` column). Shared by the logits and the linear forms."""
+    """The collectives on this rank's filled ``partials`` -> ``(log_probs, entropy, lse, lse_lo)`` (n,) fp32 each,
+    global and identical on every rank (0 on ignored rows; ``entropy`` empty without the ``tsum`` column)."""
     out = exchange(partials, target, None, layout, opts, cols)
     log_probs = torch.where(opts.kept(target), -out.loss, 0.0)   # +0.0 on ignored rows, as token_log_probs
     entropy = out.lse.new_empty(0) if out.entropy is None else out.entropy

@@ -1,9 +1,7 @@
 """The one checked call of the RL log-prob ops: ``checked_log_probs`` (``token_log_probs`` and
-``distributed.vocab_parallel_token_log_probs``) and ``checked_linear_log_probs`` (``linear_token_log_probs``
-and ``distributed.vocab_parallel_linear_token_log_probs``), each op's argument checks in one walk down to
-``core/validation.py``, before any kernel, for the one-class ``(...)`` and the K-class ``(..., K)`` target
-alike. Each returns a ``LogProbsCall``; what needs the backend or the global vocabulary (the target's value
-range, the one host sync) stays with the op, after the backend is chosen and the vocabulary laid out."""
+``distributed.vocab_parallel_token_log_probs``) and ``checked_linear_log_probs`` (``linear_token_log_probs`` and
+``distributed.vocab_parallel_linear_token_log_probs``), each op's argument checks in one walk down to
+``core/validation.py``, before any kernel, for the one-class ``(...)`` and the K-class ``(..., K)`` target alike."""
 from __future__ import annotations
 
 import dataclasses

@@ -21,10 +21,9 @@ def result(log_probs, entropy, target_shape, return_entropy: bool):
 
 
 def log_probs_rows(impl, logits: torch.Tensor, classes: torch.Tensor, opts: LossOptions, return_entropy: bool):
-    """The internal K-class op on CHECKED arguments (no check, no entrance; the top-k distillation calls
-    it): ``logits`` ``(..., V)``, ``classes`` ``(..., K)`` int64-safe, in [0, V) or ``ignore_index``,
-    ``impl`` the backend (``backends.get(..., entropy=True)``). Returns ``(log_probs (N, K), entropy (N,)
-    or None)`` in fp32, N the number of tokens; differentiable w.r.t. ``logits``."""
+    """The internal K-class op on CHECKED arguments (no check, no entrance; the top-k distillation calls it):
+    ``logits`` ``(..., V)``, ``classes`` ``(..., K)`` int64-safe, in [0, V) or ``ignore_index``, ``impl`` the
+    backend (``backends.get(..., entropy=True)``)."""
     n_classes = logits.shape[-1]
     flat = logits.reshape(-1, n_classes)
     if flat.stride(-1) != 1 and n_classes > 1:
@@ -35,11 +34,10 @@ def log_probs_rows(impl, logits: torch.Tensor, classes: torch.Tensor, opts: Loss
 
 def linear_log_probs_rows(impl, hidden, weight, classes, bias, opts: LossOptions, return_entropy: bool, chunk_size,
                           method: str, deterministic: bool, logits: str = "float32", compact: bool = True):
-    """The internal K-class op of the LM head on CHECKED arguments (no check, no entrance; the top-k
-    distillation calls it): ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` ``(V,)`` or None,
-    ``classes`` ``(..., K)`` as :func:`log_probs_rows`, ``impl`` from ``backends.get(..., entropy=True,
-    tiled=...)``, ``logits`` as ``chunked.logits_dtype``, ``compact`` as ``kclass_ops.
-    linear_token_log_probs_kclass``'s. Returns ``(log_probs (N, K), entropy (N,) or None)``."""
+    """The internal K-class op of the LM head on CHECKED arguments (no check, no entrance; the top-k distillation calls
+    it): ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` ``(V,)`` or None, ``classes`` ``(..., K)`` as
+    :func:`log_probs_rows`, ``impl`` from ``backends.get(..., entropy=True, tiled=...)``, ``logits`` as
+    ``chunked.logits_dtype``, ``compact`` as ``kclass_ops. linear_token_log_probs_kclass``'s."""
     return kclass_ops.linear_token_log_probs_kclass(
         impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, classes.reshape(-1, classes.shape[-1]), bias,
         opts, return_entropy, None if chunk_size is None else int(chunk_size), method, tiled=impl.TILED_CE,

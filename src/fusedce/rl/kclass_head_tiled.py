@@ -1,7 +1,5 @@
-"""The ``method="tiled"`` side of the K-class log-probs (``rl/kclass.py``): the K target logits of
-each row, and the sparse ``[c == t_k]`` term of the gradient added to the tiled gradients. Both gather
-rows of ``weight`` for the K classes of a few rows at a time (``_GATHER_ELEMENTS``): no tensor with a V
-dimension, O(BT K H) extra work (K / V of the tiled matmuls', times ``_ROWS`` for the logits)."""
+"""The ``method="tiled"`` side of the K-class log-probs (``rl/kclass.py``): the K target logits of each row, and the
+sparse ``[c == t_k]`` term of the gradient added to the tiled gradients."""
 from __future__ import annotations
 
 import torch
@@ -32,11 +30,8 @@ def target_logits(hidden, weight, bias, safe: torch.Tensor) -> torch.Tensor:
 
 
 def _add_rows_(acc: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, deterministic: bool) -> None:
-    """``acc[ids[e]] += values[e]`` for every entry e (``index_add_``: float atomics on CUDA, so the sum
-    of one class's entries is not bitwise reproducible). ``deterministic``: the entries are sorted by
-    class (stable), each class's run summed by ``segment_reduce``, then added once per class: no two
-    additions to one element race (one host sync for the number of classes; under torch.compile /
-    CUDA-graph capture, where it cannot sync, ``index_add_`` as above)."""
+    """``acc[ids[e]] += values[e]`` for every entry e (``index_add_``: float atomics on CUDA, so the sum of one class's
+    entries is not bitwise reproducible)."""
     if not deterministic or not host_readable(ids) or ids.numel() == 0:
         acc.index_add_(0, ids, values.to(acc.dtype))
         return

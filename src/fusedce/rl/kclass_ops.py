@@ -1,18 +1,7 @@
-"""The linear K-class log-probs (``linear_token_log_probs`` with a ``(..., K)`` target) through two ops, so
-that a tracer sees one node for the forward and one for the backward whatever the token count (issue 27
-item 3; the reason and the mechanism are ``lm_head/loop_ops.py``'s: the chunk loops, the gathers and the
-sparse gradient loops all step over the rows). The math is ``kclass_head.py``'s.
-
-- ``fusedce_rl::k_forward(hidden, weight, bias?, target (n, K), <options>, <head>, want_entropy) -> (lse,
-  lse_lo, entropy, x)``: ``kclass_head.linear_forward`` (entropy (0,) unless asked);
-- ``fusedce_rl::k_backward(..., lse, lse_lo, entropy?, x, grad_log_probs?, grad_entropy?, <options>, <head>,
-  needs_hidden, needs_weight, needs_bias) -> (grad_hidden, grad_weight, grad_bias)``: ``kclass_head.linear_grads``
-  ((0,) where not needed; the last two fp32).
-
-``<options>`` = ``ignore_index, scalars`` (``LossOptions.op_args``); ``<head>`` = ``backend, tiled, chunk_size,
-deterministic, logits`` (``method.head_spec``: the head is rebuilt in the body, ``method.rebuild_head``).
-Plain eager calls run the bodies directly (``core/opaque.py``).
-"""
+"""The linear K-class log-probs (``linear_token_log_probs`` with a ``(..., K)`` target) through two ops, so that a
+tracer sees one node for the forward and one for the backward whatever the token count (the reason
+and the mechanism are ``lm_head/loop_ops.py``'s: the chunk loops, the gathers and the sparse gradient loops all step
+over the rows)."""
 from __future__ import annotations
 
 from typing import Optional

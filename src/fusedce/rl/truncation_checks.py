@@ -1,8 +1,6 @@
 """The checks of the ``top_k`` / ``top_p`` keywords of the RL log-prob ops (``rl/checks.py`` calls
-``checked_truncation``): a Python number or a per-row tensor of the target's shape, ``top_k`` an integer
->= 0 (0 or None: off), ``top_p`` a number in (0, 1] (1.0 or None: off). Scalars that mean "off" come back
-as None (the op then runs its untruncated path unchanged); a per-row tensor is kept as given (its values
-checked with one host sync, skipped while compiling or capturing a CUDA graph)."""
+``checked_truncation``): a Python number or a per-row tensor of the target's shape, ``top_k`` an integer >= 0 (0 or
+None: off), ``top_p`` a number in (0, 1] (1.0 or None: off)."""
 from __future__ import annotations
 
 import math

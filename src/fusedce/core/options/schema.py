@@ -161,9 +161,7 @@ class LossOptions:
                    softcap=30.0 if flags.HAS_SOFTCAP else None, **values)
 
     def kept(self, target: torch.Tensor) -> torch.Tensor:
-        """bool of ``target``'s shape: the rows that count (target != ignore_index), for code that holds
-        the options. The layers that receive only ``ignore_index`` (the reduction's denominators, the
-        row compaction, the target-range check) and the kernels (per program) test it themselves."""
+        """bool of ``target``'s shape: the rows that count (target != ignore_index), for code that holds the options."""
         return target != self.ignore_index
 
 

@@ -1,12 +1,4 @@
-"""The public signatures' loss options, derived from ``schema.LossOptions`` (the one description).
-
-A public function or module that takes the loss options declares ``**options`` and is decorated with
-``with_loss_options``: its ``__signature__`` (what ``help()``, IDEs, ``inspect.signature`` and the
-Hugging Face patch see) then lists every option as a keyword-only parameter with its default, and its
-docstring gains a "Loss options" section written from the fields' docs. Adding a field to
-``LossOptions`` therefore adds the keyword to every public signature and docstring at once; values are
-checked by ``LossOptions.checked`` (an unknown keyword is a ``TypeError``, as Python's own).
-"""
+"""The public signatures' loss options, derived from ``schema.LossOptions`` (the one description)."""
 from __future__ import annotations
 
 import functools

@@ -1,19 +1,4 @@
-"""Hugging Face integration: one call makes a causal LM train through :func:`linear_cross_entropy`.
-
-``patch_causal_lm(model)`` replaces the forward of ONE model instance. With ``labels``, the family's own
-forward runs and, when it calls its LM head module, the loss is computed INSIDE that call
-(``hf_call.HeadCall``): the head's forward pre-hooks and hooks fire once, as in the stock forward, so
-whatever a sharding engine or adapter does around the head's forward is in effect while the loss reads
-the weight (DeepSpeed ZeRO-3 and FSDP2 gather it there; a peft LoRA head adds its low-rank update,
-applied exactly as an extra ``(s * A x, B)`` piece of the same fused matmul: ``hf_adapters``). The call
-returns a tiny placeholder instead of the ``(B, T, V)`` logits, and the model's ``loss`` is
-``linear_cross_entropy(hidden, head weight, shifted labels, head bias)``, tied to the head's output so
-that the backward passes through the head's backward hooks (which re-gather a sharded weight) before the
-loss's backward reads the weight again. With ``labels`` and autograd off (``Trainer.evaluate``), the real
-logits are returned too by default (``keep_logits=None``). Without ``labels`` (``generate``) the original
-forward runs untouched, as does a call with TRL's ``fused_lm_head=True`` (TRL's fused head then runs:
-TRL's kernel, or fusedce's under ``fusedce.patch_trl``).
-"""
+"""Hugging Face integration: one call makes a causal LM train through :func:`linear_cross_entropy`."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,13 +1,7 @@
-"""What the patched ``output_layer`` hands to ``compute_language_model_loss`` instead of the ``[s, b, V/TP]``
-logits, and the two computations on it: the per-token cross-entropy (``loss``) and the per-token
-log-probs / entropy (``log_probs``), both through fusedce's vocabulary-parallel fused linear ops over the
-output layer's tensor-parallel group.
-
-Gradient of the hidden states: the stock ``ColumnParallelLinear`` copies them to the tensor-parallel region
-(identity forward, all-reduce of the gradient in backward) because each rank's logits see only its shard;
-the fused ops already all-reduce the hidden-state gradient over the group, so the hidden states go in as
-they are (no second all-reduce).
-"""
+"""What the patched ``output_layer`` hands to ``compute_language_model_loss`` instead of the ``[s, b, V/TP]`` logits,
+and the two computations on it: the per-token cross-entropy (``loss``) and the per-token log-probs / entropy
+(``log_probs``), both through fusedce's vocabulary-parallel fused linear ops over the output layer's tensor-parallel
+group."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,9 +26,8 @@ class DeferredLogits:
 
 def loss(logits: DeferredLogits, labels: torch.Tensor, options: dict,
          token_weights: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[b, s]`` fp32 per-token cross-entropy (contiguous, as Megatron's), ``labels`` ``[b, s]`` global
-    class ids, ``token_weights`` ``[b, s]`` or None; ``options``: ``vocab_parallel_linear_cross_entropy``'s
-    keywords. The op runs on the ``[s, b]`` layout of the hidden states (no copy of them)."""
+    """``[b, s]`` fp32 per-token cross-entropy (contiguous, as Megatron's), ``labels`` ``[b, s]`` global class ids,
+    ``token_weights`` ``[b, s]`` or None; ``options``: ``vocab_parallel_linear_cross_entropy``'s keywords."""
     weights = None if token_weights is None else token_weights.transpose(0, 1)
     rows = vocab_parallel_linear_cross_entropy(logits.hidden, logits.weight, labels.transpose(0, 1), logits.bias,
                                                group=logits.group, reduction="none", token_weights=weights,

@@ -1,25 +1,5 @@
-"""``fusedce.patch_megatron(model, **loss_options)`` / ``unpatch_megatron(model)``: a Megatron-core
-``GPTModel`` computes its language-model loss through the vocabulary-parallel fused linear cross-entropy.
-
-How it hooks in (megatron-core 0.16, ``version.py``). ``GPTModel._postprocess`` runs the output layer
-(``ColumnParallelLinear``: ``[s, b, H]`` hidden states times this rank's ``(V/TP, H)`` vocabulary rows, the
-tied embedding's when ``share_embeddings_and_output_weights``) and hands the ``[s, b, V/TP]`` logits to
-``compute_language_model_loss(labels, logits)``, for the main head and for each multi-token-prediction
-head. The patch sets three attributes on the one model instance (its class and every other instance are
-untouched):
-
-- ``_postprocess``: while it runs with ``labels``, the call is marked active (without labels the stock
-  code runs: the logits are made and returned, as for inference);
-- ``output_layer.forward``: while active, returns ``head.DeferredLogits`` (the hidden states, the weight
-  the call was given or its own, its bias, its tensor-parallel group) instead of multiplying; the
-  module's ``__call__`` and hooks still run;
-- ``compute_language_model_loss``: given ``DeferredLogits``, returns ``head.loss`` (the ``[b, s]`` fp32
-  per-token loss; ``token_weights`` a forward keyword); given real logits, the stock code.
-
-So the ``[s, b, V/TP]`` logits (and their fp32 copy) are never formed; logits exist one chunk of tokens at
-a time inside the fused op. ``forward`` is wrapped too, to take the ``token_weights`` keyword out and
-check it before the model runs.
-"""
+"""``fusedce.patch_megatron(model, **loss_options)`` / ``unpatch_megatron(model)``: a Megatron-core ``GPTModel``
+computes its language-model loss through the vocabulary-parallel fused linear cross-entropy."""
 from __future__ import annotations
 
 import dataclasses

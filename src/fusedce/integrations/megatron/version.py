@@ -1,15 +1,4 @@
-"""The installed megatron-core is the one ``patch_megatron`` was written against, or ``RuntimeError``.
-
-The patch relies on three pieces of megatron-core and reproduces what they compute
-(``patch.py``): ``GPTModel._postprocess`` (it calls ``output_layer(hidden, weight=..., runtime_gather_output=...)``
-and passes the result to ``compute_language_model_loss(labels, logits)``, for the main head and each
-multi-token-prediction head), ``LanguageModule.compute_language_model_loss`` (``[b, s]`` labels, ``[s, b,
-V/TP]`` logits -> ``[b, s]`` fp32 per-token cross-entropy over the tensor-parallel group) and
-``ColumnParallelLinear.forward`` (the vocabulary shard ``weight`` ``(V/TP, H)``, the hidden states copied
-to the tensor-parallel region: identity forward, all-reduced gradient). A SHA-256 fingerprint of each
-one's source in megatron-core 0.16.1 is checked, as ``patch_trl`` checks TRL's, so that a release that
-changes them is refused instead of silently computing something else.
-"""
+"""The installed megatron-core is the one ``patch_megatron`` was written against, or ``RuntimeError``."""
 from __future__ import annotations
 
 from fusedce.integrations.sources import check_sources

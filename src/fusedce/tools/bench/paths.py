@@ -1,14 +1,4 @@
-"""The registry of what the bench measures: ops (a loss and its floor) and paths (who computes it).
-
-Ops: ``cross_entropy`` (on given logits) and ``linear_cross_entropy`` (the LM head fused with the loss:
-hidden states and the head's weight in, their gradients out).
-
-A path is one ``register(BenchPath(...))`` entry: a forward that returns the scalar loss of an ``Inputs``
-(the harness runs the backward). The bench runs every registered path on ``--device``: timed where
-``device in path.devices``; on CPU, a path with ``interpreter=True`` gets a parity-only run on a slice of
-rows under ``TRITON_INTERPRET=1`` (interpreter times mean nothing), next to its op's ``baseline`` path on
-the same slice.
-"""
+"""The registry of what the bench measures: ops (a loss and its floor) and paths (who computes it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
