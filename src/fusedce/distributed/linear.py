@@ -121,13 +121,7 @@ def vocab_parallel_linear_cross_entropy(
     Ignored tokens cost no matmul FLOPs and no communication: non-ignored rows are gathered first (one
     host sync; skipped under torch.compile / CUDA-graph capture, where every row is computed).
 
-    Collectives (on ``group``; BT' = non-ignored rows, W = world size)::
-
-        setup    all_gather of 3 int64 per rank: 24 W bytes, one host sync.
-        forward  all_reduce(MAX) of BT' int64: 8 BT' bytes; all_reduce(SUM) of BT' x k fp32
-                 (+1 fp32 with class weights), k = 3..5 as in vocab_parallel_cross_entropy.
-        backward all_reduce(SUM) of grad_hidden, BT' x H in hidden's dtype (only when hidden
-                 requires grad). No collective for the weight / bias gradients.
+    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
 
     Raises:
         The errors of ``vocab_parallel_cross_entropy`` (a global V = 0 included; ``weight_shard`` of

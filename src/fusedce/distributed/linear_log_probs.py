@@ -102,11 +102,7 @@ def vocab_parallel_linear_token_log_probs(
     Ignored tokens cost no matmul FLOPs and no communication: non-ignored rows are gathered first (one
     host sync, as in ``linear_token_log_probs``; skipped under torch.compile / CUDA-graph capture).
 
-    Collectives (on ``group``; BT' = non-ignored rows): setup ``all_gather`` of 3 int64 per rank; forward
-    ``all_reduce(MAX)`` of BT' int64 and ``all_reduce(SUM)`` of BT' x 3 fp32 (x 4 with the entropy; for
-    K classes one more of BT' x K fp32, BT' the tokens with a non-ignored entry);
-    backward ``all_reduce(SUM)`` of grad_hidden, BT' x H in hidden's dtype (only when ``hidden``
-    requires grad).
+    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
 
     Raises:
         The errors of ``vocab_parallel_token_log_probs`` and of ``vocab_parallel_linear_cross_entropy``

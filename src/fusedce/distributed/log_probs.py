@@ -103,12 +103,7 @@ def vocab_parallel_token_log_probs(
         differentiable with any upstream gradients; the gradient of ``logits_shard`` has its dtype and
         shape.
 
-    Collectives (on ``group``; BT = rows, W = world size): setup ``all_gather`` of 3 int64 per rank (one
-    host sync, as ``vocab_parallel_cross_entropy``); forward ``all_reduce(MAX)`` of BT int64 (8 BT bytes)
-    and ``all_reduce(SUM)`` of BT x 3 fp32 (sum-exp, target logit, owner flag; x 4 with the entropy),
-    plus, for K classes, one ``all_reduce(SUM)`` of BT x K fp32 (the K target logits); backward none. Every rank must
-    make the same calls with the same ``target``. Host syncs: the setup's
-    and the target range check's (as ``token_log_probs``), none in the forward's math or the backward.
+    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
 
     Raises:
         The errors of ``fusedce.token_log_probs`` (shapes, dtypes, devices, ``temperature`` /
