@@ -33,7 +33,7 @@ DTYPES = ("float32", "bfloat16")
 # each of the ten linear rows, 4096 tokens took the main job past 20 minutes.
 TOKENS = {"cpu": 1024, "cuda": 4096}
 LOAD_SAMPLE_SECONDS = 5.0
-# The names --paths accepts (``paths.PATHS``, which imports torch; tests/test_bench_cli.py keeps the two
+# The names --paths accepts (``paths.PATHS``, which imports torch; tests/tools/test_bench_report_cli.py keeps the two
 # equal), by op: fusedce's paths, stock PyTorch's and the peers'.
 PATH_NAMES = {
     "cross_entropy": ("torch", "fusedce-torch", "fusedce-triton"),
