@@ -3,6 +3,7 @@
 #                       accuracy, RL precision, distillation (README "Two commands": the measured durations)
 #   make test           the test suite on CPU; Triton kernels run under TRITON_INTERPRET=1
 #                       (~12-15 min; 18+ min when other jobs share the cores)
+#   make lint           ruff (everything) and mypy (core/ and the public faces), < 1 min
 # Also: make install (the set-up alone), make bench-sweep (the CPU memory sweep alone, ~10-20 min),
 #       make test-cute (~5 min), make docs, make check-package,
 #       make test-compat (other torch / triton / Python versions in stand-in venvs: scripts/test_compat.sh),
@@ -15,7 +16,7 @@ STAMP   := $(VENV)/.fusedce-installed
 DOCS_STAMP := $(VENV)/.fusedce-docs-installed
 PKG_VENV   := build/package-check-venv
 
-.PHONY: bench bench-sweep test test-cute test-compat test-megatron test-verl install docs check-package clean
+.PHONY: bench bench-sweep test test-cute test-compat test-megatron test-verl install docs check-package clean lint
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -48,6 +49,11 @@ bench-sweep: $(STAMP)
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 --timeout 900 --durations=15
+
+# ruff's rules and mypy's files: pyproject.toml ([tool.ruff], [tool.mypy]).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VPY) -m mypy
 
 # The CuTe DSL compile checks alone, every constexpr-flag combination for sm_90a and sm_100a
 # (~5 min: about 2.5 per arch); `make test` runs the representative subset (tests/cute/test_cute_compile.py).

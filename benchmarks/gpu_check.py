@@ -28,7 +28,7 @@ comes last (the JSON of ``--out`` is rewritten after every section, so a killed 
    (b) with that one check replaced by a no-op, the whole eager public path must run clean. Wrapping only
    the kernels would miss syncs in the validation / reduction / stats glue, and running under
    torch.compile would test Inductor's code instead of ours (the compiled path is covered by
-   tests/ce/test_compile.py and by the CUDA-graph section, where the check is skipped by contract).
+   tests/ce/compile/test_compile.py and by the CUDA-graph section, where the check is skipped by contract).
 5. linear cross-entropy (``benchmarks/gpu_check_linear.py``): the LM head fused with the loss at
    BT = 8192, H = 4096, V = 128256 (Llama 3, Liger's FLCE shape), H = 2304, V = 256000 (Gemma 2) and
    H = 4096, V = 151936 (TRL's SFT head) (bf16, 25 % ignored): stock vs fusedce chunked vs tiled

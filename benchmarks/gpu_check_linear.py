@@ -5,7 +5,8 @@ benchmarks/gpu_check_linear.py [--dry-run] [--out FILE]`` with ``src`` on ``PYTH
 
 Shapes (bf16, BT = 8192, 25 % of the targets ignored at random): H = 4096, V = 128256 (Llama 3; also
 Liger's FLCE benchmark shape), H = 2304, V = 256000 (Gemma 2) and H = 4096, V = 151936 (TRL's SFT head);
-the log-prob + entropy op at Liger's RL shape, H = 4096, V = 131072 (``SHAPE_NAMES``). Inputs: ``fusedce.tools.bench.inputs`` source ``"random"`` drawn on the GPU,
+the log-prob + entropy op at Liger's RL shape, H = 4096, V = 131072 (``SHAPE_NAMES``). Inputs:
+``fusedce.tools.bench.inputs`` source ``"random"`` drawn on the GPU,
 hidden ~ N(0, 1), weight ~ N(0, 1) * 0.02 (the memory sweep's data). Paths, each guarded (one failure
 does not stop the others):
 
@@ -38,7 +39,8 @@ Then at the first shape, if time is left: determinism, ``tiled`` and ``tiled-det
 (fwd+bwd) and compared bit for bit (loss, both gradients); ``tiled-det`` must agree exactly, ``tiled``
 (fp32 atomics) is reported; then batch invariance (issue 29, ``run_batch_invariance``): the first scored
 row's log-prob, entropy and hidden-gradient row in 12 other batches (``rl_precision.PLACEMENTS``) vs the
-batch of one, with and without ``batch_invariant=True``; with it no bit may change. After the shapes, ``fusedce.linear_token_log_probs(...,
+batch of one, with and without ``batch_invariant=True``; with it no bit may change. After the shapes,
+``fusedce.linear_token_log_probs(...,
 return_entropy=True)`` at Liger's RL shape (the dry run: at its first shape), chunked vs tiled vs stock
 (``F.linear`` in bf16, fp32 ``log_softmax``, the target's log-prob and ``-sum p log p``), backward with
 per-token upstreams for both outputs (an advantage on the log-probs, a coefficient on the entropy): time,
@@ -93,8 +95,8 @@ FP32_LOG_PROB_TOL = 1e-4
 
 def interpreter_fixes() -> None:
     """For a dry run (Triton interpreter): the tests' fix of Triton < 3.7's interpreter under numpy >= 2.4
-    (a tensor loop bound, ``tests/interpreter_index.py``; it does nothing on other versions)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    (a tensor loop bound, ``tests/support/interpreter_index.py``; it does nothing on other versions)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support"))
     import interpreter_index
     interpreter_index.install()
 
@@ -540,7 +542,8 @@ def summary_lines(result: dict) -> list[str]:
     if bi:
         lines.append(f"{'batch invariance':>17}  " + ("FAILED: " + bi["error"] if "error" in bi else
                      f"placements changing a row: default {bi['changed_default']}, batch_invariant=True "
-                     f"{bi['changed_batch_invariant']} of {bi['placements']}") + f"  {'OK' if bi.get('ok') else 'FAIL'}")
+                     f"{bi['changed_batch_invariant']} of {bi['placements']}")
+                     + f"  {'OK' if bi.get('ok') else 'FAIL'}")
     lp = result.get("log_probs")
     if lp:
         for method, m in lp.get("methods", {"(all)": lp}).items():

@@ -37,15 +37,15 @@ def _prose_raises(app, what, name, obj, options, lines):
     for i, line in enumerate(lines):
         if line.strip() != "Raises:":
             continue
-        body = next((l for l in lines[i + 1:] if l.strip()), "")
+        body = next((ln for ln in lines[i + 1:] if ln.strip()), "")
         if _GOOGLE_ENTRY.match(body):
             continue
         indent = len(line) - len(line.lstrip())
         j = i + 1
         while j < len(lines) and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > indent):
             j += 1
-        block = [l.strip() for l in lines[i + 1:j]]
-        lines[i:j] = [" " * indent + ".. rubric:: Raises", ""] + [" " * indent + l for l in block] + [""]
+        block = [ln.strip() for ln in lines[i + 1:j]]
+        lines[i:j] = [" " * indent + ".. rubric:: Raises", ""] + [" " * indent + ln for ln in block] + [""]
 
 
 def setup(app):

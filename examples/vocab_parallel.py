@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 import fusedce
-from fusedce.distributed import (vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy, vocab_parallel_linear_token_log_probs)
+from fusedce.distributed import (vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy,
+                                 vocab_parallel_linear_token_log_probs)
 
 
 def my_slice(vocab: int, rank: int, world: int) -> slice:

@@ -20,7 +20,7 @@ MAX_SDIST_BYTES = 5 * 2**20   # the sources, tests and docs are well under 1 MB;
 WHEEL_NEEDS = ("fusedce/__init__.py", "fusedce/py.typed", "fusedce/backends/triton/kernels/row_math.py",
                "fusedce/tools/cli.py")
 SDIST_NEEDS = ("pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "MANIFEST.in", "src/fusedce/py.typed",
-               "src/fusedce/__init__.py", "tests/conftest.py", "tests/references/reference64.py", "docs/conf.py")
+               "src/fusedce/__init__.py", "tests/conftest.py", "tests/support/reference64.py", "docs/conf.py")
 NEVER = (".cache/", "results/", ".venv/", "dist/", "__pycache__/", ".pyc")
 
 

@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 COMPAT=.cache/compat
-TESTS=(${COMPAT_TESTS:-tests/ce/test_compile.py tests/ce/test_autocast.py tests/linear/test_nn_functional.py
+TESTS=(${COMPAT_TESTS:-tests/ce/compile/test_compile.py tests/ce/dispatch/test_autocast.py tests/linear/test_nn_functional.py
        tests/hf/test_hf_families.py tests/tools/test_bench_peers.py tests/linear/test_bf16_products.py})
 COMMON=(pytest pytest-xdist hypothesis pytest-timeout psutil accelerate peft)
 mkdir -p "$COMPAT"

@@ -87,7 +87,7 @@ def _signature_entries(code: str):
         text = " ".join(entry)
         name, rest = text.split("(", 1)
         depth, end = 1, 0
-        for end, char in enumerate(rest):
+        for end, char in enumerate(rest):   # noqa: B007 (the last end is read after the loop)
             depth += {"(": 1, ")": -1}.get(char, 0)
             if depth == 0:
                 break

@@ -1,4 +1,4 @@
-"""``tests/interpreter_index.py``'s version gate: the interpreter fix goes in exactly for Triton < 3.7 with
+"""``tests/support/interpreter_index.py``'s version gate: the interpreter fix goes in exactly for Triton < 3.7 with
 numpy >= 2.4 (local / dev version suffixes included). The fix itself is exercised by every interpreted
 kernel with a runtime loop bound on such versions (``make test-compat``'s Triton 3.6 + numpy 2.5.2)."""
 import pytest

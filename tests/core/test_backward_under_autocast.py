@@ -8,7 +8,7 @@ re-formed its logits tiles under autocast (bf16 tiles against an fp32 gradient) 
 ``scatter(): Expected self.dtype to be equal to src.dtype``; soft targets and the tail of top-k
 distillation silently differed by ~5e-4.
 
-Every public tensor op (``tests/public_ops.py``, so a new op is covered), and the linear ops by hand with
+Every public tensor op (``tests/support/public_ops.py``, so a new op is covered), and the linear ops by hand with
 each method (chunked, tiled), hard and soft targets, with entropy, the top-k tail, both backends.
 Autocast bf16 and fp16 on CPU; fp32 leaves (the forward's casts are autocast's own).
 """

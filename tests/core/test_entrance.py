@@ -1,13 +1,14 @@
 """The one entrance (``core/entrance.py``): every public function goes through ``public_op``, and every
 tensor op behaves under ``torch.autocast`` as the stock composition it replaces, found by walking the
-public lists (``tests/public_ops.py``), so that a new op cannot be missed.
+public lists (``tests/support/public_ops.py``), so that a new op cannot be missed.
 
 Autocast: a ``"linear"`` op under ``torch.autocast("cpu", dtype)`` must equal the same op called outside
 autocast on ``hidden``, ``weight``, ``bias`` (and a teacher's head) cast to ``dtype`` by hand, as autocast
 casts ``F.linear``'s inputs (values and gradients of the fp32 leaves: bitwise, the same computation);
 inputs: fp32 leaves, and bf16 hidden states with fp32 master weights (ordinary AMP; before the entrance,
 ``linear_distillation_loss`` raised "must share a dtype" there). A ``"logits"`` op (fp32 logits, and bf16
-logits) under autocast must equal the op outside autocast (stock ``F.cross_entropy`` / ``log_softmax`` are on autocast's fp32 list).
+logits) under autocast must equal the op outside autocast (stock ``F.cross_entropy`` / ``log_softmax`` are on
+autocast's fp32 list).
 Both backends (Triton under the interpreter); the vocab-parallel ops on a one-rank gloo group.
 """
 from __future__ import annotations
@@ -17,9 +18,8 @@ import inspect
 import pytest
 import torch
 
-import fusedce
 from fusedce.core.entrance import ENTRANCE, KINDS, public_op
-from public_ops import CALLS, NEEDS_GROUP, PUBLIC_FUNCTIONS, make_inputs, with_logits
+from public_ops import CALLS, PUBLIC_FUNCTIONS, make_inputs, with_logits
 
 LEAVES = ("hidden", "weight", "bias")
 

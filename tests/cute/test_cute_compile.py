@@ -33,7 +33,8 @@ def _inspect(tmp_path, arch: str) -> dict:
     argv = [sys.executable, "-m", "fusedce.tools.inspect", "--arch", arch, "--kernel", "forward", "--variant", "plain",
             "--dtype", "bf16", "--vocab", "32000", "--cute", "--json", str(out)] \
         + (["--every-variant"] if EVERY else [])
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=780)   # < make test's pytest limit (900 s): its output is kept
+    # timeout < make test's pytest limit (900 s): its output is kept
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=780)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "CuTe DSL kernels" in proc.stdout and "CuTe variants" in proc.stdout, proc.stdout
     return json.loads(out.read_text())

@@ -159,6 +159,5 @@ def test_padding_changes_no_gradient(reduction, with_target):
 
 def test_refusals():
     ws, wt, _ = _heads(torch.float32)
-    hs, ht = torch.randn(4, H), torch.randn(4, HT)
     with pytest.raises(TypeError, match="batch_invariant must be a bool"):
         fusedce.distillation_loss(torch.randn(4, V), torch.randn(4, V), batch_invariant="yes")

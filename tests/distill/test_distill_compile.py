@@ -42,8 +42,8 @@ def test_compiled_equals_eager(method, n):
 # torch.is_inference_mode_enabled", from ``block_threads``) on every backend and method; they are custom
 # ops now. Each case compiles (``fullgraph=True``, ``dynamic=True``) and runs three token counts (ignored
 # tokens, padding entries, a token without a tail among them): compiled = eager, at most one compilation
-# beyond the first (the 0/1 specialisation, as ``tests/ce/test_compile_token_counts.py``; the logits form
-# also recompiled per count before: the K-class op's ``rl/multi_head.class_sums`` looped over the tokens).
+# beyond the first (the 0/1 specialisation, as ``tests/ce/compile/test_compile_token_counts.py``; the logits form
+# also recompiled per count before: the K-class op's ``rl/kclass_head.class_sums`` looped over the tokens).
 K, COUNTS = 3, (7, 12, 19)
 
 

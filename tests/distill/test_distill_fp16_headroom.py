@@ -60,4 +60,5 @@ def test_fp16_hidden_gradient_is_finite_and_right(backend, method, beta, reducti
     if 0.0 < beta < 1.0:
         bound = bound + 4e-6
     diff = (h.grad.double() - ref).abs()
-    assert bool((diff <= bound).all()), f"max |diff| {float(diff.max()):.2e} (largest entry {float(ref.abs().max()):.2e})"
+    assert bool((diff <= bound).all()), \
+        f"max |diff| {float(diff.max()):.2e} (largest entry {float(ref.abs().max()):.2e})"

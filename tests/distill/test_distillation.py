@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fusedce
-from distill_tol import assert_grad, assert_loss, row_scale
+from tolerances import assert_grad, assert_loss, row_scale
 from inputs import poisoned_allocations
 from reference64_distill import distillation_loss64
 

@@ -1,7 +1,8 @@
 """``fusedce.linear_distillation_loss`` (both LM heads fused with the loss), chunked and tiled, against
 float64 autograd of the oracle (reference64_distill.py) on the contract's logits (since 2026-12-02: fp32
 logits of the inputs' exact values, so the reference takes the exact float64 products; the chunked
-backward rounds the logits' gradient to the dtype once, as stock's): every beta / reduction, hard labels, ignored rows, softcaps, biases, dtypes, the student's three
+backward rounds the logits' gradient to the dtype once, as stock's): every beta / reduction, hard labels, ignored rows,
+softcaps, biases, dtypes, the student's three
 gradients, the teacher's none, upstream scaling, poisoned allocations, empty / all-ignored batches, bad
 inputs."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedce
-from distill_tol import assert_loss, row_scale
+from tolerances import assert_loss, row_scale
 from inputs import poisoned_allocations
 from reference64_distill import distill_rows64, distillation_loss64
 from tolerances import FP32_UNITS, TOLERANCES, U32, _check
@@ -232,7 +233,7 @@ def test_upstream_scale_as_accurate_as_stock(backend, method, dtype):
     """GradScaler's S = 2^16 with a large mean denominator (gradient accumulation): each student gradient's
     relative error no worse than 2x stock's (F.linear in the dtype, then the oracle's formula on those
     logits, backward with S: the logits' gradient rounded to the dtype once S is applied), as
-    tests/ce/test_loss_scaling.py asks of the CE paths."""
+    tests/ce/gradients/test_loss_scaling.py asks of the CE paths."""
     student, teacher, target = _inputs(dtype)
     s, d = 2.0 ** 16, 2 ** 16
     kw = dict(beta=0.5, temperature=2.0, hard_label_weight=0.5)

@@ -11,23 +11,15 @@ import pytest
 import torch
 
 import fusedce
-from fusedce.backends.pytorch import tuning as torch_tuning
 from inputs import DTYPE_IDS, DTYPES, poisoned_allocations
 from reference64_distill import distill_rows64
 from reference64_linear import make_linear
+from tolerances import FP32_MATH_ATOL, GRAD_RTOL
+from topk_cases import HIDDEN, K, V, check, make_hard_target, tiny_tiles  # noqa: F401 (tiny_tiles: an autouse fixture)
 
-HIDDEN, V, K = 16, 300, 6
 # (temperature, hard_label_weight, student_softcap)
 SETTINGS = {"plain": (1.0, 0.0, None), "hard_folded": (1.0, 0.5, None), "t2_hard_cap": (2.0, 0.3, 8.0),
             "t0.7": (0.7, 0.0, None)}
-ATOL = 2e-5   # fp32 math on inputs rounded to their dtype (the reference rounds them the same way)
-GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
-
-
-@pytest.fixture(autouse=True)
-def tiny_tiles(monkeypatch):
-    monkeypatch.setattr(torch_tuning, "TILE_ROWS", 4)
-    monkeypatch.setattr(torch_tuning, "TILE_VOCAB", 64)
 
 
 def make_teacher(lead, k=K, n_classes=V, ignore_index=-100):
@@ -40,12 +32,6 @@ def make_teacher(lead, k=K, n_classes=V, ignore_index=-100):
     if lp.shape[0] > 1:
         ids[1, 0] = ignore_index
     return ids.reshape(*lead, k), lp.reshape(*lead, k)
-
-
-def make_hard_target(lead, ignore_index=-100):
-    t = torch.randint(0, V, lead).reshape(-1)
-    t[2::4] = ignore_index
-    return t.reshape(lead)
 
 
 def reference_rows(z64, ids, lp, target, temperature, hard_label_weight, softcap, ignore_index=-100):
@@ -75,12 +61,6 @@ def reduce64(rows, target, reduction, num_items=None, ignore_index=-100):
     return rows.sum() / d if d else rows.sum() * 0.0
 
 
-def check(actual, expected, atol, rtol=0.0, name=""):
-    err = (actual.detach().double() - expected).abs().max().item() if expected.numel() else 0.0
-    bound = atol + rtol * (expected.abs().max().item() if expected.numel() else 0.0)
-    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
-
-
 def upstream(loss):
     return torch.randn(loss.shape) if loss.dim() else torch.tensor(1.7)
 
@@ -103,7 +83,7 @@ def test_topk_distillation_loss(backend, setting, dtype, reduction):
     assert loss.dtype == torch.float32 and loss.shape == (() if reduction != "none" else target.shape)
     x64 = logits.detach().double().requires_grad_()
     ref = reduce64(reference_rows(x64, ids, lp.detach(), target, temperature, hard, cap), target, reduction)
-    check(loss, ref.detach(), ATOL * max(1.0, ref.detach().abs().max().item()), name="loss")
+    check(loss, ref.detach(), FP32_MATH_ATOL * max(1.0, ref.detach().abs().max().item()), name="loss")
     ref.backward(g.double())
     assert logits.grad.dtype == dtype
     check(logits.grad, x64.grad, 1e-6, GRAD_RTOL[dtype], "grad")
@@ -130,7 +110,7 @@ def test_linear_topk_distillation_loss(backend, setting, dtype, method):
     # the fused op forms fp32 logits from the operands' values (issue 29): the float64 logits of the same values
     exact = torch.nn.functional.linear(*leaves)
     ref = reduce64(reference_rows(exact, ids, lp, target, temperature, hard, cap), target, "mean")
-    check(loss, ref.detach(), ATOL, name="loss")
+    check(loss, ref.detach(), FP32_MATH_ATOL, name="loss")
     ref.backward()
     for name, t, r in zip(("hidden", "weight", "bias"), (hidden, weight, bias), leaves):
         assert t.grad.dtype == dtype
@@ -148,7 +128,7 @@ def test_full_support_is_the_forward_kl(backend):
                                           reduction="none", backend=backend)
     ref = distill_rows64(student.detach().double(), teacher.double(), target, beta=0.0, temperature=1.5,
                          hard_label_weight=0.25)
-    check(loss, ref, ATOL, name="loss")
+    check(loss, ref, FP32_MATH_ATOL, name="loss")
 
 
 def test_k1_from_the_one_class_op(backend):
@@ -166,9 +146,9 @@ def test_num_items_in_batch_and_no_target(backend):
     ids, lp = make_teacher((4, 3))
     loss = fusedce.topk_distillation_loss(logits, ids, lp, num_items_in_batch=5, backend=backend)
     rows = reference_rows(logits.detach().double(), ids, lp, None, 1.0, 0.0, None)
-    check(loss, rows.sum() / 5, ATOL, name="num_items")
+    check(loss, rows.sum() / 5, FP32_MATH_ATOL, name="num_items")
     loss = fusedce.topk_distillation_loss(logits, ids, lp, backend=backend)
-    check(loss, rows.mean(), ATOL, name="mean without target")
+    check(loss, rows.mean(), FP32_MATH_ATOL, name="mean without target")
 
 
 def test_empty_and_all_ignored(backend):

@@ -18,7 +18,8 @@ from fusedce.core.options import log_prob_options
 from inputs import poisoned_allocations
 from reference64_linear import make_linear
 from reference64_topk import log_tail64, reduce64, student_log_softmax64, topk_rows64
-from test_topk_distillation import ATOL, GRAD_RTOL, HIDDEN, K, V, check, make_hard_target, tiny_tiles  # noqa: F401
+from tolerances import FP32_MATH_ATOL, GRAD_RTOL
+from topk_cases import HIDDEN, K, V, check, make_hard_target, tiny_tiles  # noqa: F401 (tiny_tiles: an autouse fixture)
 
 # (temperature, hard_label_weight, student_softcap, logit_scale)
 SETTINGS = {"plain": (1.0, 0.0, None, 1.0), "hard_folded": (1.0, 0.5, None, 1.0),
@@ -70,7 +71,7 @@ def test_tail_logits(backend, setting, reduction):
     x64 = logits.detach().double().requires_grad_()
     ref = reduce64(topk_rows64(x64, ids, lp, target, temperature=temperature, hard_label_weight=hard, softcap=cap,
                                logit_scale=scale, tail=True), target, reduction)
-    check(loss, ref.detach(), ATOL * max(1.0, ref.detach().abs().max().item()), name="loss")
+    check(loss, ref.detach(), FP32_MATH_ATOL * max(1.0, ref.detach().abs().max().item()), name="loss")
     ref.backward(g.double())
     check(logits.grad, x64.grad, 1e-6, GRAD_RTOL[torch.float32], "grad")
     assert bool((logits.grad[target == -100] == 0).all())
@@ -100,7 +101,7 @@ def test_tail_linear(backend, setting, dtype, method):
     exact = torch.nn.functional.linear(*leaves)   # fp32 logits from the operands' values: their float64 logits
     ref = reduce64(topk_rows64(exact, ids, lp, target, temperature=temperature, hard_label_weight=hard, softcap=cap,
                                logit_scale=scale, tail=True), target, "mean")
-    check(loss, ref.detach(), ATOL, name="loss")
+    check(loss, ref.detach(), FP32_MATH_ATOL, name="loss")
     ref.backward()
     for name, t, r in zip(("hidden", "weight", "bias"), (hidden, weight, bias), leaves):
         assert t.grad.dtype == dtype
@@ -134,7 +135,7 @@ def test_tail_accurate_when_the_k_classes_hold_almost_everything(backend, mass_o
     loss = fusedce.topk_distillation_loss(logits, ids, lp, tail=True, reduction="none", backend=backend)
     x64 = x.double().requires_grad_()
     ref = topk_rows64(x64, ids, lp, tail=True)
-    check(loss, ref.detach(), ATOL * ref.abs().max().item(), name="loss")   # 1 - sum_k s_k: off by ~0.02
+    check(loss, ref.detach(), FP32_MATH_ATOL * ref.abs().max().item(), name="loss")   # 1 - sum_k s_k: off by ~0.02
     g = torch.randn(8)
     loss.backward(g)
     ref.backward(g.double())
@@ -160,7 +161,7 @@ def test_tail_accurate_linear(backend, method):
                                                  backend=backend)
     h64, w64 = x.double().requires_grad_(), torch.eye(V, dtype=torch.float64).requires_grad_()
     ref = topk_rows64(h64 @ w64.T, ids, lp, tail=True).sum()
-    check(loss, ref.detach(), ATOL * ref.abs().item(), name="loss")
+    check(loss, ref.detach(), FP32_MATH_ATOL * ref.abs().item(), name="loss")
     loss.backward()
     ref.backward()
     check(hidden.grad, h64.grad, 1e-7, GRAD_RTOL[torch.float32], "grad_hidden")
@@ -198,7 +199,8 @@ def test_k_covering_v_is_the_full_forward_kl(backend):
     b = fusedce.topk_distillation_loss(student, ids, lp, reduction="none", backend=backend)
     assert torch.equal(a, b)
     log_s = torch.log_softmax(student.double(), dim=-1).gather(-1, ids)
-    torch.testing.assert_close(a.double(), (lp.double().exp() * (lp.double() - log_s)).sum(-1), rtol=0, atol=ATOL)
+    expected = (lp.double().exp() * (lp.double() - log_s)).sum(-1)
+    torch.testing.assert_close(a.double(), expected, rtol=0, atol=FP32_MATH_ATOL)
 
 
 def test_num_items_and_no_target(backend):
@@ -206,13 +208,14 @@ def test_num_items_and_no_target(backend):
     ids, lp = make_teacher((4, 3), seed=4)
     rows = topk_rows64(logits.detach().double(), ids, lp, tail=True)
     loss = fusedce.topk_distillation_loss(logits, ids, lp, num_items_in_batch=5, tail=True, backend=backend)
-    check(loss, rows.sum() / 5, ATOL, name="num_items")
+    check(loss, rows.sum() / 5, FP32_MATH_ATOL, name="num_items")
     hidden, weight, _ = make_linear((4, 3), HIDDEN, V)
     for method in ("chunked", "tiled"):
         loss = fusedce.linear_topk_distillation_loss(hidden, weight, ids, lp, tail=True, method=method,
                                                      backend=backend)
         exact = hidden.detach().double() @ weight.detach().double().T
-        check(loss, topk_rows64(exact, ids, lp, tail=True).mean(), ATOL, name=f"mean without target, {method}")
+        check(loss, topk_rows64(exact, ids, lp, tail=True).mean(), FP32_MATH_ATOL,
+              name=f"mean without target, {method}")
 
 
 @pytest.mark.parametrize("tail", [False, True])

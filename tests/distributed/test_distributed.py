@@ -31,13 +31,12 @@ from fusedce.distributed.argmax_key import pack_max_key, unpack_max_key
 from dist_harness import assert_passed, results
 from inputs import make_logits, make_target, make_weight
 from reference64 import reference_cross_entropy
-from tolerances import FP32_UNITS, TOLERANCES, U32
+from tolerances import FP32_UNITS, LINEAR_MAX_RTOL, TOLERANCES, U32
 
 V, SHAPE, H = 17, (3, 5), 12
 INF = float("inf")
 SIZES = {2: (7, 10), 3: (5, 1, 11)}
 REDUCTIONS = ("mean", "sum", "none")
-LINEAR_RTOL = 2.0 ** -16   # fp32 linear path, relative to each tensor's largest element (see _near)
 CHECKS = {}
 
 
@@ -62,7 +61,7 @@ def _within(name, actual, expected, bound):
     assert not bool(bad.any()), f"{name}: {int(bad.sum())} elements off, max |diff| {float(diff.max()):.3e}"
 
 
-def _near(name, actual, expected, rtol=LINEAR_RTOL):
+def _near(name, actual, expected, rtol=LINEAR_MAX_RTOL):
     """Norm-relative closeness for the linear op: |a - e| <= rtol (|e| + max |e|). The logits are an
     H-term dot product and the hidden gradient a V-term one, rounded in fp32 in another order than the
     float64 oracle: a few hundred fp32 ulps of the largest element at most, 2^-16 = 512 ulps."""
@@ -144,7 +143,7 @@ def run_linear(rank, h, W, t, b, cw, sizes, upstream=None, **kw):
     expected = [ref.grad @ W64, (g64.T @ h64.reshape(-1, h.shape[-1]))[cols], g64.sum(0)[cols]]
     # bf16: the logits are rounded to bf16 (2^-9 relative) as in F.linear; a few such roundings reach
     # the loss and gradients, so 2^-6 of the largest element (not the fp32 bound)
-    rtol = LINEAR_RTOL if h.dtype == torch.float32 else 2.0 ** -6
+    rtol = LINEAR_MAX_RTOL if h.dtype == torch.float32 else 2.0 ** -6
     _near("loss vs float64", loss, ref.loss, rtol)
     for name, g, e in zip(("grad_hidden", "grad_weight", "grad_bias"), grads, expected):
         _near(f"{name} vs float64", g, e, rtol)

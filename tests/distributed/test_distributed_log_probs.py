@@ -9,7 +9,7 @@ leading dims), every 4th row ignored (3 ignored, 9 kept), target 0 in row 0 and 
 last column) in row 1; H = 8 for the linear op, chunk_size None (one chunk) and 4 (9 kept rows: a
 partial last chunk). Settings: temperature 1 and 2, softcap 3 (strong capping of logits ~ N(0, 3^2)).
 
-Reference: the RL ops' one (``tests/references/reference64_log_probs.py``): ``z = c tanh(x / c)``,
+Reference: the RL ops' one (``tests/support/reference64_log_probs.py``): ``z = c tanh(x / c)``,
 ``q = z / T``, ``log_probs = q_t - logsumexp(q)``, ``entropy = logsumexp(q) - sum_c softmax(q)_c q_c`` (a
 -inf ``q_c`` adds 0), in float64 autograd; the upstream gradients of both outputs are random per token.
 """
@@ -24,17 +24,11 @@ import fusedce.distributed as fd
 from dist_harness import assert_passed, results
 from inputs import make_target
 from reference64_log_probs import reference_log_probs
+from tolerances import FP32_MATH_ATOL, LINEAR_MAX_RTOL, VP_GRAD_MAX_RTOL, VP_GRAD_RTOL
 
 V, SHAPE, H = 11, (3, 4), 8
 SIZES = {2: (5, 6), 3: (3, 4, 4)}
 SETTINGS = ((1.0, None), (2.0, None), (2.0, 3.0))   # (temperature, softcap)
-# |error| bounds. Outputs: fp32 math on O(1..10) values, a few fp32 ulps (the reference sees the same
-# rounded inputs). Gradients: fp32 math, relative to the largest element, plus the rounding of the
-# result to the input dtype (bf16: half an ulp, 2^-9 relative).
-OUT_ATOL = 2e-5
-GRAD_RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8}
-GRAD_MAX_RTOL = 1e-5
-LINEAR_MAX_RTOL = 2.0 ** -16   # H-term dot products in fp32, another order than float64's
 CHECKS = {}
 
 
@@ -58,8 +52,8 @@ def _within(name, actual, expected, bound):
     assert not bool(bad.any()), f"{name}: {int(bad.sum())} elements off, max |diff| {float(diff.max()):.3e}"
 
 
-def _grad_bound(ref, dtype, max_rtol=GRAD_MAX_RTOL):
-    return GRAD_RTOL[dtype] * ref.abs() + max_rtol * ref.abs().max().clamp_min(1e-30)
+def _grad_bound(ref, dtype, max_rtol=VP_GRAD_MAX_RTOL):
+    return VP_GRAD_RTOL[dtype] * ref.abs() + max_rtol * ref.abs().max().clamp_min(1e-30)
 
 
 def _objective(out, up_lp, up_ent):
@@ -75,13 +69,13 @@ def _check_outputs(out, ref_lp, ref_ent, return_entropy, target):
         assert isinstance(out, fusedce.TokenLogProbs), type(out)
         log_probs, entropy = out
         assert entropy.dtype == torch.float32 and entropy.shape == target.shape
-        _within("entropy", entropy, ref_ent, OUT_ATOL)
+        _within("entropy", entropy, ref_ent, FP32_MATH_ATOL)
         assert bool((entropy[target == -100] == 0).all()), "entropy of ignored rows"
     else:
         assert isinstance(out, torch.Tensor) and not isinstance(out, tuple), type(out)
         log_probs = out
     assert log_probs.dtype == torch.float32 and log_probs.shape == target.shape
-    _within("log_probs", log_probs, ref_lp, OUT_ATOL)
+    _within("log_probs", log_probs, ref_lp, FP32_MATH_ATOL)
     assert bool((log_probs[target == -100] == 0).all()), "log_probs of ignored rows"
 
 
@@ -107,7 +101,7 @@ def _run_logits(rank, sizes, x, t, temperature, softcap, return_entropy, up_lp, 
                                      return_entropy=return_entropy, backend="torch")
     assert type(single) is type(out)
     for a, b in zip(out if return_entropy else (out,), single if return_entropy else (single,)):
-        _within("vs single-process", a, b, 2 * OUT_ATOL)
+        _within("vs single-process", a, b, 2 * FP32_MATH_ATOL)
     return xs.grad
 
 
@@ -351,7 +345,7 @@ def k_classes_logits(rank, world):
                                                         return_entropy=return_entropy)
                 x64 = x.double().requires_grad_()
                 ref_lp, ref_ent = reference_log_probs(x64, t, temperature, softcap)
-                _k_check("logits", out, ref_lp, ref_ent, t, return_entropy, OUT_ATOL)
+                _k_check("logits", out, ref_lp, ref_ent, t, return_entropy, FP32_MATH_ATOL)
                 up_lp, up_ent = torch.randn(t.shape), torch.randn(SHAPE)
                 _objective(out, up_lp, up_ent if return_entropy else None).backward()
                 _objective(fusedce.TokenLogProbs(ref_lp, ref_ent) if return_entropy else ref_lp, up_lp.double(),
@@ -363,7 +357,7 @@ def k_classes_logits(rank, world):
                 single = fusedce.token_log_probs(x, t, temperature=temperature, softcap=softcap,
                                                  return_entropy=return_entropy, backend="torch")
                 for a, b in zip(out if return_entropy else (out,), single if return_entropy else (single,)):
-                    _within("k vs single-process", a, b, 2 * OUT_ATOL)
+                    _within("k vs single-process", a, b, 2 * FP32_MATH_ATOL)
 
 
 @check

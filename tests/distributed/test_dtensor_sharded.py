@@ -21,10 +21,9 @@ import torch.distributed as dist
 
 import fusedce
 from dist_harness import assert_passed, results
+from tolerances import FP32_MATH_ATOL, LINEAR_MAX_RTOL
 
 BT, H, V = 10, 12, 37
-OUT_ATOL = 2e-5
-GRAD_MAX_RTOL = 2.0 ** -16
 CHECKS = {}
 
 
@@ -66,7 +65,7 @@ def _put(t, mesh, tp_dim, shard_dim):
 
 
 def _grad_atol(ref):
-    return GRAD_MAX_RTOL * max(float(ref.abs().max()), 1.0)
+    return LINEAR_MAX_RTOL * max(float(ref.abs().max()), 1.0)
 
 
 def _outputs(out):
@@ -82,8 +81,9 @@ def _compare(world, two_d, run, leaves_spec):
     plain["logits"] = hidden @ weight.t() + bias
     want = _outputs(run(plain))
     leaves = [k for k in ("hidden", "weight", "bias") if k in leaves_spec or "logits" in leaves_spec]
-    total = lambda outs: sum((o.float() * (1 + 0.5 * torch.ones_like(o.float()).reshape(-1).cumsum(0).reshape(o.shape) % 3)).sum()  # noqa: E731
-                             for o in outs if o.requires_grad)
+    def total(outs):
+        return sum((o.float() * (1 + 0.5 * torch.ones_like(o.float()).reshape(-1).cumsum(0).reshape(o.shape) % 3)).sum()
+                   for o in outs if o.requires_grad)
     want_grads = torch.autograd.grad(total(want), [plain[k] for k in leaves], allow_unused=True)
 
     mesh, tp = _mesh(world, two_d)
@@ -104,7 +104,7 @@ def _compare(world, two_d, run, leaves_spec):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert isinstance(g, dt.DTensor) and all(p.is_replicate() for p in g.placements), g
-        torch.testing.assert_close(g.to_local(), w.detach(), rtol=0, atol=OUT_ATOL)
+        torch.testing.assert_close(g.to_local(), w.detach(), rtol=0, atol=FP32_MATH_ATOL)
     got_grads = torch.autograd.grad(total(got), [d[k] for k in leaves], allow_unused=True)
     for name, g, w in zip(leaves, got_grads, want_grads):
         spec = leaves_spec.get(name, None)

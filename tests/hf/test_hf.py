@@ -1,6 +1,6 @@
 """fusedce.patch_causal_lm on tiny random Hugging Face models (CPU, fp32, no downloads).
 
-The models, the batch and the tolerance (with its reasoning) are in ``tests/hf_models.py``, which the
+The models, the batch and the tolerance (with its reasoning) are in ``tests/support/hf_models.py``, which the
 other HF tests share.
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fusedce.integrations.hf.patch import LOSS_OPTIONS, patch_causal_lm, unpatch_causal_lm  # noqa: E402
-from hf_models import ATOL_SCALE, FAMILIES, HIDDEN, RTOL, SEQ, VOCAB, assert_close, assert_parity, batch, build  # noqa: E402,E501
+from hf_models import FAMILIES, HIDDEN, SEQ, VOCAB, assert_close, assert_parity, batch, build  # noqa: E402,E501
+from tolerances import HF_ATOL_SCALE, HF_RTOL  # noqa: E402
 
 
 @pytest.mark.parametrize("family,tied", [(f, None) for f in FAMILIES] + [("llama", True), ("qwen3", True),
@@ -141,8 +142,8 @@ def test_trainer_gradient_accumulation_matches_stock(tmp_path):
     for name, value in after_fused.items():  # the updates agree, up to rounding p + update in fp32
         rounding = 2.0 ** -23 * float(start[name].abs().max())
         delta, expected = value.detach() - start[name], after_stock[name].detach() - start[name]
-        torch.testing.assert_close(delta, expected, rtol=RTOL, msg=name,
-                                   atol=ATOL_SCALE * float(expected.abs().max()) + 2 * rounding)
+        torch.testing.assert_close(delta, expected, rtol=HF_RTOL, msg=name,
+                                   atol=HF_ATOL_SCALE * float(expected.abs().max()) + 2 * rounding)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3"])

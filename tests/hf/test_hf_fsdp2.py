@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 transformers = pytest.importorskip("transformers")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
-from hf_models import ATOL_SCALE, RTOL, batch, build  # noqa: E402
+from hf_models import batch, build  # noqa: E402
+from tolerances import HF_ATOL_SCALE, HF_RTOL  # noqa: E402
 
 WORLD = 2
 # name -> (tied head, shard the head on its own, patch before sharding)
@@ -79,10 +80,10 @@ def _check(rank: int, tied: bool, head_alone: bool, patch_first: bool) -> dict:
     assert grads.keys() == reference.keys(), sorted(set(grads) ^ set(reference))
     loss_diff = abs(float(out.loss.detach() - losses[rank]))
     grad_diff = max(float((grads[n] - reference[n]).abs().max()) for n in grads)
-    torch.testing.assert_close(out.loss.detach(), losses[rank], rtol=RTOL, atol=0.0, msg="loss")
+    torch.testing.assert_close(out.loss.detach(), losses[rank], rtol=HF_RTOL, atol=0.0, msg="loss")
     for n, g in grads.items():
         scale = float(reference[n].abs().max())
-        torch.testing.assert_close(g, reference[n], rtol=RTOL, atol=ATOL_SCALE * scale + 1e-12, msg=n)
+        torch.testing.assert_close(g, reference[n], rtol=HF_RTOL, atol=HF_ATOL_SCALE * scale + 1e-12, msg=n)
     return {"loss_diff": loss_diff, "max_grad_diff": grad_diff}
 
 

@@ -13,7 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
-from hf_models import ATOL_SCALE, RTOL, SEQ, VOCAB, batch, build  # noqa: E402
+from hf_models import SEQ, VOCAB, batch, build  # noqa: E402
+from tolerances import HF_ATOL_SCALE, HF_RTOL  # noqa: E402
 
 
 def test_reduction_none_is_the_flat_per_position_loss():
@@ -28,7 +29,7 @@ def test_reduction_none_is_the_flat_per_position_loss():
     assert loss.shape == (ids.numel(),) and loss.dtype == torch.float32
     assert (loss.view(-1, SEQ)[:, -1] == 0).all() and (loss[shifted.reshape(-1) == -100] == 0).all()
     scale = float(expected.abs().max())
-    torch.testing.assert_close(loss.double(), expected, rtol=RTOL, atol=ATOL_SCALE * scale + 1e-12)
+    torch.testing.assert_close(loss.double(), expected, rtol=HF_RTOL, atol=HF_ATOL_SCALE * scale + 1e-12)
 
 
 def test_pre_shifted_labels_point_at_the_shift():

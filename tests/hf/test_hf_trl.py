@@ -25,26 +25,10 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
-from hf_models import VOCAB, assert_parity, build  # noqa: E402
+from hf_models import assert_parity, build  # noqa: E402
+from trl_data import _dataset, _tokenizer  # noqa: E402
 
 STEPS = 3
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")),
-                                        pad_token="t0", eos_token="t2", unk_token="t1")
-    return tokenizer
-
-
-def _dataset(rows=12):
-    generator = torch.Generator().manual_seed(7)
-    lengths = torch.randint(6, 13, (rows,), generator=generator).tolist()
-    ids = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
-    return datasets.Dataset.from_dict({"input_ids": ids})
 
 
 def _train(model, tmp_path, patch_after=False, **config):

@@ -23,44 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
 from hf_models import assert_parity, batch, build  # noqa: E402
-
-
-class Zero3Hooks:
-    """ZeRO-3's gather / release / re-gather pattern on every module of ``root``'s subtree that owns
-    parameters. ``counts``: pre-hook, hook and backward re-gather calls."""
-
-    def __init__(self, root: torch.nn.Module):
-        self.full, self.counts = {}, {"pre": 0, "post": 0, "regather": 0}
-        for module in root.modules():
-            params = list(module.parameters(recurse=False))
-            if not params:
-                continue
-            self.full[module] = [p.data for p in params]
-            self._release(module)
-            module.register_forward_pre_hook(self._pre)
-            module.register_forward_hook(self._post)
-
-    def _gather(self, module):
-        for p, data in zip(module.parameters(recurse=False), self.full[module]):
-            p.data = data
-
-    def _release(self, module):
-        for p in module.parameters(recurse=False):
-            p.data = torch.empty(0, dtype=p.dtype)
-
-    def _pre(self, module, args):
-        self.counts["pre"] += 1
-        self._gather(module)
-
-    def _post(self, module, args, out):
-        self.counts["post"] += 1
-        self._release(module)
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            def regather(grad):
-                self.counts["regather"] += 1
-                self._gather(module)   # stays gathered: the weight gradient accumulates into its shape
-                return grad
-            out.register_hook(regather)
+from zero3_hooks import Zero3Hooks  # noqa: E402
 
 
 def _lora(model):
@@ -125,7 +88,7 @@ def test_deepspeed_zero3_matches_stock():
     a subprocess (DeepSpeed initialises torch.distributed in-process), with a shorter limit than the test's
     own, so that a stuck subprocess's output (where it waits) is reported, not lost to pytest's timeout."""
     pytest.importorskip("deepspeed")
-    tests = str(Path(__file__).resolve().parents[1])   # hf_models.py, the shared tiny models
+    tests = str(Path(__file__).resolve().parents[1] / "support")   # hf_models.py, the shared tiny models
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     try:

@@ -24,7 +24,7 @@ import fusedce  # noqa: E402
 from fusedce.integrations.trl import distill as trl_distill  # noqa: E402
 from reference64_distill import linear_distillation_loss64  # noqa: E402
 from hf_models import VOCAB  # noqa: E402
-from test_hf_trl import _tokenizer  # noqa: E402
+from trl_data import _tokenizer  # noqa: E402
 
 PROMPT, COMPLETION = 4, 5
 

@@ -31,7 +31,7 @@ datasets = pytest.importorskip("datasets")
 import fusedce  # noqa: E402
 from fusedce.integrations.trl import patch as trl_patch  # noqa: E402
 from hf_models import VOCAB, batch, build  # noqa: E402
-from test_hf_trl import _dataset, _tokenizer  # noqa: E402
+from trl_data import _dataset, _tokenizer  # noqa: E402
 
 STEPS = 3
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -329,7 +329,7 @@ def test_zero3_style_partitioned_head():
     """The head's weight empty outside its own forward (ZeRO-3's pattern, ``test_hf_zero3.Zero3Hooks``):
     fusedce computes inside the head's call (TRL alone would read the empty partition), the hooks fire
     once each, and the backward re-gathers before the loss's backward reads the weight."""
-    from test_hf_zero3 import Zero3Hooks
+    from zero3_hooks import Zero3Hooks
     stock = build("llama", tied=False)
     fused = copy.deepcopy(stock)
     for m in (stock, fused):

@@ -8,37 +8,13 @@ import torch
 import fusedce
 from inputs import make_target, make_weight
 from reference64_linear import check_linear, make_linear
+from linear_options import OPTIONS, _upstream
 
 # ---------------------------------------------------------------------------------------------------
 # The option matrix: 13 tokens (odd: the last chunk of 4 is partial; with every 3rd ignored 9 rows
 # remain = chunks of 4, 4, 1), H = 16, V = 1000 (not a power of two: a partial vocabulary block), with a
 # bias. 13 x 1000 logits per Triton launch keeps the interpreter fast.
 ROWS, HIDDEN, V, CHUNK = 13, 16, 1000, 4
-
-# name -> (options, logit scale, ignore every k-th token, with class weights)
-OPTIONS = {
-    "plain": ({}, 2.0, 0, False),
-    "ignore_-100": ({}, 2.0, 3, False),
-    "ignore_-1": ({"ignore_index": -1}, 2.0, 3, False),
-    "ignore_class_2": ({"ignore_index": 2}, 2.0, 3, False),   # also a valid class: only those rows drop
-    "smoothing_0.1": ({"label_smoothing": 0.1}, 2.0, 3, False),
-    "smoothing_1.0": ({"label_smoothing": 1.0}, 2.0, 3, False),
-    "zloss_1e-2": ({"lse_square_scale": 1e-2}, 2.0, 3, False),
-    "softcap_30": ({"softcap": 30.0}, 40.0, 3, False),         # |logits| ~ 40: tanh saturates
-    "softcap_2": ({"softcap": 2.0}, 2.0, 3, False),
-    "ce_weight": ({}, 2.0, 3, True),
-    "num_items_int": ({"num_items_in_batch": 37}, 2.0, 3, False),
-    "num_items_tensor": ({"num_items_in_batch": torch.tensor(29)}, 2.0, 3, False),
-    "return_stats": ({"return_stats": True}, 2.0, 3, False),
-    "smoothing+ce_weight": ({"label_smoothing": 0.2}, 2.0, 3, True),
-    "everything": ({"ignore_index": -1, "label_smoothing": 0.1, "lse_square_scale": 1e-2, "softcap": 30.0,
-                    "num_items_in_batch": torch.tensor(11), "return_stats": True}, 40.0, 3, True),
-}
-
-
-def _upstream(reduction, shape):
-    """A non-unit upstream gradient: a scalar for mean/sum, a per-token random one for "none"."""
-    return torch.randn(shape) if reduction == "none" else 3.7
 
 
 def _case(name, lead=(ROWS,), n_classes=V, bias=True, index_dtype=torch.int64, requires_grad=(True,) * 3):

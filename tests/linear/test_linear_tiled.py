@@ -14,8 +14,8 @@ import fusedce
 from fusedce.backends.pytorch import tuning as torch_tuning
 from inputs import DTYPE_IDS, make_target, make_weight
 from reference64_linear import check_linear, make_linear
-from test_linear_memory import OpRecorder
-from test_linear_options import OPTIONS, _upstream
+from op_recorder import OpRecorder
+from linear_options import OPTIONS, _upstream
 
 ROWS, HIDDEN, V = 13, 16, 1000
 

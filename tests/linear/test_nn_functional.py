@@ -15,9 +15,9 @@ import torch.nn.functional as TF
 
 import fusedce.nn.functional as F
 from versions import needs_torch_lce
+from tolerances import NN_ATOL, NN_RTOL
 
 N, H, V = 37, 24, 300
-RTOL, ATOL = 2e-5, 2e-6
 
 
 def _data(seed=0, ignore=-100, dtype=torch.float32):
@@ -50,10 +50,10 @@ def _compare(kwargs, seed=0, ignore=-100, options=None):
                                None if upstream is None else upstream.double(), **ref_kwargs)
     loss, grads = _run(F.linear_cross_entropy, hidden, weight, bias, target, upstream, options=options, **kwargs)
     assert loss.dtype == torch.float32 and loss.shape == loss_ref.shape
-    torch.testing.assert_close(loss.double(), loss_ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(loss.double(), loss_ref, rtol=NN_RTOL, atol=NN_ATOL)
     for g, g_ref in zip(grads, grads_ref):
         assert g.dtype == torch.float32
-        torch.testing.assert_close(g.double(), g_ref, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(g.double(), g_ref, rtol=NN_RTOL, atol=NN_ATOL)
     return loss, grads
 
 
@@ -101,7 +101,7 @@ def test_unbatched_input():
         ref = TF.linear_cross_entropy(hidden[0].double(), weight.double(), target[1], linear_bias=bias.double(),
                                       reduction=reduction)
         assert ours.shape == ref.shape == ()
-        torch.testing.assert_close(ours.double(), ref, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(ours.double(), ref, rtol=NN_RTOL, atol=NN_ATOL)
 
 
 @needs_torch_lce

@@ -13,7 +13,8 @@ import torch
 import fusedce.nn.functional as FF
 
 F = torch.nn.functional
-pytestmark = pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="torch < 2.13 has no linear_cross_entropy")
+pytestmark = pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"),
+                                reason="torch < 2.13 has no linear_cross_entropy")
 
 
 def _error_inputs():
@@ -56,7 +57,8 @@ def test_target_mistakes_get_torchs_error_type(case):
     theirs = _raised(F.linear_cross_entropy, x, w, target, **kwargs)
     ours = _raised(FF.linear_cross_entropy, x, w, target, **kwargs)
     assert theirs is not None and ours is not None, (theirs, ours)
-    assert isinstance(ours, type(theirs)), f"{type(ours).__name__} ({ours}) where torch raises {type(theirs).__name__} ({theirs})"
+    assert isinstance(ours, type(theirs)), \
+        f"{type(ours).__name__} ({ours}) where torch raises {type(theirs).__name__} ({theirs})"
 
 
 def test_valid_probability_targets_still_run():

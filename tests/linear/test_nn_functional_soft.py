@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as TF
 
 import fusedce.nn.functional as F
+from tolerances import NN_ATOL, NN_RTOL
 
 N, H, V = 37, 24, 300
-RTOL, ATOL = 2e-5, 2e-6
 
 if not hasattr(TF, "linear_cross_entropy"):
     pytest.skip("this torch has no torch.nn.functional.linear_cross_entropy", allow_module_level=True)
@@ -65,9 +65,9 @@ def test_against_torch(reduction, case):
         fused_kwargs["options"] = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=8)
     loss, grads = _run(F.linear_cross_entropy, hidden, weight, bias, q, upstream, **fused_kwargs)
     assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss.double(), ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(loss.double(), ref, rtol=NN_RTOL, atol=NN_ATOL)
     for g, g_ref in zip(grads, ref_grads):
-        torch.testing.assert_close(g.double(), g_ref, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(g.double(), g_ref, rtol=NN_RTOL, atol=NN_ATOL)
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float64])
@@ -77,9 +77,9 @@ def test_target_dtype_and_1d_input(q_dtype):
     ref, ref_grads = _torch_or_skip(hidden[3], weight, bias, q[3].double(), up, reduction="sum")
     loss, grads = _run(F.linear_cross_entropy, hidden[3], weight, bias, q[3], up, reduction="sum")
     # the fused op reads q at its own dtype exactly as torch's float64 run does (q's values, widened)
-    torch.testing.assert_close(loss.double(), ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(loss.double(), ref, rtol=NN_RTOL, atol=NN_ATOL)
     for g, g_ref in zip(grads, ref_grads):
-        torch.testing.assert_close(g.double(), g_ref, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(g.double(), g_ref, rtol=NN_RTOL, atol=NN_ATOL)
 
 
 def test_target_requiring_grad_is_refused():

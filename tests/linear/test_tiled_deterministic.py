@@ -256,7 +256,7 @@ ATOMIC_KERNELS = ["distill_tiled_grad.py", "tiled_backward.py"]
 ALLOWED_TORCH_ATOMICS = {
     # the K-class tiled log-probs' weight-gradient scatter; deterministic=True sums each class's entries
     # by a sorted segment_reduce first (one index_add_ per class, no race)
-    "rl/multi_head_tiled.py": "index_add",
+    "rl/kclass_head_tiled.py": "index_add",
     # the hard label's one-hot, one index per row: no two additions meet in one element
     "backends/pytorch/distill.py": "scatter_add", "backends/pytorch/distill_tiled.py": "scatter_add",
     "rl/log_probs.py": "index_add",   # the word in a docstring (the deterministic keyword's description)
@@ -266,7 +266,7 @@ ALLOWED_TORCH_ATOMICS = {
 
 
 def test_no_other_kernel_or_op_accumulates_with_atomics():
-    """The README's statement, checked on the sources: the atomic tiled backward and the atomic tiled
+    """The README's statement ("Determinism"), checked on the sources: the atomic tiled backward and the atomic tiled
     distillation gradient are the only kernels with atomics (Triton ``tl.atomic_*``, CuTe ``atomic``), and
     torch ops with atomic CUDA kernels appear only at the places listed in ``ALLOWED_TORCH_ATOMICS``."""
     kernels = sorted((SRC / "backends").glob("*/kernels/*.py"))

@@ -10,15 +10,11 @@ from fusedce.backends.pytorch import tuning as torch_tuning
 from inputs import DTYPE_IDS, DTYPES, make_target
 from reference64_linear import make_linear
 from reference64_log_probs import reference_log_probs
+from tolerances import FP32_MATH_ATOL, GRAD_RTOL
 
 HIDDEN, V = 16, 300
 # (temperature, softcap)
 SETTINGS = {"plain": (1.0, None), "t0.7": (0.7, None), "t1.3_cap5": (1.3, 5.0), "t0.5_cap30": (0.5, 30.0)}
-# bound on |error| of outputs and gradients, per input dtype: fp32 math (the linear ops: on fp32 logits
-# of the inputs' exact values, which the float64 reference also uses; the logits ops: on the given
-# values), so a few fp32 ulps of the O(1..10) values involved
-ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
-GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(autouse=True)
@@ -51,8 +47,8 @@ def test_token_log_probs(backend, setting, dtype):
     assert out.log_probs.dtype == torch.float32 and out.log_probs.shape == target.shape
     x64 = logits.detach().double().requires_grad_()
     ref_lp, ref_ent = reference_log_probs(x64, target, temperature, softcap)
-    _check(out.log_probs, ref_lp.detach(), ATOL[dtype], name="log_probs")
-    _check(out.entropy, ref_ent.detach(), ATOL[dtype], name="entropy")
+    _check(out.log_probs, ref_lp.detach(), FP32_MATH_ATOL, name="log_probs")
+    _check(out.entropy, ref_ent.detach(), FP32_MATH_ATOL, name="entropy")
     adv, beta = torch.randn(target.shape), torch.rand(target.shape)
     _objective(out.log_probs, out.entropy, adv, beta).backward()
     _objective(ref_lp, ref_ent, adv.double(), beta.double()).backward()
@@ -80,8 +76,8 @@ def test_masked_vocabulary_logits(backend, setting):
     x64 = x.double().requires_grad_()
     ref_lp, ref_ent = reference_log_probs(x64, target, temperature, softcap)
     assert not bool(ref_ent.isnan().any()) and not bool(out.entropy.isnan().any())
-    _check(out.log_probs, ref_lp.detach(), ATOL[torch.float32], name="log_probs")
-    _check(out.entropy, ref_ent.detach(), ATOL[torch.float32], name="entropy")
+    _check(out.log_probs, ref_lp.detach(), FP32_MATH_ATOL, name="log_probs")
+    _check(out.entropy, ref_ent.detach(), FP32_MATH_ATOL, name="entropy")
     adv, beta = torch.randn(target.shape), torch.rand(target.shape)
     _objective(out.log_probs, out.entropy, adv, beta).backward()
     _objective(ref_lp, ref_ent, adv.double(), beta.double()).backward()
@@ -103,8 +99,8 @@ def test_linear_token_log_probs(backend, setting, dtype, method):
     leaves = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
     exact = torch.nn.functional.linear(*leaves)   # fp32 logits from the same values: never rounded to the dtype
     ref_lp, ref_ent = reference_log_probs(exact, target, temperature, softcap)
-    _check(out.log_probs, ref_lp.detach(), ATOL[dtype], name="log_probs")
-    _check(out.entropy, ref_ent.detach(), ATOL[dtype], name="entropy")
+    _check(out.log_probs, ref_lp.detach(), FP32_MATH_ATOL, name="log_probs")
+    _check(out.entropy, ref_ent.detach(), FP32_MATH_ATOL, name="entropy")
     adv, beta = torch.randn(target.shape), torch.rand(target.shape)
     _objective(out.log_probs, out.entropy, adv, beta).backward()
     _objective(ref_lp, ref_ent, adv.double(), beta.double()).backward()

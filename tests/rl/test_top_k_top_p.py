@@ -11,10 +11,9 @@ import torch
 import fusedce
 from fusedce.rl import truncated_head
 from truncated_reference64 import reference
+from tolerances import FP32_MATH_ATOL, GRAD_RTOL
 
 V = 37
-ATOL = 2e-5          # fp32 math on O(1..10) values: a few fp32 ulps
-GRAD_RTOL = 1e-4     # fp32 gradients, as tests/rl/test_log_probs.py
 SETTINGS = {"plain": (1.0, None), "t0.7": (0.7, None), "t1.3_cap5": (1.3, 5.0)}
 
 
@@ -58,7 +57,7 @@ def _close(actual, expected, name, rtol=0.0):
     assert torch.equal(torch.isinf(a), torch.isinf(e)), f"{name}: -inf rows differ"
     fin = torch.isfinite(e)
     assert not torch.isnan(a).any(), f"{name}: NaN"
-    bound = ATOL + rtol * (e[fin].abs().max().item() if fin.any() else 0.0)
+    bound = FP32_MATH_ATOL + rtol * (e[fin].abs().max().item() if fin.any() else 0.0)
     err = (a[fin] - e[fin]).abs().max().item() if fin.any() else 0.0
     assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
 
@@ -88,7 +87,7 @@ def test_token_log_probs_truncated(backend, case, setting, ties, monkeypatch):
     fin = torch.isfinite(lp64)
     lp_ref = torch.where(fin, lp64, 0.0)   # -inf rows: no gradient (the contract)
     (g64,) = _grads((lp_ref, ent64), x64, (adv.double(), beta.double()))
-    _close(g, g64, "grad logits", GRAD_RTOL)
+    _close(g, g64, "grad logits", GRAD_RTOL[torch.float32])
     assert g[target == -100].eq(0).all()
 
 
@@ -145,7 +144,7 @@ def test_linear_token_log_probs_truncated(backend, case, setting):
     grads64 = _grads((torch.where(torch.isfinite(lp64), lp64, 0.0), ent64), (h64, w64, b64),
                      (adv.double(), beta.double()))
     for name, g, g64 in zip(("hidden", "weight", "bias"), grads, grads64):
-        _close(g, g64, f"grad {name}", GRAD_RTOL)
+        _close(g, g64, f"grad {name}", GRAD_RTOL[torch.float32])
     assert grads[0][target == -100].eq(0).all()
 
 
@@ -171,8 +170,8 @@ def test_off_values_are_the_untruncated_op(backend):
         assert torch.equal(off.log_probs, full.log_probs) and torch.equal(off.entropy, full.entropy)
     rows = fusedce.token_log_probs(x, target, return_entropy=True, backend=backend,
                                    top_k=torch.zeros(6, dtype=torch.int32), top_p=torch.ones(6))
-    torch.testing.assert_close(rows.log_probs, full.log_probs, atol=ATOL, rtol=0)
-    torch.testing.assert_close(rows.entropy, full.entropy, atol=ATOL, rtol=0)
+    torch.testing.assert_close(rows.log_probs, full.log_probs, atol=FP32_MATH_ATOL, rtol=0)
+    torch.testing.assert_close(rows.entropy, full.entropy, atol=FP32_MATH_ATOL, rtol=0)
 
 
 def test_leading_shape_and_per_row_tensors():

@@ -2,7 +2,8 @@
 ``grad_(..., grad_entropy=, entropy=, out=)``) against float64, under the Triton interpreter.
 
 Shapes: n = 9 rows, V = 1000 (not a power of two: one block of 1024 with 24 masked columns); a row
-whose first 600 logits are -inf (masked vocabulary: 0 * -inf must not appear) and ignored rows. Every loss option, fp32 and bf16 logits (the reference uses the logits'
+whose first 600 logits are -inf (masked vocabulary: 0 * -inf must not appear) and ignored rows. Every loss option, fp32
+and bf16 logits (the reference uses the logits'
 exact values). The gradient is of ``sum g loss + h lse + k entropy`` with random per-row upstreams.
 """
 import pytest

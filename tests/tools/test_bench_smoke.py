@@ -62,7 +62,7 @@ def test_rows_slice_keeps_rows_spread():
 def test_unimportable_path_is_unavailable(monkeypatch):
     def missing(_inputs):
         raise ModuleNotFoundError("No module named 'fusedce.backends.nothing'")
-    fake = paths.Path("missing", "missing", paths.CROSS_ENTROPY, missing, "raises ModuleNotFoundError")
+    fake = paths.BenchPath("missing", "missing", paths.CROSS_ENTROPY, missing, "raises ModuleNotFoundError")
     monkeypatch.setitem(paths.PATHS, "missing", fake)
     spec = {"path": "missing", "mode": "timed", "device": "cpu", "dtype": "float32", "source": TINY}
     result = worker.run_spec(spec)
@@ -262,7 +262,8 @@ def test_random_source_is_seeded_and_ignores_the_asked_fraction():
     assert not bool((none.target == -100).any())
 
 
-@pytest.mark.parametrize("name", [sweep.STOCK, sweep.FUSED, sweep.TILED, pytest.param(sweep.TORCH_LCE, marks=needs_torch_lce),
+@pytest.mark.parametrize("name", [sweep.STOCK, sweep.FUSED, sweep.TILED,
+                                  pytest.param(sweep.TORCH_LCE, marks=needs_torch_lce),
                                   pytest.param(sweep.TRL, marks=needs_trl)])
 def test_sweep_measure_accumulates_into_preallocated_grads(name):
     data = inputs.build(TINY_RANDOM, ("hidden", "weight"), torch.float32, "cpu")
@@ -299,7 +300,7 @@ def test_sweep_flags_a_replaced_grad_buffer(monkeypatch):
     def replaces_grads(data):
         data.hidden.grad = None   # autograd then allocates a fresh buffer instead of adding in place
         return stock.forward(data)
-    fake = paths.Path("replaces-grads", "x", paths.LINEAR_CROSS_ENTROPY, replaces_grads, "drops .grad")
+    fake = paths.BenchPath("replaces-grads", "x", paths.LINEAR_CROSS_ENTROPY, replaces_grads, "drops .grad")
     data = inputs.build(TINY_RANDOM, ("hidden", "weight"), torch.float32, "cpu")
     result = sweep.measure(fake, data, repeats=1)
     assert result["status"] == "error" and not result["grad_in_place"] and ".grad" in result["reason"]

@@ -12,28 +12,15 @@ Shapes: V = 32000 (Llama-2, a multiple of 16: Triton's own specialization applie
 (Llama-3); V = 1000 (a 32-way vocabulary shard of 32000: V % 16 == 8, so 128-bit bf16 accesses rely on
 the kernels' ALIGN hint); V = 50257 (GPT-2, odd: rows are unaligned, scalar access is the right answer).
 """
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from fusedce.tools.inspect.compile import access_bits
+from inspect_cli import _inspect
 
 
 # the row kernels (streaming rules apply); the tiled LM-head kernels have their own test below
 ROW_KERNELS = ("--kernel", "forward", "--kernel", "backward", "--kernel", "chunk", "--kernel", "slice")
-
-
-def _inspect(tmp_path, *argv) -> list:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "inspect.json"
-    proc = subprocess.run([sys.executable, "-m", "fusedce.tools.inspect", *argv, "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "configs," in proc.stdout        # the table and its summary were printed
-    return json.loads(out.read_text())["rows"]
 
 
 def _assert_clean(row):

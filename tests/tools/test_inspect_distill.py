@@ -6,7 +6,7 @@ V = 32000 (a multiple of 16: every row aligned); the tiled kernels' H = Ht = 409
 (``inspect/distill_variants.py``). The representative variants: forward KL, reverse KL and the
 generalized JSD, each plain and with every option (hard label at T = 2, both softcaps, both biases).
 """
-from test_inspect import _inspect
+from inspect_cli import _inspect
 
 DISTILL = ("distill_rows", "distill_tiled_stats", "distill_tiled_jsd", "distill_tiled_grad",
            "distill_tiled_grad_hidden", "distill_tiled_grad_weight")

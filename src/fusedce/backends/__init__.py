@@ -47,13 +47,8 @@ def _version() -> str:
 
 
 def resolve(name, device: torch.device) -> str:
-    """Map ``backend=`` (None -> ``$FUSEDCE_BACKEND`` or ``"auto"``; an empty ``$FUSEDCE_BACKEND`` is
-    ``"auto"`` too) to a concrete backend name.
-
-    ``"auto"``: ``"triton"`` on CUDA tensors, ``"torch"`` otherwise (never ``"cute"``). Raises
-    ``ValueError`` for an unknown name, ``RuntimeError`` for ``"triton"`` on CPU tensors without
-    ``TRITON_INTERPRET=1`` and for ``"cute"`` without CUDA tensors or without the ``cute`` extra.
-    """
+    """Map ``backend=`` (None -> ``$FUSEDCE_BACKEND`` or ``"auto"``; an empty ``$FUSEDCE_BACKEND`` is ``"auto"`` too)
+    to a concrete backend name."""
     if name is None:
         name = os.environ.get("FUSEDCE_BACKEND") or "auto"   # unset or empty: auto
         try:
@@ -99,14 +94,9 @@ def named(name: str):
 
 def get(name, device: torch.device, *, tiled: bool = False, entropy: bool = False, slices: bool = False,
         distill: bool = False):
-    """The backend package for ``name`` (see ``resolve``), imported on first use, checked to have what the
-    call needs: ``tiled`` (``method="tiled"``), ``entropy`` (the RL ops), ``slices`` (vocab parallelism),
-    ``distill`` (the distillation losses).
-    A backend without it is a ``RuntimeError`` naming both, raised before any work.
-
-    Plain ``import`` statements rather than ``importlib.import_module``: torch.compile (Dynamo) traces an
-    import statement but graph-breaks on ``importlib``, and this runs inside every compiled call.
-    """
+    """The backend package for ``name`` (see ``resolve``), imported on first use, checked to have what the call needs:
+    ``tiled`` (``method="tiled"``), ``entropy`` (the RL ops), ``slices`` (vocab parallelism), ``distill`` (the
+    distillation losses)."""
     resolved = resolve(name, device)
     module = named(resolved)
     caps = module.CAPABILITIES

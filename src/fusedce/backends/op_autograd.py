@@ -1,17 +1,6 @@
-"""The autograd formula of a backend's row-loss custom ops, written once for every op family and backend
-whose ops follow the same schemas (``<op>`` = ``ce``: class-index targets, namespaces ``fusedce``
-(Triton) and ``fusedce_cute``; ``soft_ce``: probability targets, ``fusedce`` and ``fusedce_torch``):
-
-- ``<ns>::<op>_forward(*tensors, ignore_index, scalars, stats, inplace_backward)
-  -> (loss, lse, lse_lo, *saved, predicted)``; ``tensors`` = ``(logits, target, weight?, weight_sum?)``
-  for ``ce``, ``(logits, q, weight?)`` for ``soft_ce``; ``saved`` the outputs the backward reads besides
-  lse and lse_lo (``soft_ce``: ``a``). Differentiable outputs: loss and lse (w.r.t. ``logits`` only);
-- ``<ns>::<op>_backward(*tensors, lse, lse_lo, *saved, grad_row, grad_lse?, ignore_index, scalars) -> grad``
-  and ``<ns>::<op>_backward_inplace(...)`` (same inputs, writes the gradient into ``logits``).
-
-Registered on the forward op (``torch.library.register_autograd``), so ``torch.compile(fullgraph=True)``
-traces forward and backward without a graph break.
-"""
+"""The autograd formula of a backend's row-loss custom ops, written once for every op family and backend whose ops
+follow the same schemas (``<op>`` = ``ce``: class-index targets, namespaces ``fusedce`` (Triton) and
+``fusedce_cute``; ``soft_ce``: probability targets, ``fusedce`` and ``fusedce_torch``)."""
 from __future__ import annotations
 
 import torch

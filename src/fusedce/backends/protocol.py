@@ -1,24 +1,7 @@
-"""The backend interface, written once: ``Backend`` (what ``backends.get`` returns: a backend package's
-public names, with its ``Capabilities``), and what a backend plugs into the LM head (``fusedce.lm_head``):
-``ChunkCE`` (the loss of one chunk of logits, for ``method="chunked"``) and ``TiledCE`` (the whole LM head
-+ loss with no logits tensor, for ``method="tiled"``). Both also serve the RL ops (``token_log_probs``),
-which ask for the entropy.
-
-Per-row quantities (fp32 (n,) each; ``fusedce/core/row_math.py`` has the formulas and their sources):
-``loss`` the cross-entropy without z-loss (0 on ignored rows, NaN on a non-ignored row whose target is
-out of range), ``lse`` + ``lse_lo`` the exact lse pair (0 on ignored rows), ``predicted`` the argmax of
-the raw logits (int64, -1 on ignored rows), ``entropy = -sum_c p_c log p_c`` of ``p = softmax(z)``
-(0 on ignored rows), computed as ``log S - T / S`` with ``S = sum_c exp(z_c - m)``, ``T = sum_c
-exp(z_c - m) (z_c - m)`` (shifted, so no cancellation between lse and E[z]).
-
-The gradient of ``sum_i g_i loss_i + h_i lse_i + k_i entropy_i`` (``g`` = ``grad_row``, ``h`` =
-``grad_lse``, ``k`` = ``grad_entropy``; None means 0) w.r.t. ``z``, with ``u_c = (z_c - lse) - lse_lo``
-and ``p_c = exp(u_c)``:
-
-    dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c - k p_c (u_c + entropy)
-
-(``d entropy / d z_c = -p_c (z_c - E_p[z])`` and ``z_c - E_p[z] = u_c + entropy``), then ``dz/dx``.
-"""
+"""The backend interface, written once: ``Backend`` (what ``backends.get`` returns: a backend package's public names,
+with its ``Capabilities``), and what a backend plugs into the LM head (``fusedce.lm_head``): ``ChunkCE`` (the loss
+of one chunk of logits, for ``method="chunked"``) and ``TiledCE`` (the whole LM head + loss with no logits tensor,
+for ``method="tiled"``)."""
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional, Protocol, Tuple
@@ -69,14 +52,7 @@ class TiledRows(NamedTuple):
 
 
 class TiledCE(Protocol):
-    """A backend's LM head + loss with no logits tensor of V or more elements (``method="tiled"``).
-
-    ``hidden`` (n, H), ``weight`` (V, H), ``bias`` (V,) or None: one float dtype; the logits are
-    ``hidden @ weight.T + bias`` in fp32 from the operands' values (exact products, fp32 sums, never
-    rounded to their dtype), then the loss math in fp32. ``target`` (n,) int64; ``w`` (V,) fp32 class
-    weights and ``weight_sum`` their 0-dim fp32 sum, or None. Ignored rows cost no loss math and get
-    exactly zero gradient.
-    """
+    """A backend's LM head + loss with no logits tensor of V or more elements (``method="tiled"``)."""
 
     def forward(self, hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
                 entropy: bool = False, token_stats: bool = False, batch_invariant: bool = False) -> TiledRows:
@@ -89,11 +65,8 @@ class TiledCE(Protocol):
                  grad_entropy: Opt = None, entropy: Opt = None, deterministic: bool = False,
                  batch_invariant: bool = False) -> Tuple[Opt, Opt, Opt]:
         """``(grad_hidden, grad_weight, grad_bias)`` of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i +
-        grad_entropy[i] entropy_i`` (per-row upstream gradients (n,), any float dtype and strides);
-        ``needs`` says which of the three to compute (None for the others). ``grad_hidden`` in
-        hidden's dtype, ``grad_weight`` / ``grad_bias`` in ``accum_dtype``. ``deterministic``: results
-        bitwise identical run to run on the same device (no float atomics; a backend without atomics
-        ignores it); ``batch_invariant``: as in ``forward``, and no atomics in the hidden gradient."""
+        grad_entropy[i] entropy_i`` (per-row upstream gradients (n,), any float dtype and strides); ``needs`` says
+        which of the three to compute (None for the others)."""
         ...
 
     def invariant_rows(self, n_classes: int) -> int:
@@ -117,9 +90,7 @@ def loss_then_grad_(ce, logits, target, w, weight_sum, grad_row, z_grad_row, opt
 
 
 class Capabilities(NamedTuple):
-    """What a backend can compute beyond ``cross_entropy_rows`` and the chunked LM head (which every
-    backend has). ``backends.get`` checks the ones a call needs, so an unsupported request fails at the
-    call, before any work, with a ``RuntimeError`` naming the backend and what it lacks."""
+    """What a backend can compute beyond ``cross_entropy_rows`` and the chunked LM head (which every backend has)."""
 
     tiled: bool      # method="tiled": a TiledCE (``Backend.TILED_CE``)
     entropy: bool    # the RL ops: ChunkCE.loss(entropy=True), grad_(grad_entropy=), token_stats
@@ -129,11 +100,7 @@ class Capabilities(NamedTuple):
 
 
 class Backend(Protocol):
-    """A backend package (``backends/pytorch``, ``backends/triton``, ``backends/cute``) as the layers
-    above see it. Every package has the same files for the same jobs: ``cross_entropy.py``
-    (``cross_entropy_rows``, autograd), ``custom_ops.py`` (the torch custom ops), ``launch.py`` (compute
-    into given buffers), ``linear.py`` (its ``ChunkCE``), ``tiled.py`` (its ``TiledCE``), ``slices.py``,
-    ``token_stats.py``, ``tuning.py`` (sizes), ``kernels/`` (the kernel language's code only)."""
+    """A backend package (``backends/pytorch``, ``backends/triton``, ``backends/cute``) as the layers above see it."""
 
     NAME: str                       # "torch", "triton", "cute"
     CAPABILITIES: Capabilities

@@ -1,29 +1,5 @@
-"""``torch.autocast`` at the public entry points: every op behaves as the stock composition does under
-the same autocast (CPU bf16 / fp16, CUDA bf16 / fp16, any device type autocast supports).
-
-- cross-entropy ops (stock: ``F.cross_entropy``, on autocast's fp32 list): the op runs with autocast
-  disabled for the logits' device type (:func:`fp32_op`), so that no internal matmul (e.g. the
-  label-smoothing term ``z @ weight``) is downcast. Its math is fp32 already; the logits are not cast
-  (fp32 math on bf16 logits equals fp32 math on their upcast); the gradient has the logits' dtype.
-- linear ops (stock: ``F.cross_entropy(F.linear(h, w, b).float(), t)``, ``F.linear`` on autocast's
-  lower-precision list): ``hidden``, ``weight`` and ``bias`` are cast to the autocast dtype exactly as
-  autocast casts ``F.linear``'s inputs (:func:`linear_inputs`: floating-point tensors on the autocast
-  device type, float64 excepted, not already in that dtype), then the op runs with autocast disabled
-  (:func:`linear_op`): logits in the autocast dtype with fp32 accumulation, loss math in fp32. The casts
-  are ordinary differentiable ``.to``, so the gradients flow back through them and the caller's tensors
-  get gradients in their own dtypes (an fp32 weight gets an fp32 gradient of the bf16 matmul, as under
-  stock autocast). The ops' dtype check (one dtype for hidden / weight / bias) sees the cast tensors:
-  fp32 hidden with a bf16 weight is accepted under autocast, as ``F.linear`` accepts it.
-  (Autocast's cache of cast weights is not used: the same cast, made once per call.)
-
-A ``backward()`` called inside an autocast region replays the caller's autocast state on the ops' backward
-formulas; each is decorated with :func:`backward_formula`, which disables autocast there, so a gradient
-(dtypes included) is the same whether ``backward()`` runs inside or outside the region (stock's backward
-of ``F.linear`` is recorded in the forward's dtypes, and so is ours).
-
-Without autocast enabled for the tensors' device type the decorators call the op unchanged (one check).
-All of this traces under ``torch.compile(fullgraph=True)``.
-"""
+"""``torch.autocast`` at the public entry points: every op behaves as the stock composition does under the same
+autocast (CPU bf16 / fp16, CUDA bf16 / fp16, any device type autocast supports)."""
 from __future__ import annotations
 
 import contextlib
@@ -45,10 +21,7 @@ def autocast_device_type(t) -> Optional[str]:
 
 
 def _autocast_available(device_type: str) -> bool:
-    """Whether autocast exists for ``device_type``. CPU and CUDA always have it, answered without
-    ``torch.amp.is_autocast_available``: Dynamo before torch 2.13 cannot trace that call, and every
-    ``torch.compile(fullgraph=True)`` of an op on CPU / CUDA tensors would fail on it. Other device types
-    (xpu, hpu, mps, meta, ...) ask torch."""
+    """Whether autocast exists for ``device_type``."""
     if device_type in ("cpu", "cuda"):
         return True
     return torch.amp.is_autocast_available(device_type)
@@ -95,10 +68,10 @@ def fp32_op(fn):
 
 
 def backward_formula(fn):
-    """Decorator for an autograd backward formula (``backward(ctx, *grads)`` of a ``torch.autograd.Function``
-    or a ``torch.library.register_autograd`` formula): run it with autocast disabled for the device type
-    of its first tensor argument when autocast is enabled there (a ``backward()`` called inside an autocast
-    region), else unchanged. The formulas do their own dtype handling from the saved tensors' dtypes."""
+    """Decorator for an autograd backward formula (``backward(ctx, *grads)`` of a ``torch.autograd.Function`` or a
+    ``torch.library.register_autograd`` formula): run it with autocast disabled for the device type of its first
+    tensor argument when autocast is enabled there (a ``backward()`` called inside an autocast region), else
+    unchanged."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -113,11 +86,10 @@ def backward_formula(fn):
 
 
 def linear_op(fn, groups=None):
-    """Decorator for a linear op: under autocast for the first group's hidden device type, cast each
-    group of ``(hidden, weight, bias)`` parameters (given by name, positional or keyword; default: the
-    op's parameters 1, 2 and 4, ``fn(hidden, weight, target, bias=None, ...)``) with
-    :func:`linear_inputs`, then run the op with autocast disabled. A distillation op has two groups (the
-    student's head and the teacher's), each cast as autocast casts its own ``F.linear``."""
+    """Decorator for a linear op: under autocast for the first group's hidden device type, cast each group of
+    ``(hidden, weight, bias)`` parameters (given by name, positional or keyword; default: the op's parameters 1, 2
+    and 4, ``fn(hidden, weight, target, bias=None, ...)``) with :func:`linear_inputs`, then run the op with autocast
+    disabled."""
     names = list(inspect.signature(fn).parameters)
     groups = groups or ((names[0], names[1], names[3]),)
     slots = tuple(tuple((names.index(n), n) for n in group) for group in groups)   # (position, name)
@@ -128,15 +100,15 @@ def linear_op(fn, groups=None):
         device_type = autocast_device_type(args[first[0]] if len(args) > first[0] else kwargs.get(first[1]))
         if device_type is None:
             return fn(*args, **kwargs)
-        args, kwargs = list(args), dict(kwargs)
+        call_args, kwargs = list(args), dict(kwargs)
         for group in slots:
-            given = [args[i] if i < len(args) else kwargs.get(name) for i, name in group]
+            given = [call_args[i] if i < len(call_args) else kwargs.get(name) for i, name in group]
             for (index, name), value in zip(group, linear_inputs(*given)):
-                if index < len(args):
-                    args[index] = value
+                if index < len(call_args):
+                    call_args[index] = value
                 elif name in kwargs:
                     kwargs[name] = value
         with disabled(device_type):
-            return fn(*args, **kwargs)
+            return fn(*call_args, **kwargs)
 
     return wrapper

@@ -1,38 +1,8 @@
-"""DTensor inputs at the public entry points (``torch.distributed.tensor.DTensor``).
-
-The ops compute on plain tensors; a DTensor reaching the backends would mix with the plain tensors they
-allocate and fail inside torch ("mixed torch.Tensor and DTensor"). At the entry points, as stock torch's
-composition does for replicated operands:
-
-- every DTensor argument placed ``Replicate()`` on every mesh dimension (all on one mesh) is replaced by
-  its local tensor (``to_local``: differentiable, its gradient comes back as a DTensor of the same
-  placements), the op runs on plain tensors, and every tensor it returns becomes a replicated DTensor
-  on that mesh again (``from_local``, differentiable; no communication either way);
-- a vocabulary-sharded DTensor (an LM-head ``weight`` placed ``Shard(0)``, logits ``Shard(-1)``, on one
-  mesh dimension and ``Replicate()`` on the others; its ``bias`` / class weights sharded the same way or
-  absent) into an op that has a vocabulary-parallel form (``register_vocab_parallel``: cross_entropy,
-  linear_cross_entropy, token_log_probs, linear_token_log_probs, the top-k distillation losses) runs that
-  form on the local shards over the process group of that mesh dimension (``DeviceMesh.get_group(dim)``;
-  each rank's slice follows the group's rank order, as DTensor's ``Shard`` places it): replicated results;
-  the gradients come back in the inputs' placements (the shard's gradient ``Shard``, a replicated input's
-  ``Replicate``), with the single-process op's values on the concatenated vocabulary. ``method="tiled"``,
-  ``logits_dtype="input"``, ``batch_invariant=True`` and ``top_k`` / ``top_p`` on (the RL ops' sampler
-  truncation: its kept set needs a global threshold) are refused there with a ``ValueError`` naming the
-  keyword (the vocabulary-parallel linear ops are chunked, form fp32 logits and are not batch-invariant;
-  the default values pass). A probability (float) ``target`` is either a DTensor sharded like the
-  vocabulary (``Shard(-1)`` on the same mesh dimension: each rank's columns) or the full ``(..., V)``
-  tensor (plain, or a replicated DTensor), whose columns of this rank are taken locally (no communication);
-- any other placement (``Partial``, a shard of another dimension, a sharded argument of an op without a
-  vocabulary-parallel form) is a ``ValueError`` that says what to use instead: the full tensor
-  (``full_tensor()``, or ``patch_causal_lm``, whose module hooks let FSDP2 gather the head's weight), or,
-  for a head sharded over the vocabulary, the vocab-parallel ops of ``fusedce.distributed``.
-
-Plain tensors next to DTensors (e.g. a plain ``target``) are accepted as they are. Without any DTensor
-argument the decorator costs one type test per argument; under torch.compile it does nothing (eager only).
-"""
+"""DTensor inputs at the public entry points (``torch.distributed.tensor.DTensor``)."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 import inspect
 import numbers
 
@@ -60,11 +30,8 @@ VOCAB_PARALLEL: dict = {}
 
 
 def register_vocab_parallel(op_key: str, form, shards: dict) -> None:
-    """Record ``form`` (a ``fusedce.distributed`` op) as the vocabulary-parallel form of the public op
-    ``op_key`` (``"module.qualname"``). ``shards``: ``{argument: (form's argument, vocab dim)}`` for the
-    arguments that may be sharded over the vocabulary (``weight``: ``("weight_shard", 0)``, logits:
-    ``(..., -1)``); every other argument is passed to ``form`` by its own name. Registered by
-    ``fusedce/distributed/__init__.py`` (above this layer), looked up per call."""
+    """Record ``form`` (a ``fusedce.distributed`` op) as the vocabulary-parallel form of the public op ``op_key``
+    (``"module.qualname"``)."""
     VOCAB_PARALLEL[op_key] = (form, dict(shards))
 
 
@@ -84,14 +51,16 @@ def _vocab_parallel_call(fn, named: dict, dtensor):
     """Run ``fn``'s vocabulary-parallel form when its sharded DTensor arguments are vocabulary shards of
     one mesh dimension (module docstring); None when ``fn`` has no such form or nothing is sharded."""
     entry = VOCAB_PARALLEL.get(f"{fn.__module__}.{fn.__qualname__}")
-    sharded = {k: v for k, v in named.items() if isinstance(v, dtensor) and not all(p.is_replicate() for p in v.placements)}
+    sharded = {k: v for k, v in named.items()
+               if isinstance(v, dtensor) and not all(p.is_replicate() for p in v.placements)}
     if entry is None or not sharded:
         return None
     form, shards = entry
     target = named.get("target")
     if isinstance(target, dtensor) and target.is_floating_point() and "target" in sharded:
         shards = {**shards, "target": ("target", -1)}   # a probability target sharded like the vocabulary
-    mesh, dims = None, set()
+    mesh: Any = None
+    dims: set[int] = set()
     for name, value in sharded.items():
         dim = _vocab_shard_dim(value, shards[name][1]) if name in shards else None
         if dim is None or (mesh is not None and value.device_mesh != mesh):
@@ -152,9 +121,8 @@ def _pop_truncation(named: dict, op: str) -> None:
 
 
 def _local_columns(target, sharded: dict, shards: dict, mesh, dim: int, dtensor):
-    """A full probability target ``(..., V)`` next to a vocabulary-sharded head or logits -> this rank's
-    columns, placed as DTensor's ``Shard`` places the head's rows (a local split, no communication).
-    Anything else (class indices, a target already of the local width) is returned as is."""
+    """A full probability target ``(..., V)`` next to a vocabulary-sharded head or logits -> this rank's columns,
+    placed as DTensor's ``Shard`` places the head's rows (a local split, no communication)."""
     if not (isinstance(target, torch.Tensor) and target.is_floating_point() and target.ndim):
         return target
     vocab = next(v.shape[shards[k][1]] for k, v in sharded.items()   # the global V (a DTensor's shape)

@@ -1,8 +1,7 @@
-"""The likely mistakes that argument errors point out (``validation.py``, the distillation checks, the
-Hugging Face patch): each hint is ``""`` or the text appended to the error's message, naming the mistake
-the shapes or types suggest (swapped or transposed arguments, a class dimension in torch's place, a
-module for its weight, an ``ignore_index`` in a positional slot, pre-shifted labels). Imports nothing of
-fusedce."""
+"""The likely mistakes that argument errors point out (``validation.py``, the distillation checks, the Hugging Face
+patch): each hint is ``""`` or the text appended to the error's message, naming the mistake the shapes or types
+suggest (swapped or transposed arguments, a class dimension in torch's place, a module for its weight, an
+``ignore_index`` in a positional slot, pre-shifted labels)."""
 from __future__ import annotations
 
 import math
@@ -71,11 +70,8 @@ def positional_hint(name: str, value, position: str, keyword: str = "ignore_inde
 
 def distill_swap_hint(student: tuple, student_w: tuple, teacher: tuple, teacher_w: tuple,
                       target: Optional[tuple] = None) -> str:
-    """The hint for ``linear_distillation_loss`` with one model's hidden states and head swapped, or ``""``
-    (shapes: the hidden states, the heads as given, the target's or None). A model looks swapped when its
-    "hidden states" are 2-D with as many rows as the other head's V and its "head" has as many rows as the
-    other's tokens. Both can look so (2-D hidden states: the shapes alone cannot tell); then the target,
-    whose shape is the tokens', picks the one, else both are named."""
+    """The hint for ``linear_distillation_loss`` with one model's hidden states and head swapped, or ``""`` (shapes:
+    the hidden states, the heads as given, the target's or None)."""
     def looks_swapped(hidden, own_w, other, other_w):
         return len(hidden) == 2 and hidden[0] == other_w[0] and own_w[0] == math.prod(other[:-1])
 

@@ -1,14 +1,4 @@
-"""Opaque ops: a ``torch.library.custom_op`` that eager calls bypass.
-
-Why: torch runs every custom op's Python body behind ``torch._disable_dynamo``, whose first call imports
-``torch._dynamo`` and with it ``torch._inductor``, ``sympy``, ``triton`` and ``torch.onnx`` (measured on the
-2-core CPU VM: about 160 MiB of RSS and 1.5-9 s, before anything was asked to compile). The backends' loops
-are custom ops only so that a tracer (``torch.compile``, ``make_fx``, ``aot_function``, ``torch.export``,
-functorch transforms, fake / meta tensors, tensor subclasses) sees one node per loop. A plain eager call
-needs none of that, so :func:`opaque_op` runs the body directly then, under ``torch.no_grad()`` (the ops
-have no autograd formula: the autograd Functions that call them differentiate through their backward ops),
-and dispatches through the registered op otherwise. The results are the same values: the same body runs.
-"""
+"""Opaque ops: a ``torch.library.custom_op`` that eager calls bypass."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -27,9 +17,7 @@ def _tracing_mode() -> bool:
 
 
 def _plain_eager(args: Sequence, observable: bool = False) -> bool:
-    """True when no tracer, mode or subclass would need the registered op: a direct call is equivalent.
-    ``observable``: a dispatch mode that does not trace (``FlopCounterMode``, a user's ``TorchDispatchMode``)
-    does not need it either, and sees every op of the body."""
+    """True when no tracer, mode or subclass would need the registered op: a direct call is equivalent."""
     if torch.compiler.is_compiling():
         return False
     if _tracing_mode() if observable else _get_current_dispatch_mode() is not None:
@@ -46,11 +34,7 @@ def _plain_eager(args: Sequence, observable: bool = False) -> bool:
 
 
 class OpaqueOp:
-    """A custom op (``self.op``) callable like its Python body; see the module docstring.
-
-    ``register_fake`` is the custom op's (used as a decorator). ``observable``: the body also runs directly
-    under a dispatch mode that does not trace (the chunk loops of the linear ops: a ``FlopCounterMode`` then
-    counts their matmuls, as it did when the loops were plain Python)."""
+    """A custom op (``self.op``) callable like its Python body; see the module docstring."""
 
     def __init__(self, name: str, fn: Callable, mutates_args: Sequence[str], observable: bool = False):
         self.fn, self.observable = fn, observable

@@ -1,14 +1,5 @@
-"""Reductions shared by every op: the mean's two denominators, the z-loss, the reduced loss and the
-stats. Everything stays on the device (no host sync).
-
-The contract's mean is ``sum(ce_row) / D + sum(z_row) / N``: ``ce_row`` the cross-entropy of a row
-(class-weighted), ``z_row = lse_square_scale * lse**2`` its z-loss (not weighted), ``D`` the weighted
-count of non-ignored rows (or ``num_items_in_batch``), ``N`` their plain count (or
-``num_items_in_batch``). So scaling the class weights leaves the mean unchanged, as in
-``F.cross_entropy``, and the z-loss part matches Liger's and flash-attn's. The backends return ``ce_row``
-and a differentiable ``lse``; the z-loss is built here, and its gradient reaches the kernels through
-``lse``.
-"""
+"""Reductions shared by every op: the mean's two denominators, the z-loss, the reduced loss and the stats. Everything
+stays on the device (no host sync)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -44,9 +35,9 @@ def _given(num_items_in_batch, device: torch.device) -> torch.Tensor:
 
 def token_mean_scale(target: Optional[torch.Tensor], n_rows: int, ignore_index: int, num_items_in_batch,
                      device: torch.device) -> torch.Tensor:
-    """The one mean rule of the distillation losses (dense and top-k): 0-dim fp32 ``1 / D``, ``D =
-    num_items_in_batch`` if given, else the count of non-ignored tokens (``target != ignore_index``), else
-    (no target) ``n_rows``; 0 when ``D == 0`` (the loss is then 0.0 with zero gradient). No host sync."""
+    """The one mean rule of the distillation losses (dense and top-k): 0-dim fp32 ``1 / D``, ``D = num_items_in_batch``
+    if given, else the count of non-ignored tokens (``target != ignore_index``), else (no target) ``n_rows``; 0 when
+    ``D == 0`` (the loss is then 0.0 with zero gradient)."""
     if num_items_in_batch is not None:
         return mean_scale(_given(num_items_in_batch, device))
     if target is None:
@@ -103,11 +94,13 @@ def reduce(ce_rows: torch.Tensor, z: Optional[torch.Tensor], reduction: str,
         return (ce_rows if z is None else ce_rows + z).reshape(shape)
     if reduction == "sum":
         return ce_rows.sum() if z is None else ce_rows.sum() + z.sum()
+    assert scales is not None, "reduction='mean' needs its scales"
     total = ce_rows.sum() * scales.ce
     return total if z is None else total + z.sum() * scales.z
 
 
-def token_scaled(ce_rows: torch.Tensor, z: Optional[torch.Tensor], token_weight: Optional[torch.Tensor]):
+def token_scaled(ce_rows: torch.Tensor, z: Optional[torch.Tensor],
+                 token_weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Each row's cross-entropy and z-loss times ``token_weight`` (detached, so the gradient is
     ``token_weight`` times the row's gradient): ``use_token_scaling``'s ``p_t`` (Dynamic Fine-Tuning;
     Liger's flag, TRL's ``loss_type="dft"``) and / or the user's ``token_weights`` (``times``);
@@ -152,10 +145,8 @@ def loss_and_stats(ce_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Te
 def stats(loss: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor,
           opts: LossOptions, reduction: str, scales: Optional[MeanScales], shape,
           token_weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
-    """Build ``CrossEntropyOutput`` from the per-row lse and argmax (BT,) and the reduced ``loss``
-    (``token_weight``: the z-loss rows are scaled like the loss). ``valid``: the rows that count (bool
-    (BT,)); default ``target != ignore_index`` (probability targets pass all rows, and as ``target`` the
-    argmax of the target distribution)."""
+    """Build ``CrossEntropyOutput`` from the per-row lse and argmax (BT,) and the reduced ``loss`` (``token_weight``:
+    the z-loss rows are scaled like the loss)."""
     valid = opts.kept(target) if valid is None else valid
     lse = lse.detach()
     z = token_scaled(lse, z_rows(lse, opts), token_weight)[1]

@@ -1,33 +1,8 @@
-"""Per-row cross-entropy math on an fp32 block of rows, in plain PyTorch: the reference formulas every
-layer may import (the PyTorch backend's math, the public ops' token scaling, the LM head's chunk loop, the
-vocab-parallel exchange). The Triton and CuTe kernels implement the same formulas in
-``backends/triton/kernels/row_math.py`` and ``backends/cute/kernels/row_math.py``.
-Notation per row, on ``z = softcap * tanh(s x / softcap)`` (or ``z = s x``; ``s`` = logit_scale),
-``eps`` = label_smoothing,
-``w`` = class weights (1 without), ``W = sum_c w_c``, ``t`` = target, ``a = (1 - eps) w_t``,
-``b = eps / V``:
-
-    lse  = log sum_c exp(z_c)
-    loss = a (lse - z_t) + b (W lse - sum_c w_c z_c)
-
-(``F.cross_entropy``'s smoothing formula). The z-loss ``s_z lse**2`` (PaLM, Chowdhery et al. 2022,
-sec. 5) is not part of ``loss``: the caller adds it from ``lse``, so its gradient arrives here as the
-upstream gradient ``h`` of ``lse``. With ``g`` the upstream gradient of ``loss`` and ``p = softmax(z)``:
-
-    dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c
-
-and the chain rule ``dz/dx = s (1 - (z / softcap)**2)`` (``s`` without softcap).
-
-Precision. ``lse`` is kept as an fp32 pair ``lse + lse_lo`` = ``max + log(sum)`` exactly (TwoSum), so
-``p_c = exp((z_c - lse) - lse_lo)`` and ``lse - z_t + lse_lo`` are as accurate as PyTorch's
-``exp((z - max) - log(sum))`` for any logit magnitude (a single fp32 lse carries an absolute error of
-|lse| 2^-24, which at |lse| ~ 1e3-1e4 is a relative error of 1e-4 on every probability). The target
-column is formed as ``p_t - 1`` before scaling, so the gradient is exactly 0 where the math says so
-(V = 1; a saturated softmax).
-"""
+"""Per-row cross-entropy math on an fp32 block of rows, in plain PyTorch: the reference formulas every layer may import
+(the PyTorch backend's math, the public ops' token scaling, the LM head's chunk loop, the vocab-parallel exchange)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
@@ -44,9 +19,7 @@ def transform(x: torch.Tensor, opts: LossOptions) -> torch.Tensor:
 
 def mul_slope_(grad: torch.Tensor, z: torch.Tensor, opts: LossOptions, z_scratch: bool = False) -> torch.Tensor:
     """The chain rule of ``transform``, in place: ``grad *= dz/dx = logit_scale * (1 - (z / softcap)**2)``
-    (``logit_scale`` alone without softcap), ``z = transform(x)`` fp32 of ``grad``'s shape. With
-    ``z_scratch`` ``z`` is overwritten (no temporary of its size). Returns ``grad``. Every PyTorch
-    gradient of the loss and log-prob ops goes through it (the Triton / CuTe kernels' ``logit_slope``)."""
+    (``logit_scale`` alone without softcap), ``z = transform(x)`` fp32 of ``grad``'s shape."""
     if opts.softcap is not None:
         shifted = z.div_(opts.softcap) if z_scratch else z.div(opts.softcap)
         grad.mul_(shifted.square_().neg_().add_(1.0))
@@ -57,10 +30,9 @@ def mul_slope_(grad: torch.Tensor, z: torch.Tensor, opts: LossOptions, z_scratch
 
 def target_probability(x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
                        opts: LossOptions):
-    """``p_t = softmax(z)[t] = exp((z_t - lse) - lse_lo)`` per row of logits ``x`` ((n, V) any float
-    dtype; ``lse``, ``lse_lo`` (n,) the exact lse pair of ``z``), fp32, 0 on ignored rows and rows whose
-    target is out of range; the factor of ``use_token_scaling``, as accurate as the softmax of the
-    gradient for any logit magnitude. Gathers one logit per row: O(n) work."""
+    """``p_t = softmax(z)[t] = exp((z_t - lse) - lse_lo)`` per row of logits ``x`` ((n, V) any float dtype; ``lse``,
+    ``lse_lo`` (n,) the exact lse pair of ``z``), fp32, 0 on ignored rows and rows whose target is out of range; the
+    factor of ``use_token_scaling``, as accurate as the softmax of the gradient for any logit magnitude."""
     valid = opts.kept(target) & (target >= 0) & (target < x.shape[1])
     safe = torch.where(valid, target, 0).long()
     z_t = transform(x.gather(1, safe[:, None])[:, 0].float(), opts)
@@ -86,12 +58,7 @@ def target_terms(z, target, weight, opts: LossOptions):
 
 
 def logsumexp_rows(z: torch.Tensor, scratch: Optional[torch.Tensor] = None):
-    """``(lse, lse_lo)`` per row, fp32, with ``lse + lse_lo = max + log(sum_c exp(z_c - max))`` exactly.
-
-    One max pass, one fused sub/exp pass (into ``scratch``, an fp32 buffer of ``z``'s shape, when given)
-    and a sum. A row whose logits are all -inf (a masked block) is shifted by 0 instead of -inf, so its
-    sum is 0 and its lse -inf (never NaN from -inf - -inf); a NaN anywhere in a row makes its lse NaN.
-    """
+    """``(lse, lse_lo)`` per row, fp32, with ``lse + lse_lo = max + log(sum_c exp(z_c - max))`` exactly."""
     m = z.amax(dim=1)
     shift = torch.where(m == float("-inf"), 0.0, m)
     d = torch.sub(z, shift[:, None], out=scratch).exp_().sum(dim=1).log_()
@@ -99,11 +66,8 @@ def logsumexp_rows(z: torch.Tensor, scratch: Optional[torch.Tensor] = None):
 
 
 def row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes: int, opts: LossOptions) -> torch.Tensor:
-    """The row's cross-entropy (without z-loss) from its statistics, (n,) fp32: the one place of the
-    loss formula for the PyTorch backend and the vocab-parallel exchange (the kernels have theirs in
-    ``kernels/row_math.py``). ``lse_lo`` is added back to ``lse - z_t`` (as accurate as
-    ``-log_softmax[t]``); ``w_t`` None means 1; ``zsum = sum_c w_c z_c`` and ``total_w = W`` are read
-    only with smoothing."""
+    """The row's cross-entropy (without z-loss) from its statistics, (n,) fp32: the one place of the loss formula for
+    the PyTorch backend and the vocab-parallel exchange (the kernels have theirs in ``kernels/row_math.py``)."""
     eps = opts.label_smoothing
     loss = (1.0 - eps) * ((lse - z_t) + lse_lo)
     if w_t is not None:
@@ -124,15 +88,7 @@ def entropy_rows(z: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor) -> to
 def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                  weight_sum: Optional[torch.Tensor], opts: LossOptions, stats: bool = True,
                  scratch: Optional[torch.Tensor] = None, entropy: bool = False):
-    """Per-row cross-entropy (without z-loss), lse and argmax of ``x`` ((n, V) fp32; ``weight`` (V,)
-    fp32 or None).
-
-    Returns ``(loss, lse, lse_lo, predicted)``: (n,) fp32 each (0 on ignored rows; loss NaN on a row
-    whose target is out of range and not ignored), predicted (n,) int64 (-1 on ignored rows) or None
-    without stats; with ``entropy`` a fifth element, the entropy of ``softmax(z)`` (n,) fp32 (0 on
-    ignored rows). Reads ``x`` about twice (max, exp), once more for smoothing, the argmax and the
-    entropy.
-    """
+    """Per-row cross-entropy (without z-loss), lse and argmax of ``x`` ((n, V) fp32; ``weight`` (V,) fp32 or None)."""
     n_classes = x.shape[1]
     z = transform(x, opts)
     lse, lse_lo = logsumexp_rows(z, scratch)
@@ -140,7 +96,7 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.T
     zsum = None
     if opts.label_smoothing > 0.0:
         zsum = z.sum(dim=1) if weight is None else z @ weight
-    total_w = n_classes if weight is None else weight_sum
+    total_w = n_classes if weight is None else cast(torch.Tensor, weight_sum)   # given with weight
     loss = row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes, opts)
     ent = torch.where(valid, entropy_rows(z, lse, lse_lo), 0.0) if entropy else None
     loss, lse, lse_lo = masked_stats(loss, lse, lse_lo, valid, in_range)
@@ -166,20 +122,7 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
               out: Optional[torch.Tensor] = None, *, n_classes: Optional[int] = None,
               col_start: int = 0, target_weight: Optional[torch.Tensor] = None,
               grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Gradient of ``sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i (+ grad_entropy[i] * entropy_i)``
-    w.r.t. ``x`` ((n, V) fp32); the entropy term is ``-k p_c (u_c + entropy)``, ``u_c = (z_c - lse) -
-    lse_lo`` (``backends/protocol.py``), and needs the forward's ``entropy`` (n,).
-
-    Ignored rows get exactly 0. ``grad_row``, ``grad_lse`` (None: 0) are per-row upstream gradients
-    (any strides). The result is computed in ``out`` ((n, V) fp32, may be ``x`` itself, which is then
-    destroyed) or, without it, in one new (n, V) buffer. Without softcap no other temporary of that
-    size is made: 4 passes (two subtractions, exp, scale), one more with smoothing.
-
-    For a slice of a larger vocabulary (vocab parallelism), ``x`` holds the global columns
-    ``[col_start, col_start + x.shape[1])``, ``n_classes`` is the global V, ``weight`` the slice's class
-    weights, ``weight_sum`` their global sum and ``target_weight`` the per-row w_t (fp32 (n,), from the
-    rank that owns the target); ``lse``/``lse_lo`` are the global ones.
-    """
+    """Gradient of ``sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i (+ grad_entropy[i] * entropy_i)`` w.r.t."""
     n_local = x.shape[1]
     n_classes = n_local if n_classes is None else n_classes
     z = transform(x, opts)
@@ -191,7 +134,7 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
     else:
         w_t = torch.ones_like(lse) if weight is None or n_local == 0 else weight[safe]
     a, b = (1.0 - opts.label_smoothing) * w_t, opts.label_smoothing / n_classes
-    total_w = n_classes if weight is None else weight_sum
+    total_w = n_classes if weight is None else cast(torch.Tensor, weight_sum)   # given with weight
     g = torch.where(valid, grad_row.float(), 0.0)
     h = None if grad_lse is None else torch.where(valid, grad_lse.float(), 0.0)
     row_factor = g * (a + b * total_w) if h is None else g * (a + b * total_w) + h
@@ -223,9 +166,9 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
 def smoothing_and_target_(grad: torch.Tensor, g: torch.Tensor, b: float, weight: Optional[torch.Tensor],
                           safe: torch.Tensor, owned: torch.Tensor, at_target: Optional[torch.Tensor],
                           opts: LossOptions) -> torch.Tensor:
-    """The last terms of ``dL/dz`` in place on ``grad`` ((n, V) fp32, holding ``(g (a + b W) + h) p``):
-    smoothing's ``- b g w_c`` (``w_c`` = 1 without ``weight``), then the target column ``safe`` set to
-    ``at_target`` on the rows where ``owned`` (None: no column here). Returns ``grad``."""
+    """The last terms of ``dL/dz`` in place on ``grad`` ((n, V) fp32, holding ``(g (a + b W) + h) p``): smoothing's ``-
+    b g w_c`` (``w_c`` = 1 without ``weight``), then the target column ``safe`` set to ``at_target`` on the rows
+    where ``owned`` (None: no column here)."""
     if opts.label_smoothing > 0.0:
         if weight is None:
             grad.sub_((b * g)[:, None])
@@ -247,13 +190,9 @@ def zero_ignored_(grad: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def token_stats(z: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
                 valid: torch.Tensor):
-    """TRL's per-token statistics (``types.TokenStats``) of fp32 ``z`` ((n, V), the transformed logits
-    ``q``) with its exact lse pair: ``(log_sum_sq_probs, mean_logits, is_top1)``, (n,) fp32, fp32, bool,
-    0 / False where ``valid`` is False.
-
-    ``log sum_c p_c**2 = log sum_c exp(2 u_c)``, ``u_c = (z_c - lse) - lse_lo = log p_c`` (every term
-    at most 1, the largest at least 1/V**2: no overflow or underflow of the sum; -inf logits add 0);
-    ``mean = sum_c z_c / V``; ``is_top1``: ``z.argmax()`` (the first maximum) equals the target."""
+    """TRL's per-token statistics (``types.TokenStats``) of fp32 ``z`` ((n, V), the transformed logits ``q``) with its
+    exact lse pair: ``(log_sum_sq_probs, mean_logits, is_top1)``, (n,) fp32, fp32, bool, 0 / False where ``valid``
+    is False."""
     u = (z - lse[:, None]) - lse_lo[:, None]
     log_sum_sq = u.mul_(2.0).exp_().sum(dim=1).log_()
     mean = z.sum(dim=1) / z.shape[1]

@@ -1,16 +1,4 @@
-"""What fusedce does under torch's function transforms and tracers, said in one place.
-
-- Forward-mode AD (``torch.func.jvp`` / ``jacfwd``, ``torch.autograd.forward_ad``): refused. The fused
-  kernels have a reverse-mode formula only; an autograd Function without ``jvp`` raises torch's own
-  generic error, and a custom op with a registered backward hands back a zero (or None) tangent without a
-  word. ``no_forward_ad`` (worn by every public op, ``core/entrance.py``) raises ``NotImplementedError``
-  naming the op as soon as an argument carries a tangent. Reverse mode (``torch.func.grad`` / ``vmap`` /
-  ``jacrev``) is untouched.
-- Tracing without data (fake or meta tensors, ``make_fx`` in any mode, ``aot_function``, ``torch.export``):
-  ``values_unavailable`` says when a tensor's values cannot be read on the host, so that a host check
-  (``core/validation.check_target_range``) or a host-sized allocation (``lm_head/head.py``) is
-  skipped rather than dying on a data-dependent guard.
-"""
+"""What fusedce does under torch's function transforms and tracers, said in one place."""
 from __future__ import annotations
 
 import functools
@@ -47,11 +35,10 @@ def no_forward_ad(fn, name: str):
 
 
 def values_unavailable(*tensors) -> bool:
-    """Whether the values of ``tensors`` (None entries ignored) cannot be read on the host: one of them is
-    on the meta device or a fake tensor (FSDP2's meta initialisation, memory estimators), or a fake or
-    proxy mode is active (``make_fx`` in any mode, ``aot_function``, non-strict ``torch.export``), or
-    ``torch.fx.symbolic_trace`` is tracing. A host check or a host-sized allocation is then skipped, as
-    under ``torch.compile``. Cheap: a few C calls, no import (``torch._guards`` comes with torch)."""
+    """Whether the values of ``tensors`` (None entries ignored) cannot be read on the host: one of them is on the meta
+    device or a fake tensor (FSDP2's meta initialisation, memory estimators), or a fake or proxy mode is active
+    (``make_fx`` in any mode, ``aot_function``, non-strict ``torch.export``), or ``torch.fx.symbolic_trace`` is
+    tracing."""
     key = torch._C._TorchDispatchModeKey
     if (torch._C._get_dispatch_mode(key.PROXY) is not None
             or torch._C._get_dispatch_mode(key.FAKE) is not None):

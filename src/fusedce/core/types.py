@@ -1,6 +1,5 @@
-"""Plain result types shared by every layer: what the public ops return (``CrossEntropyOutput``,
-``TokenLogProbs``, ``TokenStats``, ``TopkDistillationOutput``) and the backends' vocabulary-slice
-statistics (``SliceStats``). The loss options are in ``fusedce.core.options``."""
+"""Plain result types shared by every layer: what the public ops return (``CrossEntropyOutput``, ``TokenLogProbs``,
+``TokenStats``, ``TopkDistillationOutput``) and the backends' vocabulary-slice statistics (``SliceStats``)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -84,12 +83,7 @@ class TopkDistillationOutput(NamedTuple):
 
 
 class SliceStats(NamedTuple):
-    """Partial row statistics of a vocabulary slice (the backends' ``slice_stats``). Per row (n,):
-    ``xmax`` fp32 raw max, ``argmax`` int64 global index (lowest on ties), ``zmax`` fp32 max of z (-inf
-    where the slice is all -inf), ``sumexp`` fp32 ``sum exp(z - zmax)`` (0 there), ``target_logit`` fp32
-    z_t where this slice holds the target (else 0), ``zsum`` fp32 ``sum w_c z_c`` (None without
-    smoothing), ``tsum`` fp32 ``sum exp(z - zmax) (z - zmax)`` (0 where the slice is all -inf; the
-    entropy's partial sum, None unless asked)."""
+    """Partial row statistics of a vocabulary slice (the backends' ``slice_stats``)."""
 
     xmax: torch.Tensor
     argmax: torch.Tensor

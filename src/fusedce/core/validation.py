@@ -8,7 +8,8 @@ from typing import Callable, Optional
 
 import torch
 
-from fusedce.core.options.checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_accum_dtype, check_chunk_size, finite, fp32_range)
+from fusedce.core.options.checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_accum_dtype, check_chunk_size,
+                                         finite, fp32_range)
 from fusedce.core.hints import (class_dim_hint, module_hint, positional_hint, reshape_hint,  # noqa: F401 (val.*_hint)
                                  swapped_hint)
 from fusedce.core.transforms import values_unavailable
@@ -36,8 +37,7 @@ def check_target(target: torch.Tensor, expected_shape, device: torch.device,
                  hint: Optional[Callable[[tuple], str]] = None, probabilities: bool = False) -> None:
     """``target`` must be an int32/int64 tensor of ``expected_shape`` on ``device``. On a shape mismatch,
     ``hint(target.shape)`` is appended to the message: the likely mistake (:func:`class_dim_hint`,
-    :func:`swapped_hint`). ``probabilities``: the op also takes float probability targets (checked by
-    :func:`check_soft_target`), which the dtype error then names."""
+    :func:`swapped_hint`)."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor, got {type(target).__name__}")
     if target.dtype not in INDEX_DTYPES:
@@ -68,10 +68,8 @@ def check_float(name: str, t: torch.Tensor) -> None:
 
 def check_vector(name: str, t: Optional[torch.Tensor], size: int, device: torch.device,
                  constant: bool = False, position: str = "") -> None:
-    """An optional ``(size,)`` float tensor on ``device`` (class weights, bias). ``constant`` (class weights,
-    which get no gradient): one that requires grad in grad mode is a ``TypeError``, as in ``F.cross_entropy``.
-    ``position`` ("third", ...): where ``name`` sits among the positional arguments, for the hint on an
-    integer given there (an ``ignore_index`` passed positionally)."""
+    """An optional ``(size,)`` float tensor on ``device`` (class weights, bias). ``constant`` (class weights, which get
+    no gradient): one that requires grad in grad mode is a ``TypeError``, as in ``F.cross_entropy``."""
     if t is None:
         return
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -100,15 +98,18 @@ def check_class_weights(name: str, t: Optional[torch.Tensor]) -> None:
         raise ValueError(f"{name} must have shape (V,), got {tuple(t.shape)}")
 
 
-def sync_allowed(*tensors) -> bool:
-    """The target-range check host-syncs; skip it under torch.compile and CUDA-graph capture, and when the
-    values of ``tensors`` cannot be read (fake / meta tensors, ``make_fx`` / ``aot_function`` /
-    ``torch.export`` tracing: ``core/transforms.values_unavailable``)."""
+def host_readable(*tensors) -> bool:
+    """True when the host may read the values of ``tensors`` (a host sync): not under torch.compile or
+    CUDA-graph capture, and real values (not fake / meta tensors or tracing: ``core/transforms.values_unavailable``)."""
     if torch.compiler.is_compiling() or values_unavailable(*tensors):
         return False
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False
     return True
+
+
+# The old name, still imported by lm_head/ (renamed there by the cross-entropy rebuild, issue 43 items 1-3).
+sync_allowed = host_readable
 
 
 class TargetOutOfRange(IndexError):
@@ -122,10 +123,9 @@ class TargetOutOfRange(IndexError):
 
 
 def check_token_weights(token_weights, target: torch.Tensor, shape=None) -> None:
-    """``token_weights``: None, or a floating-point tensor of ``shape`` (default ``target.shape``; the
-    logits' ``shape[:-1]`` for probability targets) on the target's device (``TypeError`` for a non-tensor
-    or a non-float dtype, ``ValueError`` for another shape or device). Its values are checked by
-    :func:`check_target_range` (in the same host sync; class-index targets only)."""
+    """``token_weights``: None, or a floating-point tensor of ``shape`` (default ``target.shape``; the logits'
+    ``shape[:-1]`` for probability targets) on the target's device (``TypeError`` for a non-tensor or a non-float
+    dtype, ``ValueError`` for another shape or device)."""
     if token_weights is None:
         return
     if not isinstance(token_weights, torch.Tensor) or not token_weights.is_floating_point():
@@ -141,16 +141,10 @@ def check_token_weights(token_weights, target: torch.Tensor, shape=None) -> None
 
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
                        token_weights: Optional[torch.Tensor] = None) -> None:
-    """Raise ``IndexError`` (``TargetOutOfRange``) naming the first target that is neither
-    ``ignore_index`` nor in ``[0, V)``; then ``ValueError`` naming the first non-ignored row whose
-    ``token_weights`` (fp32 of ``target.shape``, or None) is NaN or infinite.
-
-    This is the contract's one documented host sync of ``cross_entropy`` (both checks share it: one
-    read of one flag); skipped (a bad row then gives a NaN loss row, never an out-of-bounds read; a
-    non-finite weight propagates into the loss and that row's gradient) while compiling or capturing a
-    CUDA graph.
-    """
-    if target.numel() == 0 or not sync_allowed(target, token_weights):
+    """Raise ``IndexError`` (``TargetOutOfRange``) naming the first target that is neither ``ignore_index`` nor in
+    ``[0, V)``; then ``ValueError`` naming the first non-ignored row whose ``token_weights`` (fp32 of
+    ``target.shape``, or None) is NaN or infinite."""
+    if target.numel() == 0 or not host_readable(target, token_weights):
         return
     kept = target != ignore_index
     bad = kept & ((target < 0) | (target >= n_classes))
@@ -158,9 +152,10 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
     if not bool((bad if bad_weight is None else bad | bad_weight).any()):   # the one sync
         return
     if bad_weight is not None and not bool(bad.any()):   # (error paths only from here)
+        assert token_weights is not None
         flat = bad_weight.reshape(-1).nonzero()[0, 0]
-        pos = [int(i) for i in torch.unravel_index(flat, tuple(target.shape))]
-        raise ValueError(f"token_weights{pos} = {float(token_weights.reshape(-1)[flat])} on a non-ignored row: "
+        at = [int(i) for i in torch.unravel_index(flat, tuple(target.shape))]
+        raise ValueError(f"token_weights{at} = {float(token_weights.reshape(-1)[flat])} on a non-ignored row: "
                          "token weights must be finite")
     flat = bad.reshape(-1).nonzero()[0, 0]
     pos = tuple(int(i) for i in torch.unravel_index(flat, tuple(target.shape)))
@@ -171,11 +166,8 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
 
 
 def bad_probabilities(target: torch.Tensor) -> Optional[torch.Tensor]:
-    """A 0-dim bool device tensor: does the probability target ``target`` hold a negative, NaN or +inf
-    value? None when the check is skipped (an empty target, torch.compile, CUDA-graph capture, fake
-    tensors: :func:`sync_allowed`, the target-range check's rule). No host sync here: the caller reads the
-    flag, in the one sync it has (:func:`check_probabilities`; the vocab-parallel ops' setup ``all_gather``)."""
-    if target.numel() == 0 or not sync_allowed(target):
+    """A 0-dim bool device tensor: does the probability target ``target`` hold a negative, NaN or +inf value?"""
+    if target.numel() == 0 or not host_readable(target):
         return None
     # one reduction, no temporary of the target's size (two bool masks and their OR were 3 BT V bytes:
     # 576 MiB at 4096 x 49152, more than the tiled method's whole working memory); aminmax propagates NaN
@@ -198,12 +190,9 @@ def raise_bad_probabilities(target: torch.Tensor, name: str = "target") -> None:
 
 def check_probabilities(target: torch.Tensor, name: str = "target",
                         token_weights: Optional[torch.Tensor] = None) -> None:
-    """``ValueError`` naming the first negative, NaN or +inf value of the probability target ``target`` (every
-    row is kept: probability targets ignore no row), then the first NaN or infinite value of
-    ``token_weights`` (the logits' ``shape[:-1]``, or None), as the class-index targets' check does. One host
-    sync for both, the target-range check's kind and rule: skipped under torch.compile, CUDA-graph capture
-    and for fake tensors (a bad value then propagates into its row's loss and gradient). Values above 1 and
-    rows not summing to 1 are accepted, as in torch."""
+    """``ValueError`` naming the first negative, NaN or +inf value of the probability target ``target`` (every row is
+    kept: probability targets ignore no row), then the first NaN or infinite value of ``token_weights`` (the logits'
+    ``shape[:-1]``, or None), as the class-index targets' check does."""
     flag = bad_probabilities(target)
     if flag is None:
         return
@@ -213,6 +202,7 @@ def check_probabilities(target: torch.Tensor, name: str = "target",
         return
     if bool(bad_probabilities(target)):   # (error paths only from here)
         raise_bad_probabilities(target, name)
+    assert token_weights is not None
     flat = (~torch.isfinite(token_weights)).reshape(-1).nonzero()[0, 0]
     pos = [int(i) for i in torch.unravel_index(flat, tuple(token_weights.shape))]
     raise ValueError(f"token_weights{pos} = {float(token_weights.reshape(-1)[flat])}: token weights must be "
@@ -275,11 +265,7 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
 
 
 def check_num_items(num_items_in_batch, device: torch.device) -> None:
-    """``num_items_in_batch``: None, a finite number >= 0, or a one-element real tensor on ``device`` or
-    the CPU. A CPU tensor's value is checked like a number (no device is involved); a CUDA tensor's is
-    not (reading it would sync the stream): a negative or non-finite one gives that loss. ``TypeError``
-    for a bool, a bool tensor or a non-number; ``ValueError`` for a negative or non-finite number or CPU
-    tensor, or a tensor of another size / device."""
+    """``num_items_in_batch``: None, a finite number >= 0, or a one-element real tensor on ``device`` or the CPU."""
     if num_items_in_batch is None:
         return
     if isinstance(num_items_in_batch, torch.Tensor):
@@ -294,7 +280,7 @@ def check_num_items(num_items_in_batch, device: torch.device) -> None:
                              f"{tuple(num_items_in_batch.shape)}")
         if num_items_in_batch.device not in (device, torch.device("cpu")):
             raise ValueError(f"num_items_in_batch is on {num_items_in_batch.device} but the data is on {device}")
-        if num_items_in_batch.device.type == "cpu" and sync_allowed(num_items_in_batch):
+        if num_items_in_batch.device.type == "cpu" and host_readable(num_items_in_batch):
             value = float(num_items_in_batch)   # a CPU tensor: reading it syncs with no device
             if not (finite(value) and value >= 0):
                 raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {value}")

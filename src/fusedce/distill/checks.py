@@ -1,8 +1,7 @@
 """The one checked call of each distillation op (``checked_distill`` for ``distillation_loss`` /
-``linear_distillation_loss``, ``checked_topk`` for ``topk_distillation_loss`` /
-``linear_topk_distillation_loss``): every argument check, in one walk down to ``core/validation.py``,
-before any kernel; each returns a small frozen dataclass of the normalized arguments. The scalar options:
-``core/options/distill.py`` (dense) and ``core/options`` (``check_temperature``, ``log_prob_options``)."""
+``linear_distillation_loss``, ``checked_topk`` for ``topk_distillation_loss`` / ``linear_topk_distillation_loss``):
+every argument check, in one walk down to ``core/validation.py``, before any kernel; each returns a small frozen
+dataclass of the normalized arguments."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,7 +47,8 @@ def check_head(hidden, weight, bias, model: str, sharded: bool = False) -> None:
     if not sharded:
         val.check_nonzero(w_name, weight.shape, 0, "V")
     if hidden.shape[-1] != weight.shape[1]:
-        transposed = "; it looks transposed: the LM head is (V, H), the nn.Linear layout" if weight.shape[0] == hidden.shape[-1] else ""
+        transposed = ("; it looks transposed: the LM head is (V, H), the nn.Linear layout"
+                      if weight.shape[0] == hidden.shape[-1] else "")
         raise ValueError(f"{h_name}.shape[-1] = {hidden.shape[-1]} must equal {w_name}.shape[1] = {weight.shape[1]}"
                          + transposed)
     if weight.device != hidden.device:
@@ -66,9 +66,8 @@ def check_vocab(student_v: int, teacher_v: int, what: str, hint: str = "") -> No
 
 
 def check_target(target, shape, device: torch.device, n_classes: int, ignore_index: int):
-    """None, or an int64 / int32 tensor of ``shape`` on ``device`` (``TypeError`` / ``ValueError``), whose
-    non-ignored values lie in [0, V) (``IndexError``; the one host sync, skipped under torch.compile /
-    CUDA-graph capture). Returns the flat int64-safe target or None."""
+    """None, or an int64 / int32 tensor of ``shape`` on ``device`` (``TypeError`` / ``ValueError``), whose non-ignored
+    values lie in [0, V) (``IndexError``; the one host sync, skipped under torch.compile / CUDA-graph capture)."""
     if target is None:
         return None
     val.check_target(target, shape, device)
@@ -237,15 +236,11 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
 
 
 def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: int, tail: bool) -> None:
-    """``ValueError`` naming ``teacher_log_probs`` for a kept value above ``LOG_PROB_SLACK`` (probabilities
-    or logits passed as log-probs; +inf included) and, with ``tail``, for a token whose kept entries'
-    probabilities sum above 1 by more than ``teacher_mass_slack`` (log-probs not normalized over the
-    vocabulary: the tail ``1 - sum_k p_k`` would be negative; within the slack it is clamped at 0).
-    Padding entries (-inf, or an id equal to ``ignore_index``) and ignored tokens are not looked at.
-    One host sync (one flag), skipped where the target-range check is (``core/validation.sync_allowed``:
-    torch.compile, CUDA-graph capture, tracing): a positive log-prob then enters the formula as given and
-    an excess mass gives a tail of 0. NaN is not checked (it gives a NaN loss)."""
-    if teacher_log_probs.numel() == 0 or not val.sync_allowed(teacher_log_probs, teacher_ids, target):
+    """``ValueError`` naming ``teacher_log_probs`` for a kept value above ``LOG_PROB_SLACK`` (probabilities or logits
+    passed as log-probs; +inf included) and, with ``tail``, for a token whose kept entries' probabilities sum above
+    1 by more than ``teacher_mass_slack`` (log-probs not normalized over the vocabulary: the tail ``1 - sum_k p_k``
+    would be negative; within the slack it is clamped at 0)."""
+    if teacher_log_probs.numel() == 0 or not val.host_readable(teacher_log_probs, teacher_ids, target):
         return
     lp = teacher_log_probs.detach().float()
     keep = (lp != float("-inf")) & (teacher_ids != ignore_index)
@@ -263,8 +258,9 @@ def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: i
     if bool(high.any()):   # (error paths only from here)
         pos = [int(i) for i in high.nonzero()[0]]
         raise ValueError(f"teacher_log_probs{pos} = {float(lp[tuple(pos)]):.6g} > 0: teacher_log_probs must be "
-                         "natural-log probabilities (<= 0); these look like probabilities or logits (pass .log() of the "
-                         "probabilities, or torch.log_softmax of the teacher's logits over the vocabulary)")
+                         "natural-log probabilities (<= 0); these look like probabilities or logits "
+                         "(pass .log() of the probabilities, or torch.log_softmax of the teacher's logits over the "
+                         "vocabulary)")
     pos = [int(i) for i in over.nonzero()[0]]
     raise ValueError(f"teacher_log_probs{pos}: the teacher's K probabilities of this token sum to "
                      f"{float(mass[tuple(pos)]):.7g} > 1 + {slack:.2g} (rounding): with tail=True they must be "
@@ -273,11 +269,10 @@ def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: i
 
 
 def check_topk_ranges(classes: torch.Tensor, target, call: TopkCall, folded: bool) -> None:
-    """``IndexError`` for a hard label (``target``) or a kept teacher id outside [0, V), in one host sync
-    (skipped under torch.compile / CUDA-graph capture: a NaN loss instead): a target not folded into
-    ``classes`` is checked as their last column. A bad target is named first (error path only: one more
-    read), then the first bad teacher id."""
-    if classes.numel() == 0 or not val.sync_allowed(classes, target):
+    """``IndexError`` for a hard label (``target``) or a kept teacher id outside [0, V), in one host sync (skipped
+    under torch.compile / CUDA-graph capture: a NaN loss instead): a target not folded into ``classes`` is checked
+    as their last column."""
+    if classes.numel() == 0 or not val.host_readable(classes, target):
         return
     if target is not None and not folded:
         classes, folded = torch.cat([classes, target.long()[..., None]], dim=-1), True

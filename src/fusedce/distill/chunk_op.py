@@ -1,14 +1,5 @@
-"""``linear_distillation_loss(method="chunked")``'s chunk loop as one op, so that a tracer sees one node
-whatever the token count (issue 27 item 3; the reason and the mechanism are ``lm_head/loop.py``'s).
-
-``fusedce_distill::chunked(hs, ws, bs?, ht, wt, bt?, target?, grad_factor?, <DistillOptions fields>, backend,
-chunk_size, needs_hidden, needs_weight, needs_bias) -> (loss, grad_h, grad_w, grad_b)``: per chunk of rows
-(``chunk_size``, 0 for the rule ``lm_head/loop.chunk_rows`` on the real token count) both models'
-logits into one buffer each (``loop.logits_chunk``), the backend's ``distill_rows`` on them, and with
-``grad_factor`` the student's gradients of ``sum_r grad_factor[r] loss[r]`` in the same pass (``grad_h`` in
-hidden's dtype, the others fp32 accumulators; (0,) where not made). Plain eager calls run the body
-directly (``core/opaque.py``).
-"""
+"""``linear_distillation_loss(method="chunked")``'s chunk loop as one op, so that a tracer sees one node whatever the
+token count (the reason and the mechanism are ``lm_head/loop.py``'s)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -63,8 +54,8 @@ def _(hs, ws, bs, ht, wt, bt, target, grad_factor, beta, temperature, hard_label
     want = grad_factor is not None
     return (hs.new_empty(hs.shape[0], dtype=torch.float32),
             torch.empty_like(hs) if want and needs_hidden else hs.new_empty(0, dtype=torch.float32),
-            hs.new_empty(ws.shape, dtype=torch.float32) if want and needs_weight else hs.new_empty(0, dtype=torch.float32),
-            hs.new_empty(ws.shape[0], dtype=torch.float32) if want and needs_bias else hs.new_empty(0, dtype=torch.float32))
+            hs.new_empty(ws.shape if want and needs_weight else 0, dtype=torch.float32),
+            hs.new_empty(ws.shape[0] if want and needs_bias else 0, dtype=torch.float32))
 
 
 def chunked_distill(backend: str, chunk_size: Optional[int], hs, ws, bs, ht, wt, bt, target, grad_factor, kw: dict,

@@ -1,28 +1,6 @@
-"""Public distillation losses: a student trained on a teacher's distribution over the same vocabulary,
-from logits (``distillation_loss``) or from both models' hidden states and LM heads
-(``linear_distillation_loss``, no BT x V tensor).
-
-Conventions (contract, "Distillation losses"): the per-token loss is the generalized Jensen-Shannon
-divergence of GKD (arXiv 2306.13649, Eq. 1) exactly as TRL's ``GKDTrainer.generalized_jsd_loss`` computes
-it (``beta = 0``: ``KL(teacher || student)``; ``beta = 1``: ``KL(student || teacher)``; otherwise
-``beta KL(t || m) + (1 - beta) KL(s || m)``, ``m = beta t + (1 - beta) s``), both distributions at the
-temperature, with no ``T**2`` factor (as TRL), plus ``hard_label_weight`` times the student's cross-entropy
-on the target computed WITHOUT the temperature. "mean" divides by the number of non-ignored tokens (all
-tokens without a target) or ``num_items_in_batch``. TRL's ``reduction="batchmean"`` agrees with labels
-(it divides by their non-ignored count); without labels it divides by the size of the first dimension
-(sequences, for ``(B, S, V)`` logits): ``num_items_in_batch=B`` gives that here.
-
-Liger-Kernel (read at its 2026-08 head): ``LigerFusedLinearJSDLoss`` (``chunked_loss/jsd_loss.py``) and
-``LigerFusedLinearJSD`` (``ops/jsd.py``) compute the same divergence with the same ``beta`` (``m = beta t +
-(1 - beta) s``; 0 forward, 1 reverse KL) at the temperature, and divide by the number of non-ignored
-tokens. The chunked loss returns ``w_soft * JSD + w_hard * CE`` (defaults 0.5 / 0.5; its CE without the
-temperature), i.e. ``w_soft`` times this loss with ``hard_label_weight = w_hard / w_soft``. Releases
-0.5.3-0.5.5 (its first JSD loss, ``aa2d23dc``) mixed the other way round, ``m = beta s + (1 - beta) t``,
-with the same KL weights and no special case at 0 / 1: their ``beta`` = 0 and 1 are our 1 and 0, 0.5 is
-ours, and between they match neither ours nor our ``1 - beta``; before 0.6.5 the chunked loss also
-summed the ignored tokens' JSD (divided by the non-ignored count). ``tests/distill/test_distill_peers.py`` checks TRL's
-function itself and the re-derived Liger formulas on the same inputs.
-"""
+"""Public distillation losses: a student trained on a teacher's distribution over the same vocabulary, from logits
+(``distillation_loss``) or from both models' hidden states and LM heads (``linear_distillation_loss``, no BT x V
+tensor)."""
 from __future__ import annotations
 
 import functools
@@ -108,7 +86,8 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
         target: None (every token counts) or ``(...)`` int64 / int32 of the leading shape: rows equal to
             ``ignore_index`` contribute 0 and get exactly zero gradient; the hard labels.
         beta: in [0, 1]. temperature: finite, > 0, with a normal fp32 inverse (the one temperature check,
-            ``core/options/checks.check_temperature``). hard_label_weight: finite and >= 0 (``ValueError`` otherwise); != 0 needs a target.
+            ``core/options/checks.check_temperature``). hard_label_weight: finite and >= 0 (``ValueError`` otherwise);
+            != 0 needs a target.
         ignore_index: default -100. reduction: ``"mean"`` (``sum / D``, ``D`` = the non-ignored tokens,
             all tokens without a target, or ``num_items_in_batch``; 0.0 for ``D = 0``:
             ``core/reduction.token_mean_scale``, the rule of every distillation loss), ``"sum"``, ``"none"``.

@@ -1,22 +1,5 @@
-"""Autograd of the distillation losses, on any backend's row op (``distill_rows``) and tiled op
-(``tiled_distill``); the signatures are in ``backends/pytorch/distill.py`` / ``distill_tiled.py``.
-
-- Logits given (``_Distill``): the forward computes the per-row loss only; the backward calls the row op
-  once more with the per-row upstream gradient (``scale * g`` for mean / sum, the caller's per-row
-  gradient for "none"), so every reduction's backward is exact and a second backward recomputes.
-- LM heads given (``_LinearDistill``): ``"chunked"`` (``ChunkedDistill``) computes the logits of both
-  models ``rows`` tokens at a time into one buffer each (``loop.logits_chunk``), the row op on them, and
-  with mean / sum the student's gradients in the same pass (``grad_h_c = d_c @ W_s``, ``grad_W_s +=
-  d_c.T @ h_c``, ``grad_b_s += sum d_c``, fp32 accumulators, ``loop.accumulate_``); ``"tiled"``
-  (``TiledDistill``) hands the whole thing to the backend's ``tiled_distill`` (no logits of either
-  model). With mean / sum the gradients are made in the forward, times a power of two ``P`` (the
-  headroom of ``lm_head/head.py``: fp16 keeps dlogits far below ``2^-24 / S`` when a GradScaler's ``S`` arrives
-  in the backward), and the first backward multiplies them by ``g / P`` (exact for a power-of-two
-  ``g``); "none" and any later backward recompute with the exact per-row upstream gradient.
-- The teacher is a constant: its tensors enter detached (no gradient, whatever their ``requires_grad``).
-- Ignored rows are compacted away before any matmul when a target is given (``function.compact_rows``: one
-  host sync per call, skipped under torch.compile / CUDA-graph capture, where the row ops zero them).
-"""
+"""Autograd of the distillation losses, on any backend's row op (``distill_rows``) and tiled op (``tiled_distill``);
+the signatures are in ``backends/pytorch/distill.py`` / ``distill_tiled.py``."""
 from __future__ import annotations
 
 import inspect
@@ -125,14 +108,7 @@ def _padded(factor: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def headroom_holds(kw: dict, dtype: torch.dtype) -> bool:
-    """Whether ``distill_headroom``'s bound holds, so mean / sum gradients may be made in the forward. Per
-    logit ``|dL/du|`` is at most 1 for the forward KL (``|s - t|``) and for the JSD with ``0 < beta < 1``
-    (``s |g - sum s g|`` with ``g = (1 - beta)(ls - lm)``: ``s log(s / (beta t))`` is bounded by ``1 / e``
-    and ``ls - lm`` by ``-log(1 - beta)``), but the reverse KL's ``s (ls - lt - KL)`` grows with how far
-    below the student's the teacher's log-probs go (unbounded: a 0-probability teacher class). In fp16 the
-    forward-made gradient times ``P`` then overflows (``inf`` where float64 is 7.3: 32 x 128 x 2000, a
-    teacher with logits ~ N(0, 50^2)); so ``beta = 1`` with fp16 hidden states recomputes in the backward
-    with the exact upstream, like ``"none"`` (bf16 and fp32 have the range of fp32)."""
+    """Whether ``distill_headroom``'s bound holds, so mean / sum gradients may be made in the forward."""
     return not (kw["beta"] == 1.0 and dtype == torch.float16)
 
 
@@ -202,11 +178,8 @@ def _pad_rows(hs, ht, target, ignore_index: int, rows: int):
 def linear_distillation(backend: str, tiled_op, hs, ws, bs, ht, wt, bt, target, kw: dict, reduction: str,
                         scale: torch.Tensor, method: str, chunk_size: Optional[int], deterministic: bool,
                         batch_invariant: bool = False):
-    """(N, H) / (N, Ht) hidden states, (V, H) / (V, Ht) heads, (N,) target or None -> the reduced loss;
-    ``backend`` the backend's name (its ``distill_rows`` runs each chunk), ``tiled_op`` its ``tiled_distill``.
-    ``batch_invariant``: the kept rows padded to 64-row chunks (``lm_head/invariant.py``; "auto" is the
-    chunked method), or with ``method="tiled"`` to whole token tiles (``tiled_op.invariant_rows``) and the
-    gradients without atomics."""
+    """(N, H) / (N, Ht) hidden states, (V, H) / (V, Ht) heads, (N,) target or None -> the reduced loss; ``backend`` the
+    backend's name (its ``distill_rows`` runs each chunk), ``tiled_op`` its ``tiled_distill``."""
     n = hs.shape[0]
     index = None
     if target is not None:

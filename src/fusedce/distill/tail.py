@@ -1,45 +1,6 @@
-"""The student's tail for ``topk_distillation_loss(..., tail=True)`` (``distill/topk.py``): per token
-``log s_tail``, the log of the student's softmax mass OUTSIDE the teacher's K classes, computed from the
-row statistics with those classes excluded, never as ``1 - sum_k s_k``.
-
-Why not by subtraction: ``sum_k s_k`` carries an absolute error of a few fp32 roundings (each ``log
-s_k = q_k - lse`` is off by ``~2^-24 |lse|``), so with ``sum_k s_k = 1 - 1e-6`` the difference would
-keep one or two correct digits. Here, per row, over blocks of (rows x classes) of ``q = c(a x) / T``
-(``opts``, from ``log_prob_options``)::
-
-    m  = max_c q_c,            s  = sum_c exp(q_c - m)             (every class)
-    mt = max_{c not in K} q_c, st = sum_{c not in K} exp(q_c - mt)  (the K kept ids masked out)
-    log s_tail = (mt - m) + log(st / s)
-
-merged block by block as an online softmax (a block with no class of a set adds 0). ``st / s`` lies in
-[1 / V, 1] (each sum holds its maximum's ``exp(0) = 1``), so the ratio and its log are accurate to a few
-roundings, and ``mt - m`` to one rounding of the logits' own size: ``s_tail`` has a relative error of a
-few fp32 roundings however close ``sum_k s_k`` is to 1. A class listed twice in K is excluded once
-(``s_tail`` is the mass outside the SET of K classes; ``1 - sum_k s[id_k]`` would count it twice and can
-go negative). A row whose tail holds no class gives ``-inf``.
-
-Backward: ``d log s_tail / d q_c = [c not in K] exp(q_c - lse_t) - exp(q_c - lse)`` (``lse_t = mt + log
-st``, ``lse = m + log s``), times ``dq/dx`` (``row_math.mul_slope_``), recomputing each block: for the
-logits form into a gradient of the logits' shape and dtype; for the LM head into ``grad_hidden`` (``+=
-dx W_v``), ``grad_weight[v]`` (``+= dx^T h``) and ``grad_bias[v]``, accumulated in fp32 and rounded once
-to their dtypes (autograd then adds them to the K-class op's gradients: in a 16-bit dtype one more
-rounding).
-
-Each block loop is a custom op (``fusedce_distill::tail_{logits,head}_{forward,backward}``: a tracer such as
-``torch.compile(fullgraph=True)`` sees one node whatever the token count; plain eager calls run the bodies
-directly, ``core/opaque.py``). Written in PyTorch ops, the same on every backend (on CUDA: cuBLAS and
-elementwise kernels, no Triton kernel of its own). Cost: one more read of the logits (logits form), or
-one more head matmul in the forward and three in the backward (LM head). Blocks: whole rows for the logits form and the LM head's
-chunked method (``_WIDE_ELEMENTS`` logits a block; the head's backward cuts them in one vocabulary block
-per thread); for the tiled method the PyTorch tiled method's sizes (``backends/pytorch/tuning.
-tile_sizes``: ``rows x vocab < V``), so that it allocates no tensor with V or more elements besides the
-inputs and their gradients. On the CPU the blocks run on ``backends/pytorch/block_threads``' threads,
-one intra-op thread each, as the PyTorch tiled method's. Measured (the 2-core dev VM, CPU, torch backend, fp32, BT = 512,
-H = 576, V = 49152, K = 20, forward + backward, median of 3, one run at load 2.6-2.9 from other jobs):
-``tail=True`` / ``tail=False`` = 3.0x (logits form, 0.33 s -> 1.0 s), 2.6x (chunked), 2.3x (tiled); with
-the default intra-op pool instead of ``block_threads`` the same run at load 5-6 had been 8.3x, 5.3x, 1.6x.
-No GPU timing exists (no Triton kernel of its own: the K-class op's kernels plus PyTorch ops here).
-"""
+"""The student's tail for ``topk_distillation_loss(..., tail=True)`` (``distill/topk.py``): per token ``log s_tail``,
+the log of the student's softmax mass OUTSIDE the teacher's K classes, computed from the row statistics with those
+classes excluded, never as ``1 - sum_k s_k``."""
 from __future__ import annotations
 
 from typing import Optional
@@ -96,10 +57,7 @@ def _merge(m, s, q):
 
 
 def _forward(block_logits, ids, n: int, n_classes: int, opts: LossOptions, device, wide: bool):
-    """Per row ``(m, s, mt, st)`` fp32 over every block of ``block_logits(r, v)`` (fp32 raw logits). The
-    row blocks are shared among ``block_threads``' threads (on the CPU: one intra-op thread each, the
-    PyTorch tiled method's reason: an op per block at a barrier per op is slow when other processes
-    compete for the cores); each row block walks the vocabulary in order."""
+    """Per row ``(m, s, mt, st)`` fp32 over every block of ``block_logits(r, v)`` (fp32 raw logits)."""
     m = torch.full((n,), float("-inf"), device=device)
     mt, s, st = m.clone(), torch.zeros(n, device=device), torch.zeros(n, device=device)
     vocab_blocks, row_blocks = _blocks(n, n_classes, wide)
@@ -316,9 +274,8 @@ def log_tail_logits(logits: torch.Tensor, ids: torch.Tensor, opts: LossOptions) 
 
 
 def log_tail_linear(hidden, weight, bias, ids: torch.Tensor, opts: LossOptions, method: str) -> torch.Tensor:
-    """As :func:`log_tail_logits` for the logits ``hidden (n, H) @ weight (V, H).T + bias (V,)``;
-    differentiable w.r.t. the three. ``method`` (resolved: ``"chunked"`` or ``"tiled"``) picks the
-    blocks: whole rows (chunked) or fewer than V logits per block (tiled)."""
+    """As :func:`log_tail_logits` for the logits ``hidden (n, H) @ weight (V, H).T + bias (V,)``; differentiable w.r.t.
+    the three."""
     return _TailLinear.apply(hidden, weight, bias, ids, opts, method == "chunked")
 
 

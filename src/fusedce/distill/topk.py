@@ -1,51 +1,6 @@
-"""Distillation from stored top-k teacher log-probs (offline knowledge distillation): the teacher is
-given as ``teacher_ids (..., K)`` and ``teacher_log_probs (..., K)`` per token, as axolotl's ``kd``
-datasets and TRL's teacher servers store them, instead of a teacher model.
-
-Built on the internal K-class RL op (``rl/multi.py``: ``log_probs_rows`` / ``linear_log_probs_rows``, the
-rows of ``token_log_probs`` / ``linear_token_log_probs`` with a ``(..., K)`` target, called directly: the
-arguments are checked once, by ``distill/checks.checked_topk``, and the public RL entrance is not
-re-entered): the student's ``log s[id_k]`` at the temperature come from one pass of its row statistics
-(chunked or tiled by the existing methods, no new kernel), and autograd carries ``d loss / d log s_k
-= -p_k / D`` into that op's exact backward. The teacher tensors are constants.
-
-Convention for the teacher's remaining mass. Per non-ignored token, with ``p_k = exp(teacher_log_probs_k)``
-AS STORED (not renormalized) and ``s = softmax(c(z_s) / T)`` over the whole vocabulary::
-
-    loss = sum_k p_k (log p_k - log s[id_k])   (+ hard_label_weight * CE(c(z_s), target), no temperature)
-
-With ``tail=False`` (the default) the mass ``1 - sum_k p_k`` the teacher put outside its top k
-contributes nothing, and nothing pulls the student's mass outside the K classes toward it: the forward
-KL restricted to the K terms. This is axolotl's top-k ``kd`` loss (``integrations/kd/topk_logprob/
-forward_kl.py``: student log-softmax over the full vocabulary at ``kd_temperature``, gathered at the
-teacher's ids, ``sum p_k (log p_k - log s_k)`` over the valid entries, no ``T**2``; its docstring asks
-for teacher log-probs already renormalized over the k, which is then the caller's choice here too). Its
-value can be negative when the student puts more mass than the teacher on the K classes.
-
-With ``tail=True`` a (K+1)-th bin holds what lies outside the K classes, on both sides, and the loss is
-the KL between the two (K+1)-bin distributions (the "tail" bucket of on-policy / offline distillation
-stacks, e.g. TRL's experimental ``ServerDistillationTrainer``'s ``loss_add_tail=True``, OpenClaw-RL;
-issue 30 item 3)::
-
-    loss += p_tail (log p_tail - log s_tail),  p_tail = max(0, 1 - sum_k p_k),  s_tail = 1 - sum_{c in S} s_c
-
-``S`` the set of the token's kept ids; the term is 0 (no gradient) where ``p_tail = 0``. The teacher's
-side is summed in float64 from the stored log-probs and clamped at 0 (a sum above 1 by more than the
-rounding of the stored dtype is a ``ValueError``: ``distill/checks.check_teacher_values``); the
-student's side is NOT ``1 - sum``: ``log s_tail`` comes from the row statistics with the K classes
-masked out (``distill/tail.py``: relative error of a few fp32 roundings even when the K classes hold all
-but 1e-9 of the mass; one more pass over the logits, or one more head matmul forward and three
-backward). A duplicated id is one class of ``S`` (the contract's ``1 - sum_k s[id_k]`` when the ids are
-distinct; counting a duplicate twice could make it negative), while its entries still count
-separately in the K terms, as with ``tail=False``. Where the kept ids cover all V classes both tails are
-empty and the term is 0. Padding entries (``-inf``, or an id equal to ``ignore_index``) are not in ``S``
-and add nothing to ``sum_k p_k``. With distinct ids and normalized teacher log-probs the loss is then a
-KL divergence over K+1 bins: non-negative up to rounding (Gibbs' inequality).
-
-``return_stats=True`` returns ``core/types.TopkDistillationOutput(loss, teacher_mass, student_mass)``:
-per token ``sum_k p_k`` and ``sum_k s[id_k]`` (fp32 ``(...)``, detached, 0 on ignored tokens), with
-``tail`` True or False: the mass the K classes hold (VeOmni #771 logs it).
-"""
+"""Distillation from stored top-k teacher log-probs (offline knowledge distillation): the teacher is given as
+``teacher_ids (..., K)`` and ``teacher_log_probs (..., K)`` per token, as axolotl's ``kd`` datasets and TRL's
+teacher servers store them, instead of a teacher model."""
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -58,14 +13,13 @@ from fusedce.core.types import TopkDistillationOutput
 from fusedce.distill import checks as dc
 from fusedce.distill import tail as student_tail
 from fusedce.lm_head.head import compact_rows, resolve_method, scatter_rows
-from fusedce.rl import multi
+from fusedce.rl import kclass
 
 
 def _classes(teacher_ids, teacher_log_probs, target, ignore_index: int, fold_target: bool):
     """The K-class target of the student op: the teacher's ids, ``ignore_index`` on padding entries
-    (``teacher_log_probs == -inf`` or an id equal to ``ignore_index``) and on every entry of an ignored
-    token; with ``fold_target`` the hard label as a (K+1)-th class. Also ``(p (..., K) fp32, 0 on the
-    masked entries; teacher log-probs fp32; the entry mask)``. No host sync."""
+    (``teacher_log_probs == -inf`` or an id equal to ``ignore_index``) and on every entry of an ignored token; with
+    ``fold_target`` the hard label as a (K+1)-th class."""
     ids = teacher_ids.long()
     lp = teacher_log_probs.detach().float()
     keep = (lp != float("-inf")) & (ids != ignore_index)
@@ -78,15 +32,9 @@ def _classes(teacher_ids, teacher_log_probs, target, ignore_index: int, fold_tar
 
 
 def _teacher_tail(lp, keep, ids, n_classes: int):
-    """``(p_tail, teacher_mass)`` per token fp32: ``teacher_mass = sum_k p_k`` over the kept entries and
-    ``p_tail = max(0, 1 - teacher_mass)``, summed in float64 from the stored log-probs (O(BT K); the
-    subtraction is then exact to the input's own precision). A ``p_tail`` within the rounding of the stored
-    log-probs is 0: ``lp_k`` rounded to its dtype (half an ulp, ``|lp_k| eps / 2``) moves ``p_k`` by at most
-    ``p_k |lp_k| eps / 2 <= eps / (2e)``, so a tail of at most ``k eps / 2`` (``k`` kept entries, ``eps`` the
-    log-probs' ``finfo.eps``) is indistinguishable from an empty one (a teacher whose K probabilities sum to
-    1 gave a tail of +-4e-8 in fp32, whose sign depended on the CPU's ``log``). ``p_tail = 0`` also where the
-    kept ids cover all V classes (possible only for K >= V: the student's tail is then empty, and the
-    teacher's ``1 - sum`` is its rounding)."""
+    """``(p_tail, teacher_mass)`` per token fp32: ``teacher_mass = sum_k p_k`` over the kept entries and ``p_tail =
+    max(0, 1 - teacher_mass)``, summed in float64 from the stored log-probs (O(BT K); the subtraction is then exact
+    to the input's own precision)."""
     mass = torch.where(keep, lp.double().exp(), 0.0).sum(-1)
     p_tail = (1.0 - mass).clamp(min=0.0)
     noise = keep.sum(-1, dtype=torch.float64) * (torch.finfo(lp.dtype).eps / 2)
@@ -133,7 +81,7 @@ class _LogitRows:
         pass
 
     def log_probs(self, classes, opts):
-        return multi.log_probs_rows(self.call.impl, self.logits, classes, opts, False)[0]
+        return kclass.log_probs_rows(self.call.impl, self.logits, classes, opts, False)[0]
 
     def log_tail(self, excluded):
         flat = self.logits.reshape(-1, self.call.n_classes)
@@ -164,7 +112,7 @@ class HeadRows:
 
     def class_log_probs(self, classes, opts):
         """(n', K) fp32 log-probs of the kept rows' ``classes`` (n', K)."""
-        return multi.linear_log_probs_rows(self.call.impl, self.hidden, self.weight, classes, self.bias, opts, False,
+        return kclass.linear_log_probs_rows(self.call.impl, self.hidden, self.weight, classes, self.bias, opts, False,
                                            self.chunk_size, self.method, self.call.deterministic, compact=False)[0]
 
     def kept_log_tail(self, excluded):
@@ -203,7 +151,7 @@ def topk_loss(student, teacher_ids, teacher_log_probs, call: dc.TopkCall, reduct
     """The reduced loss of both public ops (or ``TopkDistillationOutput`` with ``call.return_stats``),
     once their arguments are checked (``call``): ``student`` (``_LogitRows`` / ``HeadRows``, or the
     vocab-parallel forms' rows, ``distributed/topk_distill.py``) gives the
-    internal K-class op's fp32 ``(N, K)`` log-probs (``rl/multi.py``) and, with ``tail=True``, the
+    internal K-class op's fp32 ``(N, K)`` log-probs (``rl/kclass.py``) and, with ``tail=True``, the
     student's ``log s_tail`` (``distill/tail.py``)."""
     target, shape = call.target, tuple(call.lead)
     fold = call.hard_label_weight != 0.0 and call.temperature == 1.0
@@ -291,7 +239,7 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
 
     Returns:
         fp32 scalar, or ``(...)`` for ``"none"`` (or the stats tuple above); exact backward for every
-        reduction (through the internal K-class op of :func:`fusedce.token_log_probs`, ``rl/multi.py``,
+        reduction (through the internal K-class op of :func:`fusedce.token_log_probs`, ``rl/kclass.py``,
         and with ``tail`` the tail pass's explicit gradient: one ``student_logits``-shaped gradient).
 
     Raises:

@@ -1,14 +1,5 @@
-"""(max value, argmax) of a row packed into one int64, so that ``all_reduce(MAX)`` over ranks yields the
-global max and the LOWEST global index among ties in a single collective (8 bytes per row).
-
-    key = ordered(value) * 2**32 + (2**32 - 1 - index)
-
-``ordered`` maps the fp32 bit pattern to an int32 with the same order as the floats: non-negative
-floats keep their bits; for negative ones the 31 magnitude bits are flipped (larger magnitude ->
-smaller integer). -0.0 is first turned into +0.0, since torch's argmax treats them as equal. A larger
-key is a larger value, or the same value at a lower index. NaN rows are not ordered meaningfully:
-their loss is NaN whatever argmax the key picks (the NaN also reaches the summed columns).
-"""
+"""(max value, argmax) of a row packed into one int64, so that ``all_reduce(MAX)`` over ranks yields the global max and
+the LOWEST global index among ties in a single collective (8 bytes per row)."""
 from __future__ import annotations
 
 import torch

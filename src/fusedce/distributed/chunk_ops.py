@@ -1,27 +1,5 @@
-"""The vocab-parallel linear ops' chunk loops as one op each, so that a tracer sees one node per loop
-(issue 27 item 3, as ``lm_head/loop.py`` for the single-process ops).
-
-Why: a loop ``for s in range(0, n, rows)`` over the token count ``n``, traced by Dynamo with a symbolic ``n``
-(``torch.compile(dynamic=True)``), needs a concrete ``n``: one compilation per distinct token count. Here the
-collective-free part of each pass is a custom op (``core/opaque.py``: plain eager calls run the body
-directly), whose fake implementation allocates the same outputs from the inputs' (symbolic) shapes; the
-collectives stay outside, in the autograd Functions (``linear.py``, ``linear_log_probs.py``,
-``multi_log_probs.py``, ``soft_ops.py``). The body decides the chunk size from the real ``n`` by the eager
-rule (``loop.chunk_rows`` with ``V_r`` for ``V``), so compiled and eager calls make the same chunks.
-
-Ops (namespace ``fusedce_dist``; the layout travels as ``start, size, n_classes`` ints, the options as
-``LossOptions.op_args``, the backend by its ``NAME``; ``chunk_size`` 0 for the rule):
-
-- ``forward_chunks(kind, hidden, weight, bias, rowwise, shared, ...) -> list``: per chunk the slice's logits
-  (fp32, ``loop.logits_chunk``) and the kind's partial statistics, written into the rows of the outputs.
-- ``backward_chunks(kind, ...) -> (grad_hidden, grad_weight, grad_bias)``: ``loop.backprop_chunks`` with
-  the kind's slice gradient (``grad_hidden`` is this rank's partial sum; the caller all-reduces it). An
-  output not asked for is a (0,) tensor.
-
-``rowwise`` tensors are per row (sliced with the chunk), ``shared`` ones whole (class weights, ``W``); either
-list may hold None. Kinds: ``"ce"`` (class-index cross-entropy and one-class log-probs: ``shard_rows``),
-``"multi"`` (K classes per token: ``multi_rows``), ``"soft"`` (probability targets: ``soft_rows``).
-"""
+"""The vocab-parallel linear ops' chunk loops as one op each, so that a tracer sees one node per loop, as
+``lm_head/loop.py`` for the single-process ops."""
 from __future__ import annotations
 
 from typing import Optional
@@ -31,11 +9,11 @@ import torch
 from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.distributed.layout import VocabLayout
-from fusedce.distributed.multi_rows import gather_local, grad_of_slice, local_entries
+from fusedce.distributed.kclass_rows import gather_local, grad_of_slice, local_entries
 from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
 from fusedce.distributed.soft_rows import SoftPartials, SoftSlice
 from fusedce.lm_head.loop import backprop_chunks, chunk_buffer, logits_chunk, or_empty, rows_of
-from fusedce.rl.multi_head import entries
+from fusedce.rl.kclass_head import entries
 
 Tensor = torch.Tensor
 Opts = list[Optional[Tensor]]
@@ -46,10 +24,8 @@ def _f32(like: Tensor, *shape) -> Tensor:
 
 
 class _CE:
-    """Class-index targets. Forward rowwise ``[target]``, shared ``[w]``, ``flag`` = the entropy column;
-    outputs ``key`` (n,) int64, ``zmax`` (n,) fp32, ``sums`` (n, k) fp32 (``shard_rows.shard_forward``).
-    Backward rowwise ``[target, w_t, lse, lse_lo, grad_row, grad_lse, grad_entropy, entropy]``, shared
-    ``[w, weight_sum]`` (``shard_rows.shard_grad``)."""
+    """Class-index targets. Forward rowwise ``[target]``, shared ``[w]``, ``flag`` = the entropy column; outputs
+    ``key`` (n,) int64, ``zmax`` (n,) fp32, ``sums`` (n, k) fp32 (``shard_rows.shard_forward``)."""
 
     @staticmethod
     def columns(shared: Opts, opts: LossOptions, flag: bool) -> Columns:
@@ -78,10 +54,9 @@ class _CE:
                           opts, grad_entropy=grad_entropy, entropy=entropy)
 
 
-class _Multi(_CE):
-    """K classes per token. Forward rowwise ``[target (n, K)]``, ``flag`` = the entropy column; outputs as
-    ``_CE``'s plus ``x`` (n, K) fp32, the logits of the local entries (0 elsewhere). Backward rowwise
-    ``[target, g, G, lse, lse_lo, k, entropy]`` (``multi_rows.grad_of_slice``)."""
+class _KClass(_CE):
+    """K classes per token. Forward rowwise ``[target (n, K)]``, ``flag`` = the entropy column; outputs as ``_CE``'s
+    plus ``x`` (n, K) fp32, the logits of the local entries (0 elsewhere)."""
 
     @classmethod
     def outputs(cls, hidden, rowwise: Opts, shared: Opts, opts, flag) -> list:
@@ -105,8 +80,7 @@ class _Multi(_CE):
 class _Soft:
     """Probability targets. Forward rowwise ``[q (n, V_r)]``, shared ``[w]``, ``flag`` = stats; outputs
     ``SoftPartials``' ``lse``, ``lo`` (n,) fp32, ``sums`` (n, 4) fp32 and ``keys`` (n, 2) int64 ((0,) without
-    stats). Backward rowwise ``[q, lse, lse_lo, mass, grad_row, grad_lse]``, shared ``[w]``
-    (``SoftSlice.grad_``)."""
+    stats)."""
 
     @staticmethod
     def outputs(hidden, rowwise: Opts, shared: Opts, opts, flag) -> list:
@@ -129,7 +103,7 @@ class _Soft:
         return part.grad_(x, q, shared[0], lse, lse_lo, mass, grad_row, grad_lse)
 
 
-KINDS = {"ce": _CE, "multi": _Multi, "soft": _Soft}
+KINDS = {"ce": _CE, "kclass": _KClass, "soft": _Soft}
 
 
 def _setup(kind, start, size, n_classes, ignore_index, scalars, backend, device):

@@ -1,12 +1,4 @@
-"""Vocab-parallel cross-entropy on logits whose class dimension is split over the ranks of a group.
-
-Each rank holds ``logits[..., start:start + V_r]`` of the global ``(..., V)`` logits (e.g. the output of
-a column-parallel LM head) and the same global ``target`` on every rank. Forward: the chosen backend's
-partial statistics of the local logits (``slice_stats``: one Triton kernel launch, or PyTorch in row
-chunks), then the two collectives of ``exchange.py``. Backward: no collective; the backend writes the
-gradient of the rank's slice from the saved global statistics (``slice_grad``: the single-process
-backward kernel with a column offset).
-"""
+"""Vocab-parallel cross-entropy on logits whose class dimension is split over the ranks of a group."""
 from __future__ import annotations
 
 import math
@@ -104,16 +96,7 @@ def vocab_parallel_cross_entropy(
         The fp32 loss (scalar, or ``target.shape`` for ``"none"``) or ``CrossEntropyOutput``; the
         gradient w.r.t. ``logits_shard`` has its dtype and shape (ignored rows exactly 0).
 
-    Collectives (all on ``group``, tensors on the logits' device; BT = number of rows, W = world size)::
-
-        setup    all_gather of 3 int64 per rank (slice start and size): 24 W bytes, one host sync.
-        forward  all_reduce(MAX) of BT int64 (row max + argmax packed): 8 BT bytes;
-                 all_reduce(SUM) of BT x k fp32 (k = 3, +1 with class weights, +1 with label
-                 smoothing: sum-exp, target logit, owner flag, w_t, sum_c w_c z_c) plus 1 fp32
-                 (sum of class weights, with weights only): 4 (k BT + 1) bytes.
-        backward none.
-
-    Every rank must make the same calls with the same ``target`` (the collectives pair up by order).
+    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
 
     Raises:
         The errors of ``fusedce.cross_entropy`` (``weight_shard`` must be ``(V_r,)``; the target range

@@ -1,20 +1,4 @@
-"""The forward's communication: two ``all_reduce`` of per-row statistics, O(BT) bytes, never logits.
-
-For ``n`` rows (tokens) and ``k`` = 3 (+1 with class weights, +1 with label smoothing) columns:
-
-1. ``all_reduce(MAX)`` of ``key`` (n,) int64, 8n bytes: the global row max of the logits and the lowest
-   global argmax among ties, packed into one int64 (``argmax_key.py``).
-2. ``all_reduce(SUM)`` of ``(n, k)`` fp32 per-row sums (``shard_rows.Columns``) plus, with class
-   weights, one fp32 for ``W = sum_c w_c``: 4 (n k + 1) bytes. Before it, each rank rescales its
-   ``sumexp`` from its slice max to the global max: ``sumexp_r *= exp(m_r - M)``, and a slice whose
-   logits are all -inf in a row (masked or padded classes; an empty slice) contributes exactly 0 there
-   (never ``0 * exp(-inf - -inf)`` = NaN). With the entropy column (RL ops) its shifted sum is re-based
-   the same way: ``tsum_r = exp(m_r - M) (tsum_r + (m_r - M) sumexp_r)`` (``row_math.entropy_rebase``).
-
-After the two collectives every rank holds the same per-row loss, lse and argmax (the loss is
-replicated, not split). With ``n == 0`` rows no collective runs (every rank has the same ``n``, since
-``target`` is the same on every rank).
-"""
+"""The forward's communication: two ``all_reduce`` of per-row statistics, O(BT) bytes, never logits."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,10 +62,7 @@ class GlobalRows:
 
 def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], layout: VocabLayout,
              opts: LossOptions, cols: Columns) -> GlobalRows:
-    """Run the two collectives on ``p`` (modified in place) and finish the per-row loss.
-
-    ``target`` (n,) global class ids; ``weight`` this slice's class weights (V_r,) fp32 or None.
-    """
+    """Run the two collectives on ``p`` (modified in place) and finish the per-row loss."""
     n, device = target.shape[0], target.device
     weighted = weight is not None
     if weighted:
@@ -128,10 +109,9 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
 
 def exchange_ce(n: int, weight: Optional[torch.Tensor], target: torch.Tensor, layout: VocabLayout,
                 opts: LossOptions, fill) -> tuple:
-    """The cross-entropy ops' forward around the backend (``cross_entropy.py``, ``linear.py``): this
-    slice's class weights ``weight`` (V_r,) in fp32 (or None), the (n,) rows' partial statistics that
-    ``fill(p, w, cols)`` writes (``shard_forward`` on the logits, or chunk by chunk), then ``exchange``.
-    Returns ``(w, GlobalRows)``."""
+    """The cross-entropy ops' forward around the backend (``cross_entropy.py``, ``linear.py``): this slice's class
+    weights ``weight`` (V_r,) in fp32 (or None), the (n,) rows' partial statistics that ``fill(p, w, cols)`` writes
+    (``shard_forward`` on the logits, or chunk by chunk), then ``exchange``."""
     w = None if weight is None else weight.float()
     cols = Columns(w is not None, opts.label_smoothing > 0.0)
     p = Partials.allocate(n, cols, w is not None, target.device)

@@ -1,14 +1,4 @@
-"""Where each rank's vocabulary slice sits: one small ``all_gather`` per call.
-
-Every rank holds the contiguous global classes ``[start, start + size)``. The slices may be uneven
-(even empty) and in any order over the ranks, but together they must tile ``[0, V)`` exactly.
-
-Collective (setup, once per call): ``all_gather`` of 3 int64 per rank ``(has_start, start, size)``,
-i.e. 24 bytes sent and ``24 * world_size`` bytes received per rank, then one host sync to read them
-(the global ``V`` is needed on the host for the target range check and ``eps / V``). With a probability
-target a 4th int64 rides along: whether this rank's slice of the target holds a negative, NaN or +inf value
-(``validation.bad_probabilities``), so that every rank raises in the same place (32 bytes per rank).
-"""
+"""Where each rank's vocabulary slice sits: one small ``all_gather`` per call."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,25 +42,8 @@ def _gather(mine: list, world: int, group, device: torch.device, flag=None) -> l
 def vocab_layout(shard_size: int, vocab_start_index: Optional[int], group,
                  device: torch.device, probabilities: Optional[torch.Tensor] = None,
                  same: Optional[dict] = None) -> VocabLayout:
-    """Gather every rank's ``(start, size)`` and check that the slices tile ``[0, V)``.
-
-    ``vocab_start_index=None`` on every rank: slices follow rank order (rank r starts where rank r-1
-    ends). Given on every rank: used as is (an empty slice's start is not checked). The tensors live
-    on ``device`` (CUDA for NCCL). ``probabilities``: None for class-index targets; this rank's slice
-    of a probability target otherwise (every rank of the call passes one): whether it holds a negative
-    or NaN value (``validation.bad_probabilities``; not checked under torch.compile / CUDA-graph
-    capture) is gathered with the table and read in its one sync. ``same``: ``{what: int}`` that every rank
-    must pass equal (e.g. the token count and K of a top-k teacher), gathered with the table too, so that a
-    mismatch is an error on every rank rather than a collective of unequal sizes later.
-
-    Raises (the same error on every rank, since all see the same gathered table):
-        RuntimeError: ``torch.distributed`` is not initialized.
-        ValueError: ``vocab_start_index`` given on some ranks only, ``same`` differing between ranks, slices
-            that overlap, leave a gap or do not start at 0, a global vocabulary of 0 classes (every slice
-            empty), or a probability
-            target with a negative, NaN or +inf value on some rank (naming ``target`` and, on that rank, the
-            position).
-    """
+    """Gather every rank's ``(start, size)`` (and ``same``: ``{what: int}`` every rank must pass equal) and check
+    that the slices tile ``[0, V)``."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("torch.distributed is not initialized: call torch.distributed."
                            "init_process_group first (gloo for CPU tensors, nccl for CUDA tensors)")

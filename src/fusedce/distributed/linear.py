@@ -1,21 +1,4 @@
-"""Vocab-parallel fused linear cross-entropy: the LM head split by vocabulary rows over the ranks.
-
-Each rank holds ``weight[start:start + V_r]`` (and the same slice of ``bias`` and class weights) and
-the full, identical ``hidden`` and ``target``. Logits exist one chunk of tokens at a time, ``rows x V_r``
-(never BT x V_r), through the single-process LM head's chunk loop pieces (``lm_head/loop.py``: the
-chunk buffer, the logits, the gradient buffers and the backprop of a chunk; ``lm_head/head.py``),
-each pass's loop one op (``chunk_ops.py``: one compilation for every token count), the collectives outside:
-
-    forward   per chunk: logits_c = h_c @ W_r.T + b_r (fp32 from the operands' values,
-              ``lm_head/fp32_linear.py``; one reused chunk buffer); per-row partial statistics by the
-              backend (``slice_stats``); then exchange.py's 2 collectives
-    backward  per chunk, logits recomputed: g_c = dloss/dlogits_c by the backend (``slice_grad``, rounded
-              to hidden's dtype for the GEMMs); grad_h_c = g_c @ W_r; grad_W_r += g_c.T @ h_c;
-              grad_b_r += sum g_c (accum_dtype); then all_reduce(SUM) of grad_h over the ranks (each holds
-              a partial sum)
-FLOPs per rank: 2 BT V_r H forward, 6 BT V_r H backward (the logits are recomputed, since the global lse
-is known only after the forward's collectives).
-"""
+"""Vocab-parallel fused linear cross-entropy: the LM head split by vocabulary rows over the ranks."""
 from __future__ import annotations
 
 import math
@@ -132,13 +115,7 @@ def vocab_parallel_linear_cross_entropy(
     Ignored tokens cost no matmul FLOPs and no communication: non-ignored rows are gathered first (one
     host sync; skipped under torch.compile / CUDA-graph capture, where every row is computed).
 
-    Collectives (on ``group``; BT' = non-ignored rows, W = world size)::
-
-        setup    all_gather of 3 int64 per rank: 24 W bytes, one host sync.
-        forward  all_reduce(MAX) of BT' int64: 8 BT' bytes; all_reduce(SUM) of BT' x k fp32
-                 (+1 fp32 with class weights), k = 3..5 as in vocab_parallel_cross_entropy.
-        backward all_reduce(SUM) of grad_hidden, BT' x H in hidden's dtype (only when hidden
-                 requires grad). No collective for the weight / bias gradients.
+    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
 
     Raises:
         The errors of ``vocab_parallel_cross_entropy`` (a global V = 0 included; ``weight_shard`` of

@@ -1,15 +1,6 @@
-"""Vocab-parallel per-token log-probabilities and entropy from the hidden states (RL): the LM head split
-by vocabulary rows over the ranks, logits one chunk of tokens at a time (``rows x V_r``, never BT x V_r),
-as ``linear.py`` does for the cross-entropy (each pass's loop one op, ``chunk_ops.py``):
-
-    forward   per chunk: logits_c = h_c @ W_r.T + b_r (fp32 from the operands' values, no rounding to
-              hidden's dtype: ``lm_head/fp32_linear.py``; one reused buffer); the backend's ``slice_stats`` (with the entropy's ``tsum``); then ``exchange.py``'s
-              two collectives (``log_probs.exchange_log_probs``)
-    backward  per chunk, logits recomputed: g_c = d/dlogits_c by the backend's ``slice_grad`` (the
-              log-probs' and the entropy's upstreams at once, hidden's dtype); grad_h_c = g_c @ W_r;
-              grad_W_r += g_c.T @ h_c; grad_b_r += sum g_c (fp32); then all_reduce(SUM) of grad_h
-FLOPs per rank: 2 BT V_r H forward, 6 BT V_r H backward.
-"""
+"""Vocab-parallel per-token log-probabilities and entropy from the hidden states (RL): the LM head split by vocabulary
+rows over the ranks, logits one chunk of tokens at a time (``rows x V_r``, never BT x V_r), as ``linear.py`` does
+for the cross-entropy (each pass's loop one op, ``chunk_ops.py``)."""
 from __future__ import annotations
 
 import math
@@ -27,12 +18,12 @@ from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.lm_head.head import compact_rows, scatter_rows
 from fusedce.core.options import LossOptions
 from fusedce.core.types import TokenLogProbs
-from fusedce.rl.multi import result
-from fusedce.rl.multi_head import entries
+from fusedce.rl.kclass import result
+from fusedce.rl.kclass_head import entries
 from fusedce.distributed.exchange import Partials
 from fusedce.distributed.layout import VocabLayout, vocab_layout
 from fusedce.distributed.log_probs import exchange_log_probs, finish, upstreams
-from fusedce.distributed.multi_log_probs import VocabParallelLinearLogProbsK
+from fusedce.distributed.kclass_log_probs import VocabParallelLinearLogProbsK
 from fusedce.distributed import chunk_ops
 from fusedce.distributed.shard_rows import Columns
 
@@ -111,11 +102,7 @@ def vocab_parallel_linear_token_log_probs(
     Ignored tokens cost no matmul FLOPs and no communication: non-ignored rows are gathered first (one
     host sync, as in ``linear_token_log_probs``; skipped under torch.compile / CUDA-graph capture).
 
-    Collectives (on ``group``; BT' = non-ignored rows): setup ``all_gather`` of 3 int64 per rank; forward
-    ``all_reduce(MAX)`` of BT' int64 and ``all_reduce(SUM)`` of BT' x 3 fp32 (x 4 with the entropy; for
-    K classes one more of BT' x K fp32, BT' the tokens with a non-ignored entry);
-    backward ``all_reduce(SUM)`` of grad_hidden, BT' x H in hidden's dtype (only when ``hidden``
-    requires grad).
+    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
 
     Raises:
         The errors of ``vocab_parallel_token_log_probs`` and of ``vocab_parallel_linear_cross_entropy``
@@ -130,8 +117,8 @@ def vocab_parallel_linear_token_log_probs(
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)
 
-    if call.multi:
-        return _multi(hidden, weight_shard, bias_shard, target, layout, opts, impl, chunk_size, return_entropy)
+    if call.kclass:
+        return _kclass(hidden, weight_shard, bias_shard, target, layout, opts, impl, chunk_size, return_entropy)
     shape, size = target.shape, hidden.shape[-1]
     n = math.prod(shape)
     flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1), opts.ignore_index)
@@ -144,9 +131,9 @@ def vocab_parallel_linear_token_log_probs(
     return finish(log_probs, entropy, shape, return_entropy)
 
 
-def _multi(hidden, weight_shard, bias_shard, target, layout: VocabLayout, opts: LossOptions, impl, chunk_size,
+def _kclass(hidden, weight_shard, bias_shard, target, layout: VocabLayout, opts: LossOptions, impl, chunk_size,
            return_entropy: bool):
-    """The ``(..., K)`` target (``multi_log_probs.py``): rows whose K entries are all ignored compacted away."""
+    """The ``(..., K)`` target (``kclass_log_probs.py``): rows whose K entries are all ignored compacted away."""
     size, K = hidden.shape[-1], target.shape[-1]
     n = math.prod(target.shape[:-1])
     flat_target = target.reshape(n, K)

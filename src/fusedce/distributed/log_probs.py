@@ -1,17 +1,4 @@
-"""Vocab-parallel per-token log-probabilities and entropy (RL) on logits split by vocabulary over ranks.
-
-The single-process ``fusedce.token_log_probs`` on the logits concatenated over the vocabulary, through
-the vocab-parallel cross-entropy's machinery: the log-prob options (temperature and softcap folded into
-the loss options, ``options.log_prob_options``) make the exchanged cross-entropy of a row
-``-log_probs``, and one more exchanged column, ``tsum`` (``shard_rows.Columns``), gives the entropy
-``log S - T / S`` of the global ``softmax(q)``. Forward: the backend's ``slice_stats`` (its kernels), then
-``exchange.py``'s two collectives. Backward: no collective; the backend's ``slice_grad`` writes the
-slice's gradient from the global lse pair and entropy:
-
-    dL/dq_c = -g (p_c - [c == t]) - k p_c (log p_c + entropy)     (g, k: upstreams of log_probs, entropy)
-
-(``lm_head/protocols.py``), times ``dq/dx``.
-"""
+"""Vocab-parallel per-token log-probabilities and entropy (RL) on logits split by vocabulary over ranks."""
 from __future__ import annotations
 
 import math
@@ -29,16 +16,15 @@ from fusedce.core.options import LossOptions
 from fusedce.core.types import TokenLogProbs
 from fusedce.distributed.exchange import Partials, exchange
 from fusedce.distributed.layout import VocabLayout, vocab_layout
-from fusedce.distributed.multi_log_probs import VocabParallelLogProbsK
+from fusedce.distributed.kclass_log_probs import VocabParallelLogProbsK
 from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
-from fusedce.rl.multi import result
+from fusedce.rl.kclass import result
 
 
 def exchange_log_probs(partials: Partials, target: torch.Tensor, layout: VocabLayout, opts: LossOptions,
                        cols: Columns):
-    """The collectives on this rank's filled ``partials`` -> ``(log_probs, entropy, lse, lse_lo)`` (n,)
-    fp32 each, global and identical on every rank (0 on ignored rows; ``entropy`` empty without the
-    ``tsum`` column). Shared by the logits and the linear forms."""
+    """The collectives on this rank's filled ``partials`` -> ``(log_probs, entropy, lse, lse_lo)`` (n,) fp32 each,
+    global and identical on every rank (0 on ignored rows; ``entropy`` empty without the ``tsum`` column)."""
     out = exchange(partials, target, None, layout, opts, cols)
     log_probs = torch.where(opts.kept(target), -out.loss, 0.0)   # +0.0 on ignored rows, as token_log_probs
     entropy = out.lse.new_empty(0) if out.entropy is None else out.entropy
@@ -103,7 +89,7 @@ def vocab_parallel_token_log_probs(
             rank; ``ignore_index`` marks rows (prompt, padding) that get 0 in both outputs and exactly
             zero gradient. Or ``(..., K)``, K >= 1: the log-probs of K classes per token (as
             ``fusedce.token_log_probs`` takes them: an ignored entry gives 0, a token whose K entries are
-            all ignored is an ignored row; duplicates add their upstreams), ``distributed/multi_log_probs.py``.
+            all ignored is an ignored row; duplicates add their upstreams), ``distributed/kclass_log_probs.py``.
         group, vocab_start_index: as in ``vocab_parallel_cross_entropy`` (None: the default group; slices
             in rank order).
         temperature, softcap, ignore_index, logit_scale: as in ``fusedce.token_log_probs``.
@@ -117,11 +103,7 @@ def vocab_parallel_token_log_probs(
         differentiable with any upstream gradients; the gradient of ``logits_shard`` has its dtype and
         shape.
 
-    Collectives (on ``group``; BT = rows, W = world size): setup ``all_gather`` of 3 int64 per rank (one
-    host sync, as ``vocab_parallel_cross_entropy``); forward ``all_reduce(MAX)`` of BT int64 (8 BT bytes)
-    and ``all_reduce(SUM)`` of BT x 3 fp32 (sum-exp, target logit, owner flag; x 4 with the entropy),
-    plus, for K classes, one ``all_reduce(SUM)`` of BT x K fp32 (the K target logits); backward none. Every rank must make the same calls with the same ``target``. Host syncs: the setup's
-    and the target range check's (as ``token_log_probs``), none in the forward's math or the backward.
+    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
 
     Raises:
         The errors of ``fusedce.token_log_probs`` (shapes, dtypes, devices, ``temperature`` /
@@ -141,7 +123,7 @@ def vocab_parallel_token_log_probs(
     rows = logits_shard.reshape(math.prod(shape), n_local)
     if rows.stride(-1) != 1 and n_local > 1:
         rows = rows.contiguous()  # one copy, only when the class dim is strided
-    if call.multi:   # (..., K) classes: distributed/multi_log_probs.py
+    if call.kclass:   # (..., K) classes: distributed/kclass_log_probs.py
         log_probs, entropy = VocabParallelLogProbsK.apply(rows, target.reshape(-1, target.shape[-1]), layout, opts,
                                                           impl, return_entropy)
         return result(log_probs, entropy, target.shape, return_entropy)

@@ -15,15 +15,8 @@ def finish(loss_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor,
            target_weight: Optional[torch.Tensor], target: torch.Tensor, opts: LossOptions,
            reduction: str, num_items_in_batch, return_stats: bool, shape,
            token_weight: Optional[torch.Tensor] = None):
-    """Reduce the (n,) per-row cross-entropy and lse like ``fusedce.cross_entropy`` does (the z-loss
-    from the global lse, the mean ``sum(ce_row) / D + sum(z_row) / N``).
-
-    ``D`` of ``"mean"``: ``num_items_in_batch`` if given, else ``sum(w_t)`` over non-ignored rows with
-    ``w_t`` the global target weight from the exchange (None without class weights: the count of
-    non-ignored rows, which is ``N``); a zero denominator gives 0.0 for its part and a zero gradient.
-    ``token_weight``: the per-row factor of the loss (None: none): ``use_token_scaling``'s ``p_t``
-    and / or the user's ``token_weights`` (``reduction.times``).
-    """
+    """Reduce the (n,) per-row cross-entropy and lse like ``fusedce.cross_entropy`` does (the z-loss from the global
+    lse, the mean ``sum(ce_row) / D + sum(z_row) / N``)."""
     scales = None
     if reduction == "mean":
         if target_weight is not None:

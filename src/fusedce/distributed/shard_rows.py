@@ -1,22 +1,5 @@
-"""One vocabulary slice's side of the exchange: the backend's partial statistics arranged for the
-collectives, and the slice's gradient. No math of its own: the backend computes (``slice_stats``,
-``slice_grad``, the same kernels as the single-process ops), this file only lays out the columns.
-
-A rank holds the columns ``[s, s + V_r)`` of the (transformed) logits ``z`` of every row. The row's
-statistics (``core/row_math.py`` has the formulas; ``V`` the GLOBAL vocabulary size) are sums
-over classes, so each slice contributes partial sums that add up over ranks:
-
-    sum_c exp(z_c - M) = sum_r exp(m_r - M) sum_{c in r} exp(z_c - m_r)   (m_r slice max, M global max)
-    z_t, w_t           = the owning rank's value (every other rank sends 0)
-    sum_c w_c z_c, W   = sums of per-slice sums
-    sum_c exp(z_c - M)(z_c - M) = sum_r exp(m_r - M) (t_r + (m_r - M) s_r)   (the entropy's sum; t_r, s_r
-                         the slice's sums shifted by m_r)
-
-A slice whose logits are all -inf in a row (a masked or padded part of the vocabulary) takes its sum-exp
-against 0, not its max -inf, so it contributes exactly 0 (``exchange.py`` rescales it by 0 too). The
-gradient is the single-process formula with the global ``lse`` pair, ``V``, ``W`` and ``w_t`` (all known
-locally after the forward), so the backward needs no collective.
-"""
+"""One vocabulary slice's side of the exchange: the backend's partial statistics arranged for the collectives, and the
+slice's gradient."""
 from __future__ import annotations
 
 from typing import Optional
@@ -55,14 +38,8 @@ def target_columns(target: torch.Tensor, layout: VocabLayout):
 
 def shard_forward(impl, logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                   layout: VocabLayout, opts: LossOptions, cols: Columns):
-    """Local statistics of this slice's logits ``(n, V_r)`` (any float dtype, before the logit
-    transform), computed by the backend ``impl`` (``slice_stats``: its kernels, no math here).
-
-    ``weight``: this slice's class weights (V_r,) fp32 or None. Returns ``(key (n,) int64, zmax (n,)
-    fp32, sums (n, k) fp32)``: the packed (max, lowest global argmax) of the logits (``argmax_key``),
-    the slice max of ``z`` (-inf where the slice is all -inf in a row: it then adds exactly 0), and the
-    ``Columns`` of this slice.
-    """
+    """Local statistics of this slice's logits ``(n, V_r)`` (any float dtype, before the logit transform), computed by
+    the backend ``impl`` (``slice_stats``: its kernels, no math here)."""
     n = logits.shape[0]
     sums = torch.zeros(n, cols.k, device=logits.device)
     if layout.size == 0:  # nothing to contribute: every sum stays 0, the key loses the MAX
@@ -90,15 +67,8 @@ def shard_grad(impl, logits: torch.Tensor, target: torch.Tensor, weight: Optiona
                lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor,
                grad_lse: Optional[torch.Tensor], layout: VocabLayout, opts: LossOptions,
                grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Gradient of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i [+ grad_entropy[i] entropy_i]`` w.r.t.
-    this slice's logits ``(n, V_r)``, in their dtype, by the backend ``impl`` (``slice_grad``).
-
-    ``weight``: this slice's class weights (V_r,) fp32 or None; ``weight_sum``: the GLOBAL ``W`` (0-dim);
-    ``target_weight``: the global ``w_t`` per row (n,) from the forward (None without class weights);
-    ``lse``, ``lse_lo``: the global per-row lse pair (n,); ``grad_lse`` None means 0; ``grad_entropy``
-    (n,) with the global ``entropy`` (n,) fp32 of the forward, or None (no entropy term). Ignored rows
-    are exactly 0.
-    """
+    """Gradient of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i [+ grad_entropy[i] entropy_i]`` w.r.t. this slice's
+    logits ``(n, V_r)``, in their dtype, by the backend ``impl`` (``slice_grad``)."""
     if grad_entropy is None:
         return impl.slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, grad_lse,
                                opts, layout.start, layout.n_classes)

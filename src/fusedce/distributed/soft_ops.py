@@ -1,16 +1,5 @@
-"""The vocab-parallel cross-entropy ops with probability ("soft") targets: each rank holds its slice of the
-target, ``(..., V_r)``, matching its logits columns / LM-head rows. ``cross_entropy.py`` and ``linear.py``
-dispatch here when ``target`` is a floating-point tensor.
-
-Semantics: ``fusedce.cross_entropy`` / ``fusedce.linear_cross_entropy`` with a float target on the
-concatenated vocabulary (label smoothing's ``eps / V`` with the global ``V``, class weights sliced like the
-vocabulary, z-loss on the global lse, softcap, logit scale, ``token_weights``; no row ignored; ``"mean"``
-divides by the number of rows or ``num_items_in_batch``). The per-slice statistics, the collectives and the
-slice gradient are ``soft_rows.py``'s; the linear op's chunk loop is the class-index op's
-(``lm_head/loop.py``: chunk buffer, fp32 logits, ``backprop_chunks``; one op per pass,
-``chunk_ops.py``), with ``all_reduce(SUM)`` of
-``grad_hidden`` in backward. The target's values are checked in the setup ``all_gather`` (``layout.py``).
-"""
+"""The vocab-parallel cross-entropy ops with probability ("soft") targets: each rank holds its slice of the target,
+``(..., V_r)``, matching its logits columns / LM-head rows."""
 from __future__ import annotations
 
 import math

@@ -1,27 +1,6 @@
-"""Probability ("soft") targets on one vocabulary slice: the backend's probability-target row ops on the
-slice, their partial statistics, the exchange of those statistics (O(BT) bytes, never logits or targets)
-and the slice's gradient. No row math of its own: the single-process ops (``soft_ce_forward`` /
-``soft_ce_backward_inplace`` of ``backends/*/soft_targets.py``) run on the slice.
-
-Per row, ``u_c = w_c q'_c``, ``q'_c = (1 - eps) q_c + eps / V`` (``V`` GLOBAL), the loss is
-``sum_c u_c (lse - z_c)``. The backend's forward on slice ``r`` gives ``l_r = sum_{c in r} u_c (lse_r - z_c)``,
-``lse_r`` (an exact pair) and ``A_r = sum_{c in r} u_c``; with ``M = max_r lse_r`` and ``S = sum_r
-exp(lse_r - M)`` (so ``lse = M + log S``):
-
-    loss = sum_r l_r + sum_r A_r (M - lse_r) + A log S,   A = sum_r A_r
-
-every term >= 0 for ``q >= 0`` (no cancellation, as the single-process sum). Two collectives:
-``all_reduce(MAX)`` of ``lse_r`` (BT fp32) and ``all_reduce(SUM)`` of ``(l_r, A_r, exp(lse_r - M),
-A_r (M - lse_r))`` (BT x 4 fp32); with ``return_stats`` a third, ``all_reduce(MAX)`` of BT x 2 int64 (the
-logits' argmax and the target's argmax, ``argmax_key``). The gradient ``g (A p_c - u_c) + h p_c`` needs
-only the global ``lse`` and ``A``: the backend's backward on the slice, no collective.
-
-Label smoothing's ``eps / V`` with the global ``V``: the backend's op mixes with its own column count
-``V_r``. With ``f = V_r / V`` and ``s = 1 / ((1 - eps) + eps f)``, smoothing ``eps' = s eps f`` gives
-``(1 - eps') q + eps' / V_r = s ((1 - eps) q + eps / V)``: the op's ``l_r`` and ``A_r`` are ``s`` times
-the wanted ones (divided back here), and its gradient with ``(A s, g / s)`` for ``(A, g)`` is exact
-(``(g / s)(A s) p - (g / s) s u``). No (BT x V_r) mixed target is formed. ``s = 1`` without smoothing.
-"""
+"""Probability ("soft") targets on one vocabulary slice: the backend's probability-target row ops on the slice, their
+partial statistics, the exchange of those statistics (O(BT) bytes, never logits or targets) and the slice's
+gradient."""
 from __future__ import annotations
 
 import dataclasses

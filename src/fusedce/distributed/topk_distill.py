@@ -26,7 +26,7 @@ from fusedce.core.types import TopkDistillationOutput
 from fusedce.distill import checks as dc
 from fusedce.distill.topk import HeadRows, topk_loss
 from fusedce.distributed.layout import VocabLayout, vocab_layout
-from fusedce.distributed.multi_log_probs import VocabParallelLinearLogProbsK, VocabParallelLogProbsK
+from fusedce.distributed.kclass_log_probs import VocabParallelLinearLogProbsK, VocabParallelLogProbsK
 from fusedce.distributed.topk_tail import ShardTailLinear, ShardTailLogits
 
 

@@ -152,7 +152,7 @@ def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, h
 
 def head_spec(head) -> tuple:
     """``(backend, tiled, chunk_size, deterministic, logits)``: constants from which ``rebuild_head`` makes the
-    same head again (inside a custom op's body, ``rl/multi_ops.py``); ``chunk_size`` 0 for the rule."""
+    same head again (inside a custom op's body, ``rl/kclass_ops.py``); ``chunk_size`` 0 for the rule."""
     if isinstance(head, TiledHead):
         return head.backend, True, 0, head.deterministic, "float32"
     return head.ce.NAME, False, head.chunk_size or 0, False, head.logits

@@ -88,7 +88,8 @@ def _torch_errors(input, linear_weight, target, linear_bias, ignore_index) -> No
     if not isinstance(target, torch.Tensor):
         return
     lead = tuple(input.shape[:-1])
-    if tuple(target.shape) == lead + (n_classes,):   # the logits' shape: probabilities, whatever the dtype (torch's rule)
+    # the logits' shape: probabilities, whatever the dtype (torch's rule)
+    if tuple(target.shape) == lead + (n_classes,):
         if ignore_index is not None:
             raise RuntimeError("ignore_index cannot be specified when target contains probabilities "
                                "(leave it None: no row of a probability target is ignored)")
@@ -154,7 +155,8 @@ def linear_cross_entropy(
         or 2-D, a 1-D ``linear_weight``, different ``in_features``, a K-dimensional head with unbatched
         input, a ``linear_bias`` not ``(C,)``, ``ignore_index`` with probabilities, a non-float target of the
         probabilities' shape (the shape decides, then the dtype, as torch), class indices of another dtype
-        than int64 / int32 / uint8, a 2-D target that is not ``(N, C)``, another batch size); ``NotImplementedError`` for a K-dimensional
+        than int64 / int32 / uint8, a 2-D target that is not ``(N, C)``, another batch size); ``NotImplementedError``
+        for a K-dimensional
         ``linear_weight``; ``TypeError`` for a probability target that requires grad or ``options`` of
         another type; otherwise ``fusedce.linear_cross_entropy``'s errors (``IndexError`` for a class out
         of range, as torch), their ``TypeError`` / ``ValueError`` messages in this function's argument names

@@ -1,9 +1,7 @@
 """The one checked call of the RL log-prob ops: ``checked_log_probs`` (``token_log_probs`` and
-``distributed.vocab_parallel_token_log_probs``) and ``checked_linear_log_probs`` (``linear_token_log_probs``
-and ``distributed.vocab_parallel_linear_token_log_probs``), each op's argument checks in one walk down to
-``core/validation.py``, before any kernel, for the one-class ``(...)`` and the K-class ``(..., K)`` target
-alike. Each returns a ``LogProbsCall``; what needs the backend or the global vocabulary (the target's value
-range, the one host sync) stays with the op, after the backend is chosen and the vocabulary laid out."""
+``distributed.vocab_parallel_token_log_probs``) and ``checked_linear_log_probs`` (``linear_token_log_probs`` and
+``distributed.vocab_parallel_linear_token_log_probs``), each op's argument checks in one walk down to
+``core/validation.py``, before any kernel, for the one-class ``(...)`` and the K-class ``(..., K)`` target alike."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +22,7 @@ class LogProbsCall:
     opts: LossOptions                # log_prob_options: the temperature folded into scale and softcap
     lead: torch.Size                 # the tokens' leading shape
     target: torch.Tensor             # (*lead) or, K-class form, (*lead, K); int64-safe (its range: the op's)
-    multi: bool                      # the K-class form (rl/multi.py)
+    kclass: bool                      # the K-class form (rl/kclass.py)
     deterministic: bool = False
     top_k: object = None             # None (off), an int >= 1, or a per-row integer tensor (rl/truncation_checks.py)
     top_p: object = None             # None (off), a float in (0, 1), or a per-row float tensor
@@ -35,12 +33,12 @@ class LogProbsCall:
         return self.top_k is not None or self.top_p is not None
 
 
-def is_multi(data: torch.Tensor, target) -> bool:
+def is_kclass(data: torch.Tensor, target) -> bool:
     """Whether ``target`` asks for the K-class form: one more dimension than ``data``'s leading ones."""
     return isinstance(target, torch.Tensor) and target.dim() == data.dim()
 
 
-def _check_multi(target: torch.Tensor, shape, device, return_stats) -> None:
+def _check_kclass(target: torch.Tensor, shape, device, return_stats) -> None:
     val.check_target(target, (*shape, target.shape[-1]), device)
     if target.shape[-1] == 0:
         raise ValueError(f"target of shape {tuple(target.shape)}: the K-class form (..., K) needs K >= 1")
@@ -49,9 +47,9 @@ def _check_multi(target: torch.Tensor, shape, device, return_stats) -> None:
                          "token of one target); pass a (...) target")
 
 
-def _flags(multi: bool, return_entropy, return_stats) -> None:
+def _flags(kclass: bool, return_entropy, return_stats) -> None:
     check_flag("return_entropy", return_entropy)
-    if not multi:
+    if not kclass:
         check_flag("return_stats", return_stats)
 
 
@@ -69,16 +67,16 @@ def checked_log_probs(logits, target, *, temperature, softcap, logit_scale, igno
         val.check_nonzero(name, logits.shape, -1, "V")
     opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
     lead = logits.shape[:-1]
-    multi = is_multi(logits, target)
-    if multi:
-        _check_multi(target, lead, logits.device, return_stats)
+    kclass = is_kclass(logits, target)
+    if kclass:
+        _check_kclass(target, lead, logits.device, return_stats)
     else:
         val.check_target(target, lead, logits.device, lambda t: f"{val.class_dim_hint(tuple(logits.shape), t)}"
                          f"; or a (..., K) target of {len(lead) + 1} dimensions, K target ids per token")
     target = val.widen_target(target, opts.ignore_index)
-    _flags(multi, return_entropy, return_stats)
-    top_k, top_p = checked_truncation(top_k, top_p, target, multi, return_stats)
-    return LogProbsCall(opts, lead, target, multi, top_k=top_k, top_p=top_p)
+    _flags(kclass, return_entropy, return_stats)
+    top_k, top_p = checked_truncation(top_k, top_p, target, kclass, return_stats)
+    return LogProbsCall(opts, lead, target, kclass, top_k=top_k, top_p=top_p)
 
 
 def checked_linear_log_probs(hidden, weight, target, bias, *, temperature, softcap, logit_scale, ignore_index,
@@ -90,20 +88,20 @@ def checked_linear_log_probs(hidden, weight, target, bias, *, temperature, softc
     first, then its shape), ``method`` with ``chunk_size``, the flags."""
     opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
     deterministic = deterministic_mode(deterministic)
-    multi = is_multi(hidden, target)
+    kclass = is_kclass(hidden, target)
     names = ("weight_shard", "bias_shard", "ce_weight_shard") if sharded else ("weight", "bias", "ce_weight")
-    if multi:
+    if kclass:
         if target.shape[-1] == 0:
             raise ValueError(f"target of shape {tuple(target.shape)}: the K-class form (..., K) needs K >= 1")
         val.check_linear(hidden, weight, target.select(-1, 0), bias, None, chunk_size, names=names, sharded=sharded,
                          probabilities=False)
-        _check_multi(target, hidden.shape[:-1], hidden.device, return_stats)
+        _check_kclass(target, hidden.shape[:-1], hidden.device, return_stats)
     else:
         val.check_linear(hidden, weight, target, bias, None, chunk_size, names=names, sharded=sharded,
                          probabilities=False)
     if not sharded:
         check_method(method, chunk_size)
     target = val.widen_target(target, opts.ignore_index)
-    _flags(multi, return_entropy, return_stats)
-    top_k, top_p = checked_truncation(top_k, top_p, target, multi, return_stats)
-    return LogProbsCall(opts, hidden.shape[:-1], target, multi, deterministic, top_k, top_p)
+    _flags(kclass, return_entropy, return_stats)
+    top_k, top_p = checked_truncation(top_k, top_p, target, kclass, return_stats)
+    return LogProbsCall(opts, hidden.shape[:-1], target, kclass, deterministic, top_k, top_p)

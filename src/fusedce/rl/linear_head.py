@@ -1,18 +1,5 @@
-"""Per-token log-probabilities and entropy for RL (``token_log_probs`` / ``linear_token_log_probs``),
-on any backend's ``ChunkCE`` / ``TiledCE``.
-
-The caller's options (``options.log_prob_options``) fold temperature and softcap into the loss
-options, so that the backend's cross-entropy of a row is ``-log_probs`` and its entropy that of
-``softmax(q)``. Gradients: the upstream gradient of ``log_probs`` reaches the backend as ``grad_row =
--g`` and that of the entropy as ``grad_entropy`` (formula in ``backends/protocol.py``); both may be given at
-once (policy-gradient loss plus an entropy bonus). Ignored rows: 0 in both outputs, zero gradient,
-and in the linear form no matmul FLOPs (compacted as ``linear_cross_entropy`` does).
-
-TRL's statistics (``want_stats``: ``types.TokenStats``, no gradient): the tiled method computes them in
-its forward pass (``TiledCE.forward(token_stats=True)``); the chunked method and the logits form run
-``ChunkCE.token_stats`` on each chunk's logits right after its loss (one more read of the chunk, while
-it is still in the buffer). Not asked, nothing of them runs.
-"""
+"""Per-token log-probabilities and entropy for RL (``token_log_probs`` / ``linear_token_log_probs``), on any backend's
+``ChunkCE`` / ``TiledCE``."""
 from __future__ import annotations
 
 from typing import Optional

@@ -8,7 +8,7 @@ import torch
 from fusedce.core.entrance import public_op
 from fusedce import backends
 from fusedce.rl import linear_head
-from fusedce.rl import multi
+from fusedce.rl import kclass
 from fusedce.core import validation as val
 from fusedce.lm_head import invariant
 from fusedce.lm_head.head import check_logits_dtype, resolve_method
@@ -99,10 +99,10 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
         out = truncated_head.token_log_probs(rows_view(logits, False), call.target.reshape(-1), call.top_k,
                                              call.top_p, call.opts, return_entropy)
         return _result(out, call.lead, return_entropy, False)
-    if call.multi:
+    if call.kclass:
         invariant.refuse(batch_invariant, "a (..., K) target")
-        out = multi.log_probs_rows(impl, logits, call.target, call.opts, return_entropy)
-        return multi.result(*out, call.target.shape, return_entropy)
+        out = kclass.log_probs_rows(impl, logits, call.target, call.opts, return_entropy)
+        return kclass.result(*out, call.target.shape, return_entropy)
     out = linear_head.token_log_probs(impl.CHUNK_CE, rows_view(logits, False), call.target.reshape(-1), call.opts,
                                       return_entropy, return_stats)
     return _result(out, call.lead, return_entropy, return_stats)
@@ -146,7 +146,7 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
             ``ValueError``), one chunk of logits at a time, on every backend (PyTorch ops on each chunk).
         A ``(..., K)`` target with ``"tiled"`` also computes the K target logits from gathered rows of
             ``weight`` (fp32 products, at most 2^22 elements at a time, or one row's K x H) and rounds
-            the hidden gradient a second time in bf16 / fp16 (``rl/multi_head.py``).
+            the hidden gradient a second time in bf16 / fp16 (``rl/kclass_head.py``).
 
     Returns:
         As :func:`token_log_probs`; gradients of ``hidden``, ``weight``, ``bias`` in their dtypes. The
@@ -173,11 +173,11 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
             call.opts, return_entropy, None if chunk_size is None else int(chunk_size), logits_dtype)
         return _result(out, call.lead, return_entropy, False)
     invariant.check_backend(batch_invariant, impl)
-    if call.multi:
+    if call.kclass:
         invariant.refuse(batch_invariant, "a (..., K) target")
-        out = multi.linear_log_probs_rows(impl, hidden, weight, call.target, bias, call.opts, return_entropy,
+        out = kclass.linear_log_probs_rows(impl, hidden, weight, call.target, bias, call.opts, return_entropy,
                                           chunk_size, method, call.deterministic, logits_dtype)
-        return multi.result(*out, call.target.shape, return_entropy)
+        return kclass.result(*out, call.target.shape, return_entropy)
     out = linear_head.linear_token_log_probs(
         impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, call.target.reshape(-1), bias, call.opts,
         return_entropy, None if chunk_size is None else int(chunk_size), method, return_stats, tiled=impl.TILED_CE,

@@ -1,13 +1,7 @@
-"""The autograd Functions of the RL log-prob ops with ``top_k`` / ``top_p`` (``rl/log_probs.py`` routes there
-when either is on): ``token_log_probs`` over row chunks of the logits, ``linear_token_log_probs`` over the
-chunked LM-head loop (``lm_head/loop.py``: one chunk of logits at a time, recomputed in the backward), the
-row math in ``truncated_rows.py`` (PyTorch ops on each chunk's fp32 ``q``: the same on every backend).
-
-Saved per row: the kept set's threshold and ``lse_S`` (and the entropy), so the backward needs no sort.
-Ignored rows: 0 in both outputs and zero gradient (the linear form compacts them away first, as
-``rl/linear_head.py`` does). Memory: one chunk of ``q`` and its sort, never BT x V besides the logits' own
-gradient in the logits form.
-"""
+"""The autograd Functions of the RL log-prob ops with ``top_k`` / ``top_p`` (``rl/log_probs.py`` routes there when
+either is on): ``token_log_probs`` over row chunks of the logits, ``linear_token_log_probs`` over the chunked
+LM-head loop (``lm_head/loop.py``: one chunk of logits at a time, recomputed in the backward), the row math in
+``truncated_rows.py`` (PyTorch ops on each chunk's fp32 ``q``: the same on every backend)."""
 from __future__ import annotations
 
 from typing import Optional

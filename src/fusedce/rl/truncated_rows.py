@@ -1,23 +1,5 @@
-"""The per-row math of the sampler's truncated distribution (``top_k`` / ``top_p`` of the RL log-prob ops),
-PyTorch ops on one chunk of fp32 ``q = transform(x) / temperature`` (``(n, V)``), every backend alike.
-
-Kept set of a row (the sampler's order: temperature, top-k, top-p; ``docs/contract.md``): the classes whose
-``q`` is >= the k-th largest ``q`` (every class tied with the k-th value is kept), renormalized to ``p_k``;
-then the classes whose strictly-larger mass ``sum_{j kept, q_j > q_i} p_k[j]`` is < ``top_p`` (classes tied
-in ``q`` share it, so they are kept or dropped together; the largest always stays). Both steps keep a prefix
-of the row sorted by ``q``, so the kept set is ``{c : q_c >= thr}`` for one threshold ``thr`` per row, found
-once (one sort of the chunk) in the forward and saved: the backward needs no sort. The threshold is the value
-at the last sorted position whose mass ahead is < ``top_p``; the mass ahead is non-decreasing and equals the
-strictly-larger mass at the first member of a tie group, so a group is kept whole exactly when its first
-member's strictly-larger mass is < ``top_p`` (no tie grouping needed in the code). The masses are fp32
-(a cumulative sum of the sorted ``p_k``), compared with ``top_p`` in fp32.
-
-On the kept set ``S``: ``lse_S = logsumexp(q_S)``, ``log_prob = q_t - lse_S`` (``-inf`` when ``t`` is
-outside ``S``, with zero gradient; NaN, with NaN entropy, on a row of -inf logits), ``entropy = sum_S p (lse_S - q)`` (``= lse_S - sum_S p q``; computed on ``q`` minus the row's max, so
-large logits cost it no precision) with ``p = exp(q - lse_S)`` on ``S``.
-Gradients with respect to ``q`` (zero outside ``S``): ``d log_prob / dq = onehot_t - p`` (target in ``S``),
-``d entropy / dq = -p (q - lse_S + entropy)``.
-"""
+"""The per-row math of the sampler's truncated distribution (``top_k`` / ``top_p`` of the RL log-prob ops), PyTorch ops
+on one chunk of fp32 ``q = transform(x) / temperature`` (``(n, V)``), every backend alike."""
 from __future__ import annotations
 
 import torch

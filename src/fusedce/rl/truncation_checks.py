@@ -1,8 +1,6 @@
 """The checks of the ``top_k`` / ``top_p`` keywords of the RL log-prob ops (``rl/checks.py`` calls
-``checked_truncation``): a Python number or a per-row tensor of the target's shape, ``top_k`` an integer
->= 0 (0 or None: off), ``top_p`` a number in (0, 1] (1.0 or None: off). Scalars that mean "off" come back
-as None (the op then runs its untruncated path unchanged); a per-row tensor is kept as given (its values
-checked with one host sync, skipped while compiling or capturing a CUDA graph)."""
+``checked_truncation``): a Python number or a per-row tensor of the target's shape, ``top_k`` an integer >= 0 (0 or
+None: off), ``top_p`` a number in (0, 1] (1.0 or None: off)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +8,7 @@ import numbers
 
 import torch
 
-from fusedce.core.validation import sync_allowed
+from fusedce.core.validation import host_readable
 
 
 def _tensor(name: str, value: torch.Tensor, target: torch.Tensor, integer: bool) -> torch.Tensor:
@@ -28,7 +26,7 @@ def _tensor(name: str, value: torch.Tensor, target: torch.Tensor, integer: bool)
     if value.device != target.device:
         raise ValueError(f"{name} is on {value.device} but target is on {target.device}; move it to the target's "
                          "device")
-    if value.numel() and sync_allowed(value):
+    if value.numel() and host_readable(value):
         bad = (value < 0) if integer else ~((value > 0) & (value <= 1))   # NaN is bad too
         if bool(bad.any()):   # the one sync of this argument
             flat = int(bad.reshape(-1).nonzero()[0, 0])
@@ -65,10 +63,10 @@ def _top_p(top_p, target: torch.Tensor):
     return None if top_p == 1.0 else top_p
 
 
-def checked_truncation(top_k, top_p, target: torch.Tensor, multi: bool, return_stats) -> tuple:
+def checked_truncation(top_k, top_p, target: torch.Tensor, kclass: bool, return_stats) -> tuple:
     """``(top_k, top_p)`` checked (module docstring); ``ValueError`` when either is on with a ``(..., K)``
     target or ``return_stats`` (whose statistics are of the full distribution)."""
-    if multi and (top_k is not None or top_p is not None):
+    if kclass and (top_k is not None or top_p is not None):
         raise ValueError("top_k / top_p apply to a (...) target of one class per token, not the (..., K) form")
     top_k, top_p = _top_k(top_k, target), _top_p(top_p, target)
     if (top_k is not None or top_p is not None) and return_stats:

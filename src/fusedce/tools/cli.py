@@ -1,10 +1,4 @@
-"""The ``fusedce`` command: a thin dispatcher over subcommands, importing only the one it runs.
-
-Each subcommand is a module listed in ``COMMANDS`` (with its one-line help, so that ``fusedce --help``
-lists every subcommand without importing any) that exposes ``HELP`` (the same line), ``DESCRIPTION``,
-``add_arguments(parser)`` and ``run(args) -> int`` (the exit status). Adding a subcommand is one entry.
-``fusedce --version`` and ``fusedce inspect --help`` import neither the bench nor the fine-tune code.
-"""
+"""The ``fusedce`` command: a thin dispatcher over subcommands, importing only the one it runs."""
 from __future__ import annotations
 
 import argparse

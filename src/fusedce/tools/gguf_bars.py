@@ -1,11 +1,5 @@
-"""transformers' progress bars while a GGUF model loads: silenced (the SmolLM2 examples and ``fusedce
-finetune`` show their own progress) or shown on the bench's rich display.
-
-``transformers.utils.logging.disable_progress_bar()`` silences the bars transformers makes through its
-own ``logging.tqdm`` ("Loading weights"), but not the GGUF dequantization bar: transformers 5.x
-(``modeling_gguf_pytorch_utils``) calls ``tqdm.auto.tqdm`` directly, looked up in that module at call
-time. ``gguf_tqdm`` swaps that name for the block; if it ever goes away, nothing is changed.
-"""
+"""transformers' progress bars while a GGUF model loads: silenced (the SmolLM2 examples and ``fusedce finetune`` show
+their own progress) or shown on the bench's rich display."""
 from __future__ import annotations
 
 import contextlib

@@ -20,7 +20,8 @@ a GPU, so ``backend="auto"`` never picks it (``tuning.AUTO_PICKS_CUTE``).
 from ..protocol import Capabilities
 
 NAME = "cute"
-# No TiledCE, no entropy, probability-target or distillation kernels yet; vocabulary slices run the Triton backend's kernels (slices.py).
+# No TiledCE, no entropy, probability-target or distillation kernels yet; vocabulary slices run the Triton backend's
+# kernels (slices.py).
 CAPABILITIES = Capabilities(tiled=False, entropy=False, slices=True, soft_targets=False, distill=False)
 TILED_CE = None
 soft_cross_entropy_rows = distill_rows = tiled_distill = None   # not in CAPABILITIES

@@ -1,10 +1,4 @@
-"""Compile one CuTe kernel variant (``variants.KernelKey``) with fake tensors: no GPU, no driver.
-
-``compile_key(key)`` returns the compiled callable (the launcher's path on a GPU; the arch comes from
-``$CUTE_DSL_ARCH``, which ``launch.ensure_arch`` sets from the device before ``cutlass`` is imported).
-The static report of every variant (registers, spills, 128-bit accesses) is a tool:
-``fusedce.tools.inspect.cute_compile``, on top of ``compile_key``.
-"""
+"""Compile one CuTe kernel variant (``variants.KernelKey``) with fake tensors: no GPU, no driver."""
 from __future__ import annotations
 
 from fusedce.core.options import LossOptions

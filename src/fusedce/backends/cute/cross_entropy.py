@@ -1,11 +1,4 @@
-"""Autograd for the CuTe cross-entropy custom ops, and the backend interface ``cross_entropy_rows``.
-
-Layering: kernels/*.py -> launch.py (into given buffers) -> custom_ops.py (torch custom ops: allocate +
-launch, fake impls) -> this file (registers ``backends/op_autograd.py``'s formula on
-``fusedce_cute::ce_forward``; per-row loss only, the reduction is applied by ``functional``). Every
-launch being a custom op with a fake impl, ``torch.compile(fullgraph=True)`` traces
-``fusedce.cross_entropy(..., backend="cute")`` forward and backward without a graph break.
-"""
+"""Autograd for the CuTe cross-entropy custom ops, and the backend interface ``cross_entropy_rows``."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,26 +1,4 @@
-"""The CuTe launches as torch custom ops, so ``torch.compile(fullgraph=True)`` traces through them.
-
-Four ops in the ``fusedce_cute`` namespace (the Triton backend's are ``fusedce::``; same schemas, so one
-``LossOptions.op_args`` serves both), each "allocate, then call a launcher" (``launch.py``) plus a fake
-(meta) implementation that gives output shapes, dtypes and strides without touching data or importing
-``cutlass``:
-
-- ``fusedce_cute::ce_forward(logits, target, weight?, weight_sum?, ignore_index, scalars, stats,
-  inplace_backward) -> (loss, lse, lse_lo, predicted)``: (BT,) fp32 x 3 and (BT,) int64, or (0,)
-  without ``stats``. The autograd formula is registered on it in ``cross_entropy.py``.
-- ``fusedce_cute::ce_backward(logits, target, weight?, weight_sum?, lse, lse_lo, grad_row, grad_lse?,
-  ignore_index, scalars) -> grad``: (BT, V), logits' dtype, a new buffer.
-- ``fusedce_cute::ce_backward_inplace(logits!, ...same...) -> ()``: the gradient over ``logits`` (a
-  custom op may not return an alias of an input; the caller hands ``logits`` back as the gradient).
-- ``fusedce_cute::ce_chunk_(logits!, target, weight?, weight_sum?, grad_row, z_grad_row, ignore_index,
-  scalars, stats) -> (loss, lse, lse_lo, predicted, token_weight)``: the fused chunk of
-  ``linear_cross_entropy`` (``ce_chunk`` or, when the row fits on chip, ``ce_chunk_onchip``), the
-  gradient written over ``logits``; token_weight (BT,) with token scaling, else (0,).
-
-Logits whose last dim is not stride 1 are copied once (the in-place ops then write through the
-contiguous copy and copy back). Weights and upstream gradients are made fp32 contiguous by the
-launcher.
-"""
+"""The CuTe launches as torch custom ops, so ``torch.compile(fullgraph=True)`` traces through them."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,8 +1,5 @@
-"""Launchers of the CuTe kernels: validate -> pick the variant -> compile once (cached) -> launch into
-caller-supplied buffers. CUDA tensors only; ``cutlass`` is imported on the first launch, after
-``ensure_arch`` has set ``$CUTE_DSL_ARCH`` from the device (the DSL reads the target from it at trace
-time). No allocation of BT x V here, no host sync.
-"""
+"""Launchers of the CuTe kernels: validate -> pick the variant -> compile once (cached) -> launch into caller-supplied
+buffers."""
 from __future__ import annotations
 
 import os
@@ -107,10 +104,8 @@ def ce_backward(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_
 
 def ce_chunk_(logits, target, weight, weight_sum, grad_row, z_grad_row, opts: LossOptions, loss, lse, lse_lo,
               predicted, token_weight) -> None:
-    """The fused chunk: loss/lse/lse_lo (/predicted/token_weight) out and ``logits`` overwritten with
-    d(sum_i grad_row[i] loss_i + z_grad_row[i] s lse_i^2)/d logits. ``kernels/ce_chunk_onchip.py`` (the
-    row read once, kept in shared memory) when ``tuning.onchip_cluster`` allows, else
-    ``kernels/ce_chunk.py``."""
+    """The fused chunk: loss/lse/lse_lo (/predicted/token_weight) out and ``logits`` overwritten with d(sum_i
+    grad_row[i] loss_i + z_grad_row[i] s lse_i^2)/d logits."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return

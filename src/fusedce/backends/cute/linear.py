@@ -1,10 +1,4 @@
-"""The CuTe backend's per-chunk cross-entropy, plugged into the chunked LM head (``fusedce.lm_head``).
-
-Per chunk one fused kernel (``kernels/ce_chunk_onchip.py`` when the row fits on chip, else
-``kernels/ce_chunk.py``) writes loss / lse / lse_lo and overwrites the chunk's logits with their
-gradient (read once, written once from HBM); a backward that recomputes
-(reduction "none", a second backward) runs the backward kernel alone on logits whose lse is known.
-"""
+"""The CuTe backend's per-chunk cross-entropy, plugged into the chunked LM head (``fusedce.lm_head``)."""
 from __future__ import annotations
 
 import torch

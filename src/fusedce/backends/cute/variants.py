@@ -1,10 +1,5 @@
-"""The CuTe kernel variants: one ``KernelKey`` names one compiled kernel (kind, logits dtype, vector
-width, constexpr flags). Pure Python, no ``cutlass`` import: the launcher, the compile checks and
-``fusedce inspect`` all build their keys here.
-
-A kernel's constexpr flags are of two sorts: the loss options' ``options.LossFlags`` (every kernel takes
-them as one ``FLAGS`` argument; they are enumerated from ``LossFlags._fields``, so a new one needs no
-edit here) and the kernel's own features (``FEATURES[kind]``, its constructor's other flags)."""
+"""The CuTe kernel variants: one ``KernelKey`` names one compiled kernel (kind, logits dtype, vector width, constexpr
+flags)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Tuple
@@ -76,10 +71,9 @@ ROW_KINDS = ("forward", "backward", "chunk")    # the row-streaming kernels, eve
 
 
 def quick_keys():
-    """The subset the default test suite compiles per arch: per row-streaming kernel plain, each flag
-    alone and all flags in bf16 with 128-bit vectors, plus plain and all-flags in fp32, fp16 and scalar
-    bf16; the on-chip chunk kernel with all flags, alone on its CTA and on a cluster of 8 (bf16).
-    ``check_keys`` (``make test-cute``) compiles every flag combination."""
+    """The subset the default test suite compiles per arch: per row-streaming kernel plain, each flag alone and all
+    flags in bf16 with 128-bit vectors, plus plain and all-flags in fp32, fp16 and scalar bf16; the on-chip chunk
+    kernel with all flags, alone on its CTA and on a cluster of 8 (bf16)."""
     keys = []
     for kind in ROW_KINDS:
         n = len(flag_names(kind))

@@ -1,5 +1,5 @@
 """The backend named ``"torch"``: pure PyTorch, the CPU path (the tests' oracle is the float64 composition
-in ``tests/references/reference64.py``). The interface: ``backends/protocol.py`` (``Backend``)."""
+in ``tests/support/reference64.py``). The interface: ``backends/protocol.py`` (``Backend``)."""
 from ..protocol import Capabilities
 from .cross_entropy import cross_entropy_rows
 from .distill import distill_rows

@@ -1,15 +1,5 @@
-"""The weight and bias gradients of one vocabulary block of the PyTorch tiled loops (``tiled.py``,
-``soft_tiled.py``), summed over every row block in at least fp32 and rounded to ``accum_dtype`` once.
-
-Why: a narrow ``accum_dtype`` (bf16) is the dtype of the V x H gradient the caller gets, not a licence to
-round after every row block. Added block by block into a bf16 ``grad_W[cols]``, each of the BT / rows
-row blocks rounded the running sum once more: 4-17x the stock composition's weight / bias gradient error
-(``F.linear`` + ``F.cross_entropy`` in bf16, one fp32-accumulated GEMM rounded once) at a few hundred
-tokens, growing with BT. The Triton tiled kernels already accumulate in fp32 and cast at the end. Here a
-block's sums live in an fp32 temporary of ``vocab x H`` (the block's rows of grad_W; fewer than V x H,
-one per thread) and are written once. With an fp32 / fp64 ``accum_dtype`` the temporary is the
-gradient's own slice (no copy; the same bits as before).
-"""
+"""The weight and bias gradients of one vocabulary block of the PyTorch tiled loops (``tiled.py``, ``soft_tiled.py``),
+summed over every row block in at least fp32 and rounded to ``accum_dtype`` once."""
 from __future__ import annotations
 
 from typing import Optional

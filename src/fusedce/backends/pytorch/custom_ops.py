@@ -1,39 +1,5 @@
-"""The PyTorch backend's loops as torch custom ops (namespace ``fusedce_torch``), so that torch.compile
-sees one opaque node per loop, as it sees one per Triton launch, instead of unrolling the Python loop
-into the graph.
-
-Why: every loop of this backend walks blocks whose count grows with V or BT (row chunks of 2**24 / V
-rows; the tiled method's token x vocabulary blocks, ``BT V / 2**10 / 47`` of them at V = 49152).
-Traced, each iteration became ~20 graph nodes: 64 tokens x V = 32256 took 349 s to compile and its
-compiled step 7.0 s (2-core machine). As custom ops the graph holds one node per loop whatever V, BT
-and the block sizes are, and the loop runs eagerly inside it (its own buffers reused, as in eager).
-
-Ops (``<options>`` = ``ignore_index: int, scalars: float[]``, ``LossOptions.op_args``; an output that
-the call does not make is a (0,) tensor, mapped back to None by the typed entry points below):
-
-- ``chunk_loss(logits, target, w?, weight_sum?, <options>, stats, entropy) -> (loss, lse, lse_lo,
-  predicted, entropy)``: ``cross_entropy.chunk_loss`` (per-row results, (n,) each);
-- ``chunk_loss_grad_inplace(logits!, target, w?, weight_sum?, grad_row, z_grad_row, <options>, stats) ->
-  (loss, lse, lse_lo, predicted, token_weight)``: ``launch.chunk_loss_grad_`` (the chunked LM head's forward
-  with its gradient, one pass per block);
-- ``chunk_grad_inplace(logits!, ...)`` / ``chunk_grad_out(logits, out!, ...)``: ``cross_entropy.chunk_grad_``
-  into ``logits`` / ``out`` (a custom op may not return an alias of its input: the mutation is declared);
-- ``tiled_forward(hidden, weight, bias?, target, w?, weight_sum?, <options>, stats, entropy, token_stats)
-  -> (loss, lse, lse_lo, predicted, target_logit, entropy, log_sum_sq_probs, mean_logits, is_top1)`` (the
-  optional outputs empty when not asked) and ``tiled_backward(..., needs_hidden, needs_weight, needs_bias,
-  accum_dtype, grad_entropy?, entropy?) -> (grad_hidden, grad_weight, grad_bias)``:
-  ``tiled.TorchTiledCE`` (``method="tiled"``);
-- ``chunk_token_stats``: ``token_stats.chunk_token_stats`` (the RL ops' ``return_stats``);
-- ``slice_stats`` / ``slice_grad``: ``slices.py`` (vocab parallelism);
-- ``soft_tiled_forward`` / ``soft_tiled_backward``: ``soft_tiled.py`` (probability targets with
-  ``method="tiled"``, on every backend; traced, its block loops specialized on the token count);
-- ``tiled_distill``: ``distill_tiled.tiled_distill`` (``linear_distillation_loss(method="tiled")``; traced, its
-  block loop reached ``torch.is_inference_mode_enabled``, which Dynamo refuses with ``fullgraph=True``).
-
-No autograd formula: the autograd Functions that call them (``cross_entropy.py``, ``lm_head``, the
-vocab-parallel Functions) differentiate through the backward ops themselves. Inputs may have any
-strides (Inductor passes e.g. stride-0 upstream gradients): the loops index rows only.
-"""
+"""The PyTorch backend's loops as torch custom ops (namespace ``fusedce_torch``), so that torch.compile sees one opaque
+node per loop, as it sees one per Triton launch, instead of unrolling the Python loop into the graph."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,24 +1,5 @@
-"""Distillation row op of the PyTorch backend: per-row loss and student-logit gradient (``distill_rows``),
-and the fp32 block math it shares with the tiled op (``distill_tiled.py``).
-
-Per row, with ``c(x) = cap * tanh(x / cap)`` (each model's softcap, when given), ``T`` the temperature,
-``u = c(z_s) / T``, ``ls = log_softmax(u)``, ``lt = log_softmax(c(z_t) / T)``, ``s = exp(ls)``, ``t = exp(lt)``
-(the generalized JSD of GKD, arXiv 2306.13649 Eq. 1, in TRL's ``generalized_jsd_loss`` form):
-
-- ``beta = 0``: ``KL(t || s) = sum t (lt - ls)``;               ``dL/du = s - t``;
-- ``beta = 1``: ``KL(s || t) = sum s (ls - lt)``;               ``dL/du = s (ls - lt - KL(s || t))``;
-- otherwise, ``lm = log(beta t + (1 - beta) s)`` (a ``logaddexp``, never ``log`` of a sum):
-  ``beta KL(t || m) + (1 - beta) KL(s || m)``;  with ``g = (1 - beta)(ls - lm)``: ``dL/du = s (g - sum s g)``
-  and ``sum s g = (1 - beta) KL(s || m)`` (the derivative of the ``m`` terms cancels: d/ds_v of the loss is
-  ``g_v`` plus a constant that the softmax Jacobian removes);
-
-plus ``hard_label_weight * (lse(c(z_s)) - c(z_s)[target])`` (no temperature), whose gradient w.r.t.
-``c(z_s)`` is ``hard_label_weight * (softmax(c(z_s)) - onehot(target))``. Chain rule: ``dL/dc = dL/du / T
-+ hard``, ``dc/dz = 1 - tanh(z / cap)**2``. Terms with a zero probability are 0 (``0 log 0 = 0``; a
-``-inf`` teacher logit masks its class). Ignored rows (``target == ignore_index``) give loss 0 and an
-exactly zero gradient; a non-ignored target outside ``[0, V)`` (not checked here: the public API checks it
-where it may host-sync) gives a NaN loss row, never an out-of-bounds read.
-"""
+"""Distillation row op of the PyTorch backend: per-row loss and student-logit gradient (``distill_rows``), and the fp32
+block math it shares with the tiled op (``distill_tiled.py``)."""
 from __future__ import annotations
 
 import math

@@ -1,25 +1,6 @@
-"""``linear_distillation_loss(method="tiled")`` in plain PyTorch: both LM heads and the loss on blocks of
-tokens x vocabulary (``tuning.tile_sizes``: fewer than V logits a block), never a tensor of V or more
-elements besides the weights, biases and the student's gradients.
-
-Block math: ``distill.py``'s, on vocabulary slices. x_s = h_s @ W_s[j].T + b_s[j] and x_t likewise
-(each in fp32 from its model's values, ``tiled._block_logits``: never rounded to its dtype; dz kept in fp32).
-    pass 1, per token block r and vocabulary block j: the online log-sum-exp (Milakov & Gimelshein 2018)
-        of u = c(x_s) / T, of c(x_t) / T, of c(x_s) when the hard label needs it at T != 1, and the
-        target's c(x_s);
-    pass 2, each block again: its log-probabilities from those lse's, the divergence and, for beta > 0,
-        the row sum ``sum s g`` the gradient needs (``distill.divergence``);
-    pass 3 (gradients), each block again: ``dz`` as ``distill_rows``, then grad_h[r] += dz @ W_s[j] (fp32),
-        grad_W[j] += dz.T @ h_s[r] and grad_b[j] += sum_rows dz (fp32).
-FLOPs per token (student H, teacher Ht): 2 V (H + Ht) per pass, plus 4 V H for the gradients.
-Memory beyond the inputs and the returned gradients: a few fp32 blocks of fewer than V values each, O(BT)
-row statistics, and per thread past the first an fp32 ``BT x H`` partial grad_h (for non-fp32 hidden the
-first one too, as ``tiled.py``).
-Threads (``block_threads.py``, one intra-op thread each): passes 1-2 share out the token blocks (disjoint
-rows), pass 3 the vocabulary blocks (disjoint columns of grad_W / grad_b; the grad_h partials are added
-in share order), so results are deterministic for a given thread count (``deterministic`` selects
-nothing: there are no atomics).
-"""
+"""``linear_distillation_loss(method="tiled")`` in plain PyTorch: both LM heads and the loss on blocks of tokens x
+vocabulary (``tuning.tile_sizes``: fewer than V logits a block), never a tensor of V or more elements besides the
+weights, biases and the student's gradients."""
 from __future__ import annotations
 
 from typing import Optional
@@ -101,7 +82,7 @@ def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, 
             run_s, run_t = _Lse(m, dev), _Lse(m, dev)
             run_1 = _Lse(m, dev) if hard and temperature != 1.0 else None
             c_tgt = torch.zeros(m, device=dev)
-            for v0, cols, cs, us, ut in blocks(r):
+            for v0, _cols, cs, us, ut in blocks(r):
                 run_s.add(us)
                 run_t.add(ut)
                 if run_1 is not None:
@@ -113,7 +94,7 @@ def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, 
             l10 = ls0 if run_1 is None else run_1.value()
             div = torch.zeros(m, device=dev)
             rsum = torch.zeros(m, device=dev)
-            for v0, cols, cs, us, ut in blocks(r):
+            for _v0, _cols, _cs, us, ut in blocks(r):
                 d_div, d_sum = divergence(us - ls0[:, None], ut - lt0[:, None], beta)
                 div += d_div
                 if d_sum is not None:

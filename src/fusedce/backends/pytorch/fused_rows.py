@@ -1,21 +1,5 @@
 """The forward and the gradient of a block of rows in one pass over it: the PyTorch backend's
-``ChunkCE.loss_and_grad_`` (the chunked LM head's forward, which also writes the logits' gradient).
-
-Formulas: ``core/row_math.py`` (the same loss, lse pair, argmax and token weight, bit for bit: the same
-ops on the same values). What differs is the softmax of the gradient: ``rows_forward`` followed by
-``rows_grad`` exponentiates every logit twice (``exp(z - max)`` for the sum, then
-``exp((z - lse) - lse_lo)``), each into a buffer of its own; here the first exponential is kept in place,
-``e_c = exp(z_c - max)``, ``s = sum_c e_c`` and
-
-    dL/dz_c = e_c * (g (a + b W) + h) / s - g b w_c,    the target column  g (a (p_t - 1) + b (W p_t - w_t)) + h p_t,
-
-with ``p_t = e_t / s`` (notation of ``row_math``). ``exp(z - max) / sum`` is torch's own softmax formula (its
-CPU kernel multiplies by ``1 / sum``): one rounding of ``z - max`` (exact near the max), one of the
-exponential, two of the scaling, where ``exp((z - lse) - lse_lo)`` rounds the argument twice; both are as
-accurate as ``F.cross_entropy``'s gradient (``tests/ce/test_fused_rows.py`` measures it against float64).
-Passes over the block: max (and argmax with stats), subtract, exp, sum, scale; with the block in cache
-(``launch.block_rows``) the later ones read the cache.
-"""
+``ChunkCE.loss_and_grad_`` (the chunked LM head's forward, which also writes the logits' gradient)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -30,17 +14,10 @@ from fusedce.core.row_math import (grad_lse, masked_stats, mul_slope_, row_loss,
 def rows_loss_grad_(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                     weight_sum: Optional[torch.Tensor], grad_row: torch.Tensor, z_grad_row: torch.Tensor,
                     opts: LossOptions, stats: bool):
-    """Forward and gradient of a block: ``x`` ((n, V) fp32 logits, overwritten by the gradient),
-    ``target`` (n,) int, ``weight`` (V,) fp32 class weights or None with ``weight_sum`` their sum,
-    ``grad_row`` / ``z_grad_row`` (n,) upstream gradients of each row's cross-entropy and z-loss (any
-    float dtype and strides; times ``p_t`` with ``use_token_scaling``).
-
-    Writes d(sum_i grad_row[i] ce_i + z_grad_row[i] z_i)/dx into ``x`` and returns ``(loss, lse, lse_lo,
-    predicted, token_weight, grad)``, the first five as ``protocol.loss_then_grad_`` makes them, ``grad``
-    ``x`` itself:
-    (n,) fp32 loss (0 on ignored rows, NaN on a kept row whose target is out of range), the lse pair (0
-    on ignored rows), predicted (n,) int64 (-1 on ignored rows) or None without ``stats``, token_weight
-    ``p_t`` (n,) fp32 with ``use_token_scaling`` else None. Ignored rows get an exactly-zero gradient."""
+    """Forward and gradient of a block: ``x`` ((n, V) fp32 logits, overwritten by the gradient), ``target`` (n,) int,
+    ``weight`` (V,) fp32 class weights or None with ``weight_sum`` their sum, ``grad_row`` / ``z_grad_row`` (n,)
+    upstream gradients of each row's cross-entropy and z-loss (any float dtype and strides; times ``p_t`` with
+    ``use_token_scaling``)."""
     n_classes = x.shape[1]
     valid = opts.kept(target)
     predicted = torch.where(valid, x.argmax(dim=1), -1) if stats else None

@@ -1,12 +1,4 @@
-"""Chunked cross-entropy in PyTorch: forward saves only the per-row lse, backward recomputes.
-
-Memory: the stock path keeps an fp32 softmax (BT x V) for backward and builds fp32 temporaries of the
-same size; this one holds fp32 temporaries of one block of rows (``block_rows``: cache-sized on the CPU,
-one per thread, ``tuning.cpu_block_rows``; ``tuning.chunk_rows`` elsewhere) at a time and
-writes the gradient straight into its output (or into ``logits`` with ``inplace_backward``).
-The two loops here (``chunk_loss``, ``chunk_grad_``) are called as torch custom ops (``custom_ops.py``)
-by the autograd Function (``cross_entropy.py``) and by the chunk loop of the linear ops.
-"""
+"""Chunked cross-entropy in PyTorch: forward saves only the per-row lse, backward recomputes."""
 from __future__ import annotations
 
 from typing import Optional
@@ -29,11 +21,9 @@ def class_weights(weight: Optional[torch.Tensor]):
 
 
 class Scratch:
-    """fp32 row-chunk buffers reused by every chunk of one call: on CPU a fresh 64 MiB tensor per chunk
-    costs more in page faults than the arithmetic on it (measured on the 2-core dev machine: allocating
-    and filling 341 x 49152 fp32 took 26 ms, copying into a reused buffer 2 ms), since the allocator
-    returns such blocks to the OS. ``upcast(block)``: the block in fp32 (itself when already fp32);
-    ``work(n)``: a second fp32 (n, V) buffer (None when made with ``work=False``)."""
+    """fp32 row-chunk buffers reused by every chunk of one call: on CPU a fresh 64 MiB tensor per chunk costs more in
+    page faults than the arithmetic on it (measured on the 2-core dev machine: allocating and filling 341 x 49152
+    fp32 took 26 ms, copying into a reused buffer 2 ms), since the allocator returns such blocks to the OS."""
 
     def __init__(self, step: int, n_classes: int, dtype: torch.dtype, device: torch.device, work: bool = True):
         shape = (step, n_classes)
@@ -56,16 +46,9 @@ def block_rows(logits: torch.Tensor) -> int:
 
 
 def for_row_blocks(logits: torch.Tensor, each, work: bool = True) -> None:
-    """Call ``each(rows, block, work)`` for every block of rows of ``logits`` ((n, V); ``block_rows`` rows a
-    block): ``rows`` the block's slice, ``block`` its rows in fp32 (a reused buffer unless ``logits`` is fp32),
-    ``work`` a second fp32 buffer of ``block``'s shape (``Scratch``; None when ``work`` is False: ``each``
-    needs none). The loop of every forward and backward here.
-
-    On the CPU the blocks are shared among ``torch.get_num_threads()`` Python threads, each with one
-    intra-op thread and its own buffers (``block_threads.run``): ``each`` must write only its block's rows
-    of its outputs and take no ``block_threads`` lock. Every row is then reduced whole by one thread, the
-    same bits whatever the block and the number of rows in a call (``batch_invariant``). Elsewhere one
-    loop in the calling thread."""
+    """Call ``each(rows, block, work)`` for every block of rows of ``logits`` ((n, V); ``block_rows`` rows a block):
+    ``rows`` the block's slice, ``block`` its rows in fp32 (a reused buffer unless ``logits`` is fp32), ``work`` a
+    second fp32 buffer of ``block``'s shape (``Scratch``; None when ``work`` is False: ``each`` needs none)."""
     n_rows, n_classes = logits.shape
     step = block_rows(logits)
     n_blocks = -(-n_rows // step)
@@ -81,10 +64,10 @@ def for_row_blocks(logits: torch.Tensor, each, work: bool = True) -> None:
 
 
 def grad_chunks_(logits: torch.Tensor, out: torch.Tensor, row_grad) -> torch.Tensor:
-    """``out[rows] = row_grad(rows, block, buf)`` for each row block of ``logits`` ((n, V)), returning
-    ``out`` ((n, V), may be ``logits``): ``block`` the rows in fp32, ``buf`` where ``row_grad`` may write
-    its fp32 result (``out[rows]`` itself when ``out`` is fp32: no temporary, else a reused block buffer
-    converted into ``out`` once per block). The loop of every backward here (``for_row_blocks``)."""
+    """``out[rows] = row_grad(rows, block, buf)`` for each row block of ``logits`` ((n, V)), returning ``out`` ((n, V),
+    may be ``logits``): ``block`` the rows in fp32, ``buf`` where ``row_grad`` may write its fp32 result
+    (``out[rows]`` itself when ``out`` is fp32: no temporary, else a reused block buffer converted into ``out`` once
+    per block)."""
     fp32_out = out.dtype == torch.float32
 
     def each(rows, block, work):
@@ -122,13 +105,8 @@ def chunk_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = T
 
 def chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
                 out=None, grad_entropy=None, entropy=None) -> torch.Tensor:
-    """Write d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i + grad_entropy[i] entropy_i)/d logits into
-    ``out`` (default: ``logits`` itself). ``grad_lse`` / ``grad_entropy`` None mean 0; ``entropy`` is
-    the forward's, read only with ``grad_entropy``.
-
-    fp32 ``out``: the gradient is computed in it, no (n, V) temporary besides softcap's; other dtypes
-    go through two reused fp32 chunk buffers (``Scratch``) and one conversion pass per chunk.
-    """
+    """Write d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i + grad_entropy[i] entropy_i)/d logits into ``out``
+    (default: ``logits`` itself)."""
     def row_grad(rows, block, buf):
         return rows_grad(block, target[rows], w, weight_sum, lse[rows], lse_lo[rows], grad_row[rows],
                          None if grad_lse is None else grad_lse[rows], opts, out=buf,

@@ -1,19 +1,5 @@
-"""Probability ("soft") targets in PyTorch: the row math and its chunk loops (``launch.py``'s
-``for_row_blocks`` / ``grad_chunks_``), which ``soft_targets.py`` calls as torch custom ops.
-
-Per row, on ``z`` (``row_math.transform``: logit scale, softcap), with the target ``q`` (any float dtype,
-used in fp32), ``eps`` = label_smoothing, ``w`` the class weights (1 without) and ``p = softmax(z)``
-(``F.cross_entropy``'s probability-target semantics; its smoothing mixes ``q`` with the uniform
-distribution first):
-
-    q'_c = (1 - eps) q_c + eps / V,   u_c = w_c q'_c,   A = sum_c u_c
-    loss = sum_c u_c (lse - z_c)                                   (= -sum_c w_c q'_c log p_c)
-    dL/dz_c = g (A p_c - u_c) + h p_c                              (g, h: upstream of loss, lse)
-
-A column with ``u_c = 0`` adds exactly 0 to the loss (a -inf logit where ``q_c = 0`` is not ``0 * inf``,
-where torch's composition gives NaN); every term of the sum is >= 0 for ``q >= 0`` (no cancellation).
-``q`` is not required to sum to 1 (torch does not check either): ``A`` carries its mass.
-"""
+"""Probability ("soft") targets in PyTorch: the row math and its chunk loops (``launch.py``'s ``for_row_blocks`` /
+``grad_chunks_``), which ``soft_targets.py`` calls as torch custom ops."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,17 +1,7 @@
-"""Probability ("soft") targets on the PyTorch backend: the chunk loops of ``soft_launch.py`` as torch
-custom ops (namespace ``fusedce_torch``: one graph node each under torch.compile, as ``custom_ops.py``),
-their autograd formula (``backends/op_autograd.py``, the one the Triton backend's ops use) and the backend
-interface ``soft_cross_entropy_rows``. The same schemas as ``backends/triton/soft_targets.py``:
-
-- ``fusedce_torch::soft_ce_forward(logits, q, weight?, <options>, stats, inplace_backward)
-  -> (loss, lse, lse_lo, a, predicted)``: (BT,) fp32 each (``a`` = sum_c w_c q'_c, saved for the
-  backward), predicted (BT,) int64 or (0,) without ``stats``. Differentiable outputs: loss and lse.
-- ``fusedce_torch::soft_ce_backward(logits, q, weight?, lse, lse_lo, a, grad_row, grad_lse?, <options>)
-  -> grad`` (a new (BT, V) buffer, logits' dtype) and ``fusedce_torch::soft_ce_backward_inplace(logits!,
-  ...)`` (writes the gradient into ``logits``).
-``<options>`` = ``ignore_index: int, scalars: float[]`` (``LossOptions.op_args``). ``q`` is a constant:
-no gradient reaches it.
-"""
+"""Probability ("soft") targets on the PyTorch backend: the chunk loops of ``soft_launch.py`` as torch custom ops
+(namespace ``fusedce_torch``: one graph node each under torch.compile, as ``custom_ops.py``), their autograd formula
+(``backends/op_autograd.py``, the one the Triton backend's ops use) and the backend interface
+``soft_cross_entropy_rows``."""
 from __future__ import annotations
 
 from typing import Optional

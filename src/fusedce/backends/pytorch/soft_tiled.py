@@ -1,31 +1,7 @@
-"""``method="tiled"`` with probability ("soft") targets, in plain PyTorch: the LM head + the loss of
-``soft_launch.py`` on blocks of tokens x vocabulary (``tuning.tile_sizes``: fewer than V logits a block),
-the target read block by block alongside the weight; never a tensor of V or more elements besides the
-weight, its gradient, the bias and the target itself. Every backend's ``method="tiled"`` with a float
-target runs this loop (on the tensors' device; on Triton it is torch ops, not a tiled Triton kernel).
-
-Notation as ``soft_launch.py``: ``u_c = w_c ((1 - eps) q_c + eps / V)``, ``A = sum_c u_c``.
-
-Forward, per token block r, vocabulary block j (columns ``cols``):
-    x = h_r @ W_j.T + b_j in fp32 from the operands' values (``tiled._block_logits``); z = transform(x)
-    online softmax (Milakov & Gimelshein 2018): m the running max, c = m (0 while m = -inf) its finite
-    shift, S = sum exp(z - c); and D = sum_c u_c (c - z_c), re-based with c: D += A_old (c_new - c_old);
-    A += sum_j u. At the end lse = c + log S (an exact fp32 pair, TwoSum) and
-        loss = sum_c u_c (lse - z_c) = D + A log S
-    (each term of D is >= 0 for q >= 0 and the re-basing adds A (c_new - c_old) >= 0 once m is finite:
-    no cancellation; a column with u_c = 0 adds exactly 0, also at a -inf logit).
-Backward (from the saved lse pair and A; each block recomputed):
-    dz = (g A + h) p - g u,  p = exp((z - lse) - lse_lo), then ``row_math.mul_slope_``, kept in fp32 (as
-    the chunked method on CPU); grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r, grad_b_j += sum_rows dz
-    (summed in fp32 per vocabulary block and rounded to ``accum_dtype`` once: ``block_accum.py``).
-Both passes loop vocabulary block outer (``tiled.py``'s order: each weight block upcast once per share,
-the same bits). FLOPs: 2 BT V H forward, 6 BT V H backward. Memory beyond the inputs and the returned
-gradients: a few fp32 blocks (logits, target, exp, gradient) of fewer than V values each per thread, O(BT) row
-statistics, and per extra thread of the backward one fp32 ``BT x H`` accumulator of grad_h (plus one
-for non-fp32 hidden); with a 16-bit ``accum_dtype`` one fp32 ``vocab x H`` block of grad_W per thread.
-Threads: ``block_threads.py`` (the forward shares out row blocks, the backward vocabulary blocks), as
-``tiled.py``.
-"""
+"""``method="tiled"`` with probability ("soft") targets, in plain PyTorch: the LM head + the loss of ``soft_launch.py``
+on blocks of tokens x vocabulary (``tuning.tile_sizes``: fewer than V logits a block), the target read block by
+block alongside the weight; never a tensor of V or more elements besides the weight, its gradient, the bias and the
+target itself."""
 from __future__ import annotations
 
 from typing import Optional
@@ -52,9 +28,8 @@ def _mixed_block(q: torch.Tensor, w: Opt, opts: LossOptions, n_classes: int) -> 
 
 def soft_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q: torch.Tensor, w: Opt,
                        opts: LossOptions, stats: bool):
-    """``(loss, lse, lse_lo, a, predicted)`` per token of ``hidden`` (n, H) against ``q`` (n, V): fp32 (n,)
-    each (loss without the z-loss; ``a`` = A), predicted the first argmax of the raw logits (int64) or
-    None without ``stats``. No gradient."""
+    """``(loss, lse, lse_lo, a, predicted)`` per token of ``hidden`` (n, H) against ``q`` (n, V): fp32 (n,) each (loss
+    without the z-loss; ``a`` = A), predicted the first argmax of the raw logits (int64) or None without ``stats``."""
     n, n_classes = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     loss = torch.zeros(n, device=dev)
@@ -91,7 +66,7 @@ def soft_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q:
                     best_idx = torch.where(take, bidx + v0, best_idx)
                     best = torch.where(take, bmax, best)
                 st[:] = [m, shift, s, d, a, best, best_idx]
-        for r, (m, shift, s, d, a, best, best_idx) in zip(mine, state):
+        for r, (_m, shift, s, d, a, _best, best_idx) in zip(mine, state):
             log_s = torch.log(s)
             hi, lo = two_sum(shift, log_s)
             loss[r] = d + a * log_s

@@ -1,34 +1,6 @@
-"""``method="tiled"`` in plain PyTorch: the LM head + loss on blocks of tokens x vocabulary, never a
-tensor of V or more elements besides the weight, its gradient and the bias (the same algorithm as the
-Triton tiled kernels, so its semantics and memory are tested on CPU).
-
-Forward, per token block r and vocabulary block j (``tuning.tile_sizes``: fewer than V logits a block):
-    x = h_r @ W_j.T + b_j in fp32 from the operands' values (one block of each upcast: never rounded
-    to hidden's dtype, the chunked method's default fp32 logits);
-    z = transform(x); the block's row statistics (max of z, its sum-exp, the entropy sum T, the
-    smoothing sum, the raw max and its index, the target logit where the block holds the target)
-    merged into the running ones (online softmax, Milakov & Gimelshein 2018; a block whose logits are
-    all -inf in a row adds exactly 0 there);
-    at the end lse = m + log S as an exact pair, the loss (``row_math.row_loss``), entropy = log S - T / S.
-Backward (from the saved lse pair; each block recomputed):
-    dz = ``row_math.rows_grad`` on the block (the vocabulary-slice form: global V, w_t per row; fp32,
-    not rounded to hidden's dtype, where the chunked method rounds its chunk's gradient once as stock does),
-    grad_h_r += dz @ W_j (fp32), grad_W_j += dz.T @ h_r and grad_b_j += sum_rows dz (``accum_dtype``).
-Loop order (both passes): vocabulary block outer, token block inner, so that each weight block is upcast
-(and read from memory) once per thread's share, not once per token block; every row still meets the
-vocabulary blocks in order and every weight-gradient block its token blocks in order, so the results are
-bitwise those of the token-block-outer order (issue 32: bf16 fwd+bwd at BT = 1024, 2-core VM under load
-~2.5, 3.08 -> 2.52 s; fp32 2.87 -> 2.47 s, the weight block staying in cache).
-FLOPs: 2 BT V H forward, 6 BT V H backward (recomputed logits, grad_h, grad_W). Memory beyond the
-inputs and the returned gradients: a few fp32 blocks of fewer than V values each, fp32 copies of one
-weight block and one hidden block for non-fp32 inputs, O(BT) row statistics, and for non-fp32 hidden
-an fp32 ``BT x H`` accumulator of its gradient.
-Threads (``block_threads.py``): the forward's row blocks and the backward's vocabulary blocks are shared
-out among ``n`` threads (``n = torch.get_num_threads()``, each with one intra-op thread); the forward's
-shares write disjoint rows, the backward's disjoint columns of grad_W / grad_b, and each backward share
-past the first accumulates grad_h in its own fp32 ``BT x H`` buffer, added in share order at the end
-(so results are deterministic for a given ``n``; grad_W and grad_b are bitwise those of one thread).
-"""
+"""``method="tiled"`` in plain PyTorch: the LM head + loss on blocks of tokens x vocabulary, never a tensor of V or
+more elements besides the weight, its gradient and the bias (the same algorithm as the Triton tiled kernels, so its
+semantics and memory are tested on CPU)."""
 from __future__ import annotations
 
 import contextlib
@@ -113,12 +85,8 @@ def _target_columns(target: torch.Tensor, valid: torch.Tensor, start: int, width
 
 
 def invariant_rows(n_classes: int) -> int:
-    """``TiledCE.invariant_rows``: the rows of ``batch_invariant``'s token blocks (``tuning.tile_sizes(V,
-    True)``: from V alone, a multiple of 64). A row's results depend on the shapes of its block's ops (a GEMM's
-    blocking sets each dot product's order; the row reductions run on ``(rows, vocab)`` blocks), not on its
-    position in the block (whole vectors, ``tuning.INVARIANT_ROWS``) or the other rows: with every block full
-    they are the same whatever the batch. The backward's grad_h adds the vocabulary blocks of each thread's
-    share in order, then the shares in order: set by V and the thread count, not by BT."""
+    """``TiledCE.invariant_rows``: the rows of ``batch_invariant``'s token blocks (``tuning.tile_sizes(V, True)``: from
+    V alone, a multiple of 64)."""
     return tuning.tile_sizes(n_classes, True)[0]
 
 

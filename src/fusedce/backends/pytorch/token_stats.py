@@ -1,6 +1,6 @@
 """TRL's per-token statistics (``types.TokenStats``) of a chunk of logits, in plain PyTorch: the
-``ChunkCE.token_stats`` of this backend (``backends/protocol.py``), run on a chunk whose lse pair the
-forward has just computed. Formulas: ``row_math.token_stats``."""
+``ChunkCE.token_stats`` of this backend (``backends/protocol.py``), run on a chunk whose lse pair the forward has
+just computed."""
 from __future__ import annotations
 
 import torch

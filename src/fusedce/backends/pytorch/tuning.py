@@ -1,11 +1,4 @@
-"""Chunk sizes of the PyTorch backend (one place).
-
-The CPU path processes rows in chunks so that its fp32 temporaries (upcast logits, exp, gradient) hold
-about ``CHUNK_ELEMENTS`` values each (64 MiB in fp32) instead of BT x V. Measured on the 2-core x86-64
-dev machine at V = 49152, BT = 2048: 85-row chunks (2**22 elements) took 2.0 s for the forward and
-2.0 s for the gradient, 512-row chunks 0.95 s and 1.2 s (per-op overheads and thread start-up dominate
-small chunks); 2**24 elements (341 rows at that V) is near the fast end at a bounded memory cost.
-"""
+"""Chunk sizes of the PyTorch backend (one place)."""
 CHUNK_ELEMENTS = 1 << 24
 
 
@@ -21,7 +14,7 @@ def chunk_rows(n_classes: int) -> int:
 # with one intra-op thread each (``block_threads.run``): no OpenMP barrier per op on these small ops, and each
 # row is reduced whole by one thread (the same bits however many rows share a call). The size follows from the
 # L2 argument, not from a sweep; the A/B against the former 2**24-element OpenMP chunks is in
-# ``benchmarks/README.md`` (issue 32: equal on an idle machine, faster beside a competing process).
+# ``benchmarks/README.md`` (equal on an idle machine, faster beside a competing process).
 CPU_BLOCK_ELEMENTS = 1 << 18
 
 
@@ -35,7 +28,7 @@ def cpu_block_rows(n_classes: int) -> int:
 # min(TILE_ROWS, (V - 1) // vocab). Measured on the 2-core dev machine, BT=4096, H=576, V=49152, fp32
 # fwd+bwd (chunked: 4.4 s): 512 x 2048 blocks (8 V each) 5.7 s; 47 x 1024 (< V) 8.4 s; 23 x 2048 11.3 s;
 # 11 x 4096 23.2 s: short blocks are dominated by per-op overheads. Taller, narrower blocks of the same
-# size feed the GEMMs better (issue 32: the weight-gradient GEMM's inner dimension is the block's rows, 47 at
+# size feed the GEMMs better (the weight-gradient GEMM's inner dimension is the block's rows, 47 at
 # 1024 wide); per thread, one intra-op thread, the three products of one block took 1.35 ms at 47 x 1024,
 # 1.15 at 94 x 512, 1.04 at 188 x 256, 1.02 at 376 x 128; end to end (BT = 1024, same VM, load ~3, fwd+bwd,
 # one process per run, two rounds): fp32 2.32-2.34 s at 1024 wide, 2.08 at 512, 1.94-2.11 at 256, 2.22 at 128;

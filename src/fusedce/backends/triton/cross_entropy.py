@@ -1,11 +1,4 @@
-"""Autograd for the Triton cross-entropy custom ops, and the backend interface ``cross_entropy_rows``.
-
-Layering: kernels/*.py -> launch.py (launch into given buffers) -> custom_ops.py (torch custom ops:
-allocate + launch, fake impls) -> this file (registers ``backends/op_autograd.py``'s formula on the
-forward op; per-row loss only, the reduction is applied by ``functional``). Because every launch is a
-custom op with a fake impl and a registered autograd formula, ``torch.compile(fullgraph=True)`` traces
-``fusedce.cross_entropy`` forward and backward without a graph break.
-"""
+"""Autograd for the Triton cross-entropy custom ops, and the backend interface ``cross_entropy_rows``."""
 from __future__ import annotations
 
 from typing import Optional

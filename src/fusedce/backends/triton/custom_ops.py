@@ -1,45 +1,4 @@
-"""The Triton launches as torch custom ops, so ``torch.compile(fullgraph=True)`` traces through them.
-
-Six ops in the ``fusedce`` namespace (plus the two tiled ones of ``tiled.py``), each "allocate, then
-call a launcher" (``launch.py``) plus a fake (meta) implementation that gives the output shapes, dtypes and strides without touching data:
-
-- ``fusedce::ce_forward(logits, target, weight?, weight_sum?, <options>, stats, inplace_backward)
-  -> (loss, lse, lse_lo, predicted)``
-  ``loss`` (cross-entropy without z-loss), ``lse``, ``lse_lo`` (lse's rounding error): (BT,) fp32;
-  ``predicted``: (BT,) int64, or (0,) when ``stats`` is False. Differentiable outputs: loss and lse.
-- ``fusedce::ce_backward(logits, target, weight?, weight_sum?, lse, lse_lo, grad_row, grad_lse?,
-  <options>) -> grad``
-  ``grad``: (BT, V) contiguous, logits' dtype; a new buffer.
-- ``fusedce::ce_backward_inplace(logits!, ...same...) -> ()`` writes the gradient into ``logits``.
-  A custom op may not return an alias of an input, so the in-place variant declares the mutation
-  (``mutates_args=("logits",)``, schema ``Tensor(a!)``) and returns nothing; the autograd formula
-  (``cross_entropy.py``) then hands ``logits`` itself back as the gradient. Under torch.compile, functionalization
-  turns the mutation into ``auto_functionalized`` and Inductor re-inplaces it into ``logits``' buffer
-  when that is safe (it is when nothing else reads the logits later), else it computes into a copy: the
-  in-place write is then a memory hint, never a change of results.
-- ``fusedce::ce_backward_out(logits, out!, ...same..., grad_entropy?, entropy?) -> ()`` writes the
-  gradient into a caller's buffer ``out`` (the RL ops' ``ChunkCE.grad_(..., out=)``); the two backward
-  ops above also take the optional ``grad_entropy`` (upstream of the entropy, any float dtype / stride)
-  and ``entropy`` (the forward's) last, defaulting to None (the CE path, unchanged).
-- ``fusedce::ce_forward_entropy(logits, target, weight?, weight_sum?, <options>, stats)
-  -> (loss, lse, lse_lo, predicted, entropy)``: the forward with the per-row entropy (RL ops; no
-  autograd formula: the chunk loop's Functions call the backward ops themselves).
-- ``fusedce::ce_chunk_(logits!, target, weight?, weight_sum?, grad_row, z_grad_row, <options>, stats)
-  -> (loss, lse, lse_lo, predicted, token_weight)``: the fused forward + gradient of one chunk of
-  ``linear_cross_entropy`` (``kernels/ce_chunk.py``), the gradient written over ``logits``;
-  ``token_weight`` (BT,) with ``use_token_scaling``, else (0,). No autograd: the chunk loop calls it
-  inside its own autograd Function.
-
-``<options>`` are ``ignore_index: int, scalars: float[]``, made by ``LossOptions.op_args`` and read back
-by ``LossOptions.from_op_args`` (a custom op cannot take the dataclass; the list keeps these schemas
-unchanged when a loss option is added). Python floats reach the kernels as fp32 scalars, in eager and
-compiled code alike, so e.g. softcap=30.0 is never promoted to fp64.
-
-Inputs may have any strides (Inductor may pass e.g. an expanded stride-0 upstream gradient): the
-kernels take row strides for logits, target, grad_row and grad_lse; ``lse`` and ``weight`` are made contiguous
-(BT or V elements, a no-op in practice); logits whose last dim is not stride 1 are copied once (the
-in-place op then writes through a contiguous temporary and copies back).
-"""
+"""The Triton launches as torch custom ops, so ``torch.compile(fullgraph=True)`` traces through them."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,23 +1,6 @@
-"""Distillation on Triton: the backend row op ``distill_rows`` (logits in memory) as a torch custom op with
-a fake so that ``torch.compile`` traces it, and the checks it shares with ``tiled_distill`` (no logits of
-either model, ``distill_tiled.py``).
-
-Layering as for the cross-entropy ops: ``kernels/distill_math.py`` (the formulas, once) ->
-``kernels/distill_rows.py``, ``distill_tiled_stats.py``, ``distill_tiled_grad.py`` (the kernels, with
-their passes and bytes / FLOPs per token) -> ``distill_launch.py`` (grid, arguments and meta-parameters
-in one place; ``fusedce inspect`` compiles exactly these) -> the custom ops ``fusedce::distill_rows`` here
-and ``fusedce::tiled_distill`` (``distill_tiled.py``; allocate + launch; a gradient not asked for comes
-back as a (0,) tensor) -> ``distill_rows`` / ``tiled_distill`` (the typed entry points of the backend boundary, same
-signatures as ``backends/pytorch``'s). No autograd here: the caller multiplies its upstream gradient into
-``grad_factor`` before the call (forward and gradient are one call, as the fused chunk).
-
-Passes over V per row: beta = 0 (forward KL) or beta = 1 (reverse KL): one for the loss (both lse's and
-the divergence in one online pass), two with the gradient; 0 < beta < 1: two for the loss (the
-generalized JSD's ``log m`` needs the normalized probabilities), three with the gradient (its row sum
-``sum s g`` is the second pass's ``(1 - beta) KL(s || m)``). In the tiled form each pass recomputes both
-heads' logits tiles, and ``deterministic`` runs the gradient pass as two kernels (one owner per gradient
-row, no atomics: bitwise identical run to run) instead of one with fp32 atomics.
-"""
+"""Distillation on Triton: the backend row op ``distill_rows`` (logits in memory) as a torch custom op with a fake so
+that ``torch.compile`` traces it, and the checks it shares with ``tiled_distill`` (no logits of either model,
+``distill_tiled.py``)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -98,7 +81,7 @@ def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tar
                  student_softcap: Optional[float], teacher_softcap: Optional[float]
                  ) -> Tuple[torch.Tensor, Opt]:
     """Per-row distillation loss and its student-logit gradient (the formulas: ``kernels/distill_math.py``,
-    oracle ``tests/references/reference64_distill.py``).
+    oracle ``tests/support/reference64_distill.py``).
 
     Args:
         student_logits, teacher_logits: (N, V), any float dtypes (may differ), any row stride (a last dim

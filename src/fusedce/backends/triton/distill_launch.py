@@ -1,11 +1,5 @@
-"""Launch builders of the distillation kernels: ``(kernel, grid, args, meta)`` for given buffers, computed
-in one place (``distill.py`` and ``distill_tiled.py`` run them; ``fusedce inspect`` compiles exactly these
-on meta tensors).
-
-``DistillKnobs`` is the one description of the options that every launch reads: the runtime fp32 scalars
-(beta, 1 / T, hard_label_weight, the two softcaps, ignore_index) and the constexpr code paths they select
-(MODE, HAS_HARD, HARD_OWN_LSE, HAS_S_CAP, HAS_T_CAP; ``kernels/distill_math.py``).
-"""
+"""Launch builders of the distillation kernels: ``(kernel, grid, args, meta)`` for given buffers, computed in one place
+(``distill.py`` and ``distill_tiled.py`` run them; ``fusedce inspect`` compiles exactly these on meta tensors)."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +21,7 @@ Opt = Optional[torch.Tensor]
 
 @dataclasses.dataclass(frozen=True)
 class DistillKnobs(DistillOptions):
-    """The distillation options as the kernels take them (see ``tests/references/reference64_distill.py``):
+    """The distillation options as the kernels take them (see ``tests/support/reference64_distill.py``):
     ``options.distill.DistillOptions``' fields, then ``has_target``."""
 
     has_target: bool

@@ -1,10 +1,6 @@
-"""Distillation of two linear heads on Triton with no logits of either model (``method="tiled"``): the
-backend op ``tiled_distill`` as the torch custom op ``fusedce::tiled_distill`` with a fake, so that
-``torch.compile`` traces it. Kernels: ``kernels/distill_tiled_stats.py`` / ``distill_tiled_grad.py``;
-grids and arguments: ``distill_launch.py``; the option and row checks and the row buffers: ``distill.py``
-(as ``distill_rows``). ``deterministic`` runs the gradient pass as two kernels (one owner per gradient
-row, no atomics: bitwise identical run to run) instead of one with fp32 atomics.
-"""
+"""Distillation of two linear heads on Triton with no logits of either model (``method="tiled"``): the backend op
+``tiled_distill`` as the torch custom op ``fusedce::tiled_distill`` with a fake, so that ``torch.compile`` traces
+it."""
 from __future__ import annotations
 
 from typing import Optional, Tuple

@@ -1,9 +1,4 @@
-"""Launchers: validate -> launch into caller-supplied buffers. No allocation of BT x V here, no sync.
-
-The grid, the argument list and the meta-parameters of each kernel are computed in one place,
-``forward_launch`` / ``backward_launch``; the launchers run them and ``fusedce.tools.inspect`` compiles them
-for a GPU target offline (with meta tensors), so the report shows exactly what a real launch compiles.
-"""
+"""Launchers: validate -> launch into caller-supplied buffers. No allocation of BT x V here, no sync."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -24,10 +19,8 @@ INTERPRETED = not isinstance(ce_backward_kernel, triton.runtime.jit.JITFunction)
 
 
 def _align(elem_size: int, *ints: int) -> int:
-    """The kernels' ``ALIGN``: the largest power of two, at most one 16-byte vector of elements, that
-    divides every int given (n_cols and the row strides). With 16-byte aligned base pointers it lets the
-    compiler emit 128-bit accesses whenever the rows allow it, not only when V % 16 == 0 (Triton's own
-    integer specialization); V odd gives 1 (scalar accesses, nothing to prove)."""
+    """The kernels' ``ALIGN``: the largest power of two, at most one 16-byte vector of elements, that divides every int
+    given (n_cols and the row strides)."""
     align = 16 // elem_size
     while align > 1 and any(v % align for v in ints):
         align //= 2
@@ -150,10 +143,9 @@ def ce_chunk_(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch
               weight_sum: Optional[torch.Tensor], grad_row: torch.Tensor, z_grad_row: torch.Tensor,
               opts: LossOptions, loss: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
               predicted: Optional[torch.Tensor], token_weight: Optional[torch.Tensor]) -> None:
-    """Fill ``loss``/``lse``/``lse_lo`` (and ``predicted``, ``token_weight`` when given) for the chunk
-    ``logits`` ((n, V), last dim stride 1) and overwrite ``logits`` with d(sum_i grad_row[i] loss_i +
-    z_grad_row[i] z_i)/d logits (``z_i = s lse_i**2``; both upstreams times ``p_t`` with token scaling).
-    ``grad_row``, ``z_grad_row``: (n,) any float dtype and stride."""
+    """Fill ``loss``/``lse``/``lse_lo`` (and ``predicted``, ``token_weight`` when given) for the chunk ``logits`` ((n,
+    V), last dim stride 1) and overwrite ``logits`` with d(sum_i grad_row[i] loss_i + z_grad_row[i] z_i)/d logits
+    (``z_i = s lse_i**2``; both upstreams times ``p_t`` with token scaling)."""
     if logits.shape[0] == 0:
         return
     kernel, grid, args, meta = chunk_launch(logits, target, weight, weight_sum, grad_row, z_grad_row, opts,
@@ -165,13 +157,7 @@ def ce_forward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torc
                weight_sum: Optional[torch.Tensor], opts: LossOptions, loss: torch.Tensor,
                lse: torch.Tensor, lse_lo: torch.Tensor, predicted: Optional[torch.Tensor],
                entropy: Optional[torch.Tensor] = None) -> None:
-    """Fill ``loss``/``lse``/``lse_lo`` (and ``predicted`` when given) for ``logits`` ((BT, V), last
-    dim stride 1).
-
-    ``loss`` (cross-entropy without z-loss), ``lse``, ``lse_lo``: (BT,) fp32 contiguous, all 0 on
-    ignored rows; ``predicted``: (BT,) int64 or None (no argmax computed); ``entropy``: (BT,) fp32 or
-    None (not computed). ``weight_sum``: 1-element fp32 tensor = weight.sum() when ``weight`` is given.
-    """
+    """Fill ``loss``/``lse``/``lse_lo`` (and ``predicted`` when given) for ``logits`` ((BT, V), last dim stride 1)."""
     if logits.shape[0] == 0:
         return
     kernel, grid, args, meta = forward_launch(logits, target, weight, weight_sum, opts, loss, lse, lse_lo,
@@ -184,12 +170,8 @@ def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[tor
                 grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor], opts: LossOptions,
                 grad: torch.Tensor, vocab: Optional["VocabSlice"] = None,
                 grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None) -> None:
-    """Write d(sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i [+ grad_entropy[i] * entropy_i])/d logits
-    into ``grad`` ((BT, V), may be ``logits`` itself).
-
-    ``lse``, ``lse_lo``: (BT,) fp32 contiguous, from the forward. ``grad_row`` and ``grad_lse`` (None:
-    zero): (BT,) any float dtype and any stride (an expanded stride-0 scalar is fine).
-    """
+    """Write d(sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i [+ grad_entropy[i] * entropy_i])/d logits into ``grad``
+    ((BT, V), may be ``logits`` itself)."""
     if logits.shape[0] == 0:
         return
     kernel, grid, args, meta = backward_launch(logits, target, weight, weight_sum, lse, lse_lo, grad_row,

@@ -1,14 +1,5 @@
 """What the Triton backend plugs into the LM head (``fusedce.lm_head``): its per-chunk cross-entropy
-(``TritonChunkCE``) and its tiled LM head + loss (``TritonTiledCE``, the kernels of ``tiled.py``).
-
-Per chunk, one fused kernel (``kernels/ce_chunk.py``) writes loss/lse/lse_lo and overwrites the chunk's
-logits with their gradient: one launch, the chunk read once from HBM (the second read of each row hits
-L2) and written once. A backward that recomputes (reduction "none", or a second backward) runs the
-backward kernel alone on logits whose lse is known. The logits buffer of a chunk is the only n_c x V
-memory the loss ever holds. The RL ops (``token_log_probs``) ask ``loss(..., entropy=True)`` (the
-forward kernel with COMPUTE_ENTROPY) and ``grad_(..., grad_entropy=, entropy=, out=)`` (the backward
-kernel with HAS_GRAD_ENTROPY, into ``out`` when given).
-"""
+(``TritonChunkCE``) and its tiled LM head + loss (``TritonTiledCE``, the kernels of ``tiled.py``)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -60,11 +51,9 @@ class TritonTiledCE:
 
     @staticmethod
     def invariant_rows(n_classes: int) -> int:
-        """64: the tiles (``tuning.tiled_config``) never depend on n, a partial token tile's missing rows are
-        masked zeros that enter no other row's dot (no split over H or V), and every row meets the vocabulary
-        tiles in order; with ``deterministic`` the hidden gradient too (its own program, no atomics). Padding
-        to 64 rows (``BLOCK_N``: the last tile's masked rows, no more work) keeps the (n,) torch ops around
-        the kernels in whole vectors on a CPU (the interpreter; ``pytorch/tuning.INVARIANT_ROWS``)."""
+        """64: the tiles (``tuning.tiled_config``) never depend on n, a partial token tile's missing rows are masked
+        zeros that enter no other row's dot (no split over H or V), and every row meets the vocabulary tiles in
+        order; with ``deterministic`` the hidden gradient too (its own program, no atomics)."""
         return 64
 
     @staticmethod

@@ -1,9 +1,5 @@
-"""The Triton backend on a vocabulary slice (vocab parallelism): partial row statistics out, the
-gradient of the slice from the global statistics in. ``distributed/`` exchanges the
-statistics between the ranks; the math is the single-process kernels' (``kernels/row_math.py``).
-
-Both are torch custom ops (``fusedce::slice_stats``, ``fusedce::slice_grad``) with fakes, so fake tensors,
-``make_fx`` and ``torch.export`` trace the vocab-parallel ops without reaching a kernel's data pointer."""
+"""The Triton backend on a vocabulary slice (vocab parallelism): partial row statistics out, the gradient of the slice
+from the global statistics in."""
 from __future__ import annotations
 
 from typing import Optional

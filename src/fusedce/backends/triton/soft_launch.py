@@ -1,8 +1,5 @@
-"""Launchers of the probability-target kernels (``kernels/soft_forward.py``, ``kernels/soft_backward.py``):
-validate -> launch into caller-supplied buffers; no allocation, no sync. ``soft_forward_launch`` /
-``soft_backward_launch`` build ``(kernel, grid, args, meta)`` in one place for the launchers and for
-``fusedce inspect`` (meta tensors), as ``launch.py`` does for the class-index kernels, with the same
-block configuration (``tuning.py``)."""
+"""Launchers of the probability-target kernels (``kernels/soft_forward.py``, ``kernels/soft_backward.py``): validate ->
+launch into caller-supplied buffers; no allocation, no sync."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,17 +1,6 @@
-"""Probability ("soft") targets on the Triton backend: the launches as torch custom ops (namespace
-``fusedce``, fake impls, so ``torch.compile(fullgraph=True)`` traces them), their autograd formula, and
-the backend interface ``soft_cross_entropy_rows``.
-
-- ``fusedce::soft_ce_forward(logits, q, weight?, <options>, stats, inplace_backward)
-  -> (loss, lse, lse_lo, a, predicted)``: (BT,) fp32 each (``a`` = sum_c w_c q'_c, saved for the
-  backward), predicted (BT,) int64 or (0,) without ``stats``. Differentiable outputs: loss and lse.
-- ``fusedce::soft_ce_backward(logits, q, weight?, lse, lse_lo, a, grad_row, grad_lse?, <options>) -> grad``
-  (a new (BT, V) buffer, logits' dtype) and ``fusedce::soft_ce_backward_inplace(logits!, ...)`` (writes
-  the gradient into ``logits``; returns nothing, the formula hands ``logits`` back), as the class-index
-  ops of ``custom_ops.py``.
-``<options>`` = ``ignore_index: int, scalars: float[]`` (``LossOptions.op_args``). ``q`` is a constant:
-no gradient reaches it.
-"""
+"""Probability ("soft") targets on the Triton backend: the launches as torch custom ops (namespace ``fusedce``, fake
+impls, so ``torch.compile(fullgraph=True)`` traces them), their autograd formula, and the backend interface
+``soft_cross_entropy_rows``."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,25 +1,5 @@
-"""The tiled LM-head loss (``method="tiled"``) on Triton: launchers, torch custom ops, and ``TRITON_TILED``
-(the ``TiledCE`` of ``backends/protocol.py``).
-
-Layering as for the row kernels: ``kernels/tiled_forward.py`` / ``tiled_backward.py`` /
-``tiled_backward_owned.py`` (the kernels, their design and their bytes / FLOPs per token) ->
-``tiled_forward_launch`` / ``tiled_backward_launch`` / ``tiled_grad_hidden_launch`` /
-``tiled_grad_weight_launch`` (grid, arguments and meta-parameters in one place; ``fusedce inspect``
-compiles exactly these on meta tensors; ``tiled_backward_launches`` picks the atomic kernel or, with
-``deterministic``, the two atomic-free ones) -> the custom ops ``fusedce::tiled_forward`` /
-``fusedce::tiled_backward`` (allocate + launch, with fakes, so torch.compile traces them; ``deterministic``
-is an argument of the op) -> ``TRITON_TILED`` (typed entry points). No autograd here: the shared
-Functions of ``lm_head`` call ``forward`` / ``backward``.
-
-Memory: besides the (n,) per-row outputs, forward allocates nothing; backward allocates the fp32
-accumulators (both variants): grad_hidden (n x H fp32, cast to hidden's dtype afterwards when that is
-not fp32), grad_weight (V x H fp32) and grad_bias (V fp32), cast to ``accum_dtype`` when that is not fp32.
-No tensor of n x V (or any other V-sized tensor besides the weight / bias gradients) exists.
-
-Matmul precision: bf16 / fp16 dots run on tensor cores with fp32 accumulation and the logits tile stays
-fp32 (not rounded to the inputs' dtype; the logits' gradient tile is, before its two dots); fp32 dots
-are IEEE fp32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set, as for ``F.linear``.
-"""
+"""The tiled LM-head loss (``method="tiled"``) on Triton: launchers, torch custom ops, and ``TRITON_TILED`` (the
+``TiledCE`` of ``backends/protocol.py``)."""
 from __future__ import annotations
 
 from typing import Optional

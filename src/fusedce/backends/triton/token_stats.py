@@ -1,14 +1,6 @@
 """TRL's per-token statistics on Triton (``types.TokenStats``): the chunked form (a launch of
-``kernels/token_stats.py`` on a chunk of logits whose lse is known) and the tiled form (the tiled
-forward kernel with COMPUTE_TOKEN_STATS: the statistics in the same pass as the lse). Both are torch
-custom ops with fakes, as the other launches (``custom_ops.py``, ``tiled.py``); no autograd (the
-statistics have no gradient).
-
-- ``fusedce::token_stats(logits, target, lse, lse_lo, <options>) -> (log_sum_sq_probs, mean_logits,
-  is_top1)``: (n,) fp32, fp32, bool.
-- ``fusedce::tiled_forward_token_stats(<tiled_forward's arguments>) -> (loss, lse, lse_lo, predicted,
-  target_logit, entropy, log_sum_sq_probs, mean_logits, is_top1)``.
-"""
+``kernels/token_stats.py`` on a chunk of logits whose lse is known) and the tiled form (the tiled forward kernel
+with COMPUTE_TOKEN_STATS: the statistics in the same pass as the lse)."""
 from __future__ import annotations
 
 from typing import Optional

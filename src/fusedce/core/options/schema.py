@@ -9,7 +9,7 @@ from typing import List, NamedTuple, Optional, Tuple, TypedDict
 import torch
 
 from fusedce.core.options import checks
-from fusedce.core.options.checks import FP32_NORMAL, check_temperature, fp32_range, real_option
+from fusedce.core.options.checks import FP32_NORMAL, check_temperature, fp32_range
 
 
 def _option(default, doc: str, check):
@@ -138,7 +138,7 @@ class LossOptions:
     def from_op_args(cls, ignore_index: int, scalars: List[float]) -> "LossOptions":
         """Inverse of ``op_args`` (each value back to its field's type: a float 0.0 is ``None`` for an
         optional field, 0.0 / 1.0 a bool for a bool field)."""
-        values = {}
+        values: dict = {}
         for (name, kind), value in zip(_KINDS[1:], scalars):
             values[name] = bool(value) if kind == "bool" else (value or None) if kind == "optional" else value
         return cls(ignore_index=ignore_index, **values)
@@ -161,9 +161,7 @@ class LossOptions:
                    softcap=30.0 if flags.HAS_SOFTCAP else None, **values)
 
     def kept(self, target: torch.Tensor) -> torch.Tensor:
-        """bool of ``target``'s shape: the rows that count (target != ignore_index), for code that holds
-        the options. The layers that receive only ``ignore_index`` (the reduction's denominators, the
-        row compaction, the target-range check) and the kernels (per program) test it themselves."""
+        """bool of ``target``'s shape: the rows that count (target != ignore_index), for code that holds the options."""
         return target != self.ignore_index
 
 

@@ -1,12 +1,4 @@
-"""The public signatures' loss options, derived from ``schema.LossOptions`` (the one description).
-
-A public function or module that takes the loss options declares ``**options`` and is decorated with
-``with_loss_options``: its ``__signature__`` (what ``help()``, IDEs, ``inspect.signature`` and the
-Hugging Face patch see) then lists every option as a keyword-only parameter with its default, and its
-docstring gains a "Loss options" section written from the fields' docs. Adding a field to
-``LossOptions`` therefore adds the keyword to every public signature and docstring at once; values are
-checked by ``LossOptions.checked`` (an unknown keyword is a ``TypeError``, as Python's own).
-"""
+"""The public signatures' loss options, derived from ``schema.LossOptions`` (the one description)."""
 from __future__ import annotations
 
 import functools
@@ -41,7 +33,7 @@ def with_loss_options(obj):
     ``__signature__``, by the loss options it does not name itself (placed after its other
     parameters, keyword-only) and append ``loss_options_doc`` to its (the class's) docstring. ``obj`` is
     returned itself (no wrapper: nothing runs per call)."""
-    fn = obj.__init__ if isinstance(obj, type) else obj
+    fn = obj.__init__ if isinstance(obj, type) else obj  # type: ignore[misc]
     sig = inspect.signature(fn)
     params = list(sig.parameters.values())
     if not params or params[-1].kind is not inspect.Parameter.VAR_KEYWORD:

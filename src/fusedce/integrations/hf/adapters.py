@@ -1,21 +1,4 @@
-"""What an LM head computes, module by module, so the fused loss can reproduce it exactly.
-
-A head is one of three kinds (anything else is refused with a ``ValueError`` naming it):
-
-- ``linear``: an ``nn.Linear`` (or a subclass that keeps ``nn.Linear.forward``; FSDP2's ``FSDPLinear``
-  is one): logits ``x @ W.T + b``.
-- ``lora``: a peft LoRA ``Linear`` (``peft.tuners.lora.Linear``, forward not overridden) around a
-  ``linear`` base: ``base(x) + sum_a s_a * B_a(A_a(dropout_a(x)))`` over the active adapters, or
-  ``base(x)`` alone when merged or disabled. Refused: LoRA variants (DoRA, aLoRA, ... peft's
-  ``lora_variant``), ``fan_in_fan_out``, and ``A`` / ``B`` that are not plain linear layers.
-- ``dispatch``: peft's ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``): it calls exactly one
-  of its children (the trainable copy or the original); each child must be supported.
-
-The logits are then ``sum_i hidden_i @ weight_i.T + sum_j bias_j`` over the recorded :class:`Pieces`,
-which is one matmul over the concatenation ``[hidden_0, hidden_1, ...]`` (along H) with
-``[weight_0, weight_1, ...]``: the LoRA update ``s * B (A x)`` is the piece ``(s * A x, B)``, so the
-``(B, T, V)`` logits are still never made.
-"""
+"""What an LM head computes, module by module, so the fused loss can reproduce it exactly."""
 from __future__ import annotations
 
 from typing import List, Optional
@@ -124,9 +107,8 @@ def dispatch_children(module: nn.Module):
 
 
 def lora_adapters(module: nn.Module):
-    """The adapters peft's ``lora.Linear.forward`` applies on this call, as ``(A, B, dropout, scaling)``
-    in its order; ``[]`` when merged or disabled. Mirrors that forward, including its one side effect
-    (disabled + merged: it unmerges first)."""
+    """The adapters peft's ``lora.Linear.forward`` applies on this call, as ``(A, B, dropout, scaling)`` in its order;
+    ``[]`` when merged or disabled."""
     if module.disable_adapters:
         if module.merged:
             module.unmerge()

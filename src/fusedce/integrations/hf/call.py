@@ -1,31 +1,4 @@
-"""The fused loss computed inside the LM head module's own call.
-
-Why inside: sharding engines and adapters act around a module's forward. DeepSpeed ZeRO-3 gathers a
-module's weight in its forward pre-hook and frees it in its forward hook; FSDP2 (``fully_shard(lm_head)``)
-unshards and reshards at the same two points; accelerate's offload hooks load the weight there; peft LoRA
-adds its update inside the forward. The loss reads the weight, so it must run between those hooks.
-
-How: while :class:`HeadCall` is active, the head's forward (its instance ``forward``, or accelerate's
-``_old_forward`` under an accelerate hook) is replaced by one that, still inside ``Module.__call__`` so
-every hook fires once as in the stock forward:
-
-1. walks what the stock forward would run (``hf_adapters``): for LoRA it calls the same dropout and ``A``
-   modules on the same input (so dropout draws the same mask), then calls the base layer and every ``B``
-   module, each nested inside the previous one's call, so each one's own hooks have gathered its weight
-   when the innermost call records it;
-2. innermost, computes ``linear_cross_entropy`` on the recorded pieces (``Pieces.joined``);
-3. returns, through every nested call, a tensor tied to the loss: the loss itself below the head, and at
-   the head a ``(..., 2)`` placeholder (``PROBE_VALUES``) instead of the ``(B, T, V)`` logits (at the
-   first call, the verifying one, one ``(1, ..., 1, V)`` probe row, see ``probe_row``).
-
-Backward order: the caller's final loss is ``join(loss, logits)`` where ``logits`` is what the family made
-of the placeholder. ``join`` passes the gradient to ``loss`` and a zero gradient to ``logits``, which
-travels back through every module output (their backward hooks fire: ZeRO-3 and FSDP2 re-gather the
-weights there) to the loss node. Autograd runs a node only after all its consumers have sent their
-gradient, so the loss's backward, which reads the weights, runs after the re-gather. The gradients of the
-modules' inputs come out of that backward too, so post-backward hooks (FSDP2's reduce-scatter, ZeRO-3's
-release) fire after it.
-"""
+"""The fused loss computed inside the LM head module's own call."""
 from __future__ import annotations
 
 import contextlib
@@ -80,21 +53,11 @@ def _no_extra_arguments(args, kwargs, where: str) -> None:
 
 
 class HeadCall:
-    """Context manager: while active, calling ``head`` (as the family's forward does) computes
-    ``compute(hidden (..., H'), weight (V, H'), bias (V,) or None) -> loss`` inside the call (see the module
-    docstring) and returns a ``(..., len(PROBE_VALUES))`` placeholder (with ``verify``: one probe row of
-    all V columns, ``probe_row(V)`` as ``(1, ..., 1, V)``), or with ``keep_logits`` the real logits
-    ``hidden @ weight.T + bias`` (same pieces, same dropout mask as the loss).
-
-    After the family's forward: ``calls`` (how many times the head was called), ``loss`` (the last call's),
-    with ``verify`` (for ``hf_fit.choose_transform``): ``head_rows`` ``(R, V)``, the head's output at the
-    flat positions ``rows`` of its output of shape ``head_shape`` (the probe row; with ``keep_logits`` the
-    first, middle and last positions); :meth:`final_loss` ties the loss to the family's logits for the
-    backward order, :meth:`recompute` replaces the verifying call's loss.
-
-    Raises (during the call): ``ValueError`` for a head or adapter not applied exactly (``hf_adapters``),
-    ``TypeError`` for extra arguments to the head or a weight that is not 2-D inside its forward.
-    """
+    """Context manager: while active, calling ``head`` (as the family's forward does) computes ``compute(hidden (...,
+    H'), weight (V, H'), bias (V,) or None) -> loss`` inside the call (see the module docstring) and returns a
+    ``(..., len(PROBE_VALUES))`` placeholder (with ``verify``: one probe row of all V columns, ``probe_row(V)`` as
+    ``(1, ..., 1, V)``), or with ``keep_logits`` the real logits ``hidden @ weight.T + bias`` (same pieces, same
+    dropout mask as the loss)."""
 
     def __init__(self, head: nn.Module, where: str, compute: Callable, keep_logits: bool, verify: bool):
         self.head, self.where, self.compute, self.keep_logits = head, where, compute, keep_logits
@@ -118,11 +81,9 @@ class HeadCall:
         return self.loss
 
     def recompute(self, compute: Callable, model_name: str, transform: str) -> None:
-        """The verifying call's loss computed again, after the family's forward, by ``compute(hidden,
-        weight, bias)`` on the pieces the head's call recorded: for a ``transform`` (its description) read
-        off the forward, which the losses computed inside the call did not use. The pieces must still hold
-        their values there: ``ValueError`` for a head whose weight its hooks released after its forward
-        (ZeRO-3, FSDP2, which patch_causal_lm cannot re-gather outside the head's call)."""
+        """The verifying call's loss computed again, after the family's forward, by ``compute(hidden, weight, bias)``
+        on the pieces the head's call recorded: for a ``transform`` (its description) read off the forward, which
+        the losses computed inside the call did not use."""
         hidden, weight, bias, shape = self._pieces
         if not _readable(weight, shape):
             raise ValueError(f"{model_name}.forward applies {transform} to its LM head's output, which its config "

@@ -1,20 +1,7 @@
-"""The family's post-head transform read off its forward, when the config attributes ``hf_head.DECLARED``
-names do not describe it (HyperCLOVA X multiplies by ``logits_scaling`` where Granite divides; Muse Glimmer
-and Muse Spark multiply by ``text_config.output_multiplier`` before the Gemma-style softcap; MiniCPM3
-divides the hidden states, not the logits, so its head's output is the logits).
-
-What is searched: ``LogitTransform(scale=m, softcap=T)``, i.e. ``z = T * tanh(m * x / T)`` (the order
-fusedce's ops apply ``logit_scale`` then ``softcap`` in), with ``m`` = 1, a number of the config (or its
-text config), or its inverse, and ``T`` = none or a positive number of the config. Each candidate is
-checked against what the first labelled call saw: the head's output ``x`` (the probe row, or position 0 of
-the real logits under ``keep_logits``) and the family's logits ``y`` at position 0, with ``hf_head``'s
-tolerance. The simplest candidate that matches wins (no softcap before a softcap, scale 1 before a scale,
-the config's order among equals). Anything else is refused by the caller: an offset (a bias the head does
-not hold), a scale no config number gives, a non-linear map other than the softcap, or a transform that
-depends on the position. Read off real logits (``keep_logits``), the simplest candidate may be one of
-several that agree on them but not on the probe's range ``[-24, 24]`` (a tiny model's O(1) logits cannot tell a softcap of 128 from none): it is then used
-for that call only (it reproduces that call's logits) and the next labelled call looks again.
-"""
+"""The family's post-head transform read off its forward, when the config attributes ``hf_head.DECLARED`` names do not
+describe it (HyperCLOVA X multiplies by ``logits_scaling`` where Granite divides; Muse Glimmer and Muse Spark
+multiply by ``text_config.output_multiplier`` before the Gemma-style softcap; MiniCPM3 divides the hidden states,
+not the logits, so its head's output is the logits)."""
 from __future__ import annotations
 
 import math
@@ -82,12 +69,10 @@ def _close(got: torch.Tensor, expected: torch.Tensor, rtol: float) -> torch.Tens
 
 def fit_transform(logits_row: torch.Tensor, head_row: torch.Tensor, config, n_classes: Optional[int],
                   probe: bool):
-    """``(LogitTransform, description, settled)`` for the simplest candidate that maps ``head_row`` (what
-    the head returned, flattened) to ``logits_row`` (the family's logits at the same places, already checked
-    to be ``n_classes`` columns wide), or ``(None, why, False)``: why nothing matches, a sentence describing
-    the transform seen. ``settled``: no other matching candidate differs from it on the probe's range
-    (always so for the ``probe`` row, which spans it; real logits of a tiny model may be too small to tell
-    a large softcap from none)."""
+    """``(LogitTransform, description, settled)`` for the simplest candidate that maps ``head_row`` (what the head
+    returned, flattened) to ``logits_row`` (the family's logits at the same places, already checked to be
+    ``n_classes`` columns wide), or ``(None, why, False)``: why nothing matches, a sentence describing the transform
+    seen."""
     rtol = verify_rtol(logits_row.dtype)
     y = logits_row.detach().double().cpu()
     x = head_row.detach().double().cpu()
@@ -126,8 +111,7 @@ def _seen(x: torch.Tensor, y: torch.Tensor) -> str:
 
 def logit_rows(logits, head_shape: torch.Size, rows: torch.Tensor, model_name: str, probe: bool):
     """The family's ``logits`` at the flat positions ``rows`` of the head's output (shape ``head_shape``):
-    ``(len(rows), n)``, detached. ``ValueError`` if the family's logits are not the head's output by
-    position (a probe that does not keep its leading 1s: a transform that depends on the position)."""
+    ``(len(rows), n)``, detached."""
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise ValueError(f"{model_name}.forward does not return its LM head's output as `logits`: "
                          "patch_causal_lm cannot tell what it does to the logits")
@@ -143,23 +127,11 @@ def logit_rows(logits, head_shape: torch.Size, rows: torch.Tensor, model_name: s
 
 def choose_transform(logits, head_rows: torch.Tensor, rows: torch.Tensor, head_shape, transforms: tuple,
                      config, model_name: str, probe: bool):
-    """What the family does to its head's output, from the first labelled call: ``(index, transform,
-    settled)``, ``index`` that of the first of ``transforms`` (``logit_transforms``, the config's declared
-    ones, whose losses that call computed) that the family applied, else None and the transform read off
-    the forward (``fit_transform``: a scale and softcap made of the config's numbers; ``settled`` False when
-    real logits could not tell it from another one, see the module docstring).
-
-    ``logits`` is the family's output; ``head_rows`` ``(R, V)`` what its head returned at the flat positions
-    ``rows`` of its output of shape ``head_shape``: with ``probe``, one probe row (the head returned
-    ``(1, ..., 1, V)``, ``hf_call.probe_row``), else the real logits at a few positions (first, middle,
-    last). Checked: the shape (same positions; the width that of a declared vocabulary slice, or all V
-    columns) and the values at those positions (one host sync; run once per patch).
-
-    Raises:
-        ValueError: naming the family and what it does, when that is none of the above: a vocabulary slice
-            the config does not declare, a transform that depends on the position, an offset, a scale or a
-            softcap no config number gives, a non-linear map, or one too few logit values cannot pin down.
-    """
+    """What the family does to its head's output, from the first labelled call: ``(index, transform, settled)``,
+    ``index`` that of the first of ``transforms`` (``logit_transforms``, the config's declared ones, whose losses
+    that call computed) that the family applied, else None and the transform read off the forward
+    (``fit_transform``: a scale and softcap made of the config's numbers; ``settled`` False when real logits could
+    not tell it from another one, see the module docstring)."""
     got = logit_rows(logits, head_shape, rows, model_name, probe)
     head_rows = head_rows.detach().to(got.device)
     reasons = []

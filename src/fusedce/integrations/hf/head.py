@@ -1,12 +1,6 @@
-"""The LM head of a Hugging Face causal LM, seen from the outside: which module it is, and what the family
-does to its output (``logit_transforms``, the transforms its config declares; the one applied is chosen once,
-or read off the forward, by ``hf_fit.choose_transform``).
-
-The loss itself is computed inside the head's call (``hf_call.HeadCall``) during the family's own
-``forward``, which keeps doing everything it does before the head (cache, masks, position ids,
-``logits_to_keep`` slicing, MoE router logits, extra inputs such as GPT-2's ``token_type_ids``), so
-nothing of it is re-implemented here.
-"""
+"""The LM head of a Hugging Face causal LM, seen from the outside: which module it is, and what the family does to its
+output (``logit_transforms``, the transforms its config declares; the one applied is chosen once, or read off the
+forward, by ``hf_fit.choose_transform``)."""
 from __future__ import annotations
 
 import ast
@@ -72,13 +66,8 @@ def base_model(model: nn.Module) -> nn.Module:
 
 
 def check_causal_loss(model: nn.Module) -> None:
-    """``ValueError`` unless ``model``'s stock loss is the one the patch computes: Hugging Face's causal LM
-    loss, labels shifted by one (``ForCausalLMLoss``). Refused: an encoder-decoder (``config.
-    is_encoder_decoder``: T5, BART; its decoder's labels are not shifted), and a family whose forward (the
-    most derived one in its class hierarchy that computes a loss) uses a ``loss_function`` other than
-    ``ForCausalLMLoss`` or an inline cross-entropy with no shift (``BartForCausalLM``, ``TrOCRForCausalLM``,
-    ``CpmAntForCausalLM``: labels aligned with the logits, not shifted). A forward that computes no loss
-    (a wrapper that delegates) is not refused."""
+    """``ValueError`` unless ``model``'s stock loss is the one the patch computes: Hugging Face's causal LM loss,
+    labels shifted by one (``ForCausalLMLoss``)."""
     name = type(model).__name__
     if wrapper_setting(model, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model (config.is_encoder_decoder): its loss is over the "
@@ -154,13 +143,11 @@ def _transform(found: dict) -> LogitTransform:
 
 
 def logit_transforms(config) -> tuple:
-    """The post-head transforms ``config`` declares (``DECLARED``, the scales multiplied together), as
-    candidates for ``hf_fit.choose_transform``: first the text config's (``hf_settings.text_config``, where
-    multimodal models keep them; an attribute it lacks is taken from the top level), then, if different, the
-    top-level config's alone (multimodal wrappers such as LLaVA-NeXT or Cohere 2 Vision ignore their text
-    config's; Aya Vision did before transformers 5.25, which applies ``text_config.logit_scale``). Llama,
-    Mistral, Qwen2/3, Gemma, Phi3, GPT-2 declare none: ``(LogitTransform(),)``. ``ValueError`` for a scale that is not a finite non-zero number, a softcap <= 0 or a vocabulary
-    size < 1."""
+    """The post-head transforms ``config`` declares (``DECLARED``, the scales multiplied together), as candidates for
+    ``hf_fit.choose_transform``: first the text config's (``hf_settings.text_config``, where multimodal models keep
+    them; an attribute it lacks is taken from the top level), then, if different, the top-level config's alone
+    (multimodal wrappers such as LLaVA-NeXT or Cohere 2 Vision ignore their text config's; Aya Vision did before
+    transformers 5.25, which applies ``text_config.logit_scale``)."""
     configs = text_configs(config)
     if not configs:
         return (LogitTransform(),)

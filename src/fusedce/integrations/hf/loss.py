@@ -19,13 +19,8 @@ from fusedce.integrations.hf.token_weights import flat_token_weights
 def causal_loss(model: nn.Module, loss_options: dict, transform: LogitTransform, hidden, weight, bias, labels,
                 shift_labels, num_items, token_scaling, token_weights=None) -> torch.Tensor:
     """``linear_cross_entropy`` (with the patch's ``loss_options``) of the head's pieces: ``hidden`` (..., H),
-    ``weight`` (V, H), ``bias``, for the family's post-head ``transform``; the targets are ``labels`` shifted
-    by one as Hugging Face's ``ForCausalLMLoss`` does, or ``shift_labels`` as given.
-
-    Raises:
-        ValueError: the labels' positions are not the kept ones (``logits_to_keep``).
-        IndexError: a label out of range, named as the user's ``labels[b, t]``.
-    """
+    ``weight`` (V, H), ``bias``, for the family's post-head ``transform``; the targets are ``labels`` shifted by one
+    as Hugging Face's ``ForCausalLMLoss`` does, or ``shift_labels`` as given."""
     options = dict(loss_options)
     if transform.softcap is not None:
         options["softcap"] = transform.softcap

@@ -20,13 +20,7 @@ LOSS_OPTIONS = tuple(name for name, p in inspect.signature(linear_cross_entropy)
 
 
 def validate_options(model: nn.Module, options: dict, transform: LogitTransform) -> dict:
-    """The options given to ``patch_causal_lm`` checked at patch time (returned as a new dict).
-
-    Raises:
-        TypeError: an option ``linear_cross_entropy`` does not take (or a per-call one).
-        ValueError: a softcap / logit scale that contradicts the model's config, a bad option value, an
-            unknown backend name.
-    """
+    """The options given to ``patch_causal_lm`` checked at patch time (returned as a new dict)."""
     unknown = sorted(set(options) - set(LOSS_OPTIONS))
     if unknown:
         raise TypeError(f"patch_causal_lm got unknown loss option(s) {unknown}; valid: {list(LOSS_OPTIONS)}")

@@ -1,19 +1,4 @@
-"""Hugging Face integration: one call makes a causal LM train through :func:`linear_cross_entropy`.
-
-``patch_causal_lm(model)`` replaces the forward of ONE model instance. With ``labels``, the family's own
-forward runs and, when it calls its LM head module, the loss is computed INSIDE that call
-(``hf_call.HeadCall``): the head's forward pre-hooks and hooks fire once, as in the stock forward, so
-whatever a sharding engine or adapter does around the head's forward is in effect while the loss reads
-the weight (DeepSpeed ZeRO-3 and FSDP2 gather it there; a peft LoRA head adds its low-rank update,
-applied exactly as an extra ``(s * A x, B)`` piece of the same fused matmul: ``hf_adapters``). The call
-returns a tiny placeholder instead of the ``(B, T, V)`` logits, and the model's ``loss`` is
-``linear_cross_entropy(hidden, head weight, shifted labels, head bias)``, tied to the head's output so
-that the backward passes through the head's backward hooks (which re-gather a sharded weight) before the
-loss's backward reads the weight again. With ``labels`` and autograd off (``Trainer.evaluate``), the real
-logits are returned too by default (``keep_logits=None``). Without ``labels`` (``generate``) the original
-forward runs untouched, as does a call with TRL's ``fused_lm_head=True`` (TRL's fused head then runs:
-TRL's kernel, or fusedce's under ``fusedce.patch_trl``).
-"""
+"""Hugging Face integration: one call makes a causal LM train through :func:`linear_cross_entropy`."""
 from __future__ import annotations
 
 import dataclasses
@@ -51,73 +36,8 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
     """Make ``model`` (a Hugging Face ``*ForCausalLM``) compute its training loss with the fused
     :func:`fusedce.linear_cross_entropy`. Patches this instance only, in place; returns it.
 
-    When ``forward`` receives ``labels``:
-
-    - the loss is ``linear_cross_entropy(hidden, W, target, b, ...)`` on the final hidden states (after the
-      family's ``logits_to_keep`` slicing) and the output embedding ``get_output_embeddings()`` (weight
-      ``W`` (V, H), bias ``b`` if any); the ``(B, T, V)`` logits are never made;
-    - Hugging Face's conventions: ``target`` = labels shifted by one (position t predicts labels[t + 1],
-      the last position predicts nothing), or the ``shift_labels`` kwarg as given (TRL's padding-free
-      batches: ``position_ids`` pass through to the family); ``ignore_index=-100``;
-      ``num_items_in_batch`` (the Trainer's kwarg under gradient accumulation) is the mean's denominator;
-    - ``reduction="none"``: ``loss`` is the flat fp32 ``(B*T,)`` per-position loss, element ``b*T + t`` that
-      of predicting ``labels[b, t + 1]`` at position t, 0 where that label is ignored and at each sequence's
-      last position (nothing to predict); ``loss.view(B, T)`` gives the positions' layout;
-    - the family's logit transform, read from the config and its text config (``hf_settings``:
-      multimodal models keep it there; ``hf_head.DECLARED``): ``final_logit_softcapping`` (Gemma 2/3/4,
-      PaliGemma 2) becomes ``softcap``; the logit scales (Cohere ``logit_scale`` and FalconH1
-      ``lm_head_multiplier``: ``logits * s``; Granite and Granite vision ``logits_scaling``: ``logits /
-      s``) become ``logit_scale`` (applied inside the loss, in fp32); ``unpadded_vocab_size`` (Inkling: the
-      model keeps ``logits[..., :n]`` of a padded head) makes the loss run over the head's first ``n`` rows
-      (the padded rows get zero gradient, as in the stock model). The first labelled call checks that this
-      is exactly what the family does (one host sync; under ``torch.compile`` that call runs eagerly,
-      outside the graph, and the next is traced with what it found; with ``fullgraph=True`` the graph break
-      is an error saying to make one labelled call before compiling): its head returns one probe row of all V columns
-      (``(1, ..., 1, V)``; with real logits under ``keep_logits``, its first, middle and last positions),
-      and the family's output must be the declared transform of it, same width, same shape. If it is not,
-      the transform is read off that output (``hf_fit``): ``T * tanh(m * x / T)`` with ``m`` 1, a number
-      of the config or text config or its inverse, ``T`` none or such a number, the simplest that matches
-      (HyperCLOVA X's ``logits * logits_scaling``, Muse Glimmer / Spark's ``output_multiplier`` before the
-      softcap; a declared scale the forward does not apply is followed), and that call's loss is computed
-      again for it (once; ``ValueError`` if the head's weight was released by a ZeRO-3 / FSDP2 hook by
-      then). Else ``ValueError`` naming the family and what its forward does (an undeclared vocabulary
-      slice, an offset, a scale or softcap no config number gives, another non-linear map, a transform
-      that depends on the position). Encoder-decoders and families whose stock loss does not shift the
-      labels are refused at patch time (``hf_head.check_causal_loss``). When the text config and the top-level config declare different transforms (some
-      wrappers, e.g. LLaVA-NeXT, ignore their text config's), that call computes the loss for both and
-      keeps the one the forward applied (one extra fused forward and backward, once);
-    - MoE models: a returned ``aux_loss`` (``output_router_logits=True``) is added times the coefficient the
-      family's forward uses, as it does (``hf_settings.router_aux_coef``: the model's ``router_aux_loss_coef``
-      / ``aux_loss_coef``, else its text config's ``router_aux_loss_coef``, where multimodal wrappers keep it);
-    - ``use_token_scaling`` is also accepted as a forward keyword (as Liger-patched models accept it; TRL
-      passes it for ``loss_type="dft"``): it overrides the patch-time option for that call;
-    - ``token_weights`` (a forward keyword, with ``labels``): per-token loss weights of the labels'
-      shape ``(B, T)``, float, shifted with them (the weight of ``labels[b, t]`` weighs the prediction
-      of that token; with ``shift_labels``, aligned with ``shift_labels`` as given), as in
-      ``linear_cross_entropy``: each non-ignored token's loss times its weight, denominators unchanged;
-    - under autocast, hidden states and head are cast to the autocast dtype first (as ``F.linear`` is;
-      ``linear_cross_entropy`` does it, see ``fusedce/core/autocast.py``);
-    - the output is the family's usual class (e.g. ``CausalLMOutputWithPast``) with ``loss`` set and
-      **``logits=None``** in training; see ``keep_logits`` for when the logits are returned (computed the
-      normal way: the ``(B, T, V)`` tensor is back, the loss is still the fused one). With
-      ``return_dict=False`` the tuple keeps the stock layout: ``(loss, logits, ...)`` with None at index 1
-      when the logits are not kept (never the cache there).
-
-    Training stacks: the loss is computed inside the LM head module's call, so its forward pre-hooks
-    and hooks fire once per forward as in the stock model (DeepSpeed ZeRO-3 and FSDP2 gather a sharded
-    head there; backward passes through the head's output first, where they re-gather it). Heads:
-    ``nn.Linear`` (tied or not); a peft LoRA ``lm_head`` (active adapters, dropout with the same mask as
-    the stock forward, merged or not; the update ``s * B(A(dropout(x)))`` enters the fused matmul as
-    extra columns ``[x, s * A(dropout(x))] @ [W, B].T``, which costs one ``V x (H + r)`` copy of the head
-    weight and a full-width weight-gradient matmul); peft ``modules_to_save``. Anything else (DoRA,
-    other tuners, a quantized or custom head) is refused with ``ValueError`` at patch time, or at the
-    first call when the head is replaced after patching (``get_peft_model`` on a patched model).
-
-    Without ``labels`` the original forward runs unchanged (``generate``), as does a call with TRL's
-    ``fused_lm_head=True`` (TRL's fused head computes its outputs then: TRL's kernel, or fusedce's under
-    ``fusedce.patch_trl``). The Trainer's evaluation
-    passes labels with autograd off: by default the logits are returned there, so ``compute_metrics``
-    works as on the stock model.
+    What the patched forward does (labels, logit transforms, MoE, ``token_weights``, autocast, the output, the
+    training stacks and heads it serves): ``docs/integrations.md`` (Hugging Face, the patched forward).
 
     Args:
         model: a Hugging Face causal LM: ``get_output_embeddings()`` returns a linear head, a base model

@@ -1,12 +1,5 @@
-"""Where a Hugging Face family keeps the settings the patch reads: every config read of the HF patch goes
-through here.
-
-A text-only ``*ForCausalLM`` keeps them in ``model.config``. A multimodal wrapper keeps its decoder's in a
-sub-config, ``config.get_text_config(decoder=True)`` (``text_config``, ``decoder``, ...): Qwen3-VL-MoE,
-Qwen3.5-MoE and GLM-4V-MoE read ``config.text_config.router_aux_loss_coef``, Aya Vision (transformers 5.25)
-``config.text_config.logit_scale``, PaliGemma 2 and Gemma 4 ``text_config.final_logit_softcapping``. What is
-the wrapper's own (``return_dict``, ``is_encoder_decoder``) stays on the top-level config.
-"""
+"""Where a Hugging Face family keeps the settings the patch reads: every config read of the HF patch goes through
+here."""
 from __future__ import annotations
 
 import math
@@ -22,8 +15,8 @@ def model_config(model: nn.Module):
 
 def text_config(config):
     """The decoder's text config of ``config`` (``get_text_config(decoder=True)``, where transformers' composite
-    configs name it), or ``config`` itself (a text-only config, or one transformers cannot resolve: several
-    text sub-configs). None for None."""
+    configs name it), or ``config`` itself (a text-only config, or one transformers cannot resolve: several text
+    sub-configs)."""
     if config is None:
         return None
     getter = getattr(config, "get_text_config", None)
@@ -69,11 +62,10 @@ _COEF_ATTRIBUTES = ("router_aux_loss_coef", "aux_loss_coef")
 
 
 def router_aux_coef(model: nn.Module) -> Optional[float]:
-    """The number the family's forward multiplies a returned ``aux_loss`` by before adding it to the loss: the
-    model's own attribute (``_COEF_ATTRIBUTES``) where its ``__init__`` keeps one, else
-    ``router_aux_loss_coef`` of its text config (the multimodal MoE wrappers read
-    ``self.config.text_config.router_aux_loss_coef``), else of its top-level config; None if none is set.
-    ``ValueError`` for a coefficient that is not a finite number."""
+    """The number the family's forward multiplies a returned ``aux_loss`` by before adding it to the loss: the model's
+    own attribute (``_COEF_ATTRIBUTES``) where its ``__init__`` keeps one, else ``router_aux_loss_coef`` of its text
+    config (the multimodal MoE wrappers read ``self.config.text_config.router_aux_loss_coef``), else of its
+    top-level config; None if none is set."""
     value = None
     for name in _COEF_ATTRIBUTES:
         found = model.__dict__.get(name, None)

@@ -1,13 +1,7 @@
-"""What the patched ``output_layer`` hands to ``compute_language_model_loss`` instead of the ``[s, b, V/TP]``
-logits, and the two computations on it: the per-token cross-entropy (``loss``) and the per-token
-log-probs / entropy (``log_probs``), both through fusedce's vocabulary-parallel fused linear ops over the
-output layer's tensor-parallel group.
-
-Gradient of the hidden states: the stock ``ColumnParallelLinear`` copies them to the tensor-parallel region
-(identity forward, all-reduce of the gradient in backward) because each rank's logits see only its shard;
-the fused ops already all-reduce the hidden-state gradient over the group, so the hidden states go in as
-they are (no second all-reduce).
-"""
+"""What the patched ``output_layer`` hands to ``compute_language_model_loss`` instead of the ``[s, b, V/TP]`` logits,
+and the two computations on it: the per-token cross-entropy (``loss``) and the per-token log-probs / entropy
+(``log_probs``), both through fusedce's vocabulary-parallel fused linear ops over the output layer's tensor-parallel
+group."""
 from __future__ import annotations
 
 import dataclasses

@@ -17,13 +17,7 @@ LOSS_OPTIONS = tuple(name for name, p in inspect.signature(vocab_parallel_linear
 
 
 def validate_options(options: dict) -> dict:
-    """``options`` checked (returned as a new dict).
-
-    Raises:
-        TypeError: an option the patch does not take (``reduction`` and ``num_items_in_batch`` named: the
-            patch returns Megatron's per-token loss), or a value of the wrong type.
-        ValueError: a bad option value or an unknown backend name.
-    """
+    """``options`` checked (returned as a new dict)."""
     unknown = sorted(set(options) - set(LOSS_OPTIONS))
     if unknown:
         raise TypeError(f"patch_megatron got unknown loss option(s) {unknown}; valid: {list(LOSS_OPTIONS)} "

@@ -1,32 +1,5 @@
-"""``fusedce.patch_megatron(model, **loss_options)`` / ``unpatch_megatron(model)``: a Megatron-core
-``GPTModel`` computes its language-model loss through the vocabulary-parallel fused linear cross-entropy.
-
-How it hooks in (megatron-core 0.16 .. 0.19; ``version.py`` checks the release and says which route it
-offers; docs/megatron.md). The stock head runs the output layer (``ColumnParallelLinear``: ``[s, b, H]``
-hidden states times this rank's ``(V/TP, H)`` vocabulary rows, the tied embedding's when
-``share_embeddings_and_output_weights``; under sequence parallel it first gathers the ``[s/TP, b, H]``
-shard), from 0.17 multiplies the logits by MuP's ``mup_output_mult`` (``_scale_logits``), and hands the
-``[s, b, V/TP]`` logits to ``compute_language_model_loss(labels, logits)``, for the main head and for each
-multi-token-prediction head (in ``_postprocess``; from 0.17 in ``process_mtp_loss``, which in 0.19 also
-counts each MTP head's argmax hits). The patch sets attributes on the one model instance (its class and
-every other instance are untouched):
-
-- ``forward``: takes the ``token_weights`` keyword out and checks the call before the model runs; from
-  0.18, with ``labels`` and no ``output_processor`` of the caller's, passes fusedce's
-  ``output_processor`` (the main head) and marks the call active (the MTP heads before the hook);
-- ``_postprocess`` (0.16 / 0.17): while it runs with ``labels``, the call is marked active (without labels
-  the stock code runs: the logits are made and returned, as for inference);
-- ``output_layer.forward``: while active, returns ``head.DeferredLogits`` (the hidden states, gathered
-  under ``sequence_parallel`` as the stock layer gathers them, ``sequence.py``; the weight the call was
-  given or its own, its bias, its tensor-parallel group) instead of multiplying; the module's
-  ``__call__`` and hooks still run;
-- ``_scale_logits`` (0.17+): ``DeferredLogits`` carry MuP's factor (the fused op's ``logit_scale``);
-- ``compute_language_model_loss``: given ``DeferredLogits``, returns ``head.loss`` (the ``[b, s]`` fp32
-  per-token loss; ``token_weights`` a forward keyword); given real logits, the stock code.
-
-0.19's acceptance count reads the fused loss's argmax (``acceptance.py``). So the ``[s, b, V/TP]`` logits
-(and their fp32 copy) are never formed; logits exist one chunk of tokens at a time inside the fused op.
-"""
+"""``fusedce.patch_megatron(model, **loss_options)`` / ``unpatch_megatron(model)``: a Megatron-core ``GPTModel``
+computes its language-model loss through the vocabulary-parallel fused linear cross-entropy."""
 from __future__ import annotations
 
 import contextlib

@@ -1,19 +1,4 @@
-"""The installed megatron-core is one ``patch_megatron`` was written against (0.16 .. 0.19), or
-``RuntimeError``; what that release offers at the head (``Release``) chooses the route (``patch.py``).
-
-The patch relies on pieces of megatron-core and reproduces what they compute: ``GPTModel._postprocess``
-(the output layer called as ``output_layer(hidden, weight=..., runtime_gather_output=...)``, its result
-handed to ``compute_language_model_loss(labels, logits)``, for the main head and each multi-token-prediction
-head), ``LanguageModule.compute_language_model_loss`` (``[b, s]`` labels, ``[s, b, V/TP]`` logits -> ``[b,
-s]`` fp32 per-token cross-entropy over the tensor-parallel group), ``ColumnParallelLinear.forward`` (the
-vocabulary shard ``(V/TP, H)``; under sequence parallel the ``[s/TP, b, H]`` input gathered), and from
-0.17 ``LanguageModule._scale_logits`` (MuP's ``mup_output_mult``) and
-``transformer.multi_token_prediction.process_mtp_loss`` (the MTP heads' losses), from 0.18
-``GPTModel.forward`` (its ``output_processor`` hook), in 0.19 ``_compute_mtp_acceptance_counts`` (an argmax
-over each MTP head's logits). A SHA-256 fingerprint of each one's source in the release named is checked,
-as ``patch_trl`` checks TRL's, so that a release that changes them is refused instead of silently computing
-something else.
-"""
+"""The installed megatron-core is the one ``patch_megatron`` was written against, or ``RuntimeError``."""
 from __future__ import annotations
 
 import dataclasses

@@ -4,7 +4,7 @@
   ``loss=FusedLinearCrossEntropy.Config(...)``. A ``ChunkedLossWrapper`` subclass, so the trainer hands it the
   LM head (``set_lm_head``) and the decoder returns the normed hidden states; the loss is fusedce's linear
   cross-entropy from the head's weight (no ``[B, L, V]`` logits, no per-chunk logits beyond fusedce's own
-  chunk; the head's forward is not called). See the README's torchtitan section.
+  chunk; the head's forward is not called). See docs/integrations.md (torchtitan).
 - ``compute_logprobs``: torchtitan's RL ``compute_logprobs`` from the hidden states and the LM head.
 
 Importing this module changes nothing in torchtitan: it only acts where a job selects it.

@@ -1,13 +1,4 @@
-"""The LM head's operands and the TP layout they come in, for torchtitan's two SPMD backends.
-
-- ``partial_dtensor``: the head's weight is a DTensor (``Shard(0)`` over TP) and goes through fusedce's
-  DTensor vocabulary-parallel path; the hidden-state gradient comes back complete.
-- ``spmd_types`` (torchtitan's default): plain local tensors; with TP > 1 the weight is this rank's vocabulary
-  rows and the TP group is the current SPMD mesh's ``"tp"`` group. The hidden states are typed ``R`` there,
-  whose gradient is a partial sum that the decoder's norm boundary all-reduces (or reduce-scatters, with SP);
-  fusedce's vocab-parallel op already all-reduces it, so ``to_partial`` keeps it on TP rank 0 only (zeros
-  elsewhere): the boundary's sum is then exactly the complete gradient.
-"""
+"""The LM head's operands and the TP layout they come in, for torchtitan's two SPMD backends."""
 from __future__ import annotations
 
 import torch

@@ -64,9 +64,8 @@ class FusedLinearCrossEntropy(ChunkedLossWrapper):
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor | None = None,
                  **loss_inputs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``pred`` ``[B, L, H]`` normed hidden states (``_skip_lm_head``), ``labels`` ``[B, L]`` ->
-        (the detached fp32 loss whose backward hands the hidden-state gradient to the decoder, ``{}``).
-        The head's weight gradient is accumulated here, as ChunkedLossWrapper does."""
+        """``pred`` ``[B, L, H]`` normed hidden states (``_skip_lm_head``), ``labels`` ``[B, L]`` -> (the detached fp32
+        loss whose backward hands the hidden-state gradient to the decoder, ``{}``)."""
         del loss_inputs   # as CrossEntropyLoss (e.g. ``positions``)
         from torch.distributed._composable.fsdp import FSDPModule
 

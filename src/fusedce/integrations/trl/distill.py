@@ -1,27 +1,5 @@
 """``fusedce.patch_distillation_trainer(trainer)``: TRL's distillation trainers compute their loss through
-:func:`fusedce.linear_distillation_loss`, so neither the student's nor the teacher's logits exist.
-
-Where TRL 1.16 forms the logits, and what the patch changes (per trainer object, nothing process-wide):
-
-- ``trl.DistillationTrainer`` (``trl/trainer/distillation_trainer.py``): ``_compute_loss`` runs both
-  backbones (``_get_last_hidden_state``), reads each config's logit scale and ``final_logit_softcapping``,
-  and calls the module function ``_chunked_divergence_loss``, whose ``ChunkedDivergenceFunction``
-  projects both heads on (4096 tokens x 32768 classes) fp32 tiles, twice for ``0 < beta < 1``, and again
-  in backward. The patch gives the trainer its own ``_compute_loss``: TRL's code object, unchanged, bound
-  to a copy of its module's globals in which ``_chunked_divergence_loss`` is
-  ``distill_loss.divergence_loss`` (same signature, same results). Everything else (generation,
-  backbones, scales, device checks, entropy logging, ``num_items_in_batch``) stays TRL's.
-- ``trl.experimental.gkd.GKDTrainer``: ``compute_loss`` calls both models, so each returns its full
-  ``(B, T, V)`` logits, then ``generalized_jsd_loss`` (at temperature 1: TRL passes none there). The
-  patch gives the trainer its own ``compute_loss`` (``distill_loss.gkd_loss``) that runs the
-  backbones instead and the same loss from their hidden states. Evaluation calls that ask for the model
-  outputs (``return_outputs=True``) run TRL's own ``compute_loss``: they need the logits.
-
-Because both rely on TRL's internals, the patch first checks the installed TRL: its version (1.16.x) and
-a SHA-256 fingerprint of the source of every TRL function whose semantics fusedce reproduces or whose
-code it rebinds. Any difference raises ``RuntimeError`` naming it: never a silent fallback. A trainer
-class that overrides the patched method is refused (``TypeError``).
-"""
+:func:`fusedce.linear_distillation_loss`, so neither the student's nor the teacher's logits exist."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,13 +1,6 @@
 """TRL's distillation losses computed by :func:`fusedce.linear_distillation_loss` (installed on a trainer by
 ``distill.patch_distillation_trainer``): no logits of either model exist, not even a chunk of them
-(``method="tiled"``; ``"chunked"`` holds one chunk of tokens' logits of each model at a time).
-
-- :func:`divergence_loss` has the signature and the results of TRL 1.16's
-  ``trl.trainer.distillation_trainer._chunked_divergence_loss`` (which projects both heads on
-  4096 x 32768 fp32 tiles): ``(loss, entropy_sum, n_valid)``.
-- :func:`gkd_loss` is ``GKDTrainer.compute_loss``'s loss from the backbones' hidden states: TRL computes
-  both models' full ``(B, T, V)`` logits there and calls ``generalized_jsd_loss`` on them.
-"""
+(``method="tiled"``; ``"chunked"`` holds one chunk of tokens' logits of each model at a time)."""
 from __future__ import annotations
 
 import dataclasses
@@ -56,23 +49,7 @@ def divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_states: 
                     teacher_logit_scale: float = 1.0, student_final_logit_softcapping: Optional[float] = None,
                     teacher_final_logit_softcapping: Optional[float] = None, temperature: float = 1.0, *,
                     options: Options = Options()):
-    """TRL 1.16's ``_chunked_divergence_loss`` through :func:`fusedce.linear_distillation_loss`.
-
-    Args (TRL's): hidden states ``(B, K, H_s)`` / ``(B, K, H_t)``, head weights ``(V, H_s)`` / ``(V, H_t)``
-    and optional biases ``(V,)``, ``completion_mask`` ``(B, K)`` (non-zero: the token counts), ``beta``
-    (0 forward KL(teacher || student), 1 reverse KL, between: GKD's generalized JSD), per-model logit
-    scale and ``final_logit_softcapping`` (``z = softcap * tanh(scale * x / softcap)``), ``temperature``
-    (both distributions at it). ``options``: fusedce's (:class:`Options`).
-
-    Returns ``(loss, entropy_sum, n_valid)`` as TRL: ``loss`` = the summed per-token divergence divided by
-    ``num_items_in_batch`` if given, else by ``max(n_valid, 1)`` (fp32 scalar, gradient to the student's
-    hidden states, weight and bias only); ``entropy_sum`` = the sum over counted tokens of the student's
-    entropy at the temperature (fp32, no gradient; NaN when ``options.entropy`` is False);
-    ``n_valid`` = the count of counted tokens (int64 scalar tensor).
-
-    The logit scale multiplies the hidden states and bias instead of the logits (the same value up to fp32
-    rounding). Weights in another dtype than their hidden states are cast to it, as TRL casts them.
-    """
+    """TRL 1.16's ``_chunked_divergence_loss`` through :func:`fusedce.linear_distillation_loss`."""
     from fusedce.distill.distillation import linear_distillation_loss
     from fusedce.rl.log_probs import linear_token_log_probs
 
@@ -132,16 +109,8 @@ _VERIFIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # unwrapp
 
 
 def _head(model, role: str, wrapped=None, probe_ids=None):
-    """``(weight, bias, scale, softcap)`` of the model's plain ``nn.Linear`` LM head and what the family does
-    to the head's output. ``ValueError`` for a head that is not a plain ``nn.Linear`` (a peft adapter on it,
-    which this path would not apply), a padded head (``unpadded_vocab_size``), a config whose text and
-    top-level parts disagree, or a transform neither declared nor read off the forward.
-
-    The transform is checked against the family's own forward once per model (``_verified_transform``, with
-    ``wrapped`` the model as the trainer holds it and ``probe_ids`` a (1, 1) token): the config's declared
-    names are a guess (HyperCLOVA X multiplies by ``logits_scaling`` where Granite divides by it), so the
-    first call runs one token through the forward, reads the head's output and the logits, and keeps the
-    declared transform if it reproduces them, else the one ``hf/fit.py`` reads off them."""
+    """``(weight, bias, scale, softcap)`` of the model's plain ``nn.Linear`` LM head and what the family does to the
+    head's output."""
     from fusedce.integrations.hf.head import output_head
     model = _unpeft(model)
     head = output_head(model)
@@ -186,12 +155,10 @@ def _verified_transform(model, head, role: str, wrapped, probe_ids):
 
 
 def gkd_loss(trainer, model, inputs: dict, num_items_in_batch, options: Options) -> torch.Tensor:
-    """TRL 1.16 ``GKDTrainer.compute_loss``'s loss without logits: ``generalized_jsd_loss`` of the
-    student's and the teacher's next-token distributions (``beta = trainer.beta``, temperature 1 as TRL
-    calls it) on the positions whose shifted label is not -100, summed and divided by
-    ``num_items_in_batch`` if given, else by ``max(count, 1)``. The backbones run through their wrappers
-    (TRL's ``_ForwardRedirection``: DDP / FSDP / DeepSpeed see a forward), the teacher in eval mode and
-    without gradient; each model's logit scale and ``final_logit_softcapping`` come from its config."""
+    """TRL 1.16 ``GKDTrainer.compute_loss``'s loss without logits: ``generalized_jsd_loss`` of the student's and the
+    teacher's next-token distributions (``beta = trainer.beta``, temperature 1 as TRL calls it) on the positions
+    whose shifted label is not -100, summed and divided by ``num_items_in_batch`` if given, else by ``max(count,
+    1)``."""
     from trl.models.utils import _ForwardRedirection
 
     from fusedce.distill.distillation import linear_distillation_loss

@@ -1,22 +1,4 @@
-"""The body of TRL's fused-LM-head forward, computed through fusedce (installed by ``patch.py``).
-
-TRL 1.16's ``add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)`` reads the model's
-config (softcap, logit scale, where the backbone is) and installs a closure ``_fused_forward`` as the
-model's forward. ``fusedce.patch_trl`` keeps that outer function and those settings, and swaps the
-closure's code for a trampoline that calls :func:`forward` here with the same eight settings, so every
-trainer (SFT, GRPO, RLOO, DPO, KTO, ...) and every model TRL has already patched takes this path.
-
-With ``fused_lm_head=True``: the backbone runs as in TRL (``use_cache=False``, router logits for MoE
-configs), the hidden states are shifted (or ``shift_labels`` taken as given: context / sequence
-parallelism and padding-free batches), and then the LM head MODULE is called on them under
-``hf_call.HeadCall``: inside its own call (its forward pre-hooks and hooks fire once: ZeRO-3 and FSDP2
-gather the weight there; a peft LoRA head is applied exactly or refused with ``ValueError``, as in
-``patch_causal_lm``), :func:`fusedce.linear_token_log_probs` computes what TRL asks for. Its outputs and
-their definitions are TRL's (``FusedCausalLMOutput``): per-token ``log_probs``, ``entropy``,
-``log_sum_sq_probs``, ``mean_logits``, ``is_top1`` (``fusedce.TokenStats``), 0 on positions whose label
-is -100, ``label_mask``, and ``loss = -sum(log_probs) / (num_items_in_batch or the count of labels)``
-plus the MoE load-balancing term. Without ``fused_lm_head`` the model's original forward runs, as in TRL.
-"""
+"""The body of TRL's fused-LM-head forward, computed through fusedce (installed by ``patch.py``)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,29 +1,5 @@
-"""``fusedce.patch_trl()`` / ``unpatch_trl()``: TRL's fused-LM-head trainers compute their head through
-fusedce (``forward.py``).
-
-How it hooks in. TRL 1.16's trainers (SFT, GRPO, RLOO, DPO, KTO, async GRPO) call
-``trl.trainer.utils.add_fused_lm_head(model, ...)`` once, at construction; it installs a closure
-``_fused_forward`` (code object nested in ``add_fused_lm_head``) as ``model.forward``, and every
-training step calls ``model(..., fused_lm_head=True)``. ``patch_trl`` changes the code of that closure
-and nothing else:
-
-1. ``add_fused_lm_head.__code__`` is replaced by a copy whose nested ``_fused_forward`` code is
-   fusedce's trampoline (same free variables, same signature), so models patched from now on get it;
-   TRL's own code still reads the config (softcap, logit scale, backbone) and builds the closure. Every
-   module holding ``add_fused_lm_head`` (the trainers import it by name) sees the change: it is the same
-   function object.
-2. Closures TRL has already made (trainers built before ``patch_trl``) are found through the garbage
-   collector's referrers of TRL's code object (``gc.get_referrers``: a scan of the tracked objects, once
-   per call, tens of ms to a second in a large process) and get the trampoline as ``__code__`` too, so
-   a trainer built earlier (and any accelerate / DDP wrapper around its forward) uses fusedce from its
-   next step on.
-
-The trampoline calls ``forward.forward`` with the closure's eight values. ``unpatch_trl`` restores
-both codes. Because the swap relies on TRL's internals, ``patch_trl`` first checks the installed TRL: its
-version (1.16.x) and a SHA-256 fingerprint of the source of the pieces whose semantics fusedce reproduces
-(``add_fused_lm_head``, ``FusedCausalLMOutput``, ``ChunkedLogProbFunction.forward`` and its logit
-transform). Any difference raises ``RuntimeError`` naming it: never a silent fallback to TRL's kernel.
-"""
+"""``fusedce.patch_trl()`` / ``unpatch_trl()``: TRL's fused-LM-head trainers compute their head through fusedce
+(``forward.py``)."""
 from __future__ import annotations
 
 import gc

@@ -21,5 +21,5 @@ Files, one job each (imports go down this list, never up):
 - ``command.py``     the ``bench`` subcommand: arguments and orchestration
 
 Scripts reuse ``harness.measure`` / ``harness.run_isolated`` with their own paths: adding a path is one
-``paths.register(Path(...))`` entry.
+``paths.register(BenchPath(...))`` entry.
 """

@@ -1,9 +1,5 @@
-"""One color per bench path in every panel of ``bench.png`` (the top panels and the memory sweep), and
-the sentence that names them all; read by ``report.py`` and ``report_sweep.py``.
-
-Keyed by the path names of ``paths.PATHS`` (the ids in ``bench.json``, ``--paths``); the backend does
-not change the color (fusedce's chunked method is blue on the PyTorch and the Triton backend alike).
-"""
+"""One color per bench path in every panel of ``bench.png`` (the top panels and the memory sweep), and the sentence
+that names them all; read by ``report.py`` and ``report_sweep.py``."""
 from __future__ import annotations
 
 from .names import STOCK, TORCH_LCE

@@ -1,8 +1,5 @@
-"""``fusedce bench``: stock PyTorch cross-entropy (on logits, and fused with the LM head) against every
-fusedce path on one device, then (CPU) the memory sweep of the fused LM head (``sweep.py``).
-
-Imports only argparse at module level, so ``fusedce --help`` stays fast; the work happens in ``run``.
-"""
+"""``fusedce bench``: stock PyTorch cross-entropy (on logits, and fused with the LM head) against every fusedce path on
+one device, then (CPU) the memory sweep of the fused LM head (``sweep.py``)."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +16,8 @@ Compare the stock PyTorch cross-entropy with every fusedce path available on the
 cross_entropy on logits, and linear_cross_entropy (the LM head fused with the loss, next to the peers'
 fused heads: torch's F.linear_cross_entropy with LinearCrossEntropyOptions() and TRL's
 ChunkedLogProbFunction, and a table of fusedce against them): loss and gradient parity against float64,
-forward+backward time, peak memory and (timed rows) GB/s over the byte floor. By default on real input: SmolLM2-135M-Instruct's final hidden states on King James Bible
+forward+backward time, peak memory and (timed rows) GB/s over the byte floor. By default on real input:
+SmolLM2-135M-Instruct's final hidden states on King James Bible
 verses (SFT-style masking; built once, then cached under .cache/), 1024 tokens on CPU and 4096 on CUDA
 (--tokens). On CPU the Triton kernels run under the interpreter on a slice of rows, for parity only.
 With --sweep (CPU) a memory sweep follows: stock, fused (chunked, tiled) and the peers' linear
@@ -32,10 +30,10 @@ batch_invariant=True. Writes OUT/bench.json and OUT/bench.png."""
 DTYPES = ("float32", "bfloat16")
 # --tokens by device: on a 2-core CPU one fwd+bwd of the LM head at the real shape (H=576, V=49152) is
 # ~6 * BT * V * H FLOPs, 2-3 s at 1024 tokens, 10-20 s at 4096; with parity, peak memory and timed runs in
-# each of the ten linear rows, 4096 tokens took the main job past 20 minutes (issue 47).
+# each of the ten linear rows, 4096 tokens took the main job past 20 minutes.
 TOKENS = {"cpu": 1024, "cuda": 4096}
 LOAD_SAMPLE_SECONDS = 5.0
-# The names --paths accepts (``paths.PATHS``, which imports torch; tests/test_bench_cli.py keeps the two
+# The names --paths accepts (``paths.PATHS``, which imports torch; tests/tools/test_bench_report_cli.py keeps the two
 # equal), by op: fusedce's paths, stock PyTorch's and the peers'.
 PATH_NAMES = {
     "cross_entropy": ("torch", "fusedce-torch", "fusedce-triton"),
@@ -149,10 +147,9 @@ def _measure_all(jobs, args, console, describe) -> list[dict]:
 
 
 def _recheck_real(rows, inputs_meta) -> list[str]:
-    """On the real input, the losses of this run must still match the model's own loss: the float64
-    reference of the fp32 logits (cross_entropy) and of the fp32 hidden states and LM head
-    (linear_cross_entropy), and every timed fp32 linear_cross_entropy path's own loss. Returns the
-    failures (``RealInputError`` messages)."""
+    """On the real input, the losses of this run must still match the model's own loss: the float64 reference of the
+    fp32 logits (cross_entropy) and of the fp32 hidden states and LM head (linear_cross_entropy), and every timed
+    fp32 linear_cross_entropy path's own loss."""
     from . import real_input
     meta, failures = inputs_meta.get("real"), []
     if not meta:

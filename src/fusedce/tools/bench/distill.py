@@ -1,33 +1,5 @@
-"""``fusedce bench``'s distillation row: stock full-logits distillation vs fusedce's
-``linear_distillation_loss`` (chunked, tiled) on the real input, each in a fresh process (``worker``).
-
-Input (honest stand-in, stated in the JSON): the first ``TOKENS`` rows of the real input (SmolLM2-135M's
-final hidden states on KJV verses, SFT masking: prompt rows ignored). The TEACHER is SmolLM2 itself (those
-hidden states and its LM head W, V = 49152, H = 576). The STUDENT is the same hidden states through a
-perturbed head ``W + NOISE * std(W) * N(0, 1)`` (seeded): a student near its teacher, as after some
-distillation, so the divergence is neither 0 nor huge. The student's hidden states and head get
-gradients; the teacher gets none.
-
-Loss: GKD's generalized JSD at ``BETA`` and ``TEMPERATURE`` (both distributions at it), mean over the
-scored rows (the contract's ``linear_distillation_loss``). Paths:
-
-- stock: both models' logits ``(tokens x V)`` materialized, upcast to fp32 (as stock cross-entropy is
-  computed), ``log_softmax`` of each, the JSD composed from ``F.kl_div`` (TRL's ``generalized_jsd_loss``
-  recipe); autograd keeps the intermediates.
-- fusedce chunked / tiled: ``linear_distillation_loss(method=...)`` (torch backend on CPU, the default
-  backend on CUDA).
-- TRL (the peer a TRL user has): ``trl.trainer.distillation_trainer._chunked_divergence_loss``, the head
-  + generalized JSD that TRL 1.16's ``DistillationTrainer`` runs (its ``ChunkedDivergenceFunction``: chunks
-  of both heads' logits, recomputed in backward; on CPU it projects every row, ignored ones too, as TRL
-  does off Triton devices). A missing or different TRL makes the row ``"unavailable"``.
-
-Measured per path: forward+backward time (median of ``REPEATS``; on CPU the first is the peak-memory
-run, which keeps the row to ~1-2 min on a 2-core CPU), peak memory of the first forward+backward beyond
-the inputs (``harness.peak_memory``: VmHWM on CPU), and parity against a float64 reference of the
-formula computed once in the parent (``reference``): the loss's relative error and the student gradients'
-``||g - g64|| / ||g64||`` (worst of hidden and head). The floor: the bytes of the student gradients a
-forward+backward must return (``(N * H + V * H) * 4``).
-"""
+"""``fusedce bench``'s distillation row: stock full-logits distillation vs fusedce's ``linear_distillation_loss``
+(chunked, tiled) on the real input, each in a fresh process (``worker``)."""
 from __future__ import annotations
 
 import math

@@ -1,28 +1,6 @@
-"""``fusedce bench``'s distillation row, second part: the linear cross-entropy with probability ("soft")
-targets, the teacher's distribution as the target (``linear_cross_entropy(hidden, W_s, q)``), each path in
-a fresh process (``worker``), on the same input as ``distill.py``.
-
-Input: the first ``distill.TOKENS`` rows of the real input (SmolLM2-135M's final hidden states on KJV
-verses, V = 49152, H = 576); the student is ``distill.load``'s perturbed head, the teacher SmolLM2's own.
-The target ``q = softmax(h @ W_t.T)`` (T = 1) is computed in fp32 once and CACHED IN BFLOAT16 (N x V bf16,
-48 MiB at N = 512), as a distillation pipeline that stores the teacher's probabilities would; it is an
-input (made before the measured region). Every row counts (probability targets ignore no row): the loss
-is ``mean_rows -sum_c q_c log softmax(h @ W_s.T)_c``; the student's hidden states and head get gradients.
-
-Paths:
-
-- stock: the student's logits ``(N x V)`` materialized, upcast to fp32, ``F.cross_entropy(z, q.float())``
-  (torch's probability-target form; the bf16 target upcast to the logits' dtype, which torch requires).
-- fusedce chunked / tiled: ``fusedce.linear_cross_entropy(h, W_s, q, method=...)`` on the bf16 target as
-  it is (torch backend on CPU, the default backend on CUDA).
-- torch chunked: ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())``. torch 2.13's chunked
-  path takes int64 targets only (with a float target it warns and falls back to the full-logits
-  reference); the row is then ``"unavailable"`` with that reason, found at run time (``_torch_chunked``).
-
-Measured as ``distill.measure``: fwd+bwd time (median; the first run is the peak-memory run), peak memory
-of the first fwd+bwd beyond the inputs (``harness.peak_memory``: VmHWM on CPU), parity against a float64
-reference of the formula (``reference``). Floor: the student gradients returned, ``(N H + V H) * 4`` bytes.
-"""
+"""``fusedce bench``'s distillation row, second part: the linear cross-entropy with probability ("soft") targets, the
+teacher's distribution as the target (``linear_cross_entropy(hidden, W_s, q)``), each path in a fresh process
+(``worker``), on the same input as ``distill.py``."""
 from __future__ import annotations
 
 import os

@@ -1,22 +1,5 @@
-"""fusedce against its peers (``peers.py``: PyTorch's ``F.linear_cross_entropy``, TRL's fused head) on
-the same inputs in the same run: the goals the bench reports (shown, never enforced).
-
-- ``chunked faster``: fusedce's chunked path (``method="chunked"``) takes less time than every peer;
-- ``chunked leaner``: its peak memory is at most the leanest peer's;
-- ``tiled least``: ``method="tiled"`` has the least peak memory of every path measured (stock, chunked,
-  the peers).
-
-Each goal is ``{"want": text, "met": True | False | None, "verdict": "met" | "MISSED" | "inconclusive" |
-"n/a", "detail": text}``; ``met`` None when a row it needs failed or is missing (an unavailable peer is left
-out; with no peer at all the peer goals are None), or when the verdict is inconclusive.
-
-A time verdict rests on a few noisy samples (2-3 fwd+bwd per row on a CPU), so it is judged on the spread
-of the ratio, not on the ratio of medians alone (``ratio_verdict``): the ratio's interval runs from the
-slowest numerator run over the fastest denominator run's opposite, ``[min(a) / max(b), max(a) / min(b)]``;
-"met" when the goal holds over the whole interval, "MISSED" when it fails over the whole interval,
-"inconclusive" when the interval covers the goal's threshold. The detail text carries the interval and the
-number of runs it rests on.
-"""
+"""fusedce against its peers (``peers.py``: PyTorch's ``F.linear_cross_entropy``, TRL's fused head) on the same inputs
+in the same run: the goals the bench reports (shown, never enforced)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -53,11 +36,8 @@ def spread(values) -> dict:
 
 
 def ratio_verdict(numerator, denominator, threshold: float, strict: bool = False) -> dict:
-    """The goal ``numerator / denominator >= threshold`` (``> threshold`` if ``strict``) judged on runs:
-    ``numerator`` / ``denominator`` are the two rows' timed runs (ms). Returns ``ratio`` (of the medians),
-    ``low`` / ``high`` (the interval: the extreme runs against each other), ``runs`` (the two counts),
-    ``verdict`` ("met" over the whole interval, "MISSED" over none of it, else "inconclusive") and ``met``
-    (True / False / None for inconclusive)."""
+    """The goal ``numerator / denominator >= threshold`` (``> threshold`` if ``strict``) judged on runs: ``numerator``
+    / ``denominator`` are the two rows' timed runs (ms)."""
     a, b = spread(numerator), spread(denominator)
     holds = (lambda r: r > threshold) if strict else (lambda r: r >= threshold)  # noqa: E731
     low, high = a["min"] / b["max"], a["max"] / b["min"]

@@ -1,22 +1,4 @@
-"""Timing, peak memory and parity of one bench path; shared by ``fusedce bench`` and scripts.
-
-Methods (each result records the one it used):
-
-- time, CPU: median of ``repeats`` forward+backward runs timed with ``time.perf_counter`` after
-  ``warmup`` runs; gradients are reset outside the timed region. An op with ``max_cpu_repeats`` (the
-  fused LM head: seconds per run on a CPU) caps ``repeats`` there; the result records what was used.
-- time, CUDA: ``triton.testing.do_bench`` (median; it flushes the L2 cache between runs and sets the
-  gradients to None).
-- peak memory, CPU: run in a fresh process (``run_isolated``), after one forward+backward on a tiny
-  problem (``tiny_run``: the libraries' one-time set-up, lazy imports included, is not counted), the peak
-  resident set size during the first full forward+backward minus the resident size once the inputs
-  exist. The peak is the kernel's ``VmHWM`` after resetting it (``/proc/self/clear_refs``), else psutil
-  RSS sampled every millisecond.
-- peak memory, CUDA: ``torch.cuda.max_memory_allocated`` during one forward+backward (after a warm-up
-  that compiles the kernels) minus ``memory_allocated`` before it.
-
-Both memories are the loss's own: what exists beyond its inputs, the gradient included.
-"""
+"""Timing, peak memory and parity of one bench path; shared by ``fusedce bench`` and scripts."""
 from __future__ import annotations
 
 import json
@@ -32,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from .inputs import IGNORE_INDEX, Inputs
-from .paths import Path
+from .paths import BenchPath
 
 RESULT_PREFIX = "FUSEDCE-BENCH-RESULT "
 TIME_METHOD = {
@@ -112,14 +94,14 @@ def clear_grads(inputs: Inputs) -> None:
         tensor.grad = None
 
 
-def forward_backward(path: Path, inputs: Inputs) -> torch.Tensor:
+def forward_backward(path: BenchPath, inputs: Inputs) -> torch.Tensor:
     """One forward+backward of ``path``; returns the detached loss."""
     loss = path.forward(inputs)
     loss.backward()
     return loss.detach()
 
 
-def tiny_run(path: Path, inputs: Inputs, seed: int = 0) -> None:
+def tiny_run(path: BenchPath, inputs: Inputs, seed: int = 0) -> None:
     """One forward+backward of ``path`` on 16 rows x 32 classes of ``inputs``' dtype, device and hidden
     size, half the targets ignored: loads and sets up what a first call needs, at no memory cost."""
     gen = torch.Generator().manual_seed(seed)
@@ -133,7 +115,7 @@ def tiny_run(path: Path, inputs: Inputs, seed: int = 0) -> None:
     forward_backward(path, Inputs(target=target.to(like.device), **made))
 
 
-def extra_facts(path: Path, inputs: Inputs) -> dict:
+def extra_facts(path: BenchPath, inputs: Inputs) -> dict:
     """``path.extra(inputs)`` (facts saved with the row), or ``{"error": ...}``; never raises."""
     try:
         return path.extra(inputs)
@@ -174,12 +156,9 @@ def median_ms(fn: Callable[[], object], reset: Callable[[], None], device: str, 
     return statistics.median(times), times
 
 
-def measure(path: Path, inputs: Inputs, device: str, mode: str = "timed", repeats: int = 5,
+def measure(path: BenchPath, inputs: Inputs, device: str, mode: str = "timed", repeats: int = 5,
             warmup: int = 1) -> dict:
-    """Parity (always), and for ``mode="timed"`` peak memory and time, of one path on ``inputs``.
-
-    On CPU call it in a fresh process (``run_isolated``) for a meaningful peak memory.
-    """
+    """Parity (always), and for ``mode="timed"`` peak memory and time, of one path on ``inputs``."""
     op = path.op
     if device == "cpu" and op.max_cpu_repeats:
         repeats = min(repeats, op.max_cpu_repeats)
@@ -219,11 +198,7 @@ def measure(path: Path, inputs: Inputs, device: str, mode: str = "timed", repeat
 
 
 def run_isolated(spec: dict, env: Optional[dict] = None, timeout: Optional[float] = None) -> dict:
-    """Run ``spec`` (see ``worker.run_spec``) in a fresh ``python -m fusedce.tools.bench.worker`` process.
-
-    ``env``: extra environment variables (e.g. ``TRITON_INTERPRET=1``). A crash, a timeout or a missing
-    result becomes ``{"status": "error", "reason": ...}``; nothing is raised.
-    """
+    """Run ``spec`` (see ``worker.run_spec``) in a fresh ``python -m fusedce.tools.bench.worker`` process."""
     child_env = {**os.environ, **(env or {})}
     command = [sys.executable, "-m", "fusedce.tools.bench.worker"]
     try:

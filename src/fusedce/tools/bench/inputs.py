@@ -1,28 +1,4 @@
-"""The tensors a bench path consumes, built from a JSON-able source description.
-
-Sources (``source["kind"]``):
-
-- ``"real"``: a cache file written by ``real_input.py`` with ``hidden`` (BT, H) fp32, ``weight`` (V, H)
-  fp32 (SmolLM2's LM head) and ``target`` (BT,) int64; logits are ``hidden @ weight.T`` in fp32, then
-  cast to the bench dtype.
-- ``"synthetic"``: seeded random data of a named shape. Logits are drawn directly, N(0, 2^2) (the
-  spread of a trained LM's logits; no BT x H x V matmul, so large vocabularies stay cheap on CPU);
-  ``hidden``/``weight`` are drawn so that ``hidden @ weight.T`` has the same spread.
-- ``"random"`` (the memory sweep, ``sweep.py``; ``benchmarks/gpu_check.py``): seeded ``hidden`` ~ N(0, 1),
-  ``weight`` ~ N(0, 1) * ``source["weight_std"]``, targets uniform in [0, V) with
-  ``round(ignore_fraction * BT)`` positions, drawn at random, set to ``IGNORE_INDEX``. Logits, when
-  asked for, are ``hidden @ weight.T`` in fp32, unless ``source["logit_std"]`` is given: then they are
-  drawn directly, N(0, logit_std^2), and ``hidden`` / ``weight`` are drawn only when asked for (so
-  ``"hidden"`` and ``"weight_std"`` may be left out). ``source["draw"] == "device"`` draws everything on
-  the build device with a generator there (fast at GPU sizes, where a CPU draw of BT x V values takes
-  longer than the measurement; the values differ from the CPU draw of the same seed); the default
-  ``"cpu"`` draws on the CPU. Order of the draws: hidden and weight (when drawn), targets, the ignored
-  positions, logits (when drawn directly): a build without logits gives the same targets as one with.
-
-Targets of ``"real"`` and ``"synthetic"`` follow the SFT layout of ``sft_target``: sequences of
-``SEQ_LEN`` tokens whose first ``PROMPT_FRACTION`` (the prompt) and last position (no next token) are
-``IGNORE_INDEX``.
-"""
+"""The tensors a bench path consumes, built from a JSON-able source description."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -58,11 +34,7 @@ def sft_target(input_ids: torch.Tensor, prompt_fraction: float = PROMPT_FRACTION
 
 @dataclass
 class Inputs:
-    """What a path's forward receives. Fields an op does not need stay None.
-
-    ``target`` (BT,) int64; ``logits`` (BT, V); ``hidden`` (BT, H); ``weight`` (V, H). Every tensor field
-    but ``target`` that is built is a leaf with ``requires_grad=True``.
-    """
+    """What a path's forward receives. Fields an op does not need stay None."""
 
     target: torch.Tensor
     logits: Optional[torch.Tensor] = None
@@ -119,10 +91,7 @@ def _random(source: dict, needs: tuple, device: str) -> dict:
 
 def build(source: dict, needs: tuple, dtype: torch.dtype, device: str,
           rows: Optional[int] = None) -> Inputs:
-    """Build the ``needs`` fields (names of ``Inputs`` fields) for ``source`` on ``device`` in ``dtype``.
-
-    ``rows``: keep only that many rows (``row_slice``), e.g. for the Triton interpreter.
-    """
+    """Build the ``needs`` fields (names of ``Inputs`` fields) for ``source`` on ``device`` in ``dtype``."""
     dev = torch.device(device)
     if source["kind"] == "real":
         data = torch.load(source["file"], map_location="cpu", weights_only=True)

@@ -1,11 +1,5 @@
-"""The legend printed under every table of ``fusedce bench``: one line per column header saying what
-the column holds, in which unit and, for a ratio, which way it points.
-
-One unit per quantity in every table and every panel of ``bench.png``: time in ms (milliseconds of
-one forward+backward), memory in MiB (2^20 bytes), loss in nats. One ratio direction: ``stock/path``
-(stock's time or memory over the path's), so > 1 means the path is faster or leaner than stock, in the
-main tables' notes, the memory sweep and the distillation tables alike.
-"""
+"""The legend printed under every table of ``fusedce bench``: one line per column header saying what the column holds,
+in which unit and, for a ratio, which way it points."""
 from __future__ import annotations
 
 STATUS = ("ok: measured; error: the measurement failed; unavailable: the path cannot run here (its library "

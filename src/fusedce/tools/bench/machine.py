@@ -118,10 +118,8 @@ def _load_1min():
 
 
 class LoadSampler:
-    """Samples the 1-minute load average every ``interval`` seconds on a daemon thread while the bench
-    measures, so that its "busy machine" warning reports the worst load of the run, not the load at its
-    end. Use as a context manager; ``summary()`` gives the JSON fields (None where nothing was sampled).
-    ``read`` (a callable returning the load or None) is for tests."""
+    """Samples the 1-minute load average every ``interval`` seconds on a daemon thread while the bench measures, so
+    that its "busy machine" warning reports the worst load of the run, not the load at its end."""
 
     def __init__(self, interval: float = 5.0, read=_load_1min):
         self.interval, self._read = interval, read

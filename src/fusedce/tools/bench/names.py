@@ -1,12 +1,4 @@
-"""One name per bench path, in every table of ``fusedce bench`` and every panel of ``bench.png``.
-
-A path's id (``paths.PATHS``, ``sweep.LABELS``, ``distill.PATHS``, ``distill_soft.PATHS``,
-``rl_precision.PATHS``: the ids in ``bench.json`` and ``--paths``) maps to its display name here and
-nowhere else: ``"<who> <method> (<backend>)"``, e.g. ``"fusedce chunked (torch)"``. The op a path
-computes is in its table's title, so the distillation tables' fusedce rows are ``"fusedce chunked"`` too.
-What each path runs exactly is in its table's ``paths:`` note and in ``bench.json`` (``method.what``).
-No torch import: the report renders a saved ``bench.json`` without it.
-"""
+"""One name per bench path, in every table of ``fusedce bench`` and every panel of ``bench.png``."""
 from __future__ import annotations
 
 STOCK = "stock"

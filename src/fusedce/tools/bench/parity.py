@@ -1,20 +1,4 @@
-"""Float64 references for the bench, compared chunk by chunk.
-
-A BT x V float64 tensor of a real shape is large (4096 x 128256 x 8 B = 4.2 GB, twice for logits and
-gradient), so the reference is computed on ``CHUNK_ELEMENTS`` logits at a time (``LINEAR_CHUNK_ELEMENTS``
-for the linear op, whose every chunk also costs a V x H weight-gradient update) and only the error
-statistics are kept. Reported per path:
-
-- ``loss_abs_err``: ``|loss - loss_ref|``;
-- ``grad_max_abs_err``: ``max |g - g_ref|`` over every element (of every leaf);
-- ``grad_rel_err``: ``||g - g_ref||_2 / ||g_ref||_2`` over the whole gradient (the worst leaf; per leaf
-  in ``grads``).
-
-Row-subset checks (``benchmarks/gpu_check.py``, where the whole batch in float64 is too slow to repeat per
-path): ``subset_rows`` picks the rows, ``cross_entropy_rows`` compares per-row losses and their gradient
-there and reports torch's own error in the logits' dtype next to it (the yardstick of the "no worse than
-4x torch" rule), ``linear_token_log_probs`` compares log-probabilities and entropies.
-"""
+"""Float64 references for the bench, compared chunk by chunk."""
 from __future__ import annotations
 
 import math
@@ -120,9 +104,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
 
 
 def subset_rows(target: torch.Tensor, n: Optional[int], ignore_index: int = -100) -> torch.Tensor:
-    """Indices of ``n`` rows spread evenly over ``target`` (``inputs.row_slice``; None or ``n >= BT``: every
-    row), on ``target``'s device. When the batch has both ignored and scored rows, the subset has both:
-    its last row is swapped for the first ignored row (or its first for the first scored row) if needed."""
+    """Indices of ``n`` rows spread evenly over ``target`` (``inputs.row_slice``; None or ``n >= BT``: every row), on
+    ``target``'s device."""
     n_rows = target.shape[0]
     rows = row_slice(n_rows, n)
     rows = torch.arange(n_rows) if rows is None else rows.clone()

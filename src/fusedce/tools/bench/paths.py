@@ -1,14 +1,4 @@
-"""The registry of what the bench measures: ops (a loss and its floor) and paths (who computes it).
-
-Ops: ``cross_entropy`` (on given logits) and ``linear_cross_entropy`` (the LM head fused with the loss:
-hidden states and the head's weight in, their gradients out).
-
-A path is one ``register(Path(...))`` entry: a forward that returns the scalar loss of an ``Inputs``
-(the harness runs the backward). The bench runs every registered path on ``--device``: timed where
-``device in path.devices``; on CPU, a path with ``interpreter=True`` gets a parity-only run on a slice of
-rows under ``TRITON_INTERPRET=1`` (interpreter times mean nothing), next to its op's ``baseline`` path on
-the same slice.
-"""
+"""The registry of what the bench measures: ops (a loss and its floor) and paths (who computes it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -111,7 +101,7 @@ LINEAR_CROSS_ENTROPY = Op(
 
 
 @dataclass(frozen=True)
-class Path:
+class BenchPath:
     """One way of computing an op. ``name`` is the id in JSON and ``--paths``; ``forward`` returns the
     scalar loss and must leave the backward to the caller."""
 
@@ -128,17 +118,17 @@ class Path:
     extra: Optional[Callable[[Inputs], dict]] = None
 
 
-PATHS: dict[str, Path] = {}
+PATHS: dict[str, BenchPath] = {}
 
 
-def register(path: Path) -> Path:
+def register(path: BenchPath) -> BenchPath:
     if path.name in PATHS:
         raise ValueError(f"bench path {path.name!r} is already registered")
     PATHS[path.name] = path
     return path
 
 
-def plan(device: str, names=None) -> list[tuple[Path, str]]:
+def plan(device: str, names=None) -> list[tuple[BenchPath, str]]:
     """``(path, mode)`` for every registered path (or those in ``names``) that runs on ``device``, op
     by op; mode is ``"timed"`` or ``"parity"`` (on CPU: Triton interpreter paths on a slice of rows,
     preceded by their op's ``baseline`` on the same slice)."""
@@ -169,11 +159,11 @@ def _fusedce(backend: str) -> Callable[[Inputs], torch.Tensor]:
     return forward
 
 
-register(Path("torch", path_name("torch"), CROSS_ENTROPY, _stock,
+register(BenchPath("torch", path_name("torch"), CROSS_ENTROPY, _stock,
               "F.cross_entropy(logits.float(), target, ignore_index=-100), mean"))
-register(Path("fusedce-torch", path_name("fusedce-torch"), CROSS_ENTROPY, _fusedce("torch"),
+register(BenchPath("fusedce-torch", path_name("fusedce-torch"), CROSS_ENTROPY, _fusedce("torch"),
               "fusedce.cross_entropy(logits, target, backend='torch'): chunked PyTorch, mean"))
-register(Path("fusedce-triton", path_name("fusedce-triton"), CROSS_ENTROPY, _fusedce("triton"),
+register(BenchPath("fusedce-triton", path_name("fusedce-triton"), CROSS_ENTROPY, _fusedce("triton"),
               "fusedce.cross_entropy(logits, target, backend='triton'): Triton kernels, mean",
               devices=("cuda",), interpreter=True))
 
@@ -192,32 +182,33 @@ def _fusedce_linear(backend: str, method: str = "auto") -> Callable[[Inputs], to
     return forward
 
 
-register(Path("linear-torch", path_name("linear-torch"), LINEAR_CROSS_ENTROPY, _stock_linear,
+register(BenchPath("linear-torch", path_name("linear-torch"), LINEAR_CROSS_ENTROPY, _stock_linear,
               "F.cross_entropy(F.linear(hidden, weight).float(), target, ignore_index=-100), mean"))
-register(Path("linear-fusedce-torch", path_name("linear-fusedce-torch"), LINEAR_CROSS_ENTROPY, _fusedce_linear("torch"),
+register(BenchPath("linear-fusedce-torch", path_name("linear-fusedce-torch"), LINEAR_CROSS_ENTROPY,
+                   _fusedce_linear("torch"),
               "fusedce.linear_cross_entropy(hidden, weight, target, backend='torch'): chunked PyTorch, "
               "chunk_size=None, mean"))
-register(Path("linear-fusedce-triton", path_name("linear-fusedce-triton"), LINEAR_CROSS_ENTROPY,
+register(BenchPath("linear-fusedce-triton", path_name("linear-fusedce-triton"), LINEAR_CROSS_ENTROPY,
               _fusedce_linear("triton"),
               "fusedce.linear_cross_entropy(hidden, weight, target, backend='triton'): Triton CE kernels "
               "per chunk, chunk_size=None, mean", devices=("cuda",), interpreter=True))
-register(Path("linear-fusedce-torch-tiled", path_name("linear-fusedce-torch-tiled"), LINEAR_CROSS_ENTROPY,
+register(BenchPath("linear-fusedce-torch-tiled", path_name("linear-fusedce-torch-tiled"), LINEAR_CROSS_ENTROPY,
               _fusedce_linear("torch", "tiled"),
               "fusedce.linear_cross_entropy(hidden, weight, target, method='tiled', backend='torch'): blocks "
               "of tokens x vocabulary, no logits tensor, mean"))
-register(Path("linear-fusedce-triton-tiled", path_name("linear-fusedce-triton-tiled"), LINEAR_CROSS_ENTROPY,
+register(BenchPath("linear-fusedce-triton-tiled", path_name("linear-fusedce-triton-tiled"), LINEAR_CROSS_ENTROPY,
               _fusedce_linear("triton", "tiled"),
               "fusedce.linear_cross_entropy(hidden, weight, target, method='tiled', backend='triton'): tiled "
               "Triton kernels (logits tiles on chip only), mean", devices=("cuda",)))
 # No interpreter parity run for the tiled kernels on CPU: on the real input's 32-row slice (V=49152,
 # H=576) the interpreter takes about 150 s (one program per vocabulary tile, tl.dot per H block, each a
 # Python-level step); tests/linear/test_triton_tiled.py and test_linear_tiled.py check them at small sizes.
-register(Path("linear-torch-lce", path_name("linear-torch-lce"), LINEAR_CROSS_ENTROPY,
+register(BenchPath("linear-torch-lce", path_name("linear-torch-lce"), LINEAR_CROSS_ENTROPY,
               peers.torch_linear_cross_entropy,
               "torch.nn.functional.linear_cross_entropy(hidden, weight, target, ignore_index=-100, "
               "options=torch.nn.LinearCrossEntropyOptions()): torch's chunked path, 'auto' policy and chunking, "
               "mean; every row computed", peer=True, extra=peers.torch_lce_resolved))
-register(Path("linear-trl", path_name("linear-trl"), LINEAR_CROSS_ENTROPY, peers.trl_mean_nll,
+register(BenchPath("linear-trl", path_name("linear-trl"), LINEAR_CROSS_ENTROPY, peers.trl_mean_nll,
               "trl.kernels.ChunkedLogProbFunction on the scored rows (ignored ones dropped first), "
               f"vocabulary tiles of {peers.TRL_VOCAB_TILE} (TRL's), -log_probs.sum() / scored; Triton on CUDA, "
               "torch ops on CPU", peer=True, extra=peers.trl_log_probs_check))

@@ -1,28 +1,4 @@
-"""Peer implementations of the fused LM head + loss that the bench measures next to stock and fusedce.
-
-- ``torch_linear_cross_entropy``: PyTorch's own ``F.linear_cross_entropy`` with
-  ``options=torch.nn.LinearCrossEntropyOptions()`` (its chunked path: the forward computes the loss and
-  every gradient a chunk of rows at a time, the backward scales them). ``torch_lce_resolved`` says what
-  torch's ``"auto"`` resolved to for the inputs (``LinearCrossEntropyOptions._adjust``, the call
-  ``F.linear_cross_entropy`` makes): per (device, dtype), ``torch/nn/modules/linear_cross_entropy_options.py``
-  ``_AUTO_DEFAULTS``, else ``("compact", "aspect_ratio:2")``. Every row is computed, ignored ones too
-  (their weight is 0).
-- ``trl_mean_nll``: TRL's ``trl.kernels.ChunkedLogProbFunction`` (token tiles x vocabulary tiles, online
-  logsumexp; Triton on CUDA, torch ops elsewhere) with TRL's own tile width, the mean of ``-log_probs``
-  over the scored tokens. Ignored rows are dropped first, as TRL's fused head does on Triton devices.
-  ``trl_log_probs_check`` compares its per-token log-probs with ``fusedce.linear_token_log_probs`` and
-  float64.
-
-- ``liger_flce``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (Triton; chunks of rows, the
-  gradients computed in the forward), mean over the scored tokens.
-- ``cce_linear_cross_entropy``: cut-cross-entropy's ``linear_cross_entropy`` (Triton ``impl="cce"``, the
-  logits never stored; its default gradient filtering), mean over the scored tokens.
-- ``quack_linear_cross_entropy``: quack's ``chunked_linear_cross_entropy`` (CuTe DSL, needs
-  nvidia-cutlass-dsl), mean over the scored tokens.
-
-Each imports its library inside the call: a missing package makes the bench row ``"unavailable"``.
-Argument orders are the peers' own (Liger takes the weight first).
-"""
+"""Peer implementations of the fused LM head + loss that the bench measures next to stock and fusedce."""
 from __future__ import annotations
 
 import torch

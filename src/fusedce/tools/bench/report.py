@@ -1,9 +1,5 @@
-"""The bench's outputs: rich tables on the terminal (one per shape and op, then the memory sweep),
-``bench.json`` and ``bench.png``.
-
-Every saved result names its machine (``machine.describe``) and its method (per row and overall).
-Everything here reads the result dict only, so a saved ``bench.json`` can be rendered again.
-"""
+"""The bench's outputs: rich tables on the terminal (one per shape and op, then the memory sweep), ``bench.json`` and
+``bench.png``."""
 from __future__ import annotations
 
 import json

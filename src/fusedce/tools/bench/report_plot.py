@@ -1,14 +1,4 @@
-"""``bench.png``: the picture of what the tables show, one row of two panels per part of the report.
-
-- per shape and op of the main tables: fwd+bwd time (ms) | peak memory (MiB), the timed rows;
-- accuracy vs float64 (the main tables' parity, every row with errors): grad rel | |Δloss| (nats), log x;
-- distillation (GKD JSD and soft-target CE tables): time (ms) | peak memory (MiB);
-- RL precision: per-token log-prob error | entropy error vs float64 (nats), log x;
-- the memory sweep (``report_sweep.plot_sweep``): memory (MiB) | time (ms).
-
-One unit per quantity (ms, MiB, nats), one name per path (``names``), one color per path (``colors``);
-the title names the machine and, when its load was high, carries the busy-machine warning.
-"""
+"""``bench.png``: the picture of what the tables show, one row of two panels per part of the report."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,8 +1,4 @@
-"""The memory sweep's part of the report (``sweep.py`` measures it): a rich table and two PNG panels.
-
-Reads ``report["sweep"]`` only: ``results`` (one row per configuration and path), ``summary`` (per
-configuration: ratios, targets, goals against the peers) and ``method``.
-"""
+"""The memory sweep's part of the report (``sweep.py`` measures it): a rich table and two PNG panels."""
 from __future__ import annotations
 
 from rich.table import Table

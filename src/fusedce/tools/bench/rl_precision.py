@@ -1,34 +1,6 @@
-"""``fusedce bench``'s RL-precision table (issue 29): how far each way of computing per-token log-probs and
-entropy from a bf16 LM head is from float64, what it holds in memory, and whether a row's result depends on
-the rest of its batch. One fresh process (``worker``, ``"rl": true``), on the real input.
-
-Input: the first ``TOKENS`` rows of the real input (SmolLM2-135M-Instruct's final hidden states on KJV
-verses, SFT masking) and its tied LM head, both rounded to bf16 (the dtype RL trainers run the policy in).
-
-Paths (each: per-token log-probs of the target and, where the path has it, the entropy):
-
-- ``stock-bf16``: ``F.linear`` in bf16, then ``log_softmax`` of the fp32-upcast logits (what RL code does
-  without a fused head; TRL's unfused path).
-- ``fp32-head-copy``: ``F.linear`` on fp32 copies of hidden and weight (TRL's ``cast_lm_head_to_fp32=True``:
-  an fp32 copy of the head's weight, V x H x 4 bytes, plus the fp32 logits).
-- ``trl-kernel``: TRL's ``trl.kernels.ChunkedLogProbFunction`` (its fused head, bf16 tiles).
-- ``torch-lce``: ``-F.linear_cross_entropy(..., reduction="none")`` (torch >= 2.13; no entropy).
-- ``fusedce``: ``fusedce.linear_token_log_probs(..., return_entropy=True)`` (fp32 logits, the default).
-- ``fusedce-input``: the same with ``logits_dtype="input"`` (the stock composition's rounding).
-- ``verl-torch`` / ``verl-triton``: verl 0.9.1's own kernels (``rl_verl``: where they load and run).
-- ``fusedce-top-p``: fusedce's log-probs of the top-p truncated distribution, scored against a float64
-  reference of that distribution (``rl_top_p``), not of the full softmax.
-
-Per path: the max |error| of log-probs and entropy against float64 on the same bf16 values
-(``parity.linear_token_log_probs`` on ``REFERENCE_ROWS`` scored rows), the time and the peak memory beyond
-the inputs of one forward + backward (random upstreams of both outputs; ``harness.peak_memory``) after an
-untimed warm-up.
-
-Batch invariance: one scored row ``r`` is placed in ``len(PLACEMENTS)`` batches of other real rows
-(sizes 1 to ``max``, positions, ``chunk_size``, ignored neighbours); a placement "changes" the row when
-its log-prob, its entropy or its row of the hidden gradient differs in any bit from the batch of one.
-Counted for stock bf16, fusedce and fusedce with ``batch_invariant=True`` (the contract's guarantee: 0).
-"""
+"""``fusedce bench``'s RL-precision table: how far each way of computing per-token log-probs and entropy
+from a bf16 LM head is from float64, what it holds in memory, and whether a row's result depends on the rest of its
+batch."""
 from __future__ import annotations
 
 import time

@@ -1,8 +1,4 @@
-"""Named LLM shapes for synthetic scaling runs, and ``--shapes`` parsing.
-
-Only the LM head matters here: ``H`` = hidden size (the head's input), ``V`` = vocabulary size (its
-output). ``BT`` comes from ``--tokens``. Values are from each model's published ``config.json``.
-"""
+"""Named LLM shapes for synthetic scaling runs, and ``--shapes`` parsing."""
 from __future__ import annotations
 
 import re

@@ -1,29 +1,5 @@
-"""The CPU memory sweep of ``fusedce bench``: the LM head + loss, stock against fused, at training
-shapes, each configuration measured in a fresh process (``harness.run_isolated``).
-
-- Configurations: ``SHAPES`` x ``IGNORE_FRACTIONS`` x (stock, fused, tiled, torch-lce, trl), where stock
-  is the ``linear-torch`` path (``F.cross_entropy(F.linear(hidden, weight).float(), target)``), fused the
-  ``linear-fusedce-torch`` path (``fusedce.linear_cross_entropy(..., backend="torch")``, chunk_size=None),
-  tiled the same with ``method="tiled"``, and the peers (``peers.py``) PyTorch's
-  ``F.linear_cross_entropy(options=LinearCrossEntropyOptions())`` and TRL's ``ChunkedLogProbFunction``
-  (a peer whose library is missing is ``"unavailable"``). The paths of one configuration run back to
-  back, so their ratios are measured under the same load. Tiled is judged against the floor
-  (``floor_bytes``); fused and tiled against the peers by ``goals.versus_peers``.
-- Data (``inputs`` source ``"random"``): fp32, seeded; hidden ~ N(0, 1), weight ~ N(0, 1) * 0.02,
-  targets uniform over the vocabulary with ``round(fraction * BT)`` random positions ignored.
-- Memory: after one forward+backward on a tiny problem (so the libraries' one-time set-up is not
-  counted), ``hidden.grad`` and ``weight.grad`` are preallocated as zeros, then the peak resident set
-  during one forward+backward minus the resident set once the inputs and those ``.grad`` buffers exist
-  (``harness.CpuPeakMemory``). Autograd adds into an existing ``.grad`` in place; the worker checks that
-  the buffers were not replaced (``grad_in_place``), else the row is an error: the baseline would be
-  wrong. What remains is the loss's own memory: logits (stock) or one chunk of them (fused), the
-  temporary gradients before they are added into ``.grad``, and workspaces.
-- Time: median of ``repeats`` forward+backward runs (``.grad`` zeroed in place outside the timing)
-  after the memory run, which is the warm-up (plus ``warmup`` more untimed runs).
-- Targets (of the memory sweep: >= 3x less memory, time within 1.10x at 0% ignored; displayed, never
-  enforced): ``TARGETS``. The time target is judged on the runs' spread (``goals.ratio_verdict``: met,
-  MISSED or inconclusive, with the interval it rests on).
-"""
+"""The CPU memory sweep of ``fusedce bench``: the LM head + loss, stock against fused, at training shapes, each
+configuration measured in a fresh process (``harness.run_isolated``)."""
 from __future__ import annotations
 
 import gc
@@ -33,7 +9,7 @@ import torch
 
 from . import goals, harness
 from .inputs import Inputs
-from .paths import Path
+from .paths import BenchPath
 
 
 @dataclass(frozen=True)
@@ -109,10 +85,8 @@ def jobs(repeats: int = REPEATS, shapes=None, fractions=None) -> list:
     return out
 
 
-def measure(path: Path, inputs: Inputs, repeats: int = REPEATS, warmup: int = 0) -> dict:
-    """Peak memory (over inputs + preallocated ``.grad``) and fwd+bwd time of ``path`` on CPU.
-
-    Call it in a fresh process (``run_isolated`` with a spec from ``jobs``)."""
+def measure(path: BenchPath, inputs: Inputs, repeats: int = REPEATS, warmup: int = 0) -> dict:
+    """Peak memory (over inputs + preallocated ``.grad``) and fwd+bwd time of ``path`` on CPU."""
     harness.tiny_run(path, inputs, SEED)
     leaves = {name: getattr(inputs, name) for name in path.op.leaves}
     for tensor in leaves.values():

@@ -1,15 +1,5 @@
-"""A fresh process for one bench measurement: ``python -m fusedce.tools.bench.worker`` reads a JSON spec on
-stdin and prints one ``harness.RESULT_PREFIX`` line with the JSON result.
-
-Spec: ``{"path": name, "mode": "timed" | "parity", "device": "cpu" | "cuda", "dtype": "float32" |
-"bfloat16", "source": inputs source, "rows": int | None, "repeats": int, "warmup": int}``; with
-``"sweep": true`` the measurement is the memory sweep's (``sweep.measure``, CPU) instead of
-``harness.measure``; with ``"distill": true`` it is the distillation row's (``distill.measure``), with
-``"rl": true`` the RL-precision table's (``rl_precision.measure``), with
-``"distill_soft": true`` its soft-target cross-entropy part's (``distill_soft.measure``).
-A path that cannot be imported (e.g. a backend not written yet) is ``"unavailable"`` with the reason;
-any other exception is ``"error"``.
-"""
+"""A fresh process for one bench measurement: ``python -m fusedce.tools.bench.worker`` reads a JSON spec on stdin and
+prints one ``harness.RESULT_PREFIX`` line with the JSON result."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,4 @@
-"""``fusedce finetune``: fine-tune SmolLM2-135M-Instruct on KJV text, stock and patched, and plot both loss
-curves. The work is in ``fusedce.tools.finetune.smollm2`` (also ``examples/finetune_smollm2.py``); imports
-only argparse at module level, so ``fusedce --help`` stays fast.
-"""
+"""``fusedce finetune``: fine-tune SmolLM2-135M-Instruct on KJV text, stock and patched, and plot both loss curves."""
 from __future__ import annotations
 
 import argparse

@@ -1,17 +1,4 @@
-"""Compile one kernel launch for a GPU target without a GPU, and read its resource usage.
-
-``compile_launch(kernel, args, meta, arch)`` takes exactly what a launcher passes to ``kernel[grid](...)``
-(``backends/triton/launch.py``: ``forward_launch`` / ``backward_launch``), with meta tensors standing in
-for the buffers. It specializes the arguments the way a real launch does (Triton's own binder: pointers
-16-byte aligned -> ``tt.divisibility=16`` (a meta tensor's data_ptr is 0, as aligned as a fresh CUDA
-allocation), ints divisible by 16 likewise, ints equal to 1 become constants) and runs
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``: TTIR -> TTGIR -> LLVM -> PTX ->
-cubin with Triton's bundled ``ptxas``. Nothing needs a driver.
-
-``resources(compiled)`` then reports registers and spills (from ptxas' own ``-v`` log of that compile),
-static shared / local memory (Triton's bundled ``cuobjdump -res-usage`` on the cubin), the dynamic shared
-memory Triton requests at launch, and the width of every global load / store in the PTX.
-"""
+"""Compile one kernel launch for a GPU target without a GPU, and read its resource usage."""
 from __future__ import annotations
 
 import contextlib

@@ -1,15 +1,5 @@
-"""The CuTe half of the static report: compile CuTe kernel variants for one arch, no GPU, and read their
-resource usage (``fusedce inspect --cute`` runs this once per arch, ``cute_report.py``).
-
-``python -m fusedce.tools.inspect.cute_compile --arch sm_90a --json OUT`` compiles every variant of
-``backends/cute/variants.check_keys()`` (or ``--quick``: ``quick_keys()``) with the launcher's own
-``backends/cute/compile.compile_key`` in this one process (the DSL reads the arch from
-``$CUTE_DSL_ARCH`` at trace time, so one process per arch), keeps PTX and cubin, and writes per variant:
-registers and spills (ptxas' own report, ``remarks{ptx}``), static/local memory (Triton's bundled
-``cuobjdump -res-usage``), the global access widths of the PTX and its 16-byte ``cp.async`` copies (the
-on-chip chunk kernel's logits stream). The PTX / ptxas / cuobjdump parsing is the Triton report's
-(``compile.py``).
-"""
+"""The CuTe half of the static report: compile CuTe kernel variants for one arch, no GPU, and read their resource usage
+(``fusedce inspect --cute`` runs this once per arch, ``cute_report.py``)."""
 from __future__ import annotations
 
 import argparse

@@ -1,16 +1,7 @@
-"""The CuTe DSL rows of ``fusedce inspect --cute``: every CuTe kernel variant compiled for sm_90a and
-sm_100a without a GPU (``cute_compile.py`` over ``backends/cute/compile.py``, one subprocess per arch
-because the DSL reads the target from ``$CUTE_DSL_ARCH`` at trace time), with registers, spills (ptxas' report), static shared
-and local memory (``cuobjdump -res-usage``) and the 128-bit global accesses counted in the PTX.
-
-A variant with full-width vectors (16 bytes: 8 bf16 / fp16, 4 fp32) must hold at least one
-``ld.global.v4`` (its logits stream; for the on-chip chunk kernel ``onchip`` a 16-byte ``cp.async``
-into shared memory instead) and, for backward and the fused chunks, one ``st.global.v4`` (its
-gradient stream); the scalar variants (``vec`` 1: odd V) have nothing to vectorize. Any spill or
-local memory is a problem in every variant.
-"smem B" is the static shared memory; the on-chip kernel's row slice is dynamic, sized at launch
-(``kernels/ce_chunk_onchip.smem_bytes``: at most 96 KiB + 512 B per CTA, ``tuning.onchip_cluster``).
-"""
+"""The CuTe DSL rows of ``fusedce inspect --cute``: every CuTe kernel variant compiled for sm_90a and sm_100a without a
+GPU (``cute_compile.py`` over ``backends/cute/compile.py``, one subprocess per arch because the DSL reads the target
+from ``$CUTE_DSL_ARCH`` at trace time), with registers, spills (ptxas' report), static shared and local memory
+(``cuobjdump -res-usage``) and the 128-bit global accesses counted in the PTX."""
 from __future__ import annotations
 
 import importlib.util

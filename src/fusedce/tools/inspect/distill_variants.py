@@ -1,11 +1,5 @@
-"""What ``fusedce inspect`` compiles of the distillation kernels (``backends/triton/distill_launch.py``):
-their constexpr code paths, and each launch built exactly as the launcher builds it (on meta tensors).
-
-Variants name the options that select code: ``fkl`` / ``rkl`` / ``jsd`` (beta = 0 / 1 / between: MODE),
-``hard`` (a hard-label term; at T = 2, so with its own lse: HARD_OWN_LSE), ``cap`` (both softcaps),
-``bias`` (both heads' biases; tiled only), ``grad`` (the row kernel's gradient pass). The tiled kernels
-use hidden sizes H = 4096 (student) and Ht = 4096 (teacher), as the cross-entropy's tiled rows.
-"""
+"""What ``fusedce inspect`` compiles of the distillation kernels (``backends/triton/distill_launch.py``): their
+constexpr code paths, and each launch built exactly as the launcher builds it (on meta tensors)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

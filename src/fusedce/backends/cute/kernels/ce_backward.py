@@ -1,19 +1,4 @@
-"""Cross-entropy backward in CuTe DSL: 2-D grid (row, vocabulary tile), softmax recomputed from the
-saved lse pair.
-
-Each CTA writes ``dL/dx`` for ``threads * vec * unroll`` consecutive logits of one row
-(``row_math.grad_vector``, the Triton backend's ``grad_block`` formula), so even a few rows fill the
-GPU. ``g`` is the upstream gradient of the row's loss (already carrying the mean's 1/D), ``h`` that of
-its lse (the z-loss ``s lse^2`` arrives as ``h = 2 s lse`` times its upstream). Ignored rows read no
-logits and get exact zeros. ``mG`` may be ``mX`` itself (in-place): every vector is read before it is
-written and no other thread touches it.
-
-Bytes moved per token (row), V classes, s bytes per logit (HBM):
-    read  V * s (logits; nothing on ignored rows) + 4 (lse) + 4 (lse_lo) + 4 (g) [+ 4 (h)] + 8 (target)
-          [+ 4 V class weights, L2-resident]
-    write V * s (gradient)
-With the forward: 3 V s per token, the floor of a two-kernel design (``ce_chunk`` moves 2 V s).
-"""
+"""Cross-entropy backward in CuTe DSL: 2-D grid (row, vocabulary tile), softmax recomputed from the saved lse pair."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr

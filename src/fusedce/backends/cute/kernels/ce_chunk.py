@@ -1,22 +1,5 @@
-"""Fused cross-entropy forward + gradient of one chunk of logits, written over the logits: the hot path
-of ``linear_cross_entropy`` (mean / sum), where each row's upstream gradient is known in forward.
-
-One CTA per row: ``row_math.row_stats`` streams the row once for ``(m, s, zsum, argmax)``; thread 0
-writes loss / lse / lse_lo (/ argmax / p_t), every thread forms the row's gradient factors (``g`` of
-its loss, ``h = 2 s lse zg`` of its z-loss, both times ``p_t`` with token scaling), and a second pass
-over the same row writes ``dL/dx`` into the logits' storage. The second read of a row comes right
-after the first, while the row is still in L2 (a 128256-class bf16 row is 250 KiB; the rows in flight
-take a few MiB of the 50-60 MiB L2 of an H100 / H200), so from HBM the chunk is read once and written
-once.
-
-Bytes moved per token (row), V classes, s bytes per logit (HBM; the second read hits L2):
-    read  V * s (logits) + 4 (g) [+ 4 (zg)] + 8 (target) [+ 4 V class weights, L2-resident]
-    write V * s (gradient, in place) + 12 (loss, lse, lse_lo) [+ 8 argmax] [+ 4 p_t]
-i.e. 2 V s against 3 V s for the forward + backward kernels, or 3 V s when the second read misses L2.
-Ignored rows read nothing, write zeros. ``ce_chunk_onchip`` (the row kept in shared memory, read from
-HBM exactly once) replaces this kernel whenever ``tuning.onchip_cluster`` allows; this one stays for
-the rest: vectors narrower than 16 bytes (e.g. odd V) and rows over 8 x 96 KiB.
-"""
+"""Fused cross-entropy forward + gradient of one chunk of logits, written over the logits: the hot path of
+``linear_cross_entropy`` (mean / sum), where each row's upstream gradient is known in forward."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr

@@ -1,35 +1,5 @@
-"""Fused cross-entropy forward + gradient of one chunk of logits with each row kept on chip: the logits
-are read from HBM once and the gradient written once, whatever the L2 does.
-
-Same contract, options and math as ``ce_chunk.CEChunk`` (``row_math``, formula for formula); only where
-the row lives between the two passes differs. A row of V classes is split over a thread-block cluster
-of ``cluster`` CTAs (1, 2, 4 or 8; ``tuning.onchip_cluster`` picks it from V and the dtype), CTA ``r``
-owning vectors ``[r n, (r + 1) n)`` of the row, ``n = ceil(V / vec / cluster)``:
-
-1. ``cp.async`` (16-byte, L1-bypassing) copies the CTA's slice from global into dynamic shared memory:
-   every thread issues all of its copies before waiting on any, so a whole slice is in flight at once
-   and no register holds the data in transit. Ignored rows copy nothing.
-2. ``row_math.slice_stats`` streams the slice from shared memory: the CTA's online-softmax state
-   ``(m, s, zsum, argmax)``, merged over warps (shuffles + shared memory).
-3. With a cluster, every CTA publishes its state in its shared memory and, after one cluster barrier,
-   reads the ``cluster`` states through distributed shared memory (``mapa`` + ``ld.shared::cluster``)
-   and merges them in rank order: every CTA holds the same row state, bit for bit.
-4. The loss / lse / lse_lo (/ argmax / p_t) are written by thread 0 of CTA 0; every thread forms the
-   gradient factors as ``CEChunk`` does and writes ``dL/dx`` of its slice from the shared-memory copy
-   over the logits (``row_math.grad_vector_from``). The target logit ``z_t`` is read from global
-   memory before the first barrier, before any CTA of the row writes its gradient.
-
-Bytes moved per token (row), V classes, s bytes per logit (HBM):
-    read  V * s (logits, exactly once) + 4 (g) [+ 4 (zg)] + 8 (target) + s (z_t, the same sector)
-          [+ 4 V class weights, L2-resident]
-    write V * s (gradient, in place) + 12 (loss, lse, lse_lo) [+ 8 argmax] [+ 4 p_t]
-i.e. 2 V s, without relying on the second read of ``CEChunk`` hitting L2.
-Shared memory per CTA: ``HEADER_BYTES + n * vec * s`` bytes (dynamic); registers: as ``CEChunk``.
-
-Limits: full-width vectors only (``vec * s = 16``: V, the row stride and the base 16-byte aligned,
-the ``cp.async`` size); the launcher falls back to ``CEChunk`` otherwise and for rows larger than
-``cluster * tuning.ONCHIP_SLICE_BYTES``.
-"""
+"""Fused cross-entropy forward + gradient of one chunk of logits with each row kept on chip: the logits are read from
+HBM once and the gradient written once, whatever the L2 does."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr

@@ -1,16 +1,5 @@
-"""Cross-entropy forward in CuTe DSL: one CTA per row, the row streamed once in 128-bit vectors.
-
-Per row it writes the fp32 loss (without the z-loss, which the caller adds from ``lse``), the lse as an
-exact pair ``lse + lse_lo`` and, with COMPUTE_STATS, the argmax of the raw logits (lowest index on
-ties); ignored rows read no logits and get 0, 0, 0, -1. The math is ``row_math`` (the Triton
-backend's ``row_math.row_forward``, formula for formula).
-
-Bytes moved per token (row), V classes, s bytes per logit (HBM):
-    read  V * s (logits, once; nothing on ignored rows) + 8 (target) [+ 4 w_t]
-          [+ 4 V class weights, L2-resident, only with smoothing and weights]
-    write 4 (loss) + 4 (lse) + 4 (lse_lo) [+ 8 (argmax)]
-"""
-import cutlass
+"""Cross-entropy forward in CuTe DSL: one CTA per row, the row streamed once in 128-bit vectors."""
+import cutlass  # noqa: F401 (as before; the DSL compiles this module)
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
@@ -20,11 +9,9 @@ from .row_math import row_loss, target_row_stats, transform
 
 
 class CEForward:
-    """``__call__(mX (M, V), mTarget (M,) int64, mW (V,) fp32 | None, mWSum (1,) fp32 | None, mLoss,
-    mLse, mLseLo (M,) fp32, mPred (M,) int64 | None, scalars, stream)``; ``scalars``: the options'
-    ``options.LossScalars`` of DSL scalars (``kernels/scalars.py``; ``lse_square_scale`` unused here),
-    ``FLAGS``: their ``options.LossFlags``. ``vec`` must divide V and the row stride (the launcher's
-    ALIGN)."""
+    """``__call__(mX (M, V), mTarget (M,) int64, mW (V,) fp32 | None, mWSum (1,) fp32 | None, mLoss, mLse, mLseLo (M,)
+    fp32, mPred (M,) int64 | None, scalars, stream)``; ``scalars``: the options' ``options.LossScalars`` of DSL
+    scalars (``kernels/scalars.py``; ``lse_square_scale`` unused here), ``FLAGS``: their ``options.LossFlags``."""
 
     def __init__(self, vec: int, threads: int, FLAGS: LossFlags, compute_stats: bool):
         self.vec, self.threads = vec, threads

@@ -1,7 +1,6 @@
 """The per-row epilogue shared by the two fused chunk kernels (``ce_chunk.CEChunk`` and
-``ce_chunk_onchip.CEChunkOnChip``): once a row's statistics are known, its loss and lse pair and the
-upstream gradient factors of the gradient pass (the stores are ``row_io.store_row_results``). The
-formulas are ``row_math.row_loss`` and the chunk contract of ``backends/triton/kernels/ce_chunk.py``."""
+``ce_chunk_onchip.CEChunkOnChip``): once a row's statistics are known, its loss and lse pair and the upstream
+gradient factors of the gradient pass (the stores are ``row_io.store_row_results``)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr

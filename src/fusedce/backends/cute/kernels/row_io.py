@@ -1,6 +1,5 @@
-"""A row's inputs and outputs in the CuTe kernels: its target's terms (validity, range, column, class
-weight), the class weights' sum and the stores of its per-row results (loss, lse pair, argmax,
-``p_t``). The math between them is ``row_math.py``."""
+"""A row's inputs and outputs in the CuTe kernels: its target's terms (validity, range, column, class weight), the
+class weights' sum and the stores of its per-row results (loss, lse pair, argmax, ``p_t``)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr

@@ -1,27 +1,5 @@
-"""The per-row cross-entropy math of the CuTe DSL kernels, written once (``@cute.jit`` helpers, inlined
-at trace time) and shared by ``ce_forward``, ``ce_backward``, ``ce_chunk`` and ``ce_chunk_onchip``. It
-mirrors the Triton backend's ``backends/triton/kernels/row_math.py`` formula for formula
-(``fusedce/core/row_math.py`` has the derivations and their sources):
-
-    z      = softcap tanh(s x / softcap)   (or s x)            s = logit_scale
-    lse    = m + log(sum_c exp(z_c - m)),  kept as the exact fp32 pair lse + lse_lo (TwoSum)
-    loss   = a ((lse - z_t) + lse_lo) + b ((W lse - sum_c w_c z_c) + W lse_lo)
-    dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c,   p_c = exp((z_c - lse) - lse_lo)
-    dz/dx  = s (1 - (z / softcap)^2)   (or s)
-
-with ``a = (1 - eps) w_t``, ``b = eps / V``, ``W = sum_c w_c`` (V without class weights).
-
-Work split (every kernel): one CTA of ``threads`` threads per row (per row tile for the backward). A
-thread owns whole vectors of ``vec`` consecutive logits (``vec * itemsize = 16`` bytes when the rows
-allow it: one 128-bit access per vector) and keeps its own online-softmax state ``(m, s)``, the
-smoothing sum and the argmax; the states are then merged across the warp (butterfly shuffles) and
-across the warps (``threads / 32`` slots of shared memory): ``row_reduce.py``.
-
-The loss options reach every helper as two arguments: ``scalars`` (``options.LossScalars`` of DSL
-scalars: ``scalars.softcap``, ...) and ``FLAGS`` (``options.LossFlags``, constexpr: ``FLAGS.HAS_SOFTCAP``,
-...), so a new element-wise option is a field there and a formula here, with no kernel's parameter list
-changed.
-"""
+"""The per-row cross-entropy math of the CuTe DSL kernels, written once (``@cute.jit`` helpers, inlined at trace time)
+and shared by ``ce_forward``, ``ce_backward``, ``ce_chunk`` and ``ce_chunk_onchip``."""
 import math
 
 import cutlass
@@ -136,10 +114,9 @@ def row_stats(gRow: cute.Tensor, gW, n_live: Int32, tidx: Int32, scalars, sbuf_f
 def target_row_stats(gRow: cute.Tensor, gW, mTarget: cute.Tensor, row, n_cols: Int32, tidx: Int32, scalars,
                      THREADS: cutlass.Constexpr[int], VEC: cutlass.Constexpr[int], FLAGS: cutlass.Constexpr,
                      COMPUTE_STATS: cutlass.Constexpr[bool]):
-    """The first pass of the row-streaming kernels (``ce_forward``, ``ce_chunk``) over row ``row``: its target,
-    whether it is kept, and ``row_stats`` over the row's ``n_cols`` logits ``gRow`` (none read on an ignored
-    row), with the CTA's reduction buffers in static shared memory. Returns ``(target (Int64), is_valid,
-    m, s, zsum, best, best_idx)``."""
+    """The first pass of the row-streaming kernels (``ce_forward``, ``ce_chunk``) over row ``row``: its target, whether
+    it is kept, and ``row_stats`` over the row's ``n_cols`` logits ``gRow`` (none read on an ignored row), with the
+    CTA's reduction buffers in static shared memory."""
     smem = cutlass.utils.SmemAllocator()
     sbuf_f = smem.allocate_tensor(Float32, cute.make_layout((4, THREADS // 32)), byte_alignment=16)
     sbuf_i = smem.allocate_tensor(Int32, cute.make_layout(THREADS // 32), byte_alignment=16)

@@ -1,7 +1,5 @@
-"""The merges of the CuTe kernels' per-thread row states (``row_math.py`` forms them): online-softmax
-states and argmax pairs, across a warp (butterfly shuffles) and across the warps of a CTA (one shared
-memory slot per warp). The on-chip chunk kernel merges its cluster's CTA states with the same
-``merge_softmax`` / ``merge_argmax``."""
+"""The merges of the CuTe kernels' per-thread row states (``row_math.py`` forms them): online-softmax states and argmax
+pairs, across a warp (butterfly shuffles) and across the warps of a CTA (one shared memory slot per warp)."""
 import math
 
 import cutlass
@@ -44,9 +42,8 @@ def merge_argmax(best: Float32, idx: Int32, best2: Float32, idx2: Int32):
 def block_merge(m: Float32, s: Float32, zsum: Float32, best: Float32, idx: Int32, sbuf_f: cute.Tensor,
                 sbuf_i: cute.Tensor, NWARPS: cutlass.Constexpr[int], FLAGS: cutlass.Constexpr,
                 COMPUTE_STATS: cutlass.Constexpr[bool]):
-    """Merge every thread's row state; every thread gets the CTA's result. ``sbuf_f``: (4, NWARPS)
-    fp32 shared memory, ``sbuf_i``: (NWARPS,) int32. ``FLAGS``: ``options.LossFlags`` (the smoothing sum
-    ``zsum`` is merged only with ``HAS_SMOOTHING``)."""
+    """Merge every thread's row state; every thread gets the CTA's result. ``sbuf_f``: (4, NWARPS) fp32 shared memory,
+    ``sbuf_i``: (NWARPS,) int32."""
     offset = 16
     for _ in cutlass.range_constexpr(5):      # butterfly over the warp: 16, 8, 4, 2, 1
         m2 = cute.arch.shuffle_sync_bfly(m, offset=offset)

@@ -1,7 +1,6 @@
 """The loss options' runtime scalars as every CuTe kernel takes them: ONE ``scalars`` argument, a
-``options.LossScalars`` of CuTe DSL scalars (the DSL passes a NamedTuple's fields as separate kernel
-parameters; a new value does not recompile). Built here only: by the launcher from
-``LossOptions.kernel_scalars()``, by the compile checks from the default options' (placeholders)."""
+``options.LossScalars`` of CuTe DSL scalars (the DSL passes a NamedTuple's fields as separate kernel parameters; a
+new value does not recompile)."""
 import typing
 
 from cutlass import Float32, Int64

@@ -1,20 +1,4 @@
-"""Cross-entropy backward: 2-D grid (row, vocabulary block), recomputes softmax from the saved lse.
-
-Each program computes one block of ``dL/dx`` (``row_math.grad_block``: the formula, its exactness and
-its precision are documented there) for the upstream gradients ``g`` of the row's loss (``grad_row``,
-which already carries the mean's 1/D) and ``h`` of its lse (``grad_lse``: the z-loss ``s lse**2``
-reaches the kernel as ``h = 2 s lse`` times its own upstream) and, with HAS_GRAD_ENTROPY, ``k`` of its
-entropy (``- k p_c (u_c + entropy)``; the RL ops). Ignored rows are written as exact zeros
-without reading their logits. Writing into ``logits``' own storage (in-place backward) is safe: each
-program reads its block before writing it and no other program touches that block.
-
-Bytes moved per token (row), V classes, s bytes per logit:
-    read  V * s (logits; skipped on ignored rows) + 4 (lse) + 4 (lse_lo) + 4 (grad_row)
-          [+ 4 (grad_lse)] [+ 8 (grad_entropy, entropy)] + 4-8 (target) [+ 4 V class weights, L2-resident]
-    write V * s (gradient)
-With the forward pass, fwd+bwd moves 3 * V * s per non-ignored token: the floor of an unfused
-two-kernel design that does not keep a row on chip between passes.
-"""
+"""Cross-entropy backward: 2-D grid (row, vocabulary block), recomputes softmax from the saved lse."""
 import triton
 import triton.language as tl
 

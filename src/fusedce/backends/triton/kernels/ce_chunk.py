@@ -1,19 +1,5 @@
-"""Fused cross-entropy forward + gradient of one chunk of logits, written over the logits: the hot path
-of ``linear_cross_entropy`` (mean / sum), where the upstream gradient of every row is known in forward.
-
-One program per row: ``row_math.row_forward`` streams the row once for the loss, the lse pair and the
-argmax; the row's gradient factors follow (the upstream gradient ``g`` of its loss, ``h = 2 s lse zg`` of
-its z-loss, both times ``p_t`` with token scaling); a second pass over the same row writes ``dL/dx``
-(``row_math.grad_block``) into the logits' storage. The second read of a row comes right after the
-first, while the row is still in L2 (a 128256-class bf16 row is 250 KiB; the rows in flight on an H100
-or H200 take well under its 50 MiB), so from HBM the chunk is read once and written once.
-
-Bytes moved per token (row), V classes, s bytes per logit (HBM; the second read hits L2):
-    read  V * s (logits) + 4 (grad_row) [+ 4 (z_grad_row)] + 4-8 (target) [+ 4 V class weights, L2]
-    write V * s (gradient, in place) + 12 (loss, lse, lse_lo) [+ 8 argmax] [+ 4 token weight]
-against 3 V s for the two-kernel path (forward read; backward read + write), i.e. a third less.
-Ignored rows read nothing and write zeros.
-"""
+"""Fused cross-entropy forward + gradient of one chunk of logits, written over the logits: the hot path of
+``linear_cross_entropy`` (mean / sum), where the upstream gradient of every row is known in forward."""
 import triton
 import triton.language as tl
 

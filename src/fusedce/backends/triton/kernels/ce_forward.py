@@ -1,20 +1,4 @@
-"""Cross-entropy forward: one program per row, online softmax over vocabulary blocks.
-
-Per row (``row_math.row_forward``; ``fusedce/core/row_math.py`` has the formulas and their sources) it
-writes the fp32
-cross-entropy loss (without the z-loss, which the caller adds from ``lse``), the fp32 lse as a pair
-``lse + lse_lo`` (``lse_lo`` is the rounding error of ``lse = max + log(sum)``, kept so that the
-backward's softmax is as accurate as PyTorch's ``exp((z - max) - log(sum))``) and, with COMPUTE_STATS,
-the argmax of the raw logits and, with COMPUTE_ENTROPY (the RL ops), the entropy of softmax(z)
-(``row_math.entropy_rebase``: a third running sum, one more FMA-pair per logit, no extra bytes).
-Ignored rows are not read at all: loss, lse, lse_lo and entropy 0, argmax -1.
-
-Bytes moved per token (row), V classes, s bytes per logit:
-    read  V * s (logits, once; skipped entirely on ignored rows)
-          + 4-8 (target) + 4 (w_t) [+ 4 V class weights, L2-resident, when smoothing with weights]
-    write 4 (loss) + 4 (lse) + 4 (lse_lo) [+ 8 (argmax) with stats] [+ 4 (entropy)]
-Nothing of size BT x V is written: a forward-only call reads the logits once.
-"""
+"""Cross-entropy forward: one program per row, online softmax over vocabulary blocks."""
 import triton
 import triton.language as tl
 

@@ -1,19 +1,5 @@
-"""Partial row statistics of a vocabulary slice (vocab parallelism): one program per row of the slice's
-logits ``(n, V_r)``, global columns ``[col_start, col_start + V_r)``. The caller exchanges them over the
-ranks (``distributed/exchange.py``) into the global lse and loss; the gradient of the slice
-is then ``ce_backward`` with the slice's ``col_start``, the global V and the global statistics.
-
-Per row it writes (fp32 unless noted): ``xmax`` the max of the raw logits and ``argmax`` (int64, global
-index, lowest on ties), ``zmax`` the max of z (-inf where the slice is all -inf in that row, which then
-adds exactly 0), ``sumexp = sum exp(z - zmax)`` (taken against 0 where ``zmax`` is -inf: 0),
-``target_logit`` z_t when this slice holds the target (else 0) and, with smoothing,
-``zsum = sum_c w_c z_c`` and, with COMPUTE_ENTROPY (the RL ops' entropy), ``tsum = sum exp(z - zmax)
-(z - zmax)`` (``row_math.entropy_rebase``; 0 where the slice is all -inf). Ignored rows are not read
-(all zeros, argmax at ``col_start``).
-
-Bytes moved per token (row): read V_r * s (+ 4 V_r class weights with smoothing, L2-resident) + target;
-write 24 (+ 4 with smoothing, + 4 with the entropy).
-"""
+"""Partial row statistics of a vocabulary slice (vocab parallelism): one program per row of the slice's logits ``(n,
+V_r)``, global columns ``[col_start, col_start + V_r)``."""
 import triton
 import triton.language as tl
 

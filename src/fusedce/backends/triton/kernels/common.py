@@ -5,15 +5,8 @@ import triton.language as tl
 
 @triton.jit
 def aligned(n, ALIGN: tl.constexpr):
-    """``n`` (a runtime int the launcher guarantees to be a multiple of ``ALIGN``), written so that the
-    compiler can prove it.
-
-    Triton specializes an int argument only on divisibility by 16. A bf16 row of V = 16k + 8 elements
-    (e.g. a vocabulary shard of 1000) is still 16-byte aligned, but without this the compiler assumes
-    divisibility 1 and emits one 16-bit load per element instead of 128-bit loads. ``n // A * A`` is a
-    shift pair the compiler folds into its alignment analysis (``tl.multiple_of`` on a scalar argument
-    is ignored).
-    """
+    """``n`` (a runtime int the launcher guarantees to be a multiple of ``ALIGN``), written so that the compiler can
+    prove it."""
     if ALIGN > 1:
         n = n // ALIGN * ALIGN
     return n
@@ -21,20 +14,7 @@ def aligned(n, ALIGN: tl.constexpr):
 
 @triton.jit
 def tanh_fp32(y):
-    """``tanh(y)`` in fp32, within about 2 ulp of the exact value for every finite ``y`` (and +-1 at
-    +-inf).
-
-    Two branches, each well conditioned where it is used:
-    - |y| < 0.55: ``y + y**3 P(y**2)``, P a degree-4 polynomial fitted here (weighted least squares of
-      ``(tanh(y) - y) / y**3`` on Chebyshev nodes of ``u = y**2`` in [0, 0.3025], float64, then rounded
-      to fp32); measured max relative error 1.5 ulp in fp32 Horner form on a 2e5-point grid. Near 0 the
-      result is ``y`` to full relative precision (the form ``1 - 2 / (exp(2y) + 1)`` is not: its
-      absolute error of ~1 ulp of 1 becomes a relative error of ~6e-8 / |y|, e.g. 6% at y = 1e-6,
-      which is softcap = 1e6 on unit logits).
-    - |y| >= 0.55: ``1 - 2 / (exp(2|y|) + 1)``, where the subtracted term is at most 0.5 (no
-      cancellation; about 3 ulp), saturating exactly to 1 when exp overflows.
-    libdevice's tanh would do on a GPU, but the Triton interpreter (the CPU tests) cannot run it.
-    """
+    """``tanh(y)`` in fp32, within about 2 ulp of the exact value for every finite ``y`` (and +-1 at +-inf)."""
     a = tl.abs(y)
     u = y * y
     p = -0.003164674388244748
@@ -60,15 +40,10 @@ def two_sum(a, b):
 
 @triton.jit
 def target_terms(target, n_cols, weight_ptr, scalars, FLAGS: tl.constexpr, col_start=0):
-    """(is_valid, in_range, safe_target, w_t) for one row's int64 target (or a vector of them), with the
-    loss options' ``scalars`` / ``FLAGS`` (``options.LossScalars`` / ``LossFlags``: ``ignore_index``,
-    ``HAS_WEIGHT``); ``col_start``: the row's columns are a vocabulary slice from there (``in_range`` /
-    ``safe_target`` are then local to the slice, ``weight_ptr`` the slice's class weights).
-
-    ``safe_target`` is 0 unless the target is a class in [0, V): never index with ``ignore_index`` or a
-    bad target (a bad, non-ignored target gives a NaN loss row, not an out-of-bounds read). Loads at
-    ``safe_target`` are always in bounds, so they need no mask.
-    """
+    """(is_valid, in_range, safe_target, w_t) for one row's int64 target (or a vector of them), with the loss options'
+    ``scalars`` / ``FLAGS`` (``options.LossScalars`` / ``LossFlags``: ``ignore_index``, ``HAS_WEIGHT``);
+    ``col_start``: the row's columns are a vocabulary slice from there (``in_range`` / ``safe_target`` are then
+    local to the slice, ``weight_ptr`` the slice's class weights)."""
     is_valid = target != scalars.ignore_index
     local = target - col_start
     in_range = (local >= 0) & (local < n_cols)

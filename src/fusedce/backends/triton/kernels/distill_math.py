@@ -1,32 +1,6 @@
-"""The per-element and per-row math of the distillation kernels (``distill_rows``, ``distill_tiled_*``),
-written once: the row kernel calls these on 1-D blocks of a row, the tiled kernels on 2-D tiles (rows x
-columns) with the per-row values as (rows, 1) columns. fp32 throughout.
-
-Notation (``tests/references/reference64_distill.py`` is the float64 oracle; GKD, arXiv 2306.13649, Eq. 1, in TRL's
-``generalized_jsd_loss`` form). ``c(z) = cap tanh(z / cap)`` per model (``cap_logits``), ``T`` the
-temperature, ``u = c(z_s) / T``, ``w = c(z_t) / T``, ``s = softmax(u)``, ``t = softmax(w)``:
-
-- MODE 0 (beta = 0), forward KL: ``KL(t || s) = sum t (log t - log s)``. With running maxes ``m_u, m_w``
-  and sums ``S_u = sum e^(u - m_u)``, ``S_w = sum e^(w - m_w)``, the third running sum
-  ``A = sum e^(w - m_w) ((w - m_w) - (u - m_u))`` gives ``KL = A / S_w - log S_w + log S_u`` in the
-  SAME pass as the two lse's (``pair_rebase`` re-bases A when either max moves:
-  ``A' = e^(dw) (A + (dw - du) S_w)``, ``dw = m_w - m_w'``, ``du = m_u - m_u'``). Terms with t = 0 add 0.
-  ``dKL/du = s - t``.
-- MODE 1 (beta = 1), reverse KL: the same with the roles swapped, ``B = sum e^(u - m_u) ((u - m_u) -
-  (w - m_w))``, ``KL(s || t) = B / S_u - log S_u + log S_w`` (one pass); ``dKL/du = s (log s - log t - KL)``.
-- MODE 2 (0 < beta < 1), generalized JSD ``beta KL(t || m) + (1 - beta) KL(s || m)``,
-  ``m = beta t + (1 - beta) s``: ``log m`` needs the normalized ``s`` and ``t`` (it does not factor
-  through a running max), so the divergence takes a second pass after the lse's (``jsd_terms``,
-  ``log m`` as a log-sum-exp of ``log beta + log t`` and ``log(1 - beta) + log s``: finite where the
-  probabilities underflow). With ``g = (1 - beta) (log s - log m)``:
-  ``dL/du = s (g - sum_v s_v g_v)`` and ``sum_v s_v g_v = (1 - beta) KL(s || m)``, which the second pass
-  also gives: the gradient is a third pass.
-- hard label: ``hard_label_weight (lse(c(z_s)) - c(z_s)[target])`` at temperature 1 (a third running
-  lse when T != 1, HARD_OWN_LSE), gradient ``hard_label_weight (softmax(c(z_s)) - onehot)``.
-
-Then ``dL/dz_s = (dL/du / T + hard term) * (1 - (c / cap)^2)`` (the softcap's slope), times the row's
-grad_factor. Every ``0 log 0`` (a -inf logit, or a masked column) is 0, never NaN.
-"""
+"""The per-element and per-row math of the distillation kernels (``distill_rows``, ``distill_tiled_*``), written once:
+the row kernel calls these on 1-D blocks of a row, the tiled kernels on 2-D tiles (rows x columns) with the per-row
+values as (rows, 1) columns. fp32 throughout."""
 import triton
 import triton.language as tl
 
@@ -165,10 +139,9 @@ def jsd_finish(kl_t, kl_s, beta, live):
 @triton.jit
 def dlogits(c, u, w, is_target, lse_u, lse_w, lse_c, rowsum, beta, inv_t, hard_w, s_cap,
             MODE: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, HAS_S_CAP: tl.constexpr):
-    """fp32 ``dL/dz_s`` (before the grad_factor) of a block: ``c`` the capped student logits, ``u = c / T``,
-    ``w`` the teacher's at T, ``is_target`` the one-hot mask, the row's ``lse_u``, ``lse_w``, ``lse_c``
-    (lse of c; read with HARD_OWN_LSE) and ``rowsum`` (MODE 1: KL(s || t); MODE 2: (1 - beta) KL(s || m)).
-    Exactly 0 where both probabilities are 0 (a -inf column)."""
+    """fp32 ``dL/dz_s`` (before the grad_factor) of a block: ``c`` the capped student logits, ``u = c / T``, ``w`` the
+    teacher's at T, ``is_target`` the one-hot mask, the row's ``lse_u``, ``lse_w``, ``lse_c`` (lse of c; read with
+    HARD_OWN_LSE) and ``rowsum`` (MODE 1: KL(s || t); MODE 2: (1 - beta) KL(s || m))."""
     ls = u - lse_u
     s = tl.exp(ls)
     if MODE == 0:
@@ -203,11 +176,10 @@ def stats_init(BLOCK_N: tl.constexpr):
 @triton.jit
 def stats_update(u, w, c, is_target, m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t,
                  MODE: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr):
-    """One (rows x columns) tile into the running per-row statistics (each (rows,)): the online softmax
-    of ``u`` (``m_u``, ``s_u``) and ``w`` (``m_w``, ``s_w``), the MODE 0 / 1 divergence sum ``acc`` (``A`` /
-    ``B`` of the module docstring; unchanged in MODE 2), with HAS_HARD the target's ``c`` (``c_t``, picked
-    from the tile that holds it) and with HARD_OWN_LSE the online softmax of ``c`` (``m_c``, ``s_c``).
-    Returns the nine updated values in that order."""
+    """One (rows x columns) tile into the running per-row statistics (each (rows,)): the online softmax of ``u``
+    (``m_u``, ``s_u``) and ``w`` (``m_w``, ``s_w``), the MODE 0 / 1 divergence sum ``acc`` (``A`` / ``B`` of the
+    module docstring; unchanged in MODE 2), with HAS_HARD the target's ``c`` (``c_t``, picked from the tile that
+    holds it) and with HARD_OWN_LSE the online softmax of ``c`` (``m_c``, ``s_c``)."""
     m_u_new, sh_u = softmax_shift(m_u, u, 1)
     m_w_new, sh_w = softmax_shift(m_w, w, 1)
     e_u = tl.exp(u - sh_u[:, None])
@@ -232,10 +204,9 @@ def stats_update(u, w, c, is_target, m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t,
 @triton.jit
 def row_results(m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t, live, hard_w,
                 MODE: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr):
-    """``(loss, lse_u, lse_w, lse_c, rowsum)`` per row from the first pass's statistics: in MODE 0 / 1 the
-    loss is final (divergence + hard-label CE) and ``rowsum`` is the divergence (MODE 1's gradient needs
-    it); in MODE 2 ``loss`` holds only the hard-label term and ``rowsum`` 0 (``jsd_terms`` adds the rest in
-    the second pass). ``lse_c`` = ``lse_u`` without HARD_OWN_LSE. All 0 on rows not ``live``."""
+    """``(loss, lse_u, lse_w, lse_c, rowsum)`` per row from the first pass's statistics: in MODE 0 / 1 the loss is
+    final (divergence + hard-label CE) and ``rowsum`` is the divergence (MODE 1's gradient needs it); in MODE 2
+    ``loss`` holds only the hard-label term and ``rowsum`` 0 (``jsd_terms`` adds the rest in the second pass)."""
     lse_u = finish_lse(m_u, s_u, live)
     lse_w = finish_lse(m_w, s_w, live)
     lse_c = lse_u

@@ -1,26 +1,4 @@
-"""Distillation loss (and student-logit gradient) over rows whose logits are in memory.
-
-Grid: one program per tile of BLOCK_N rows (BLOCK_N = 1 for large V; several rows of a small
-vocabulary per program), walking the vocabulary in BLOCK_V-column blocks. The math is
-``distill_math`` (its docstring has the formulas): per row, in fp32 (loads upcast after loading),
-
-  pass 1  the online softmax of the student at T (``m_u``, ``S_u``) and of the teacher (``m_w``, ``S_w``),
-          for beta = 0 / 1 the divergence's running sum (the KL is then final after this pass), with a
-          hard label the target's capped logit and, when T != 1, the online softmax of the capped
-          student at T = 1 (HARD_OWN_LSE);
-  pass 2  (0 < beta < 1 only) ``KL(t || m)`` and ``KL(s || m)``: ``log m`` needs the normalized
-          probabilities, known only after pass 1;
-  pass 3  (HAS_GRAD) ``grad_factor * dL/dz_s`` written in the student's dtype (rounded to nearest).
-
-Passes over V: beta = 0 or 1: 1 for the loss, 2 with the gradient; 0 < beta < 1: 2 for the loss, 3 with
-the gradient (the gradient's ``sum_v s_v g_v`` is ``(1 - beta) KL(s || m)``, a pass-2 result).
-Ignored rows (target == ignore_index) are not read: loss 0, gradient exactly 0 (written). Row offsets
-are int64. Padded columns load as -inf and are masked after the softcap (which maps -inf to -cap).
-
-Bytes moved per row (V classes, s_s / s_t bytes per student / teacher logit, P passes as above):
-    read  P V (s_s + s_t) (the later passes mostly from L2 for one row) + 8 (target) + 4 (grad_factor)
-    write 4 (loss) + V s_s (the gradient, HAS_GRAD)
-"""
+"""Distillation loss (and student-logit gradient) over rows whose logits are in memory."""
 import triton
 import triton.language as tl
 

@@ -1,24 +1,5 @@
-"""Tiled distillation, the gradient pass: grad_hidden, grad_weight, grad_bias of the student head with no
-logits (or gradient-of-logits) tensor of any size.
-
-Every kernel recomputes both heads' logits tiles (``distill_tiles.head_tiles``), forms
-``dx = grad_factor * dL/dz_s`` on chip from the statistics passes' ``lse_u``, ``lse_w``, ``lse_c`` and
-``rowsum`` (``distill_math.dlogits``), zero on ignored rows and columns past V, rounds it once to the
-student's dtype (the value a logits route would store) and accumulates the two products as the tiled
-cross-entropy backward does (``tiled_backward.py``, ``tiled_backward_owned.py``; their docstrings weigh
-atomics against owned accumulators):
-
-- ``distill_tiled_grad_kernel``: one program per (token tile, class tile), fp32 atomics into
-  grad_hidden (``dx @ W_s[cols]``), grad_weight (``dx.T @ h_s[rows]``) and grad_bias (column sums);
-- ``distill_tiled_grad_hidden_kernel`` / ``distill_tiled_grad_weight_kernel`` (``deterministic``): one
-  owner per gradient row walking the other axis in a fixed order: no atomics, bitwise reproducible.
-
-A tile of only ignored rows, or whose rounded ``dx`` is exactly 0, adds nothing and is skipped.
-
-Cost per token (V classes, H / Ht student / teacher hidden sizes): atomic 2 V (H + Ht) (recompute) +
-4 V H (the products) FLOPs; deterministic 4 V (H + Ht) + 4 V H (each kernel recomputes both heads).
-Bytes as ``tiled_backward.py`` plus the teacher's operand tiles (Ht s + V Ht s / BLOCK_N per recompute).
-"""
+"""Tiled distillation, the gradient pass: grad_hidden, grad_weight, grad_bias of the student head with no logits (or
+gradient-of-logits) tensor of any size."""
 import triton
 import triton.language as tl
 

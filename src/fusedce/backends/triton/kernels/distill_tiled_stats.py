@@ -1,26 +1,4 @@
-"""Tiled distillation, the statistics passes: per token, no logits of either model in memory.
-
-Grid: one program per tile of BLOCK_N tokens, walking the vocabulary in BLOCK_V-class tiles; each tile of
-both heads' logits is recomputed on chip (``distill_tiles.head_tiles``: two ``tl.dot`` mainloops, over
-the student's and the teacher's hidden sizes) and lives only in registers.
-
-- ``distill_tiled_stats_kernel`` (pass 1, always): ``distill_math.stats_update`` per tile, then
-  ``row_results``: the loss (final for beta = 0 and beta = 1: the divergence comes out of the same
-  online pass as the two lse's; for 0 < beta < 1 only its hard-label part) and the row statistics
-  ``lse_u``, ``lse_w``, ``lse_c``, ``rowsum`` that the gradient kernels (``distill_tiled_grad``) read.
-- ``distill_tiled_jsd_kernel`` (pass 2, only 0 < beta < 1): ``log m`` needs the normalized
-  probabilities, so the generalized JSD is a second walk over V from pass 1's lse's; it adds
-  ``beta KL(t || m) + (1 - beta) KL(s || m)`` to the loss and stores ``rowsum = (1 - beta) KL(s || m)``
-  (= ``sum_v s_v g_v`` of the gradient).
-
-Ignored rows read no hidden state and get loss and statistics 0; a tile of only ignored rows does no work.
-
-Cost per token (V classes, H / Ht the student / teacher hidden sizes, s bytes per element), per pass:
-    FLOPs  2 V (H + Ht) (both heads' logits, tensor cores for bf16 / fp16) + ~30 V (fp32 epilogue)
-    bytes  read (H + Ht) s + V (H + Ht) s / BLOCK_N (the weights, streamed once per token tile, L2-served
-           across concurrent tiles) + 8 (target); write 4 (loss) + 16 (statistics)
-    (the logits route reads and writes 2 V s per model and token on top of the same FLOPs)
-"""
+"""Tiled distillation, the statistics passes: per token, no logits of either model in memory."""
 import triton
 import triton.language as tl
 

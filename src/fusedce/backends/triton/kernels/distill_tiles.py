@@ -1,11 +1,5 @@
-"""Tile helpers of the tiled (no-logits) distillation kernels (``distill_tiled_stats``,
-``distill_tiled_grad``): the two heads' logits tiles recomputed on chip.
-
-``head_tiles`` forms one (BLOCK_N tokens x BLOCK_V classes) tile of each model's logits with
-``tile_math.logits_tile`` (a ``tl.dot`` mainloop over that model's hidden size, fp32 accumulation, + bias,
-kept in fp32: the products of the operands' values summed in fp32, never rounded to their dtype), then
-the softcaps and the temperature (``distill_math``). The student and teacher may have different hidden sizes and dtypes.
-"""
+"""Tile helpers of the tiled (no-logits) distillation kernels (``distill_tiled_stats``, ``distill_tiled_grad``): the
+two heads' logits tiles recomputed on chip."""
 import triton
 import triton.language as tl
 

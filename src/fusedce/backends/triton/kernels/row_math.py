@@ -1,31 +1,7 @@
-"""The per-row cross-entropy math of the kernels, written once and shared by ``ce_forward``,
-``ce_backward`` and the fused ``ce_chunk`` kernel (see ``fusedce/core/row_math.py`` for the formulas
-and their sources; the PyTorch backend computes the same ones), and the Triton home of the loss
-options' element-wise math (``logit_transform`` / ``logit_slope``). Every function takes the options as
-the kernels do, ``scalars`` (``options.LossScalars``, runtime) and ``FLAGS`` (``options.LossFlags``,
-constexpr), whole, and reads the fields it needs: a new element-wise option changes this file (and
-``core/options/schema.py``), no kernel parameter list and no launcher.
-
-- ``logit_transform``: the logits ``x`` to the ``z`` the loss is taken on; ``logit_slope``: ``dz/dx``;
-- ``z_block``: one block of a row's logits, loaded and transformed;
-- ``row_stats``: one pass over a row (or a vocabulary slice of it) in ``BLOCK_V`` blocks, online
-  softmax (Milakov & Gimelshein 2018): max, sum-exp, the smoothing sum and the argmax; a block of -inf
-  logits adds exactly 0; with COMPUTE_ENTROPY also ``t = sum exp(z - m)(z - m)`` for the entropy
-  ``log s - t / s`` (``entropy_rebase``);
-- ``row_forward``: ``row_stats`` then the loss (cross-entropy without the z-loss), lse as an exact pair
-  ``lse + lse_lo`` (TwoSum), the argmax of the raw logits, the target's ``z_t`` and the entropy;
-  ``row_lse`` / ``row_loss`` (the results from the statistics) are shared with the tiled forward (``tiled_forward``).
-- ``grad_block``: ``dL/dx`` of one block of a row from the saved lse pair, with ``g`` the upstream
-  gradient of the row's loss, ``h`` that of its lse (the z-loss arrives that way) and ``k`` that of its
-  entropy (RL entropy bonuses; ``backends/protocol.py``):
-
-      dL/dz_c = g (a (p_c - [c == t]) + b (W p_c - w_c)) + h p_c - k p_c (u_c + entropy)
-      u_c = (z_c - lse) - lse_lo,  p_c = exp(u_c)
-
-  ``a = (1 - eps) w_t``, ``b = eps / V``, ``W = sum_c w_c``; then ``dz/dx`` (``logit_slope``). The
-  differences are formed before scaling, so the gradient is exactly 0 where the math says so.
-- ``store_grad``: the gradient in the output's dtype (rounded to nearest; see ``to_bf16_rne``).
-"""
+"""The per-row cross-entropy math of the kernels, written once and shared by ``ce_forward``, ``ce_backward`` and the
+fused ``ce_chunk`` kernel (see ``fusedce/core/row_math.py`` for the formulas and their sources; the PyTorch backend
+computes the same ones), and the Triton home of the loss options' element-wise math (``logit_transform`` /
+``logit_slope``)."""
 import triton
 import triton.language as tl
 
@@ -35,9 +11,9 @@ from .interpreter import to_bf16_rne
 
 @triton.jit
 def logit_transform(x, scalars, FLAGS: tl.constexpr):
-    """``z`` of fp32 logits ``x``: ``softcap * tanh(logit_scale * x / softcap)`` (Gemma 2 soft-capping
-    after Cohere's ``logit_scale``), or ``logit_scale * x`` without softcap; a few ulp of relative error
-    for every finite softcap and logit (``tanh_fp32``). Multiplying by a scale of 1.0 is exact."""
+    """``z`` of fp32 logits ``x``: ``softcap * tanh(logit_scale * x / softcap)`` (Gemma 2 soft-capping after Cohere's
+    ``logit_scale``), or ``logit_scale * x`` without softcap; a few ulp of relative error for every finite softcap
+    and logit (``tanh_fp32``)."""
     if FLAGS.HAS_SOFTCAP:
         c = scalars.softcap
         x = c * tanh_fp32(x * (scalars.logit_scale / c))   # one multiply per logit
@@ -48,13 +24,7 @@ def logit_transform(x, scalars, FLAGS: tl.constexpr):
 
 @triton.jit
 def logit_slope(z, scalars, FLAGS: tl.constexpr):
-    """dz/dx of ``logit_transform``, written with z: ``logit_scale * (1 - (z / softcap)**2)``, or
-    ``logit_scale``.
-
-    One ``return``: Triton's code generator checks that every return statement of a function has the
-    same type, even one under a constexpr ``if`` (two returns, a block and a scalar, fail to compile for
-    a GPU although the interpreter runs them).
-    """
+    """dz/dx of ``logit_transform``, written with z: ``logit_scale * (1 - (z / softcap)**2)``, or ``logit_scale``."""
     slope = scalars.logit_scale
     if FLAGS.HAS_SOFTCAP:
         r = z / scalars.softcap
@@ -111,15 +81,8 @@ def row_stats(row_ptr, n_cols, n_scan, weight_ptr, scalars, FLAGS: tl.constexpr,
 
 @triton.jit
 def entropy_rebase(m, s, t, shift):
-    """Online entropy sum (with ``entropy_terms``): ``t = sum_c exp(z_c - m) (z_c - m)`` re-based from
-    the old shift ``m`` to the new ``shift`` before a block is added:
-
-        t' = exp(m - shift) (t + (m - shift) s) + sum_block exp(z_c - shift) (z_c - shift)
-
-    (each old term ``exp(z - m)(z - m)`` becomes ``exp(z - m) exp(m - shift) ((z - m) + (m - shift))``).
-    While nothing has been seen (m = -inf, s = t = 0) the re-based part is 0, not ``0 * -inf``. The
-    entropy is then ``log s - t / s`` (shift-free: no cancellation between lse and E[z]). Scalars, or
-    per-row vectors of a 2-D tile."""
+    """Online entropy sum (with ``entropy_terms``): ``t = sum_c exp(z_c - m) (z_c - m)`` re-based from the old shift
+    ``m`` to the new ``shift`` before a block is added."""
     d = tl.where(m == -float("inf"), 0.0, m - shift)
     return tl.where(m == -float("inf"), 0.0, tl.exp(d) * (t + d * s))
 
@@ -141,9 +104,8 @@ def entropy_of(s, t, is_valid):
 def row_forward(row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weight_sum_ptr,
                 scalars, FLAGS: tl.constexpr, BLOCK_V: tl.constexpr, COMPUTE_STATS: tl.constexpr,
                 COMPUTE_ENTROPY: tl.constexpr):
-    """``(loss, lse, lse_lo, argmax, z_t, entropy)`` of one row (fp32 scalars; argmax int; entropy 0.0
-    without COMPUTE_ENTROPY). Ignored rows run zero iterations and give 0 for loss, lse, lse_lo and
-    entropy; a non-ignored row whose target is out of range gets a NaN loss."""
+    """``(loss, lse, lse_lo, argmax, z_t, entropy)`` of one row (fp32 scalars; argmax int; entropy 0.0 without
+    COMPUTE_ENTROPY)."""
     m, s, zsum, best, best_idx, t = row_stats(row_ptr, n_cols, tl.where(is_valid, n_cols, 0), weight_ptr,
                                               scalars, FLAGS, BLOCK_V, COMPUTE_STATS, COMPUTE_ENTROPY)
     lse, lse_lo = row_lse(m, s, is_valid)
@@ -191,15 +153,9 @@ def total_weight(weight_sum_ptr, n_cols, FLAGS: tl.constexpr):
 def grad_block(x, cols, mask, target, w_t, lse, lse_lo, g, h, weight_ptr, weight_sum_ptr, n_cols,
                scalars, FLAGS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, k=0.0, entropy=0.0,
                HAS_GRAD_ENTROPY: tl.constexpr = False):
-    """fp32 ``dL/dx`` of a block ``x`` (fp32 logits at columns ``cols``) of one row; ``h`` is read only
-    with HAS_GRAD_LSE, ``k`` (the entropy's upstream gradient) and ``entropy`` (the forward's) only with
-    HAS_GRAD_ENTROPY. ``target`` is the target's column in this row's columns (outside [0, n) for a
-    vocabulary slice that does not hold it) and ``n_cols`` the GLOBAL V of the smoothing term and of W
-    without weights. The caller zeroes ignored rows. Also works on a 2-D tile (rows x columns) with the
-    per-row values as (rows, 1) columns and ``cols`` / ``mask`` as (1, columns).
-
-    Entropy term: ``d entropy / d z_c = -p_c (z_c - E_p[z]) = -p_c (u_c + entropy)``, ``u_c = (z_c -
-    lse) - lse_lo = log p_c``; a column with p_c = 0 (a -inf logit) adds exactly 0, not ``0 * -inf``."""
+    """fp32 ``dL/dx`` of a block ``x`` (fp32 logits at columns ``cols``) of one row; ``h`` is read only with
+    HAS_GRAD_LSE, ``k`` (the entropy's upstream gradient) and ``entropy`` (the forward's) only with
+    HAS_GRAD_ENTROPY."""
     z = logit_transform(x, scalars, FLAGS)
     p = tl.exp((z - lse) - lse_lo)   # z - lse is exact near the max (Sterbenz); lse_lo adds lse's error back
     p_minus_onehot = p - tl.where(cols == target, 1.0, 0.0)

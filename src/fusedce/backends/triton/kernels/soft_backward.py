@@ -1,21 +1,5 @@
-"""Cross-entropy backward with probability ("soft") targets: 2-D grid (row, vocabulary block), the
-softmax recomputed from the saved lse pair, one pass (as ``ce_backward``).
-
-With ``u_c = w_c ((1 - eps) q_c + eps / V)`` and ``A = sum_c u_c`` (from the forward,
-``soft_forward.py``), ``g`` the upstream gradient of the row's loss and ``h`` that of its lse (the
-z-loss ``s lse**2`` arrives as ``h = 2 s lse`` times its upstream):
-
-    dL/dz_c = g (A p_c - u_c) + h p_c,   p_c = exp((z_c - lse) - lse_lo)
-
-then ``dz/dx`` (``row_math.logit_slope``: logit scale, softcap). ``A p_c - u_c`` is formed before
-scaling by ``g``: exactly 0 where the softmax matches the target (a saturated row, V = 1) and at a -inf
-logit whose target is 0. Writing into ``logits``' own storage (in-place backward) is safe: each program
-reads its block before writing it and no other program touches it.
-
-Bytes moved per row, V classes, s bytes per logit, r per target:
-    read  V (s + r) + 16 (lse, lse_lo, A, grad_row) [+ 4 (grad_lse)] [+ 4 V class weights, L2-resident]
-    write V s (gradient)
-"""
+"""Cross-entropy backward with probability ("soft") targets: 2-D grid (row, vocabulary block), the softmax recomputed
+from the saved lse pair, one pass (as ``ce_backward``)."""
 import triton
 import triton.language as tl
 

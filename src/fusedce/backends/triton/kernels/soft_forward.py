@@ -1,23 +1,4 @@
-"""Cross-entropy forward with probability ("soft") targets: one program per row, ONE pass over the row.
-
-Per row, with ``z`` the transformed logits (``row_math.logit_transform``), the target ``q`` (fp32/bf16/
-fp16, any dtype independent of the logits', upcast to fp32), ``u_c = w_c ((1 - eps) q_c + eps / V)``
-(``F.cross_entropy``'s probability targets: smoothing mixes q with the uniform distribution first) and
-an online shift ``m`` (the running max of z, Milakov & Gimelshein 2018):
-
-    s = sum_c exp(z_c - m),   A = sum_c u_c,   B = sum_c u_c (z_c - m)
-    lse = m + log s,          loss = sum_c u_c (lse - z_c) = A log s - B
-
-When ``m`` grows to ``m'`` the sums are re-based, ``s *= exp(m - m')`` and ``B += A (m - m')``. For
-``q >= 0`` both ``A log s`` and ``-B`` are sums of non-negative terms: no cancellation, however
-confident the row (``A lse - sum u z`` would lose ~|lse| 2^-24 absolutely). A column with ``u_c = 0``
-adds exactly 0 to B (a -inf logit where q is 0, a padded column: not ``0 * -inf``). The backward
-(``soft_backward.py``) needs ``A``, written per row.
-
-Bytes moved per row, V classes, s bytes per logit, r per target:
-    read  V (s + r) [+ 4 V class weights, L2-resident]     write 4 (loss) + 4 (lse) + 4 (lse_lo) + 4 (A)
-          [+ 8 (argmax) with stats]
-"""
+"""Cross-entropy forward with probability ("soft") targets: one program per row, ONE pass over the row."""
 import triton
 import triton.language as tl
 

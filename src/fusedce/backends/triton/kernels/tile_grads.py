@@ -1,21 +1,6 @@
-"""The products of one ``dL/dx`` tile into the LM head's gradients, shared by the tiled backward kernels
-of cross-entropy (``tiled_backward_owned``: owned accumulators; ``tiled_backward``'s ``atomic_products``
-uses ``dot_operand`` / ``operand_slice``) and of distillation (``distill_tiled_grad``, both ways).
-
-``dx`` is an fp32 (BLOCK_N tokens x BLOCK_V classes) tile holding values of hidden's dtype (rounded once
-by the caller), exactly 0 on rows that do not count and on columns past V. Over H in BLOCK_H slices:
-
-    grad_hidden[rows, k] += dx @ weight[cols, k]        (BLOCK_N x BLOCK_H per slice)
-    grad_weight[cols, k] += dx.T @ hidden[rows, k]      (BLOCK_V x BLOCK_H per slice)
-    grad_bias[cols]      += sum_rows dx
-
-``tiled_backward.atomic_products`` adds all three with fp32 atomics (kept in that file: the tests check
-that only the two atomic kernels' files hold atomics); ``add_grad_hidden`` / ``add_grad_weight`` add one
-product (``add_product``) into rows of an fp32 accumulator the program owns (plain load / dot / store,
-then a ``tl.debug_barrier()`` so the next tile's loads see these stores: ``tiled_backward_owned.py``).
-bf16 / fp16 operands run on tensor cores; UPCAST (interpreter only) runs the dots in fp32 on exactly
-converted operands.
-"""
+"""The products of one ``dL/dx`` tile into the LM head's gradients, shared by the tiled backward kernels of
+cross-entropy (``tiled_backward_owned``: owned accumulators; ``tiled_backward``'s ``atomic_products`` uses
+``dot_operand`` / ``operand_slice``) and of distillation (``distill_tiled_grad``, both ways)."""
 import triton
 import triton.language as tl
 
@@ -50,10 +35,10 @@ def operand_slice(row_ptrs, ks, row_mask, k_mask, UPCAST: tl.constexpr):
 @triton.jit
 def add_product(a, b_rows, b_mask, out_rows, out_mask, n_hidden, BLOCK_H: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``out[:, k] += a @ b[:, k]`` over H in BLOCK_H slices, into rows of an fp32 accumulator the program
-    owns: ``a`` (M, R) the dot operand, ``b_rows`` (R, 1) the row starts of the other operand (hidden or
-    weight rows; ``b_mask`` (R,) the rows to read), ``out_rows`` (M, 1) pointers to the accumulator's rows
-    (``out_mask`` (M,) the rows to write). Ends with a barrier: these stores before the next tile's loads."""
+    """``out[:, k] += a @ b[:, k]`` over H in BLOCK_H slices, into rows of an fp32 accumulator the program owns: ``a``
+    (M, R) the dot operand, ``b_rows`` (R, 1) the row starts of the other operand (hidden or weight rows; ``b_mask``
+    (R,) the rows to read), ``out_rows`` (M, 1) pointers to the accumulator's rows (``out_mask`` (M,) the rows to
+    write)."""
     for k0 in range(0, n_hidden, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
         k_mask = ks < n_hidden

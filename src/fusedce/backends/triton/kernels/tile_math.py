@@ -1,16 +1,4 @@
-"""Tile helpers of the tiled (no-logits) LM-head loss, shared by ``tiled_forward`` and ``tiled_backward``.
-
-``logits_tile`` recomputes one (BLOCK_N tokens x BLOCK_V classes) block of ``hidden @ weight.T + bias``:
-a ``tl.dot`` mainloop over H in BLOCK_H steps with an fp32 accumulator (tensor cores for bf16 / fp16;
-fp32 inputs use IEEE fp32 FMA unless torch allows TF32, see ``tiled.py``), the bias added in fp32,
-and the tile kept in fp32 (no rounding to hidden's dtype: the chunked method's default fp32 logits,
-``lm_head/fp32_linear.py``; on the GPU the same tensor-core dot, so the fp32 logits cost nothing
-here). Everything after that is the row kernels' fp32 math on 2-D tiles (``row_math`` / ``common``
-functions broadcast over (rows, 1) x (1, columns)).
-
-``tile_targets`` is the token-tile prologue of the tiled cross-entropy kernels (the targets of BLOCK_N
-tokens, after ``common.tile_rows``).
-"""
+"""Tile helpers of the tiled (no-logits) LM-head loss, shared by ``tiled_forward`` and ``tiled_backward``."""
 import triton
 import triton.language as tl
 
@@ -47,14 +35,9 @@ def logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_live, cols, col_mask
                 stride_hidden, stride_weight,
                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """fp32 (BLOCK_N, BLOCK_V) tile of the logits, never rounded to hidden's dtype (the products of bf16 /
-    fp16 values are exact in fp32 and the dot accumulates in fp32: fp32 logits from the operands' values,
-    as the chunked method's default). ``rows`` (BLOCK_N,) int64
-    token indices (rows not ``row_live`` are not read: their hidden state counts as 0), ``cols``
-    (BLOCK_V,) class indices (columns not in ``col_mask`` give 0; the caller masks them).
-    Reads BLOCK_N x H + BLOCK_V x H elements (the second and later token tiles of a class block hit L2).
-    UPCAST (interpreter only): the dot in fp32 on exactly converted operands (the interpreter's bf16
-    arithmetic is not the GPU's)."""
+    """fp32 (BLOCK_N, BLOCK_V) tile of the logits, never rounded to hidden's dtype (the products of bf16 / fp16 values
+    are exact in fp32 and the dot accumulates in fp32: fp32 logits from the operands' values, as the chunked
+    method's default)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     h_rows = hidden_ptr + rows[:, None] * stride_hidden
     w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight

@@ -1,34 +1,5 @@
 """Deterministic tiled LM-head cross-entropy backward: two kernels, each the only writer of its gradient
-(``method="tiled"`` with ``deterministic=True`` or ``torch.are_deterministic_algorithms_enabled()``).
-
-``tiled_backward.py`` accumulates both products of one logits tile with fp32 atomics, whose order of
-arrival changes from run to run. Here each accumulator has one owner that adds its terms in a fixed
-order, so two runs give bitwise-identical gradients (no atomics anywhere):
-
-- ``tiled_grad_hidden_kernel``: one program per tile of BLOCK_N tokens, walking the vocabulary in
-  BLOCK_V-class tiles in order; per tile it recomputes the logits (``tile_math.logits_tile``), forms
-  ``dx`` (``tiled_dlogits.dlogits_tile``) and adds ``dx @ weight[cols, k]`` to its own rows of the fp32
-  ``grad_hidden`` (a plain load / dot / store per BLOCK_H slice of H).
-- ``tiled_grad_weight_kernel``: one program per tile of BLOCK_V classes, walking the token tiles in
-  order; per tile the same recompute and ``dx``, then ``dx.T @ hidden[rows, k]`` into its own rows of
-  the fp32 ``grad_weight``, and the column sums of ``dx`` into a register vector stored once as
-  ``grad_bias``.
-
-The accumulators live in global memory (BLOCK_N x H or BLOCK_V x H fp32 does not fit on chip for
-H = 4096) and each program reads back what it wrote one tile earlier: a ``tl.debug_barrier()`` (bar.sync,
-which orders the CTA's global writes before its later reads) ends each tile's update, so the result does
-not depend on which thread of the program stored which element. Tiles skipped as in ``tiled_backward.py``
-(all rows ignored, or ``dx`` exactly 0) add nothing: skipping an exact zero changes nothing.
-
-Cost per token (n tokens, V classes, H hidden, s bytes per element), against the atomic kernel's 6 V H:
-    FLOPs  8 V H (each kernel recomputes the logits, 2 V H, and forms one product, 2 V H) + ~40 V
-           (the fp32 epilogue, twice); 4 V H when only one of the two gradients is asked for (a frozen
-           head: only grad_hidden) -- the same as the atomic kernel then.
-    bytes  as the atomic kernel, twice over for the recompute (H s + V H s / BLOCK_N of operands per
-           kernel, L2-resident), and the same accumulator read-modify-write traffic, now plain loads and
-           stores: 8 H V / BLOCK_V (grad_hidden) + 8 V H / BLOCK_N (grad_weight) bytes per token.
-    Parallelism: grad_hidden has n / BLOCK_N programs (as the forward), grad_weight V / BLOCK_V.
-"""
+(``method="tiled"`` with ``deterministic=True`` or ``torch.are_deterministic_algorithms_enabled()``)."""
 import triton
 import triton.language as tl
 

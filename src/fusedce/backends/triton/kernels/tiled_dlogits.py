@@ -1,14 +1,5 @@
-"""The gradient of one logits tile, shared by the tiled backward kernels (``tiled_backward.py``, with
-atomics; ``tiled_backward_owned.py``, deterministic).
-
-``row_upstreams`` loads the per-token values the gradient needs (the forward's lse pair and entropy, the
-upstream gradients of loss, lse and entropy); ``dlogits_tile`` turns a recomputed logits tile into
-``dL/dx`` (``row_math.grad_block`` on the 2-D tile: smoothing, class weights, softcap, logit_scale, the
-z-loss's and the entropy's upstreams), zero on ignored rows and on columns past V, rounded to hidden's
-dtype: the value the chunked path stores in its logits buffer, and the operand of the two products.
-``recompute_dx`` is the whole step of a kernel that visits each (token tile, class tile) once: the
-logits tile (``tile_math.logits_tile``), the tile's ``row_upstreams``, then ``dlogits_tile``.
-"""
+"""The gradient of one logits tile, shared by the tiled backward kernels (``tiled_backward.py``, with atomics;
+``tiled_backward_owned.py``, deterministic)."""
 import triton
 import triton.language as tl
 
@@ -41,10 +32,9 @@ def row_upstreams(rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr
 def dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k, entropy, class_weight_ptr,
                  weight_sum_ptr, hidden_ptr, n_cols, scalars, FLAGS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
                  HAS_GRAD_ENTROPY: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """fp32 (BLOCK_N, BLOCK_V) ``dL/dx`` of the logits tile ``x`` at columns ``cols`` (``col_mask``: < V)
-    for tokens with targets ``target``, holding values of hidden's dtype (rounded once, to nearest);
-    exactly 0 on rows not ``is_valid`` and on masked columns. The per-row arguments are (BLOCK_N,)
-    vectors (``w_t`` the target's class weight, the rest from ``row_upstreams``)."""
+    """fp32 (BLOCK_N, BLOCK_V) ``dL/dx`` of the logits tile ``x`` at columns ``cols`` (``col_mask``: < V) for tokens
+    with targets ``target``, holding values of hidden's dtype (rounded once, to nearest); exactly 0 on rows not
+    ``is_valid`` and on masked columns."""
     dz = grad_block(x, cols[None, :], col_mask[None, :], target[:, None], w_t[:, None], lse[:, None],
                     lse_lo[:, None], g[:, None], h[:, None], class_weight_ptr, weight_sum_ptr, n_cols,
                     scalars, FLAGS, HAS_GRAD_LSE, k[:, None], entropy[:, None], HAS_GRAD_ENTROPY)

@@ -1,31 +1,4 @@
-"""Tiled LM-head cross-entropy forward: no logits tensor of any size (``method="tiled"``).
-
-Grid: one program per tile of BLOCK_N tokens. It loops over the vocabulary in BLOCK_V-class tiles; each
-tile of logits is ``tile_math.logits_tile`` (a ``tl.dot`` mainloop over H in BLOCK_H steps, fp32
-accumulation, + bias, kept in fp32: never rounded to hidden's dtype) and lives only in registers. Per token it keeps
-the online softmax of the row kernels (``row_math``, Milakov & Gimelshein 2018) as (BLOCK_N,) vectors:
-the running max ``m`` of z and ``s = sum exp(z - m)``; ``t = sum exp(z - m)(z - m)`` for the entropy
-(COMPUTE_ENTROPY); ``sum_c w_c z_c`` (smoothing); ``z_t`` (the target's z, picked from the tile that
-holds it); the max of the raw logits and its lowest index (COMPUTE_STATS); with COMPUTE_TOKEN_STATS
-(TRL's statistics, ``types.TokenStats``) ``q = sum exp(2 (z - m))`` (re-based by ``exp(m_old - m)**2``
-like ``s``), ``sum_c z_c`` and the first argmax of z, giving ``log sum p**2 = log q - 2 log s``, the
-mean of z and ``argmax == target``. After the last tile the row
-results come from the same functions as the row kernels (``row_lse``, ``row_loss``, ``entropy_of``).
-A tile whose logits are all -inf (a -inf bias block) adds exactly 0 (``row_math`` shift rule).
-
-Ignored rows (target == ignore_index) read no hidden state, get loss = lse = lse_lo = entropy = z_t = 0
-and predicted -1; a tile of only ignored rows skips the whole vocabulary loop (0 FLOPs). The z-loss
-and token scaling are applied by the caller from ``lse`` / ``target_logit``.
-
-Cost per token (n tokens, V classes, H hidden, s bytes per element of hidden / weight):
-    FLOPs  2 V H (the logits, tensor cores for bf16 / fp16) + ~15 V (the fp32 epilogue; ~5 V more with
-           entropy, smoothing or stats)
-    bytes  read H s (hidden, once) + V H s / BLOCK_N (the weight, streamed once per token tile: from
-           HBM once per wave of concurrent tiles, otherwise L2) + 8 (target) [+ 4 V / BLOCK_N class
-           weights]; write 16 (loss, lse, lse_lo, target_logit) [+ 8 argmax] [+ 4 entropy]
-           (vs. the chunked path's extra 2 V s written and read for the logits of every token).
-    Arithmetic intensity on the weight stream: 2 BLOCK_N / s FLOP per byte (64 at BLOCK_N = 64, bf16).
-"""
+"""Tiled LM-head cross-entropy forward: no logits tensor of any size (``method="tiled"``)."""
 import triton
 import triton.language as tl
 

@@ -1,19 +1,5 @@
-"""TRL's per-token statistics of a chunk of logits whose lse is known (``types.TokenStats``): one
-program per row, one pass over it in BLOCK_V blocks (the same ``logit_transform`` as the loss).
-
-Per row, with ``z`` the transformed logits (``q`` after logit scale, softcap and temperature: the RL
-ops fold those into the options) and the forward's exact lse pair ``lse + lse_lo``:
-
-    log_sum_sq_probs = log sum_c p_c**2 = log sum_c exp(2 u_c),  u_c = (z_c - lse) - lse_lo = log p_c
-    mean_logits      = sum_c z_c / V
-    is_top1          = (first index of max_c z_c) == target
-
-Every ``exp(2 u_c)`` is at most 1 and the largest at least 1 / V**2, so the sum neither overflows nor
-underflows; no rescaling is needed since the lse is known. Ignored rows are not read: 0, 0, False.
-
-Bytes per row: V s read (the chunk's logits, usually still in L2 after the forward) + 16 (target, lse
-pair); 9 written. Launched only when the caller asks for the statistics (``ChunkCE.token_stats``).
-"""
+"""TRL's per-token statistics of a chunk of logits whose lse is known (``types.TokenStats``): one program per row, one
+pass over it in BLOCK_V blocks (the same ``logit_transform`` as the loss)."""
 import triton
 import triton.language as tl
 

@@ -5,7 +5,8 @@ A module defines ``CHECKS = {name: fn(rank, world)}``; ``results(module, world, 
 with ``$FUSEDCE_BACKEND = backend``, seeded from the check's name (the same inputs on every rank),
 recording a traceback per failing check instead of stopping; each pytest test then reads one check's
 outcome (``assert_passed``). Under pytest-xdist the spawn happens once for the whole session (a file
-lock in the session's shared temp dir), whichever worker gets there first. Used by every test module of ``tests/distributed/``.
+lock in the session's shared temp dir), whichever worker gets there first. Used by every test module of
+``tests/distributed/``.
 """
 from __future__ import annotations
 

@@ -48,10 +48,10 @@ def reference_log_probs(x64: torch.Tensor, target: torch.Tensor, temperature: fl
     q = transformed_logits(x64, temperature, softcap, logit_scale)
     lse = torch.logsumexp(q, dim=-1)
     target = target.long()
-    multi = target.dim() == q.dim()   # (..., K) classes per token
-    idx = target if multi else target[..., None]
+    kclass = target.dim() == q.dim()   # (..., K) classes per token
+    idx = target if kclass else target[..., None]
     valid = idx != ignore_index
     q_t = q.gather(-1, torch.where(valid, idx, 0))
     log_probs = torch.where(valid, q_t - lse[..., None], 0.0)
     entropy = torch.where(valid.any(-1), entropy_of(q), 0.0)
-    return (log_probs if multi else log_probs[..., 0]), entropy
+    return (log_probs if kclass else log_probs[..., 0]), entropy

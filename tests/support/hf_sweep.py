@@ -19,7 +19,7 @@ the exception's first line as the reason.
 Each case: 2 sequences of ``SEQ`` tokens drawn away from every token id the config names, labels with the
 first 3 positions -100; the same seed before the stock and the patched forward (a family that draws
 random numbers in eval mode draws the same ones). Outcomes: ``"patched = stock"`` (loss and every
-parameter gradient within ``hf_models``' ``RTOL`` of each value plus ``ATOL_SCALE`` of the LARGEST
+parameter gradient within ``tolerances``' ``HF_RTOL`` of each value plus ``HF_ATOL_SCALE`` of the LARGEST
 gradient of the model: the two losses' hidden-state gradients differ by a few ulps of their own scale,
 and that absolute error reaches every parameter, including those whose true gradient is zero and whose
 stock one is rounding noise, e.g. attention key biases (1e-12 against 0.5) or DeepSeek-V4's ``hc_head``
@@ -39,7 +39,8 @@ import traceback
 
 import torch
 
-from hf_models import ATOL_SCALE, RTOL, loss_and_grads
+from hf_models import loss_and_grads
+from tolerances import HF_ATOL_SCALE, HF_RTOL
 
 SEQ, VOCAB, MAX_PARAMS = 8, 128, 2_000_000
 SHRINK = dict(
@@ -224,7 +225,7 @@ def run(transformers, name: str, patch, compile_first: bool = False) -> tuple:
     try:
         fused = patch(copy.deepcopy(stock))
         forward = _compiled(fused, graph_runs) if compile_first else fused
-        for call in range(2 if compile_first else 1):
+        for _call in range(2 if compile_first else 1):
             torch.manual_seed(1)
             before = len(graph_runs)
             fused.zero_grad(set_to_none=True)
@@ -238,13 +239,13 @@ def run(transformers, name: str, patch, compile_first: bool = False) -> tuple:
     finally:
         if compile_first:
             torch._dynamo.reset()
-    for call, (out, grads, traced) in enumerate(results):
+    for call, (out, grads, _traced) in enumerate(results):
         try:
-            torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=0.0, msg="loss")
+            torch.testing.assert_close(out.loss, ref.loss, rtol=HF_RTOL, atol=0.0, msg="loss")
             assert grads.keys() == ref_grads.keys(), f"gradients of {sorted(set(grads) ^ set(ref_grads))}"
             largest = max((float(g.abs().max()) for g in ref_grads.values() if g.numel()), default=0.0)
             for key, grad in grads.items():
-                torch.testing.assert_close(grad, ref_grads[key], rtol=RTOL, atol=ATOL_SCALE * largest + 1e-12,
+                torch.testing.assert_close(grad, ref_grads[key], rtol=HF_RTOL, atol=HF_ATOL_SCALE * largest + 1e-12,
                                            msg=key)
         except AssertionError as err:
             return "differs", f"call {call + 1}: {str(err).splitlines()[0][:300]}", time.perf_counter() - start

@@ -1,18 +1,7 @@
-"""The linear K-class log-probs (``linear_token_log_probs`` with a ``(..., K)`` target) through two ops, so
-that a tracer sees one node for the forward and one for the backward whatever the token count (issue 27
-item 3; the reason and the mechanism are ``lm_head/loop.py``'s: the chunk loops, the gathers and the
-sparse gradient loops all step over the rows). The math is ``multi_head.py``'s.
-
-- ``fusedce_rl::k_forward(hidden, weight, bias?, target (n, K), <options>, <head>, want_entropy) -> (lse,
-  lse_lo, entropy, x)``: ``multi_head.linear_forward`` (entropy (0,) unless asked);
-- ``fusedce_rl::k_backward(..., lse, lse_lo, entropy?, x, grad_log_probs?, grad_entropy?, <options>, <head>,
-  needs_hidden, needs_weight, needs_bias) -> (grad_hidden, grad_weight, grad_bias)``: ``multi_head.linear_grads``
-  ((0,) where not needed; the last two fp32).
-
-``<options>`` = ``ignore_index, scalars`` (``LossOptions.op_args``); ``<head>`` = ``backend, tiled, chunk_size,
-deterministic, logits`` (``head.head_spec``: the head is rebuilt in the body, ``head.rebuild_head``).
-Plain eager calls run the bodies directly (``core/opaque.py``).
-"""
+"""The linear K-class log-probs (``linear_token_log_probs`` with a ``(..., K)`` target) through two ops, so that a
+tracer sees one node for the forward and one for the backward whatever the token count (the reason
+and the mechanism are ``lm_head/loop.py``'s: the chunk loops, the gathers and the sparse gradient loops all step
+over the rows)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -26,7 +15,7 @@ from fusedce.core.options import LossOptions
 from fusedce.backends.protocol import ChunkCE, TiledCE
 from fusedce.lm_head import loop
 from fusedce.lm_head.head import compact_rows, head_spec, make_head, rebuild_head, scatter_rows
-from fusedce.rl.multi_head import entries, linear_forward, linear_grads, log_probs_at
+from fusedce.rl.kclass_head import entries, linear_forward, linear_grads, log_probs_at
 
 Opt = Optional[torch.Tensor]
 Tensor = torch.Tensor
@@ -62,7 +51,8 @@ def _backward_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, lse:
     grads = linear_grads(head, hidden, weight, bias, target, lse, lse_lo, entropy, x, grad_log_probs, grad_entropy,
                          LossOptions.from_op_args(ignore_index, scalars), needs)
     dtypes = (hidden.dtype, torch.float32, torch.float32)
-    return tuple(hidden.new_empty(0, dtype=d) if g is None or not need else g for g, need, d in zip(grads, needs, dtypes))
+    return tuple(hidden.new_empty(0, dtype=d) if g is None or not need else g
+                 for g, need, d in zip(grads, needs, dtypes))
 
 
 @_backward_op.register_fake
@@ -104,12 +94,12 @@ def _log_probs(x, target, n_classes: int, lse, lse_lo, opts: LossOptions):
     return log_probs_at(x, target, entries(target, opts, n_classes), lse, lse_lo, opts)
 
 
-def linear_token_log_probs_multi(ce: ChunkCE, hidden, weight, target, bias, opts: LossOptions,
+def linear_token_log_probs_kclass(ce: ChunkCE, hidden, weight, target, bias, opts: LossOptions,
                                  want_entropy: bool, chunk_size: Optional[int], method: str, *,
                                  tiled: Optional[TiledCE] = None, deterministic: bool = False, logits: str = "float32",
                                  compact: bool = True):
     """Backend entry: ``hidden`` (BT, H), ``weight`` (V, H), ``target`` (BT, K) -> as
-    ``multi_head.token_log_probs_multi``; rows whose K entries are all ignored are compacted away (one host
+    ``kclass_head.token_log_probs_kclass``; rows whose K entries are all ignored are compacted away (one host
     sync), unless ``compact`` is False (a caller that compacted its rows already: the top-k distillation)."""
     n, K = target.shape
     index = None

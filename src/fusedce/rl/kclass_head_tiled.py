@@ -1,12 +1,10 @@
-"""The ``method="tiled"`` side of the K-class log-probs (``rl/multi.py``): the K target logits of
-each row, and the sparse ``[c == t_k]`` term of the gradient added to the tiled gradients. Both gather
-rows of ``weight`` for the K classes of a few rows at a time (``_GATHER_ELEMENTS``): no tensor with a V
-dimension, O(BT K H) extra work (K / V of the tiled matmuls', times ``_ROWS`` for the logits)."""
+"""The ``method="tiled"`` side of the K-class log-probs (``rl/kclass.py``): the K target logits of each row, and the
+sparse ``[c == t_k]`` term of the gradient added to the tiled gradients."""
 from __future__ import annotations
 
 import torch
 
-from fusedce.core.validation import sync_allowed
+from fusedce.core.validation import host_readable
 
 _GATHER_ELEMENTS = 1 << 22   # elements of the (rows, K, H) weight gathers
 _ROWS = 32                   # rows per F.linear of the target logits (``target_logits``)
@@ -32,12 +30,9 @@ def target_logits(hidden, weight, bias, safe: torch.Tensor) -> torch.Tensor:
 
 
 def _add_rows_(acc: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, deterministic: bool) -> None:
-    """``acc[ids[e]] += values[e]`` for every entry e (``index_add_``: float atomics on CUDA, so the sum
-    of one class's entries is not bitwise reproducible). ``deterministic``: the entries are sorted by
-    class (stable), each class's run summed by ``segment_reduce``, then added once per class: no two
-    additions to one element race (one host sync for the number of classes; under torch.compile /
-    CUDA-graph capture, where it cannot sync, ``index_add_`` as above)."""
-    if not deterministic or not sync_allowed(ids) or ids.numel() == 0:
+    """``acc[ids[e]] += values[e]`` for every entry e (``index_add_``: float atomics on CUDA, so the sum of one class's
+    entries is not bitwise reproducible)."""
+    if not deterministic or not host_readable(ids) or ids.numel() == 0:
         acc.index_add_(0, ids, values.to(acc.dtype))
         return
     order = torch.argsort(ids, stable=True)

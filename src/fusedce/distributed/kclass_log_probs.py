@@ -1,26 +1,6 @@
 """Vocab-parallel log-probabilities of K given classes per token: ``vocab_parallel_token_log_probs`` /
-``vocab_parallel_linear_token_log_probs`` with a ``target`` of shape ``(..., K)`` of GLOBAL class ids, as
-the single-process K-class op (``rl/multi_head.py``) on the vocabulary concatenated over the ranks.
-
-Forward. A row's lse pair and entropy do not depend on the class asked, so the one-class exchange runs
-once per row with the representative target ``rep`` (the row's first non-ignored entry; ``ignore_index``
-when all K are ignored, which makes the row an ignored one): ``shard_forward`` + ``exchange.py``'s two
-collectives. Then each rank gathers the transformed logits ``z_k`` of the entries its slice holds (0
-for the others) and one more ``all_reduce(SUM)`` of ``(n, K)`` fp32 gives every rank every ``z_k`` (one
-rank owns each class, so the sum is exact): ``log p_k = (z_k - lse) - lse_lo``. Only row statistics and
-the K target logits travel, never a logits row or the target's slice.
-
-Backward (no collective for the logits form; the linear form all-reduces ``grad_hidden`` as the
-one-class op). With ``g_k`` the upstream of ``log p_k`` (0 on ignored entries), ``G = sum_k g_k`` and
-``k`` the entropy's upstream, the slice's gradient is the single-process one on its columns:
-
-    dL/dz_c = sum_{k: t_k = c} g_k - G p_c - k p_c (log p_c + entropy)
-
-The backend's ``slice_grad`` with ``grad_row = 0`` and ``grad_lse = -G`` writes all of it but the first
-term; then the columns of the K entries THIS slice holds are rewritten from the whole formula in fp32,
-rounded once (``fix_local_columns_``, as ``multi_head._fix_columns_``: duplicates sum their ``g`` with
-identical bits, so the scatter is deterministic). Extra work O(BT K^2) per rank, no V term.
-"""
+``vocab_parallel_linear_token_log_probs`` with a ``target`` of shape ``(..., K)`` of GLOBAL class ids, as the
+single-process K-class op (``rl/kclass_head.py``) on the vocabulary concatenated over the ranks."""
 from __future__ import annotations
 
 from typing import Optional
@@ -34,9 +14,9 @@ from fusedce.core.options import LossOptions
 from fusedce.distributed import chunk_ops
 from fusedce.distributed.exchange import Partials, exchange
 from fusedce.distributed.layout import VocabLayout
-from fusedce.distributed.multi_rows import exchange_target_logits, gather_local, grad_of_slice, local_entries
+from fusedce.distributed.kclass_rows import exchange_target_logits, gather_local, grad_of_slice, local_entries
 from fusedce.distributed.shard_rows import Columns, shard_forward
-from fusedce.rl.multi_head import Entries, entries, log_probs_of, upstream_k
+from fusedce.rl.kclass_head import Entries, entries, log_probs_of, upstream_k
 
 
 def _statistics(n: int, device, want_entropy: bool):
@@ -91,7 +71,7 @@ class VocabParallelLinearLogProbsK(torch.autograd.Function):
         e = entries(target, opts, layout.n_classes)
         loc = local_entries(e, layout)
         cols, p = _statistics(n, hidden.device, want_entropy)
-        key, zmax, sums, x = chunk_ops.forward("multi", hidden, weight, bias, [target], [], layout, opts, impl, rows,
+        key, zmax, sums, x = chunk_ops.forward("kclass", hidden, weight, bias, [target], [], layout, opts, impl, rows,
                                                want_entropy)   # the chunk loop, one op (chunk_ops.py)
         p.set_(key, zmax, sums)
         log_probs, entropy, lse, lse_lo = _finish_forward(p, cols, x, target, e, loc, layout, opts)
@@ -109,7 +89,7 @@ class VocabParallelLinearLogProbsK(torch.autograd.Function):
         k = grad_entropy if ctx.want_entropy else None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h, grad_w, grad_b = chunk_ops.backward(
-            "multi", hidden, weight, bias, [target, g, G, lse, lse_lo, k, None if k is None else entropy], [], layout,
+            "kclass", hidden, weight, bias, [target, g, G, lse, lse_lo, k, None if k is None else entropy], [], layout,
             opts, ctx.impl, ctx.rows, (need_h, need_w, need_b), torch.float32)
         if need_h and hidden.shape[0] > 0:
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=layout.group)

@@ -1,8 +1,6 @@
-"""The K-class log-probabilities on one vocabulary slice (``multi_log_probs.py``'s module docstring has the
-formulas): which of a row's K entries this slice holds, their logits, the exchange of those logits and the
-slice's gradient (the backend's ``slice_grad``, then the local entries' columns rewritten in fp32). Shared by
-the logits op and the linear op's chunk loop (``chunk_ops.py``).
-"""
+"""The K-class log-probabilities on one vocabulary slice (``kclass_log_probs.py``'s module docstring has the formulas):
+which of a row's K entries this slice holds, their logits, the exchange of those logits and the slice's gradient
+(the backend's ``slice_grad``, then the local entries' columns rewritten in fp32)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,7 +12,7 @@ from fusedce.core.options import LossOptions
 from fusedce.core.row_math import transform
 from fusedce.distributed.layout import VocabLayout
 from fusedce.distributed.shard_rows import shard_grad
-from fusedce.rl.multi_head import Entries, column_grads, scatter_columns_
+from fusedce.rl.kclass_head import Entries, column_grads, scatter_columns_
 
 
 def local_entries(e: Entries, layout: VocabLayout) -> Entries:
@@ -46,9 +44,8 @@ def exchange_target_logits(x: torch.Tensor, loc: Entries, layout: VocabLayout, o
 
 def fix_local_columns_(grad: torch.Tensor, x: torch.Tensor, e: Entries, loc: Entries, g, G, lse, lse_lo,
                        k: Optional[torch.Tensor], entropy, opts: LossOptions) -> None:
-    """Overwrite the local entries' columns of ``grad`` ((n, V_r), any float dtype) with the module
-    docstring's whole formula in fp32, rounded once; ``x`` (n, K) fp32 the logits there (before the
-    kernel). Rows without a local entry are written back unchanged."""
+    """Overwrite the local entries' columns of ``grad`` ((n, V_r), any float dtype) with the module docstring's whole
+    formula in fp32, rounded once; ``x`` (n, K) fp32 the logits there (before the kernel)."""
     if grad.shape[1] == 0 or loc.safe.shape[1] == 0:
         return
     dz = column_grads(x, loc, e.any, g, G, lse, lse_lo, k, entropy, opts)

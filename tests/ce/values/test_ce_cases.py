@@ -76,8 +76,8 @@ def test_c4_forward_does_not_mutate(backend, dtype, options):
 
 @pytest.mark.parametrize("offset", [50.0, 20.0], ids=["p_t_is_1_in_fp32", "one_minus_p_t_1e-4"])
 def test_c6_cancellation_at_the_target(backend, offset):
-    """C6: bf16 (16 here, 64 in the case, 32000) randn, logit[i, t_i] += offset, mean. At the target column the gradient is
-    (p_t - 1) / n: its error vs float64 must be no worse than 4x torch's own bf16 F.cross_entropy error.
+    """C6: bf16 (16 here, 64 in the case, 32000) randn, logit[i, t_i] += offset, mean. At the target column the
+    gradient is (p_t - 1) / n: its error vs float64 must be no worse than 4x torch's own bf16 F.cross_entropy error.
     offset 50: 1 - p_t ~ 1e-17 (rounds away in fp32); 20: 1 - p_t ~ 1e-4, below bf16's 2^-8 near 1."""
     rows, n_classes = 16, 32000
     base = torch.randn(rows, n_classes)

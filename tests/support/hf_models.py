@@ -6,22 +6,22 @@ no power-of-two alignment hides an indexing bug), sequences of 12 tokens. ``batc
 
 Tolerance: both paths compute in fp32; they differ only in summation order (a chunked matmul and an
 online log-sum-exp against one matmul and torch's log_softmax), then backpropagate through two layers.
-That is a few ulps per value, amplified by the depth; ``RTOL = 2e-5`` (~170 fp32 ulps) of each value
-plus ``ATOL_SCALE = 1e-6`` of the tensor's largest magnitude (for entries near zero) covers it with a
+That is a few ulps per value, amplified by the depth; ``HF_RTOL = 2e-5`` (~170 fp32 ulps) of each value
+plus ``HF_ATOL_SCALE = 1e-6`` (both in ``tolerances.py``) of the largest magnitude (entries near zero) cover it with a
 margin; measured worst case over the families here: about 1e-7 relative to the largest gradient.
 
-Imported by module name (``tests/`` is on pytest's ``pythonpath``) by every test that needs a model:
-tests/hf/*, tests/ce/test_token_weights.py, tests/linear/test_tiled_deterministic.py.
+Imported by module name (``tests/support/`` is on pytest's ``pythonpath``) by every test that needs a model:
+tests/hf/*, tests/ce/options/test_token_weights.py, tests/linear/test_tiled_deterministic.py.
 """
 from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import HF_ATOL_SCALE, HF_RTOL
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB, HIDDEN, SEQ, BATCH, PROMPT = 211, 32, 12, 3, 4
-RTOL, ATOL_SCALE = 2e-5, 1e-6
 COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
 GEMMA = dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=8)
@@ -80,7 +80,7 @@ def batch(generator=None):
 
 def assert_close(actual, expected, name):
     scale = float(expected.detach().abs().max())
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL_SCALE * scale + 1e-12, msg=name)
+    torch.testing.assert_close(actual, expected, rtol=HF_RTOL, atol=HF_ATOL_SCALE * scale + 1e-12, msg=name)
 
 
 def loss_and_grads(model, **inputs):

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parents[1] / "references"   # reference64_linear
+TESTS = Path(__file__).resolve().parents[2] / "support"   # reference64_linear
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -90,7 +90,8 @@ SCRIPT = textwrap.dedent("""
 def _run(order: str, backend: str, reductions: tuple) -> None:
     env = {k: v for k, v in os.environ.items() if k != "FUSEDCE_BACKEND"}
     env["TRITON_INTERPRET"] = "1"
-    code = SCRIPT.format(tests=str(TESTS), tests_root=str(TESTS.parent), order=order, backend=backend, reductions=reductions)
+    code = SCRIPT.format(tests=str(TESTS), tests_root=str(TESTS.parent), order=order, backend=backend,
+                         reductions=reductions)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and "ALL OK" in proc.stdout, (

@@ -15,14 +15,10 @@ from fusedce.backends.pytorch import tuning as torch_tuning
 from inputs import DTYPE_IDS, DTYPES, poisoned_allocations
 from reference64_linear import make_linear
 from reference64_log_probs import reference_log_probs
+from tolerances import FP32_MATH_ATOL, GRAD_RTOL
 
 HIDDEN, V, K = 16, 300, 5
 SETTINGS = {"plain": (1.0, None), "t0.7": (0.7, None), "t1.3_cap5": (1.3, 5.0)}
-# as tests/rl/test_log_probs.py: fp32 math on the given values (the linear ops: fp32 logits of the exact
-# products, as the reference): a few fp32 ulps of O(1..10) values; gradients: two roundings to the dtype
-# at most
-ATOL = 2e-5
-GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(autouse=True)
@@ -69,8 +65,8 @@ def test_token_log_probs_k(backend, setting, dtype):
     assert out.entropy.shape == target.shape[:-1]
     x64 = logits.detach().double().requires_grad_()
     ref_lp, ref_ent = reference_log_probs(x64, target, temperature, softcap)
-    check(out.log_probs, ref_lp.detach(), ATOL, name="log_probs")
-    check(out.entropy, ref_ent.detach(), ATOL, name="entropy")
+    check(out.log_probs, ref_lp.detach(), FP32_MATH_ATOL, name="log_probs")
+    check(out.entropy, ref_ent.detach(), FP32_MATH_ATOL, name="entropy")
     objective(ref_lp, ref_ent, g.double(), beta.double()).backward()
     assert logits.grad.dtype == dtype
     check(logits.grad, x64.grad, 1e-6, GRAD_RTOL[dtype], "grad")
@@ -96,8 +92,8 @@ def test_linear_token_log_probs_k(backend, setting, dtype, method):
     leaves = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
     exact = torch.nn.functional.linear(*leaves)   # fp32 logits from the same values: never rounded to the dtype
     ref_lp, ref_ent = reference_log_probs(exact, target, temperature, softcap)
-    check(out.log_probs, ref_lp.detach(), ATOL, name="log_probs")
-    check(out.entropy, ref_ent.detach(), ATOL, name="entropy")
+    check(out.log_probs, ref_lp.detach(), FP32_MATH_ATOL, name="log_probs")
+    check(out.entropy, ref_ent.detach(), FP32_MATH_ATOL, name="entropy")
     objective(ref_lp, ref_ent, g.double(), beta.double()).backward()
     for name, t, ref in zip(("hidden", "weight", "bias"), (hidden, weight, bias), leaves):
         assert t.grad.dtype == dtype
@@ -156,7 +152,7 @@ def test_log_probs_only_and_int32(backend):
     lp = fusedce.token_log_probs(logits, target, temperature=1.5, backend=backend)
     assert isinstance(lp, torch.Tensor) and lp.shape == (6, K)
     assert torch.equal(target, before)
-    check(lp, reference_log_probs(logits.double(), target.long(), 1.5, None)[0], ATOL, name="log_probs")
+    check(lp, reference_log_probs(logits.double(), target.long(), 1.5, None)[0], FP32_MATH_ATOL, name="log_probs")
 
 
 def test_a_backend_without_the_k_form_is_refused(monkeypatch):

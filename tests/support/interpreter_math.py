@@ -4,7 +4,7 @@ The interpreter evaluates a kernel's transcendental functions with numpy in the 
 numpy's float32 ``exp`` / ``log`` take a SIMD path chosen by the CPU: measured on this project's AMD EPYC
 dev VM (AVX2, no AVX-512) their worst error is 2.5 ulp, where torch's own CPU kernels stay within 0.6
 ulp; on a CPU with AVX-512 numpy's are within 1 ulp. The same test could then pass on one machine and
-fail on another (tests/ce/test_gradient_precision.py's C14 bound, 2x stock fp32's own error, did).
+fail on another (tests/ce/gradients/test_gradient_precision.py's C14 bound, 2x stock fp32's own error, did).
 Evaluating them in float64 and rounding once to the kernel's dtype gives the correctly rounded value in
 all but astronomically rare cases, on every CPU: the CPU tests then judge the kernels' algorithm
 (cancellation, order of operations), not the host's libm. A GPU uses its own approximations

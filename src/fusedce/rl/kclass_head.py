@@ -1,40 +1,5 @@
-"""Log-probabilities of K given classes per row (``token_log_probs`` with a ``target`` of shape
-``(..., K)``), on any backend's ``ChunkCE`` / ``TiledCE``, with no new kernel.
-
-The statistics are shared: the lse pair (and the entropy) of a row do not depend on the class asked,
-so each row goes once through the one-class kernels with a representative target ``rep`` (the row's
-first non-ignored entry; ``ignore_index`` when all K are ignored, which skips the row). Then
-``log p_k = (z_k - lse) - lse_lo`` with ``z_k`` the transformed logit at ``t_k`` (``log_prob_options``
-folds temperature and softcap into the transform): K gathers per row, O(BT K) work.
-
-Gradient of ``sum_k g_k log p_k`` (+ ``k entropy``), ``G = sum_k g_k`` over the non-ignored entries:
-
-    dL/dz_c = sum_{k: t_k = c} g_k - G p_c - k p_c (u_c + entropy)
-
-(``d log p_k / d z_c = [c == t_k] - p_c``), then ``dz/dx``. The one-class backward kernels give
-everything but the first term when called with ``grad_row = 0`` and ``grad_lse = -G`` (their
-``h p_c`` term, ``backends/protocol.py``): one extra row-sum of ``g``. The first term lives on K columns:
-
-- logits given, and ``method="chunked"`` (a chunk's logits are in a buffer): after the kernel, the K
-  target columns of the row's gradient are recomputed in fp32 from the whole formula and written over
-  (``_fix_columns_``): every element of the gradient is rounded once to the logits' dtype, as in the
-  one-class op. Duplicate classes in a row sum their ``g`` (``class_sums``: identical bits for every
-  copy, so the scatter is deterministic). Extra work O(BT K^2) (the class-equality mask), no V term.
-- ``method="tiled"`` (no logits): the sparse term is added to the tiled gradients,
-  ``grad_hidden_i += sum_k g_k x'_k W[t_k]``, ``grad_weight[t_k] += g_k x'_k hidden_i``, ``grad_bias[t_k]
-  += g_k x'_k`` (``x'`` = dz/dx at the target, from the forward's saved target logits). ``grad_hidden``
-  is then rounded a second time in a 16-bit dtype (at most one more half-ulp); the index-add into
-  ``grad_weight`` / ``grad_bias`` uses float atomics on CUDA unless ``deterministic`` (then a sorted
-  segment sum per class, one more host sync; ``multi_head_tiled.py``). The target logits
-  come from ``F.linear`` on gathered rows of ``weight`` (``multi_head_tiled.py``); the kernels' own tile
-  matmul may sum in another order, so on a GPU a target logit can differ from the one the lse saw by
-  one rounding of hidden's dtype (the chunked method gathers them from the very logits the lse came
-  from). The gathers are the temporaries not bounded by the tiles: at most 2^22 elements (or one
-  row's K x H) at a time.
-
-Ignored entries give 0 and get no gradient; rows whose K entries are all ignored are skipped as
-ignored rows (0 entropy, zero gradient, in the linear form compacted away before the matmuls).
-"""
+"""Log-probabilities of K given classes per row (``token_log_probs`` with a ``target`` of shape ``(..., K)``), on any
+backend's ``ChunkCE`` / ``TiledCE``, with no new kernel."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -47,17 +12,16 @@ from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform
 from fusedce.lm_head import loop
 from fusedce.lm_head.head import TiledHead
-from fusedce.rl.multi_head_tiled import sparse_grads_, target_logits
+from fusedce.rl.kclass_head_tiled import sparse_grads_, target_logits
 from fusedce.backends.protocol import ChunkCE
 
 _SAME_CLASS_ELEMENTS = 1 << 22   # the (rows, K, K) class-equality temporary of ``class_sums``
 
 class Entries(NamedTuple):
-    """The K targets of n rows: ``valid`` (n, K) bool (not ``ignore_index`` and in [0, V)),
-    ``safe`` (n, K) int64 (the class, 0 where not valid), ``rep`` (n,) the representative target (the
-    first valid entry's class, ``ignore_index`` if none), ``first`` (n, 1) that entry's position (0 if
-    none), ``any`` (n,) bool: some entry is valid. A row whose non-ignored entries are all out of range
-    (possible only where the range check is skipped) is an ignored row with NaN log-probs there."""
+    """The K targets of n rows: ``valid`` (n, K) bool (not ``ignore_index`` and in [0, V)), ``safe`` (n, K) int64 (the
+    class, 0 where not valid), ``rep`` (n,) the representative target (the first valid entry's class,
+    ``ignore_index`` if none), ``first`` (n, 1) that entry's position (0 if none), ``any`` (n,) bool: some entry is
+    valid."""
 
     valid: torch.Tensor
     safe: torch.Tensor
@@ -90,9 +54,8 @@ def log_probs_of(z: torch.Tensor, target: torch.Tensor, e: Entries, lse, lse_lo,
 
 
 def class_sums(e: Entries, g: torch.Tensor) -> torch.Tensor:
-    """``sum_{j: t_j = t_k} g_j`` per entry (n, K) fp32: a masked (K, K) product per row, rows at a time
-    so that the (rows, K, K) temporary stays below ``_SAME_CLASS_ELEMENTS``. Every copy of a class sums
-    the same masked row in the same order: identical bits (the scatter below is then deterministic)."""
+    """``sum_{j: t_j = t_k} g_j`` per entry (n, K) fp32: a masked (K, K) product per row, rows at a time so that the
+    (rows, K, K) temporary stays below ``_SAME_CLASS_ELEMENTS``."""
     ids = torch.where(e.valid, e.safe, -1)
     n, K = ids.shape
     if torch.compiler.is_compiling():   # one block: a loop over the token count would specialize the graph on it
@@ -117,10 +80,8 @@ def upstream_k(grad_log_probs: Optional[torch.Tensor], e: Entries):
 
 def column_grads(x: torch.Tensor, e: Entries, kept_rows: torch.Tensor, g, G, lse, lse_lo, k, entropy,
                  opts: LossOptions) -> torch.Tensor:
-    """The module docstring's whole formula, fp32 (n, K), at the entries of ``e`` (their logits ``x``
-    before the transform): ``class_sums`` over ``e``'s valid entries; the entropy term on the rows
-    ``kept_rows`` (n,) bool. Also the vocab-parallel op's (``distributed/multi_log_probs.py``, with the
-    entries its slice holds)."""
+    """The module docstring's whole formula, fp32 (n, K), at the entries of ``e`` (their logits ``x`` before the
+    transform): ``class_sums`` over ``e``'s valid entries; the entropy term on the rows ``kept_rows`` (n,) bool."""
     z = transform(x.float(), opts)
     u = (z - lse[:, None]) - lse_lo[:, None]
     p = torch.exp(u)
@@ -132,10 +93,7 @@ def column_grads(x: torch.Tensor, e: Entries, kept_rows: torch.Tensor, g, G, lse
 
 
 def scatter_columns_(grad: torch.Tensor, dz: torch.Tensor, e: Entries, keep_unwritten: bool = False) -> None:
-    """Write ``dz`` (n, K) at the valid entries' columns of ``grad`` ((n, V)), rounded once to its dtype.
-    Invalid entries rewrite their row's first valid entry with its own value (one scatter, deterministic);
-    a row with no valid entry rewrites column ``e.safe[:, 0]`` with 0 (the kernel's zeros), or, with
-    ``keep_unwritten``, with the value already there."""
+    """Write ``dz`` (n, K) at the valid entries' columns of ``grad`` ((n, V)), rounded once to its dtype."""
     cols = torch.where(e.valid, e.safe, e.safe.gather(1, e.first))
     dz = torch.where(e.valid, dz, dz.gather(1, e.first)).to(grad.dtype)
     other = grad.gather(1, cols) if keep_unwritten else torch.zeros((), dtype=grad.dtype, device=grad.device)
@@ -144,9 +102,8 @@ def scatter_columns_(grad: torch.Tensor, dz: torch.Tensor, e: Entries, keep_unwr
 
 def _fix_columns_(grad: torch.Tensor, x: torch.Tensor, e: Entries, g, G, lse, lse_lo, k, entropy,
                   opts: LossOptions) -> None:
-    """Overwrite the K target columns of ``grad`` ((n, V), any float dtype) with the exact fp32 value of
-    the module docstring's formula, rounded once. Ignored entries rewrite their row's first valid
-    entry with its own value; rows with no valid entry rewrite column 0 with 0 (the kernel's zeros)."""
+    """Overwrite the K target columns of ``grad`` ((n, V), any float dtype) with the exact fp32 value of the module
+    docstring's formula, rounded once."""
     scatter_columns_(grad, column_grads(x, e, e.any, g, G, lse, lse_lo, k, entropy, opts), e)
 
 
@@ -250,7 +207,7 @@ def _chunked_forward(head, hidden, weight, bias, e: Entries, opts: LossOptions, 
     return lse, lse_lo, entropy, x
 
 
-def token_log_probs_multi(ce: ChunkCE, logits: torch.Tensor, target: torch.Tensor, opts: LossOptions,
+def token_log_probs_kclass(ce: ChunkCE, logits: torch.Tensor, target: torch.Tensor, opts: LossOptions,
                           want_entropy: bool):
     """Backend entry: ``logits`` (BT, V) last-dim stride 1, ``target`` (BT, K) -> ``(log_probs (BT, K),
     entropy (BT,) or empty)`` fp32."""

@@ -3,7 +3,7 @@ z-loss times its weight (after ``use_token_scaling``'s ``p_t``), a constant (no 
 denominators unchanged; on ``cross_entropy``, ``linear_cross_entropy`` (both methods), the modules, the
 vocab-parallel ops and the Hugging Face patch, on every backend of this machine.
 
-The oracle is the shared float64 one (``tests/references/reference64.py``, ``reference_loss``):
+The oracle is the shared float64 one (``tests/support/reference64.py``, ``reference_loss``):
 ``F.cross_entropy(reduction="none")`` per row (class weights, smoothing), ``+ s lse**2``, both times ``tw``
 (and the detached ``p_t``), ``"mean"`` dividing by ``D = sum w[t]`` / ``N`` = the count of non-ignored rows
 (or ``num_items_in_batch``). Gradients by float64 autograd through it (per-token and non-unit upstream
@@ -12,7 +12,8 @@ gradients).
 Shapes: V = 45 / 70 classes (not powers of two), (3, 7) = 21 tokens with every 4th ignored (the ignored
 rows hold NaN weights: they must not matter), chunk_size 8 (three chunks, a partial last one). Weights
 span [-1, 3) with one exact 0 (reward-weighted SFT has negative weights). Tolerance: fp32 paths against
-float64, ``RTOL`` of each value plus ``RTOL`` of the tensor's largest magnitude (a few hundred fp32 ulps;
+float64, ``LINEAR_MAX_RTOL`` of each value plus ``LINEAR_MAX_RTOL`` of the tensor's largest magnitude (a few hundred
+fp32 ulps;
 a missing or doubled weight is an O(1) error).
 """
 from __future__ import annotations
@@ -35,8 +36,8 @@ from fusedce.lm_head import head
 from fusedce.core import validation
 from inputs import make_logits, make_target, make_weight
 from reference64 import reference_loss
+from tolerances import LINEAR_MAX_RTOL
 
-RTOL = 2.0 ** -16
 NAN = float("nan")
 SHAPE, H, V = (3, 7), 16, 45
 OPTIONS = {
@@ -55,7 +56,7 @@ def token_weights(target, ignore_index=-100):
     return torch.where(target == ignore_index, NAN, tw)
 
 
-def near(name, actual, expected, rtol=RTOL):
+def near(name, actual, expected, rtol=LINEAR_MAX_RTOL):
     a, e = actual.detach().double(), expected.detach().double()
     assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
     assert torch.isfinite(a).all(), f"{name}: not finite"
@@ -102,7 +103,7 @@ def linear_inputs(bias=True):
     return hidden, weight, b, make_target(SHAPE, V, ignore_every=4)
 
 
-def check_linear(backend, method, reduction, kw, chunk_size=None, dtype=torch.float32, rtol=RTOL):
+def check_linear(backend, method, reduction, kw, chunk_size=None, dtype=torch.float32, rtol=LINEAR_MAX_RTOL):
     weighted, kw = split(kw)
     hidden, weight, bias, t = linear_inputs()
     leaves = [p.detach().to(dtype).requires_grad_() for p in (hidden, weight, bias)]
@@ -166,7 +167,7 @@ def test_no_compaction_ignored_rows_and_non_finite_weights(backend, monkeypatch)
     value check is skipped: NaN weights on ignored rows still change nothing; a NaN weight on a kept
     row propagates into the loss and that row's hidden gradient only (as stock's composition)."""
     monkeypatch.setattr(head, "sync_allowed", lambda *tensors: False)
-    monkeypatch.setattr(validation, "sync_allowed", lambda *tensors: False)
+    monkeypatch.setattr(validation, "host_readable", lambda *tensors: False)
     check_linear(backend, "chunked", "mean", OPTIONS["all"], chunk_size=8)
     hidden, weight, _, t = linear_inputs(bias=False)
     tw = token_weights(t)
