@@ -84,7 +84,8 @@ def _cases():
     for backend in ("torch", "triton"):
         for method in ("chunked", "tiled"):
             for reduction in ("mean", "none"):
-                c[f"linear/{backend}/{method}/{reduction}"] = (backend, lambda x, b=backend, m=method, r=reduction: _run(
+                c[f"linear/{backend}/{method}/{reduction}"] = (
+                    backend, lambda x, b=backend, m=method, r=reduction: _run(
                     lambda: tuple(fusedce.linear_cross_entropy(
                         x["hidden"], x["weight"], x["target"], x["bias"], reduction=r, method=m, backend=b,
                         chunk_size=5 if m == "chunked" else None, return_stats=True)), leaves(x)))

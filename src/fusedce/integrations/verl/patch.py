@@ -66,7 +66,8 @@ def patch_verl() -> list:
                     _set(module, name, head.wrap_forward(getattr(module, name)))
         for module in filter(None, map(_module, _MCORE)):
             _set(module, "linear_cross_entropy", functions.linear_cross_entropy)
-        _set(FSDPEngineWithLMHead, "prepare_model_inputs", engine.wrap_inputs(FSDPEngineWithLMHead.prepare_model_inputs))
+        _set(FSDPEngineWithLMHead, "prepare_model_inputs",
+             engine.wrap_inputs(FSDPEngineWithLMHead.prepare_model_inputs))
         _set(FSDPEngineWithLMHead, "prepare_model_outputs",
              engine.wrap_outputs(FSDPEngineWithLMHead.prepare_model_outputs))
     except BaseException:

@@ -33,10 +33,12 @@ def import_verl():
     try:
         import verl
     except ImportError as err:
-        raise ImportError(f"fusedce.integrations.verl needs verl {SUPPORTED_VERL} (pip install verl=={SUPPORTED_VERL}); "
+        raise ImportError(f"fusedce.integrations.verl needs verl {SUPPORTED_VERL} "
+                          f"(pip install verl=={SUPPORTED_VERL}); "
                           f"importing it failed: {err}") from err
     if getattr(verl, "__file__", None) is None:   # a folder named verl on sys.path (a namespace package)
-        raise ImportError(f"fusedce.integrations.verl needs verl {SUPPORTED_VERL} (pip install verl=={SUPPORTED_VERL}); "
+        raise ImportError(f"fusedce.integrations.verl needs verl {SUPPORTED_VERL} "
+                          f"(pip install verl=={SUPPORTED_VERL}); "
                           f"'import verl' found only the folder(s) {list(getattr(verl, '__path__', []))}")
     return verl
 
