@@ -15,6 +15,7 @@ from fusedce.core.validation import sync_allowed
 from .fp32_linear import grad_hidden_fp32_, linear_fp32_
 
 Opt = Optional[torch.Tensor]
+LOW = (torch.bfloat16, torch.float16)   # the dtypes whose CPU GEMM may be torch's scalar fallback
 Tensor = torch.Tensor
 
 
@@ -58,7 +59,7 @@ def logits_chunk(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         out = buffer[: h.shape[0]] if buffer is not None else torch.empty(
             h.shape[0], weight.shape[0], dtype=dtype, device=h.device)
         return linear_fp32_(h, weight, bias, out, _mm_out_dtype_ok(out))
-    if upcast_gemms(h, weight):   # the operands' rounding from an fp32 GEMM: torch's own is the scalar fallback
+    if h.dtype in LOW and upcast_gemms(h, weight):   # torch's own GEMM is the scalar fallback
         out32 = linear_fp32_(h, weight, bias, torch.empty(h.shape[0], weight.shape[0], device=h.device), False)
         return out32.to(dtype) if buffer is None else buffer[: h.shape[0]].copy_(out32)
     if buffer is None:
@@ -141,7 +142,7 @@ def backprop_chunk_(g: torch.Tensor, h_c: torch.Tensor, weight: torch.Tensor, ro
     scratch = None
     if g.dtype != weight.dtype:
         scratch, g = g, g.to(weight.dtype)
-    if grad_h is not None and upcast_gemms(g, weight):   # torch's low-precision GEMM: the scalar fallback
+    if grad_h is not None and g.dtype in LOW and upcast_gemms(g, weight):   # torch's low-precision GEMM: the scalar fallback
         g32 = scratch.copy_(g) if scratch is not None else g.float()
         grad_hidden_fp32_(g32, weight, grad_h[rows])
     elif grad_h is not None:
