@@ -36,8 +36,10 @@ def _worker(rank, world, port, out_dir, backend, module):
     torch.set_num_threads(1)
     import interpreter_index
     import interpreter_math
+    import interpreter_speed
     interpreter_math.install()   # as conftest.py does in the pytest process
     interpreter_index.install()
+    interpreter_speed.install()
     checks = importlib.import_module(module).CHECKS
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))

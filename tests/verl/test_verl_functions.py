@@ -208,7 +208,7 @@ def test_import_without_verl_is_refused():
 
 
 @pytest.mark.parametrize("option, value, match", [
-    ("batch_invariant", True, "batch_invariant=True"), ("top_p", 0.9, "top_k / top_p"),
+    ("top_p", 0.9, "top_k / top_p"),
     ("logits_dtype", "input", "logits_dtype='input'"), ("method", "tiled", "method='tiled'")])
 def test_tensor_parallel_route_refuses_what_the_vocab_parallel_op_lacks(plugin, option, value, match):
     """verl's Megatron call (a tensor-parallel group): options the vocabulary-parallel op cannot honour are a

@@ -60,9 +60,25 @@ class GlobalRows:
     entropy: Optional[torch.Tensor] = None
 
 
+def sum_over_ranks_(t: torch.Tensor, group, ordered: bool = False) -> torch.Tensor:
+    """``t`` (in place) summed over the ranks of ``group``: ``all_reduce(SUM)``, or with ``ordered`` an
+    ``all_gather`` folded in rank order, so that each element's sum has one order whatever the tensor's
+    length (``batch_invariant=True``; an all-reduce's order may follow the element's position)."""
+    if not ordered:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    t.copy_(parts[0])
+    for part in parts[1:]:
+        t += part
+    return t
+
+
 def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], layout: VocabLayout,
-             opts: LossOptions, cols: Columns) -> GlobalRows:
-    """Run the two collectives on ``p`` (modified in place) and finish the per-row loss."""
+             opts: LossOptions, cols: Columns, ordered: bool = False) -> GlobalRows:
+    """Run the two collectives on ``p`` (modified in place) and finish the per-row loss (``ordered``: the
+    sums as ``sum_over_ranks_``'s)."""
     n, device = target.shape[0], target.device
     weighted = weight is not None
     if weighted:
@@ -79,7 +95,7 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
             p.sums[:, cols.tsum] = torch.where(
                 empty, 0.0, torch.exp(d) * (p.sums[:, cols.tsum] + d * p.sums[:, Columns.SUMEXP]))
         p.sums[:, Columns.SUMEXP] *= torch.where(empty, 0.0, torch.exp(p.zmax - gmax))
-        dist.all_reduce(p.flat, op=dist.ReduceOp.SUM, group=layout.group)         # collective 2
+        sum_over_ranks_(p.flat, layout.group, ordered)                            # collective 2
     else:
         gmax = torch.zeros(0, device=device)
         index = torch.zeros(0, dtype=torch.int64, device=device)

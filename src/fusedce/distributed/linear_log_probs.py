@@ -7,7 +7,6 @@ import math
 from typing import Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from fusedce.core.autocast import backward_formula
 from fusedce.core.entrance import public_op
@@ -15,12 +14,13 @@ from fusedce import backends
 from fusedce.core import validation as val
 from fusedce.rl import checks as rc
 from fusedce.core.autograd_checks import check_backward_allowed
+from fusedce.lm_head import invariant
 from fusedce.lm_head.head import compact_rows, scatter_rows
 from fusedce.core.options import LossOptions
 from fusedce.core.types import TokenLogProbs
 from fusedce.rl.kclass import result
 from fusedce.rl.kclass_head import entries
-from fusedce.distributed.exchange import Partials
+from fusedce.distributed.exchange import Partials, sum_over_ranks_
 from fusedce.distributed.layout import VocabLayout, vocab_layout
 from fusedce.distributed.log_probs import exchange_log_probs, finish, upstreams
 from fusedce.distributed.kclass_log_probs import VocabParallelLinearLogProbsK
@@ -34,14 +34,15 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, layout: VocabLayout, opts: LossOptions, rows: int, impl,
-                want_entropy: bool):
+                want_entropy: bool, ordered: bool = False):
         n = hidden.shape[0]
         cols = Columns(False, False, want_entropy)
         p = Partials.allocate(n, cols, False, hidden.device)
         p.set_(*chunk_ops.forward("ce", hidden, weight, bias, [target], [None], layout, opts, impl, rows, want_entropy))
-        log_probs, entropy, lse, lse_lo = exchange_log_probs(p, target, layout, opts, cols)
+        log_probs, entropy, lse, lse_lo = exchange_log_probs(p, target, layout, opts, cols, ordered)
         ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy)
         ctx.layout, ctx.opts, ctx.rows, ctx.impl, ctx.want_entropy = layout, opts, rows, impl, want_entropy
+        ctx.ordered = ordered
         return log_probs, entropy
 
     @staticmethod
@@ -57,10 +58,10 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
             [None, None], ctx.layout, ctx.opts, ctx.impl, ctx.rows, (need_h, need_w, need_b), torch.float32)
         if need_h and n > 0:
             # each rank holds sum over its own classes of g_c W_c: add the partial sums
-            dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)
+            sum_over_ranks_(grad_h, ctx.layout.group, ctx.ordered)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return (grad_h, grad_w, grad_b) + (None,) * 6
+        return (grad_h, grad_w, grad_b) + (None,) * 7
 
 
 @public_op("linear")
@@ -69,7 +70,7 @@ def vocab_parallel_linear_token_log_probs(
     bias_shard: Optional[torch.Tensor] = None, *, group=None, vocab_start_index: Optional[int] = None,
     temperature: float = 1.0, softcap: Optional[float] = None, ignore_index: int = -100,
     return_entropy: bool = False, backend: Optional[str] = None, logit_scale: float = 1.0,
-    chunk_size: Optional[int] = None, deterministic: Optional[bool] = None,
+    chunk_size: Optional[int] = None, deterministic: Optional[bool] = None, batch_invariant: bool = False,
 ) -> Union[torch.Tensor, TokenLogProbs]:
     """``fusedce.linear_token_log_probs`` with the LM head split by vocabulary over the ranks of ``group``.
 
@@ -93,6 +94,10 @@ def vocab_parallel_linear_token_log_probs(
             rows (``lm_head/head.py``). The chunked method only (no tiled form).
         deterministic: accepted as in ``fusedce.linear_token_log_probs``; this op is deterministic
             whatever its value (as ``vocab_parallel_linear_cross_entropy``: no float atomics).
+        batch_invariant: a token's results (and its row of the hidden gradient) the same bits whatever
+            else is in the batch: 64-row chunks (padded) and every sum over the ranks folded in rank order
+            (an ``all_gather`` instead of each ``all_reduce(SUM)``: W times its bytes). Not with a
+            ``(..., K)`` target or the CuTe backend (``ValueError``).
 
     Returns:
         fp32 ``log_probs`` of ``target.shape`` or ``TokenLogProbs(log_probs, entropy)``, both
@@ -113,7 +118,10 @@ def vocab_parallel_linear_token_log_probs(
                                        return_entropy=return_entropy, chunk_size=chunk_size, method=None,
                                        deterministic=deterministic, sharded=True)
     opts, target = call.opts, call.target   # deterministic: checked; nothing to select (see the docstring)
+    ordered = invariant.check(batch_invariant)
+    invariant.refuse(ordered and call.kclass, "a (..., K) target")
     impl = backends.get(backend, hidden.device)
+    invariant.check_backend(ordered, impl)
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
     val.check_target_range(target, layout.n_classes, opts.ignore_index)
 
@@ -123,8 +131,14 @@ def vocab_parallel_linear_token_log_probs(
     n = math.prod(shape)
     flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1), opts.ignore_index)
     rows = None if chunk_size is None else int(chunk_size)   # None: the rule, decided in the loop op
+    kept = flat_hidden.shape[0]
+    if ordered:   # every chunk one shape: ROWS rows, the last padded with ignored zero rows
+        flat_hidden, flat_target, _ = invariant.pad_rows(flat_hidden, flat_target, opts.ignore_index)
+        rows = invariant.ROWS
     log_probs, entropy = _VocabParallelLinearLogProbs.apply(flat_hidden, weight_shard, bias_shard, flat_target,
-                                                            layout, opts, rows, impl, return_entropy)
+                                                            layout, opts, rows, impl, return_entropy, ordered)
+    if ordered:
+        log_probs, entropy = log_probs[:kept], entropy[:kept] if return_entropy else entropy
     log_probs = scatter_rows(log_probs, index, n, 0.0)   # ignored rows: 0 in both outputs
     if return_entropy:
         entropy = scatter_rows(entropy, index, n, 0.0)

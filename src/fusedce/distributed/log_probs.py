@@ -22,10 +22,10 @@ from fusedce.rl.kclass import result
 
 
 def exchange_log_probs(partials: Partials, target: torch.Tensor, layout: VocabLayout, opts: LossOptions,
-                       cols: Columns):
+                       cols: Columns, ordered: bool = False):
     """The collectives on this rank's filled ``partials`` -> ``(log_probs, entropy, lse, lse_lo)`` (n,) fp32 each,
     global and identical on every rank (0 on ignored rows; ``entropy`` empty without the ``tsum`` column)."""
-    out = exchange(partials, target, None, layout, opts, cols)
+    out = exchange(partials, target, None, layout, opts, cols, ordered)
     log_probs = torch.where(opts.kept(target), -out.loss, 0.0)   # +0.0 on ignored rows, as token_log_probs
     entropy = out.lse.new_empty(0) if out.entropy is None else out.entropy
     return log_probs, entropy, out.lse, out.lse_lo

@@ -19,7 +19,8 @@ def megatron_token_log_probs(model: nn.Module, input_ids: torch.Tensor, position
                              temperature: float = 1.0, softcap: Optional[float] = None, logit_scale: float = 1.0,
                              ignore_index: int = -100, return_entropy: bool = False,
                              chunk_size: Optional[int] = None, backend: Optional[str] = None,
-                             deterministic: Optional[bool] = None, **forward_kwargs,
+                             deterministic: Optional[bool] = None, batch_invariant: bool = False,
+                             **forward_kwargs,
                              ) -> Union[torch.Tensor, TokenLogProbs]:
     """Run ``model(input_ids, position_ids, attention_mask, labels=target, **forward_kwargs)`` and return,
     instead of its loss, ``log softmax(q)[target]`` per token (``q`` = the output layer's logits, softcapped,
@@ -35,8 +36,8 @@ def megatron_token_log_probs(model: nn.Module, input_ids: torch.Tensor, position
         target: ``[b, s]`` int, the token each position's log-prob is taken of (Megatron's ``labels``:
             already shifted), or ``[b, s, K]``: K classes per token (log-probs ``[b, s, K]``, entropy
             ``[b, s]``); ``ignore_index`` entries get 0 (the entropy where all of a token's are ignored).
-        temperature, softcap, logit_scale, ignore_index, return_entropy, chunk_size, backend, deterministic:
-            as in :func:`fusedce.distributed.vocab_parallel_linear_token_log_probs`.
+        temperature, softcap, logit_scale, ignore_index, return_entropy, chunk_size, backend, deterministic,
+        batch_invariant: as in :func:`fusedce.distributed.vocab_parallel_linear_token_log_probs`.
 
     Raises:
         The errors of :func:`fusedce.patch_megatron` (model checks) and of
@@ -49,7 +50,7 @@ def megatron_token_log_probs(model: nn.Module, input_ids: torch.Tensor, position
     state = patched_state(gpt)
     state.log_probs = dict(temperature=temperature, softcap=softcap, logit_scale=logit_scale,
                            ignore_index=ignore_index, return_entropy=return_entropy, chunk_size=chunk_size,
-                           backend=backend, deterministic=deterministic)
+                           backend=backend, deterministic=deterministic, batch_invariant=batch_invariant)
     try:
         out = model(input_ids, position_ids, attention_mask, labels=target, **forward_kwargs)
     finally:

@@ -40,8 +40,6 @@ def _refuse(what: str):
 
 def log_probs(hidden, weight_shard, labels, temperature: float, transform, group, options: dict, want_sq: bool):
     """``(log_probs, entropy, None)`` fp32 ``(N,)`` for ``hidden`` ``(N, H)`` and global ``labels`` ``(N,)``."""
-    if options["batch_invariant"]:
-        _refuse("batch_invariant=True")
     if options["top_k"] is not None or options["top_p"] is not None:
         _refuse("top_k / top_p")
     if options["logits_dtype"] != "float32":
@@ -58,5 +56,6 @@ def log_probs(hidden, weight_shard, labels, temperature: float, transform, group
     out = vocab_parallel_linear_token_log_probs(
         hidden, weight_shard, labels.long(), group=group, temperature=temperature, softcap=transform.softcap,
         logit_scale=transform.scale, return_entropy=True, backend=options["backend"],
+        batch_invariant=options["batch_invariant"],
         chunk_size=options["chunk_size"])
     return out.log_probs, out.entropy, None
