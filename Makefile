@@ -48,7 +48,7 @@ bench-sweep: $(STAMP)
 	$(VENV)/bin/fusedce bench --sweep only --out results/sweep
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 --timeout 900 --durations=15
+	TRITON_INTERPRET=1 $(VPY) -m pytest -n 2 --dist worksteal --timeout 900 --durations=15
 
 # ruff's rules and mypy's files: pyproject.toml ([tool.ruff], [tool.mypy]).
 lint: $(STAMP)
