@@ -29,6 +29,15 @@ def test_installed_and_wraps_the_same_builtins():
     assert expected, "the interpreter wraps builtins of triton.language"
     assert _wrapped_names(patch, modules) == expected
     assert _wrapped_names(patch, modules) == expected   # the kept names, a second time
+    # inside a launch (the modules wrapped already) both wrap nothing more
+    scope = interpreter._LangPatchScope()
+    for module in modules:
+        patch.original(module, interpreter.interpreter_builder, scope)
+    try:
+        assert _wrapped_names(patch, modules) == _wrapped_names(patch.original, modules) == []
+    finally:
+        scope.restore()
+    assert _wrapped_names(patch, modules) == expected   # restored: wrapped again as the first time
 
 
 def test_same_numpy_dtypes():

@@ -32,6 +32,8 @@ def install() -> None:
         kept = names.get(id(pkg))
         if kept is None or kept[0] is not pkg:
             kept = names[id(pkg)] = (pkg, tuple(n for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)))
+        if kept[1] and not tl.core.is_builtin(getattr(pkg, kept[1][0])):
+            return   # wrapped already (a jitted helper called inside a launch, which wrapped them all): no-op
         for name in kept[1]:
             member = getattr(pkg, name)
             if tl.core.is_builtin(member):
