@@ -335,3 +335,9 @@ def errors(rank, world):
 def test_patch_megatron(name, request, tmp_path_factory):
     outcome = results(__name__, CHECKS, WORLD, "torch", request, tmp_path_factory)[name]
     assert_passed(outcome, WORLD)
+
+
+def test_unpatch_names_itself_for_a_model_that_is_not_a_gpt_model():
+    """Fresh-user finding: ``unpatch_megatron`` on another module said "fusedce.patch_megatron expects"."""
+    with pytest.raises(TypeError, match=r"^fusedce\.unpatch_megatron expects a megatron\.core GPTModel"):
+        fusedce.unpatch_megatron(torch.nn.Linear(2, 2))

@@ -174,9 +174,9 @@ def test_sum_pi_squared_with_truncation_is_refused(plugin):
 def test_options_from_the_environment(plugin, monkeypatch):
     """``$FUSEDCE_VERL`` is the one place the options come from (``configure`` overrides); every bad
     value is a ValueError naming the option."""
-    monkeypatch.setenv("FUSEDCE_VERL", "batch_invariant=1, logits_dtype=input,method=chunked,top_p=0.95,top_k=-1")
+    monkeypatch.setenv("FUSEDCE_VERL", "batch_invariant=0, logits_dtype=input,method=chunked,top_p=0.95,top_k=-1")
     plugin.options.load_env()
-    assert plugin.options.OPTIONS == {**plugin.options.DEFAULTS, "batch_invariant": True, "logits_dtype": "input",
+    assert plugin.options.OPTIONS == {**plugin.options.DEFAULTS, "batch_invariant": False, "logits_dtype": "input",
                                       "method": "chunked", "top_p": 0.95, "top_k": None}
     for text, match in [("top_p=1.5", "top_p must be"), ("method=fast", "method must be"),
                         ("batch_invariant=maybe", "batch_invariant must be"), ("colour=red", "unknown option 'colour'"),
@@ -188,6 +188,33 @@ def test_options_from_the_environment(plugin, monkeypatch):
         plugin.options.configure(logits_dtype="bf16")
 
 
+def test_options_that_cannot_go_together_are_refused_when_read(plugin, monkeypatch):
+    """Fresh-user finding: docs/verl.md's example ``batch_invariant=1,top_p=0.95`` was accepted and every
+    fused call then raised. Now the combination is a ValueError naming where it came from, nothing set."""
+    for text in ("batch_invariant=1,top_p=0.95", "top_k=5,method=tiled"):
+        monkeypatch.setenv("FUSEDCE_VERL", text)
+        with pytest.raises(ValueError, match=r"\$FUSEDCE_VERL: top_k / top_p"):
+            plugin.options.load_env()
+    assert plugin.options.OPTIONS == plugin.options.DEFAULTS
+    plugin.options.configure(top_p=0.9)
+    with pytest.raises(ValueError, match="configure: top_k / top_p cannot go with batch_invariant"):
+        plugin.options.configure(batch_invariant=True)
+    assert plugin.options.OPTIONS["batch_invariant"] is False
+
+
+@pytest.mark.parametrize("labels, match", [
+    (torch.full((4,), 3.7), "int64 or int32 token ids, got torch.float32 .class indices stored as floats"),
+    (torch.ones(4, dtype=torch.bool), "got torch.bool"), (torch.ones(4, dtype=torch.int16), "got torch.int16")])
+def test_labels_that_are_not_token_ids_are_refused(plugin, labels, match):
+    """Fresh-user finding: float, bool and int16 labels were cast with ``.long()`` (3.7 scored as class 3)."""
+    hidden, weight, _ = _inputs((1, 4))
+    with pytest.raises(TypeError, match=match):
+        plugin.functions.FusedLinearForPPO()(hidden, weight, labels.reshape(1, 4))
+    with pytest.raises(TypeError, match="process group must be a torch.distributed.ProcessGroup or None, got str"):
+        plugin.functions.linear_cross_entropy(hidden.reshape(4, -1), weight, torch.zeros(4, dtype=torch.long), 1.0,
+                                              "none", "tp")
+
+
 def test_import_without_verl_is_refused():
     """Importing the plugin where verl does not import (absent, or installed without its dependencies):
     ImportError naming verl 0.9.1 (nothing patched)."""
@@ -197,8 +224,14 @@ def test_import_without_verl_is_refused():
     saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k.startswith("fusedce.integrations.verl")}
     had_verl = "verl" in sys.modules
     try:
-        with pytest.raises(ImportError, match=r"needs verl 0\.9\.1"):
+        with pytest.raises(ImportError, match=r"needs verl 0\.9\.1") as caught:
             importlib.import_module("fusedce.integrations.verl")
+        from importlib import metadata
+        try:   # installed without its dependencies (make install's --no-deps copy): said so, not "pip install"
+            installed = metadata.version("verl")
+            assert f"verl {installed} is installed but does not import" in str(caught.value), str(caught.value)
+        except metadata.PackageNotFoundError:
+            assert "pip install verl==0.9.1" in str(caught.value), str(caught.value)
     finally:
         for k in [k for k in sys.modules if k.startswith("fusedce.integrations.verl")]:
             del sys.modules[k]

@@ -100,8 +100,8 @@ def vocab_parallel_topk_distillation_loss(
             rows contribute 0 and get zero gradient).
         group, vocab_start_index: as in ``vocab_parallel_cross_entropy`` (None: the default group; slices in
             rank order).
-        temperature, hard_label_weight, ignore_index, reduction, num_items_in_batch, student_softcap,
-        logit_scale, tail, return_stats, backend: as in ``fusedce.topk_distillation_loss``.
+        temperature, hard_label_weight, ignore_index, reduction: as in ``fusedce.topk_distillation_loss``.
+        num_items_in_batch, student_softcap, logit_scale, tail, return_stats, backend: likewise.
 
     Returns:
         As ``fusedce.topk_distillation_loss`` (fp32 scalar, ``(...)`` for ``"none"``, or

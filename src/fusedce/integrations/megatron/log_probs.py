@@ -36,8 +36,9 @@ def megatron_token_log_probs(model: nn.Module, input_ids: torch.Tensor, position
         target: ``[b, s]`` int, the token each position's log-prob is taken of (Megatron's ``labels``:
             already shifted), or ``[b, s, K]``: K classes per token (log-probs ``[b, s, K]``, entropy
             ``[b, s]``); ``ignore_index`` entries get 0 (the entropy where all of a token's are ignored).
-        temperature, softcap, logit_scale, ignore_index, return_entropy, chunk_size, backend, deterministic,
-        batch_invariant: as in :func:`fusedce.distributed.vocab_parallel_linear_token_log_probs`.
+        temperature, softcap, logit_scale, ignore_index, return_entropy: as in
+            :func:`fusedce.distributed.vocab_parallel_linear_token_log_probs`.
+        chunk_size, backend, deterministic, batch_invariant: likewise.
 
     Raises:
         The errors of :func:`fusedce.patch_megatron` (model checks) and of

@@ -29,7 +29,7 @@ class _Patch:
     log_probs: Optional[dict] = None  # megatron_token_log_probs' options during its call
 
 
-def gpt_model(model: nn.Module) -> nn.Module:
+def gpt_model(model: nn.Module, caller: str = "fusedce.patch_megatron") -> nn.Module:
     """The ``GPTModel`` inside ``model`` (Megatron's DDP / ``Float16Module`` wrappers hold it as ``.module``);
     ``TypeError`` when there is none (a ``HybridModel`` named: not supported)."""
     megatron_core()
@@ -38,11 +38,11 @@ def gpt_model(model: nn.Module) -> nn.Module:
     while not isinstance(inner, GPTModel) and isinstance(getattr(inner, "module", None), nn.Module) and seen < 8:
         inner, seen = inner.module, seen + 1
     if type(inner).__name__ == "HybridModel":
-        raise TypeError("fusedce.patch_megatron: HybridModel (megatron-core 0.18+) is not supported: it computes "
+        raise TypeError(f"{caller}: HybridModel (megatron-core 0.18+) is not supported: it computes "
                         "its logits and loss inline in forward, with no output_processor hook; build a GPTModel "
                         "or leave the model unpatched")
     if not isinstance(inner, GPTModel):
-        raise TypeError(f"fusedce.patch_megatron expects a megatron.core GPTModel (or a wrapper holding one as "
+        raise TypeError(f"{caller} expects a megatron.core GPTModel (or a wrapper holding one as "
                         f".module), got {type(model).__name__}")
     return inner
 
@@ -235,7 +235,7 @@ def patch_megatron(model: nn.Module, **loss_options) -> nn.Module:
 def unpatch_megatron(model: nn.Module) -> nn.Module:
     """Undo :func:`patch_megatron` on ``model`` (its ``GPTModel``); a no-op when it is not patched.
     Returns ``model``."""
-    gpt = gpt_model(model)
+    gpt = gpt_model(model, "fusedce.unpatch_megatron")
     state = gpt.__dict__.pop(_STATE, None)
     if state is None:
         return model

@@ -48,6 +48,13 @@ def compute(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, te
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"fusedce.integrations.verl: hidden (..., H) {tuple(hidden.shape)} and weight (V, H) "
                          f"{tuple(weight.shape)} do not match (the LM head's weight is (vocab, hidden))")
+    if labels.dtype not in (torch.int64, torch.int32):
+        hint = " (class indices stored as floats? pass labels.long())" if labels.is_floating_point() else ""
+        raise TypeError(f"fusedce.integrations.verl: labels must be int64 or int32 token ids, got "
+                        f"{labels.dtype}{hint}")
+    if group is not None and not isinstance(group, getattr(torch.distributed, "ProcessGroup", object)):
+        raise TypeError(f"fusedce.integrations.verl: the process group must be a torch.distributed.ProcessGroup "
+                        f"or None, got {type(group).__name__}")
     rows = hidden.numel() // max(hidden.shape[-1], 1)
     if labels.numel() != rows:
         raise ValueError(f"fusedce.integrations.verl: labels {tuple(labels.shape)} have {labels.numel()} tokens, "

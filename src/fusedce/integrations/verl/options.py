@@ -83,11 +83,22 @@ def parse(text: str) -> dict:
     return found
 
 
+def _check_together(values: dict, where: str) -> None:
+    """``ValueError`` naming ``where`` for options that cannot go together (the op would refuse every call)."""
+    truncated = values["top_k"] is not None or values["top_p"] is not None
+    if truncated and values["batch_invariant"]:
+        raise ValueError(f"{where}: top_k / top_p cannot go with batch_invariant=1 (the truncated log-probs are "
+                         "chunked row math without the invariant path); set one of them")
+    if truncated and values["method"] == "tiled":
+        raise ValueError(f"{where}: top_k / top_p need method 'chunked' or 'auto', got method='tiled'")
+
+
 def load_env() -> None:
     """``OPTIONS`` = the defaults updated with ``$FUSEDCE_VERL``'s values."""
-    values = parse(os.environ.get(ENV, ""))
+    values = {**DEFAULTS, **parse(os.environ.get(ENV, ""))}
+    _check_together(values, f"${ENV}")
     OPTIONS.clear()
-    OPTIONS.update(DEFAULTS, **values)
+    OPTIONS.update(values)
 
 
 def configure(**options) -> dict:
@@ -103,8 +114,10 @@ def configure(**options) -> dict:
     ``top_p``: verl 0.9.1 does not hand those to the actor). See docs/verl.md.
 
     Raises:
-        ValueError: an unknown option or a bad value (naming it).
+        ValueError: an unknown option, a bad value (naming it), or options that cannot go together
+            (``top_k`` / ``top_p`` with ``batch_invariant`` or ``method="tiled"``).
     """
     checked = {name: _check(name, value) for name, value in options.items()}
+    _check_together({**OPTIONS, **checked}, "fusedce.integrations.verl.configure")
     OPTIONS.update(checked)
     return dict(OPTIONS)

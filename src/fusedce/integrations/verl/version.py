@@ -33,8 +33,14 @@ def import_verl():
     try:
         import verl
     except ImportError as err:
-        raise ImportError(f"fusedce.integrations.verl needs verl {SUPPORTED_VERL} "
-                          f"(pip install verl=={SUPPORTED_VERL}); "
+        from importlib import metadata
+        try:
+            installed = metadata.version("verl")
+        except metadata.PackageNotFoundError:
+            installed = None
+        how = (f"verl {installed} is installed but does not import (a dependency of its own missing?)"
+               if installed else f"pip install verl=={SUPPORTED_VERL}")
+        raise ImportError(f"fusedce.integrations.verl needs verl {SUPPORTED_VERL} ({how}); "
                           f"importing it failed: {err}") from err
     if getattr(verl, "__file__", None) is None:   # a folder named verl on sys.path (a namespace package)
         raise ImportError(f"fusedce.integrations.verl needs verl {SUPPORTED_VERL} "
