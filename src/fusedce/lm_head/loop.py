@@ -103,7 +103,8 @@ def _mm_out_dtype_ok(acc: torch.Tensor) -> bool:
     return _OUT_DTYPE_MM[key]
 
 
-def accumulate_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> None:
+def accumulate_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, scratch: Optional[torch.Tensor] = None,
+                upcast_ready: bool = False) -> None:
     """``acc += g.T @ h`` with ``acc`` in its own (accumulation) dtype, no fresh V x H temporary (``g``
     may be fp32 logits' gradient with a bf16 / fp16 ``h``). ``scratch``: an optional tensor of ``g``'s
     shape in ``acc``'s dtype that may be overwritten (the fp32 chunk ``g`` was rounded from): the upcast of
@@ -114,7 +115,7 @@ def accumulate_(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, scratch: Op
         torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
     else:  # upcast the chunk operands (n_c x V and n_c x H), never the V x H result
         reuse = scratch is not None and scratch.shape == g.shape and scratch.dtype == acc.dtype
-        g32 = scratch.copy_(g).t() if reuse else g.t().to(acc.dtype)   # the same values and layout either way
+        g32 = (scratch if upcast_ready else scratch.copy_(g)).t() if reuse else g.t().to(acc.dtype)   # the same values and layout either way
         h32 = h.to(acc.dtype)
         with exact_bf16_gemms(g, h):   # both bf16: the CPU's bf16 units, the same exact products
             acc.addmm_(g32, h32)
@@ -142,13 +143,15 @@ def backprop_chunk_(g: torch.Tensor, h_c: torch.Tensor, weight: torch.Tensor, ro
     scratch = None
     if g.dtype != weight.dtype:
         scratch, g = g, g.to(weight.dtype)
-    if grad_h is not None and g.dtype in LOW and upcast_gemms(g, weight):   # torch's low-precision GEMM: the scalar fallback
+    ready = False   # scratch holds g's upcast values (written once for both GEMMs)
+    if grad_h is not None and g.dtype in LOW and upcast_gemms(g, weight):   # torch's GEMM: the scalar fallback
         g32 = scratch.copy_(g) if scratch is not None else g.float()
+        ready = scratch is not None
         grad_hidden_fp32_(g32, weight, grad_h[rows])
     elif grad_h is not None:
         torch.mm(g, weight, out=grad_h[rows])
     if grad_w is not None:
-        accumulate_(grad_w, g, h_c, scratch)
+        accumulate_(grad_w, g, h_c, scratch, upcast_ready=ready)
     if grad_b is not None:
         grad_b += g.sum(dim=0, dtype=grad_b.dtype)
 
