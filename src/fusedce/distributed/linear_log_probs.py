@@ -72,45 +72,30 @@ def vocab_parallel_linear_token_log_probs(
     return_entropy: bool = False, backend: Optional[str] = None, logit_scale: float = 1.0,
     chunk_size: Optional[int] = None, deterministic: Optional[bool] = None, batch_invariant: bool = False,
 ) -> Union[torch.Tensor, TokenLogProbs]:
-    """``fusedce.linear_token_log_probs`` with the LM head split by vocabulary over the ranks of ``group``.
+    """:func:`fusedce.linear_token_log_probs` with the LM head split by vocabulary over the ranks of ``group``.
 
-    Equals ``fusedce.linear_token_log_probs(hidden, weight, target, bias, ...)`` with ``weight`` and
-    ``bias`` the concatenation of the slices (log-probs and entropy of ``softmax(q)``, ``q`` the
-    softcapped logits over the temperature, on the GLOBAL vocabulary). Outputs replicated on every rank.
+    Equals :func:`fusedce.linear_token_log_probs` with ``weight`` and ``bias`` the slices concatenated;
+    replicated outputs. Semantics: docs/contract.md, "Integrations"; collectives: docs/integrations.md,
+    "Collectives".
 
     Args:
         hidden: ``(..., H)`` float32 / bfloat16 / float16, identical on every rank.
-        weight_shard: ``(V_r, H)``, this rank's contiguous rows of the LM head, ``hidden``'s dtype; ``V_r``
-            may differ between ranks (even 0).
-        target: ``(...)`` = ``hidden.shape[:-1]``, int64 / int32 GLOBAL class ids, identical on every rank;
-            or ``(..., K)``: K classes per token, as ``vocab_parallel_token_log_probs``.
-        bias_shard: optional ``(V_r,)`` slice of the bias (``-inf`` masks a class out).
-        group, vocab_start_index: as in ``vocab_parallel_cross_entropy``.
-        temperature, softcap, ignore_index, logit_scale, return_entropy: as in
-            ``fusedce.linear_token_log_probs``, on fp32 logits formed from the operands' values (no
-            rounding to ``hidden``'s dtype), the rest in fp32.
-        backend: the kernels of this rank's statistics and gradients (the matmuls are torch's).
-        chunk_size: tokens per chunk (logits ``chunk_size x V_r``); None = ``max(1024, BT * H / V_r)``
-            rows (``lm_head/head.py``). The chunked method only (no tiled form).
-        deterministic: accepted as in ``fusedce.linear_token_log_probs``; this op is deterministic
-            whatever its value (as ``vocab_parallel_linear_cross_entropy``: no float atomics).
-        batch_invariant: a token's results (and its row of the hidden gradient) the same bits whatever
-            else is in the batch: 64-row chunks (padded) and every sum over the ranks folded in rank order
-            (an ``all_gather`` instead of each ``all_reduce(SUM)``: W times its bytes). Not with a
-            ``(..., K)`` target or the CuTe backend (``ValueError``).
+        weight_shard: ``(V_r, H)``, this rank's contiguous rows of the LM head, ``hidden``'s dtype.
+        target: as :func:`vocab_parallel_token_log_probs`.
+        bias_shard: None or ``(V_r,)``, this rank's slice of the bias.
+        group, vocab_start_index: as :func:`vocab_parallel_cross_entropy`.
+        temperature, softcap, ignore_index, logit_scale, return_entropy: as :func:`fusedce.linear_token_log_probs`.
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"``: this rank's kernels (the matmuls are torch's).
+        chunk_size: tokens per chunk of ``chunk_size x V_r`` logits; None: automatic.
+        deterministic: None or a bool, accepted; this op is deterministic whatever its value.
+        batch_invariant: bool; a token's results independent of the rest of the batch (one class per token).
 
     Returns:
-        fp32 ``log_probs`` of ``target.shape`` or ``TokenLogProbs(log_probs, entropy)``, both
-        differentiable. Gradients of ``hidden`` (complete, the same on every rank), ``weight_shard`` and
-        ``bias_shard`` (this rank's slice) in their tensors' dtypes (the slice's accumulate in fp32).
-
-    Ignored tokens cost no matmul FLOPs and no communication: non-ignored rows are gathered first (one
-    host sync, as in ``linear_token_log_probs``; skipped under torch.compile / CUDA-graph capture).
-
-    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
+        fp32 ``log_probs`` or ``TokenLogProbs``; ``hidden``'s gradient complete on every rank, the slices'
+        gradients this rank's.
 
     Raises:
-        The errors of ``vocab_parallel_token_log_probs`` and of ``vocab_parallel_linear_cross_entropy``
+        The errors of :func:`vocab_parallel_token_log_probs` and of :func:`vocab_parallel_linear_cross_entropy`
         for the shapes, dtypes, ``chunk_size`` and ``deterministic``.
     """
     call = rc.checked_linear_log_probs(hidden, weight_shard, target, bias_shard, temperature=temperature,
