@@ -1,13 +1,6 @@
-"""The Megatron engine's call (``dist_process_group`` = verl's tensor-parallel group, ``weight`` this rank's
-contiguous vocabulary shard ``(V/TP, H)``, ``hidden`` the same on every rank) through
-``fusedce.distributed.vocab_parallel_linear_token_log_probs`` (fp32 logits; row statistics exchanged, never
-logits).
-
-The hidden states' gradient. verl's kernel returns each rank's share of it (the gradient through this rank's
-shard); its callers reduce the shares over the group (the sequence-parallel gather's backward, a
-reduce-scatter). fusedce's op returns the complete gradient on every rank, so it is passed back divided by
-the group's size: the shares then add up to the complete gradient exactly as verl's do.
-"""
+"""The Megatron engine's call (``weight`` this rank's ``(V/TP, H)`` shard) through
+``vocab_parallel_linear_token_log_probs``; the hidden gradient is passed back divided by the group's size,
+this rank's share as verl's kernel returns it."""
 from __future__ import annotations
 
 import torch

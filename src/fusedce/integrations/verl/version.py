@@ -1,9 +1,5 @@
-"""The installed verl is the one the plugin was written against (verl 0.9.1), or ``RuntimeError`` /
-``ImportError``: its version, and a SHA-256 fingerprint of the source of every piece whose contract the
-plugin keeps or whose code it wraps (as ``fusedce.patch_trl`` checks TRL's, ``integrations/sources.py``).
-Pieces of an engine whose dependencies are not installed (megatron-core for verl's Megatron engine) are
-not checked and not patched.
-"""
+"""The installed verl is 0.9.1 with the source the plugin was written against (a SHA-256 fingerprint per
+piece, ``integrations/sources.py``), or ``RuntimeError`` / ``ImportError``."""
 from __future__ import annotations
 
 import importlib
