@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import fusedce
 import fusedce.distributed as fd
-from dist_harness import assert_passed, results
+from dist_harness import assert_passed, over_worlds, results
 from inputs import make_target
 from reference64_log_probs import reference_log_probs
 from tolerances import FP32_MATH_ATOL, LINEAR_MAX_RTOL, VP_GRAD_MAX_RTOL, VP_GRAD_RTOL
@@ -412,8 +412,8 @@ def k_classes_bad_inputs(rank, world):
 
 # ---------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("world", sorted(SIZES), ids=lambda w: f"world{w}")
+@over_worlds
 def test_vocab_parallel_log_probs(world, backend, name, request, tmp_path_factory):
-    """Every check on 2 and 3 gloo ranks, the vocab-parallel RL ops on each backend (``backend`` fixture)."""
+    """Every check on 2 and 3 gloo ranks (``dist_harness.WORLD_BACKENDS``: the Triton kernels on 2)."""
     outcome = results(__name__, CHECKS, world, backend, request, tmp_path_factory)[name]
     assert_passed(outcome, world)
