@@ -28,11 +28,11 @@ CALLS = {
 def imported() -> dict:
     """{call: the compiler modules it imported}, every call run once in ONE fresh process, in turn: a module
     a call imports is new when that call returns, whichever call ran before it."""
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import json, sys, torch, fusedce
         x = torch.randn(8, 16, requires_grad=True); y = torch.randint(0, 16, (8,))
         h = torch.randn(8, 4, requires_grad=True); w = torch.randn(16, 4, requires_grad=True)
-        new = {{}}
+        new = {}
     """)
     for name in sorted(CALLS):
         code += textwrap.dedent(f"""
