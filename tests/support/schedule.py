@@ -11,7 +11,8 @@ SLOW = (
     "tests/tools/test_bench_distill.py", "tests/tools/test_inspect_distill.py", "tests/distill/test_distill_example.py",
     "tests/tools/test_gpu_check_dry_run.py", "tests/distributed/test_distributed_compile.py",
     "tests/ce/compile/test_compile_token_counts.py", "tests/ce/compile/test_compile_loops.py",
-    "tests/distill/test_distill_compile.py", "tests/ce/compile/test_compile_order.py", "tests/tools/test_bench_smoke.py",
+    "tests/distill/test_distill_compile.py", "tests/ce/compile/test_compile_order.py",
+    "tests/tools/test_bench_smoke.py",
     "tests/core/test_tracing.py", "tests/ce/compile/test_compile.py", "tests/distill/test_distill_memory.py",
     "tests/ce/options/test_ce_options.py",
 )
