@@ -86,7 +86,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
         target: None (every token counts) or ``(...)`` int64 / int32 of the leading shape: rows equal to
             ``ignore_index`` contribute 0 and get exactly zero gradient; the hard labels.
         beta: in [0, 1]. temperature: finite, > 0, with a normal fp32 inverse (the one temperature check,
-            ``core/options/checks.check_temperature``). hard_label_weight: finite and >= 0 (``ValueError`` otherwise);
+            ``core/options/schema.check_temperature``). hard_label_weight: finite and >= 0 (``ValueError`` otherwise);
             != 0 needs a target.
         ignore_index: default -100. reduction: ``"mean"`` (``sum / D``, ``D`` = the non-ignored tokens,
             all tokens without a target, or ``num_items_in_batch``; 0.0 for ``D = 0``:

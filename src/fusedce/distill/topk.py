@@ -215,7 +215,7 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_ids: torch.Tens
             CUDA-graph capture as the target-range check. NaN is not checked and gives a NaN loss.
         target: None (every token counts) or ``(...)`` int64 / int32: tokens equal to ``ignore_index``
             contribute 0 and get exactly zero gradient; the hard labels.
-        temperature: finite, > 0, with a normal fp32 inverse (``core/options/checks.check_temperature``,
+        temperature: finite, > 0, with a normal fp32 inverse (``core/options/schema.check_temperature``,
             the one temperature check of the RL and distillation ops), applied to the student (the
             teacher's log-probs are used as given).
         hard_label_weight: finite; != 0 needs a target. At ``temperature == 1`` the hard label is the

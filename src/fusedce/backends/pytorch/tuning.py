@@ -11,7 +11,7 @@ def chunk_rows(n_classes: int) -> int:
 # values (1 MiB in fp32, half of a core's L2 on the dev VM's Xeon): every pass of a block's math after the
 # first reads the cache, not memory, and the fp32 temporaries are cache-sized (a fresh 64 MiB buffer per chunk
 # costs page faults, ``launch.Scratch``). The blocks are shared among the intra-op threads as Python threads
-# with one intra-op thread each (``block_threads.run``): no OpenMP barrier per op on these small ops, and each
+# with one intra-op thread each (``launch.run``): no OpenMP barrier per op on these small ops, and each
 # row is reduced whole by one thread (the same bits however many rows share a call). The size follows from the
 # L2 argument, not from a sweep; the A/B against the former 2**24-element OpenMP chunks is in
 # ``benchmarks/README.md`` (equal on an idle machine, faster beside a competing process).
@@ -34,7 +34,7 @@ def cpu_block_rows(n_classes: int) -> int:
 # one process per run, two rounds): fp32 2.32-2.34 s at 1024 wide, 2.08 at 512, 1.94-2.11 at 256, 2.22 at 128;
 # bf16 2.58 -> 2.03 s at 256. So the vocabulary block is 256 (191 rows at V = 49152).
 # The blocks are processed by one Python thread per intra-op thread, each running its ops with one
-# intra-op thread (``block_threads.py``): on the same machine at load ~12, BT=1024, the OpenMP pool took
+# intra-op thread (``launch.run``): on the same machine at load ~12, BT=1024, the OpenMP pool took
 # 137 s, one thread 20 s, the threads 21 s (chunked: 13 s).
 TILE_ROWS = 512
 TILE_VOCAB = 256
