@@ -97,9 +97,8 @@ class TiledHead(_ClassRows):
 
 
 def resolve_method(method: str) -> str:
-    """``"auto"`` -> ``"chunked"``, on every device: the tiled method trades memory for time (on an H100,
-    BT x H x V = 8192 x 4096 x 128256 bf16: chunked 42 ms, tiled 687 ms fwd+bwd; ``benchmarks/README.md``).
-    Names are checked by ``check_method``."""
+    """``"auto"`` -> ``"chunked"`` on every device: the tiled method trades time for memory (``benchmarks/README.md``);
+    names are checked by ``check_method``."""
     return "chunked" if method == "auto" else method
 
 
@@ -120,10 +119,8 @@ LOGITS_DTYPES = ("float32", "input")
 
 
 def check_logits_dtype(logits_dtype, method: str = "auto") -> str:
-    """``ValueError`` unless ``logits_dtype`` is one of ``LOGITS_DTYPES`` (``"float32"``: fp32 logits from
-    the operands' values, the default; ``"input"``: rounded to the operands' dtype, the stock
-    composition's ``F.linear``), and for ``"input"`` with ``method="tiled"`` (its tiles form fp32 logits:
-    the opt-out would be silently ignored); returns it."""
+    """``ValueError`` unless ``logits_dtype`` is one of ``LOGITS_DTYPES``, or for ``"input"`` with ``method="tiled"``
+    (its tiles form fp32 logits: the opt-out would be silently ignored); returns it."""
     if not isinstance(logits_dtype, str) or logits_dtype not in LOGITS_DTYPES:
         raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES} (\"input\": the logits rounded to "
                          f"hidden's dtype, as F.linear), got {logits_dtype!r}")

@@ -56,9 +56,8 @@ def class_weights(weight: Optional[torch.Tensor]):
 
 
 class Scratch:
-    """fp32 row-chunk buffers reused by every chunk of one call: on CPU a fresh 64 MiB tensor per chunk costs more in
-    page faults than the arithmetic on it (measured on the 2-core dev machine: allocating and filling 341 x 49152
-    fp32 took 26 ms, copying into a reused buffer 2 ms), since the allocator returns such blocks to the OS."""
+    """fp32 row-chunk buffers reused by every chunk of one call: on CPU a fresh large tensor per chunk costs more in
+    page faults than the arithmetic on it (the allocator returns such blocks to the OS)."""
 
     def __init__(self, step: int, n_classes: int, dtype: torch.dtype, device: torch.device, work: bool = True):
         shape = (step, n_classes)
