@@ -12,7 +12,7 @@ from fusedce.core import validation as val
 from fusedce.core.hints import distill_swap_hint
 from fusedce.core.options import (REDUCTIONS, LossOptions, check_chunk_size, check_temperature, deterministic_mode,
                                   log_prob_options)
-from fusedce.core.options.checks import check_flag, integer_option
+from fusedce.core.options.schema import check_flag, integer_option
 from fusedce.core.options.distill import (LOG_PROB_SLACK, DistillOptions, distill_options, hard_label_weight_option,
                                          teacher_mass_slack)
 from fusedce.lm_head.head import check_method, resolve_method
