@@ -15,6 +15,7 @@ if not verl_importable():
     pytest.skip("verl does not import here (make test-verl runs these in its own venv)", allow_module_level=True)
 
 import hf_models  # noqa: E402
+from tolerances import HF_RTOL  # noqa: E402
 from reference64_log_probs import reference_log_probs, transformed_logits  # noqa: E402
 import verl_engine  # noqa: E402
 
@@ -77,7 +78,7 @@ def _close(actual, expected, name):
     few-ulp differences (~1e-5 absolute) reach every gradient; each element is judged against 2e-5 of the
     tensor's largest magnitude (hf_models' per-element rtol alone fails entries near zero)."""
     scale = float(expected.detach().abs().max())
-    torch.testing.assert_close(actual, expected, rtol=hf_models.RTOL, atol=2e-5 * scale + 1e-12, msg=name)
+    torch.testing.assert_close(actual, expected, rtol=HF_RTOL, atol=2e-5 * scale + 1e-12, msg=name)
 
 
 def _err(actual, expected):
