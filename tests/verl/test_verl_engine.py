@@ -283,6 +283,46 @@ def test_megatron_route_options_over_tensor_parallel_ranks(plugin, tmp_path):
     assert bool(ranks[0]["top_k_top_p"]["lp"].isinf().any())   # the truncation took effect (-inf outside)
 
 
+def test_megatron_forward_step_sum_pi_squared(plugin):
+    """verl's Megatron ``forward_step`` raises for Σπ² with fused kernels; the plugin's wrapper runs it on a copy
+    that does not ask, inside a frame asking the fused call for Σπ², and lays Σπ² out with the fused forward's
+    own layout step (``postprocess_thd_engine``, the log-probs' arguments). The step body here is a stand-in
+    with verl's refusal, fused call and layout call (a Megatron model does not build on CPU); the real step's
+    source is fingerprinted (``version.py``). Σπ² equals float64; the caller's batch still asks for it."""
+    import types
+    from tensordict import TensorDict
+    from verl.models.mcore import model_forward_fused as fused
+    from verl.utils import tensordict_utils as tu
+    from fusedce.integrations.verl import megatron_engine
+    hidden = torch.randn(7, hf_models.HIDDEN) * 2
+    weight = torch.randn(hf_models.VOCAB, hf_models.HIDDEN)
+    labels = torch.randint(0, hf_models.VOCAB, (1, 7))
+
+    def verl_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        batch = next(batch_iter)
+        if tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False):
+            raise NotImplementedError("calculate_sum_pi_squared=True is not supported with use_fused_kernels=True")
+        lp, ent = fused.linear_cross_entropy(hidden, weight, labels, 0.8, "none", None)
+        laid = fused.postprocess_thd_engine(lp.unsqueeze(0), None, None, 1, post_process=False)
+        return {"log_probs": laid, "entropy": ent}, "post"
+
+    step = megatron_engine.wrap_forward_step(verl_step)
+    engine = types.SimpleNamespace(engine_config=types.SimpleNamespace(use_fused_kernels=True))
+    batch = TensorDict({"input_ids": labels}, batch_size=[1])
+    tu.assign_non_tensor_data(batch, "calculate_sum_pi_squared", True)
+    output, post = step(engine, iter([batch]), None, None, None)
+    q = (hidden.double() @ weight.double().T) / 0.8
+    assert post == "post" and output["sum_pi_squared"].shape == output["log_probs"].shape == (1, 7)
+    assert _err(output["sum_pi_squared"].reshape(-1), torch.softmax(q, -1).square().sum(-1)) <= 1e-6
+    assert tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False)
+    tu.assign_non_tensor_data(batch, "calculate_sum_pi_squared", False)   # not asked: verl's step as is
+    output, _ = step(engine, iter([batch]), None, None, None)
+    assert "sum_pi_squared" not in output
+    import verl.workers.engine.megatron.transformer_impl as megatron
+    assert getattr(megatron.MegatronEngineWithLMHead.forward_step, "_fusedce_verl", False)
+    assert getattr(fused.postprocess_thd_engine, "_fusedce_verl", False)
+
+
 def test_refuses_what_it_was_not_written_for(plugin, monkeypatch):
     """Another verl version, or a piece whose source differs from verl 0.9.1's: RuntimeError naming the
     supported version / the piece, and nothing replaced."""
