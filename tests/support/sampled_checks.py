@@ -1,11 +1,13 @@
-"""``vocab_parallel_linear_token_log_probs`` with ``return_stats`` (Σπ² = ``exp(log_sum_sq_probs)``),
-``logits_dtype="input"`` and ``top_k`` / ``top_p`` (issue 45: the verl Megatron route's remaining options), on
-2 gloo ranks (one spawned run for every check; the PyTorch row path is the same on every backend, so torch
-only): each against float64 of the concatenated head and the single-process op on it, gradients included.
+"""Checks of ``vocab_parallel_linear_token_log_probs`` with ``return_stats`` (Σπ² = ``exp(log_sum_sq_probs)``),
+``logits_dtype="input"`` and ``top_k`` / ``top_p`` (issue 45: the verl Megatron route's remaining options), each
+against float64 of the concatenated head and the single-process op on it, gradients included. They run in
+``tests/distributed/test_distributed_log_probs.py``'s spawned groups (2 and 3 gloo ranks, each backend: the
+PyTorch row path under test is the same on every backend), merged into its ``CHECKS`` (no spawn of their own).
 
-Shapes: V = 11 split 5 + 6, (3, 4) = 12 tokens, every 4th ignored, H = 8; chunk_size None (one chunk) and 4
-(a partial last chunk, so the per-chunk collectives pair up over several chunks). Head rows 3 and 8 (one on
-each rank) equal, so every row has a tie across the ranks; per-row ``top_k`` puts the boundary on it.
+Shapes as there: V = 11 split 5 + 6 / 3 + 4 + 4, (3, 4) = 12 tokens, every 4th ignored, H = 8; chunk_size None
+(one chunk) and 4 (a partial last chunk, so the per-chunk collectives pair up over several chunks). Head rows 3
+and 8 (on different ranks) equal, so every row has a tie across the ranks; per-row ``top_k`` puts the boundary
+on it.
 """
 from __future__ import annotations
 
@@ -16,24 +18,25 @@ import torch.nn.functional as F
 
 import fusedce
 import fusedce.distributed as fd
-from dist_harness import assert_passed, results
 from inputs import make_target
 from reference64_log_probs import reference_log_probs, transformed_logits
 from tolerances import LINEAR_MAX_RTOL, VP_GRAD_MAX_RTOL, VP_GRAD_RTOL
 import truncated_reference64 as tr64
 
-V, SHAPE, H, SIZES, TIE = 11, (3, 4), 8, (5, 6), (3, 8)
+V, SHAPE, H, TIE = 11, (3, 4), 8, (3, 8)
+SIZES = {2: (5, 6), 3: (3, 4, 4)}
 CHECKS = {}
 
 
 def check(fn):
-    CHECKS[fn.__name__] = fn
+    CHECKS[f"sampled_{fn.__name__}"] = fn
     return fn
 
 
 def _cols(rank):
-    start = sum(SIZES[:rank])
-    return slice(start, start + SIZES[rank])
+    sizes = SIZES[dist.get_world_size()]
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
 
 
 def _within(name, actual, expected, bound):
@@ -234,9 +237,8 @@ def top_k_top_p(rank, world):
     per_p = torch.rand(SHAPE) * 0.8 + 0.15
     per_p[0, 2], per_p[1, 0] = 1.0, 1e-4       # off; one class
     for name, top_k, top_p, (temperature, softcap), chunk_size in (
-            ("k scalar", 3, None, (1.0, None), None), ("p scalar", None, 0.8, (2.0, 3.0), 4),
-            ("k and p scalar", 4, 0.6, (0.7, None), 4), ("k per row (ties)", per_k, None, (1.0, None), 4),
-            ("p per row", None, per_p, (1.0, 3.0), None), ("k and p per row", per_k, per_p, (1.3, None), 4)):
+            ("p scalar", None, 0.8, (2.0, 3.0), 4), ("k and p scalar", 4, 0.6, (0.7, None), None),
+            ("k per row (ties)", per_k, None, (1.0, None), 4), ("k and p per row", per_k, per_p, (1.3, 3.0), 4)):
         out, ref_lp = _truncated_case(rank, name, h, W, b, t, top_k, top_p, temperature, softcap, chunk_size)
     # the tie at the boundary: rows with per_k on the tie keep both tied classes (and no other at that value)
     tie_rows = torch.full(SHAPE, TIE[1])
@@ -269,10 +271,3 @@ def refused(rank, world):
     with pytest.raises(ValueError, match="logits_dtype"):
         op(h, W[cols], t, logits_dtype="bfloat16")
     dist.barrier()
-
-
-# ---------------------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_vocab_parallel_sampled(name, request, tmp_path_factory):
-    """Every check on 2 gloo ranks (one spawned run), the torch backend (the row path is backend-free)."""
-    assert_passed(results(__name__, CHECKS, 2, "torch", request, tmp_path_factory)[name], 2)
