@@ -252,6 +252,30 @@ def top_k_top_p(rank, world):
 
 
 @check
+def ties_and_masks(rank, world):
+    """Many ties (logits on a 0.5 grid, a row all equal), per-row top_k (0, 1, beyond V) and top_p (off on some
+    rows), classes masked by a -inf bias: the same kept sets as the single-process op (log-probs within fp32
+    rounding, -inf where it has -inf), on every split."""
+    cols = _cols(rank)
+    n = 12
+    for _ in range(6):
+        x = torch.randint(-6, 7, (n, V)).float() * 0.5
+        x[0] = 1.0
+        b = torch.zeros(V)
+        b[torch.randint(0, V, (3,))] = float("-inf")
+        t = torch.randint(0, V, (n,))
+        k = torch.randint(0, V + 3, (n,))
+        k[1] = 1
+        p = torch.rand(n) * 0.95 + 0.03
+        p[::4] = 1.0
+        W, h = x.T.contiguous(), torch.eye(n)   # logits = h @ W.T + b = x + b exactly
+        out = fd.vocab_parallel_linear_token_log_probs(h, W[cols], t, b[cols], return_entropy=True, top_k=k, top_p=p)
+        single = fusedce.linear_token_log_probs(h, W, t, b, return_entropy=True, top_k=k, top_p=p, backend="torch")
+        _within("ties log_probs", out.log_probs, single.log_probs, 1e-5)
+        _within("ties entropy", out.entropy, single.entropy, 1e-5)
+
+
+@check
 def refused(rank, world):
     """What the vocabulary-parallel op cannot do says so: batch_invariant with the PyTorch row path, a
     (..., K) target with logits_dtype='input' or top_k, return_stats with top_p."""
