@@ -103,9 +103,10 @@ def vocab_parallel_linear_token_log_probs(
         return_stats, logits_dtype, top_k, top_p: as in ``fusedce.linear_token_log_probs`` (TRL's
             statistics, Σπ² = ``exp(log_sum_sq_probs)`` among them; ``"input"``: the logits rounded to
             ``hidden``'s dtype; the sampler's truncated distribution). These run PyTorch row math on each
-            chunk of the slice whatever ``backend`` (``distributed/sampled_log_probs.py``); top-k / top-p
-            thresholds by a bisection over the ranks: 33 ``all_reduce`` of (chunk rows,) per chunk each,
-            no host sync, no logits exchanged (``docs/integrations.md``). One class per token only.
+            chunk of the slice whatever ``backend`` (``distributed/sampled_log_probs.py``); thresholds
+            from k values per row gathered (one ``top_k`` for every row) or by a bisection over the ranks
+            (33 ``all_reduce`` of (chunk rows,) per chunk; per-row ``top_k``, ``top_p``), no host sync, no
+            logits exchanged (``docs/integrations.md``). One class per token only.
 
     Returns:
         fp32 ``log_probs`` of ``target.shape``, ``TokenLogProbs(log_probs, entropy)`` or (with

@@ -44,7 +44,8 @@ class _SampledLinearLogProbs(torch.autograd.Function):
         for s in range(0, n, rows):
             c = slice(s, s + rows)
             q = transform(loop.logits_chunk(hidden[c], weight, bias, buffer, logits).float(), opts)
-            r = sr.forward(q, target[c], _sliced(top_k, c), _sliced(top_p, c), layout, want_entropy, want_stats)
+            k = top_k[c] if isinstance(top_k, torch.Tensor) else top_k
+            r = sr.forward(q, target[c], k, _sliced(top_p, c), layout, want_entropy, want_stats)
             valid = opts.kept(target[c])   # ignored rows left in (no compaction under tracing): 0, no gradient
             lp[c], lse[c], thr[c], inside[c] = torch.where(valid, r.log_prob, 0.0), r.lse, r.thr, r.inside & valid
             if want_entropy:
@@ -102,11 +103,12 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     statistics empty unless ``want_stats``; 0 / False on ignored rows). Ignored rows compacted away first
     (``compact_rows``: the linear ops' one host sync)."""
     n, dev = hidden.shape[0], hidden.device
-    top_k = None if top_k is None else tr.per_row(top_k, n, torch.int64, 0, dev)
+    if isinstance(top_k, torch.Tensor):   # a number stays one (one gathered k-th largest per row)
+        top_k = tr.per_row(top_k, n, torch.int64, 0, dev)
     top_p = None if top_p is None else tr.per_row(top_p, n, torch.float32, 1.0, dev)
     hidden, target, index = compact_rows(hidden, target, opts.ignore_index)
     if index is not None:
-        top_k = None if top_k is None else top_k.index_select(0, index)
+        top_k = top_k.index_select(0, index) if isinstance(top_k, torch.Tensor) else top_k
         top_p = None if top_p is None else top_p.index_select(0, index)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     log_probs, entropy, *stats = _SampledLinearLogProbs.apply(

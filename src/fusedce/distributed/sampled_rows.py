@@ -3,7 +3,8 @@ fp32 (the transformed logits over the temperature), its columns global ids ``[st
 
 The sampler's kept set is ``q >= thr`` per row, with ``thr`` the single-process op's (``rl/truncated_rows.py``):
 the k-th largest value of the row (ties at it kept), then the smallest value whose strictly-larger mass
-(under the top-k renormalization) is below ``top_p``. Both are found without gathering the vocabulary: a
+(under the top-k renormalization) is below ``top_p``. Both are found without gathering the vocabulary: one ``top_k`` for
+every row as the k-th largest of every rank's k largest (gathered: k values per row and rank); otherwise a
 bisection on fp32's ordered bit pattern (``_key``) whose predicate is a per-row count (top-k) or kept mass
 (top-p) summed over the ranks; each step one ``all_reduce`` of ``n`` numbers, ``STEPS`` steps (fixed: no host
 sync), and each predicate monotone in the key, so the bisection ends on an attained value, exactly the
@@ -72,6 +73,20 @@ def _top_k_threshold(q: torch.Tensor, k: torch.Tensor, layout: VocabLayout) -> t
     return _value(lo)
 
 
+def _top_k_scalar_threshold(q: torch.Tensor, k: int, layout: VocabLayout) -> torch.Tensor:
+    """(n,) the k-th largest ``q`` of each row for one ``k`` >= 1 of the whole call: the k-th largest of every
+    rank's k largest (padded with -inf to k columns), gathered (one ``all_gather`` of n x k fp32 per rank):
+    exact, ties included (values, not ids, decide)."""
+    k = min(k, layout.n_classes)
+    local = min(k, q.shape[1])
+    top = torch.full((q.shape[0], k), NEG_INF, device=q.device)
+    if local:
+        top[:, :local] = q.topk(local, dim=1).values
+    parts = [torch.empty_like(top) for _ in range(dist.get_world_size(layout.group))]
+    dist.all_gather(parts, top, group=layout.group)
+    return torch.cat(parts, dim=1).topk(k, dim=1).values[:, -1]
+
+
 def _top_p_threshold(q: torch.Tensor, thr_k: torch.Tensor, gmax: torch.Tensor, top_p: torch.Tensor,
                      layout: VocabLayout) -> torch.Tensor:
     """(n,) the smallest value of each row's top-k set whose strictly-larger mass (the top-k set renormalized)
@@ -104,17 +119,19 @@ class RowResults:
     stats: Optional[tuple]
 
 
-def forward(q: torch.Tensor, target: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
+def forward(q: torch.Tensor, target: torch.Tensor, top_k, top_p: Optional[torch.Tensor],
             layout: VocabLayout, want_entropy: bool, want_stats: bool) -> RowResults:
-    """The chunk's results (``RowResults``): ``target`` (n,) global ids of kept rows; ``top_k`` / ``top_p``
-    (n,) or None (off for the whole call); the collectives of the module docstring, then one ``all_reduce``
-    of the per-row sums."""
+    """The chunk's results (``RowResults``): ``target`` (n,) global ids of kept rows; ``top_k`` an int >= 1
+    for every row (``_top_k_scalar_threshold``), (n,) per row or None, ``top_p`` (n,) or None (off for the
+    whole call); the collectives of the module docstring, then one ``all_reduce`` of the per-row sums."""
     n = q.shape[0]
     gmax, argmax = _global_max(q, layout)
     finite_max = gmax > NEG_INF
     gmax = torch.where(finite_max, gmax, 0.0)   # a row -inf everywhere: no distribution (NaN below)
     thr = torch.full((n,), NEG_INF, device=q.device)
-    if top_k is not None:
+    if isinstance(top_k, int):
+        thr = _top_k_scalar_threshold(q, top_k, layout)
+    elif top_k is not None:
         thr = _top_k_threshold(q, top_k, layout)
     if top_p is not None:
         thr = _top_p_threshold(q, thr, gmax, top_p, layout)
