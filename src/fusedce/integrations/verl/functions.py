@@ -46,6 +46,10 @@ def compute(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, te
     frame = verl_head.current()
     transform = frame.transform if frame is not None else LogitTransform()
     want_sq = frame is not None and frame.sum_pi_squared
+    if want_sq and (OPTIONS["top_k"] is not None or OPTIONS["top_p"] is not None):
+        raise ValueError("fusedce.integrations.verl: calculate_sum_pi_squared with top_k / top_p set: the sum of "
+                         "squared probabilities is defined on the full softmax, the log-probs on the truncated "
+                         "one; unset one of them")
     flat_hidden, flat_labels = hidden.reshape(rows, hidden.shape[-1]), labels.reshape(rows)
     if group is not None and tensor_parallel.world_size(group) > 1:
         out = tensor_parallel.log_probs(flat_hidden, weight, flat_labels, temperature, transform, group, OPTIONS,
@@ -62,10 +66,6 @@ def _single(hidden, weight, labels, temperature: float, transform: LogitTransfor
     if transform.n_classes is not None:
         weight = weight[:transform.n_classes]
     truncated = OPTIONS["top_k"] is not None or OPTIONS["top_p"] is not None
-    if want_sq and truncated:
-        raise ValueError("fusedce.integrations.verl: calculate_sum_pi_squared with top_k / top_p set: the sum of "
-                         "squared probabilities is defined on the full softmax, the log-probs on the truncated "
-                         "one; unset one of them")
     kwargs = dict(temperature=temperature, softcap=transform.softcap, logit_scale=transform.scale,
                   return_entropy=True, method=OPTIONS["method"], chunk_size=OPTIONS["chunk_size"],
                   backend=OPTIONS["backend"], logits_dtype=OPTIONS["logits_dtype"],

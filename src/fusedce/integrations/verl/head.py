@@ -30,6 +30,15 @@ def _stack() -> list:
     return _local.stack
 
 
+def push(frame: Frame) -> None:
+    """Open ``frame`` (a forward the plugin wraps begins); ``pop`` closes it."""
+    _stack().append(frame)
+
+
+def pop() -> None:
+    _stack().pop()
+
+
 def current() -> Optional[Frame]:
     """The innermost running wrapped forward's frame, or None."""
     stack = _stack()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from fusedce.integrations.verl import engine, functions, head, options, version
+from fusedce.integrations.verl import engine, functions, head, megatron_engine, options, version
 
 _VLM = ("verl.models.transformers.qwen2_vl", "verl.models.transformers.qwen3_vl", "verl.models.transformers.glm4v",
         "verl.models.transformers.qwen3_5")
@@ -49,6 +49,11 @@ def patch_verl() -> list:
                     _set(module, name, head.wrap_forward(getattr(module, name)))
         for module in filter(None, map(_module, _MCORE)):
             _set(module, "linear_cross_entropy", functions.linear_cross_entropy)
+        fused, megatron = _module(_MCORE[0]), _module("verl.workers.engine.megatron.transformer_impl")
+        if fused is not None and megatron is not None:
+            _set(fused, "postprocess_thd_engine", megatron_engine.wrap_postprocess(fused.postprocess_thd_engine))
+            lm_head = megatron.MegatronEngineWithLMHead
+            _set(lm_head, "forward_step", megatron_engine.wrap_forward_step(lm_head.forward_step))
         _set(FSDPEngineWithLMHead, "prepare_model_inputs",
              engine.wrap_inputs(FSDPEngineWithLMHead.prepare_model_inputs))
         _set(FSDPEngineWithLMHead, "prepare_model_outputs",
