@@ -1,5 +1,4 @@
-"""Reductions shared by every op: the mean's two denominators, the z-loss, the reduced loss and the stats. Everything
-stays on the device (no host sync)."""
+"""Reductions shared by every op (the mean's denominators, the z-loss, the stats), all on the device."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -35,9 +34,8 @@ def _given(num_items_in_batch, device: torch.device) -> torch.Tensor:
 
 def token_mean_scale(target: Optional[torch.Tensor], n_rows: int, ignore_index: int, num_items_in_batch,
                      device: torch.device) -> torch.Tensor:
-    """The one mean rule of the distillation losses (dense and top-k): 0-dim fp32 ``1 / D``, ``D = num_items_in_batch``
-    if given, else the count of non-ignored tokens (``target != ignore_index``), else (no target) ``n_rows``; 0 when
-    ``D == 0`` (the loss is then 0.0 with zero gradient)."""
+    """The distillation losses' mean: 0-dim fp32 ``1 / D``, ``D`` = ``num_items_in_batch``, else the kept tokens,
+    else ``n_rows``; 0 when ``D == 0``."""
     if num_items_in_batch is not None:
         return mean_scale(_given(num_items_in_batch, device))
     if target is None:
@@ -57,9 +55,8 @@ def target_weights(target: torch.Tensor, weight: Optional[torch.Tensor], ignore_
 
 def mean_scales(target: torch.Tensor, target_weight: Optional[torch.Tensor], ignore_index: int,
                 num_items_in_batch) -> MeanScales:
-    """The two scales of the mean: ``D = num_items_in_batch`` if given, else ``sum(target_weight)`` (the
-    per-row ``w[t]``, 0 on ignored rows; None = no class weights: the count); ``N = num_items_in_batch``
-    if given, else the count of non-ignored rows."""
+    """The mean's ``D`` (``num_items_in_batch``, else ``sum(target_weight)``, else the count) and ``N``
+    (``num_items_in_batch``, else the count of kept rows)."""
     if num_items_in_batch is not None:
         scale = mean_scale(_given(num_items_in_batch, target.device))
         return MeanScales(scale, scale)
@@ -70,17 +67,14 @@ def mean_scales(target: torch.Tensor, target_weight: Optional[torch.Tensor], ign
 
 
 def row_count_scales(n_rows: int, device: torch.device, num_items_in_batch) -> MeanScales:
-    """The mean's scales for probability targets (no row is ignored; torch divides by the number of rows
-    whatever the class weights): ``1 / num_items_in_batch`` if given, else ``1 / n_rows``, for both the
-    cross-entropy and the z-loss."""
+    """The mean's scales for probability targets: ``1 / num_items_in_batch``, else ``1 / n_rows`` (as torch)."""
     given = num_items_in_batch is not None
     scale = mean_scale(_given(num_items_in_batch if given else n_rows, device))
     return MeanScales(scale, scale)
 
 
 def z_rows(lse: torch.Tensor, opts: LossOptions) -> Optional[torch.Tensor]:
-    """Per-row z-loss ``lse_square_scale * lse**2`` (0 on ignored rows, whose lse the backends set to
-    0), differentiable through ``lse``; None when the scale is 0."""
+    """Per-row z-loss ``lse_square_scale * lse**2`` (0 on ignored rows), or None when the scale is 0."""
     if opts.lse_square_scale == 0.0:
         return None
     return opts.lse_square_scale * lse * lse
@@ -88,8 +82,7 @@ def z_rows(lse: torch.Tensor, opts: LossOptions) -> Optional[torch.Tensor]:
 
 def reduce(ce_rows: torch.Tensor, z: Optional[torch.Tensor], reduction: str,
            scales: Optional[MeanScales], shape) -> torch.Tensor:
-    """The loss from the (BT,) fp32 per-row cross-entropy and z-loss (None: none); ``scales`` for
-    "mean"."""
+    """The loss from the (BT,) fp32 per-row cross-entropy and z-loss; ``scales`` for "mean"."""
     if reduction == "none":
         return (ce_rows if z is None else ce_rows + z).reshape(shape)
     if reduction == "sum":
@@ -101,10 +94,7 @@ def reduce(ce_rows: torch.Tensor, z: Optional[torch.Tensor], reduction: str,
 
 def token_scaled(ce_rows: torch.Tensor, z: Optional[torch.Tensor],
                  token_weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Each row's cross-entropy and z-loss times ``token_weight`` (detached, so the gradient is
-    ``token_weight`` times the row's gradient): ``use_token_scaling``'s ``p_t`` (Dynamic Fine-Tuning;
-    Liger's flag, TRL's ``loss_type="dft"``) and / or the user's ``token_weights`` (``times``);
-    unchanged when ``token_weight`` is None."""
+    """Each row's cross-entropy and z-loss times the detached ``token_weight`` (``times``; DFT's ``p_t``), or unchanged."""
     if token_weight is None:
         return ce_rows, z
     token_weight = token_weight.detach()
@@ -113,17 +103,14 @@ def token_scaled(ce_rows: torch.Tensor, z: Optional[torch.Tensor],
 
 def row_token_weights(token_weights: Optional[torch.Tensor], target: torch.Tensor,
                       ignore_index: int) -> Optional[torch.Tensor]:
-    """The user's ``token_weights`` ((...) float, checked by ``validation.check_token_weights``) as the
-    (BT,) fp32 constant each row's loss is multiplied by: detached (no gradient, as class weights) and
-    0 on ignored rows (whatever they held there, NaN included); None stays None."""
+    """The user's ``token_weights`` as a detached (BT,) fp32 row factor, 0 on ignored rows; None stays None."""
     if token_weights is None:
         return None
     return torch.where(target.reshape(-1) != ignore_index, token_weights.detach().reshape(-1).float(), 0.0)
 
 
 def times(token_weight: Optional[torch.Tensor], token_weights: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The per-row factor of the loss: ``use_token_scaling``'s ``p_t`` (or None) times the user's
-    ``token_weights`` (``row_token_weights``, or None); None when neither is given."""
+    """The per-row loss factor: ``use_token_scaling``'s ``p_t`` times the user's ``token_weights`` (either None)."""
     if token_weights is None:
         return token_weight
     return token_weights if token_weight is None else token_weight * token_weights
@@ -132,10 +119,8 @@ def times(token_weight: Optional[torch.Tensor], token_weights: Optional[torch.Te
 def loss_and_stats(ce_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor,
                    target: torch.Tensor, opts: LossOptions, reduction: str, scales: Optional[MeanScales],
                    shape, return_stats: bool, token_weight: Optional[torch.Tensor] = None):
-    """The public result of an op from its per-row cross-entropy and lse (both (BT,) fp32, lse 0 on
-    ignored rows) and the per-row factor of the loss (``use_token_scaling``'s ``p_t`` and / or the user's
-    ``token_weights``, see ``times``; None: none): the reduced loss, or ``CrossEntropyOutput`` with
-    ``return_stats``."""
+    """The public result from the per-row cross-entropy and lse ((BT,) fp32) and the row factor (``times``):
+    the reduced loss, or ``CrossEntropyOutput`` with ``return_stats``."""
     loss = reduce(*token_scaled(ce_rows, z_rows(lse, opts), token_weight), reduction, scales, shape)
     if not return_stats:
         return loss
@@ -145,8 +130,7 @@ def loss_and_stats(ce_rows: torch.Tensor, lse: torch.Tensor, predicted: torch.Te
 def stats(loss: torch.Tensor, lse: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor,
           opts: LossOptions, reduction: str, scales: Optional[MeanScales], shape,
           token_weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
-    """Build ``CrossEntropyOutput`` from the per-row lse and argmax (BT,) and the reduced ``loss`` (``token_weight``:
-    the z-loss rows are scaled like the loss)."""
+    """``CrossEntropyOutput`` from the per-row lse and argmax and the reduced ``loss``."""
     valid = opts.kept(target) if valid is None else valid
     lse = lse.detach()
     z = token_scaled(lse, z_rows(lse, opts), token_weight)[1]

@@ -1,6 +1,4 @@
-"""Tensor argument checks of the public contract (shapes, dtypes, devices, target range, token weights;
-the scalar options are checked by ``fusedce.core.options``). Every check runs before any kernel writes
-anything."""
+"""Tensor argument checks of the public contract; each runs before any kernel writes anything."""
 from __future__ import annotations
 
 import numbers
@@ -20,8 +18,7 @@ INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def widen_target(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """An int32 ``target`` compared with an ``ignore_index`` outside int32 would wrap around: such a
-    target is converted to int64 once (a BT-element copy); otherwise it is returned as is."""
+    """``target`` as int64 (one BT-element copy) when int32 could not hold ``ignore_index``, else as is."""
     if target.dtype == torch.int32 and not INT32_RANGE[0] <= ignore_index <= INT32_RANGE[1]:
         return target.long()
     return target
@@ -36,9 +33,8 @@ def check_nonzero(name: str, shape, dim: int, what: str) -> None:
 
 def check_target(target: torch.Tensor, expected_shape, device: torch.device,
                  hint: Optional[Callable[[tuple], str]] = None, probabilities: bool = False) -> None:
-    """``target`` must be an int32/int64 tensor of ``expected_shape`` on ``device``. On a shape mismatch,
-    ``hint(target.shape)`` is appended to the message: the likely mistake (:func:`class_dim_hint`,
-    :func:`swapped_hint`)."""
+    """``target``: an int32/int64 tensor of ``expected_shape`` on ``device``; ``hint(target.shape)`` names the
+    likely mistake of a wrong shape."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor, got {type(target).__name__}")
     if target.dtype not in INDEX_DTYPES:
@@ -87,9 +83,8 @@ def check_vector(name: str, t: Optional[torch.Tensor], size: int, device: torch.
 
 
 def check_class_weights(name: str, t: Optional[torch.Tensor]) -> None:
-    """An optional 1-D float tensor whose length is not known yet (a module's class weights, checked
-    again against V at each call, the modules' first positional argument as in torch's):
-    ``TypeError`` unless a floating-point tensor, ``ValueError`` unless 1-D."""
+    """A module's optional class weights before V is known: a 1-D floating-point tensor (``TypeError`` /
+    ``ValueError``)."""
     if t is None:
         return
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -100,10 +95,8 @@ def check_class_weights(name: str, t: Optional[torch.Tensor]) -> None:
 
 
 def values_unavailable(*tensors) -> bool:
-    """Whether the values of ``tensors`` (None entries ignored) cannot be read on the host: one of them is on the meta
-    device or a fake tensor (FSDP2's meta initialisation, memory estimators), or a fake or proxy mode is active
-    (``make_fx`` in any mode, ``aot_function``, non-strict ``torch.export``), or ``torch.fx.symbolic_trace`` is
-    tracing."""
+    """Whether the values of ``tensors`` cannot be read on the host: meta or fake tensors, an active fake or
+    proxy mode, or ``torch.fx.symbolic_trace``."""
     key = torch._C._TorchDispatchModeKey
     if (torch._C._get_dispatch_mode(key.PROXY) is not None
             or torch._C._get_dispatch_mode(key.FAKE) is not None):
@@ -117,8 +110,7 @@ def values_unavailable(*tensors) -> bool:
 
 
 def host_readable(*tensors) -> bool:
-    """True when the host may read the values of ``tensors`` (a host sync): not under torch.compile or
-    CUDA-graph capture, and real values (not fake / meta tensors or tracing: ``values_unavailable``)."""
+    """True when the host may read ``tensors``' values: not compiling, not capturing, not ``values_unavailable``."""
     if torch.compiler.is_compiling() or values_unavailable(*tensors):
         return False
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -131,9 +123,8 @@ sync_allowed = host_readable
 
 
 class TargetOutOfRange(IndexError):
-    """The ``IndexError`` of :func:`check_target_range`; ``position`` (an index tuple into the target it
-    checked), ``value``, ``n_classes`` and ``ignore_index`` let a caller that made that target from the
-    user's (the Hugging Face patch: shifted, flattened labels) name the user's element instead."""
+    """The ``IndexError`` of :func:`check_target_range`, with the fields a caller needs to name the user's own
+    element (the Hugging Face patch's shifted labels)."""
 
     def __init__(self, message: str, position: tuple, value: int, n_classes: int, ignore_index: int):
         super().__init__(message)
@@ -141,9 +132,7 @@ class TargetOutOfRange(IndexError):
 
 
 def check_token_weights(token_weights, target: torch.Tensor, shape=None) -> None:
-    """``token_weights``: None, or a floating-point tensor of ``shape`` (default ``target.shape``; the logits'
-    ``shape[:-1]`` for probability targets) on the target's device (``TypeError`` for a non-tensor or a non-float
-    dtype, ``ValueError`` for another shape or device)."""
+    """``token_weights``: None, or a float tensor of ``shape`` (default ``target.shape``) on the target's device."""
     if token_weights is None:
         return
     if not isinstance(token_weights, torch.Tensor) or not token_weights.is_floating_point():
@@ -159,9 +148,8 @@ def check_token_weights(token_weights, target: torch.Tensor, shape=None) -> None
 
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int,
                        token_weights: Optional[torch.Tensor] = None) -> None:
-    """Raise ``IndexError`` (``TargetOutOfRange``) naming the first target that is neither ``ignore_index`` nor in
-    ``[0, V)``; then ``ValueError`` naming the first non-ignored row whose ``token_weights`` (fp32 of
-    ``target.shape``, or None) is NaN or infinite."""
+    """``IndexError`` (``TargetOutOfRange``) for the first target outside ``[0, V)`` and not ignored, then
+    ``ValueError`` for the first kept row with a NaN or infinite token weight."""
     if target.numel() == 0 or not host_readable(target, token_weights):
         return
     kept = target != ignore_index
@@ -187,15 +175,13 @@ def bad_probabilities(target: torch.Tensor) -> Optional[torch.Tensor]:
     """A 0-dim bool device tensor: does the probability target ``target`` hold a negative, NaN or +inf value?"""
     if target.numel() == 0 or not host_readable(target):
         return None
-    # one reduction, no temporary of the target's size (two bool masks and their OR were 3 BT V bytes:
-    # 576 MiB at 4096 x 49152, more than the tiled method's whole working memory); aminmax propagates NaN
+    # one reduction, no temporary of the target's size (bool masks would be 3 BT V bytes); aminmax propagates NaN
     low, high = torch.aminmax(target)
     return (low < 0) | torch.isnan(low) | (high == float("inf"))
 
 
 def raise_bad_probabilities(target: torch.Tensor, name: str = "target") -> None:
-    """The ``ValueError`` of a probability target with a negative, NaN or +inf value, naming the first one
-    (error path only: it reads the position back)."""
+    """The ``ValueError`` naming the first negative, NaN or +inf probability (error path: reads it back)."""
     bad = ((target < 0) | ~torch.isfinite(target)).reshape(-1).nonzero()[0, 0]
     pos = [int(i) for i in torch.unravel_index(bad, tuple(target.shape))]
     value = float(target.reshape(-1)[bad])
@@ -208,9 +194,8 @@ def raise_bad_probabilities(target: torch.Tensor, name: str = "target") -> None:
 
 def check_probabilities(target: torch.Tensor, name: str = "target",
                         token_weights: Optional[torch.Tensor] = None) -> None:
-    """``ValueError`` naming the first negative, NaN or +inf value of the probability target ``target`` (every row is
-    kept: probability targets ignore no row), then the first NaN or infinite value of ``token_weights`` (the logits'
-    ``shape[:-1]``, or None), as the class-index targets' check does."""
+    """``ValueError`` naming the first negative, NaN or +inf probability, then the first non-finite token
+    weight."""
     flag = bad_probabilities(target)
     if flag is None:
         return
@@ -229,9 +214,8 @@ def check_probabilities(target: torch.Tensor, name: str = "target",
 
 def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype=torch.float32,
                  names=("weight", "bias", "ce_weight"), sharded=False, probabilities=True) -> None:
-    """Checks of ``linear_cross_entropy`` and its vocab-parallel form (tensors named ``names``): float ``hidden``
-    (..., H) and ``weight`` (V, H) of one dtype and device, ``bias`` / class weights (V,), ``chunk_size`` and an
-    ``accum_dtype`` no narrower than the weight's; ``probabilities``: float targets accepted (``ce/checks.py``)."""
+    """Checks of the linear ops: ``hidden`` (..., H) and ``weight`` (V, H) of one float dtype and device, (V,)
+    vectors, ``chunk_size``, ``accum_dtype``; ``probabilities`` accepts float targets."""
     w_name, b_name, cw_name = names
     check_float("hidden", hidden)
     check_float(w_name, weight)

@@ -1,6 +1,5 @@
-"""The loss options' one description (``LossOptions``: every field's default, doc and check), the checks of
-scalar option values (numbers, integers, flags) and the constructors that check call arguments into it
-(``loss_options``, ``log_prob_options``). Imports nothing of fusedce."""
+"""The loss options' one description (``LossOptions``), the scalar checks and the constructors that check call
+arguments into it. Imports nothing of fusedce."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +25,7 @@ def finite(value) -> bool:
 
 
 def integer_option(name: str, value) -> int:
-    """An integer option (``ignore_index``, ``chunk_size``): a Python / NumPy integer or a one-element
-    integer tensor (anything ``operator.index`` accepts), never a bool or a float: ``TypeError``."""
+    """An integer option: anything ``operator.index`` accepts, never a bool or a float (``TypeError``)."""
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise TypeError(f"{name} must be an integer, got the bool {value!r}")
     try:
@@ -37,9 +35,8 @@ def integer_option(name: str, value) -> int:
 
 
 def real_option(name: str, value) -> float:
-    """A finite real option (``label_smoothing``, ``lse_square_scale``, ``softcap``): a Python / NumPy
-    number or a one-element real tensor. ``TypeError`` for anything else (a string, a bool),
-    ``ValueError`` for NaN or an infinity."""
+    """A finite real option (a number or a one-element real tensor): ``TypeError`` otherwise, ``ValueError`` for
+    NaN or an infinity."""
     if isinstance(value, torch.Tensor):
         if torch.compiler.is_compiling():   # its value would be an unbacked symbol that no check can read
             raise TypeError(f"{name}: pass a Python number under torch.compile, not a tensor")
@@ -57,9 +54,7 @@ def real_option(name: str, value) -> float:
 
 
 def fp32_range(name: str, value: float, lowest: float = 0.0) -> float:
-    """``value`` itself when the kernels' fp32 math can hold it: ``ValueError`` when ``|value|`` exceeds
-    fp32's largest finite number (it would become inf: NaN rows, e.g. ``inf * 0`` on ignored rows) or
-    is non-zero below ``lowest``."""
+    """``value`` if fp32 holds it: ``ValueError`` when ``|value|`` overflows fp32 or is non-zero below ``lowest``."""
     if abs(value) > FP32_NORMAL[1] or (value != 0 and abs(value) < lowest):
         bound = (f"0 or have a magnitude in [{lowest:.3g}, {FP32_NORMAL[1]:.3g}]" if lowest else
                  f"at most {FP32_NORMAL[1]:.3g} in magnitude")
@@ -68,8 +63,7 @@ def fp32_range(name: str, value: float, lowest: float = 0.0) -> float:
 
 
 def check_flag(name: str, value) -> bool:
-    """A boolean option (``return_stats``, ``use_token_scaling``): ``TypeError`` unless a bool (a string
-    such as ``"no"`` would otherwise count as True); returns it."""
+    """A boolean option: ``TypeError`` unless a bool (a string such as ``"no"`` would count as True)."""
     if not isinstance(value, bool):
         kind = type(value)
         raise TypeError(f"{name} must be a Python bool, got {value!r} ({kind.__module__}.{kind.__qualname__})")
@@ -77,9 +71,8 @@ def check_flag(name: str, value) -> bool:
 
 
 def deterministic_mode(deterministic) -> bool:
-    """The ``deterministic`` keyword of the linear ops resolved: None follows
-    ``torch.are_deterministic_algorithms_enabled()`` (a host flag: no sync; torch.compile guards on it),
-    a bool is taken as given; anything else is a ``TypeError``."""
+    """The linear ops' ``deterministic``: None follows ``torch.are_deterministic_algorithms_enabled()`` (a host
+    flag, no sync); a bool as given; anything else ``TypeError``."""
     if deterministic is None:
         return torch.are_deterministic_algorithms_enabled()
     if not isinstance(deterministic, bool):
@@ -90,10 +83,8 @@ def deterministic_mode(deterministic) -> bool:
 
 
 def check_temperature(temperature) -> float:
-    """The one check of a ``temperature`` (RL log-probs, distillation, top-k distillation): a real number
-    (``real_option``: ``TypeError`` for a string or a bool, ``ValueError`` for NaN or an infinity) > 0
-    whose inverse is a normal fp32 number, since the kernels multiply by ``1 / temperature``
-    (``ValueError``, one message). Returns it as a float."""
+    """The one check of a ``temperature``: a real number > 0 whose inverse is a normal fp32 number (the kernels
+    multiply by it); returns it as a float."""
     temperature = real_option("temperature", temperature)
     if not temperature > 0.0 or not FP32_NORMAL[0] <= 1.0 / temperature <= FP32_NORMAL[1]:
         raise ValueError(f"temperature must be a finite number > 0 whose inverse is a normal fp32 number (the "
@@ -159,9 +150,8 @@ def _positive_normal(name, value):
 
 
 class LossScalars(NamedTuple):
-    """The options' runtime scalars as every kernel takes them: ONE tuple argument (``scalars``; Triton
-    and the CuTe DSL pass a NamedTuple's fields as separate kernel parameters), fp32 except
-    ``ignore_index``. Changing a value does not recompile."""
+    """The options' runtime fp32 scalars (``ignore_index`` an int) as ONE kernel argument: a new value does not
+    recompile."""
 
     ignore_index: int
     label_smoothing: float
@@ -171,9 +161,8 @@ class LossScalars(NamedTuple):
 
 
 class LossFlags(NamedTuple):
-    """The code paths the element-wise options select, as every kernel takes them: ONE constexpr
-    argument (``FLAGS``), so adding a flag changes no kernel's parameter list. ``HAS_WEIGHT`` comes
-    from the class-weight tensor, the others from the options."""
+    """The element-wise options' code paths as ONE constexpr kernel argument (``FLAGS``); ``HAS_WEIGHT`` comes
+    from the class-weight tensor."""
 
     HAS_WEIGHT: bool
     HAS_SMOOTHING: bool
@@ -182,9 +171,8 @@ class LossFlags(NamedTuple):
 
 @dataclass(frozen=True)
 class LossOptions:
-    """The per-row loss options, their one description: each field's default, doc and check; ``checked``,
-    ``op_args`` / ``from_op_args`` (the custom ops' arguments) and ``kernel_scalars`` / ``kernel_flags`` are
-    derived from the fields (``docs/architecture.md``, "Adding a loss option"; semantics: ``docs/contract.md``)."""
+    """The per-row loss options, each field's default, doc and check, and every form derived from them
+    (``docs/architecture.md``, "Adding a loss option"; semantics: ``docs/contract.md``)."""
 
     ignore_index: int = _option(
         -100, "target value of ignored rows: they contribute nothing and get zero gradient. An integer "
@@ -208,9 +196,8 @@ class LossOptions:
 
     @classmethod
     def checked(cls, **values) -> "LossOptions":
-        """The options from keyword values (missing ones take their defaults), each checked by its
-        field's check: ``TypeError`` for an unknown name or a value of the wrong kind, ``ValueError``
-        for one outside its domain; numbers are normalized (``numpy`` / one-element tensors to float)."""
+        """The options from keyword values (missing: defaults), each checked by its field's check; numbers
+        normalized to float."""
         for name in values:
             if name not in _CHECKS:
                 raise TypeError(f"unexpected keyword argument {name!r}: neither a parameter of this function nor "
@@ -218,14 +205,12 @@ class LossOptions:
         return cls(**{name: check(name, values[name]) for name, check in _CHECKS.items() if name in values})
 
     def op_args(self) -> Tuple[int, List[float]]:
-        """``(ignore_index, scalars)``: every other field as a float, in field order (``softcap=None``
-        travels as 0.0, which no valid softcap is; booleans as 0.0 / 1.0)."""
+        """``(ignore_index, scalars)``: every other field as a float in field order (``softcap=None`` as 0.0)."""
         return self.ignore_index, [float(getattr(self, name) or 0.0) for name, _ in _KINDS[1:]]
 
     @classmethod
     def from_op_args(cls, ignore_index: int, scalars: List[float]) -> "LossOptions":
-        """Inverse of ``op_args`` (each value back to its field's type: a float 0.0 is ``None`` for an
-        optional field, 0.0 / 1.0 a bool for a bool field)."""
+        """Inverse of ``op_args`` (0.0 is None for an optional field, 0.0 / 1.0 a bool for a bool field)."""
         values: dict = {}
         for (name, kind), value in zip(_KINDS[1:], scalars):
             values[name] = bool(value) if kind == "bool" else (value or None) if kind == "optional" else value
@@ -242,9 +227,8 @@ class LossOptions:
 
     @classmethod
     def selecting(cls, flags: LossFlags, **values) -> "LossOptions":
-        """Example options whose ``kernel_flags(flags.HAS_WEIGHT)`` are ``flags`` (the inverse of
-        ``kernel_flags``; the offline compile report enumerates the flag combinations through it), with
-        ``values`` for the options no flag selects."""
+        """Example options whose ``kernel_flags`` are ``flags`` (for the offline compile report), ``values`` for
+        the rest."""
         return cls(label_smoothing=0.1 if flags.HAS_SMOOTHING else 0.0,
                    softcap=30.0 if flags.HAS_SOFTCAP else None, **values)
 
@@ -262,9 +246,8 @@ LOSS_OPTION_NAMES = tuple(_CHECKS)   # the fields' names, in order
 
 
 class LossOptionValues(TypedDict, total=False):
-    """The loss options as keyword arguments, for static type checkers (``**options:
-    Unpack[LossOptionValues]`` in the public signatures; at run time ``options.with_loss_options``
-    builds the signatures from ``LossOptions`` itself). Mirrors its fields (a test checks it)."""
+    """The loss options as keyword arguments for static type checkers (``Unpack[LossOptionValues]``); mirrors
+    ``LossOptions`` (a test checks it)."""
 
     ignore_index: int
     label_smoothing: float
@@ -278,21 +261,15 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def loss_options(reduction, **options) -> LossOptions:
-    """Check ``reduction`` (``ValueError`` unless one of ``REDUCTIONS``) and the loss options
-    (``LossOptions.checked``: ``TypeError`` for an unknown name or a value of the wrong kind,
-    ``ValueError`` for one outside its domain)."""
+    """Check ``reduction`` and the loss options (``LossOptions.checked``)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     return LossOptions.checked(**options)
 
 
 def log_prob_options(ignore_index, temperature, softcap, logit_scale=1.0) -> LossOptions:
-    """The ``LossOptions`` whose cross-entropy is ``-log_softmax(z / temperature)[t]`` with ``z =
-    softcap * tanh(logit_scale * x / softcap)`` (``z = logit_scale * x`` without softcap): logit scale
-    ``logit_scale / temperature`` and softcap ``softcap / temperature``, since ``(c / T) tanh((s x / T) /
-    (c / T)) = (c tanh(s x / c)) / T``. ``TypeError`` / ``ValueError`` as ``loss_options``; ``ValueError``
-    for a temperature that is not a finite number > 0 or a ``logit_scale / temperature`` that is not a
-    normal fp32 number."""
+    """The ``LossOptions`` of ``-log_softmax(z / T)[t]``: logit scale and softcap divided by ``T``, since
+    ``(c / T) tanh((s x / T) / (c / T)) = (c tanh(s x / c)) / T``."""
     temperature = check_temperature(temperature)
     logit_scale = LossOptions.checked(logit_scale=logit_scale).logit_scale
     scale = logit_scale * (1.0 / temperature)   # exactly 1 / temperature for logit_scale = 1
