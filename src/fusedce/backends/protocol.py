@@ -1,7 +1,5 @@
-"""The backend interface, written once: ``Backend`` (what ``backends.get`` returns: a backend package's public names,
-with its ``Capabilities``), and what a backend plugs into the LM head (``fusedce.lm_head``): ``ChunkCE`` (the loss
-of one chunk of logits, for ``method="chunked"``) and ``TiledCE`` (the whole LM head + loss with no logits tensor,
-for ``method="tiled"``)."""
+"""The backend interface, written once: ``Backend`` (with its ``Capabilities``), ``ChunkCE`` (one chunk of
+logits, ``method="chunked"``) and ``TiledCE`` (the LM head with no logits, ``method="tiled"``)."""
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional, Protocol, Tuple
@@ -23,9 +21,8 @@ class ChunkCE(Protocol):
 
     def grad_(self, logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
               grad_entropy: Opt = None, entropy: Opt = None, out: Opt = None) -> None:
-        """Write d(sum grad_row * loss + grad_lse * lse + grad_entropy * entropy)/d logits into ``out``
-        ((n, V), logits' dtype; default ``logits`` itself). ``entropy`` (the forward's) is read only
-        with ``grad_entropy``."""
+        """Write d(sum grad_row * loss + grad_lse * lse + grad_entropy * entropy)/d logits into ``out`` (default
+        ``logits``)."""
 
     def token_stats(self, logits, target, lse, lse_lo, opts: LossOptions):
         """-> ``(log_sum_sq_probs, mean_logits, is_top1)`` (n,) fp32, fp32, bool (``types.TokenStats``)
@@ -33,9 +30,7 @@ class ChunkCE(Protocol):
 
     def loss_and_grad_(self, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions,
                        stats: bool):
-        """``loss`` then ``grad_`` in one call (``protocol.loss_then_grad_`` composes them; a backend may fuse
-        them in one kernel): ``(loss, lse, lse_lo, predicted, token_weight)``, the z-loss's upstream
-        ``z_grad_row`` and token scaling applied."""
+        """``loss`` then ``grad_`` in one call (a backend may fuse them), z-loss upstream and token scaling applied."""
 
 
 class TiledRows(NamedTuple):
@@ -65,22 +60,18 @@ class TiledCE(Protocol):
                  grad_entropy: Opt = None, entropy: Opt = None, deterministic: bool = False,
                  batch_invariant: bool = False) -> Tuple[Opt, Opt, Opt]:
         """``(grad_hidden, grad_weight, grad_bias)`` of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i +
-        grad_entropy[i] entropy_i`` (per-row upstream gradients (n,), any float dtype and strides); ``needs`` says
-        which of the three to compute (None for the others)."""
+        grad_entropy[i] entropy_i``; ``needs`` says which (None for the others)."""
         ...
 
     def invariant_rows(self, n_classes: int) -> int:
-        """``batch_invariant=True``: the caller pads the rows to a multiple of this (ignored zero rows) and
-        passes ``batch_invariant`` to ``forward`` / ``backward``, so that every token tile the kernels see
-        is as tall as any other and a row's results depend on its own inputs only (``lm_head/invariant.py``)."""
+        """``batch_invariant``: rows padded to a multiple of this, so every token tile is equally tall
+        (``lm_head/invariant.py``)."""
         ...
 
 
 def loss_then_grad_(ce, logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
-    """``ChunkCE.loss_and_grad_`` composed from ``ce.loss`` and ``ce.grad_`` (for a backend without a
-    fused kernel): ``(loss, lse, lse_lo, predicted, token_weight)``, ``logits`` overwritten with
-    d(sum_i grad_row[i] ce_i + z_grad_row[i] z_i)/d logits (both upstreams times ``p_t`` with token
-    scaling; ``token_weight`` is ``p_t``, or None)."""
+    """``ChunkCE.loss_and_grad_`` from ``ce.loss`` then ``ce.grad_``: ``(loss, lse, lse_lo, predicted,
+    token_weight)``, ``logits`` overwritten with its gradient (token scaling's ``p_t`` applied)."""
     loss, lse, lse_lo, predicted = ce.loss(logits, target, w, weight_sum, opts, stats)
     token_weight = target_probability(logits, target, lse, lse_lo, opts) if opts.use_token_scaling else None
     if token_weight is not None:

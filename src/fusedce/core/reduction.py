@@ -94,7 +94,7 @@ def reduce(ce_rows: torch.Tensor, z: Optional[torch.Tensor], reduction: str,
 
 def token_scaled(ce_rows: torch.Tensor, z: Optional[torch.Tensor],
                  token_weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Each row's cross-entropy and z-loss times the detached ``token_weight`` (``times``; DFT's ``p_t``), or unchanged."""
+    """Each row's cross-entropy and z-loss times the detached ``token_weight`` (``times``, DFT's ``p_t``)."""
     if token_weight is None:
         return ce_rows, z
     token_weight = token_weight.detach()

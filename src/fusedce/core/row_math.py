@@ -1,5 +1,4 @@
-"""Per-row cross-entropy math on an fp32 block of rows, in plain PyTorch: the reference formulas every layer may import
-(the PyTorch backend's math, the public ops' token scaling, the LM head's chunk loop, the vocab-parallel exchange)."""
+"""Per-row cross-entropy math on fp32 row blocks in plain PyTorch: the reference formulas every layer may import."""
 from __future__ import annotations
 
 from typing import Optional, cast
@@ -18,8 +17,7 @@ def transform(x: torch.Tensor, opts: LossOptions) -> torch.Tensor:
 
 
 def mul_slope_(grad: torch.Tensor, z: torch.Tensor, opts: LossOptions, z_scratch: bool = False) -> torch.Tensor:
-    """The chain rule of ``transform``, in place: ``grad *= dz/dx = logit_scale * (1 - (z / softcap)**2)``
-    (``logit_scale`` alone without softcap), ``z = transform(x)`` fp32 of ``grad``'s shape."""
+    """``grad *= dz/dx = logit_scale * (1 - (z / softcap)**2)`` in place (``logit_scale`` alone without softcap)."""
     if opts.softcap is not None:
         shifted = z.div_(opts.softcap) if z_scratch else z.div(opts.softcap)
         grad.mul_(shifted.square_().neg_().add_(1.0))
@@ -30,9 +28,8 @@ def mul_slope_(grad: torch.Tensor, z: torch.Tensor, opts: LossOptions, z_scratch
 
 def target_probability(x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
                        opts: LossOptions):
-    """``p_t = softmax(z)[t] = exp((z_t - lse) - lse_lo)`` per row of logits ``x`` ((n, V) any float dtype; ``lse``,
-    ``lse_lo`` (n,) the exact lse pair of ``z``), fp32, 0 on ignored rows and rows whose target is out of range; the
-    factor of ``use_token_scaling``, as accurate as the softmax of the gradient for any logit magnitude."""
+    """``p_t = exp((z_t - lse) - lse_lo)`` per row, fp32, 0 on ignored or out-of-range rows: the factor of
+    ``use_token_scaling``."""
     valid = opts.kept(target) & (target >= 0) & (target < x.shape[1])
     safe = torch.where(valid, target, 0).long()
     z_t = transform(x.gather(1, safe[:, None])[:, 0].float(), opts)
@@ -66,8 +63,8 @@ def logsumexp_rows(z: torch.Tensor, scratch: Optional[torch.Tensor] = None):
 
 
 def row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes: int, opts: LossOptions) -> torch.Tensor:
-    """The row's cross-entropy (without z-loss) from its statistics, (n,) fp32: the one place of the loss formula for
-    the PyTorch backend and the vocab-parallel exchange (the kernels have theirs in ``kernels/row_math.py``)."""
+    """The row's cross-entropy without z-loss, (n,) fp32: the one loss formula of the PyTorch backend and the
+    vocab-parallel exchange."""
     eps = opts.label_smoothing
     loss = (1.0 - eps) * ((lse - z_t) + lse_lo)
     if w_t is not None:
@@ -78,9 +75,8 @@ def row_loss(lse, lse_lo, z_t, w_t, zsum, total_w, n_classes: int, opts: LossOpt
 
 
 def entropy_rows(z: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor) -> torch.Tensor:
-    """``-sum_c p_c u_c`` per row of fp32 ``z`` ((n, V)), ``u_c = (z_c - lse) - lse_lo``, ``p = exp(u)``:
-    the entropy of ``softmax(z)``, a sum of non-negative terms (no cancellation); -inf logits add 0, but
-    a row of -inf only (lse -inf, no distribution) is NaN, as its log-prob and float64 torch's entropy."""
+    """The entropy ``-sum_c p_c u_c`` of ``softmax(z)`` per row (``u = (z - lse) - lse_lo``; no cancellation); a
+    row of -inf only is NaN, as torch's."""
     u = (z - lse[:, None]) - lse_lo[:, None]
     return -torch.where((z == float("-inf")) & (lse[:, None] != float("-inf")), 0.0, torch.exp(u) * u).sum(dim=1)
 
@@ -110,8 +106,7 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.T
 
 def masked_stats(loss: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor, valid: torch.Tensor,
                  in_range: torch.Tensor):
-    """The forward's per-row outputs as the ops return them: ``(loss, lse, lse_lo)`` ((n,) fp32 each) with
-    0 on the ignored rows (``~valid``) and the loss NaN on a kept row whose target is out of range."""
+    """``(loss, lse, lse_lo)`` ((n,) fp32) with 0 on ignored rows and NaN loss on a kept out-of-range target."""
     loss = torch.where(valid, torch.where(in_range, loss, float("nan")), 0.0)
     return loss, torch.where(valid, lse, 0.0), torch.where(valid, lse_lo, 0.0)
 
@@ -166,9 +161,8 @@ def rows_grad(x: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tens
 def smoothing_and_target_(grad: torch.Tensor, g: torch.Tensor, b: float, weight: Optional[torch.Tensor],
                           safe: torch.Tensor, owned: torch.Tensor, at_target: Optional[torch.Tensor],
                           opts: LossOptions) -> torch.Tensor:
-    """The last terms of ``dL/dz`` in place on ``grad`` ((n, V) fp32, holding ``(g (a + b W) + h) p``): smoothing's ``-
-    b g w_c`` (``w_c`` = 1 without ``weight``), then the target column ``safe`` set to ``at_target`` on the rows
-    where ``owned`` (None: no column here)."""
+    """The last terms of ``dL/dz`` in place: smoothing's ``-b g w_c``, then the target column ``safe`` set to
+    ``at_target`` where ``owned``."""
     if opts.label_smoothing > 0.0:
         if weight is None:
             grad.sub_((b * g)[:, None])
@@ -181,8 +175,7 @@ def smoothing_and_target_(grad: torch.Tensor, g: torch.Tensor, b: float, weight:
 
 
 def zero_ignored_(grad: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``grad[~valid] = 0`` in place (exact zeros even over inf / NaN), returned. On a CPU tensor (no device
-    sync) only the ignored rows are touched."""
+    """``grad[~valid] = 0`` in place (exact zeros over inf / NaN), returned; on CPU only the ignored rows."""
     if grad.device.type == "cpu" and not torch.compiler.is_compiling():
         return grad.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
     return grad.masked_fill_(~valid[:, None], 0.0)
@@ -190,9 +183,8 @@ def zero_ignored_(grad: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def token_stats(z: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
                 valid: torch.Tensor):
-    """TRL's per-token statistics (``types.TokenStats``) of fp32 ``z`` ((n, V), the transformed logits ``q``) with its
-    exact lse pair: ``(log_sum_sq_probs, mean_logits, is_top1)``, (n,) fp32, fp32, bool, 0 / False where ``valid``
-    is False."""
+    """TRL's per-token statistics (``types.TokenStats``) of fp32 ``z`` with its lse pair; 0 / False where not
+    ``valid``."""
     u = (z - lse[:, None]) - lse_lo[:, None]
     log_sum_sq = u.mul_(2.0).exp_().sum(dim=1).log_()
     mean = z.sum(dim=1) / z.shape[1]
@@ -201,8 +193,7 @@ def token_stats(z: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, lse_lo
 
 
 def grad_lse(lse: torch.Tensor, z_grad_row: torch.Tensor, opts: LossOptions) -> Optional[torch.Tensor]:
-    """Upstream gradient of a chunk's lse from the z-loss ``s lse**2``: ``2 s lse`` times the z-loss's
-    own per-row upstream gradient; None without z-loss."""
+    """The chunk lse's upstream gradient from the z-loss: ``2 s lse`` times its per-row upstream; None without."""
     if opts.lse_square_scale == 0.0:
         return None
     return (2.0 * opts.lse_square_scale) * lse * z_grad_row

@@ -1,5 +1,4 @@
-"""The PyTorch backend's row loops: blocks of rows shared among threads of one intra-op thread each (``run``),
-and chunked cross-entropy on them (forward saves only the per-row lse, backward recomputes)."""
+"""The PyTorch backend's row loops (blocks of rows on threads, ``run``) and chunked cross-entropy on them."""
 from __future__ import annotations
 
 import threading
@@ -18,17 +17,14 @@ _LOCK = threading.Lock()
 
 
 def _no_grad(work: Callable, k: int, n: int, inference: bool = False):
-    """``work(k, n)`` with grad mode off and the caller's inference mode (both are per thread: the block
-    ops must never record a graph, and under ``torch.inference_mode`` they write into inference tensors,
-    which only code in inference mode may update in place)."""
+    """``work(k, n)`` with grad mode off and the caller's inference mode (both per thread)."""
     with torch.inference_mode(inference), torch.no_grad():
         return work(k, n)
 
 
 def run(work: Callable[[int, int], object], n_items: int, device: torch.device) -> List[object]:
-    """Call ``work(k, n)`` for ``k`` in ``range(n)`` on ``n = min(torch.get_num_threads(), n_items)`` threads (at least
-    1; ``k = 0`` in the calling thread), each with one intra-op thread, grad mode off and the caller's inference
-    mode; returns the ``n`` results in order."""
+    """``work(k, n)`` for ``k`` in ``range(n)`` on ``n`` threads (``k = 0`` the caller's), each with one intra-op
+    thread; returns the results in order."""
     if device.type != "cpu":
         return [_no_grad(work, 0, 1, torch.is_inference_mode_enabled())]
     inference = torch.is_inference_mode_enabled()
@@ -56,8 +52,7 @@ def class_weights(weight: Optional[torch.Tensor]):
 
 
 class Scratch:
-    """fp32 row-chunk buffers reused by every chunk of one call: on CPU a fresh large tensor per chunk costs more in
-    page faults than the arithmetic on it (the allocator returns such blocks to the OS)."""
+    """fp32 row-chunk buffers reused by every chunk of a call (on CPU fresh large tensors cost page faults)."""
 
     def __init__(self, step: int, n_classes: int, dtype: torch.dtype, device: torch.device, work: bool = True):
         shape = (step, n_classes)
@@ -72,17 +67,15 @@ class Scratch:
 
 
 def block_rows(logits: torch.Tensor) -> int:
-    """Rows per block of the row loops over ``logits`` ((n, V)): ``tuning.cpu_block_rows`` on the CPU (cache-sized
-    blocks on threads of their own), ``tuning.chunk_rows`` elsewhere; at least 1, at most n."""
+    """Rows per block of ``logits``: cache-sized on the CPU, ``tuning.chunk_rows`` elsewhere; in ``[1, n]``."""
     n_rows, n_classes = logits.shape
     rows = cpu_block_rows(n_classes) if logits.device.type == "cpu" else chunk_rows(n_classes)
     return min(rows, max(n_rows, 1))
 
 
 def for_row_blocks(logits: torch.Tensor, each, work: bool = True) -> None:
-    """Call ``each(rows, block, work)`` for every block of rows of ``logits`` ((n, V); ``block_rows`` rows a block):
-    ``rows`` the block's slice, ``block`` its rows in fp32 (a reused buffer unless ``logits`` is fp32), ``work`` a
-    second fp32 buffer of ``block``'s shape (``Scratch``; None when ``work`` is False: ``each`` needs none)."""
+    """``each(rows, block, work)`` for every row block of ``logits``: the slice, its fp32 rows and an fp32 work
+    buffer (None unless ``work``)."""
     n_rows, n_classes = logits.shape
     step = block_rows(logits)
     n_blocks = -(-n_rows // step)
@@ -98,10 +91,8 @@ def for_row_blocks(logits: torch.Tensor, each, work: bool = True) -> None:
 
 
 def grad_chunks_(logits: torch.Tensor, out: torch.Tensor, row_grad) -> torch.Tensor:
-    """``out[rows] = row_grad(rows, block, buf)`` for each row block of ``logits`` ((n, V)), returning ``out`` ((n, V),
-    may be ``logits``): ``block`` the rows in fp32, ``buf`` where ``row_grad`` may write its fp32 result
-    (``out[rows]`` itself when ``out`` is fp32: no temporary, else a reused block buffer converted into ``out`` once
-    per block)."""
+    """``out[rows] = row_grad(rows, block, buf)`` for each row block of ``logits``; returns ``out`` (may be
+    ``logits``)."""
     fp32_out = out.dtype == torch.float32
 
     def each(rows, block, work):
@@ -115,9 +106,8 @@ def grad_chunks_(logits: torch.Tensor, out: torch.Tensor, row_grad) -> torch.Ten
 
 
 def chunk_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = True, entropy: bool = False):
-    """Per-row ``(loss, lse, lse_lo, predicted)`` of ``logits`` ((n, V)), no gradient: fp32 (n,) each
-    (cross-entropy without z-loss; lse as the pair lse + lse_lo, see ``core/row_math.py``), predicted (n,) int64
-    or None without stats; with ``entropy`` a fifth element, the entropy (n,) fp32."""
+    """Per-row ``(loss, lse, lse_lo, predicted[, entropy])`` of ``logits``, no gradient (predicted None without
+    stats)."""
     n_rows = logits.shape[0]
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)
@@ -139,8 +129,7 @@ def chunk_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = T
 
 def chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
                 out=None, grad_entropy=None, entropy=None) -> torch.Tensor:
-    """Write d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i + grad_entropy[i] entropy_i)/d logits into ``out``
-    (default: ``logits`` itself)."""
+    """Write d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i + grad_entropy[i] entropy_i)/d logits into ``out``."""
     def row_grad(rows, block, buf):
         return rows_grad(block, target[rows], w, weight_sum, lse[rows], lse_lo[rows], grad_row[rows],
                          None if grad_lse is None else grad_lse[rows], opts, out=buf,
@@ -151,10 +140,7 @@ def chunk_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, 
 
 
 def chunk_loss_grad_(logits, target, w, weight_sum, grad_row, z_grad_row, opts: LossOptions, stats: bool):
-    """``ChunkCE.loss_and_grad_`` of this backend: ``(loss, lse, lse_lo, predicted, token_weight)`` of
-    ``logits`` ((n, V), any float dtype) as ``protocol.loss_then_grad_`` returns them (predicted None
-    without ``stats``, token_weight None without ``use_token_scaling``), ``logits`` overwritten with
-    d(sum_i grad_row[i] ce_i + z_grad_row[i] z_i)/d logits; one pass per block (``fused_rows.py``)."""
+    """This backend's ``ChunkCE.loss_and_grad_`` (see ``protocol.loss_then_grad_``), one pass per block."""
     n_rows = logits.shape[0]
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse, lse_lo = torch.empty_like(loss), torch.empty_like(loss)

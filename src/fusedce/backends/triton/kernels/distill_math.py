@@ -1,6 +1,5 @@
-"""The per-element and per-row math of the distillation kernels (``distill_rows``, ``distill_tiled_*``), written once:
-the row kernel calls these on 1-D blocks of a row, the tiled kernels on 2-D tiles (rows x columns) with the per-row
-values as (rows, 1) columns. fp32 throughout."""
+"""The per-element and per-row math of the distillation kernels, written once: on 1-D blocks of a row (the row
+kernel) or 2-D tiles with per-row (rows, 1) columns (the tiled kernels); fp32 throughout."""
 import triton
 import triton.language as tl
 
@@ -19,8 +18,7 @@ def cap_logits(x, mask, cap, HAS_CAP: tl.constexpr):
 
 @triton.jit
 def capped_pair(xs, xt, mask, inv_t, s_cap, t_cap, HAS_S_CAP: tl.constexpr, HAS_T_CAP: tl.constexpr):
-    """``(c, u, w)`` of a block of fp32 student logits ``xs`` and teacher logits ``xt``: the capped student
-    logits ``c``, ``u = c / T`` and the teacher's capped logits at T, -inf where not ``mask``."""
+    """``(c, u, w)``: capped student logits, ``u = c / T``, the teacher's capped logits at T; -inf off ``mask``."""
     c = cap_logits(xs, mask, s_cap, HAS_S_CAP)
     w = cap_logits(xt, mask, t_cap, HAS_T_CAP) * inv_t
     return c, c * inv_t, w
@@ -29,8 +27,7 @@ def capped_pair(xs, xt, mask, inv_t, s_cap, t_cap, HAS_S_CAP: tl.constexpr, HAS_
 @triton.jit
 def row_targets(target_ptr, rows, in_rows, stride_target, ignore_index, BLOCK_N: tl.constexpr,
                 HAS_TARGET: tl.constexpr):
-    """``(target, live)`` of the row indices ``rows`` (BLOCK_N,): the int64 targets (-1 without
-    HAS_TARGET) and which rows count (``in_rows`` and not ``ignore_index``)."""
+    """``(target, live)`` of ``rows``: the int64 targets (-1 without HAS_TARGET) and which rows count."""
     if HAS_TARGET:
         target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=ignore_index).to(tl.int64)
         live = in_rows & (target != ignore_index)
@@ -52,8 +49,7 @@ def cap_slope(c, cap, HAS_CAP: tl.constexpr):
 
 @triton.jit
 def safe_shift(m):
-    """The shift of an online softmax: the running max, or 0 while it is -inf (nothing seen: exp(-inf - 0)
-    = 0 keeps the sums at 0 instead of NaN)."""
+    """The online softmax's shift: the running max, or 0 while it is -inf (the sums stay 0, not NaN)."""
     return tl.where(m == NEG_INF, 0.0, m)
 
 
@@ -89,8 +85,7 @@ def finish_pair(acc, s_p, s_q, live):
 
 @triton.jit
 def log_mix(ls, lt, log_beta, log_1mb):
-    """``log m = log(beta t + (1 - beta) s)`` from ``log s``, ``log t``: a two-term log-sum-exp, -inf only
-    where both are -inf."""
+    """``log(beta t + (1 - beta) s)`` from ``log s``, ``log t`` (a two-term log-sum-exp)."""
     a = lt + log_beta
     b = ls + log_1mb
     hi = tl.maximum(a, b)
@@ -113,25 +108,22 @@ def jsd_terms(u, w, lse_u, lse_w, log_beta, log_1mb):
 
 @triton.jit
 def jsd_init(beta, BLOCK_N: tl.constexpr):
-    """``(log_beta, log_1mb, kl_t, kl_s)`` before the MODE 2 second pass: ``log beta``, ``log(1 - beta)``
-    and its two running sums, (BLOCK_N,) fp32 zeros."""
+    """``(log beta, log(1 - beta), kl_t, kl_s)`` before the MODE 2 second pass, the sums (BLOCK_N,) zeros."""
     zero = tl.zeros((BLOCK_N,), tl.float32)
     return tl.log(beta), tl.log(1.0 - beta), zero, zero
 
 
 @triton.jit
 def jsd_update(kl_t, kl_s, u, w, lse_u, lse_w, log_beta, log_1mb):
-    """The MODE 2 second pass's running sums ``(kl_t, kl_s)`` ((rows,) each) plus one (rows x columns)
-    block: ``KL(t || m)`` and ``KL(s || m)`` summed over its columns (``jsd_terms``; ``lse_u``, ``lse_w``
-    (rows,) from the first pass)."""
+    """The MODE 2 second pass's ``(kl_t, kl_s)`` plus one block's ``KL(t || m)`` and ``KL(s || m)``."""
     term_t, term_s, _d = jsd_terms(u, w, lse_u[:, None], lse_w[:, None], log_beta, log_1mb)
     return kl_t + tl.sum(term_t, axis=1), kl_s + tl.sum(term_s, axis=1)
 
 
 @triton.jit
 def jsd_finish(kl_t, kl_s, beta, live):
-    """``(divergence, rowsum)`` per row from the second pass: ``beta KL(t || m) + (1 - beta) KL(s || m)``
-    and the gradient's ``rowsum = (1 - beta) KL(s || m)``, 0 on rows not ``live``."""
+    """``(divergence, rowsum)`` per row after the second pass: ``beta KL(t || m) + (1 - beta) KL(s || m)`` and
+    ``(1 - beta) KL(s || m)``, 0 on rows not ``live``."""
     rowsum = (1.0 - beta) * kl_s
     return tl.where(live, beta * kl_t + rowsum, 0.0), tl.where(live, rowsum, 0.0)
 
@@ -139,9 +131,8 @@ def jsd_finish(kl_t, kl_s, beta, live):
 @triton.jit
 def dlogits(c, u, w, is_target, lse_u, lse_w, lse_c, rowsum, beta, inv_t, hard_w, s_cap,
             MODE: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, HAS_S_CAP: tl.constexpr):
-    """fp32 ``dL/dz_s`` (before the grad_factor) of a block: ``c`` the capped student logits, ``u = c / T``, ``w`` the
-    teacher's at T, ``is_target`` the one-hot mask, the row's ``lse_u``, ``lse_w``, ``lse_c`` (lse of c; read with
-    HARD_OWN_LSE) and ``rowsum`` (MODE 1: KL(s || t); MODE 2: (1 - beta) KL(s || m))."""
+    """fp32 ``dL/dz_s`` of a block (before the grad_factor); ``rowsum``: MODE 1 KL(s || t), MODE 2
+    (1 - beta) KL(s || m)."""
     ls = u - lse_u
     s = tl.exp(ls)
     if MODE == 0:
@@ -166,8 +157,7 @@ def dlogits(c, u, w, is_target, lse_u, lse_w, lse_c, rowsum, beta, inv_t, hard_w
 
 @triton.jit
 def stats_init(BLOCK_N: tl.constexpr):
-    """``stats_update``'s running statistics before the first column, (BLOCK_N,) fp32 each: ``(m_u, s_u,
-    m_w, s_w, acc, m_c, s_c, c_t)`` = (-inf, 0, -inf, 0, 0, -inf, 0, 0)."""
+    """``stats_update``'s running statistics before the first column: (-inf, 0, -inf, 0, 0, -inf, 0, 0)."""
     neg = tl.full((BLOCK_N,), NEG_INF, tl.float32)
     zero = tl.zeros((BLOCK_N,), tl.float32)
     return neg, zero, neg, zero, zero, neg, zero, zero
@@ -176,10 +166,8 @@ def stats_init(BLOCK_N: tl.constexpr):
 @triton.jit
 def stats_update(u, w, c, is_target, m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t,
                  MODE: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr):
-    """One (rows x columns) tile into the running per-row statistics (each (rows,)): the online softmax of ``u``
-    (``m_u``, ``s_u``) and ``w`` (``m_w``, ``s_w``), the MODE 0 / 1 divergence sum ``acc`` (``A`` / ``B`` of the
-    module docstring; unchanged in MODE 2), with HAS_HARD the target's ``c`` (``c_t``, picked from the tile that
-    holds it) and with HARD_OWN_LSE the online softmax of ``c`` (``m_c``, ``s_c``)."""
+    """One tile into the running per-row statistics: the online softmaxes of ``u`` and ``w``, the MODE 0 / 1
+    divergence sum ``acc``, the target's ``c`` and (HARD_OWN_LSE) the online softmax of ``c``."""
     m_u_new, sh_u = softmax_shift(m_u, u, 1)
     m_w_new, sh_w = softmax_shift(m_w, w, 1)
     e_u = tl.exp(u - sh_u[:, None])
@@ -204,9 +192,8 @@ def stats_update(u, w, c, is_target, m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t,
 @triton.jit
 def row_results(m_u, s_u, m_w, s_w, acc, m_c, s_c, c_t, live, hard_w,
                 MODE: tl.constexpr, HAS_HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr):
-    """``(loss, lse_u, lse_w, lse_c, rowsum)`` per row from the first pass's statistics: in MODE 0 / 1 the loss is
-    final (divergence + hard-label CE) and ``rowsum`` is the divergence (MODE 1's gradient needs it); in MODE 2
-    ``loss`` holds only the hard-label term and ``rowsum`` 0 (``jsd_terms`` adds the rest in the second pass)."""
+    """``(loss, lse_u, lse_w, lse_c, rowsum)`` per row after the first pass; in MODE 2 ``loss`` holds only the
+    hard-label term (the second pass adds the rest)."""
     lse_u = finish_lse(m_u, s_u, live)
     lse_w = finish_lse(m_w, s_w, live)
     lse_c = lse_u

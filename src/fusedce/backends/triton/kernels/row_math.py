@@ -1,7 +1,5 @@
-"""The per-row cross-entropy math of the kernels, written once and shared by ``ce_forward``, ``ce_backward`` and the
-fused ``ce_chunk`` kernel (see ``fusedce/core/row_math.py`` for the formulas and their sources; the PyTorch backend
-computes the same ones), and the Triton home of the loss options' element-wise math (``logit_transform`` /
-``logit_slope``)."""
+"""The per-row cross-entropy math of the Triton kernels, written once (formulas and sources:
+``fusedce/core/row_math.py``), and the loss options' element-wise math."""
 import triton
 import triton.language as tl
 
@@ -11,9 +9,8 @@ from .interpreter import to_bf16_rne
 
 @triton.jit
 def logit_transform(x, scalars, FLAGS: tl.constexpr):
-    """``z`` of fp32 logits ``x``: ``softcap * tanh(logit_scale * x / softcap)`` (Gemma 2 soft-capping after Cohere's
-    ``logit_scale``), or ``logit_scale * x`` without softcap; a few ulp of relative error for every finite softcap
-    and logit (``tanh_fp32``)."""
+    """``softcap * tanh(logit_scale * x / softcap)`` (Gemma 2 soft-capping, Cohere's ``logit_scale``), or
+    ``logit_scale * x``; a few ulp of relative error (``tanh_fp32``)."""
     if FLAGS.HAS_SOFTCAP:
         c = scalars.softcap
         x = c * tanh_fp32(x * (scalars.logit_scale / c))   # one multiply per logit
@@ -34,13 +31,11 @@ def logit_slope(z, scalars, FLAGS: tl.constexpr):
 
 @triton.jit
 def z_block(row_ptr, cols, mask, scalars, FLAGS: tl.constexpr):
-    """``(x, z)``, fp32 (BLOCK_V,), of one block of a row's logits at ``cols``: the raw logits (-inf on
-    columns not in ``mask``) and ``z = logit_transform(x)``, -inf there too."""
+    """``(x, z)`` of one block of a row at ``cols``: raw fp32 logits and ``logit_transform(x)``, -inf off ``mask``."""
     x = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
     z = logit_transform(x, scalars, FLAGS)
-    # Padded columns load as -inf; a transform that maps -inf to a finite value (softcap: -softcap)
-    # must send them back. Only such options' flags belong in this test: an unconditional select
-    # measured up to +42 registers in some variants (sm_90, `fusedce inspect`), fewer in others.
+    # Padded columns load as -inf; a transform that maps -inf to a finite value (softcap) must send them back.
+    # Only such options' flags belong here: an unconditional select costs registers.
     if FLAGS.HAS_SOFTCAP:
         z = tl.where(mask, z, -float("inf"))
     return x, z
@@ -49,10 +44,8 @@ def z_block(row_ptr, cols, mask, scalars, FLAGS: tl.constexpr):
 @triton.jit
 def row_stats(row_ptr, n_cols, n_scan, weight_ptr, scalars, FLAGS: tl.constexpr,
               BLOCK_V: tl.constexpr, COMPUTE_STATS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
-    """One pass over the first ``n_scan`` (0 or ``n_cols``) logits of a row: ``(m, s, zsum, best,
-    best_idx, t)``, the running max of z and ``s = sum exp(z - m)`` (online softmax, Milakov & Gimelshein
-    2018), ``sum_c w_c z_c`` (smoothing only), the max of the raw logits with its lowest index, and
-    (COMPUTE_ENTROPY) ``t = sum exp(z - m) (z - m)`` (``entropy_rebase``; 0.0 otherwise)."""
+    """One pass over a row's first ``n_scan`` logits: ``(m, s, zsum, best, best_idx, t)``, the online softmax
+    (Milakov & Gimelshein 2018), the smoothing sum, the argmax and (COMPUTE_ENTROPY) the entropy sum."""
     m = -float("inf")
     s = 0.0
     t = 0.0
@@ -81,16 +74,14 @@ def row_stats(row_ptr, n_cols, n_scan, weight_ptr, scalars, FLAGS: tl.constexpr,
 
 @triton.jit
 def entropy_rebase(m, s, t, shift):
-    """Online entropy sum (with ``entropy_terms``): ``t = sum_c exp(z_c - m) (z_c - m)`` re-based from the old shift
-    ``m`` to the new ``shift`` before a block is added."""
+    """The online entropy sum ``t = sum_c exp(z_c - m) (z_c - m)`` re-based from ``m`` to ``shift``."""
     d = tl.where(m == -float("inf"), 0.0, m - shift)
     return tl.where(m == -float("inf"), 0.0, tl.exp(d) * (t + d * s))
 
 
 @triton.jit
 def entropy_terms(e, z, shift):
-    """``e (z - shift)`` per logit (``e = exp(z - shift)``; ``shift`` broadcast like ``z``), 0 where
-    ``z = -inf`` (a masked column or a -inf bias: not ``0 * -inf``); a NaN logit stays NaN."""
+    """``exp(z - shift) (z - shift)`` per logit, 0 where ``z = -inf`` (not ``0 * -inf``)."""
     return tl.where(z == -float("inf"), 0.0, e * (z - shift))
 
 
@@ -119,16 +110,14 @@ def row_forward(row_ptr, n_cols, is_valid, in_range, safe, w_t, weight_ptr, weig
 
 @triton.jit
 def row_lse(m, s, is_valid):
-    """``(lse, lse_lo)`` from a row's online max and sum-exp (scalars, or per-row vectors of a tile);
-    ignored rows (m = -inf, s = 0: nothing scanned) give 0, without forming -inf - -inf."""
+    """``(lse, lse_lo)`` from a row's online max and sum-exp; 0 on ignored rows (nothing scanned)."""
     return two_sum(tl.where(is_valid, m, 0.0), tl.log(tl.where(is_valid, s, 1.0)))
 
 
 @triton.jit
 def row_loss(lse, lse_lo, zsum, z_t, is_valid, in_range, w_t, weight_sum_ptr, n_cols, scalars, FLAGS: tl.constexpr):
-    """The row's cross-entropy (without z-loss) from its statistics (scalars, or per-row vectors of a
-    tile): the one place of the loss formula in the kernels (row and tiled). 0 on ignored rows, NaN on
-    a non-ignored row whose target is out of range."""
+    """The row's cross-entropy without z-loss: the one loss formula of the kernels; 0 on ignored rows, NaN
+    on a kept row whose target is out of range."""
     # nll = lse - z_t with lse's rounding error added back (as accurate as -log_softmax[t])
     eps = scalars.label_smoothing
     loss = (1.0 - eps) * w_t * ((lse - z_t) + lse_lo)
@@ -153,8 +142,7 @@ def total_weight(weight_sum_ptr, n_cols, FLAGS: tl.constexpr):
 def grad_block(x, cols, mask, target, w_t, lse, lse_lo, g, h, weight_ptr, weight_sum_ptr, n_cols,
                scalars, FLAGS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, k=0.0, entropy=0.0,
                HAS_GRAD_ENTROPY: tl.constexpr = False):
-    """fp32 ``dL/dx`` of a block ``x`` (fp32 logits at columns ``cols``) of one row; ``h`` is read only with
-    HAS_GRAD_LSE, ``k`` (the entropy's upstream gradient) and ``entropy`` (the forward's) only with
+    """fp32 ``dL/dx`` of a block of one row; ``h`` read with HAS_GRAD_LSE, ``k`` and ``entropy`` with
     HAS_GRAD_ENTROPY."""
     z = logit_transform(x, scalars, FLAGS)
     p = tl.exp((z - lse) - lse_lo)   # z - lse is exact near the max (Sterbenz); lse_lo adds lse's error back
@@ -179,8 +167,7 @@ def grad_block(x, cols, mask, target, w_t, lse, lse_lo, g, h, weight_ptr, weight
 
 @triton.jit
 def store_grad(ptr, dz, mask, ROUND_BF16: tl.constexpr):
-    """Store fp32 ``dz`` in ``ptr``'s dtype. ROUND_BF16 (interpreter only): round to nearest by hand,
-    as GPUs do, where the interpreter's cast truncates (``common.to_bf16_rne``)."""
+    """Store fp32 ``dz`` in ``ptr``'s dtype; ROUND_BF16 (interpreter only) rounds to nearest as GPUs do."""
     if ROUND_BF16:
         tl.store(ptr, to_bf16_rne(dz), mask=mask)
     else:
