@@ -17,8 +17,7 @@ def _dtensor_class():
 
 
 def replicated_to_local(value):
-    """``value.to_local()`` (differentiable) when ``value`` is a DTensor replicated on every mesh dimension,
-    else ``value`` itself: a replicated result handed on as the plain tensor a stock composition gives."""
+    """``value.to_local()`` (differentiable) for a DTensor replicated on every mesh dimension, else ``value``."""
     dtensor = _dtensor_class()
     if dtensor is not None and isinstance(value, dtensor) and all(p.is_replicate() for p in value.placements):
         return value.to_local()
@@ -36,8 +35,7 @@ def register_vocab_parallel(op_key: str, form, shards: dict) -> None:
 
 
 def _vocab_shard_dim(value, vocab_dim: int):
-    """The mesh dimension over which ``value`` is sharded along its tensor dimension ``vocab_dim``, when
-    that is its only non-replicated placement; else None."""
+    """The mesh dimension of ``value``'s only non-replicated placement, a shard of ``vocab_dim``; else None."""
     sharded = [(i, p) for i, p in enumerate(value.placements) if not p.is_replicate()]
     if len(sharded) != 1:
         return None
@@ -48,8 +46,7 @@ def _vocab_shard_dim(value, vocab_dim: int):
 
 
 def _vocab_parallel_call(fn, named: dict, dtensor):
-    """Run ``fn``'s vocabulary-parallel form when its sharded DTensor arguments are vocabulary shards of
-    one mesh dimension (module docstring); None when ``fn`` has no such form or nothing is sharded."""
+    """Run ``fn``'s vocabulary-parallel form on vocabulary-sharded DTensor arguments; None when it does not apply."""
     entry = VOCAB_PARALLEL.get(f"{fn.__module__}.{fn.__qualname__}")
     sharded = {k: v for k, v in named.items()
                if isinstance(v, dtensor) and not all(p.is_replicate() for p in v.placements)}
@@ -87,9 +84,8 @@ def _vocab_parallel_call(fn, named: dict, dtensor):
 
 
 def _pop_unsupported(named: dict, op: str) -> None:
-    """Drop the keywords of the single-process op that the vocabulary-parallel forms honour by default
-    (``method`` "auto" / "chunked", ``logits_dtype`` "float32", ``batch_invariant`` False); any other
-    value is a ``ValueError`` naming the keyword."""
+    """Drop the single-process keywords the vocabulary-parallel forms honour by default; other values:
+    ``ValueError`` naming the keyword."""
     refused = {"method": (("auto", "chunked"), "the vocabulary-parallel linear ops are chunked"),
                "logits_dtype": (("float32",), "the vocabulary-parallel linear ops form fp32 logits"),
                "batch_invariant": ((False,), "the vocabulary-parallel ops do not make a row's results "
@@ -105,10 +101,8 @@ def _pop_unsupported(named: dict, op: str) -> None:
 
 
 def _pop_truncation(named: dict, op: str) -> None:
-    """Drop ``top_k`` / ``top_p`` (the RL ops' sampler truncation) when off (None, ``top_k=0``, ``top_p=1.0``);
-    on, or a per-row tensor, is a ``ValueError`` naming the keyword: the kept set needs a global threshold
-    (the k-th largest logit, and for top-p the sorted cumulative mass) over the whole vocabulary, which the
-    vocabulary-parallel ops do not compute (docs/contract.md, "Top-k / top-p")."""
+    """Drop ``top_k`` / ``top_p`` when off; on is a ``ValueError`` naming the keyword (docs/contract.md,
+    "Top-k / top-p")."""
     for name, off, kind in (("top_k", 0, numbers.Integral), ("top_p", 1, numbers.Real)):
         value = named.pop(name, None)
         if value is None or (isinstance(value, kind) and not isinstance(value, bool) and value == off):
@@ -121,8 +115,8 @@ def _pop_truncation(named: dict, op: str) -> None:
 
 
 def _local_columns(target, sharded: dict, shards: dict, mesh, dim: int, dtensor):
-    """A full probability target ``(..., V)`` next to a vocabulary-sharded head or logits -> this rank's columns,
-    placed as DTensor's ``Shard`` places the head's rows (a local split, no communication)."""
+    """A full ``(..., V)`` probability target beside a vocabulary-sharded head -> this rank's columns (no
+    communication)."""
     if not (isinstance(target, torch.Tensor) and target.is_floating_point() and target.ndim):
         return target
     vocab = next(v.shape[shards[k][1]] for k, v in sharded.items()   # the global V (a DTensor's shape)

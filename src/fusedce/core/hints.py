@@ -1,7 +1,4 @@
-"""The likely mistakes that argument errors point out (``validation.py``, the distillation checks, the Hugging Face
-patch): each hint is ``""`` or the text appended to the error's message, naming the mistake the shapes or types
-suggest (swapped or transposed arguments, a class dimension in torch's place, a module for its weight, an
-``ignore_index`` in a positional slot, pre-shifted labels)."""
+"""The likely mistakes that argument errors point out: each hint is ``""`` or the text appended to the message."""
 from __future__ import annotations
 
 import math
@@ -9,8 +6,7 @@ from typing import Optional
 
 
 def class_dim_hint(logits_shape: tuple, target_shape: tuple) -> str:
-    """The hint for a target that fits logits in ``F.cross_entropy``'s layout ``(N, C, d1, ...)`` (classes
-    in dimension 1), or ``""``."""
+    """The hint for a target in ``F.cross_entropy``'s ``(N, C, d1, ...)`` layout, or ``""``."""
     if len(logits_shape) < 3:
         return ""
     if target_shape != tuple(logits_shape[:1]) + tuple(logits_shape[2:]):
@@ -21,8 +17,7 @@ def class_dim_hint(logits_shape: tuple, target_shape: tuple) -> str:
 
 
 def swapped_hint(hidden_shape: tuple, weight_shape: tuple, target_shape: tuple) -> str:
-    """The hint for ``linear_cross_entropy(weight, hidden, target)`` (the first two swapped), or ``""``:
-    ``weight`` has the target's shape but for H, and ``hidden`` is 2-D (a head's ``(V, H)``)."""
+    """The hint for ``linear_cross_entropy(weight, hidden, target)`` (the first two swapped), or ``""``."""
     if len(hidden_shape) != 2 or tuple(weight_shape[:-1]) != tuple(target_shape):
         return ""
     return (f" (hidden.shape[:-1]); hidden {hidden_shape} and weight {weight_shape} look swapped: the "
@@ -30,16 +25,14 @@ def swapped_hint(hidden_shape: tuple, weight_shape: tuple, target_shape: tuple) 
 
 
 def reshape_hint(target_shape: tuple, expected_shape: tuple) -> str:
-    """The hint for a target holding the right number of tokens in another number of dimensions (a
-    flattened ``(B*T,)`` target beside ``(B, T, H)`` hidden states, or the reverse), or ``""``."""
+    """The hint for a target with the right token count in another number of dimensions, or ``""``."""
     if len(target_shape) == len(expected_shape) or math.prod(target_shape) != math.prod(expected_shape):
         return ""
     return f" (the same {math.prod(target_shape)} tokens in another shape: pass target.view{expected_shape})"
 
 
 def shifted_labels_hint(labels_shape: tuple, positions: tuple) -> str:
-    """The hint for a patched causal LM given labels shifted already, ``(B, T - 1)`` beside its ``(B, T)``
-    positions (the patch shifts them itself, as Hugging Face's loss does), or ``""``."""
+    """The hint for a patched causal LM given labels already shifted, ``(B, T - 1)``, or ``""``."""
     if len(labels_shape) != len(positions) or not positions or tuple(labels_shape[:-1]) != tuple(positions[:-1]) \
             or labels_shape[-1] != positions[-1] - 1:
         return ""
@@ -50,8 +43,7 @@ def shifted_labels_hint(labels_shape: tuple, positions: tuple) -> str:
 
 
 def module_hint(name: str, value) -> str:
-    """The hint for a module passed where its weight tensor is expected (``linear_cross_entropy(hidden,
-    lm_head, target)``), or ``""``."""
+    """The hint for a module passed where its weight tensor is expected, or ``""``."""
     weight = getattr(value, "weight", None)
     if not callable(value) or weight is None or not hasattr(weight, "shape"):
         return ""
@@ -60,8 +52,7 @@ def module_hint(name: str, value) -> str:
 
 def positional_hint(name: str, value, position: str, keyword: str = "ignore_index") -> str:
     """The hint for an integer given positionally where the tensor ``name`` sits (``cross_entropy(logits,
-    target, -100)``: the third positional argument is ``weight``, as in ``F.cross_entropy``, and
-    ``ignore_index`` a keyword), or ``""``."""
+    target, -100)``), or ``""``."""
     if isinstance(value, bool) or not isinstance(value, int):
         return ""
     return (f" ({value} was passed as {name}, the {position} positional argument; for {keyword}, pass "
@@ -70,8 +61,7 @@ def positional_hint(name: str, value, position: str, keyword: str = "ignore_inde
 
 def distill_swap_hint(student: tuple, student_w: tuple, teacher: tuple, teacher_w: tuple,
                       target: Optional[tuple] = None) -> str:
-    """The hint for ``linear_distillation_loss`` with one model's hidden states and head swapped, or ``""`` (shapes:
-    the hidden states, the heads as given, the target's or None)."""
+    """The hint for ``linear_distillation_loss`` with one model's hidden states and head swapped, or ``""``."""
     def looks_swapped(hidden, own_w, other, other_w):
         return len(hidden) == 2 and hidden[0] == other_w[0] and own_w[0] == math.prod(other[:-1])
 

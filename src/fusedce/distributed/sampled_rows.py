@@ -1,16 +1,6 @@
-"""The per-row math of ``sampled_log_probs.py`` on one chunk of this rank's vocabulary slice: ``q`` ``(n, V_r)``
-fp32 (the transformed logits over the temperature), its columns global ids ``[start, start + V_r)``.
-
-The sampler's kept set is ``q >= thr`` per row, with ``thr`` the single-process op's (``rl/truncated_rows.py``):
-the k-th largest value of the row (ties at it kept), then the smallest value whose strictly-larger mass
-(under the top-k renormalization) is below ``top_p``. Both are found without gathering the vocabulary: one ``top_k`` for
-every row as the k-th largest of every rank's k largest (gathered: k values per row and rank); otherwise a
-bisection on fp32's ordered bit pattern (``_key``) whose predicate is a per-row count (top-k) or kept mass
-(top-p) summed over the ranks; each step one ``all_reduce`` of ``n`` numbers, ``STEPS`` steps (fixed: no host
-sync), and each predicate monotone in the key, so the bisection ends on an attained value, exactly the
-single-process threshold (the top-p mass is summed in another order than its sorted ``cumsum``: a row whose
-mass ties ``top_p`` within fp32 rounding may keep one tie group more or less).
-"""
+"""The per-row math of ``sampled_log_probs.py`` on one chunk of this rank's vocabulary slice ``q`` (n, V_r): the
+sampler's kept set ``q >= thr`` with the single-process threshold, found without gathering the vocabulary
+(docs/internals.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,8 +50,7 @@ def _global_max(q: torch.Tensor, layout: VocabLayout):
 
 
 def _top_k_threshold(q: torch.Tensor, k: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
-    """(n,) the k-th largest ``q`` of each row over the ranks: the largest key whose value has at least ``k``
-    values ``>=`` it (``k`` (n,) int64, 0 for off: the whole row)."""
+    """(n,) the k-th largest ``q`` of each row over the ranks (``k`` (n,) int64, 0 for off)."""
     k = torch.where(k > 0, k.clamp(max=layout.n_classes), layout.n_classes)
     lo = torch.full_like(k, KEY_LO)       # the predicate holds here (every value >= -inf)
     hi = torch.full_like(k, KEY_HI + 1)   # and never here
@@ -74,9 +63,8 @@ def _top_k_threshold(q: torch.Tensor, k: torch.Tensor, layout: VocabLayout) -> t
 
 
 def _top_k_scalar_threshold(q: torch.Tensor, k: int, layout: VocabLayout) -> torch.Tensor:
-    """(n,) the k-th largest ``q`` of each row for one ``k`` >= 1 of the whole call: the k-th largest of every
-    rank's k largest (padded with -inf to k columns), gathered (one ``all_gather`` of n x k fp32 per rank):
-    exact, ties included (values, not ids, decide)."""
+    """(n,) the k-th largest ``q`` of each row for one ``k`` >= 1: the k-th largest of every rank's k largest, gathered
+    (exact, ties included)."""
     k = min(k, layout.n_classes)
     local = min(k, q.shape[1])
     top = torch.full((q.shape[0], k), NEG_INF, device=q.device)
@@ -89,8 +77,7 @@ def _top_k_scalar_threshold(q: torch.Tensor, k: int, layout: VocabLayout) -> tor
 
 def _top_p_threshold(q: torch.Tensor, thr_k: torch.Tensor, gmax: torch.Tensor, top_p: torch.Tensor,
                      layout: VocabLayout) -> torch.Tensor:
-    """(n,) the smallest value of each row's top-k set whose strictly-larger mass (the top-k set renormalized)
-    is below ``top_p`` (>= 1: off, ``thr_k`` kept); the row's max always qualifies."""
+    """(n,) the smallest value of each row's top-k set whose strictly-larger mass is below ``top_p``."""
     in_k = q >= thr_k[:, None]
     e = torch.where(in_k, torch.exp(q - gmax[:, None]), 0.0)
     total = _all_reduce(e.sum(dim=1), layout)
@@ -107,9 +94,7 @@ def _top_p_threshold(q: torch.Tensor, thr_k: torch.Tensor, gmax: torch.Tensor, t
 
 @dataclass
 class RowResults:
-    """A chunk's global per-row results (n,): ``log_prob``, ``entropy`` (None unless asked), ``lse`` of the
-    kept set, ``thr`` (the kept set is ``q >= thr``; -inf untruncated), ``inside`` (bool: the target kept,
-    its row finite), ``stats`` (``(log_sum_sq_probs, mean_logits, is_top1)`` or None)."""
+    """A chunk's global per-row results (n,); the kept set is ``q >= thr`` (-inf untruncated)."""
 
     log_prob: torch.Tensor
     entropy: Optional[torch.Tensor]
@@ -121,9 +106,7 @@ class RowResults:
 
 def forward(q: torch.Tensor, target: torch.Tensor, top_k, top_p: Optional[torch.Tensor],
             layout: VocabLayout, want_entropy: bool, want_stats: bool) -> RowResults:
-    """The chunk's results (``RowResults``): ``target`` (n,) global ids of kept rows; ``top_k`` an int >= 1
-    for every row (``_top_k_scalar_threshold``), (n,) per row or None, ``top_p`` (n,) or None (off for the
-    whole call); the collectives of the module docstring, then one ``all_reduce`` of the per-row sums."""
+    """The chunk's ``RowResults`` (``top_k`` an int for every row, (n,) per row or None; ``top_p`` (n,) or None)."""
     n = q.shape[0]
     gmax, argmax = _global_max(q, layout)
     finite_max = gmax > NEG_INF
@@ -168,8 +151,7 @@ def forward(q: torch.Tensor, target: torch.Tensor, top_k, top_p: Optional[torch.
 def grad_q(q: torch.Tensor, target: torch.Tensor, r_thr: torch.Tensor, lse: torch.Tensor, inside: torch.Tensor,
            entropy: Optional[torch.Tensor], g_log_prob: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
            layout: VocabLayout) -> torch.Tensor:
-    """``(n, V_r)`` fp32 gradient of ``sum(g_log_prob * log_prob + g_entropy * entropy)`` with respect to this
-    slice's ``q`` (either upstream None: unused; ignored rows must carry 0), zero outside each kept set."""
+    """The fp32 gradient of ``sum(g_log_prob * log_prob + g_entropy * entropy)`` w.r.t. this slice's ``q``."""
     finite = lse > NEG_INF
     kept = (q >= r_thr[:, None]) & finite[:, None]
     p = torch.where(kept, torch.exp(q - torch.where(finite, lse, 0.0)[:, None]), 0.0)

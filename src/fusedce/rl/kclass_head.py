@@ -1,5 +1,4 @@
-"""Log-probabilities of K given classes per row (``token_log_probs`` with a ``target`` of shape ``(..., K)``), on any
-backend's ``ChunkCE`` / ``TiledCE``, with no new kernel."""
+"""Log-probabilities of K given classes per row, on any backend's ``ChunkCE`` / ``TiledCE`` with no new kernel."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -18,8 +17,7 @@ from fusedce.backends.protocol import ChunkCE
 _SAME_CLASS_ELEMENTS = 1 << 22   # the (rows, K, K) class-equality temporary of ``class_sums``
 
 class Entries(NamedTuple):
-    """The K targets of n rows: ``valid`` / ``safe`` (n, K), the representative target ``rep`` (n,), the first
-    valid entry's position ``first`` (n, 1) and ``any`` (n,)."""
+    """The K targets of n rows: ``valid`` / ``safe`` (n, K), the representative ``rep``, ``first`` and ``any``."""
 
     valid: torch.Tensor
     safe: torch.Tensor
@@ -38,22 +36,19 @@ def entries(target: torch.Tensor, opts: LossOptions, n_classes: int) -> Entries:
 
 
 def log_probs_at(x: torch.Tensor, target: torch.Tensor, e: Entries, lse, lse_lo, opts: LossOptions):
-    """fp32 ``(z_k - lse) - lse_lo`` from the gathered logits ``x`` (n, K); 0 on ignored entries, NaN on
-    a non-ignored entry out of range (as the one-class loss)."""
+    """fp32 ``(z_k - lse) - lse_lo`` from the gathered logits ``x`` (n, K); 0 ignored, NaN out of range."""
     return log_probs_of(transform(x.float(), opts), target, e, lse, lse_lo, opts)
 
 
 def log_probs_of(z: torch.Tensor, target: torch.Tensor, e: Entries, lse, lse_lo, opts: LossOptions):
-    """:func:`log_probs_at` from the TRANSFORMED fp32 target logits ``z`` (n, K) (the vocab-parallel op
-    sums them over the ranks first)."""
+    """:func:`log_probs_at` from the already transformed fp32 target logits ``z`` (n, K)."""
     out = (z - lse[:, None]) - lse_lo[:, None]
     out = torch.where(e.valid, out, float("nan"))
     return torch.where(opts.kept(target), out, 0.0)
 
 
 def class_sums(e: Entries, g: torch.Tensor) -> torch.Tensor:
-    """``sum_{j: t_j = t_k} g_j`` per entry (n, K) fp32: a masked (K, K) product per row, rows at a time so that the
-    (rows, K, K) temporary stays below ``_SAME_CLASS_ELEMENTS``."""
+    """``sum_{j: t_j = t_k} g_j`` per entry (n, K) fp32, rows at a time (the (rows, K, K) temporary is bounded)."""
     ids = torch.where(e.valid, e.safe, -1)
     n, K = ids.shape
     if torch.compiler.is_compiling():   # one block: a loop over the token count would specialize the graph on it
@@ -78,8 +73,7 @@ def upstream_k(grad_log_probs: Optional[torch.Tensor], e: Entries):
 
 def column_grads(x: torch.Tensor, e: Entries, kept_rows: torch.Tensor, g, G, lse, lse_lo, k, entropy,
                  opts: LossOptions) -> torch.Tensor:
-    """The module docstring's whole formula, fp32 (n, K), at the entries of ``e`` (their logits ``x`` before the
-    transform): ``class_sums`` over ``e``'s valid entries; the entropy term on the rows ``kept_rows`` (n,) bool."""
+    """The module's gradient formula at the entries of ``e``, fp32 (n, K); the entropy term on ``kept_rows``."""
     z = transform(x.float(), opts)
     u = (z - lse[:, None]) - lse_lo[:, None]
     p = torch.exp(u)
@@ -100,14 +94,13 @@ def scatter_columns_(grad: torch.Tensor, dz: torch.Tensor, e: Entries, keep_unwr
 
 def _fix_columns_(grad: torch.Tensor, x: torch.Tensor, e: Entries, g, G, lse, lse_lo, k, entropy,
                   opts: LossOptions) -> None:
-    """Overwrite the K target columns of ``grad`` ((n, V), any float dtype) with the exact fp32 value of the module
-    docstring's formula, rounded once."""
+    """Overwrite the K target columns of ``grad`` with the exact fp32 value of the formula, rounded once."""
     scatter_columns_(grad, column_grads(x, e, e.any, g, G, lse, lse_lo, k, entropy, opts), e)
 
 
 class _KClassCE:
-    """A ``ChunkCE`` whose ``grad_`` takes (n, K) targets and upstream gradients (``loop.grads_loop`` slices
-    both by rows): the one-class kernel with ``grad_lse = -G``, then ``_fix_columns_``."""
+    """A ``ChunkCE`` whose ``grad_`` takes (n, K) targets: the one-class kernel with ``grad_lse = -G``, then
+    ``_fix_columns_``."""
 
     def __init__(self, ce: ChunkCE, n_classes: int):
         self.ce, self.n_classes = ce, n_classes
@@ -153,8 +146,7 @@ class _LogProbsK(torch.autograd.Function):
 
 
 def linear_forward(head, hidden, weight, bias, target, opts: LossOptions, want_entropy: bool):
-    """The linear K-class forward on a ``head.py`` head: ``(lse, lse_lo, entropy or None, x)``, ``x`` (n, K)
-    the target logits before the transform (the chunk logits' dtype; fp32 with the tiled head)."""
+    """The linear K-class forward: ``(lse, lse_lo, entropy or None, x)``, ``x`` (n, K) the raw target logits."""
     e = entries(target, opts, weight.shape[0])
     if isinstance(head, TiledHead):
         rows = head.tiled.forward(hidden, weight, bias, e.rep, None, None, opts, False, want_entropy)
@@ -164,9 +156,7 @@ def linear_forward(head, hidden, weight, bias, target, opts: LossOptions, want_e
 
 def linear_grads(head, hidden, weight, bias, target, lse, lse_lo, entropy, x, grad_log_probs, k, opts: LossOptions,
                  needs) -> tuple:
-    """The linear K-class backward: ``(grad_hidden, grad_weight, grad_bias)`` (None where ``needs`` says no;
-    the last two fp32) of ``sum_k g_k log p_k (+ k entropy)``, ``g = grad_log_probs`` (n, K) or None, ``k``
-    the entropy's upstream (n,) or None."""
+    """The linear K-class backward ``(grad_hidden, grad_weight, grad_bias)`` of ``sum_k g_k log p_k (+ k entropy)``."""
     e = entries(target, opts, weight.shape[0])
     g, G = upstream_k(grad_log_probs, e)
     if isinstance(head, TiledHead):
@@ -184,8 +174,7 @@ def linear_grads(head, hidden, weight, bias, target, lse, lse_lo, entropy, x, gr
 
 
 def _chunked_forward(head, hidden, weight, bias, e: Entries, opts: LossOptions, want_entropy: bool):
-    """Per chunk of ``head.rows_for`` tokens: the logits once, ``ce.loss`` on the representative targets and
-    the K target logits gathered from the chunk. ``(lse, lse_lo, entropy or None, x (n, K))``."""
+    """Per chunk: the logits once, ``ce.loss`` on the representative targets, the K target logits gathered."""
     n = hidden.shape[0]
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse_lo = torch.empty_like(lse)
@@ -207,6 +196,5 @@ def _chunked_forward(head, hidden, weight, bias, e: Entries, opts: LossOptions, 
 
 def token_log_probs_kclass(ce: ChunkCE, logits: torch.Tensor, target: torch.Tensor, opts: LossOptions,
                           want_entropy: bool):
-    """Backend entry: ``logits`` (BT, V) last-dim stride 1, ``target`` (BT, K) -> ``(log_probs (BT, K),
-    entropy (BT,) or empty)`` fp32."""
+    """Backend entry: ``logits`` (BT, V), ``target`` (BT, K) -> ``(log_probs (BT, K), entropy (BT,) or empty)``."""
     return _LogProbsK.apply(logits, target, ce, opts, want_entropy)

@@ -1,5 +1,4 @@
-"""Distillation row op of the PyTorch backend: per-row loss and student-logit gradient (``distill_rows``), and the fp32
-block math it shares with the tiled op (``distill_tiled.py``)."""
+"""The PyTorch backend's distillation row op (``distill_rows``) and the fp32 block math it shares with the tiled op."""
 from __future__ import annotations
 
 import math
@@ -21,15 +20,13 @@ def capped(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
 
 
 def _masked_sum(p: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
-    """``sum_v p_v diff_v`` over the classes with ``p_v != 0`` (``0 * inf`` is 0 there; a NaN ``p``, from a
-    NaN or +inf logit, keeps its NaN: never a silent 0)."""
+    """``sum_v p_v diff_v`` over ``p_v != 0`` (``0 * inf`` is 0; a NaN ``p`` stays NaN)."""
     return torch.where(p != 0, p * diff, 0.0).sum(dim=1)
 
 
 def divergence(ls: torch.Tensor, lt: torch.Tensor, beta: float):
-    """``(div, row_sum)`` of fp32 ``(n, v)`` log-probability blocks (a block may be a vocabulary slice:
-    every quantity here is a sum over classes): ``div`` the block's part of the divergence, ``row_sum`` its
-    part of ``sum s g`` (None for ``beta = 0``, whose gradient needs none)."""
+    """``(div, row_sum)`` of fp32 log-probability blocks (a block may be a vocabulary slice); ``row_sum`` None for
+    ``beta = 0``."""
     s, t = ls.exp(), lt.exp()
     if beta == 0.0:
         return _masked_sum(t, lt - ls), None
@@ -57,8 +54,7 @@ def grad_u(ls: torch.Tensor, lt: torch.Tensor, beta: float, row_sum: Optional[to
 
 def chain(du: torch.Tensor, c: torch.Tensor, hard: Optional[torch.Tensor], temperature: float,
           cap: Optional[float]) -> torch.Tensor:
-    """``dL/dz_s`` (fp32) from ``dL/du`` (``du``), the hard-label part w.r.t. ``c`` (``hard`` or None)
-    and the softcapped student logits ``c``."""
+    """``dL/dz_s`` (fp32) from ``dL/du``, the hard-label part ``hard`` (or None) and the capped logits ``c``."""
     d = du if temperature == 1.0 else du * (1.0 / temperature)
     if hard is not None:
         d = d + hard
@@ -71,19 +67,16 @@ def chain(du: torch.Tensor, c: torch.Tensor, hard: Optional[torch.Tensor], tempe
 def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, target: Optional[torch.Tensor],
                  grad_factor: Optional[torch.Tensor], *, beta: float, temperature: float, hard_label_weight: float,
                  ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float]):
-    """Per-row distillation loss and, with ``grad_factor`` ((N,) fp32), the student logits' gradient: logits (N, V)
-    of any float dtypes (never written), ``target`` (N,) int64 or None, the checked options of
-    :func:`fusedce.distillation_loss`. Returns ``(loss_rows (N,) fp32, grad (N, V) in the student's dtype or
-    None)``, 0 on ignored rows."""
+    """Per-row distillation loss (N,) fp32 and, with ``grad_factor``, the student logits' gradient (or None); 0 on
+    ignored rows."""
     n, n_classes = student_logits.shape
     dev = student_logits.device
     loss = torch.empty(n, dtype=torch.float32, device=dev)
     grad = None
     if grad_factor is not None:
         grad = torch.empty((n, n_classes), dtype=student_logits.dtype, device=dev)
-    # CPU: cache-sized blocks shared among Python threads with one intra-op thread each (``launch.
-    # for_row_blocks``' scheme: every row reduced whole by one thread, so its bits do not depend on the rows
-    # beside it, ``batch_invariant``); elsewhere ``BLOCK_ELEMENTS``-value blocks in the calling thread.
+    # CPU: cache-sized blocks on Python threads, each row reduced whole by one thread (``launch.for_row_blocks``);
+    # elsewhere ``BLOCK_ELEMENTS``-value blocks in the calling thread.
     cpu = dev.type == "cpu"
     step = cpu_block_rows(n_classes) if cpu else max(1, BLOCK_ELEMENTS // max(1, n_classes))
     n_blocks = -(-n // step)

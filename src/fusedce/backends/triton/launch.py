@@ -19,8 +19,7 @@ INTERPRETED = not isinstance(ce_backward_kernel, triton.runtime.jit.JITFunction)
 
 
 def _align(elem_size: int, *ints: int) -> int:
-    """The kernels' ``ALIGN``: the largest power of two, at most one 16-byte vector of elements, that divides every int
-    given (n_cols and the row strides)."""
+    """The kernels' ``ALIGN``: the largest power of two, at most one 16-byte vector, dividing every int given."""
     align = 16 // elem_size
     while align > 1 and any(v % align for v in ints):
         align //= 2
@@ -31,8 +30,7 @@ def forward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[
                    weight_sum: Optional[torch.Tensor], opts: LossOptions, loss: torch.Tensor,
                    lse: torch.Tensor, lse_lo: torch.Tensor, predicted: Optional[torch.Tensor],
                    entropy: Optional[torch.Tensor] = None):
-    """``(kernel, grid, args, meta)`` of the forward launch for these buffers (see ``ce_forward``);
-    ``entropy`` (n,) fp32 or None (not computed: COMPUTE_ENTROPY off, the CE hot path's code)."""
+    """``(kernel, grid, args, meta)`` of the forward launch (``ce_forward``); ``entropy`` None: not computed."""
     n_rows, n_cols = logits.shape
     dummy = loss  # any valid pointer for arguments a constexpr flag leaves unread
     cfg = forward_config(n_cols)
@@ -52,10 +50,8 @@ def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional
                     grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor], opts: LossOptions,
                     grad: torch.Tensor, vocab: Optional["VocabSlice"] = None,
                     grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None):
-    """``(kernel, grid, args, meta)`` of the backward launch for these buffers (see ``ce_backward``);
-    ``vocab``: the columns are a slice of a larger vocabulary (None: the whole of it); ``grad_entropy``
-    (n,) any float dtype and stride, with the forward's ``entropy`` (n,) fp32: the entropy's term
-    (HAS_GRAD_ENTROPY; None: off, the CE path's code)."""
+    """``(kernel, grid, args, meta)`` of the backward launch (``ce_backward``); ``vocab``: a slice (None: all);
+    ``grad_entropy`` with the forward's ``entropy``: the entropy's term."""
     n_rows, n_cols = logits.shape
     vocab = VocabSlice(0, n_cols) if vocab is None else vocab
     dummy = lse
@@ -82,8 +78,7 @@ def backward_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional
 
 
 class VocabSlice(NamedTuple):
-    """Columns ``[col_start, col_start + V_r)`` of a vocabulary of ``n_total`` classes; ``target_weight``
-    (n,) fp32, the global w_t of each row when there are class weights (None otherwise)."""
+    """Columns ``[col_start, col_start + V_r)`` of ``n_total`` classes; ``target_weight``: each row's global w_t."""
 
     col_start: int
     n_total: int
@@ -92,9 +87,7 @@ class VocabSlice(NamedTuple):
 
 def slice_stats_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                        opts: LossOptions, col_start: int, out: tuple):
-    """``(kernel, grid, args, meta)`` of the slice-statistics launch (see ``ce_slice``); ``out`` =
-    (xmax, argmax, zmax, sumexp, target_logit, zsum[, tsum]) buffers of (n,) (zsum written only with
-    smoothing; tsum, the entropy's partial sum, given: COMPUTE_ENTROPY, written)."""
+    """``(kernel, grid, args, meta)`` of the slice-statistics launch (``ce_slice``) into the (n,) buffers ``out``."""
     n_rows, n_cols = logits.shape
     cfg = forward_config(n_cols)
     entropy = len(out) > 6
@@ -120,8 +113,7 @@ def chunk_launch(logits: torch.Tensor, target: torch.Tensor, weight: Optional[to
                  weight_sum: Optional[torch.Tensor], grad_row: torch.Tensor, z_grad_row: torch.Tensor,
                  opts: LossOptions, loss: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
                  predicted: Optional[torch.Tensor], token_weight: Optional[torch.Tensor]):
-    """``(kernel, grid, args, meta)`` of the fused chunk launch (see ``ce_chunk``): one program per row,
-    the forward's block configuration (it streams whole rows)."""
+    """``(kernel, grid, args, meta)`` of the fused chunk launch (``ce_chunk``): one program per row."""
     n_rows, n_cols = logits.shape
     dummy = loss
     cfg = forward_config(n_cols)
@@ -143,9 +135,8 @@ def ce_chunk_(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch
               weight_sum: Optional[torch.Tensor], grad_row: torch.Tensor, z_grad_row: torch.Tensor,
               opts: LossOptions, loss: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor,
               predicted: Optional[torch.Tensor], token_weight: Optional[torch.Tensor]) -> None:
-    """Fill ``loss``/``lse``/``lse_lo`` (and ``predicted``, ``token_weight`` when given) for the chunk ``logits`` ((n,
-    V), last dim stride 1) and overwrite ``logits`` with d(sum_i grad_row[i] loss_i + z_grad_row[i] z_i)/d logits
-    (``z_i = s lse_i**2``; both upstreams times ``p_t`` with token scaling)."""
+    """Fill ``loss``/``lse``/``lse_lo`` (and ``predicted``, ``token_weight``) for the chunk and overwrite ``logits``
+    with its gradient (z-loss and token scaling applied)."""
     if logits.shape[0] == 0:
         return
     kernel, grid, args, meta = chunk_launch(logits, target, weight, weight_sum, grad_row, z_grad_row, opts,
@@ -170,8 +161,7 @@ def ce_backward(logits: torch.Tensor, target: torch.Tensor, weight: Optional[tor
                 grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor], opts: LossOptions,
                 grad: torch.Tensor, vocab: Optional["VocabSlice"] = None,
                 grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None) -> None:
-    """Write d(sum_i grad_row[i] * loss_i + grad_lse[i] * lse_i [+ grad_entropy[i] * entropy_i])/d logits into ``grad``
-    ((BT, V), may be ``logits`` itself)."""
+    """Write d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i [+ grad_entropy[i] entropy_i])/d logits into ``grad``."""
     if logits.shape[0] == 0:
         return
     kernel, grid, args, meta = backward_launch(logits, target, weight, weight_sum, lse, lse_lo, grad_row,

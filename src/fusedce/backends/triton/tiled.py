@@ -38,8 +38,7 @@ def _grid_meta(n_rows, n_cols, n_hidden, kernel, dtype):
 
 def tiled_forward_launch(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, loss, lse, lse_lo,
                          predicted: Opt, target_logit, entropy: Opt, token_stats: Optional[tuple] = None):
-    """``(kernel, grid, args, meta)`` of the tiled forward for these buffers (see ``tiled_forward``);
-    ``token_stats``: (log_sum_sq, mean, is_top1 as uint8) buffers, or None (COMPUTE_TOKEN_STATS off)."""
+    """``(kernel, grid, args, meta)`` of the tiled forward; ``token_stats``: buffers, or None."""
     (n_rows, n_hidden), n_cols = hidden.shape, weight.shape[0]
     dummy = loss
     cfg, meta = _grid_meta(n_rows, n_cols, n_hidden, "tiled_forward", hidden.dtype)
@@ -57,8 +56,7 @@ def tiled_forward_launch(hidden, weight, bias, target, w, weight_sum, opts: Loss
 
 def _backward_parts(kernel, hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
                     grad_entropy: Opt, entropy: Opt, opts: LossOptions):
-    """What every backward kernel takes: ``(cfg, meta, inputs, sizes)``, the pointer arguments before the
-    outputs and the size / stride / option arguments after them (the kernels' shared parameter list)."""
+    """``(cfg, meta, inputs, sizes)``: the backward kernels' shared parameter list around their outputs."""
     (n_rows, n_hidden), n_cols = hidden.shape, weight.shape[0]
     cfg, meta = _grid_meta(n_rows, n_cols, n_hidden, kernel, hidden.dtype)
     opt = lambda t: lse if t is None else t   # noqa: E731 - a dummy pointer for an absent tensor
@@ -75,8 +73,7 @@ def _backward_parts(kernel, hidden, weight, bias, target, w, weight_sum, lse, ls
 def tiled_backward_launch(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
                           grad_entropy: Opt, entropy: Opt, opts: LossOptions, grad_hidden: Opt, grad_weight: Opt,
                           grad_bias: Opt):
-    """``(kernel, grid, args, meta)`` of the tiled backward with atomics; ``grad_*``: zeroed fp32
-    accumulators or None (not computed)."""
+    """``(kernel, grid, args, meta)`` of the atomic tiled backward; ``grad_*``: zeroed fp32 buffers or None."""
     cfg, meta, inputs, sizes = _backward_parts("tiled_backward", hidden, weight, bias, target, w, weight_sum, lse,
                                                lse_lo, grad_row, grad_lse, grad_entropy, entropy, opts)
     dummy = lse
@@ -89,8 +86,7 @@ def tiled_backward_launch(hidden, weight, bias, target, w, weight_sum, lse, lse_
 
 def tiled_grad_hidden_launch(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
                              grad_entropy: Opt, entropy: Opt, opts: LossOptions, grad_hidden):
-    """``(kernel, grid, args, meta)`` of the deterministic grad_hidden kernel (``tiled_backward_owned``);
-    ``grad_hidden``: a zeroed (n, H) fp32 buffer."""
+    """``(kernel, grid, args, meta)`` of the deterministic grad_hidden kernel (zeroed (n, H) fp32 buffer)."""
     cfg, meta, inputs, sizes = _backward_parts("tiled_grad_hidden", hidden, weight, bias, target, w, weight_sum,
                                                lse, lse_lo, grad_row, grad_lse, grad_entropy, entropy, opts)
     return (tiled_grad_hidden_kernel, (triton.cdiv(hidden.shape[0], cfg["BLOCK_N"]),),
@@ -99,9 +95,7 @@ def tiled_grad_hidden_launch(hidden, weight, bias, target, w, weight_sum, lse, l
 
 def tiled_grad_weight_launch(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
                              grad_entropy: Opt, entropy: Opt, opts: LossOptions, grad_weight: Opt, grad_bias: Opt):
-    """``(kernel, grid, args, meta)`` of the deterministic grad_weight / grad_bias kernel
-    (``tiled_backward_owned``); ``grad_weight``: a zeroed (V, H) fp32 buffer, ``grad_bias`` (V,) fp32
-    (written whole), or None (not computed)."""
+    """``(kernel, grid, args, meta)`` of the deterministic grad_weight / grad_bias kernel (fp32 buffers or None)."""
     cfg, meta, inputs, sizes = _backward_parts("tiled_grad_weight", hidden, weight, bias, target, w, weight_sum,
                                                lse, lse_lo, grad_row, grad_lse, grad_entropy, entropy, opts)
     args = inputs + tuple(lse if t is None else t for t in (grad_weight, grad_bias)) + sizes
@@ -112,8 +106,7 @@ def tiled_grad_weight_launch(hidden, weight, bias, target, w, weight_sum, lse, l
 def tiled_backward_launches(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse: Opt,
                             grad_entropy: Opt, entropy: Opt, opts: LossOptions, grad_hidden: Opt, grad_weight: Opt,
                             grad_bias: Opt, deterministic: bool) -> list:
-    """The launches of one tiled backward: the atomic kernel, or (``deterministic``) the grad_hidden
-    kernel and / or the grad_weight kernel, for the gradients asked for (``grad_*`` not None)."""
+    """The launches of one tiled backward: atomic, or (``deterministic``) grad_hidden and / or grad_weight."""
     common = (hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, grad_entropy, entropy,
               opts)
     if not deterministic:
@@ -145,8 +138,7 @@ def _forward_buffers(hidden, stats: bool, entropy: bool):
 def tiled_forward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, target: torch.Tensor, w: Opt,
                      weight_sum: Opt, ignore_index: int, scalars: list[float], stats: bool, entropy: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, lse, lse_lo, predicted, target_logit, entropy)``, (n,) each (predicted int64, (0,) without
-    stats; entropy (0,) unless asked)."""
+    """``(loss, lse, lse_lo, predicted, target_logit, entropy)``, (n,) each ((0,) when not asked)."""
     out = _forward_buffers(hidden, stats, entropy)
     if hidden.shape[0]:
         kernel, grid, args, meta = tiled_forward_launch(
@@ -175,10 +167,8 @@ def tiled_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, tar
                       grad_lse: Opt, grad_entropy: Opt, entropy: Opt, ignore_index: int, scalars: list[float],
                       needs_h: bool, needs_w: bool, needs_b: bool, accum_dtype: torch.dtype, deterministic: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(grad_hidden, grad_weight, grad_bias)``: hidden's dtype, accum_dtype, accum_dtype; (0,) for a
-    gradient not asked for. fp32 accumulation, atomic (``kernels/tiled_backward.py``) or, with
-    ``deterministic``, by one owner per gradient row (``kernels/tiled_backward_owned.py``: bitwise
-    reproducible)."""
+    """``(grad_hidden, grad_weight, grad_bias)`` ((0,) when not asked), fp32 accumulation, atomic or, with
+    ``deterministic``, one owner per gradient row (bitwise reproducible)."""
     sh, sw, sb = _grad_shapes(hidden, weight, needs_h, needs_w, needs_b)
     acc_h = hidden.new_zeros(sh, dtype=torch.float32)
     acc_w = hidden.new_zeros(sw, dtype=torch.float32)

@@ -1,5 +1,4 @@
-"""The per-row cross-entropy math of the CuTe DSL kernels, written once (``@cute.jit`` helpers, inlined at trace time)
-and shared by ``ce_forward``, ``ce_backward``, ``ce_chunk`` and ``ce_chunk_onchip``."""
+"""The per-row cross-entropy math of the CuTe DSL kernels, written once (``@cute.jit`` helpers)."""
 import math
 
 import cutlass
@@ -13,9 +12,7 @@ from .row_reduce import NEG_INF, block_merge, safe_shift
 
 @dsl_user_op
 def div_full(a, b, *, loc=None, ip=None) -> Float32:
-    """``a / b`` in fp32 as PTX ``div.full.f32`` (max 2 ulp; what Triton's ``/`` on fp32 emits), not the
-    IEEE ``div.rn.f32`` that a plain ``/`` lowers to: ptxas expands ``div.rn`` into a subroutine call
-    whose calling convention cost the scalar and smoothing variants 8-68 bytes of spill stores."""
+    """``a / b`` as PTX ``div.full.f32`` (max 2 ulp, as Triton's ``/``): ``div.rn``'s subroutine call spilled."""
     return Float32(llvm.inline_asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
                                    "div.full.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
                                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
@@ -23,9 +20,7 @@ def div_full(a, b, *, loc=None, ip=None) -> Float32:
 
 @cute.jit
 def tanh_fp32(y: Float32) -> Float32:
-    """``tanh(y)`` in fp32, the same two-branch form as the Triton kernels (``common.tanh_fp32``):
-    ``y + y^3 P(y^2)`` below 0.55 (full relative precision near 0), ``1 - 2 / (exp(2|y|) + 1)`` above
-    (no cancellation; saturates to 1 exactly)."""
+    """``tanh(y)`` in fp32, the Triton kernels' two-branch form (``common.tanh_fp32``)."""
     a = cute.math.absf(y)
     u = y * y
     p = Float32(-0.003164674388244748)
@@ -75,8 +70,7 @@ def two_sum(a: Float32, b: Float32):
 def update_vector(m: Float32, s: Float32, zsum: Float32, best: Float32, idx: Int32, xv: cute.TensorSSA,
                   wv, col0: Int32, scalars, VEC: cutlass.Constexpr[int], FLAGS: cutlass.Constexpr,
                   COMPUTE_STATS: cutlass.Constexpr[bool]):
-    """Fold one vector of ``VEC`` fp32 logits (columns ``col0 ...``) into a thread's row state: one
-    rescale of the running sum per vector (``VEC + 1`` exponentials for ``VEC`` logits)."""
+    """Fold one vector of ``VEC`` fp32 logits into a thread's row state (one rescale per vector)."""
     vmax = Float32(NEG_INF)
     for j in cutlass.range_constexpr(VEC):
         z = transform(xv[j], scalars, FLAGS)
@@ -104,8 +98,7 @@ def update_vector(m: Float32, s: Float32, zsum: Float32, best: Float32, idx: Int
 def row_stats(gRow: cute.Tensor, gW, n_live: Int32, tidx: Int32, scalars, sbuf_f: cute.Tensor,
               sbuf_i: cute.Tensor, THREADS: cutlass.Constexpr[int], VEC: cutlass.Constexpr[int],
               FLAGS: cutlass.Constexpr, COMPUTE_STATS: cutlass.Constexpr[bool]):
-    """One pass over the first ``n_live`` (0 or V, a multiple of ``VEC``) logits of a row: the CTA's
-    ``(m, s, zsum, best, best_idx)``; the row is read once, one ``VEC``-vector per thread per step."""
+    """The CTA's ``(m, s, zsum, best, best_idx)`` over a row's first ``n_live`` logits, read once."""
     return slice_stats(gRow, 0, gW, n_live // VEC, tidx, scalars, sbuf_f, sbuf_i, THREADS, VEC, FLAGS,
                        COMPUTE_STATS)
 
@@ -114,9 +107,7 @@ def row_stats(gRow: cute.Tensor, gW, n_live: Int32, tidx: Int32, scalars, sbuf_f
 def target_row_stats(gRow: cute.Tensor, gW, mTarget: cute.Tensor, row, n_cols: Int32, tidx: Int32, scalars,
                      THREADS: cutlass.Constexpr[int], VEC: cutlass.Constexpr[int], FLAGS: cutlass.Constexpr,
                      COMPUTE_STATS: cutlass.Constexpr[bool]):
-    """The first pass of the row-streaming kernels (``ce_forward``, ``ce_chunk``) over row ``row``: its target, whether
-    it is kept, and ``row_stats`` over the row's ``n_cols`` logits ``gRow`` (none read on an ignored row), with the
-    CTA's reduction buffers in static shared memory."""
+    """The row-streaming kernels' first pass over row ``row``: its target, whether it is kept, and ``row_stats``."""
     smem = cutlass.utils.SmemAllocator()
     sbuf_f = smem.allocate_tensor(Float32, cute.make_layout((4, THREADS // 32)), byte_alignment=16)
     sbuf_i = smem.allocate_tensor(Int32, cute.make_layout(THREADS // 32), byte_alignment=16)
@@ -134,9 +125,8 @@ def target_row_stats(gRow: cute.Tensor, gW, mTarget: cute.Tensor, row, n_cols: I
 def slice_stats(sX: cute.Tensor, v0, gW, n_vec: Int32, tidx: Int32, scalars, sbuf_f: cute.Tensor,
                 sbuf_i: cute.Tensor, THREADS: cutlass.Constexpr[int], VEC: cutlass.Constexpr[int],
                 FLAGS: cutlass.Constexpr, COMPUTE_STATS: cutlass.Constexpr[bool]):
-    """``row_stats`` of ``n_vec`` vectors of ``sX`` (a whole row in global memory, ``v0 = 0``, or the
-    shared-memory copy of a row slice whose vector ``v`` is the row's vector ``v0 + v``: the class
-    weights and the argmax columns are indexed with ``v0 + v``). Every thread gets the CTA's state."""
+    """``row_stats`` of ``n_vec`` vectors of ``sX`` (a whole row, or a shared-memory slice starting at vector
+    ``v0``); every thread gets the CTA's state."""
     m, s, zsum = Float32(NEG_INF), Float32(0.0), Float32(0.0)
     best, idx = Float32(NEG_INF), Int32(0)
     frag = cute.make_rmem_tensor((VEC,), sX.element_type)
@@ -155,8 +145,7 @@ def slice_stats(sX: cute.Tensor, v0, gW, n_vec: Int32, tidx: Int32, scalars, sbu
 @cute.jit
 def row_loss(m: Float32, s: Float32, zsum: Float32, z_t: Float32, w_t: Float32, total_w: Float32,
              n_cols: Int32, is_valid, in_range, scalars, FLAGS: cutlass.Constexpr):
-    """``(loss, lse, lse_lo)`` of a row from its merged state; ignored rows (which read nothing) give 0,
-    a non-ignored row with an out-of-range target a NaN loss."""
+    """``(loss, lse, lse_lo)`` of a row from its merged state: 0 on ignored rows, NaN loss on an out-of-range target."""
     m_ok, s_ok = Float32(0.0), Float32(1.0)
     if is_valid:
         m_ok, s_ok = m, s
@@ -183,8 +172,7 @@ def grad_coefs(w_t: Float32, n_cols: Int32, scalars):
 def grad_value(x: Float32, col: Int32, target: Int32, w_c: Float32, a: Float32, lse: Float32,
                lse_lo: Float32, g: Float32, h: Float32, b: Float32, total_w: Float32, scalars,
                FLAGS: cutlass.Constexpr, HAS_GRAD_LSE: cutlass.Constexpr[bool]) -> Float32:
-    """fp32 ``dL/dx`` of one logit (``a``, ``b``: ``grad_coefs``; ``w_c`` read only with smoothing).
-    The target column is formed as ``p - 1`` before scaling: exact 0 where the math says so."""
+    """fp32 ``dL/dx`` of one logit; the target column is formed as ``p - 1`` before scaling (exact 0s)."""
     z = transform(x, scalars, FLAGS)
     p = cute.math.exp((z - lse) - lse_lo)
     pm = p
@@ -202,8 +190,7 @@ def grad_value(x: Float32, col: Int32, target: Int32, w_c: Float32, a: Float32, 
 def grad_vector(gX: cute.Tensor, gW, gG: cute.Tensor, v: Int32, is_valid, target: Int32, a: Float32,
                 lse: Float32, lse_lo: Float32, g: Float32, h: Float32, b: Float32, total_w: Float32, scalars,
                 VEC: cutlass.Constexpr[int], FLAGS: cutlass.Constexpr, HAS_GRAD_LSE: cutlass.Constexpr[bool]):
-    """Read vector ``v`` of a row (``gX``; not read on ignored rows), write its gradient (zeros on
-    ignored rows) into vector ``v`` of ``gG`` (may be the same memory: read before write)."""
+    """Read vector ``v`` of a row, write its gradient (zeros on ignored rows) into ``gG``'s vector ``v`` (may alias)."""
     grad_vector_from(gX, v, gW, gG, v, is_valid, target, a, lse, lse_lo, g, h, b, total_w, scalars, VEC, FLAGS,
                      HAS_GRAD_LSE)
 
@@ -213,9 +200,7 @@ def grad_vector_from(sX: cute.Tensor, vx: Int32, gW, gG: cute.Tensor, v: Int32, 
                      a: Float32, lse: Float32, lse_lo: Float32, g: Float32, h: Float32, b: Float32,
                      total_w: Float32, scalars, VEC: cutlass.Constexpr[int], FLAGS: cutlass.Constexpr,
                      HAS_GRAD_LSE: cutlass.Constexpr[bool]):
-    """``grad_vector`` with the logits taken from vector ``vx`` of ``sX`` (global memory, or the
-    shared-memory copy of a row slice) and written to vector ``v`` of ``gG`` (columns ``v * VEC ...``,
-    which also index the class weights and the target)."""
+    """``grad_vector`` with the logits from vector ``vx`` of ``sX``, written to vector ``v`` of ``gG``."""
     out = cute.make_rmem_tensor((VEC,), Float32)
     out.fill(0.0)
     if is_valid:

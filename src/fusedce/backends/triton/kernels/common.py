@@ -5,8 +5,7 @@ import triton.language as tl
 
 @triton.jit
 def aligned(n, ALIGN: tl.constexpr):
-    """``n`` (a runtime int the launcher guarantees to be a multiple of ``ALIGN``), written so that the compiler can
-    prove it."""
+    """``n`` (a multiple of ``ALIGN``, as the launcher guarantees), written so that the compiler can prove it."""
     if ALIGN > 1:
         n = n // ALIGN * ALIGN
     return n
@@ -30,8 +29,7 @@ def tanh_fp32(y):
 
 @triton.jit
 def two_sum(a, b):
-    """``(s, e)`` with ``s = fl(a + b)`` and ``s + e = a + b`` exactly (Knuth's TwoSum, TAOCP vol. 2,
-    4.2.2; branch-free, any magnitudes). No multiplication, so no FMA contraction can change it."""
+    """``(s, e)``, ``s = fl(a + b)``, ``s + e = a + b`` exactly (Knuth's TwoSum, TAOCP 4.2.2); no FMA can change it."""
     s = a + b
     bb = s - a
     e = (a - (s - bb)) + (b - bb)
@@ -40,10 +38,8 @@ def two_sum(a, b):
 
 @triton.jit
 def target_terms(target, n_cols, weight_ptr, scalars, FLAGS: tl.constexpr, col_start=0):
-    """(is_valid, in_range, safe_target, w_t) for one row's int64 target (or a vector of them), with the loss options'
-    ``scalars`` / ``FLAGS`` (``options.LossScalars`` / ``LossFlags``: ``ignore_index``, ``HAS_WEIGHT``);
-    ``col_start``: the row's columns are a vocabulary slice from there (``in_range`` / ``safe_target`` are then
-    local to the slice, ``weight_ptr`` the slice's class weights)."""
+    """``(is_valid, in_range, safe_target, w_t)`` of int64 targets; from ``col_start``: a vocabulary slice's local
+    indices."""
     is_valid = target != scalars.ignore_index
     local = target - col_start
     in_range = (local >= 0) & (local < n_cols)
@@ -57,20 +53,15 @@ def target_terms(target, n_cols, weight_ptr, scalars, FLAGS: tl.constexpr, col_s
 
 @triton.jit
 def softmax_shift(m, z, AXIS: tl.constexpr):
-    """``(m_new, shift)`` of one online-softmax step (Milakov & Gimelshein 2018): the running max of ``m``
-    and the block ``z`` along AXIS (0: a 1-D block of a row, scalars; 1: a (rows, columns) tile, (rows,)
-    vectors), and the shift to take ``exp(z - shift)`` against: ``m_new``, or 0 while it is -inf (every
-    logit so far -inf: ``exp(-inf - 0) = 0`` keeps the sums at 0, where ``exp(-inf - -inf)`` is NaN, so
-    such a block adds exactly 0)."""
+    """``(m_new, shift)`` of one online-softmax step along AXIS (Milakov & Gimelshein 2018); ``shift`` is 0 while
+    ``m_new`` is -inf, so such a block adds exactly 0, not NaN."""
     m_new = tl.maximum(m, tl.max(z, axis=AXIS))
     return m_new, tl.where(m_new == -float("inf"), 0.0, m_new)
 
 
 @triton.jit
 def running_argmax(best, best_idx, x, start, AXIS: tl.constexpr):
-    """``(best, best_idx)`` updated with the block ``x`` whose first column is ``start``: the running max
-    along AXIS (0: a 1-D block of a row; 1: a (rows, columns) tile, per row) and its lowest column index
-    (the lowest within the block; an earlier block keeps a tie)."""
+    """``(best, best_idx)`` updated with the block ``x`` from column ``start`` along AXIS (lowest index on ties)."""
     bmax, bidx = tl.max(x, axis=AXIS, return_indices=True, return_indices_tie_break_left=True)
     take = bmax > best
     best_idx = tl.where(take, start + bidx, best_idx)
@@ -79,7 +70,6 @@ def running_argmax(best, best_idx, x, start, AXIS: tl.constexpr):
 
 @triton.jit
 def tile_rows(n0, n_rows, BLOCK_N: tl.constexpr):
-    """``(rows, in_rows)`` of a tile of BLOCK_N rows (tokens) from ``n0``: the (BLOCK_N,) int64 indices and
-    which are < ``n_rows``."""
+    """``(rows, in_rows)`` of a tile of BLOCK_N rows from ``n0``: int64 indices and which are < ``n_rows``."""
     rows = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     return rows, rows < n_rows
