@@ -1,5 +1,4 @@
-"""``torch.autocast`` at the public entry points: every op behaves as the stock composition does under the same
-autocast (CPU bf16 / fp16, CUDA bf16 / fp16, any device type autocast supports)."""
+"""``torch.autocast`` at the public entry points: every op behaves as the stock composition does under it."""
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +32,7 @@ def disabled(device_type: Optional[str]):
 
 
 def _cast(t, device_type: str, dtype: torch.dtype):
-    """Autocast's rule for an input of a lower-precision op: a floating-point tensor on the autocast
-    device type, not float64, is cast to the autocast dtype; anything else passes unchanged."""
+    """Autocast's rule for a lower-precision op's input: a float tensor (not float64) on its device type is cast."""
     if (isinstance(t, torch.Tensor) and t.device.type == device_type and t.is_floating_point()
             and t.dtype not in (torch.float64, dtype)):
         return t.to(dtype)
@@ -42,8 +40,7 @@ def _cast(t, device_type: str, dtype: torch.dtype):
 
 
 def linear_inputs(hidden, weight, bias):
-    """``(hidden, weight, bias)`` as autocast would hand them to ``F.linear`` (unchanged when autocast is
-    off for ``hidden``'s device type). Differentiable casts."""
+    """``(hidden, weight, bias)`` as autocast would hand them to ``F.linear`` (differentiable casts)."""
     device_type = autocast_device_type(hidden)
     if device_type is None:
         return hidden, weight, bias
@@ -52,8 +49,7 @@ def linear_inputs(hidden, weight, bias):
 
 
 def fp32_op(fn):
-    """Decorator for an op on logits (its FIRST parameter): under autocast for the logits' device type,
-    run it with autocast disabled (stock ``F.cross_entropy`` runs in fp32 under autocast)."""
+    """Decorator for an op on logits (its first parameter): run with autocast off, as ``F.cross_entropy`` is fp32."""
     first = next(iter(inspect.signature(fn).parameters))
 
     @functools.wraps(fn)
@@ -68,10 +64,7 @@ def fp32_op(fn):
 
 
 def backward_formula(fn):
-    """Decorator for an autograd backward formula (``backward(ctx, *grads)`` of a ``torch.autograd.Function`` or a
-    ``torch.library.register_autograd`` formula): run it with autocast disabled for the device type of its first
-    tensor argument when autocast is enabled there (a ``backward()`` called inside an autocast region), else
-    unchanged."""
+    """Decorator for an autograd backward formula: run it with autocast disabled for its first tensor's device type."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -86,10 +79,8 @@ def backward_formula(fn):
 
 
 def linear_op(fn, groups=None):
-    """Decorator for a linear op: under autocast for the first group's hidden device type, cast each group of
-    ``(hidden, weight, bias)`` parameters (given by name, positional or keyword; default: the op's parameters 1, 2
-    and 4, ``fn(hidden, weight, target, bias=None, ...)``) with :func:`linear_inputs`, then run the op with autocast
-    disabled."""
+    """Decorator for a linear op: cast each ``(hidden, weight, bias)`` group (default parameters 1, 2, 4) with
+    :func:`linear_inputs`, then run the op with autocast disabled."""
     names = list(inspect.signature(fn).parameters)
     groups = groups or ((names[0], names[1], names[3]),)
     slots = tuple(tuple((names.index(n), n) for n in group) for group in groups)   # (position, name)

@@ -34,8 +34,7 @@ def _cpu_name() -> str:
 
 
 def _probe_mode_engages() -> bool:
-    """Whether an fp32 GEMM of non-bf16 values loses digits in the bf16 mode (then it ran on bf16 units).
-    The shape is one that torch hands to oneDNN (torch 2.11 keeps smaller fp32 GEMMs on MKL)."""
+    """Whether an fp32 GEMM of non-bf16 values loses digits in the bf16 mode (a shape torch hands to oneDNN)."""
     knob = torch.backends.mkldnn.matmul
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(128, 576, generator=g), torch.randn(576, 512, generator=g)
@@ -50,9 +49,8 @@ def _probe_mode_engages() -> bool:
 
 @lru_cache(maxsize=None)
 def cpu_bf16_capabilities() -> dict[str, object]:
-    """This CPU's bf16 GEMM facts, measured once per process: ``cpu`` (its name), ``amx`` and
-    ``avx512_bf16`` (what torch / the CPU flags report) and ``bf16_gemm_mode`` (whether oneDNN's bf16 math
-    mode really runs fp32 GEMMs on bf16 units here: the probe; only then does ``exact_bf16_gemms`` switch)."""
+    """This CPU's bf16 GEMM facts, measured once per process: its name, ``amx``, ``avx512_bf16`` and
+    ``bf16_gemm_mode`` (the probe: whether the bf16 math mode really runs on bf16 units)."""
     flags = _cpu_flags()
     amx_probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     avx_probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
@@ -70,8 +68,7 @@ def _cpu_has_bf16_units() -> bool:
 
 
 def applies(*operands: torch.Tensor) -> bool:
-    """Whether ``exact_bf16_gemms`` would switch the mode for GEMMs whose bf16 sources are ``operands``
-    (all bf16, all on the CPU, eager, enabled, the CPU has bf16 units)."""
+    """Whether ``exact_bf16_gemms`` would switch the mode for these operands (bf16 CPU tensors, eager)."""
     if not ENABLED or not operands or torch.compiler.is_compiling():
         return False
     if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in operands):
@@ -81,9 +78,8 @@ def applies(*operands: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def exact_bf16_gemms(*operands: torch.Tensor):
-    """Context for fp32 GEMMs of upcast copies of ``operands`` (bf16 tensors): inside it, on a CPU with bf16 units,
-    such GEMMs run in oneDNN's bf16 math mode (exact for these operands, see the module docstring); elsewhere
-    nothing changes."""
+    """Context for fp32 GEMMs of upcast bf16 ``operands``: on a CPU with bf16 units, oneDNN's bf16 math mode
+    (exact for them); elsewhere nothing changes."""
     if not applies(*operands):
         yield
         return
@@ -104,8 +100,7 @@ _NATIVE_PROBES = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_
 
 @lru_cache(maxsize=None)
 def _scalar_fallback(dtype: torch.dtype) -> bool:
-    """Whether torch's CPU GEMM of ``dtype`` is its scalar fallback here (oneDNN has no kernel for it on this CPU,
-    e.g. bf16 without AVX-512: ~30x the fp32 GEMM's time, ``benchmarks/README.md``)."""
+    """Whether torch's CPU GEMM of ``dtype`` is its scalar fallback here (``benchmarks/README.md``)."""
     probe = getattr(torch.ops.mkldnn, _NATIVE_PROBES[dtype], None)
     try:
         return probe is not None and not bool(probe())
@@ -114,8 +109,7 @@ def _scalar_fallback(dtype: torch.dtype) -> bool:
 
 
 def upcast_gemms(*operands: torch.Tensor) -> bool:
-    """Whether GEMMs of these bf16 / fp16 CPU operands run as fp32 GEMMs of their (exact) upcast values,
-    rounded once: where torch's own kernel for that dtype is the scalar fallback (eager only)."""
+    """Whether GEMMs of these bf16 / fp16 CPU operands run as fp32 GEMMs of their exact upcasts (eager only)."""
     if not operands or torch.compiler.is_compiling():
         return False
     dtype = operands[0].dtype

@@ -28,8 +28,8 @@ def check_pair(student: torch.Tensor, teacher: torch.Tensor, s_name: str, t_name
 
 
 def check_head(hidden, weight, bias, model: str, sharded: bool = False) -> None:
-    """One model's ``hidden`` (..., H), ``weight`` (V, H), ``bias`` (V,) or None: float tensors of one dtype on one
-    device, H > 0, V > 0; ``sharded``: a vocabulary slice, which may be empty."""
+    """One model's ``hidden`` (..., H), ``weight`` (V, H), ``bias`` (V,) or None: float, one dtype and device;
+    ``sharded``: V may be 0."""
     h_name, w_name, b_name = f"{model}_hidden", f"{model}_weight", f"{model}_bias"
     if sharded:
         w_name, b_name = "weight_shard", "bias_shard"
@@ -63,8 +63,7 @@ def check_vocab(student_v: int, teacher_v: int, what: str, hint: str = "") -> No
 
 
 def check_target(target, shape, device: torch.device, n_classes: int, ignore_index: int):
-    """None, or an int64 / int32 tensor of ``shape`` on ``device`` (``TypeError`` / ``ValueError``), whose non-ignored
-    values lie in [0, V) (``IndexError``; the one host sync, skipped under torch.compile / CUDA-graph capture)."""
+    """None, or an integer target of ``shape`` on ``device`` with kept values in [0, V) (the one host sync)."""
     if target is None:
         return None
     val.check_target(target, shape, device)
@@ -74,15 +73,13 @@ def check_target(target, shape, device: torch.device, n_classes: int, ignore_ind
 
 
 def row_ops(backend, device: torch.device):
-    """``(distill_rows, tiled_distill, name)`` of the chosen backend: whatever ``backends.get`` raises, a
-    ``RuntimeError`` for a backend without distillation kernels (``"cute"``, ``Capabilities.distill``)."""
+    """``(distill_rows, tiled_distill, name)`` of the backend; ``RuntimeError`` for one without distillation kernels."""
     impl = backends.get(backend, device, distill=True)
     return impl.distill_rows, impl.tiled_distill, impl.NAME
 
 
 def check_logit_scale(name: str, value) -> float:
-    """A ``logit_scale`` of a distillation op: the domain of the loss option of the same name
-    (``LossOptions``: a finite real > 0 within fp32), its messages naming ``name``."""
+    """A distillation op's ``logit_scale``: the ``LossOptions`` field's domain, the messages naming ``name``."""
     try:
         return LossOptions.checked(logit_scale=value).logit_scale
     except (TypeError, ValueError) as error:
@@ -187,8 +184,7 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
                  hard_label_weight, ignore_index, reduction, num_items_in_batch, student_softcap, logit_scale,
                  backend, method=None, chunk_size=None, deterministic=None, tail=False,
                  return_stats=False, sharded: bool = False) -> TopkCall:
-    """Every check of a top-k distillation op but the value ranges (``check_topk_ranges``, ``check_teacher_values``);
-    ``sharded``: the vocab-parallel slice, whose width the caller replaces by the global V."""
+    """Every check of a top-k distillation op but the value ranges; ``sharded``: the vocab-parallel slice."""
     linear = weight is not None
     tail = check_flag("tail", tail)
     return_stats = check_flag("return_stats", return_stats)
@@ -224,8 +220,8 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
 
 
 def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: int, tail: bool) -> None:
-    """``ValueError`` naming ``teacher_log_probs`` for a kept value above ``LOG_PROB_SLACK`` and, with ``tail``, for
-    a token whose kept probabilities sum above ``1 + teacher_mass_slack``."""
+    """``ValueError`` naming ``teacher_log_probs`` for a value above ``LOG_PROB_SLACK`` or (``tail``) a token's
+    mass above ``1 + teacher_mass_slack``."""
     if teacher_log_probs.numel() == 0 or not val.host_readable(teacher_log_probs, teacher_ids, target):
         return
     lp = teacher_log_probs.detach().float()

@@ -1,5 +1,4 @@
-"""Autograd of the distillation losses, on any backend's row op (``distill_rows``) and tiled op (``tiled_distill``);
-the signatures are in ``backends/pytorch/distill.py`` / ``distill_tiled.py``."""
+"""Autograd of the distillation losses on any backend's row op (``distill_rows``) and tiled op (``tiled_distill``)."""
 from __future__ import annotations
 
 import inspect
@@ -31,8 +30,7 @@ def _upstream(grad_out: torch.Tensor, reduction: str, scale: torch.Tensor, n: in
 
 
 def distill_headroom(scale: torch.Tensor, temperature: float, hard_label_weight: float) -> torch.Tensor:
-    """``P`` (0-dim fp32 power of two, no host sync) for forward-made gradients, from the bound
-    ``|scale| (1 / T + |hard_label_weight|)`` of a row's ``|dL/dz|``."""
+    """``P`` (0-dim fp32 power of two) from the bound ``|scale| (1 / T + |hard_label_weight|)`` of ``|dL/dz|``."""
     m = scale.abs() * (1.0 / temperature + abs(hard_label_weight))
     _, e = torch.frexp(m)
     return torch.ldexp(torch.ones_like(m), HEADROOM_EXP - e).to(m.dtype)
@@ -67,15 +65,13 @@ def distillation(rows_op, student, teacher, target, kw: dict, reduction: str, sc
 
 
 class ChunkedDistill:
-    """``method="chunked"``: both models' logits a chunk of rows at a time (``chunk_op.py``: one op, so that
-    a tracer does not specialize on the token count); ``chunk_size`` None for the rule."""
+    """``method="chunked"``: both models' logits a chunk at a time (one op, so tracers do not specialize on n)."""
 
     def __init__(self, backend: str, chunk_size: Optional[int]):
         self.backend, self.chunk_size = backend, chunk_size
 
     def run(self, hs, ws, bs, ht, wt, bt, target, grad_factor, kw: dict, needs):
-        """``(loss, grad_h, grad_w, grad_b)``: (N,) fp32 rows; the gradients (None unless ``needs`` and
-        ``grad_factor``) of ``sum_r grad_factor[r] loss[r]``, grad_h in hidden's dtype, the others fp32."""
+        """``(loss, grad_h, grad_w, grad_b)``: (N,) fp32 rows and the gradients of ``sum_r grad_factor[r] loss[r]``."""
         with torch.no_grad():
             return chunked_distill(self.backend, self.chunk_size, hs, ws, bs, ht, wt, bt, target, grad_factor, kw,
                                    needs)
@@ -99,8 +95,7 @@ class TiledDistill:
 
 
 def _padded(factor: torch.Tensor, n: int) -> torch.Tensor:
-    """The (n_real,) per-row factor followed by zeros up to ``n`` rows (batch_invariant's padding rows get
-    no gradient: their logits' gradient is exactly 0, so they add nothing to the weight and bias gradients)."""
+    """The (n_real,) per-row factor padded with zeros to ``n`` rows (padding rows get no gradient)."""
     if not torch.compiler.is_compiling() and factor.shape[0] == n:
         return factor
     return torch.nn.functional.pad(factor, (0, n - factor.shape[0]))   # no traced size test (invariant.pad_rows)
@@ -159,8 +154,7 @@ def make_distill_head(backend: str, tiled_op, method: str, chunk_size: Optional[
 
 
 def _pad_rows(hs, ht, target, ignore_index: int, rows: int):
-    """``batch_invariant``: the rows padded to a multiple of ``rows`` with zero hidden rows and ``ignore_index``
-    targets, which get a zero upstream factor."""
+    """``batch_invariant``: rows padded to a multiple of ``rows`` (zero hidden rows, ignored targets)."""
     pad = -hs.shape[0] % rows
     if not torch.compiler.is_compiling() and pad == 0:
         return hs, ht, target
@@ -174,8 +168,7 @@ def _pad_rows(hs, ht, target, ignore_index: int, rows: int):
 def linear_distillation(backend: str, tiled_op, hs, ws, bs, ht, wt, bt, target, kw: dict, reduction: str,
                         scale: torch.Tensor, method: str, chunk_size: Optional[int], deterministic: bool,
                         batch_invariant: bool = False):
-    """(N, H) / (N, Ht) hidden states, (V, H) / (V, Ht) heads, (N,) target or None -> the reduced loss; ``backend`` the
-    backend's name (its ``distill_rows`` runs each chunk), ``tiled_op`` its ``tiled_distill``."""
+    """(N, H) / (N, Ht) hidden states, (V, H) / (V, Ht) heads, (N,) target or None -> the reduced loss."""
     n = hs.shape[0]
     index = None
     if target is not None:

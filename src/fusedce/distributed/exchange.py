@@ -16,8 +16,8 @@ from fusedce.distributed.shard_rows import Columns
 
 @dataclass
 class Partials:
-    """This rank's per-row statistics before the exchange: ``key`` (n,) int64, ``zmax`` (n,) fp32 and ``sums``
-    (n, k) fp32, a view of ``flat`` whose last element holds the slice's ``sum_c w_c`` with class weights."""
+    """This rank's per-row statistics before the exchange (``sums`` a view of ``flat``, whose last element is
+    ``sum_c w_c``)."""
 
     key: torch.Tensor
     zmax: torch.Tensor
@@ -40,9 +40,7 @@ class Partials:
 
 @dataclass
 class GlobalRows:
-    """Per-row results on the global vocabulary, the same on every rank (fp32 ``(n,)`` unless said; 0 on ignored
-    rows): ``loss`` without z-loss, the lse pair, ``predicted`` int64 (-1 ignored), the class-weight terms
-    ``target_weight`` / ``weight_sum`` (or None), ``target_prob`` ``p_t`` and ``entropy`` (or None)."""
+    """Per-row results on the global vocabulary, the same on every rank (fp32 (n,) unless said; 0 on ignored rows)."""
 
     loss: torch.Tensor
     lse: torch.Tensor
@@ -55,9 +53,8 @@ class GlobalRows:
 
 
 def sum_over_ranks_(t: torch.Tensor, group, ordered: bool = False) -> torch.Tensor:
-    """``t`` (in place) summed over the ranks of ``group``: ``all_reduce(SUM)``, or with ``ordered`` an
-    ``all_gather`` folded in rank order, so that each element's sum has one order whatever the tensor's
-    length (``batch_invariant=True``; an all-reduce's order may follow the element's position)."""
+    """``t`` summed in place over ``group``; ``ordered``: an ``all_gather`` folded in rank order, one order per
+    element whatever the length (``batch_invariant``)."""
     if not ordered:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         return t
@@ -71,8 +68,7 @@ def sum_over_ranks_(t: torch.Tensor, group, ordered: bool = False) -> torch.Tens
 
 def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], layout: VocabLayout,
              opts: LossOptions, cols: Columns, ordered: bool = False) -> GlobalRows:
-    """Run the two collectives on ``p`` (modified in place) and finish the per-row loss (``ordered``: the
-    sums as ``sum_over_ranks_``'s)."""
+    """Run the two collectives on ``p`` (in place) and finish the per-row loss."""
     n, device = target.shape[0], target.device
     weighted = weight is not None
     if weighted:
@@ -119,8 +115,7 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
 
 def exchange_ce(n: int, weight: Optional[torch.Tensor], target: torch.Tensor, layout: VocabLayout,
                 opts: LossOptions, fill) -> tuple:
-    """The cross-entropy ops' forward around the backend: the rows' partial statistics that ``fill`` writes, then
-    ``exchange``."""
+    """The cross-entropy ops' forward: the partial statistics that ``fill`` writes, then ``exchange``."""
     w = None if weight is None else weight.float()
     cols = Columns(w is not None, opts.label_smoothing > 0.0)
     p = Partials.allocate(n, cols, w is not None, target.device)
@@ -129,8 +124,7 @@ def exchange_ce(n: int, weight: Optional[torch.Tensor], target: torch.Tensor, la
 
 
 def ce_outputs(ctx, out: GlobalRows) -> tuple:
-    """The cross-entropy Functions' outputs ``(loss, lse, predicted, w_t, target_prob)`` (``w_t`` (0,)
-    without class weights); all but loss and lse marked non-differentiable on ``ctx``."""
+    """The cross-entropy Functions' outputs; all but loss and lse marked non-differentiable."""
     w_t = out.lse.new_empty(0) if out.target_weight is None else out.target_weight
     ctx.mark_non_differentiable(out.predicted, w_t, out.target_prob)
     return out.loss, out.lse, out.predicted, w_t, out.target_prob

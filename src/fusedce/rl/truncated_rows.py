@@ -1,5 +1,5 @@
-"""The per-row math of the sampler's truncated distribution (``top_k`` / ``top_p`` of the RL log-prob ops), PyTorch ops
-on one chunk of fp32 ``q = transform(x) / temperature`` (``(n, V)``), every backend alike."""
+"""The per-row math of the sampler's truncated distribution (``top_k`` / ``top_p``) on one chunk of fp32
+``q = transform(x) / temperature``, every backend alike."""
 from __future__ import annotations
 
 import torch
@@ -8,8 +8,7 @@ NEG_INF = float("-inf")
 
 
 def per_row(value, n: int, dtype: torch.dtype, off, device) -> torch.Tensor:
-    """``(n,)`` tensor of ``dtype`` from a checked ``top_k`` / ``top_p`` (None: ``off`` everywhere; a number;
-    a per-row tensor of any shape with n elements)."""
+    """``(n,)`` tensor of ``dtype`` from a checked ``top_k`` / ``top_p`` (None, a number, or n elements)."""
     if value is None:
         value = off
     if isinstance(value, torch.Tensor):
@@ -18,8 +17,7 @@ def per_row(value, n: int, dtype: torch.dtype, off, device) -> torch.Tensor:
 
 
 def threshold(q: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``(n, 1)`` fp32: the smallest kept ``q`` of each row (module docstring); ``top_k`` (n,) int64 with 0 for
-    off, ``top_p`` (n,) fp32 with values >= 1 for off."""
+    """``(n, 1)`` fp32: the smallest kept ``q`` of each row (``top_k`` 0 and ``top_p`` >= 1: off)."""
     v = q.shape[1]
     sorted_q = torch.sort(q, dim=1, descending=True).values
     k = torch.where(top_k > 0, top_k.clamp(max=v), v) - 1
@@ -33,8 +31,7 @@ def threshold(q: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torc
 
 
 def forward(q: torch.Tensor, target: torch.Tensor, thr: torch.Tensor, want_entropy: bool):
-    """``(log_prob, entropy or None, lse_S)`` (n,) fp32 of the rows of ``q`` kept at ``q >= thr``; ``target``
-    (n,) int64 in [0, V) (ignored rows: the caller's; any valid class here)."""
+    """``(log_prob, entropy or None, lse_S)`` (n,) fp32 of the rows of ``q`` kept at ``q >= thr``."""
     kept = q >= thr
     lse = torch.logsumexp(q.masked_fill(~kept, NEG_INF), dim=1)
     finite = lse > NEG_INF
@@ -44,9 +41,7 @@ def forward(q: torch.Tensor, target: torch.Tensor, thr: torch.Tensor, want_entro
     log_prob = torch.where(inside, q_t - lse, torch.where(finite, NEG_INF, float("nan")))
     entropy = None
     if want_entropy:
-        # sum_S p (lse_S - q) on q shifted by the row's max (exact in fp32 near the max): non-negative O(1)
-        # terms, so neither the cancellation of lse - sum p q (two O(|q|) sums) nor lse's own rounding at
-        # |q| ~ 100 reaches the O(1) entropy
+        # sum_S p (lse_S - q) on q shifted by the row max: non-negative O(1) terms, no cancellation at large |q|
         top = torch.where(finite, q.amax(dim=1), 0.0)[:, None]
         shifted = q - top
         lse_shifted = torch.logsumexp(shifted.masked_fill(~kept, NEG_INF), dim=1, keepdim=True)
@@ -62,8 +57,7 @@ def _probs(q, kept, lse, finite):
 
 def grad_q(q: torch.Tensor, target: torch.Tensor, thr: torch.Tensor, lse: torch.Tensor, g_log_prob, g_entropy,
            entropy) -> torch.Tensor:
-    """``(n, V)`` fp32 gradient with respect to ``q`` of ``sum(g_log_prob * log_prob + g_entropy * entropy)``
-    (either upstream None: unused; rows meant to get none must carry 0 upstream), zero outside each kept set."""
+    """The fp32 gradient of ``sum(g_log_prob * log_prob + g_entropy * entropy)`` w.r.t. ``q``, 0 off the kept set."""
     kept = q >= thr
     finite = lse > NEG_INF
     p = _probs(q, kept, lse, finite)

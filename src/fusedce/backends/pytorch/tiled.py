@@ -1,6 +1,5 @@
-"""``method="tiled"`` in plain PyTorch: the LM head + loss on blocks of tokens x vocabulary, never a tensor of V or
-more elements besides the weight, its gradient and the bias (the same algorithm as the Triton tiled kernels, so its
-semantics and memory are tested on CPU)."""
+"""``method="tiled"`` in plain PyTorch: the Triton tiled algorithm on blocks of tokens x vocabulary, never a
+tensor of V elements besides the head's (its semantics and memory tested on CPU)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,15 +18,12 @@ _NEG_INF = float("-inf")
 
 
 def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cols: slice):
-    """fp32 ``h @ weight[cols].T + bias[cols]`` from the operands' values: the token block (pass it in
-    fp32 to upcast it once), the weight block and the bias upcast to fp32, the exact products of bf16 /
-    fp16 values summed in fp32 (never rounded to the operands' dtype)."""
+    """fp32 ``h @ weight[cols].T + bias[cols]``: exact products of the operands' values summed in fp32."""
     return torch.nn.functional.linear(h.float(), *_vocab_block(weight, bias, cols))
 
 
 def _vocab_block(weight: torch.Tensor, bias: Optional[torch.Tensor], cols: slice) -> tuple:
-    """``(W_j, b_j)`` in fp32 (views where already fp32): the operands of ``_block_logits``, made once per
-    vocabulary block by the loops that take every token block against it."""
+    """``(W_j, b_j)`` in fp32 (views where already fp32), made once per vocabulary block."""
     return weight[cols].float(), None if bias is None else bias[cols].float()
 
 
@@ -85,14 +81,12 @@ def _target_columns(target: torch.Tensor, valid: torch.Tensor, start: int, width
 
 
 def invariant_rows(n_classes: int) -> int:
-    """``TiledCE.invariant_rows``: the rows of ``batch_invariant``'s token blocks (``tuning.tile_sizes(V, True)``: from
-    V alone, a multiple of 64)."""
+    """``TiledCE.invariant_rows``: ``tuning.tile_sizes(V, True)``'s rows (from V alone, a multiple of 64)."""
     return tuning.tile_sizes(n_classes, True)[0]
 
 
 class TorchTiledCE:
-    """``TiledCE`` (``backends/protocol.py``) in plain PyTorch (called through the custom ops
-    of ``custom_ops.py``: ``TORCH_TILED``)."""
+    """``TiledCE`` in plain PyTorch (through ``custom_ops.py``: ``TORCH_TILED``)."""
 
     @staticmethod
     def forward(hidden, weight, bias, target, w, weight_sum, opts: LossOptions, stats: bool,
@@ -142,10 +136,8 @@ class TorchTiledCE:
                     tstats[1][r] = torch.where(valid, run.zsum_all / n_classes, 0.0)
                     tstats[2][r] = valid & (run.zbest_idx == t)
 
-        # The forward's only GEMMs are the blocks' logits, of bf16 values when the head is bf16: on a CPU's
-        # bf16 units (``core/bf16_products.py``, exact), set once around the threads, never where the row
-        # math has a product of its own (the smoothing sum with class weights, ``z @ w``, of fp32 values).
-        # The backward's gradient GEMMs take fp32 dz: they keep the ieee mode.
+        # The forward's block-logit GEMMs of bf16 values run on a CPU's bf16 units (``core/bf16_products.py``,
+        # exact); the backward's GEMMs take fp32 dz and keep the ieee mode.
         products = contextlib.nullcontext() if smoothing and w is not None else exact_bf16_gemms(hidden, weight)
         with products:
             launch.run(row_blocks, -(-n // tile_rows), dev)

@@ -88,8 +88,7 @@ def ce_backward_out(logits: torch.Tensor, out: torch.Tensor, target: torch.Tenso
                     lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt,
                     ignore_index: int, scalars: list[float], grad_entropy: Opt = None,
                     entropy: Opt = None) -> None:
-    """The gradient written into ``out`` ((BT, V), any float dtype; must not overlap ``logits``: use
-    ``ce_backward_inplace`` for that)."""
+    """The gradient written into ``out`` (must not overlap ``logits``: ``ce_backward_inplace`` for that)."""
     opts = LossOptions.from_op_args(ignore_index, scalars)
     dest = unit_stride(out)
     launch_backward(unit_stride(logits), target, opt_contiguous(weight), opt_contiguous(weight_sum),
@@ -111,8 +110,7 @@ def _(logits, out, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, 
 def ce_forward_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
                        ignore_index: int, scalars: list[float], stats: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ce_forward`` plus the per-row entropy of softmax(z) (COMPUTE_ENTROPY). No autograd formula:
-    its callers (the chunk loop's Functions) differentiate through ``backward_`` / ``backward_out``."""
+    """``ce_forward`` plus the per-row entropy (COMPUTE_ENTROPY); no autograd formula (callers use ``backward_``)."""
     loss, lse, lse_lo, predicted = _forward_buffers(logits, stats)
     entropy = torch.empty_like(loss)
     launch_forward(unit_stride(logits), target, opt_contiguous(weight), opt_contiguous(weight_sum),
@@ -159,9 +157,8 @@ def _(logits, target, weight, weight_sum, grad_row, z_grad_row, ignore_index, sc
 
 def forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt, opts: LossOptions,
             stats: bool, inplace_backward: bool = False):
-    """``fusedce::ce_forward`` with ``LossOptions``: ``(loss, lse, lse_lo, predicted)``, predicted (0,)
-    without stats. loss and lse are differentiable w.r.t. ``logits`` (autograd registered in
-    ``cross_entropy.py``)."""
+    """``fusedce::ce_forward`` with ``LossOptions``: ``(loss, lse, lse_lo, predicted)``; loss and lse are
+    differentiable (``cross_entropy.py``)."""
     return torch.ops.fusedce.ce_forward(logits, target, weight, weight_sum, *opts.op_args(), stats,
                                         inplace_backward)
 
@@ -169,9 +166,8 @@ def forward(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum:
 def backward_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt, lse: torch.Tensor,
               lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Opt, opts: LossOptions,
               grad_entropy: Opt = None, entropy: Opt = None, out: Opt = None) -> None:
-    """Overwrite ``logits`` (``fusedce::ce_backward_inplace``), or fill ``out`` when given
-    (``fusedce::ce_backward_out``), with the gradient of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i
-    [+ grad_entropy[i] entropy_i]`` (``entropy`` the forward's, read only with ``grad_entropy``)."""
+    """Overwrite ``logits`` (or fill ``out``) with the gradient of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i
+    [+ grad_entropy[i] entropy_i]``."""
     if grad_entropy is None:
         entropy = None
     if out is None or out is logits:
@@ -184,16 +180,14 @@ def backward_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_su
 
 def forward_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt, opts: LossOptions,
                     stats: bool):
-    """``fusedce::ce_forward_entropy`` with ``LossOptions``: ``(loss, lse, lse_lo, predicted, entropy)``,
-    predicted (0,) without stats; no gradient."""
+    """``fusedce::ce_forward_entropy`` with ``LossOptions``: ``(loss, lse, lse_lo, predicted, entropy)``."""
     return torch.ops.fusedce.ce_forward_entropy(logits, target, weight, weight_sum, *opts.op_args(), stats)
 
 
 def loss_and_grad_(logits: torch.Tensor, target: torch.Tensor, weight: Opt, weight_sum: Opt,
                    grad_row: torch.Tensor, z_grad_row: torch.Tensor, opts: LossOptions, stats: bool):
-    """``fusedce::ce_chunk_`` with ``LossOptions``: ``(loss, lse, lse_lo, predicted, token_weight)``
-    (predicted (0,) without stats, token_weight None without token scaling); ``logits`` is overwritten
-    with its gradient."""
+    """``fusedce::ce_chunk_`` with ``LossOptions``: ``(loss, lse, lse_lo, predicted, token_weight)``, ``logits``
+    overwritten with its gradient."""
     loss, lse, lse_lo, predicted, token_weight = torch.ops.fusedce.ce_chunk_(
         logits, target, weight, weight_sum, grad_row, z_grad_row, *opts.op_args(), stats)
     return loss, lse, lse_lo, predicted, token_weight if opts.use_token_scaling else None

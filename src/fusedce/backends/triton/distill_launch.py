@@ -1,5 +1,5 @@
-"""Launch builders of the distillation kernels: ``(kernel, grid, args, meta)`` for given buffers, computed in one place
-(``distill.py`` and ``distill_tiled.py`` run them; ``fusedce inspect`` compiles exactly these on meta tensors)."""
+"""Launch builders of the distillation kernels, ``(kernel, grid, args, meta)``, in one place (also for
+``fusedce inspect``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +21,7 @@ Opt = Optional[torch.Tensor]
 
 @dataclasses.dataclass(frozen=True)
 class DistillKnobs(DistillOptions):
-    """The distillation options as the kernels take them (see ``tests/support/reference64_distill.py``):
-    ``options.distill.DistillOptions``' fields, then ``has_target``."""
+    """The distillation options as the kernels take them: ``DistillOptions``' fields, then ``has_target``."""
 
     has_target: bool
 
@@ -37,8 +36,7 @@ class DistillKnobs(DistillOptions):
                 float(self.student_softcap or 1.0), float(self.teacher_softcap or 1.0), int(self.ignore_index))
 
     def flags(self) -> dict:
-        """The constexpr code paths: a hard label only with a target and a nonzero weight; its own lse
-        only when T != 1 (at T = 1 it is the student's lse at T)."""
+        """The constexpr code paths: a hard label only with a target and a weight; its own lse only when T != 1."""
         hard = self.has_target and self.hard_label_weight != 0.0
         return dict(MODE=self.mode, HAS_TARGET=self.has_target, HAS_HARD=hard,
                     HARD_OWN_LSE=hard and self.temperature != 1.0,
@@ -46,8 +44,8 @@ class DistillKnobs(DistillOptions):
 
 
 def rows_launch(student, teacher, target: Opt, grad_factor: Opt, knobs: DistillKnobs, loss, grad: Opt):
-    """``(kernel, grid, args, meta)`` of ``distill_rows_kernel``: ``student`` / ``teacher`` (n, V) with
-    unit stride along V, ``loss`` (n,) fp32, ``grad`` (n, V) in the student's dtype (with ``grad_factor``)."""
+    """``(kernel, grid, args, meta)`` of ``distill_rows_kernel`` (``grad`` in the student's dtype, with
+    ``grad_factor``)."""
     n_rows, n_cols = student.shape
     cfg = tuning.distill_rows_config(n_cols)
     dummy = loss
@@ -75,8 +73,7 @@ def _dot_meta(prefix: str, dtype: torch.dtype) -> dict:
 
 
 class Heads(NamedTuple):
-    """The two heads of a tiled launch: student (n, H), (V, H), (V,) or None; teacher (n, Ht), (V, Ht),
-    (V,) or None; hidden and weight of one head share a dtype, last dims contiguous."""
+    """The two heads of a tiled launch (hidden, weight, bias or None each), last dims contiguous."""
 
     s_hidden: torch.Tensor
     s_weight: torch.Tensor
@@ -111,8 +108,7 @@ def _rows_args(target: Opt, heads: Heads, knobs: DistillKnobs) -> tuple:
 
 
 def tiled_stats_launches(heads: Heads, target: Opt, knobs: DistillKnobs, loss, stats) -> list:
-    """The statistics launches (``kernels/distill_tiled_stats.py``): pass 1, and for 0 < beta < 1 the
-    JSD pass; ``loss`` (n,) fp32, ``stats`` (4, n) fp32 outputs."""
+    """The statistics launches: pass 1, and for 0 < beta < 1 the JSD pass."""
     sizes, scalars = _rows_args(target, heads, knobs)
     ptrs = heads.pointers() + (loss if target is None else target, loss, stats)
     cfg, meta = _tiled_meta("distill_tiled_stats", heads, knobs)
@@ -129,9 +125,7 @@ def tiled_stats_launches(heads: Heads, target: Opt, knobs: DistillKnobs, loss, s
 
 def tiled_grad_launches(heads: Heads, target: Opt, knobs: DistillKnobs, stats, grad_factor,
                         grad_hidden: Opt, grad_weight: Opt, grad_bias: Opt, deterministic: bool) -> list:
-    """The gradient launches (``kernels/distill_tiled_grad.py``) for the gradients asked for (zeroed fp32
-    buffers, or None): the atomic kernel, or (``deterministic``) the grad_hidden and / or grad_weight
-    owners."""
+    """The gradient launches: atomic, or (``deterministic``) the grad_hidden and / or grad_weight owners."""
     sizes, scalars = _rows_args(target, heads, knobs)
     sizes = sizes + (grad_factor.stride(0),)
     inputs = heads.pointers() + (stats if target is None else target, stats, grad_factor)

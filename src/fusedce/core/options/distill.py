@@ -1,5 +1,4 @@
-"""The scalar options of the distillation losses (``fusedce.distillation_loss``,
-``linear_distillation_loss``): ``DistillOptions`` and their checks (the tensor checks: ``distill/checks.py``)."""
+"""The distillation losses' scalar options: ``DistillOptions`` and their checks (tensors: ``distill/checks.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +13,7 @@ from fusedce.core.options.schema import REDUCTIONS
 
 @dataclasses.dataclass(frozen=True)
 class DistillOptions:
-    """The checked scalar options, passed to the backends' row ops as keywords (``kwargs()``); the Triton
-    launches read them as ``backends/triton/distill_launch.DistillKnobs`` (these fields and ``has_target``)."""
+    """The checked scalar options, passed to the backends' row ops as keywords (``kwargs()``)."""
 
     beta: float
     temperature: float
@@ -38,8 +36,7 @@ def _softcap(name: str, value) -> Optional[float]:
 
 
 def hard_label_weight_option(value) -> float:
-    """``hard_label_weight`` checked (the one check of the four distillation losses): a finite real >= 0 in
-    fp32's range (``TypeError`` / ``ValueError`` otherwise)."""
+    """``hard_label_weight`` checked (for all four distillation losses): a finite real >= 0 within fp32."""
     value = fp32_range("hard_label_weight", real_option("hard_label_weight", value))
     if not value >= 0.0:
         raise ValueError(f"hard_label_weight must be >= 0 (the weight of the hard-label cross-entropy added to the "
@@ -49,9 +46,8 @@ def hard_label_weight_option(value) -> float:
 
 def distill_options(beta, temperature, hard_label_weight, ignore_index, reduction, student_softcap, teacher_softcap,
             target) -> DistillOptions:
-    """``ValueError`` for ``beta`` outside [0, 1], a ``temperature`` that is not a finite number > 0 (or
-    whose inverse is not a normal fp32 number), a non-finite or negative ``hard_label_weight`` or one != 0 without a
-    target, a softcap <= 0, an unknown ``reduction``; ``TypeError`` for a value of the wrong kind."""
+    """The checked ``DistillOptions``: ``ValueError`` for a value outside its domain, ``TypeError`` for one of the
+    wrong kind."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     beta = real_option("beta", beta)
@@ -66,17 +62,13 @@ def distill_options(beta, temperature, hard_label_weight, ignore_index, reductio
                           _softcap("teacher_softcap", teacher_softcap))
 
 
-# The top-k teacher's value checks (``distill/checks.check_teacher_values``). A log-prob from a
-# log_softmax is <= 0 and rounding to any dtype keeps the sign, so a value above this is not a log-prob
-# (a probability or a logit); the slack only spares an upstream formula that lands a hair above 0.
+# The top-k teacher's value checks: a log-prob is <= 0 in any dtype, so a value above this slack is a
+# probability or a logit.
 LOG_PROB_SLACK = 1e-6
 
 
 def teacher_mass_slack(dtype: torch.dtype, k: int) -> float:
-    """How far above 1 ``sum_k exp(lp_k)`` of K normalized log-probs stored in ``dtype`` can come by
-    rounding alone: rounding ``lp_k`` (half an ulp, ``eps / 2 |lp_k|``) moves ``p_k`` by at most ``p_k
-    |lp_k| eps / 2``, and ``sum_k p_k |lp_k|`` is at most the entropy of K bins, ``log K``; plus the K
-    fp32 exponentials' roundings (``2^-23`` each, with room). bfloat16, K = 20: 0.012; float32, K = 20:
-    2.6e-6."""
+    """How far above 1 ``sum_k exp(lp_k)`` of K log-probs stored in ``dtype`` can come by rounding alone:
+    ``log K eps / 2`` (``sum_k p_k |lp_k| <= log K``) plus the fp32 exponentials' roundings."""
     eps = torch.finfo(dtype).eps
     return 0.5 * eps * max(1.0, math.log(max(k, 1))) + k * 2.0 ** -23

@@ -1,6 +1,5 @@
-"""The products of one ``dL/dx`` tile into the LM head's gradients, shared by the tiled backward kernels of
-cross-entropy (``tiled_backward_owned``: owned accumulators; ``tiled_backward``'s ``atomic_products`` uses
-``dot_operand`` / ``operand_slice``) and of distillation (``distill_tiled_grad``, both ways)."""
+"""The products of one ``dL/dx`` tile into the LM head's gradients, shared by the tiled cross-entropy and
+distillation backward kernels."""
 import triton
 import triton.language as tl
 
@@ -13,8 +12,7 @@ def any_nonzero(dx):
 
 @triton.jit
 def dot_operand(dx, hidden_ptr, UPCAST: tl.constexpr):
-    """``dx`` as the products' operand: hidden's dtype (exact: ``dx`` already holds such values), or fp32
-    with UPCAST."""
+    """``dx`` as the products' operand: hidden's dtype (exact), or fp32 with UPCAST."""
     if UPCAST:
         op = dx
     else:
@@ -24,8 +22,7 @@ def dot_operand(dx, hidden_ptr, UPCAST: tl.constexpr):
 
 @triton.jit
 def operand_slice(row_ptrs, ks, row_mask, k_mask, UPCAST: tl.constexpr):
-    """(R, BLOCK_H) slice ``ks`` of a row-major operand (hidden or weight rows): ``row_ptrs`` (R, 1) the row
-    starts, ``row_mask`` (R,) the rows to read, ``k_mask`` (BLOCK_H,) ``ks < H``; 0 elsewhere."""
+    """(R, BLOCK_H) slice ``ks`` of a row-major operand at ``row_ptrs``; 0 outside ``row_mask`` and ``ks < H``."""
     t = tl.load(row_ptrs + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
     if UPCAST:
         t = t.to(tl.float32)
@@ -35,10 +32,7 @@ def operand_slice(row_ptrs, ks, row_mask, k_mask, UPCAST: tl.constexpr):
 @triton.jit
 def add_product(a, b_rows, b_mask, out_rows, out_mask, n_hidden, BLOCK_H: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``out[:, k] += a @ b[:, k]`` over H in BLOCK_H slices, into rows of an fp32 accumulator the program owns: ``a``
-    (M, R) the dot operand, ``b_rows`` (R, 1) the row starts of the other operand (hidden or weight rows; ``b_mask``
-    (R,) the rows to read), ``out_rows`` (M, 1) pointers to the accumulator's rows (``out_mask`` (M,) the rows to
-    write)."""
+    """``out[:, k] += a @ b[:, k]`` over H in BLOCK_H slices, into owned rows of an fp32 accumulator (``out_rows``)."""
     for k0 in range(0, n_hidden, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
         k_mask = ks < n_hidden
@@ -53,8 +47,7 @@ def add_product(a, b_rows, b_mask, out_rows, out_mask, n_hidden, BLOCK_H: tl.con
 @triton.jit
 def add_grad_hidden(dx, hidden_ptr, weight_ptr, out_rows, row_mask, cols, col_mask, n_hidden, stride_weight,
                     BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``grad_hidden[rows] += dx @ weight[cols]`` into rows the program owns: ``out_rows`` (BLOCK_N, 1)
-    pointers to the fp32 accumulator's rows, ``row_mask`` (BLOCK_N,) the rows that count."""
+    """``grad_hidden[rows] += dx @ weight[cols]`` into owned rows of the fp32 accumulator."""
     w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight
     add_product(dot_operand(dx, hidden_ptr, UPCAST), w_rows, col_mask, out_rows, row_mask, n_hidden, BLOCK_H,
                 DOT_PRECISION, UPCAST)
@@ -63,9 +56,7 @@ def add_grad_hidden(dx, hidden_ptr, weight_ptr, out_rows, row_mask, cols, col_ma
 @triton.jit
 def add_grad_weight(dx, hidden_ptr, rows, row_mask, out_cols, col_mask, n_hidden, stride_hidden,
                     BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``grad_weight[cols] += dx.T @ hidden[rows]`` into rows the program owns: ``out_cols`` (BLOCK_V, 1)
-    pointers to the fp32 accumulator's rows, ``rows`` (BLOCK_N,) int64 token indices, ``row_mask`` the
-    rows that count (the others' hidden state is not read)."""
+    """``grad_weight[cols] += dx.T @ hidden[rows]`` into owned rows (masked rows' hidden states unread)."""
     h_rows = hidden_ptr + rows[:, None] * stride_hidden
     add_product(tl.trans(dot_operand(dx, hidden_ptr, UPCAST)), h_rows, row_mask, out_cols, col_mask, n_hidden,
                 BLOCK_H, DOT_PRECISION, UPCAST)
