@@ -17,9 +17,8 @@ PLANNED = ()   # backends the contract names that this version does not have (no
 
 
 def check_name(name) -> None:
-    """``ValueError`` listing the valid names unless ``name`` is one of ``BACKENDS`` (device-independent:
-    the modules call it at construction; ``resolve`` also checks the device); ``RuntimeError`` for a
-    backend the contract names that this version does not have."""
+    """``ValueError`` listing the valid names unless ``name`` is one of ``BACKENDS`` (device-independent);
+    ``RuntimeError`` for a named backend this version lacks."""
     if name in PLANNED:
         raise RuntimeError(f"backend={name!r} (the CuTe DSL backend) is not available in fusedce "
                            f"{_version()}: it is planned; valid names now are {BACKENDS}")
@@ -36,8 +35,7 @@ def _version() -> str:
 
 
 def resolve(name, device: torch.device) -> str:
-    """Map ``backend=`` (None -> ``$FUSEDCE_BACKEND`` or ``"auto"``; an empty ``$FUSEDCE_BACKEND`` is ``"auto"`` too)
-    to a concrete backend name."""
+    """Map ``backend=`` (None or empty: ``$FUSEDCE_BACKEND``, else ``"auto"``) to a concrete backend name."""
     if name is None:
         name = os.environ.get("FUSEDCE_BACKEND") or "auto"   # unset or empty: auto
         try:
@@ -58,8 +56,7 @@ def resolve(name, device: torch.device) -> str:
 
 
 def _check_cute(device: torch.device) -> None:
-    """``RuntimeError`` naming what ``backend="cute"`` lacks: CUDA tensors and/or the ``cute`` extra
-    (nvidia-cutlass-dsl; looked up without importing it). The CuTe DSL has no CPU emulation."""
+    """``RuntimeError`` naming what ``backend="cute"`` lacks: CUDA tensors and/or the ``cute`` extra."""
     import importlib.util
     missing = []
     if device.type != "cuda":
@@ -83,9 +80,7 @@ def named(name: str):
 
 def get(name, device: torch.device, *, tiled: bool = False, entropy: bool = False, slices: bool = False,
         distill: bool = False):
-    """The backend package for ``name`` (see ``resolve``), imported on first use, checked to have what the call needs:
-    ``tiled`` (``method="tiled"``), ``entropy`` (the RL ops), ``slices`` (vocab parallelism), ``distill`` (the
-    distillation losses)."""
+    """The backend package for ``name``, imported on first use and checked to have the capabilities asked for."""
     resolved = resolve(name, device)
     module = named(resolved)
     caps = module.CAPABILITIES

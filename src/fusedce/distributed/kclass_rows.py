@@ -15,8 +15,7 @@ from fusedce.rl.kclass_head import Entries, column_grads, scatter_columns_
 
 
 def local_entries(e: Entries, layout: VocabLayout) -> Entries:
-    """The entries of ``e`` this rank's slice holds: ``valid`` (n, K), ``safe`` their local column (0 elsewhere),
-    ``first`` and ``any`` per row."""
+    """The entries of ``e`` this slice holds: ``valid`` (n, K), local column ``safe``, ``first`` and ``any``."""
     local = e.valid & (e.safe >= layout.start) & (e.safe < layout.end)
     col = torch.where(local, e.safe - layout.start, 0)
     first = local.to(torch.uint8).argmax(dim=1, keepdim=True)
@@ -24,16 +23,14 @@ def local_entries(e: Entries, layout: VocabLayout) -> Entries:
 
 
 def gather_local(logits: torch.Tensor, loc: Entries) -> torch.Tensor:
-    """The logits (n, V_r) at the local entries' columns, (n, K) in fp32 (0 elsewhere; an empty slice gives
-    zeros)."""
+    """The logits at the local entries' columns, (n, K) fp32 (0 elsewhere)."""
     if logits.shape[1] == 0:
         return torch.zeros(loc.safe.shape, dtype=torch.float32, device=logits.device)
     return logits.gather(1, loc.safe).float()
 
 
 def exchange_target_logits(x: torch.Tensor, loc: Entries, layout: VocabLayout, opts: LossOptions) -> torch.Tensor:
-    """Every entry's transformed logit ``z_k`` (n, K) fp32 on every rank: this slice's (0 where it holds
-    none), summed over the ranks (``all_reduce(SUM)`` of 4 n K bytes; none with n == 0)."""
+    """Every entry's transformed logit ``z_k`` (n, K) fp32 on every rank (one ``all_reduce`` of 4 n K bytes)."""
     z = torch.where(loc.valid, transform(x, opts), 0.0)
     if z.numel() > 0:
         dist.all_reduce(z, op=dist.ReduceOp.SUM, group=layout.group)
@@ -42,8 +39,7 @@ def exchange_target_logits(x: torch.Tensor, loc: Entries, layout: VocabLayout, o
 
 def fix_local_columns_(grad: torch.Tensor, x: torch.Tensor, e: Entries, loc: Entries, g, G, lse, lse_lo,
                        k: Optional[torch.Tensor], entropy, opts: LossOptions) -> None:
-    """Overwrite the local entries' columns of ``grad`` ((n, V_r), any float dtype) with the module docstring's whole
-    formula in fp32, rounded once; ``x`` (n, K) fp32 the logits there (before the kernel)."""
+    """Overwrite the local entries' columns of ``grad`` with the module's formula in fp32, rounded once."""
     if grad.shape[1] == 0 or loc.safe.shape[1] == 0:
         return
     dz = column_grads(x, loc, e.any, g, G, lse, lse_lo, k, entropy, opts)

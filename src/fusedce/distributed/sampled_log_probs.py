@@ -1,8 +1,6 @@
-"""``vocab_parallel_linear_token_log_probs`` with ``top_k`` / ``top_p`` (the sampler's truncated distribution),
-``return_stats`` (TRL's statistics, Σπ² among them) or ``logits_dtype="input"``: PyTorch ops on each chunk of
-this rank's logits (``sampled_rows.py``), as the single-process truncated op (``rl/truncated_head.py``) on every
-backend; per-row statistics exchanged, never logits. The chunk loop runs collectives per chunk, so every rank
-takes the same rows per chunk (the rule on the global vocabulary's mean slice)."""
+"""``vocab_parallel_linear_token_log_probs`` with ``top_k`` / ``top_p``, ``return_stats`` or
+``logits_dtype="input"``: PyTorch ops per chunk (``sampled_rows.py``), per-row statistics exchanged, never
+logits; every rank takes the same rows per chunk."""
 from __future__ import annotations
 
 from typing import Optional
@@ -29,8 +27,7 @@ def _sliced(t: Optional[torch.Tensor], c: slice) -> Optional[torch.Tensor]:
 
 
 class _SampledLinearLogProbs(torch.autograd.Function):
-    """hidden (n, H), weight slice (V_r, H), bias slice (V_r,) -> log-probs, entropy (empty unless asked) (n,)
-    fp32, differentiable, then the three statistics (non-differentiable; empty unless asked)."""
+    """hidden (n, H), weight and bias slices -> log-probs, entropy (n,) fp32 (differentiable), then the statistics."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, top_k, top_p, layout: VocabLayout, opts: LossOptions, rows: int,
@@ -98,10 +95,8 @@ def _rows(chunk_size: Optional[int], hidden: torch.Tensor, layout: VocabLayout) 
 def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
                      top_k, top_p, layout: VocabLayout, opts: LossOptions, chunk_size: Optional[int], logits: str,
                      want_entropy: bool, want_stats: bool) -> tuple:
-    """``hidden`` (n, H), ``target`` (n,) global ids, checked ``top_k`` / ``top_p`` (None, a number or a tensor
-    of n elements) -> ``(log_probs, entropy, *stats)`` (n,) each (entropy empty unless asked, the three
-    statistics empty unless ``want_stats``; 0 / False on ignored rows). Ignored rows compacted away first
-    (``compact_rows``: the linear ops' one host sync)."""
+    """``hidden`` (n, H), ``target`` (n,) global ids -> ``(log_probs, entropy, *stats)`` (n,) each (empty when
+    not asked); ignored rows compacted first (one host sync)."""
     n, dev = hidden.shape[0], hidden.device
     if isinstance(top_k, torch.Tensor):   # a number stays one (one gathered k-th largest per row)
         top_k = tr.per_row(top_k, n, torch.int64, 0, dev)

@@ -12,8 +12,7 @@ from fusedce.distributed.layout import VocabLayout
 
 
 class Columns:
-    """Columns of the ``(n, k)`` fp32 buffer the forward all-reduces with SUM: ``sumexp``, ``target_logit``,
-    ``owned``, then ``target_weight`` (class weights), ``smooth`` (label smoothing), ``tsum`` (entropy)."""
+    """Columns of the ``(n, k)`` fp32 buffer the forward all-reduces (optional ones only with their option)."""
 
     SUMEXP, TARGET_LOGIT, OWNED = 0, 1, 2
 
@@ -25,8 +24,7 @@ class Columns:
 
 
 def target_columns(target: torch.Tensor, layout: VocabLayout):
-    """``(owned (n,) bool, col (n,) int64)``: whether this slice holds the row's target, and its local column (0
-    where not owned)."""
+    """``(owned, col)``: whether this slice holds the row's target, and its local column (0 where not)."""
     owned = (target >= layout.start) & (target < layout.end)
     col = torch.where(owned, target.long() - layout.start, 0)
     return owned, col
@@ -34,8 +32,7 @@ def target_columns(target: torch.Tensor, layout: VocabLayout):
 
 def shard_forward(impl, logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                   layout: VocabLayout, opts: LossOptions, cols: Columns):
-    """Local statistics of this slice's logits ``(n, V_r)`` (any float dtype, before the logit transform), computed by
-    the backend ``impl`` (``slice_stats``: its kernels, no math here)."""
+    """Local statistics of this slice's logits ``(n, V_r)`` by the backend ``impl`` (``slice_stats``)."""
     n = logits.shape[0]
     sums = torch.zeros(n, cols.k, device=logits.device)
     if layout.size == 0:  # nothing to contribute: every sum stays 0, the key loses the MAX
@@ -63,8 +60,7 @@ def shard_grad(impl, logits: torch.Tensor, target: torch.Tensor, weight: Optiona
                lse: torch.Tensor, lse_lo: torch.Tensor, grad_row: torch.Tensor,
                grad_lse: Optional[torch.Tensor], layout: VocabLayout, opts: LossOptions,
                grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Gradient of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i [+ grad_entropy[i] entropy_i]`` w.r.t. this slice's
-    logits ``(n, V_r)``, in their dtype, by the backend ``impl`` (``slice_grad``)."""
+    """This slice's logits gradient, in their dtype, by the backend ``impl`` (``slice_grad``)."""
     if grad_entropy is None:
         return impl.slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, grad_lse,
                                opts, layout.start, layout.n_classes)

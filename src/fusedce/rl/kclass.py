@@ -1,5 +1,4 @@
-"""The internal K-class op of the RL ops (a ``(..., K)`` target) on arguments already checked; the top-k
-distillation calls it too."""
+"""The internal K-class op (a ``(..., K)`` target) on checked arguments; the top-k distillation calls it too."""
 from __future__ import annotations
 
 import torch
@@ -10,8 +9,7 @@ from fusedce.core.types import TokenLogProbs
 
 
 def result(log_probs, entropy, target_shape, return_entropy: bool):
-    """The public form of the K-class op's outputs: ``log_probs`` of ``target_shape`` ``(..., K)``, or
-    ``TokenLogProbs(log_probs, entropy (...))``."""
+    """The public form of the K-class outputs: ``log_probs`` ``(..., K)`` or ``TokenLogProbs``."""
     log_probs = log_probs.reshape(target_shape)
     if not return_entropy:
         return log_probs
@@ -19,8 +17,7 @@ def result(log_probs, entropy, target_shape, return_entropy: bool):
 
 
 def log_probs_rows(impl, logits: torch.Tensor, classes: torch.Tensor, opts: LossOptions, return_entropy: bool):
-    """The K-class op on checked ``logits`` ``(..., V)`` and ``classes`` ``(..., K)`` (in [0, V) or
-    ``ignore_index``); ``impl`` the backend."""
+    """The K-class op on checked ``logits`` ``(..., V)`` and ``classes`` ``(..., K)``; ``impl`` the backend."""
     n_classes = logits.shape[-1]
     flat = logits.reshape(-1, n_classes)
     if flat.stride(-1) != 1 and n_classes > 1:
@@ -31,8 +28,7 @@ def log_probs_rows(impl, logits: torch.Tensor, classes: torch.Tensor, opts: Loss
 
 def linear_log_probs_rows(impl, hidden, weight, classes, bias, opts: LossOptions, return_entropy: bool, chunk_size,
                           method: str, deterministic: bool, logits: str = "float32", compact: bool = True):
-    """The K-class op of the LM head on checked arguments: ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias``
-    ``(V,)`` or None, ``classes`` ``(..., K)``."""
+    """The LM-head K-class op on checked ``hidden``, ``weight``, ``bias`` and ``classes`` ``(..., K)``."""
     return kclass_ops.linear_token_log_probs_kclass(
         impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, classes.reshape(-1, classes.shape[-1]), bias,
         opts, return_entropy, None if chunk_size is None else int(chunk_size), method, tiled=impl.TILED_CE,

@@ -1,5 +1,5 @@
-"""The ``method="tiled"`` side of the K-class log-probs (``rl/kclass.py``): the K target logits of each row, and the
-sparse ``[c == t_k]`` term of the gradient added to the tiled gradients."""
+"""The ``method="tiled"`` side of the K-class log-probs: the target logits and the sparse ``[c == t_k]``
+gradient term."""
 from __future__ import annotations
 
 import torch
@@ -11,8 +11,7 @@ _ROWS = 32                   # rows per F.linear of the target logits (``target_
 
 
 def target_logits(hidden, weight, bias, safe: torch.Tensor) -> torch.Tensor:
-    """``x_ik = hidden_i . weight[t_ik] + bias[t_ik]`` (n, K) fp32 from the operands' values, in row chunks of
-    gathered weight rows (no tensor with a V dimension)."""
+    """``x_ik = hidden_i . weight[t_ik] + bias[t_ik]`` (n, K) fp32, in row chunks (no V-sized tensor)."""
     n, K = safe.shape
     x = torch.empty(n, K, dtype=torch.float32, device=hidden.device)
     rows = max(1, min(_ROWS, _GATHER_ELEMENTS // max(1, K * hidden.shape[1])))
@@ -27,8 +26,7 @@ def target_logits(hidden, weight, bias, safe: torch.Tensor) -> torch.Tensor:
 
 
 def _add_rows_(acc: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, deterministic: bool) -> None:
-    """``acc[ids[e]] += values[e]`` for every entry e (``index_add_``: float atomics on CUDA, so the sum of one class's
-    entries is not bitwise reproducible)."""
+    """``acc[ids[e]] += values[e]`` (``index_add_``: CUDA atomics, not bitwise reproducible)."""
     if not deterministic or not host_readable(ids) or ids.numel() == 0:
         acc.index_add_(0, ids, values.to(acc.dtype))
         return
@@ -39,8 +37,7 @@ def _add_rows_(acc: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, deter
 
 def sparse_grads_(grads, hidden, weight, d: torch.Tensor, safe: torch.Tensor, needs,
                   deterministic: bool = False) -> tuple:
-    """Add the sparse term ``d`` ((n, K) fp32 dL/dx at the target columns) to the tiled gradients
-    ``(grad_hidden, grad_weight, grad_bias)``."""
+    """Add the sparse term ``d`` (n, K) to the tiled ``(grad_hidden, grad_weight, grad_bias)``."""
     g_h, g_w, g_b = grads
     n, K = safe.shape
     rows = max(1, _GATHER_ELEMENTS // max(1, K * hidden.shape[1]))

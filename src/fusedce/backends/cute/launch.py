@@ -16,16 +16,14 @@ _COMPILED: dict = {}
 
 
 def ensure_arch(device: torch.device) -> None:
-    """Set ``$CUTE_DSL_ARCH`` (``sm_90a`` on H100/H200, ``sm_100a`` on B200, ...) from the device unless
-    the user set it; must run before ``cutlass`` is first imported."""
+    """Set ``$CUTE_DSL_ARCH`` from the device unless the user set it (before ``cutlass`` is first imported)."""
     if "CUTE_DSL_ARCH" not in os.environ:
         major, minor = torch.cuda.get_device_capability(device)
         os.environ["CUTE_DSL_ARCH"] = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
 
 
 def vec_for(dtype: str, n_cols: int, *tensors: torch.Tensor) -> int:
-    """The kernels' vector width: the largest power of two, at most one 16-byte vector, that divides V,
-    every row stride and every base address (in elements): 128-bit accesses whenever the rows allow."""
+    """The vector width: the largest power of two, at most 16 bytes, dividing V, every row stride and base address."""
     vec, size = full_vec(dtype), ITEMSIZE[dtype]
     while vec > 1 and (n_cols % vec or any(t.stride(0) % vec or t.data_ptr() % (vec * size) for t in tensors)):
         vec //= 2
@@ -72,8 +70,7 @@ def _weights(weight, weight_sum):
 
 
 def ce_forward(logits, target, weight, weight_sum, opts: LossOptions, loss, lse, lse_lo, predicted) -> None:
-    """Fill ``loss``/``lse``/``lse_lo`` ((BT,) fp32) and ``predicted`` ((BT,) int64 or None) for
-    ``logits`` ((BT, V), unit last stride); ``weight_sum`` = weight.sum() (1,) when ``weight`` is given."""
+    """Fill ``loss``/``lse``/``lse_lo`` and ``predicted`` (or None) for ``logits`` (BT, V), unit last stride."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -87,8 +84,7 @@ def ce_forward(logits, target, weight, weight_sum, opts: LossOptions, loss, lse,
 
 def ce_backward(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
                 grad) -> None:
-    """Write d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i)/d logits into ``grad`` ((BT, V), logits'
-    dtype; may be ``logits`` itself)."""
+    """Write d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i)/d logits into ``grad`` (may be ``logits``)."""
     n_rows, n_cols = logits.shape
     if n_rows == 0 or n_cols == 0:
         return
@@ -104,8 +100,7 @@ def ce_backward(logits, target, weight, weight_sum, lse, lse_lo, grad_row, grad_
 
 def ce_chunk_(logits, target, weight, weight_sum, grad_row, z_grad_row, opts: LossOptions, loss, lse, lse_lo,
               predicted, token_weight) -> None:
-    """The fused chunk: loss/lse/lse_lo (/predicted/token_weight) out and ``logits`` overwritten with d(sum_i
-    grad_row[i] loss_i + z_grad_row[i] s lse_i^2)/d logits."""
+    """The fused chunk: the per-row results out and ``logits`` overwritten with their gradient."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return

@@ -1,6 +1,5 @@
-"""``linear_distillation_loss(method="tiled")`` in plain PyTorch: both LM heads and the loss on blocks of tokens x
-vocabulary (``tuning.tile_sizes``: fewer than V logits a block), never a tensor of V or more elements besides the
-weights, biases and the student's gradients."""
+"""``linear_distillation_loss(method="tiled")`` in plain PyTorch: both heads and the loss on token x vocabulary
+blocks, never a tensor of V elements besides the heads'."""
 from __future__ import annotations
 
 from typing import Optional
@@ -32,8 +31,7 @@ class _Lse:
 
 
 def _block_logits_pair(hs, ws, bs, ht, wt, bt, r, cols, s_cap, t_cap, inv_t, temperature):
-    """``(cs, us, ut)`` of token block ``r`` and vocabulary block ``cols``: the student's capped logits, and
-    both models' capped logits over the temperature (fp32)."""
+    """``(cs, us, ut)`` of a token and vocabulary block: the student's capped logits and both at T (fp32)."""
     cs = capped(_block_logits(hs[r], ws, bs, cols), s_cap)
     ut = capped(_block_logits(ht[r], wt, bt, cols), t_cap) * inv_t
     return cs, (cs if temperature == 1.0 else cs * inv_t), ut
@@ -43,10 +41,8 @@ def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, 
                   target, grad_factor, *, beta: float, temperature: float, hard_label_weight: float,
                   ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float],
                   deterministic: bool = False, batch_invariant: bool = False):
-    """Per-row distillation loss of both heads' logits and, with ``grad_factor``, the student's gradients:
-    student ``(N, H)`` / ``(V, H)`` / ``(V,)`` or None, teacher ``(N, Ht)`` / ``(V, Ht)`` / ``(V,)`` or None,
-    ``target`` (N,) int64 or None. Returns ``(loss_rows (N,) fp32, grad_hidden, grad_weight, grad_bias)``
-    (fp32 weight / bias gradients; None without ``grad_factor``); no tensor of V or more elements."""
+    """Per-row loss (N,) fp32 and, with ``grad_factor``, the student's ``(grad_hidden, grad_weight, grad_bias)``
+    (None without); no tensor of V or more elements."""
     hs, ws, bs = student_hidden, student_weight, student_bias
     n, n_classes = hs.shape[0], ws.shape[0]
     dev = hs.device

@@ -1,6 +1,5 @@
-"""Distillation of two linear heads on Triton with no logits of either model (``method="tiled"``): the backend op
-``tiled_distill`` as the torch custom op ``fusedce::tiled_distill`` with a fake, so that ``torch.compile`` traces
-it."""
+"""Tiled distillation of two linear heads on Triton (no logits of either model), as the custom op
+``fusedce::tiled_distill`` with a fake."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -65,11 +64,8 @@ def tiled_distill(student_hidden: torch.Tensor, student_weight: torch.Tensor, st
                   target: Opt, grad_factor: Opt, *, beta: float, temperature: float, hard_label_weight: float,
                   ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float],
                   deterministic: bool, batch_invariant: bool = False) -> Tuple[torch.Tensor, Opt, Opt, Opt]:
-    """Per-row distillation loss of two linear heads and the student head's gradients, no logits of either
-    model in memory (tiles formed on chip: ``kernels/distill_tiled_*.py``). Shapes as
-    ``backends/pytorch/distill_tiled.tiled_distill``; ``deterministic`` (or ``batch_invariant``): the gradient
-    pass without atomics. Returns ``(loss_rows (N,) fp32, grad_hidden, grad_weight, grad_bias)`` (fp32 weight /
-    bias gradients, times ``grad_factor`` per row; None without it); ``ValueError`` for mismatched shapes."""
+    """As ``backends/pytorch/distill_tiled.tiled_distill``, with tiles formed on chip; ``deterministic`` (or
+    ``batch_invariant``): no atomics."""
     n, hs = student_hidden.shape if student_hidden.dim() == 2 else (None, None)
     if (student_hidden.dim() != 2 or student_weight.dim() != 2 or student_weight.shape[1] != hs
             or teacher_hidden.dim() != 2 or teacher_weight.dim() != 2 or teacher_hidden.shape[0] != n
@@ -93,6 +89,5 @@ def tiled_distill(student_hidden: torch.Tensor, student_weight: torch.Tensor, st
     return loss, gh, gw, (gb if student_bias is not None else None)
 
 
-# ``Backend.tiled_distill.invariant_rows``: 64, as ``TritonTiledCE.invariant_rows`` (tiles fixed per kernel and
-# dtype, ``tuning.distill_tiled_config``; a partial token tile's rows masked; with ``deterministic`` no atomics)
+# ``Backend.tiled_distill.invariant_rows``: 64, as ``TritonTiledCE.invariant_rows``.
 tiled_distill.invariant_rows = lambda n_classes: 64

@@ -13,9 +13,7 @@ from .launch import VocabSlice, ce_backward, ce_slice_stats
 
 def _slice_stats(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], opts: LossOptions,
                 col_start: int, entropy: bool = False) -> SliceStats:
-    """Partial statistics of ``logits`` ((n, V_r), any strides with a unit last stride; global columns
-    from ``col_start``); ``weight`` this slice's class weights or None; ``entropy``: ``tsum`` too. One
-    kernel launch."""
+    """Partial statistics of the slice ``logits`` (n, V_r) from global column ``col_start``; one kernel launch."""
     n = logits.shape[0]
     new = lambda dtype=torch.float32: torch.empty(n, dtype=dtype, device=logits.device)   # noqa: E731
     out = (new(), new(torch.int64), new(), new(), new(), new()) + ((new(),) if entropy else ())
@@ -34,9 +32,8 @@ def _slice_grad(logits: torch.Tensor, target: torch.Tensor, weight: Optional[tor
                lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor],
                opts: LossOptions, col_start: int, n_total: int, grad_entropy: Optional[torch.Tensor] = None,
                entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i [+ grad_entropy[i] entropy_i])/d logits for the
-    slice, in the logits' dtype, from the GLOBAL ``lse``/``lse_lo``, ``weight_sum`` (W, 0-dim), per-row
-    ``target_weight`` (w_t) and, with ``grad_entropy``, the global ``entropy`` (n,) fp32."""
+    """The slice's logits gradient in their dtype, from the GLOBAL lse pair, ``weight_sum``, ``target_weight`` and
+    (with ``grad_entropy``) ``entropy``."""
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if logits.shape[1] == 0:
         return grad
@@ -91,9 +88,7 @@ def _(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row, 
 
 def slice_stats(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], opts: LossOptions,
                 col_start: int, entropy: bool = False) -> SliceStats:
-    """Partial statistics of ``logits`` ((n, V_r), any strides with a unit last stride; global columns
-    from ``col_start``); ``weight`` this slice's class weights or None; ``entropy``: ``tsum`` too. One
-    kernel launch, as the custom op ``fusedce::slice_stats``."""
+    """``_slice_stats`` as the custom op ``fusedce::slice_stats``."""
     *st, zsum, tsum = torch.ops.fusedce.slice_stats(logits, target, weight, *opts.op_args(), col_start, entropy)
     return SliceStats(*st, zsum if opts.label_smoothing > 0.0 else None, tsum if entropy else None)
 
@@ -103,8 +98,7 @@ def slice_grad(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torc
                lse_lo: torch.Tensor, grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor],
                opts: LossOptions, col_start: int, n_total: int, grad_entropy: Optional[torch.Tensor] = None,
                entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i [+ grad_entropy[i] entropy_i])/d logits for the
-    slice (``_slice_grad``), as the custom op ``fusedce::slice_grad``."""
+    """``_slice_grad`` as the custom op ``fusedce::slice_grad``."""
     return torch.ops.fusedce.slice_grad(logits, target, weight, weight_sum, target_weight, lse, lse_lo, grad_row,
                                         grad_lse, *opts.op_args(), col_start, n_total, grad_entropy,
                                         None if grad_entropy is None else entropy)

@@ -9,10 +9,8 @@ from .interpreter import to_bf16_rne
 @triton.jit
 def tile_targets(target_ptr, rows, in_rows, stride_target, class_weight_ptr, n_cols, scalars,
                  FLAGS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(target, is_valid, in_range, w_t)`` of the token indices ``rows`` (BLOCK_N,), with the loss
-    options (``common.target_terms``): the int64 targets (``ignore_index`` past ``n_rows``, so
-    ``is_valid`` implies ``in_rows``), whether each is a class in [0, V), and the target's class weight
-    as an fp32 (BLOCK_N,) vector (1 without class weights)."""
+    """``(target, is_valid, in_range, w_t)`` of tokens ``rows`` (``common.target_terms``; rows past ``n_rows``
+    are ignored, and ``w_t`` is 1 without class weights)."""
     target = tl.load(target_ptr + rows * stride_target, mask=in_rows, other=scalars.ignore_index).to(tl.int64)
     is_valid, in_range, _safe, w_t = target_terms(target, n_cols, class_weight_ptr, scalars, FLAGS)
     w_t = tl.zeros((BLOCK_N,), tl.float32) + w_t    # a (BLOCK_N,) vector also without class weights
@@ -21,8 +19,7 @@ def tile_targets(target_ptr, rows, in_rows, stride_target, class_weight_ptr, n_c
 
 @triton.jit
 def round_like(x, ptr, ROUND_BF16: tl.constexpr):
-    """fp32 ``x`` rounded to ``ptr``'s element dtype (to nearest) and back to fp32; a no-op for fp32.
-    ROUND_BF16 (interpreter only): round by hand, as the interpreter's cast truncates."""
+    """fp32 ``x`` rounded to ``ptr``'s dtype (to nearest) and back; ROUND_BF16: by hand (interpreter only)."""
     if ROUND_BF16:
         y = to_bf16_rne(x).to(tl.float32)
     else:
@@ -35,9 +32,7 @@ def logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_live, cols, col_mask
                 stride_hidden, stride_weight,
                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """fp32 (BLOCK_N, BLOCK_V) tile of the logits, never rounded to hidden's dtype (the products of bf16 / fp16 values
-    are exact in fp32 and the dot accumulates in fp32: fp32 logits from the operands' values, as the chunked
-    method's default)."""
+    """fp32 (BLOCK_N, BLOCK_V) logits tile from the operands' values (exact products, fp32 accumulation)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     h_rows = hidden_ptr + rows[:, None] * stride_hidden
     w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight

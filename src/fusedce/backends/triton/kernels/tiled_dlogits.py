@@ -11,9 +11,7 @@ from .tile_math import logits_tile, round_like
 def row_upstreams(rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr, grad_entropy_ptr, entropy_ptr,
                   stride_grad_row, stride_grad_lse, stride_grad_entropy, BLOCK_N: tl.constexpr,
                   HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr):
-    """``(lse, lse_lo, g, h, k, entropy)``, fp32 (BLOCK_N,) each for the token indices ``rows``: ``g``,
-    ``h``, ``k`` the upstream gradients of the loss, the lse (0 without HAS_GRAD_LSE) and the entropy
-    (0 without HAS_GRAD_ENTROPY); ``entropy`` the forward's (0 without HAS_GRAD_ENTROPY)."""
+    """``(lse, lse_lo, g, h, k, entropy)`` fp32 (BLOCK_N,) of tokens ``rows`` (h, k, entropy 0 with flags off)."""
     lse = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
     lse_lo = tl.load(lse_lo_ptr + rows, mask=in_rows, other=0.0)
     g = tl.load(grad_row_ptr + rows * stride_grad_row, mask=in_rows, other=0.0).to(tl.float32)
@@ -32,9 +30,8 @@ def row_upstreams(rows, in_rows, lse_ptr, lse_lo_ptr, grad_row_ptr, grad_lse_ptr
 def dlogits_tile(x, cols, col_mask, target, is_valid, w_t, lse, lse_lo, g, h, k, entropy, class_weight_ptr,
                  weight_sum_ptr, hidden_ptr, n_cols, scalars, FLAGS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
                  HAS_GRAD_ENTROPY: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """fp32 (BLOCK_N, BLOCK_V) ``dL/dx`` of the logits tile ``x`` at columns ``cols`` (``col_mask``: < V) for tokens
-    with targets ``target``, holding values of hidden's dtype (rounded once, to nearest); exactly 0 on rows not
-    ``is_valid`` and on masked columns."""
+    """fp32 ``dL/dx`` of the logits tile ``x`` holding values of hidden's dtype (rounded once); 0 on ignored rows
+    and masked columns."""
     dz = grad_block(x, cols[None, :], col_mask[None, :], target[:, None], w_t[:, None], lse[:, None],
                     lse_lo[:, None], g[:, None], h[:, None], class_weight_ptr, weight_sum_ptr, n_cols,
                     scalars, FLAGS, HAS_GRAD_LSE, k[:, None], entropy[:, None], HAS_GRAD_ENTROPY)
@@ -50,10 +47,8 @@ def recompute_dx(hidden_ptr, weight_ptr, bias_ptr, rows, in_rows, is_valid, cols
                  BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
                  HAS_GRAD_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                  ROUND_BF16: tl.constexpr):
-    """``dlogits_tile`` of the recomputed (BLOCK_N, BLOCK_V) logits tile of tokens ``rows`` (``in_rows``:
-    < n; ``is_valid``: not ignored, the only rows whose hidden state is read) and classes ``cols``
-    (``col_mask``: < V), with the tokens' upstreams loaded here (``row_upstreams``). fp32 holding values of
-    hidden's dtype."""
+    """``dlogits_tile`` of the recomputed logits tile of tokens ``rows`` and classes ``cols`` (only kept rows'
+    hidden states read)."""
     x = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, is_valid, cols, col_mask, n_hidden,
                     stride_hidden, stride_weight, BLOCK_N, BLOCK_V, BLOCK_H, HAS_BIAS, DOT_PRECISION,
                     UPCAST)
