@@ -262,6 +262,7 @@ ALLOWED_TORCH_ATOMICS = {
     "rl/log_probs.py": "index_add",   # the word in a docstring (the deterministic keyword's description)
     # the top-k / top-p log-prob gradient's one-hot, one target index per row: no two additions meet
     "rl/truncated_rows.py": "scatter_add",
+    "distributed/sampled_rows.py": "scatter_add",   # the same one-hot on a vocabulary slice: one index per row
 }
 
 
