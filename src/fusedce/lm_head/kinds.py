@@ -42,6 +42,7 @@ def register(name: str):
 
 
 def _op(method: str):
+    """The op ``fusedce_lm::loop_<method>`` (its fake the kind's ``<method>_fake``) and its caller."""
     def body(kind: str, tensors: list[Optional[Tensor]], ints: list[int], floats: list[float], words: str,
              dtype: torch.dtype) -> list[Tensor]:
         return getattr(KINDS[kind], method)(Args(tensors, ints, floats, words, dtype))
@@ -55,7 +56,7 @@ def _op(method: str):
     return call
 
 
-forward, backward = _op("forward"), _op("backward")
+forward, backward = _op("forward"), _op("backward")   # kinds.forward(kind, tensors, ints, floats, words, dtype)
 
 
 def loss_args(opts: LossOptions, *ints) -> tuple:

@@ -15,9 +15,6 @@ from fusedce.lm_head.kinds import Args, loss_args, register
 from fusedce.lm_head.head import compact_rows, head_spec, make_head, rebuild_head, scatter_rows
 from fusedce.rl.kclass_head import entries, linear_forward, linear_grads, log_probs_at
 
-Opt = Optional[torch.Tensor]
-Tensor = torch.Tensor
-
 
 @register("kclass")
 class _KClass:
