@@ -20,7 +20,8 @@ def test_at_most_three_loop_ops_outside_the_backends():
     backends = ("fusedce_torch::", "fusedce::", "fusedce_cute::", "fusedce_triton::")
     ops = sorted(name for name in torch._C._dispatch_get_all_op_names()
                  if name.startswith("fusedce") and not name.startswith(backends))
-    assert ops == ["fusedce_lm::loop_backward", "fusedce_lm::loop_forward"]
+    assert len(ops) <= 3, ops   # issue 43's bound (14 before the registry)
+    assert {"fusedce_lm::loop_forward", "fusedce_lm::loop_backward"} <= set(ops)
 
 
 def test_every_family_registers_its_kinds():
