@@ -67,3 +67,8 @@ def group(tmp_path_factory):
     yield
     if created:
         dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config, items):
+    import schedule
+    schedule.slow_first(items)

@@ -39,7 +39,7 @@ def test_compiled_equals_eager(method, n):
 # ---------------------------------------------------------------------------------------------------
 # Top-k distillation with ``tail=True`` (issue 46 item 3): the tail pass's block loops (``distill/tail.py``)
 # ran in Python under the autograd Function, and Dynamo refused the graph ("Unsupported:
-# torch.is_inference_mode_enabled", from ``block_threads``) on every backend and method; they are custom
+# torch.is_inference_mode_enabled", from ``launch.run``) on every backend and method; they are custom
 # ops now. Each case compiles (``fullgraph=True``, ``dynamic=True``) and runs three token counts (ignored
 # tokens, padding entries, a token without a tail among them): compiled = eager, at most one compilation
 # beyond the first (the 0/1 specialisation, as ``tests/ce/compile/test_compile_token_counts.py``; the logits form

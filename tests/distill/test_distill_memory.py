@@ -40,7 +40,7 @@ class AllocationTracker(TorchDispatchMode):
         self.skip = skip_matmuls
         self.live, self.bytes, self.peak, self.sizes = {}, 0, 0, []
 
-    def __enter__(self):   # modes are per thread: the block loops (block_threads.py) then run in this one
+    def __enter__(self):   # modes are per thread: the block loops (backends/pytorch/launch.run) then run in this one
         self._threads = torch.get_num_threads()
         torch.set_num_threads(1)
         return super().__enter__()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import fusedce
 import fusedce.distributed as fd
 from fusedce.distributed.argmax_key import pack_max_key, unpack_max_key
-from dist_harness import assert_passed, results
+from dist_harness import assert_passed, over_worlds, results
 from inputs import make_logits, make_target, make_weight
 from reference64 import reference_cross_entropy
 from tolerances import FP32_UNITS, LINEAR_MAX_RTOL, TOLERANCES, U32
@@ -278,13 +278,15 @@ def ce_low_precision(rank, world):
 
 @check
 def ce_layouts(rank, world):
-    """Explicit vocab_start_index in an order unlike rank order, and a rank holding no class."""
+    """Explicit vocab_start_index in an order unlike rank order, a rank holding no class, one holding one."""
     x, t = _ce_inputs()
     w = make_weight(V)
     orders = {2: ((10, 7), (7, 0)), 3: ((5, 4, 8), (12, 0, 4))}[world]   # sizes, starts
     run_ce(rank, x, t, w, orders[0], starts=orders[1], label_smoothing=0.1, return_stats=True)
     empty = {2: (17, 0), 3: (6, 0, 11)}[world]
     run_ce(rank, x, t, w, empty, label_smoothing=0.1, lse_square_scale=1e-2, return_stats=True)
+    one = {2: (16, 1), 3: (5, 1, 11)}[world]   # a one-class slice (the Triton kernels run on 2 ranks only)
+    run_ce(rank, x, t, w, one, label_smoothing=0.1, lse_square_scale=1e-2, return_stats=True)
 
 
 @check
@@ -582,10 +584,9 @@ def backward_twice(rank, world):
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("world", sorted(SIZES), ids=lambda w: f"world{w}")
+@over_worlds
 def test_vocab_parallel(world, backend, name, request, tmp_path_factory):
-    """Every check on 2 and 3 gloo ranks, the vocab-parallel ops on each backend (``backend`` fixture:
-    torch, and triton under the interpreter)."""
+    """Every check on 2 and 3 gloo ranks (``dist_harness.WORLD_BACKENDS``: the Triton kernels on 2)."""
     outcome = results(__name__, CHECKS, world, backend, request, tmp_path_factory)[name]
     assert_passed(outcome, world)
 

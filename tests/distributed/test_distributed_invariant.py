@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import fusedce.distributed as fd
-from dist_harness import assert_passed, results
+from dist_harness import assert_passed, over_worlds, results
 
 V, H, PROBE = 37, 16, 5
 SIZES = {2: (17, 20), 3: (11, 13, 13)}
@@ -82,8 +82,8 @@ def refused_before_any_collective(rank, world):
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("world", sorted(SIZES), ids=lambda w: f"world{w}")
+@over_worlds
 def test_vocab_parallel_batch_invariant(world, backend, name, request, tmp_path_factory):
-    """Every check on 2 and 3 gloo ranks, each backend."""
+    """Every check on 2 and 3 gloo ranks (``dist_harness.WORLD_BACKENDS``)."""
     outcome = results(__name__, CHECKS, world, backend, request, tmp_path_factory)[name]
     assert_passed(outcome, world)

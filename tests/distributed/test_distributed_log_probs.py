@@ -9,6 +9,9 @@ leading dims), every 4th row ignored (3 ignored, 9 kept), target 0 in row 0 and 
 last column) in row 1; H = 8 for the linear op, chunk_size None (one chunk) and 4 (9 kept rows: a
 partial last chunk). Settings: temperature 1 and 2, softcap 3 (strong capping of logits ~ N(0, 3^2)).
 
+The checks of ``tests/support/sampled_checks.py`` (``return_stats``, ``logits_dtype="input"``, ``top_k`` /
+``top_p`` of the linear op; issue 45) run in the same spawned groups.
+
 Reference: the RL ops' one (``tests/support/reference64_log_probs.py``): ``z = c tanh(x / c)``,
 ``q = z / T``, ``log_probs = q_t - logsumexp(q)``, ``entropy = logsumexp(q) - sum_c softmax(q)_c q_c`` (a
 -inf ``q_c`` adds 0), in float64 autograd; the upstream gradients of both outputs are random per token.
@@ -21,9 +24,10 @@ import torch.distributed as dist
 
 import fusedce
 import fusedce.distributed as fd
-from dist_harness import assert_passed, results
+from dist_harness import assert_passed, over_worlds, results
 from inputs import make_target
 from reference64_log_probs import reference_log_probs
+from sampled_checks import CHECKS as SAMPLED_CHECKS
 from tolerances import FP32_MATH_ATOL, LINEAR_MAX_RTOL, VP_GRAD_MAX_RTOL, VP_GRAD_RTOL
 
 V, SHAPE, H = 11, (3, 4), 8
@@ -410,10 +414,14 @@ def k_classes_bad_inputs(rank, world):
     dist.barrier()
 
 
+# the return_stats / logits_dtype="input" / top_k / top_p checks (issue 45), in these spawned groups
+CHECKS.update(SAMPLED_CHECKS)
+
+
 # ---------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("world", sorted(SIZES), ids=lambda w: f"world{w}")
+@over_worlds
 def test_vocab_parallel_log_probs(world, backend, name, request, tmp_path_factory):
-    """Every check on 2 and 3 gloo ranks, the vocab-parallel RL ops on each backend (``backend`` fixture)."""
+    """Every check on 2 and 3 gloo ranks (``dist_harness.WORLD_BACKENDS``: the Triton kernels on 2)."""
     outcome = results(__name__, CHECKS, world, backend, request, tmp_path_factory)[name]
     assert_passed(outcome, world)

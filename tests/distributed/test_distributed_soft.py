@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import fusedce
 import fusedce.distributed as fd
-from dist_harness import assert_passed, results
+from dist_harness import assert_passed, over_worlds, results
 from reference64_soft import reference_soft
 from tolerances import FP32_UNITS, LINEAR_MAX_RTOL, TOLERANCES, U32, _check, assert_loss_close
 
@@ -137,9 +137,12 @@ def soft_linear_options(rank, world):
 
 @check
 def soft_empty_slice_and_low_precision_target(rank, world):
-    """A rank holding 0 classes (its slices (..., 0)), and bf16 / fp64 targets."""
+    """A rank holding 0 classes (its slices (..., 0)), one holding 1, and bf16 / fp64 targets."""
     _logits_case(rank, EMPTY_FIRST[world], OPTIONS["everything"], "mean")
     _linear_case(rank, EMPTY_FIRST[world], OPTIONS["everything"], "none", 4)
+    one = {2: (16, 1), 3: (5, 1, 11)}[world]   # a one-class slice (the Triton kernels run on 2 ranks only)
+    _logits_case(rank, one, OPTIONS["everything"], "mean")
+    _linear_case(rank, one, OPTIONS["everything"], "none", 4)
     for q_dtype in (torch.bfloat16, torch.float64):
         _logits_case(rank, SIZES[world], OPTIONS["smoothing+weight"], "sum", q_dtype)
 
@@ -239,8 +242,8 @@ def soft_dtensor_head(rank, world):
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("world", sorted(SIZES), ids=lambda w: f"world{w}")
+@over_worlds
 def test_vocab_parallel_soft(world, backend, name, request, tmp_path_factory):
-    """Every check on 2 and 3 gloo ranks, each backend (torch, and triton under the interpreter)."""
+    """Every check on 2 and 3 gloo ranks (``dist_harness.WORLD_BACKENDS``: the Triton kernels on 2)."""
     outcome = results(__name__, CHECKS, world, backend, request, tmp_path_factory)[name]
     assert_passed(outcome, world)

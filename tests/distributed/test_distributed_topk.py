@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import fusedce
 import fusedce.distributed as fd
-from dist_harness import assert_passed, results
+from dist_harness import assert_passed, over_worlds, results
 from reference64_topk import reduce64, topk_rows64
 
 V, SHAPE, H, K = 11, (3, 4), 8, 4
@@ -284,8 +284,8 @@ def dtensor_route(rank, world):
 
 # ---------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("world", sorted(SIZES), ids=lambda w: f"world{w}")
+@over_worlds
 def test_vocab_parallel_topk_distillation(world, backend, name, request, tmp_path_factory):
-    """Every check on 2 and 3 gloo ranks, each backend (torch, and triton under the interpreter)."""
+    """Every check on 2 and 3 gloo ranks (``dist_harness.WORLD_BACKENDS``: the Triton kernels on 2)."""
     outcome = results(__name__, CHECKS, world, backend, request, tmp_path_factory)[name]
     assert_passed(outcome, world)

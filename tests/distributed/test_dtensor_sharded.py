@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import fusedce
-from dist_harness import assert_passed, results
+from dist_harness import assert_passed, over_worlds, results
 from tolerances import FP32_MATH_ATOL, LINEAR_MAX_RTOL
 
 BT, H, V = 10, 12, 37
@@ -167,8 +167,8 @@ def a_replicated_bias_with_a_sharded_head_is_refused(rank, world):
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
+@over_worlds
 def test_vocabulary_sharded_dtensors(world, backend, name, request, tmp_path_factory):
-    """Every check on 2 and 3 gloo ranks, each backend."""
+    """Every check on 2 and 3 gloo ranks (``dist_harness.WORLD_BACKENDS``)."""
     outcome = results(__name__, CHECKS, world, backend, request, tmp_path_factory)[name]
     assert_passed(outcome, world)

@@ -20,11 +20,11 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 
 from fusedce.integrations.hf.patch import patch_causal_lm  # noqa: E402
+from dist_harness import start_ranks  # noqa: E402
 from hf_models import batch, build  # noqa: E402
 from tolerances import HF_ATOL_SCALE, HF_RTOL  # noqa: E402
 
@@ -108,7 +108,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def _results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
     try:
-        mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+        start_ranks(_worker, (_free_port(), str(out)), WORLD, preload=["transformers"])
     except Exception:  # noqa: BLE001
         return [{name: {"error": traceback.format_exc()} for name in CONFIGS}]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]

@@ -1,5 +1,5 @@
 """The PyTorch backend's tiled method under ``torch.inference_mode()`` on CPU: its block loops run on
-worker threads (``backends/pytorch/block_threads.py``), and inference mode is per thread, so the workers
+worker threads (``backends/pytorch/launch.run``), and inference mode is per thread, so the workers
 must enter it too (else: "Inplace update to inference tensor outside InferenceMode"). Every tiled entry
 point, with two intra-op threads so that the loops really use a second thread, against the same call
 under ``torch.no_grad()``."""

@@ -19,7 +19,7 @@ class OpRecorder(TorchDispatchMode):
     The PyTorch backend's loops are custom ops (``fusedce_torch::*``) whose Python implementations run
     ATen ops: the recorder runs those implementations itself, under the recorder, so that every block
     they allocate is seen (a mode does not see inside an op it dispatches). Modes are per thread, so
-    while recording the intra-op thread count is 1: the block loops (``block_threads.py``) then run in
+    while recording the intra-op thread count is 1: the block loops (``backends/pytorch/launch.run``) then run in
     the calling thread."""
 
     def __init__(self):

@@ -240,15 +240,16 @@ def test_import_without_verl_is_refused():
         sys.modules.update(saved)
 
 
-@pytest.mark.parametrize("option, value, match", [
-    ("top_p", 0.9, "top_k / top_p"),
-    ("logits_dtype", "input", "logits_dtype='input'"), ("method", "tiled", "method='tiled'")])
-def test_tensor_parallel_route_refuses_what_the_vocab_parallel_op_lacks(plugin, option, value, match):
-    """verl's Megatron call (a tensor-parallel group): options the vocabulary-parallel op cannot honour are a
-    ValueError naming them, raised before any collective."""
+@pytest.mark.parametrize("options, want_sq, match", [
+    ({"method": "tiled"}, False, "method='tiled'.*method='chunked'"),
+    ({"batch_invariant": True, "logits_dtype": "input"}, False, "batch_invariant=1"),
+    ({"batch_invariant": True}, True, "batch_invariant=1")])
+def test_tensor_parallel_route_refuses_what_the_vocab_parallel_op_lacks(plugin, options, want_sq, match):
+    """verl's Megatron call (a tensor-parallel group): options the vocabulary-parallel route cannot honour are a
+    ValueError naming them and what to set instead, raised before any collective."""
     from fusedce.integrations.hf.head import LogitTransform
-    plugin.options.configure(**{option: value})
+    plugin.options.configure(**options)
     hidden, weight, labels = _inputs((1, 4))
-    with pytest.raises(ValueError, match=f"{match}.*tensor-parallel"):
+    with pytest.raises(ValueError, match=f"{match}"):
         plugin.tensor_parallel.log_probs(hidden.reshape(4, H), weight, labels.reshape(4), 1.0, LogitTransform(),
-                                         None, plugin.options.OPTIONS, False)
+                                         None, plugin.options.OPTIONS, want_sq)

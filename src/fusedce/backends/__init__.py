@@ -1,16 +1,5 @@
-"""Backend selection: ``resolve`` maps ``backend=`` to a name, ``get`` returns the backend package and
-checks that it has what the call needs (``protocol.Capabilities``).
-
-Each backend package has the same interface, written once as ``protocol.Backend``: ``cross_entropy_rows``
-(per-row loss and lse of a logits matrix), ``CHUNK_CE`` / ``TILED_CE`` (what it plugs into the LM head
-of ``fusedce.lm_head``: ``linear_cross_entropy``, the RL log-probs), ``slice_stats`` / ``slice_grad``
-(vocabulary slices, for ``fusedce.distributed``) and its ``CAPABILITIES``.
-
-Packages: ``pytorch/`` is the backend named ``"torch"`` (the CPU path), ``triton/`` the backend named
-``"triton"``, ``cute/`` the backend named ``"cute"`` (CuTe DSL kernels, CUDA only, the optional
-``fusedce[cute]`` extra; ``"auto"`` never picks it until verified on a GPU, see ``cute/tuning.py``).
-``op_autograd.py`` is the autograd formula of the kernel backends' custom ops.
-"""
+"""Backend selection: ``resolve`` maps ``backend=`` to a name, ``get`` returns the backend package and checks
+that it has what the call needs (``protocol.Capabilities``); the packages: ``docs/internals.md``."""
 from __future__ import annotations
 
 import os

@@ -1,22 +1,6 @@
-"""The class-index linear op around the heads' autograd skeleton (``lm_head/head.LinearHeadFunction``):
-
-- mean / sum: the forward computes the loss and every gradient chunk by chunk with the per-row upstream
-  gradients already applied (``1/D`` for the cross-entropy and ``1/N`` for the z-loss with mean, 1 with
-  sum; times the user's ``token_weights`` per row), times a power of two ``P`` (``headroom``); the first
-  backward only multiplies the saved gradients by ``g / P``, ``g`` the scalar upstream gradient (a device
-  tensor: no sync, no recompute). A later backward through a retained graph (``retain_graph=True``,
-  or ``torch.autograd.grad`` then ``backward``) recomputes them from the saved inputs, as "none" does;
-  for that the Function keeps its (compacted) ``hidden`` until the graph is freed: BT' x H, a copy only
-  when some rows are ignored (otherwise the caller's tensor itself).
-- none: the forward computes only the loss (and lse); backward recomputes each chunk's logits and takes
-  the per-token upstream gradient exactly. Extra cost: one more logits matmul, 2 * BT * V * H FLOPs
-  (+50% of the forward-with-gradient matmul FLOPs), instead of holding BT x V of anything.
-- Ignored rows are dropped before the matmuls (``index_select`` of the non-ignored rows; one host sync
-  per call for their count; no copy at all when no row is ignored), so they cost no FLOPs; their loss
-  and lse are 0 and their hidden gradient exactly 0. Under torch.compile or CUDA-graph capture there is
-  no compaction: all rows go through the kernels, which give ignored rows zero loss and zero gradient.
-- ``create_graph=True`` (double backward) raises ``RuntimeError``.
-"""
+"""The class-index linear op around the heads' autograd skeleton (``lm_head/head.LinearHeadFunction``);
+its gradient schedule (mean / sum in forward, "none" recomputed, ignored rows compacted) is in
+``docs/internals.md``, "``ce/linear_function.py``"."""
 from __future__ import annotations
 
 import torch
@@ -28,15 +12,9 @@ from fusedce.lm_head.head import LinearHeadFunction, compact_rows, make_head, sc
 
 
 def linear_cross_entropy(call, hidden, weight, bias):
-    """The op on a checked ``CECall`` (``ce/checks.py``) with class indices, ``hidden`` (BT, H) -> (loss, lse,
-    predicted, token_weight).
-
-    ``loss`` is the reduced scalar or (BT,) per-row for "none"; lse (BT,) fp32 is 0 on ignored rows (their
-    logits are never computed); predicted (BT,) int64, -1 on ignored rows; token_weight (BT,) fp32, the factor
-    each row's loss was multiplied by (0 on ignored rows): ``p_t`` with ``use_token_scaling``, times the
-    token weights, or None when neither. ``batch_invariant``: the kept rows padded to the head's fixed row
-    multiple (``lm_head/invariant.py``).
-    """
+    """The op on a checked ``CECall`` with class indices, ``hidden`` (BT, H) -> ``(loss, lse, predicted,
+    token_weight)``: the loss reduced (or (BT,) for "none"), (BT,) rows 0 / -1 on ignored rows, token_weight the
+    factor of each row's loss (``p_t`` times the token weights; None when neither)."""
     opts, reduction, spec, stats = call.opts, call.reduction, call.head, call.return_stats
     target, ce_weight, token_weights, scales = call.target, call.class_weights, call.token_weights, call.scales
     accum_dtype, batch_invariant = spec.accum_dtype, spec.batch_invariant

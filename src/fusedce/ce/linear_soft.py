@@ -1,15 +1,5 @@
-"""``linear_cross_entropy`` with probability ("soft") targets after ``ce/checks.py``: the soft heads
-(``lm_head/soft_loop.py``) through the heads' autograd skeleton (``lm_head/head.LinearHeadFunction``).
-``functional.linear_cross_entropy`` dispatches here when its ``target`` is a floating-point tensor.
-
-Semantics: exactly ``cross_entropy``'s with a float target (``ce/soft_targets.py``) on the logits
-``hidden @ weight.T + bias``: per row ``-sum_c w_c q'_c log softmax(z)_c``, ``q' = (1 - eps) q + eps / V``;
-no row ignored; ``"mean"`` divides the loss and the z-loss by the number of rows (or
-``num_items_in_batch``). Gradients: mean / sum chunked made in the forward times the power-of-two
-headroom (``lm_head/head.py``) as the class-index path; "none" and tiled recompute in backward.
-One host sync: the check that no value of the target is negative, NaN or +inf (``validation.check_probabilities``,
-the target-range check's rule: skipped under torch.compile and CUDA-graph capture).
-"""
+"""``linear_cross_entropy`` with probability targets after ``ce/checks.py``: the soft heads (``lm_head/soft_loop.py``)
+through the heads' autograd skeleton (``docs/internals.md``, "``ce/linear_soft.py``")."""
 from __future__ import annotations
 
 import torch

@@ -50,22 +50,11 @@ def _extra_repr(module: nn.Module, *names: str) -> str:
 
 @with_loss_options
 class CrossEntropyLoss(nn.Module):
-    """Module form of :func:`fusedce.cross_entropy`; ``weight`` is registered as a buffer.
+    """Module form of :func:`fusedce.cross_entropy`: ``weight`` a buffer, every option an attribute.
 
-    ``forward(logits (..., V), target (...), num_items_in_batch=None, *, token_weights=None)``; ``target``
-    may also be class probabilities of ``logits.shape`` (float); see ``cross_entropy`` for shapes, dtypes,
-    probability targets, the in-place option, the per-token loss weights and errors.
-
-    The loss options after the contract's positional ones (``logit_scale``, ``use_token_scaling``, and
-    any added later) are keyword-only (listed below); every option is an attribute of the module.
-
-    The options are checked at construction, with the errors of ``cross_entropy``: ``ValueError`` for
-    a bad ``reduction``, a loss option outside its domain, a ``weight`` that is not 1-D or an unknown
-    ``backend`` name; ``TypeError`` for an unknown keyword, a loss option of the wrong kind, a non-bool
-    flag or a ``weight`` that is not a floating-point tensor; ``batch_invariant`` (keyword-only, as in the
-    function; ``TypeError`` unless a bool). Shapes, devices, ``"triton"`` without CUDA or the interpreter
-    and ``"cute"`` without CUDA or
-    its extra (``RuntimeError``) are checked at each call.
+    ``forward(logits (..., V), target (...), num_items_in_batch=None, *, token_weights=None)``. The options are
+    checked at construction with ``cross_entropy``'s errors; shapes, devices and the backend's availability
+    at each call (``docs/contract.md``, "Modules").
     """
 
     def __init__(self, weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
@@ -102,21 +91,12 @@ class CrossEntropyLoss(nn.Module):
 
 @with_loss_options
 class LinearCrossEntropyLoss(nn.Module):
-    """Module form of :func:`fusedce.linear_cross_entropy` (the LM head's weight is passed to forward).
+    """Module form of :func:`fusedce.linear_cross_entropy` (the LM head's weight is passed to ``forward``):
+    ``ce_weight`` a buffer, every option an attribute.
 
     ``forward(hidden (..., H), weight (V, H), target (...), bias=None, num_items_in_batch=None, *,
-    token_weights=None)`` (``target`` class indices, or class probabilities ``(..., V)`` as in
-    ``linear_cross_entropy``); see ``linear_cross_entropy`` for shapes, dtypes, chunking, the per-token loss
-    weights and errors. ``ce_weight`` is a buffer.
-
-    The options are checked at construction, as in :class:`CrossEntropyLoss` (``ce_weight`` for
-    ``weight``), plus ``chunk_size`` (``TypeError`` unless an integer or None, ``ValueError`` when < 1),
-    ``method`` (keyword-only; ``ValueError`` unless "auto" / "chunked" / "tiled", or with a
-    ``chunk_size`` and "tiled"), ``deterministic`` (keyword-only, as in the function: None follows
-    ``torch.are_deterministic_algorithms_enabled()`` at each call; ``TypeError`` unless None or a bool),
-    ``logits_dtype`` (keyword-only, as in the function; ``ValueError`` unless "float32" / "input"),
-    ``batch_invariant`` (keyword-only, as in the function; ``TypeError`` unless a bool)
-    and ``accum_dtype`` (``TypeError`` unless a floating-point ``torch.dtype``).
+    token_weights=None)``. The options are checked at construction with ``linear_cross_entropy``'s errors
+    (``docs/contract.md``, "Modules").
     """
 
     def __init__(self, ce_weight: Optional[torch.Tensor] = None, ignore_index: int = -100,

@@ -104,9 +104,8 @@ _NATIVE_PROBES = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_
 
 @lru_cache(maxsize=None)
 def _scalar_fallback(dtype: torch.dtype) -> bool:
-    """Whether torch's CPU GEMM of ``dtype`` is its scalar fallback here (oneDNN has no kernel for it on
-    this CPU, e.g. bf16 without AVX-512): measured 144 x 49152 @ 49152 x 576 bf16 in 21.8 s where the fp32
-    GEMM of the same values took 0.67 s (AMD EPYC, AVX2 only; ``benchmarks/README.md``)."""
+    """Whether torch's CPU GEMM of ``dtype`` is its scalar fallback here (oneDNN has no kernel for it on this CPU,
+    e.g. bf16 without AVX-512: ~30x the fp32 GEMM's time, ``benchmarks/README.md``)."""
     probe = getattr(torch.ops.mkldnn, _NATIVE_PROBES[dtype], None)
     try:
         return probe is not None and not bool(probe())

@@ -1,10 +1,15 @@
 """The one entrance of every public op: ``@public_op(kind, ...)`` gives a public function its signature (the loss
 options written into it when it takes ``**options``), its keyword hints, its autocast behaviour and its DTensor
-handling, in this order from the inside out."""
+handling, in this order from the inside out. A plain call (no forward-mode AD level, no tensor subclass, no
+autocast) takes one inline test of each and goes straight to the function."""
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Optional, Sequence
+
+import torch
+import torch.autograd.forward_ad as _fwad
 
 from fusedce.core.autocast import fp32_op, linear_op
 from fusedce.core.dtensor import dtensor_op
@@ -13,6 +18,7 @@ from fusedce.core.transforms import no_forward_ad
 
 KINDS = ("logits", "linear", "integration")
 ENTRANCE: dict = {}   # "module.name" -> kind, every op that went through public_op
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def public_name(fn) -> str:
@@ -22,6 +28,30 @@ def public_name(fn) -> str:
         if fn.__module__.startswith(prefix):
             return f"{prefix}.{fn.__name__}"
     return f"fusedce.{fn.__name__}"
+
+
+def _plain(values) -> bool:
+    """No value is a tensor subclass (a DTensor among them): the DTensor layer would pass the call through."""
+    return all(type(v) in _PLAIN or not isinstance(v, torch.Tensor) for v in values)
+
+
+def _fast(fn, chain, hints: Optional[dict]):
+    """``chain`` (the layered op) with a shortcut to ``fn`` for plain calls, which every layer passes through."""
+    names = list(inspect.signature(fn).parameters)
+    checks = tuple((names.index(name), name, hint) for name, hint in (hints or {}).items())
+
+    @functools.wraps(chain)
+    def op(*args, **kwargs):
+        if (torch.compiler.is_compiling() or getattr(_fwad, "_current_level", -1) >= 0
+                or torch._C._is_any_autocast_enabled()
+                or not (_plain(args) and _plain(kwargs.values()))):
+            return chain(*args, **kwargs)
+        for position, name, hint in checks:
+            if len(args) > position and name in kwargs:
+                raise TypeError(f"{fn.__name__}() got multiple values for argument {name!r}: {hint}")
+        return fn(*args, **kwargs)
+
+    return op
 
 
 def public_op(kind: str, *, linear: Optional[Sequence[Sequence[str]]] = None, hints: Optional[dict] = None):
@@ -41,7 +71,7 @@ def public_op(kind: str, *, linear: Optional[Sequence[Sequence[str]]] = None, hi
         elif kind == "linear":
             op = linear_op(op, None if linear is None else tuple(tuple(g) for g in linear))
         if kind != "integration":
-            op = no_forward_ad(dtensor_op(op), public_name(fn))
+            op = _fast(fn, no_forward_ad(dtensor_op(op), public_name(fn)), hints)
         op.__fusedce_entrance__ = kind
         ENTRANCE[f"{fn.__module__}.{fn.__qualname__}"] = kind
         return op

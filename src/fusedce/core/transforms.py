@@ -1,12 +1,10 @@
-"""What fusedce does under torch's function transforms and tracers, said in one place."""
+"""What fusedce does under torch's forward-mode AD (the public ops have a reverse-mode formula only)."""
 from __future__ import annotations
 
 import functools
 
 import torch
-import torch._guards  # noqa: F401  (imported by torch itself: no cost)
 import torch.autograd.forward_ad as _fwad
-import torch.fx._symbolic_trace  # noqa: F401  (likewise)
 
 
 def _has_tangent(value) -> bool:
@@ -32,20 +30,3 @@ def no_forward_ad(fn, name: str):
         return fn(*args, **kwargs)
 
     return wrapper
-
-
-def values_unavailable(*tensors) -> bool:
-    """Whether the values of ``tensors`` (None entries ignored) cannot be read on the host: one of them is on the meta
-    device or a fake tensor (FSDP2's meta initialisation, memory estimators), or a fake or proxy mode is active
-    (``make_fx`` in any mode, ``aot_function``, non-strict ``torch.export``), or ``torch.fx.symbolic_trace`` is
-    tracing."""
-    key = torch._C._TorchDispatchModeKey
-    if (torch._C._get_dispatch_mode(key.PROXY) is not None
-            or torch._C._get_dispatch_mode(key.FAKE) is not None):
-        return True
-    present = [t for t in tensors if isinstance(t, torch.Tensor)]
-    if any(t.device.type == "meta" for t in present):
-        return True
-    if any(type(t) is not torch.Tensor for t in present) and torch._guards.detect_fake_mode(present) is not None:
-        return True
-    return torch.fx._symbolic_trace.is_fx_symbolic_tracing()

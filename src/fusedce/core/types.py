@@ -8,20 +8,13 @@ import torch
 
 
 class CrossEntropyOutput(NamedTuple):
-    """What ``cross_entropy(..., return_stats=True)`` and ``linear_cross_entropy`` return.
+    """What ``cross_entropy(..., return_stats=True)`` and ``linear_cross_entropy`` return (``docs/contract.md``).
 
-    - ``loss``: float32, reduced as asked (``"none"``: shape ``target.shape``); the only field with a gradient.
-    - ``z_loss``: float32, the ``lse_square_scale * lse**2`` part of ``loss`` alone, same reduction
-      (``"mean"``: divided by N, the count of non-ignored rows or ``num_items_in_batch``).
-    - ``lse``: float32 ``target.shape``, per-row log-sum-exp of the (softcapped) logits; 0 on ignored
-      rows (never computed), in every op.
-    - ``token_accuracy``: float32; fraction of non-ignored rows whose argmax (lowest index on ties)
-      equals the target, 0.0 when no row counts; per-row 0/1 for ``reduction="none"`` (0 on ignored rows).
-    - ``predicted_tokens``: int64 ``target.shape``, argmax of the logits per row, -1 on ignored rows.
-
-    With probability targets (a float ``target`` of ``logits.shape``) no row is ignored: ``lse`` and
-    ``predicted_tokens`` are set on every row, ``token_accuracy`` counts the rows whose argmax of the
-    logits equals the argmax of the target (lowest index on ties), and the shapes are ``logits.shape[:-1]``.
+    - ``loss``: fp32, reduced as asked; the only field with a gradient.
+    - ``z_loss``: fp32, the ``lse_square_scale * lse**2`` part of ``loss`` alone, same reduction.
+    - ``lse``: fp32 per row, 0 on ignored rows.
+    - ``token_accuracy``: fp32, the fraction of counted rows whose argmax equals the target (per row for "none").
+    - ``predicted_tokens``: int64 argmax per row, -1 on ignored rows.
     """
 
     loss: torch.Tensor
@@ -42,18 +35,13 @@ class TokenLogProbs(NamedTuple):
 
 
 class TokenStats(NamedTuple):
-    """What ``token_log_probs`` / ``linear_token_log_probs`` return with ``return_stats=True`` (the
-    per-token fields of TRL's fused LM head, defined as its kernel does). Tensors of ``target.shape``,
-    all 0 / False on ignored rows; with ``q`` the logits after logit scale, softcap and temperature and
-    ``p = softmax(q)`` over the V classes:
+    """What ``token_log_probs`` / ``linear_token_log_probs`` return with ``return_stats=True`` (TRL's fused
+    LM head's per-token fields; ``docs/contract.md``): tensors of ``target.shape``, 0 / False on ignored rows,
+    with ``q`` the transformed logits and ``p = softmax(q)``:
 
-    - ``log_probs`` fp32 ``log p_t`` and ``entropy`` fp32 ``-sum_c p_c log p_c`` (None without
-      ``return_entropy``): differentiable, as in ``TokenLogProbs``;
-    - ``log_sum_sq_probs`` fp32 ``log sum_c p_c**2 = logsumexp(2 q) - 2 logsumexp(q)`` (the log
-      collision probability, minus the Renyi-2 entropy); no gradient;
-    - ``mean_logits`` fp32 ``sum_c q_c / V`` (-inf if some logit is -inf); no gradient;
-    - ``is_top1`` bool, ``argmax_c q_c == t`` with the lowest index winning ties (a tie with an
-      earlier class is not a top-1 hit); no gradient.
+    - ``log_probs`` fp32 ``log p_t``, ``entropy`` fp32 ``-sum_c p_c log p_c`` (None without ``return_entropy``);
+    - ``log_sum_sq_probs`` fp32 ``log sum_c p_c**2``, ``mean_logits`` fp32 ``sum_c q_c / V`` (no gradient);
+    - ``is_top1`` bool, ``argmax_c q_c == t``, the lowest index winning ties (no gradient).
     """
 
     log_probs: torch.Tensor
@@ -64,17 +52,11 @@ class TokenStats(NamedTuple):
 
 
 class TopkDistillationOutput(NamedTuple):
-    """What ``topk_distillation_loss`` / ``linear_topk_distillation_loss`` return with
-    ``return_stats=True`` (``tail`` True or False alike):
+    """What the top-k distillation losses return with ``return_stats=True`` (``docs/contract.md``):
 
-    - ``loss``: as without stats (fp32, reduced as asked); the only field with a gradient;
-    - ``teacher_mass``: fp32 ``(...)`` (the tokens' leading shape), ``sum_k p_k`` over the token's kept
-      entries (``p_k = exp(teacher_log_probs_k)`` as stored, summed in float64): the mass the teacher's
-      K classes hold;
-    - ``student_mass``: fp32 ``(...)``, ``sum_k s[id_k]`` over the same entries (``s`` the student's
-      softmax at the temperature; a duplicated id counts once per entry, as in the loss). No gradient.
-
-    Both are 0 on ignored tokens and on tokens whose K entries are all padding.
+    - ``loss``: as without stats; the only field with a gradient;
+    - ``teacher_mass``: fp32 ``(...)``, ``sum_k p_k`` over the token's kept teacher entries;
+    - ``student_mass``: fp32 ``(...)``, ``sum_k s[id_k]`` over the same entries (the student's softmax).
     """
 
     loss: torch.Tensor

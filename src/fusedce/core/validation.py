@@ -7,12 +7,13 @@ import numbers
 from typing import Callable, Optional
 
 import torch
+import torch._guards  # noqa: F401  (imported by torch itself: no cost)
+import torch.fx._symbolic_trace  # noqa: F401  (likewise)
 
-from fusedce.core.options.checks import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_accum_dtype, check_chunk_size,
+from fusedce.core.options.schema import (FP32_NORMAL, INT32_RANGE, SYMBOLIC, check_accum_dtype, check_chunk_size,
                                          finite, fp32_range)
 from fusedce.core.hints import (class_dim_hint, module_hint, positional_hint, reshape_hint,  # noqa: F401 (val.*_hint)
                                  swapped_hint)
-from fusedce.core.transforms import values_unavailable
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -98,9 +99,26 @@ def check_class_weights(name: str, t: Optional[torch.Tensor]) -> None:
         raise ValueError(f"{name} must have shape (V,), got {tuple(t.shape)}")
 
 
+def values_unavailable(*tensors) -> bool:
+    """Whether the values of ``tensors`` (None entries ignored) cannot be read on the host: one of them is on the meta
+    device or a fake tensor (FSDP2's meta initialisation, memory estimators), or a fake or proxy mode is active
+    (``make_fx`` in any mode, ``aot_function``, non-strict ``torch.export``), or ``torch.fx.symbolic_trace`` is
+    tracing."""
+    key = torch._C._TorchDispatchModeKey
+    if (torch._C._get_dispatch_mode(key.PROXY) is not None
+            or torch._C._get_dispatch_mode(key.FAKE) is not None):
+        return True
+    present = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if any(t.device.type == "meta" for t in present):
+        return True
+    if any(type(t) is not torch.Tensor for t in present) and torch._guards.detect_fake_mode(present) is not None:
+        return True
+    return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+
+
 def host_readable(*tensors) -> bool:
     """True when the host may read the values of ``tensors`` (a host sync): not under torch.compile or
-    CUDA-graph capture, and real values (not fake / meta tensors or tracing: ``core/transforms.values_unavailable``)."""
+    CUDA-graph capture, and real values (not fake / meta tensors or tracing: ``values_unavailable``)."""
     if torch.compiler.is_compiling() or values_unavailable(*tensors):
         return False
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -211,14 +229,9 @@ def check_probabilities(target: torch.Tensor, name: str = "target",
 
 def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtype=torch.float32,
                  names=("weight", "bias", "ce_weight"), sharded=False, probabilities=True) -> None:
-    """Checks of ``linear_cross_entropy`` (and its vocab-parallel form, whose tensors are ``names``):
-    float tensors, ``weight`` (V, H) with ``hidden`` (..., H) on one device, ``H > 0`` and ``V > 0``
-    (``sharded``: this rank's ``V_r`` may be 0; the global V is checked by ``vocab_layout``),
-    ``target`` (...), ``bias`` and class weights (V,), one dtype for hidden/weight/bias, a positive
-    integer ``chunk_size`` or None, a floating ``accum_dtype`` no narrower than the weight's dtype
-    (``ValueError``: fp16 sums of an fp32 weight's gradient overflow where the fp32 result would not);
-    ``probabilities``: the op also takes float probability targets (the RL ops do not), which the target's
-    dtype error then names; such a target's device is checked here, the rest by ``ce/checks.check_probs``."""
+    """Checks of ``linear_cross_entropy`` and its vocab-parallel form (tensors named ``names``): float ``hidden``
+    (..., H) and ``weight`` (V, H) of one dtype and device, ``bias`` / class weights (V,), ``chunk_size`` and an
+    ``accum_dtype`` no narrower than the weight's; ``probabilities``: float targets accepted (``ce/checks.py``)."""
     w_name, b_name, cw_name = names
     check_float("hidden", hidden)
     check_float(w_name, weight)

@@ -1,7 +1,5 @@
-"""The one checked call of each distillation op (``checked_distill`` for ``distillation_loss`` /
-``linear_distillation_loss``, ``checked_topk`` for ``topk_distillation_loss`` / ``linear_topk_distillation_loss``):
-every argument check, in one walk down to ``core/validation.py``, before any kernel; each returns a small frozen
-dataclass of the normalized arguments."""
+"""The one checked call of each distillation op (``checked_distill``, ``checked_topk``): every argument check
+before any kernel, returning a frozen dataclass of the normalized arguments."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +12,7 @@ from fusedce.core import validation as val
 from fusedce.core.hints import distill_swap_hint
 from fusedce.core.options import (REDUCTIONS, LossOptions, check_chunk_size, check_temperature, deterministic_mode,
                                   log_prob_options)
-from fusedce.core.options.checks import check_flag, integer_option
+from fusedce.core.options.schema import check_flag, integer_option
 from fusedce.core.options.distill import (LOG_PROB_SLACK, DistillOptions, distill_options, hard_label_weight_option,
                                          teacher_mass_slack)
 from fusedce.lm_head.head import check_method, resolve_method
@@ -30,9 +28,8 @@ def check_pair(student: torch.Tensor, teacher: torch.Tensor, s_name: str, t_name
 
 
 def check_head(hidden, weight, bias, model: str, sharded: bool = False) -> None:
-    """One model's ``hidden`` (..., H), ``weight`` (V, H), ``bias`` (V,) or None: float tensors of one dtype
-    (``TypeError``) on one device, H > 0, V > 0 (``ValueError``). ``sharded``: a vocabulary slice of the
-    head (``weight_shard`` / ``bias_shard``, the vocab-parallel ops' names), which may be empty."""
+    """One model's ``hidden`` (..., H), ``weight`` (V, H), ``bias`` (V,) or None: float tensors of one dtype on one
+    device, H > 0, V > 0; ``sharded``: a vocabulary slice, which may be empty."""
     h_name, w_name, b_name = f"{model}_hidden", f"{model}_weight", f"{model}_bias"
     if sharded:
         w_name, b_name = "weight_shard", "bias_shard"
@@ -110,11 +107,8 @@ class DistillCall:
 def checked_distill(student, teacher, target, *, beta, temperature, hard_label_weight, ignore_index, reduction,
                     num_items_in_batch, student_softcap, teacher_softcap, logit_scale, teacher_logit_scale,
                     backend, heads=None, method=None, chunk_size=None, deterministic=None) -> DistillCall:
-    """Every check of a dense distillation op, in this order: the tensors (``student`` / ``teacher`` the
-    logits, or with ``heads = ((student_weight, student_bias), (teacher_weight, teacher_bias))`` the hidden
-    states of the linear form), the vocabularies, the tokens, ``chunk_size`` / ``method`` /
-    ``deterministic`` (linear form), the scalar options, ``num_items_in_batch``, the logit scales, the
-    backend, the target (shape, dtype, device, then its range: the one host sync)."""
+    """Every check of a dense distillation op, the target's range (the one host sync) last; ``heads`` given: the
+    linear form."""
     if heads is None:
         s_name, t_name = "student_logits", "teacher_logits"
         val.check_float(s_name, student)
@@ -193,14 +187,8 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
                  hard_label_weight, ignore_index, reduction, num_items_in_batch, student_softcap, logit_scale,
                  backend, method=None, chunk_size=None, deterministic=None, tail=False,
                  return_stats=False, sharded: bool = False) -> TopkCall:
-    """Every check of a top-k distillation op but the value ranges (``check_topk_ranges``, once the
-    classes are formed): ``student`` (its logits, or with ``weight`` its hidden states, ``name``), the
-    scalar options (``check_temperature``: the one temperature check), ``num_items_in_batch``, the
-    teacher's top-K, the student's head and ``method`` / ``chunk_size`` / ``deterministic`` (linear form),
-    the target's shape, softcap and ``logit_scale`` (``log_prob_options``), the backend; ``tail`` and
-    ``return_stats`` first (``TypeError`` unless a bool). The teacher's values: ``check_teacher_values``.
-    ``sharded``: the vocab-parallel ops' vocabulary slice (``weight_shard`` / ``bias_shard``, possibly empty);
-    ``n_classes`` is then the slice's width, which the caller replaces by the global V of its layout."""
+    """Every check of a top-k distillation op but the value ranges (``check_topk_ranges``, ``check_teacher_values``);
+    ``sharded``: the vocab-parallel slice, whose width the caller replaces by the global V."""
     linear = weight is not None
     tail = check_flag("tail", tail)
     return_stats = check_flag("return_stats", return_stats)
@@ -236,10 +224,8 @@ def checked_topk(name: str, student, weight, bias, teacher_ids, teacher_log_prob
 
 
 def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: int, tail: bool) -> None:
-    """``ValueError`` naming ``teacher_log_probs`` for a kept value above ``LOG_PROB_SLACK`` (probabilities or logits
-    passed as log-probs; +inf included) and, with ``tail``, for a token whose kept entries' probabilities sum above
-    1 by more than ``teacher_mass_slack`` (log-probs not normalized over the vocabulary: the tail ``1 - sum_k p_k``
-    would be negative; within the slack it is clamped at 0)."""
+    """``ValueError`` naming ``teacher_log_probs`` for a kept value above ``LOG_PROB_SLACK`` and, with ``tail``, for
+    a token whose kept probabilities sum above ``1 + teacher_mass_slack``."""
     if teacher_log_probs.numel() == 0 or not val.host_readable(teacher_log_probs, teacher_ids, target):
         return
     lp = teacher_log_probs.detach().float()
@@ -269,9 +255,7 @@ def check_teacher_values(teacher_ids, teacher_log_probs, target, ignore_index: i
 
 
 def check_topk_ranges(classes: torch.Tensor, target, call: TopkCall, folded: bool) -> None:
-    """``IndexError`` for a hard label (``target``) or a kept teacher id outside [0, V), in one host sync (skipped
-    under torch.compile / CUDA-graph capture: a NaN loss instead): a target not folded into ``classes`` is checked
-    as their last column."""
+    """``IndexError`` for a hard label or a kept teacher id outside [0, V), in one host sync (skipped under capture)."""
     if classes.numel() == 0 or not val.host_readable(classes, target):
         return
     if target is not None and not folded:

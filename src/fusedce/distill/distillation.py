@@ -19,10 +19,8 @@ _TOPK_KEYWORDS = ("teacher_ids", "teacher_log_probs")
 
 
 def _topk_door(topk_name: str):
-    """Decorator (inside the entrance): the top-k teacher has one door, ``topk_name``; a call passing
-    ``teacher_ids=`` / ``teacher_log_probs=`` (the form this op took until 2026-12-02) is a ``TypeError``
-    saying where to go, before anything runs (Python's own "unexpected keyword" would not); so is
-    ``tail=`` (the top-k teacher's (K+1)-th bin: a dense teacher has no tail)."""
+    """Decorator: ``teacher_ids=`` / ``teacher_log_probs=`` / ``tail=`` are a ``TypeError`` pointing to
+    ``topk_name``, before anything runs."""
     def decorate(fn):
         @functools.wraps(fn)
         def op(*args, **kwargs):
@@ -68,58 +66,35 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
                       backend: Optional[str] = None, batch_invariant: bool = False) -> torch.Tensor:
     """Distillation loss between the student's and the teacher's logits over the same tokens.
 
-    Per token, with ``c(x) = cap * tanh(x / cap)`` (each model's softcap, when given), ``s =
-    softmax(c(a_s z_s) / T)``, ``t = softmax(c(a_t z_t) / T)`` (``a_s`` = ``logit_scale``, ``a_t`` =
-    ``teacher_logit_scale``): ``beta = 0`` gives ``KL(t || s)`` (forward KL),
-    ``beta = 1`` ``KL(s || t)`` (reverse KL), otherwise ``beta KL(t || m) + (1 - beta) KL(s || m)`` with
-    ``m = beta t + (1 - beta) s`` (GKD's generalized JSD, arXiv 2306.13649 Eq. 1, as TRL's
-    ``generalized_jsd_loss``; no ``T**2`` factor); plus ``hard_label_weight * CE(c(a_s z_s), target)`` (no
-    temperature). ``0 log 0 = 0``: a ``-inf`` teacher logit masks its class (with ``beta = 1`` the reverse
-    KL is then infinite, as the formula says). Module docstring: TRL's and Liger's conventions.
+    Per token, ``s = softmax(c(a_s z_s) / T)``, ``t = softmax(c(a_t z_t) / T)``: ``beta = 0`` gives ``KL(t || s)``,
+    ``beta = 1`` ``KL(s || t)``, otherwise GKD's generalized JSD (arXiv 2306.13649 Eq. 1, as TRL's
+    ``generalized_jsd_loss``); plus ``hard_label_weight * CE(c(a_s z_s), target)``. Semantics: docs/contract.md,
+    "Distillation losses". A top-k teacher goes to :func:`fusedce.topk_distillation_loss`.
 
     Args:
-        student_logits: ``(..., V)`` float32 / bfloat16 / float16; any row stride (last dim not stride 1:
-            one copy). Never modified. Receives the gradient (its dtype and shape).
-        teacher_logits: ``(..., V)`` with the same leading shape and V, float32 / bfloat16 / float16 (its
-            own, not necessarily the student's; float64 is a ``TypeError``); a constant (never receives a
-            gradient, even if it requires grad).
-        target: None (every token counts) or ``(...)`` int64 / int32 of the leading shape: rows equal to
-            ``ignore_index`` contribute 0 and get exactly zero gradient; the hard labels.
-        beta: in [0, 1]. temperature: finite, > 0, with a normal fp32 inverse (the one temperature check,
-            ``core/options/checks.check_temperature``). hard_label_weight: finite and >= 0 (``ValueError`` otherwise);
-            != 0 needs a target.
-        ignore_index: default -100. reduction: ``"mean"`` (``sum / D``, ``D`` = the non-ignored tokens,
-            all tokens without a target, or ``num_items_in_batch``; 0.0 for ``D = 0``:
-            ``core/reduction.token_mean_scale``, the rule of every distillation loss), ``"sum"``, ``"none"``.
-        num_items_in_batch: replaces the mean's denominator (int or one-element tensor).
-        student_softcap, teacher_softcap: None or > 0, applied after the logit scales, before the
-            temperature.
-        logit_scale, teacher_logit_scale: each model's logits are first multiplied by its scale (as in
-            :func:`fusedce.cross_entropy`; finite > 0, default 1.0). A scale != 1 costs one scaled copy of
-            that model's logits (its dtype; autograd carries the student's scale into the gradient).
+        student_logits: ``(..., V)`` float32 / bfloat16 / float16; receives the gradient.
+        teacher_logits: ``(..., V)`` float32 / bfloat16 / float16, the student's leading shape; a constant.
+        target: None or ``(...)`` int64 / int32, the hard labels; ``ignore_index`` rows add 0.
+        beta: in [0, 1].
+        temperature: finite > 0, applied to both models.
+        hard_label_weight: finite >= 0; != 0 needs a target.
+        ignore_index: the ignored target value.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        num_items_in_batch: the mean's denominator (int or one-element tensor), if given.
+        student_softcap, teacher_softcap: None or > 0.
+        logit_scale, teacher_logit_scale: finite > 0, multiply each model's logits.
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
-        batch_invariant: True promises (and checks, a bool) that each row's ``"none"`` loss and its row of
-            the gradient are bitwise independent of the other rows, their number and the row's position
-            (fixed device, dtype, thread count, version): both backends' row ops compute each row from
-            its own logits in an order that depends on V only (the PyTorch one reduces a lone row on
-            one intra-op thread, always), so it costs nothing here.
-
-    A top-k teacher (stored ``teacher_ids`` / ``teacher_log_probs``) has its own door,
-    :func:`fusedce.topk_distillation_loss`; passing those keywords here is a ``TypeError`` saying so.
+        batch_invariant: bool; each row's results bitwise independent of the rest of the batch.
 
     Returns:
-        fp32 scalar, or fp32 ``(...)`` per token for ``"none"``; every reduction's backward is exact
-        (per-token upstream gradients for ``"none"``). Memory: the backward recomputes from the saved
-        logits and writes one ``student_logits``-shaped gradient.
+        fp32 scalar, or fp32 ``(...)`` for ``"none"``.
 
     Raises:
-        TypeError: non-float logits, a target that is not an integer tensor, an option of the wrong kind,
-            ``teacher_ids=`` / ``teacher_log_probs=`` (pointing to :func:`fusedce.topk_distillation_loss`).
-        ValueError: different V, different leading shapes or devices, a target of another shape, ``beta``
-            outside [0, 1], ``temperature`` not finite > 0, ``hard_label_weight != 0`` without a target,
-            a softcap <= 0, a logit scale not finite > 0, a bad ``reduction`` / ``num_items_in_batch``.
-        IndexError: a target neither ``ignore_index`` nor in [0, V) (host sync; skipped under
-            torch.compile / CUDA-graph capture, where such a row gives a NaN loss).
+        TypeError: non-float logits, a non-integer target, an option of the wrong kind, ``teacher_ids=`` /
+            ``teacher_log_probs=`` / ``tail=`` (the top-k door).
+        ValueError: different V, leading shapes or devices, an option out of range, ``hard_label_weight != 0``
+            without a target.
+        IndexError: a target outside [0, V) and not ``ignore_index`` (host sync).
         RuntimeError / NotImplementedError: a backend without distillation kernels (``"cute"``).
     """
     call = dc.checked_distill(student_logits, teacher_logits, target, beta=beta, temperature=temperature,
@@ -149,51 +124,26 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
                              method: str = "auto", chunk_size: Optional[int] = None, backend: Optional[str] = None,
                              deterministic: Optional[bool] = None, batch_invariant: bool = False) -> torch.Tensor:
     """:func:`distillation_loss` of ``student_hidden @ student_weight.T + student_bias`` and
-    ``teacher_hidden @ teacher_weight.T + teacher_bias``, never allocating BT x V logits.
+    ``teacher_hidden @ teacher_weight.T + teacher_bias``, without BT x V logits.
 
     Args:
-        student_hidden: ``(..., H)`` float32 / bfloat16 / float16; ``student_weight`` ``(V, H)`` and
-            ``student_bias`` (optional) ``(V,)`` of the same dtype. Each model's logits are formed in
-            fp32 from its values (exact products summed in fp32, never rounded to its dtype, no fp32
-            copy of a weight: ``lm_head/fp32_linear.py``), the loss math in fp32.
-        teacher_hidden: ``(..., Ht)`` with the student's leading shape (Ht may differ from H);
-            ``teacher_weight`` ``(V, Ht)`` (the same V) and ``teacher_bias`` ``(V,)`` of one dtype (may
-            differ from the student's). Constants: they never receive a gradient.
-        target: as :func:`distillation_loss`, and so are ``beta``, ``temperature``,
-            ``hard_label_weight``, ``ignore_index``, ``reduction``, ``num_items_in_batch``,
-            ``student_softcap``, ``teacher_softcap``, ``logit_scale``, ``teacher_logit_scale`` and
-            ``backend``. A logit scale ``a != 1`` is applied to the operands, ``(a h) @ W.T + a b`` (equal
-            in real arithmetic; one scaled copy of that model's hidden states and bias in their dtype,
-            exact for a power-of-two ``a``; the kernels are unchanged), as ``integrations/trl`` does.
-        method: ``"chunked"`` (both models' logits ``chunk_size`` tokens at a time; with mean / sum the
-            student's gradients are formed in the forward), ``"tiled"`` (vocabulary blocks smaller than V:
-            no tensor of V or more elements besides the weights, biases and the student's gradients) or
-            ``"auto"`` (the rule of :func:`fusedce.linear_cross_entropy`). Ignored tokens are dropped
-            before the matmuls (one host sync per call; skipped under torch.compile / graph capture).
-        chunk_size: None (automatic, ``lm_head/head.py``) or a positive integer;
-            ``"chunked"`` only.
-        deterministic: None follows ``torch.are_deterministic_algorithms_enabled()``; True selects
-            backward paths without float atomics (bitwise run-to-run identical results).
-        batch_invariant: True makes each row's ``"none"`` loss and its row of the student hidden
-            gradient bitwise independent of the rest of the batch (other rows, their number, the row's
-            position, ignored rows, ``chunk_size``), for a fixed device, dtype, thread count and version:
-            the kept rows in chunks of exactly 64 (``lm_head/invariant.py``, the last padded with zero rows
-            of both models that get no gradient; ``chunk_size`` is then 64), with ``method="tiled"`` in
-            whole token tiles, the gradients without atomics. The weight and bias gradients, sums over
-            rows, are exempt.
-
-    A top-k teacher has its own door, :func:`fusedce.linear_topk_distillation_loss`; ``teacher_ids=`` /
-    ``teacher_log_probs=`` here are a ``TypeError`` saying so.
+        student_hidden: ``(..., H)`` float32 / bfloat16 / float16.
+        student_weight: ``(V, H)``, the hidden's dtype.
+        teacher_hidden: ``(..., Ht)``, the student's leading shape, float32 / bfloat16 / float16; a constant.
+        teacher_weight: ``(V, Ht)``, the teacher hidden's dtype; a constant.
+        target: as :func:`distillation_loss`, and so are the loss options.
+        student_bias, teacher_bias: None or ``(V,)``, that model's dtype.
+        method: ``"auto"``, ``"chunked"`` or ``"tiled"`` (as :func:`fusedce.linear_cross_entropy`).
+        chunk_size: None (automatic) or a positive int; ``"chunked"`` only.
+        deterministic: None follows ``torch.are_deterministic_algorithms_enabled()``; True: no float atomics.
+        batch_invariant: bool; as :func:`distillation_loss` (the weight and bias gradients exempt).
 
     Returns:
-        As :func:`distillation_loss`; gradients of the student's hidden, weight and bias in their dtypes
-        (weight / bias gradients accumulated in fp32).
+        As :func:`distillation_loss`; gradients of the student's hidden, weight and bias in their dtypes.
 
     Raises:
-        The errors of :func:`distillation_loss` (V compared between the heads), plus ``ValueError`` for
-        ``hidden.shape[-1] != weight.shape[1]`` (per model), a bias that is not ``(V,)``, a bad ``method``
-        or ``chunk_size``; ``TypeError`` for a model whose hidden / weight / bias dtypes differ or a
-        ``deterministic`` that is not None or a bool.
+        The errors of :func:`distillation_loss`; ``ValueError`` for ``hidden.shape[-1] != weight.shape[1]``, a
+        bias that is not ``(V,)``, a bad ``method`` / ``chunk_size``; ``TypeError`` for mixed dtypes in one model.
     """
     call = dc.checked_distill(student_hidden, teacher_hidden, target, beta=beta, temperature=temperature,
                               hard_label_weight=hard_label_weight, ignore_index=ignore_index, reduction=reduction,

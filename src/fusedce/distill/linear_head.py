@@ -31,9 +31,8 @@ def _upstream(grad_out: torch.Tensor, reduction: str, scale: torch.Tensor, n: in
 
 
 def distill_headroom(scale: torch.Tensor, temperature: float, hard_label_weight: float) -> torch.Tensor:
-    """``P`` (0-dim fp32 power of two, no host sync) for forward-made gradients: as ``function.headroom``, with
-    ``m = |scale| (1 / T + |hard_label_weight|)``, the bound of a row's ``|dL/dz|`` for ``beta = 0``
-    (``|s - t| / T + w |p - y|``; the log-ratio terms of ``beta > 0`` stay within the same order)."""
+    """``P`` (0-dim fp32 power of two, no host sync) for forward-made gradients, from the bound
+    ``|scale| (1 / T + |hard_label_weight|)`` of a row's ``|dL/dz|``."""
     m = scale.abs() * (1.0 / temperature + abs(hard_label_weight))
     _, e = torch.frexp(m)
     return torch.ldexp(torch.ones_like(m), HEADROOM_EXP - e).to(m.dtype)
@@ -153,18 +152,15 @@ _N_INPUTS = len(inspect.signature(_LinearDistill.forward).parameters) - 1
 
 def make_distill_head(backend: str, tiled_op, method: str, chunk_size: Optional[int], deterministic: bool,
                       batch_invariant: bool = False):
-    """``ChunkedDistill`` / ``TiledDistill`` for ``method`` ("auto" as ``linear_cross_entropy``'s rule,
-    ``head.resolve_method``; the automatic chunk size is ``loop.chunk_rows``'s, on the real token
-    count); ``backend`` the backend's name."""
+    """``ChunkedDistill`` / ``TiledDistill`` for ``method`` (``"auto"`` as ``linear_cross_entropy``'s rule)."""
     if resolve_method(method) == "tiled":
         return TiledDistill(tiled_op, deterministic, batch_invariant)
     return ChunkedDistill(backend, chunk_size)
 
 
 def _pad_rows(hs, ht, target, ignore_index: int, rows: int):
-    """``batch_invariant``: the rows padded to a multiple of ``rows`` (``invariant.ROWS``, or the tiled
-    op's token tile) with zero hidden rows of both models (and ``ignore_index`` targets); the padding rows
-    get a zero upstream factor (``_padded``)."""
+    """``batch_invariant``: the rows padded to a multiple of ``rows`` with zero hidden rows and ``ignore_index``
+    targets, which get a zero upstream factor."""
     pad = -hs.shape[0] % rows
     if not torch.compiler.is_compiling() and pad == 0:
         return hs, ht, target

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedce.backends.pytorch import block_threads
+from fusedce.backends.pytorch import launch as block_threads
 from fusedce.backends.pytorch import tuning as torch_tuning
 from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed

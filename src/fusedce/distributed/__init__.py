@@ -1,15 +1,5 @@
-"""Vocab-parallel cross-entropy and RL log-probs / entropy over ``torch.distributed``: each rank holds
-a contiguous slice of the vocabulary (logits columns or LM-head rows) and the results equal the
-single-process ones on the concatenated vocabulary. Public names are re-exported by
-``fusedce.distributed``.
-
-Files: ``layout.py`` (where each rank's slice sits), ``shard_rows.py`` (per-row math of one slice, no
-communication), ``exchange.py`` (the forward's two collectives), ``cross_entropy.py`` and ``linear.py``
-(autograd Functions and public functions), ``output.py`` (reduction and stats), ``log_probs.py`` and
-``linear_log_probs.py`` (the RL ops: ``token_log_probs`` / ``linear_token_log_probs``), ``soft_ops.py`` and
-``soft_rows.py`` (the cross-entropy ops with probability targets: each rank's slice of the target),
-``topk_distill.py`` and ``topk_tail.py`` (top-k distillation: the student's slice).
-"""
+"""Vocab-parallel ops over ``torch.distributed``: each rank holds a contiguous slice of the vocabulary (logits
+columns or LM-head rows) and the results equal the single-process ones on the concatenated vocabulary."""
 from fusedce.core.dtensor import register_vocab_parallel
 from fusedce.distributed.cross_entropy import vocab_parallel_cross_entropy
 from fusedce.distributed.linear import vocab_parallel_linear_cross_entropy

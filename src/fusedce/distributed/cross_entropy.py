@@ -58,55 +58,32 @@ def vocab_parallel_cross_entropy(
     backend: Optional[str] = None, token_weights: Optional[torch.Tensor] = None,
     **options: Unpack[LossOptionValues],
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
-    """``fusedce.cross_entropy`` on logits split by vocabulary over the ranks of ``group``.
+    """:func:`fusedce.cross_entropy` on logits split by vocabulary over the ranks of ``group``.
 
-    The result equals ``fusedce.cross_entropy`` on the logits concatenated over the vocabulary, for
-    every option (label smoothing divides by the GLOBAL ``V``; z-loss uses the global lse; class
-    weights are split like the vocabulary). Every rank gets the same (replicated) loss; backward gives
-    each rank the gradient of its own slice.
+    Equals :func:`fusedce.cross_entropy` on the logits concatenated over the vocabulary, for every option;
+    replicated loss, each rank's slice gradient. Semantics: docs/contract.md, "Integrations"; collectives:
+    docs/integrations.md, "Collectives".
 
     Args:
-        logits_shard: ``(..., V_r)`` float32 / bfloat16 / float16, this rank's contiguous vocabulary slice
-            (class dim last); ``V_r`` may differ between ranks (uneven split, even 0).
-        target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank; or a floating-point
-            (float32 / bfloat16 / float16 / float64) ``(..., V_r)`` = ``logits_shard.shape``: this rank's
-            slice of class probabilities, with ``fusedce.cross_entropy``'s probability-target semantics
-            on the concatenated vocabulary (no row ignored; ``"mean"`` over the rows or
-            ``num_items_in_batch``; ``predicted_tokens`` / ``token_accuracy`` against the global argmax of
-            the target; ``use_token_scaling`` refused). Only row statistics are exchanged
-            (``distributed/soft_rows.py``: all_reduce(MAX) of BT fp32, all_reduce(SUM) of BT x 4 fp32,
-            + all_reduce(MAX) of BT x 2 int64 with stats); a negative, NaN or +inf probability on any rank is
-            a ``ValueError`` naming ``target`` on every rank, found in the setup all_gather (its 4th
-            int64; skipped under torch.compile / CUDA-graph capture).
-        weight_shard: optional ``(V_r,)`` class weights of this rank's slice.
-        group: the process group (None = default). gloo for CPU tensors, NCCL for CUDA tensors.
-        vocab_start_index: first global class id of this slice; None on every rank = rank order
-            (rank r's slice follows rank r-1's). Given, it must be given on every rank.
-        reduction, num_items_in_batch, return_stats, ``**options`` (the loss options, listed below): as in
-            ``fusedce.cross_entropy`` (mean denominator ``sum(w[t])`` uses the
-            weight held by the rank owning ``t``). ``return_stats``: ``lse`` global (0 on ignored rows),
-            ``predicted_tokens`` the global argmax (lowest global index on ties), -1 on ignored rows.
-        backend: ``"auto"`` / ``"torch"`` / ``"triton"`` as in ``fusedce.cross_entropy``: the kernels that
-            compute this rank's statistics and gradient.
-        token_weights: optional ``(...)`` = ``target.shape`` float per-token loss weights, identical on
-            every rank, as in ``fusedce.cross_entropy`` (applied to the replicated per-row loss: no
-            communication; NaN / inf on a non-ignored row checked in the target-range check's sync).
+        logits_shard: ``(..., V_r)`` float32 / bfloat16 / float16, this rank's contiguous vocabulary slice.
+        target: ``(...)`` int64 / int32 global class ids, identical on every rank; or a float ``(..., V_r)``:
+            this rank's slice of class probabilities.
+        weight_shard: None or ``(V_r,)``, this rank's slice of the class weights.
+        group: the process group; None: the default one.
+        vocab_start_index: this slice's first global class; None on every rank: rank order.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``, as :func:`fusedce.cross_entropy`.
+        num_items_in_batch: the mean's denominator, if given.
+        return_stats: return :class:`fusedce.CrossEntropyOutput` (global lse and argmax).
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"``: this rank's kernels.
+        token_weights: None or ``(...)`` float per-token loss weights, identical on every rank.
 
     Returns:
-        The fp32 loss (scalar, or ``target.shape`` for ``"none"``) or ``CrossEntropyOutput``; the
-        gradient w.r.t. ``logits_shard`` has its dtype and shape (ignored rows exactly 0).
-
-    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
+        The fp32 loss (scalar, or ``target.shape`` for ``"none"``) or ``CrossEntropyOutput``.
 
     Raises:
-        The errors of ``fusedce.cross_entropy`` (``weight_shard`` must be ``(V_r,)``; the target range
-        check is against the global ``V``: ``IndexError`` naming the position, value and V; an int32
-        ``target`` with an ``ignore_index`` outside int32 is converted to int64 once), plus
-        ``ValueError`` for slices that do not tile ``[0, V)`` or a global V = 0 (every rank's slice
-        empty, raised on every rank after the setup ``all_gather``; one rank's ``V_r = 0`` is fine) and
-        ``RuntimeError`` when ``torch.distributed`` is not initialized. A shape/dtype error found on one
-        rank only is raised on that rank before any collective; the others then wait in the setup
-        ``all_gather``.
+        The errors of :func:`fusedce.cross_entropy` (the range against the global V), plus ``ValueError`` for
+        slices that do not tile ``[0, V)`` or a global V = 0 and ``RuntimeError`` without an initialized
+        process group.
     """
     call = checked_vocab_parallel(logits_shard, target, weight_shard, reduction=reduction,
                                   num_items_in_batch=num_items_in_batch, return_stats=return_stats, backend=backend,

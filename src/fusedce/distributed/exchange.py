@@ -16,9 +16,8 @@ from fusedce.distributed.shard_rows import Columns
 
 @dataclass
 class Partials:
-    """This rank's per-row statistics before the exchange, filled block by block by ``shard_forward``:
-    ``key`` (n,) int64, ``zmax`` (n,) fp32, ``sums`` (n, k) fp32, a view of ``flat`` (n k [+ 1],) fp32,
-    whose last element holds this slice's ``sum_c w_c`` when there are class weights."""
+    """This rank's per-row statistics before the exchange: ``key`` (n,) int64, ``zmax`` (n,) fp32 and ``sums``
+    (n, k) fp32, a view of ``flat`` whose last element holds the slice's ``sum_c w_c`` with class weights."""
 
     key: torch.Tensor
     zmax: torch.Tensor
@@ -41,14 +40,9 @@ class Partials:
 
 @dataclass
 class GlobalRows:
-    """Per-row results on the global vocabulary, identical on every rank: ``loss`` (n,) fp32, the
-    cross-entropy without z-loss (0 on ignored rows, NaN on a row whose target no rank holds), ``lse``
-    and ``lse_lo`` (n,) fp32 (lse as an exact pair, see ``core/row_math.py``; 0 on ignored
-    rows), ``predicted`` (n,) int64 (-1 on ignored rows), ``target_weight`` (n,) fp32 global w_t and
-    ``weight_sum`` 0-dim global W (both None without class weights), ``target_prob`` (n,) fp32
-    ``p_t = softmax(z)[t]`` (0 on ignored rows; the factor of ``use_token_scaling``), ``entropy`` (n,)
-    fp32 ``log S - T / S`` of ``softmax(z)`` over the global vocabulary (0 on ignored rows; None unless
-    the ``Columns`` have ``tsum``)."""
+    """Per-row results on the global vocabulary, the same on every rank (fp32 ``(n,)`` unless said; 0 on ignored
+    rows): ``loss`` without z-loss, the lse pair, ``predicted`` int64 (-1 ignored), the class-weight terms
+    ``target_weight`` / ``weight_sum`` (or None), ``target_prob`` ``p_t`` and ``entropy`` (or None)."""
 
     loss: torch.Tensor
     lse: torch.Tensor
@@ -125,9 +119,8 @@ def exchange(p: Partials, target: torch.Tensor, weight: Optional[torch.Tensor], 
 
 def exchange_ce(n: int, weight: Optional[torch.Tensor], target: torch.Tensor, layout: VocabLayout,
                 opts: LossOptions, fill) -> tuple:
-    """The cross-entropy ops' forward around the backend (``cross_entropy.py``, ``linear.py``): this slice's class
-    weights ``weight`` (V_r,) in fp32 (or None), the (n,) rows' partial statistics that ``fill(p, w, cols)`` writes
-    (``shard_forward`` on the logits, or chunk by chunk), then ``exchange``."""
+    """The cross-entropy ops' forward around the backend: the rows' partial statistics that ``fill`` writes, then
+    ``exchange``."""
     w = None if weight is None else weight.float()
     cols = Columns(w is not None, opts.label_smoothing > 0.0)
     p = Partials.allocate(n, cols, w is not None, target.device)

@@ -1,6 +1,5 @@
-"""The K-class log-probabilities on one vocabulary slice (``kclass_log_probs.py``'s module docstring has the formulas):
-which of a row's K entries this slice holds, their logits, the exchange of those logits and the slice's gradient
-(the backend's ``slice_grad``, then the local entries' columns rewritten in fp32)."""
+"""The K-class log-probabilities on one vocabulary slice: which of a row's K entries it holds, their logits,
+their exchange and the slice's gradient."""
 from __future__ import annotations
 
 from typing import Optional
@@ -16,9 +15,8 @@ from fusedce.rl.kclass_head import Entries, column_grads, scatter_columns_
 
 
 def local_entries(e: Entries, layout: VocabLayout) -> Entries:
-    """The entries of ``e`` that this rank's slice holds: ``valid`` (n, K), ``safe`` their LOCAL column (0
-    elsewhere, never out of bounds), ``first`` the first local entry of each row, ``any`` whether a row
-    has one (``rep`` is the global one, unused here)."""
+    """The entries of ``e`` this rank's slice holds: ``valid`` (n, K), ``safe`` their local column (0 elsewhere),
+    ``first`` and ``any`` per row."""
     local = e.valid & (e.safe >= layout.start) & (e.safe < layout.end)
     col = torch.where(local, e.safe - layout.start, 0)
     first = local.to(torch.uint8).argmax(dim=1, keepdim=True)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fusedce.core import validation as val
-from fusedce.core.transforms import values_unavailable
+from fusedce.core.validation import values_unavailable
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,8 @@ if TYPE_CHECKING:
 
 
 class _VocabParallelLinearCE(torch.autograd.Function):
-    """hidden (n, H), weight slice (V_r, H), bias slice (V_r,) -> per-row global cross-entropy (n,)
-    fp32 and lse (both with gradient), argmax, w_t (BT x V_r logits never exist: ``rows`` tokens at a
-    time)."""
+    """hidden (n, H), weight slice (V_r, H), bias slice (V_r,) -> per-row global cross-entropy and lse (n,) fp32,
+    argmax, w_t; ``rows`` tokens of logits at a time."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ce_weight, layout: VocabLayout, opts: LossOptions,
@@ -75,55 +74,35 @@ def vocab_parallel_linear_cross_entropy(
     deterministic: Optional[bool] = None, token_weights: Optional[torch.Tensor] = None,
     **options: Unpack[LossOptionValues],
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
-    """``fusedce.linear_cross_entropy`` with the LM head split by vocabulary over the ranks of ``group``.
+    """:func:`fusedce.linear_cross_entropy` with the LM head split by vocabulary over the ranks of ``group``.
 
-    Equals ``fusedce.linear_cross_entropy(hidden, weight, target, bias, ce_weight=...)`` with ``weight``,
-    ``bias`` and ``ce_weight`` the concatenation of the slices, for every option (label smoothing over
-    the GLOBAL ``V``, z-loss on the global lse). The loss is replicated on every rank.
+    Equals :func:`fusedce.linear_cross_entropy` with ``weight``, ``bias`` and ``ce_weight`` the slices
+    concatenated, for every option; replicated loss. Semantics: docs/contract.md, "Integrations"; collectives:
+    docs/integrations.md, "Collectives".
 
     Args:
         hidden: ``(..., H)`` float32 / bfloat16 / float16, identical on every rank.
-        weight_shard: ``(V_r, H)``, this rank's contiguous rows of the LM head, ``hidden``'s dtype;
-            ``V_r`` may differ between ranks.
-        target: ``(...)`` int64 / int32 GLOBAL class ids, identical on every rank; or a floating-point
-            ``(..., V_r)`` = ``hidden.shape[:-1] + (V_r,)``: this rank's slice of class probabilities
-            (matching ``weight_shard``), as in ``vocab_parallel_cross_entropy`` (same semantics,
-            collectives and value check; every row computed, the logits ``chunk_size x V_r`` at a time
-            in fp32; the same backward, with its ``grad_hidden`` all_reduce).
-        bias_shard, ce_weight_shard: optional ``(V_r,)`` slices of the bias and of the class weights.
-        group, vocab_start_index: as in ``vocab_parallel_cross_entropy``.
-        reduction, num_items_in_batch, ``**options`` (the loss options, listed below):
-            as in ``fusedce.cross_entropy``, on logits computed in ``hidden``'s dtype (fp32 accumulation).
-        chunk_size: tokens per chunk (logits are ``chunk_size x V_r``). None = the single-process rule
-            (``lm_head/head.py``) with ``V_r`` for ``V``: ``max(1024, BT * H / V_r)`` rows.
-        accum_dtype: dtype of the ``weight_shard`` / ``bias_shard`` gradient accumulators.
-        return_stats: ``CrossEntropyOutput``; as in the single-process op, ``lse`` is 0 on ignored rows.
-        backend: as in ``fusedce.linear_cross_entropy``: the kernels of this rank's statistics and
-            gradients (Triton on CUDA by default; the matmuls are torch's).
-        deterministic: accepted as in ``fusedce.linear_cross_entropy`` (None, or a bool); this op is
-            deterministic whatever its value: per chunk torch matmuls and the backend's slice kernels
-            (no float atomics), and collectives whose reduction order is fixed for a given group, sizes
-            and backend settings (gloo; NCCL with the same algorithm / protocol choice).
-        token_weights: optional ``(...)`` = ``target.shape`` float per-token loss weights, identical on
-            every rank, as in ``fusedce.linear_cross_entropy`` (they scale the replicated per-row loss,
-            so each rank's gradients; no communication).
+        weight_shard: ``(V_r, H)``, this rank's contiguous rows of the LM head, ``hidden``'s dtype.
+        target: ``(...)`` int64 / int32 global class ids, identical on every rank; or a float ``(..., V_r)``:
+            this rank's slice of class probabilities.
+        bias_shard, ce_weight_shard: None or ``(V_r,)`` slices of the bias and of the class weights.
+        group, vocab_start_index: as :func:`vocab_parallel_cross_entropy`.
+        reduction, num_items_in_batch: as :func:`fusedce.cross_entropy`.
+        chunk_size: tokens per chunk of ``chunk_size x V_r`` logits; None: automatic.
+        accum_dtype: floating dtype of the ``weight_shard`` / ``bias_shard`` gradient accumulators.
+        return_stats: return :class:`fusedce.CrossEntropyOutput`.
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"``: this rank's kernels (the matmuls are torch's).
+        deterministic: None or a bool, accepted; this op is deterministic whatever its value.
+        token_weights: None or ``(...)`` float per-token loss weights, identical on every rank.
 
     Returns:
-        The fp32 loss or ``CrossEntropyOutput``. Gradients of ``hidden`` (complete, the same on every
-        rank), ``weight_shard`` and ``bias_shard`` (this rank's slice) have their tensors' dtypes.
-
-    Ignored tokens cost no matmul FLOPs and no communication: non-ignored rows are gathered first (one
-    host sync; skipped under torch.compile / CUDA-graph capture, where every row is computed).
-
-    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
+        The fp32 loss or ``CrossEntropyOutput``; ``hidden``'s gradient complete on every rank, the slices'
+        gradients this rank's, in their dtypes.
 
     Raises:
-        The errors of ``vocab_parallel_cross_entropy`` (a global V = 0 included; ``weight_shard`` of
-        shape ``(0, H)`` on some ranks is fine), plus ``ValueError`` when H = 0 (``hidden`` ``(..., 0)``
-        or ``weight_shard`` ``(V_r, 0)``), ``hidden.shape[-1] != weight_shard.shape[1]``,
-        ``weight_shard`` is not 2-D, a slice is not ``(V_r,)`` or ``chunk_size`` < 1, and ``TypeError``
-        when ``hidden``, ``weight_shard`` and ``bias_shard`` dtypes differ, ``chunk_size`` is not an
-        integer or ``accum_dtype`` is not a floating-point ``torch.dtype``.
+        The errors of :func:`vocab_parallel_cross_entropy`, plus ``ValueError`` for H = 0, mismatched H, a
+        ``weight_shard`` that is not 2-D, a slice that is not ``(V_r,)`` or ``chunk_size`` < 1, and ``TypeError``
+        for mixed dtypes, a non-integer ``chunk_size`` or a non-floating ``accum_dtype``.
     """
     call = checked_vocab_parallel_linear(
         hidden, weight_shard, target, bias_shard, ce_weight_shard=ce_weight_shard, reduction=reduction,

@@ -17,14 +17,15 @@ from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.lm_head import invariant
 from fusedce.lm_head.head import compact_rows, scatter_rows
 from fusedce.core.options import LossOptions
-from fusedce.core.types import TokenLogProbs
+from fusedce.core.types import TokenLogProbs, TokenStats
+from fusedce.lm_head.head import check_logits_dtype
 from fusedce.rl.kclass import result
 from fusedce.rl.kclass_head import entries
 from fusedce.distributed.exchange import Partials, sum_over_ranks_
 from fusedce.distributed.layout import VocabLayout, vocab_layout
 from fusedce.distributed.log_probs import exchange_log_probs, finish, upstreams
 from fusedce.distributed.kclass_log_probs import VocabParallelLinearLogProbsK
-from fusedce.distributed import chunk_ops
+from fusedce.distributed import chunk_ops, sampled_log_probs
 from fusedce.distributed.shard_rows import Columns
 
 
@@ -71,55 +72,53 @@ def vocab_parallel_linear_token_log_probs(
     temperature: float = 1.0, softcap: Optional[float] = None, ignore_index: int = -100,
     return_entropy: bool = False, backend: Optional[str] = None, logit_scale: float = 1.0,
     chunk_size: Optional[int] = None, deterministic: Optional[bool] = None, batch_invariant: bool = False,
-) -> Union[torch.Tensor, TokenLogProbs]:
-    """``fusedce.linear_token_log_probs`` with the LM head split by vocabulary over the ranks of ``group``.
+    return_stats: bool = False, logits_dtype: str = "float32", top_k=None, top_p=None,
+) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
+    """:func:`fusedce.linear_token_log_probs` with the LM head split by vocabulary over the ranks of ``group``.
 
-    Equals ``fusedce.linear_token_log_probs(hidden, weight, target, bias, ...)`` with ``weight`` and
-    ``bias`` the concatenation of the slices (log-probs and entropy of ``softmax(q)``, ``q`` the
-    softcapped logits over the temperature, on the GLOBAL vocabulary). Outputs replicated on every rank.
+    Equals :func:`fusedce.linear_token_log_probs` with ``weight`` and ``bias`` the slices concatenated;
+    replicated outputs. Semantics: docs/contract.md, "Integrations"; collectives: docs/integrations.md,
+    "Collectives".
 
     Args:
         hidden: ``(..., H)`` float32 / bfloat16 / float16, identical on every rank.
-        weight_shard: ``(V_r, H)``, this rank's contiguous rows of the LM head, ``hidden``'s dtype; ``V_r``
-            may differ between ranks (even 0).
-        target: ``(...)`` = ``hidden.shape[:-1]``, int64 / int32 GLOBAL class ids, identical on every rank;
-            or ``(..., K)``: K classes per token, as ``vocab_parallel_token_log_probs``.
-        bias_shard: optional ``(V_r,)`` slice of the bias (``-inf`` masks a class out).
-        group, vocab_start_index: as in ``vocab_parallel_cross_entropy``.
-        temperature, softcap, ignore_index, logit_scale, return_entropy: as in
-            ``fusedce.linear_token_log_probs``, on fp32 logits formed from the operands' values (no
-            rounding to ``hidden``'s dtype), the rest in fp32.
-        backend: the kernels of this rank's statistics and gradients (the matmuls are torch's).
-        chunk_size: tokens per chunk (logits ``chunk_size x V_r``); None = ``max(1024, BT * H / V_r)``
-            rows (``lm_head/head.py``). The chunked method only (no tiled form).
-        deterministic: accepted as in ``fusedce.linear_token_log_probs``; this op is deterministic
-            whatever its value (as ``vocab_parallel_linear_cross_entropy``: no float atomics).
-        batch_invariant: a token's results (and its row of the hidden gradient) the same bits whatever
-            else is in the batch: 64-row chunks (padded) and every sum over the ranks folded in rank order
-            (an ``all_gather`` instead of each ``all_reduce(SUM)``: W times its bytes). Not with a
-            ``(..., K)`` target or the CuTe backend (``ValueError``).
+        weight_shard: ``(V_r, H)``, this rank's contiguous rows of the LM head, ``hidden``'s dtype.
+        target: as :func:`vocab_parallel_token_log_probs`.
+        bias_shard: None or ``(V_r,)``, this rank's slice of the bias.
+        group, vocab_start_index: as :func:`vocab_parallel_cross_entropy`.
+        temperature, softcap, ignore_index, logit_scale, return_entropy: as :func:`fusedce.linear_token_log_probs`.
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"``: this rank's kernels (the matmuls are torch's).
+        chunk_size: tokens per chunk of ``chunk_size x V_r`` logits; None: automatic.
+        deterministic: None or a bool, accepted; this op is deterministic whatever its value.
+        batch_invariant: bool; a token's results independent of the rest of the batch (one class per token; not
+            with the three options below).
+        return_stats, logits_dtype, top_k, top_p: as :func:`fusedce.linear_token_log_probs` (one class per
+            token); thresholds and statistics exchanged as row numbers, never logits (docs/integrations.md).
 
     Returns:
-        fp32 ``log_probs`` of ``target.shape`` or ``TokenLogProbs(log_probs, entropy)``, both
-        differentiable. Gradients of ``hidden`` (complete, the same on every rank), ``weight_shard`` and
-        ``bias_shard`` (this rank's slice) in their tensors' dtypes (the slice's accumulate in fp32).
-
-    Ignored tokens cost no matmul FLOPs and no communication: non-ignored rows are gathered first (one
-    host sync, as in ``linear_token_log_probs``; skipped under torch.compile / CUDA-graph capture).
-
-    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
+        fp32 ``log_probs``, ``TokenLogProbs`` or (``return_stats``) ``TokenStats``; ``hidden``'s gradient
+        complete on every rank, the slices' gradients this rank's.
 
     Raises:
-        The errors of ``vocab_parallel_token_log_probs`` and of ``vocab_parallel_linear_cross_entropy``
+        The errors of :func:`vocab_parallel_token_log_probs` and of :func:`vocab_parallel_linear_cross_entropy`
         for the shapes, dtypes, ``chunk_size`` and ``deterministic``.
     """
     call = rc.checked_linear_log_probs(hidden, weight_shard, target, bias_shard, temperature=temperature,
                                        softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
-                                       return_entropy=return_entropy, chunk_size=chunk_size, method=None,
-                                       deterministic=deterministic, sharded=True)
+                                       return_entropy=return_entropy, return_stats=return_stats,
+                                       chunk_size=chunk_size, method=None, deterministic=deterministic,
+                                       sharded=True, top_k=top_k, top_p=top_p)
     opts, target = call.opts, call.target   # deterministic: checked; nothing to select (see the docstring)
+    check_logits_dtype(logits_dtype, "chunked")
+    rounded = logits_dtype == "input" and hidden.dtype != torch.float32   # no effect on fp32 operands
+    sampled = call.truncated or bool(return_stats) or rounded
+    if rounded and call.kclass:
+        raise ValueError("logits_dtype='input' is not supported with a (..., K) target on a vocabulary-parallel "
+                         "head (its K-class path forms fp32 logits); pass logits_dtype='float32'")
     ordered = invariant.check(batch_invariant)
     invariant.refuse(ordered and call.kclass, "a (..., K) target")
+    invariant.refuse(ordered and sampled, "top_k / top_p, return_stats or logits_dtype='input' on a "
+                     "vocabulary-parallel head (their PyTorch row path)")
     impl = backends.get(backend, hidden.device)
     invariant.check_backend(ordered, impl)
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)
@@ -129,6 +128,14 @@ def vocab_parallel_linear_token_log_probs(
         return _kclass(hidden, weight_shard, bias_shard, target, layout, opts, impl, chunk_size, return_entropy)
     shape, size = target.shape, hidden.shape[-1]
     n = math.prod(shape)
+    if sampled:
+        out = sampled_log_probs.linear_log_probs(
+            hidden.reshape(n, size), weight_shard, bias_shard, target.reshape(-1), call.top_k, call.top_p, layout,
+            opts, chunk_size, logits_dtype, return_entropy, bool(return_stats))
+        log_probs, entropy, *stats = (t.reshape(shape) if t.numel() or not n else t for t in out)
+        if return_stats:
+            return TokenStats(log_probs, entropy if return_entropy else None, *stats)
+        return TokenLogProbs(log_probs, entropy) if return_entropy else log_probs
     flat_hidden, flat_target, index = compact_rows(hidden.reshape(n, size), target.reshape(-1), opts.ignore_index)
     rows = None if chunk_size is None else int(chunk_size)   # None: the rule, decided in the loop op
     kept = flat_hidden.shape[0]

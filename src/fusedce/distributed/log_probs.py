@@ -74,42 +74,26 @@ def vocab_parallel_token_log_probs(
     temperature: float = 1.0, softcap: Optional[float] = None, ignore_index: int = -100,
     return_entropy: bool = False, backend: Optional[str] = None, logit_scale: float = 1.0,
 ) -> Union[torch.Tensor, TokenLogProbs]:
-    """``fusedce.token_log_probs`` on logits split by vocabulary over the ranks of ``group``.
+    """:func:`fusedce.token_log_probs` on logits split by vocabulary over the ranks of ``group``.
 
-    With ``z = softcap * tanh(s x / softcap)`` (``z = s x`` without softcap, ``s = logit_scale``) and
-    ``q = z / temperature`` over the GLOBAL vocabulary (the slices concatenated): ``log_probs[i] =
-    q[i, t_i] - logsumexp(q[i])``, ``entropy[i] = logsumexp(q[i]) - sum_c softmax(q[i])_c q[i, c]``
-    (nats). Every rank gets the same (replicated) outputs; backward gives each rank the gradient of its
-    own slice (no collective).
+    ``log_probs[i] = q[i, t_i] - logsumexp(q[i])`` and the entropy over the global vocabulary, ``q`` as
+    :func:`fusedce.token_log_probs`; replicated outputs, each rank's slice gradient. Semantics:
+    docs/contract.md, "Integrations"; collectives: docs/integrations.md, "Collectives".
 
     Args:
-        logits_shard: ``(..., V_r)`` float32 / bfloat16 / float16, this rank's contiguous vocabulary slice
-            (class dim last); ``V_r`` may differ between ranks (uneven split, even 0). Never modified.
-        target: ``(...)`` = ``logits_shard.shape[:-1]``, int64 / int32 GLOBAL class ids, identical on every
-            rank; ``ignore_index`` marks rows (prompt, padding) that get 0 in both outputs and exactly
-            zero gradient. Or ``(..., K)``, K >= 1: the log-probs of K classes per token (as
-            ``fusedce.token_log_probs`` takes them: an ignored entry gives 0, a token whose K entries are
-            all ignored is an ignored row; duplicates add their upstreams), ``distributed/kclass_log_probs.py``.
-        group, vocab_start_index: as in ``vocab_parallel_cross_entropy`` (None: the default group; slices
-            in rank order).
-        temperature, softcap, ignore_index, logit_scale: as in ``fusedce.token_log_probs``.
-        return_entropy: also return the entropy (one more fp32 column in the exchange).
-        backend: ``"auto"`` / ``"torch"`` / ``"triton"``: the kernels of this rank's statistics and
-            gradient (the single-process ops' row math on a vocabulary slice).
+        logits_shard: ``(..., V_r)`` float32 / bfloat16 / float16, this rank's contiguous vocabulary slice.
+        target: ``(...)`` int64 / int32 global class ids, identical on every rank, or ``(..., K)``: K classes
+            per token.
+        group, vocab_start_index: as :func:`vocab_parallel_cross_entropy`.
+        temperature, softcap, ignore_index, logit_scale, return_entropy: as :func:`fusedce.token_log_probs`.
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"``: this rank's kernels.
 
     Returns:
-        fp32 ``log_probs`` of ``target.shape`` (``(..., K)`` for K classes; the entropy then ``(...)``), or
-        ``TokenLogProbs(log_probs, entropy)``; both
-        differentiable with any upstream gradients; the gradient of ``logits_shard`` has its dtype and
-        shape.
-
-    Collectives and host syncs: ``docs/integrations.md`` (Vocab-parallel, Collectives).
+        fp32 ``log_probs`` of ``target.shape`` or ``TokenLogProbs(log_probs, entropy)``, differentiable.
 
     Raises:
-        The errors of ``fusedce.token_log_probs`` (shapes, dtypes, devices, ``temperature`` /
-        ``softcap``, ``IndexError`` for a target outside ``[0, V)`` of the global ``V``) and of
-        ``vocab_parallel_cross_entropy`` (slices that do not tile ``[0, V)``, ``vocab_start_index`` on
-        some ranks only, a global ``V = 0``, ``RuntimeError`` without an initialized process group).
+        The errors of :func:`fusedce.token_log_probs` (the range against the global V) and of
+        :func:`vocab_parallel_cross_entropy`'s layout.
     """
     call = rc.checked_log_probs(logits_shard, target, temperature=temperature, softcap=softcap,
                                 logit_scale=logit_scale, ignore_index=ignore_index, return_entropy=return_entropy,

@@ -12,11 +12,8 @@ from fusedce.distributed.layout import VocabLayout
 
 
 class Columns:
-    """Columns of the per-row buffer that the forward all-reduces with SUM, ``(n, k)`` fp32:
-    ``sumexp`` (rescaled to the global max before the SUM), ``target_logit`` z_t, ``owned`` (1 on the
-    rank holding t: a row nobody owns has an out-of-range target), then ``target_weight`` w_t with
-    class weights, ``smooth`` (sum_c w_c z_c) with label smoothing and ``tsum`` (``sum_c exp(z_c - M)
-    (z_c - M)``, rescaled like ``sumexp``: the entropy's sum) for the RL ops' entropy."""
+    """Columns of the ``(n, k)`` fp32 buffer the forward all-reduces with SUM: ``sumexp``, ``target_logit``,
+    ``owned``, then ``target_weight`` (class weights), ``smooth`` (label smoothing), ``tsum`` (entropy)."""
 
     SUMEXP, TARGET_LOGIT, OWNED = 0, 1, 2
 
@@ -28,9 +25,8 @@ class Columns:
 
 
 def target_columns(target: torch.Tensor, layout: VocabLayout):
-    """``(owned (n,) bool, col (n,) int64)``: whether this slice holds the row's target and its local
-    column (0 where not owned, so gathers never index out of bounds; ignored rows are never owned
-    unless ``ignore_index`` is itself a class of this slice, and those rows are zeroed by the caller)."""
+    """``(owned (n,) bool, col (n,) int64)``: whether this slice holds the row's target, and its local column (0
+    where not owned)."""
     owned = (target >= layout.start) & (target < layout.end)
     col = torch.where(owned, target.long() - layout.start, 0)
     return owned, col

@@ -66,9 +66,8 @@ class SoftSlice:
 
 @dataclass
 class SoftPartials:
-    """This rank's per-row statistics: ``lse`` / ``lo`` (n,) fp32 the slice's lse pair, ``sums`` (n, 4)
-    fp32 (``LOSS``, ``MASS`` filled by ``SoftSlice.fill``, ``EXP``, ``SHIFT`` by ``exchange_soft``),
-    ``keys`` (n, 2) int64 (argmax keys of the logits and of the target) or None without stats."""
+    """This rank's per-row statistics: the slice's lse pair ``lse`` / ``lo``, ``sums`` (n, 4) fp32 and the argmax
+    ``keys`` (n, 2) int64 (None without stats)."""
 
     lse: torch.Tensor
     lo: torch.Tensor
@@ -84,9 +83,8 @@ class SoftPartials:
 
 @dataclass
 class SoftRows:
-    """Per-row results on the global vocabulary, the same on every rank: ``loss`` (n,) fp32 without the
-    z-loss, ``lse`` / ``lse_lo`` the global pair, ``mass`` A, ``predicted`` / ``expected`` (n,) int64 the
-    global argmax of the logits / of the target (lowest index on ties; None without stats)."""
+    """Per-row results on the global vocabulary, the same on every rank: ``loss`` without z-loss, the lse pair,
+    ``mass`` and the global argmaxes ``predicted`` / ``expected`` (None without stats)."""
 
     loss: torch.Tensor
     lse: torch.Tensor

@@ -1,18 +1,5 @@
-"""Vocab-parallel top-k distillation: ``fusedce.topk_distillation_loss`` / ``linear_topk_distillation_loss``
-with the student's logits (or LM head) split by vocabulary over the ranks, equal to the single-process op
-on the concatenated vocabulary (loss, ``teacher_mass`` / ``student_mass``, gradients).
-
-The single-process op's own composition (``distill/topk.topk_loss``: the teacher's side, the reduction,
-the statistics) with the student's two passes replaced by their vocab-parallel forms:
-
-- ``log s[id_k]`` (and the hard label): the vocab-parallel K-class log-probs (``multi_log_probs.py``: one
-  exchange of row statistics plus one ``all_reduce(SUM)`` of the (n, K) target logits);
-- ``log s_tail`` (``tail=True``): ``topk_tail.py`` (two ``all_reduce`` of (n, 2) fp32).
-
-Only per-row statistics and the K teacher classes' logits travel, never a logits row (no gather of V).
-Every rank gets the same (replicated) loss; backward gives each rank its slice's gradient (the LM-head form
-all-reduces ``grad_hidden``).
-"""
+"""Vocab-parallel top-k distillation: the single-process composition (``distill/topk.topk_loss``) with the
+student's two passes replaced by their vocab-parallel forms (docs/internals.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -69,9 +56,7 @@ class _ShardHeadRows(HeadRows):
 
 
 def _global(call: dc.TopkCall, n_local: int, teacher_ids, vocab_start_index, group, device) -> tuple:
-    """The slices' layout (one ``all_gather``, the setup's host sync; its errors the same on every rank, a
-    token count or K differing between ranks among them) and the call with the GLOBAL V, which the range
-    checks then use."""
+    """The slices' layout (one ``all_gather``; its errors the same on every rank) and the call with the global V."""
     same = {"the token count": math.prod(call.lead), "teacher_ids.shape[-1] (K)": teacher_ids.shape[-1]}
     layout = vocab_layout(n_local, vocab_start_index, group, device, same=same)
     return dataclasses.replace(call, n_classes=layout.n_classes), layout
@@ -85,38 +70,25 @@ def vocab_parallel_topk_distillation_loss(
     num_items_in_batch: Union[int, torch.Tensor, None] = None, student_softcap: Optional[float] = None,
     logit_scale: float = 1.0, tail: bool = False, return_stats: bool = False, backend: Optional[str] = None,
 ) -> Union[torch.Tensor, TopkDistillationOutput]:
-    """``fusedce.topk_distillation_loss`` on the student's logits split by vocabulary over ``group``'s ranks.
+    """:func:`fusedce.topk_distillation_loss` on the student's logits split by vocabulary over ``group``'s ranks.
 
-    Equals ``fusedce.topk_distillation_loss(student_logits, teacher_ids, teacher_log_probs, target, ...)``
-    with ``student_logits`` the slices concatenated over the vocabulary (the student's softmax over the
-    GLOBAL V); every rank gets the same loss (and stats).
+    Equals the single-process op on the concatenated vocabulary; replicated loss (and stats). Semantics:
+    docs/contract.md, "Integrations"; collectives: docs/integrations.md, "Collectives".
 
     Args:
-        logits_shard: ``(..., V_r)`` float32 / bfloat16 / float16, this rank's contiguous vocabulary slice of
-            the student's logits; ``V_r`` may differ between ranks (even 0). Never modified.
-        teacher_ids, teacher_log_probs: ``(..., K)``, GLOBAL class ids and their log-probs, identical on every
-            rank (as ``fusedce.topk_distillation_loss``; padding: ``-inf`` or ``ignore_index``).
-        target: None or ``(...)`` GLOBAL class ids, identical on every rank (the hard labels; ``ignore_index``
-            rows contribute 0 and get zero gradient).
-        group, vocab_start_index: as in ``vocab_parallel_cross_entropy`` (None: the default group; slices in
-            rank order).
-        temperature, hard_label_weight, ignore_index, reduction: as in ``fusedce.topk_distillation_loss``.
+        logits_shard: ``(..., V_r)`` float32 / bfloat16 / float16, this rank's slice of the student's logits.
+        teacher_ids, teacher_log_probs: ``(..., K)`` global ids and their log-probs, identical on every rank.
+        target: None or ``(...)`` global class ids, identical on every rank.
+        group, vocab_start_index: as :func:`vocab_parallel_cross_entropy`.
+        temperature, hard_label_weight, ignore_index, reduction: as :func:`fusedce.topk_distillation_loss`.
         num_items_in_batch, student_softcap, logit_scale, tail, return_stats, backend: likewise.
 
     Returns:
-        As ``fusedce.topk_distillation_loss`` (fp32 scalar, ``(...)`` for ``"none"``, or
-        ``TopkDistillationOutput``), replicated; the gradient of ``logits_shard`` has its dtype and shape.
-
-    Collectives (on ``group``; BT = tokens): setup ``all_gather`` of 3 int64 per rank (one host sync); forward
-    ``all_reduce(MAX)`` of BT int64, ``all_reduce(SUM)`` of BT x 3 fp32 and of BT x K' fp32 (K' = K, + 1 with
-    a hard label at temperature 1; a second such round for the hard label at another temperature); with
-    ``tail`` two ``all_reduce`` of BT x 2 fp32; backward none. Host syncs: the setup's and the single-process
-    op's range and value checks.
+        As :func:`fusedce.topk_distillation_loss`, replicated.
 
     Raises:
-        The errors of ``fusedce.topk_distillation_loss`` (a teacher id or target outside the GLOBAL
-        ``[0, V)``: ``IndexError``) and of ``vocab_parallel_cross_entropy``'s layout (slices that do not tile
-        ``[0, V)``, ``vocab_start_index`` on some ranks only, V = 0, no initialized process group).
+        The errors of :func:`fusedce.topk_distillation_loss` (ids and target against the global V) and of
+        :func:`vocab_parallel_cross_entropy`'s layout.
     """
     call = dc.checked_topk("logits_shard", logits_shard, None, None, teacher_ids, teacher_log_probs, target,
                            temperature=temperature, hard_label_weight=hard_label_weight, ignore_index=ignore_index,
@@ -138,33 +110,24 @@ def vocab_parallel_linear_topk_distillation_loss(
     logit_scale: float = 1.0, tail: bool = False, return_stats: bool = False, chunk_size: Optional[int] = None,
     backend: Optional[str] = None, deterministic: Optional[bool] = None,
 ) -> Union[torch.Tensor, TopkDistillationOutput]:
-    """``fusedce.linear_topk_distillation_loss`` with the student's LM head split by vocabulary rows over
-    ``group``'s ranks, never forming more than one chunk of ``rows x V_r`` logits.
+    """:func:`fusedce.linear_topk_distillation_loss` with the student's LM head split by vocabulary over
+    ``group``'s ranks (one chunk of ``rows x V_r`` logits at a time).
 
     Args:
         student_hidden: ``(..., H)`` float32 / bfloat16 / float16, identical on every rank.
-        weight_shard: ``(V_r, H)`` this rank's contiguous rows of the student's head, ``student_hidden``'s
-            dtype (``V_r`` may differ between ranks, even 0); ``bias_shard`` its ``(V_r,)`` slice or None.
-        teacher_ids, teacher_log_probs, target, group, vocab_start_index, and the loss options: as
-            :func:`vocab_parallel_topk_distillation_loss`.
-        chunk_size: tokens per chunk of the K-class pass (None: the rule of the vocab-parallel linear ops);
-            the tail pass takes whole rows of the slice in blocks of ``distill/tail.py``. The chunked method
-            only (no ``method`` keyword; a DTensor call passes ``method="auto"`` / ``"chunked"``).
-        deterministic: accepted as in ``fusedce.linear_topk_distillation_loss``; this op is deterministic
-            whatever its value (no float atomics).
+        weight_shard: ``(V_r, H)`` this rank's rows of the student's head, ``student_hidden``'s dtype.
+        teacher_ids, teacher_log_probs, target, group, vocab_start_index: as
+            :func:`vocab_parallel_topk_distillation_loss`, and so are the loss options.
+        bias_shard: None or ``(V_r,)``.
+        chunk_size: tokens per chunk of the K-class pass; None: automatic.
+        deterministic: None or a bool, accepted; this op is deterministic whatever its value.
 
     Returns:
-        As ``fusedce.linear_topk_distillation_loss``, replicated; gradients of ``student_hidden`` (complete,
-        the same on every rank), ``weight_shard`` and ``bias_shard`` (this rank's slice) in their dtypes.
-
-    Tokens no pass needs cost no FLOPs and no communication (one compaction, one host sync, as the
-    single-process op). Collectives: those of :func:`vocab_parallel_topk_distillation_loss` on the kept
-    tokens, plus in the backward one ``all_reduce(SUM)`` of ``grad_hidden`` per pass (BT' x H; two with
-    ``tail``).
+        As :func:`fusedce.linear_topk_distillation_loss`, replicated; ``student_hidden``'s gradient complete
+        on every rank, the slices' gradients this rank's.
 
     Raises:
-        The errors of ``fusedce.linear_topk_distillation_loss`` for the student's head (named
-        ``weight_shard`` / ``bias_shard``), ``chunk_size`` and ``deterministic``, and those of
+        The errors of :func:`fusedce.linear_topk_distillation_loss` for the student's head and of
         :func:`vocab_parallel_topk_distillation_loss`.
     """
     call = dc.checked_topk("student_hidden", student_hidden, weight_shard, bias_shard, teacher_ids,

@@ -1,16 +1,5 @@
-"""The student's tail ``log s_tail`` of the top-k distillation losses (``distill/tail.py``) on a vocabulary
-slice: the same slice passes as the single-process op (``tail.logits_stats`` / ``tail.head_stats``, its
-blocks and threads) on this rank's columns, then an exchange of their per-row statistics.
-
-Per row each rank holds ``(m_r, s_r)`` over its slice and ``(mt_r, st_r)`` over its slice's classes outside
-the set ``S`` of kept teacher ids (``s = sum exp(q - m)``, an empty set ``(-inf, 0)``). Two collectives of
-(n, 2) fp32 each, never logits: ``all_reduce(MAX)`` of ``(m_r, mt_r)`` -> ``(M, Mt)``; each rank rescales
-``s_r exp(m_r - M)`` (exactly 0 where ``m_r = -inf``: an empty slice, a row whose slice classes are all in
-``S`` or masked), then ``all_reduce(SUM)`` -> ``(S, St)``. ``log s_tail = (Mt - M) + log(St / S)``, and the
-backward of each slice is the single-process one with the global statistics (``tail.logits_grad`` /
-``tail.head_grads``: ``g (mask exp(q - lse_t) - exp(q - lse))``), no collective for the logits form; the
-LM-head form all-reduces ``grad_hidden`` (each rank's sum over its own classes).
-"""
+"""The student's tail ``log s_tail`` of the top-k distillation losses on a vocabulary slice: the single-process
+slice passes, then two exchanges of (n, 2) fp32 row statistics (docs/internals.md)."""
 from __future__ import annotations
 
 import torch
@@ -65,9 +54,8 @@ class ShardTailLogits(torch.autograd.Function):
 
 
 class ShardTailLinear(torch.autograd.Function):
-    """``log s_tail`` (n,) fp32 of ``hidden (n, H) @ weight_shard (V_r, H).T + bias_shard`` on this rank's
-    slice, whole rows of the slice a block (the vocab-parallel linear ops are chunked); differentiable
-    w.r.t. the three (``grad_hidden`` complete on every rank)."""
+    """``log s_tail`` (n,) fp32 of this rank's slice of the head, differentiable (``grad_hidden`` complete on every
+    rank)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, layout: VocabLayout, opts: LossOptions):

@@ -1,7 +1,5 @@
-"""The source check of the patches that reproduce another library's code (``patch_trl``,
-``patch_distillation_trainer``, ``patch_megatron``): a SHA-256 fingerprint of each piece's source
-(``inspect.getsource``) against the one the patch was written against, so that a release that changes
-them is refused instead of silently computing something else."""
+"""The source check of the patches that reproduce another library's code: a SHA-256 fingerprint of each
+piece's source, so that a release that changes them is refused."""
 from __future__ import annotations
 
 import hashlib

@@ -97,9 +97,8 @@ class TiledHead(_ClassRows):
 
 
 def resolve_method(method: str) -> str:
-    """``"auto"`` -> ``"chunked"``, on every device: the tiled method trades memory for time (on an H100,
-    BT x H x V = 8192 x 4096 x 128256 bf16: chunked 42 ms, tiled 687 ms fwd+bwd; ``benchmarks/README.md``).
-    Names are checked by ``check_method``."""
+    """``"auto"`` -> ``"chunked"`` on every device: the tiled method trades time for memory (``benchmarks/README.md``);
+    names are checked by ``check_method``."""
     return "chunked" if method == "auto" else method
 
 
@@ -120,10 +119,8 @@ LOGITS_DTYPES = ("float32", "input")
 
 
 def check_logits_dtype(logits_dtype, method: str = "auto") -> str:
-    """``ValueError`` unless ``logits_dtype`` is one of ``LOGITS_DTYPES`` (``"float32"``: fp32 logits from
-    the operands' values, the default; ``"input"``: rounded to the operands' dtype, the stock
-    composition's ``F.linear``), and for ``"input"`` with ``method="tiled"`` (its tiles form fp32 logits:
-    the opt-out would be silently ignored); returns it."""
+    """``ValueError`` unless ``logits_dtype`` is one of ``LOGITS_DTYPES``, or for ``"input"`` with ``method="tiled"``
+    (its tiles form fp32 logits: the opt-out would be silently ignored); returns it."""
     if not isinstance(logits_dtype, str) or logits_dtype not in LOGITS_DTYPES:
         raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES} (\"input\": the logits rounded to "
                          f"hidden's dtype, as F.linear), got {logits_dtype!r}")
@@ -137,12 +134,8 @@ def check_logits_dtype(logits_dtype, method: str = "auto") -> str:
 def make_head(ce: ChunkCE, tiled: Optional[TiledCE], method: str, n_rows: int, hidden_size: int,
               vocab_size: int, chunk_size: Optional[int], deterministic: bool = False,
               device_type: str = "cuda", logits: str = "float32", batch_invariant: bool = False):
-    """The ``head.py`` object for ``method`` ("auto" resolved by ``resolve_method``).
-    ``deterministic`` selects the tiled backward without float atomics; the chunk loop has none (its
-    kernels own their outputs, its matmuls are torch's), so it is deterministic anyway. ``device_type``
-    picks the chunk rule (``chunk_rows``); ``logits`` the logits' dtype (``loop.logits_dtype``).
-    ``batch_invariant``: the tiled backend's fixed tiles and a backward without atomics (``invariant.py``);
-    the caller pads the rows to ``head.invariant_rows(V)`` (and passes ``chunk_size=invariant.ROWS``)."""
+    """The ``head.py`` object for ``method`` (``"auto"`` resolved by ``resolve_method``); ``deterministic`` and
+    ``batch_invariant`` select the tiled backward without atomics (``invariant.py``)."""
     if resolve_method(method) == "tiled":
         if tiled is None:
             raise RuntimeError("this backend has no method='tiled' (no TiledCE); use method='chunked'")
@@ -230,13 +223,9 @@ def scatter_rows(values: torch.Tensor, index: Optional[torch.Tensor], n: int, fi
 
 
 class LinearHeadFunction(torch.autograd.Function):
-    """The autograd skeleton of the linear cross-entropy heads, class indices and probabilities alike: a head
-    with ``rows_forward`` / ``rows_grads`` (``(loss, lse, lse_lo, predicted, factor, state)``, the per-row
-    ``factor`` the loss is multiplied by (``p_t``) or None, ``state`` what its backward needs besides lse) and
-    ``grads_in_forward``. mean / sum with ``grads_in_forward``: the gradients are made in the forward times the
-    headroom ``P`` and the first backward applies ``g / P``; "none", tiled and a second backward recompute
-    from the saved inputs (``docs/lm_head.md``). Returns ``(loss, lse, predicted, factor)``, the last two
-    empty when the head makes none."""
+    """The autograd skeleton of the linear cross-entropy heads (class indices and probabilities): gradients made
+    in the forward times the headroom for mean / sum, recomputed for "none", tiled and a second backward
+    (``docs/lm_head.md``). Returns ``(loss, lse, predicted, factor)``."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, head, w, weight_sum, opts, reduction, scale_pair, accum_dtype,

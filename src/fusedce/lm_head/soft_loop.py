@@ -111,7 +111,7 @@ class _ProbsRows:
 
 
 class SoftChunkedHead(_ProbsRows):
-    """``method="chunked"``: ``_SoftChunks`` as the kind ``probs`` (``kinds.py``: one node per loop whatever
+    """``method="chunked"``: the kind ``probs`` (``kinds.py``: one node per loop whatever
     the token count; ``chunk_size`` None for the rule)."""
     grads_in_forward = True
 

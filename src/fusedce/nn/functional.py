@@ -2,36 +2,9 @@
 
     import fusedce.nn.functional as F          # was: import torch.nn.functional as F
     loss = F.linear_cross_entropy(hidden, lm_head.weight, labels, ignore_index=-100)
-    x = F.silu(x)                              # any other name is torch.nn.functional's own
 
-``linear_cross_entropy`` has exactly the signature of ``torch.nn.functional.linear_cross_entropy``
-(PyTorch 2.13) and its semantics on class-index targets: the loss of
-``F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, weight=weight, reduction=reduction,
-ignore_index=ignore_index, label_smoothing=label_smoothing)``, with ``ignore_index=None`` meaning -100 as in
-torch. It runs ``fusedce.linear_cross_entropy`` (the logits never exist whole; ignored rows cost no
-matmul; label smoothing is fused too, where torch's chunked path falls back to its reference path).
-
-Differences from torch, on purpose:
-
-- ``options`` (``torch.nn.LinearCrossEntropyOptions`` or None) is accepted; its ``batch_chunk_size``, when
-  set, becomes fusedce's ``chunk_size`` (rows per chunk); ``acc_policy``, ``chunking_method``,
-  ``acc_dtype`` and ``allow_retain_graph`` are ignored (fusedce's math is fp32, its weight gradient
-  accumulates in fp32, and a retained graph always works). Anything else is a ``TypeError``.
-- The loss is fp32 for every input dtype (torch returns bf16 / fp16 for bf16 / fp16 inputs).
-- ``reduction="mean"`` with every target ignored gives 0.0 with zero gradients (torch: NaN); fusedce's
-  contract.
-- K-dimensional heads (``linear_weight`` (C, d1, ..., H)) raise ``NotImplementedError``.
-- Errors: what torch rejects gets torch's error type and meaning (checked against torch's OpInfo
-  ``error_inputs``); what only fusedce checks (e.g. dtypes of the operands, options' ranges) gets fusedce's
-  errors (``ValueError`` / ``TypeError``, see the README).
-
-Probability targets (a float ``target`` of shape ``(N, C)``, or ``(C,)`` for a 1-D ``input``; float32 /
-bfloat16 / float16 / float64, any dtype independent of ``input``'s) have torch's semantics exactly: per row
-``-sum_c weight_c q'_c log softmax(z)_c`` with ``q' = (1 - label_smoothing) q + label_smoothing / C``,
-``"mean"`` dividing by the number of rows whatever the class weights, ``ignore_index`` not applying, every
-reduction with backward (``fusedce.linear_cross_entropy``'s probability targets; tested against torch's own
-function where it takes them). A target that requires grad is a ``TypeError`` (torch would give it a
-gradient; here the target is a constant).
+``linear_cross_entropy`` has torch's signature and semantics; the differences on purpose are listed in
+``docs/contract.md``, "``fusedce.nn.functional.linear_cross_entropy``".
 """
 from __future__ import annotations
 
@@ -130,37 +103,28 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     options: Optional[torch.nn.LinearCrossEntropyOptions] = None,
 ) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)`` through fusedce,
-    with torch's argument names and meanings.
+    """``F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)`` through fusedce, with
+    torch's argument names and meanings (``docs/contract.md``, "``fusedce.nn.functional.linear_cross_entropy``").
 
     Args:
         input: ``(N, H)`` or ``(H,)`` float32 / bfloat16 / float16 hidden states.
         linear_weight: ``(C, H)``, ``nn.Linear`` layout, ``input``'s dtype.
-        target: class indices, ``(N,)`` (or ``()`` for a 1-D ``input``), int64 (int32 accepted; uint8, as
-            torch takes it, is widened to int64 first: a copy of N elements); or class
-            probabilities ``(N, C)`` (``(C,)``), float32 / bfloat16 / float16 / float64 (module docstring).
+        target: ``(N,)`` (``()`` for a 1-D ``input``) int64 / int32 / uint8 class indices, or ``(N, C)``
+            (``(C,)``) float class probabilities.
         linear_bias: optional ``(C,)``.
-        weight: optional ``(C,)`` class weights (``F.cross_entropy``'s).
-        reduction: ``"mean"`` (sum over the scored rows / the sum of their class weights), ``"sum"``,
-            ``"none"`` (fp32 per row, ``target``'s shape, 0 on ignored rows).
-        ignore_index: targets equal to it contribute nothing; None means -100 (torch's default).
-        label_smoothing: in [0, 1], ``F.cross_entropy``'s formula.
-        options: see the module docstring (``batch_chunk_size`` -> rows per chunk; the rest ignored).
+        weight: optional ``(C,)`` class weights.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        ignore_index: targets equal to it contribute nothing; None means -100.
+        label_smoothing: in [0, 1].
+        options: ``torch.nn.LinearCrossEntropyOptions`` or None (``batch_chunk_size`` -> rows per chunk).
 
     Returns:
         The fp32 loss; gradients of ``input``, ``linear_weight``, ``linear_bias`` in their dtypes.
 
     Raises:
-        Torch's errors (type and meaning) for what torch rejects (``_torch_errors``: an ``input`` not 1-D
-        or 2-D, a 1-D ``linear_weight``, different ``in_features``, a K-dimensional head with unbatched
-        input, a ``linear_bias`` not ``(C,)``, ``ignore_index`` with probabilities, a non-float target of the
-        probabilities' shape (the shape decides, then the dtype, as torch), class indices of another dtype
-        than int64 / int32 / uint8, a 2-D target that is not ``(N, C)``, another batch size); ``NotImplementedError``
-        for a K-dimensional
-        ``linear_weight``; ``TypeError`` for a probability target that requires grad or ``options`` of
-        another type; otherwise ``fusedce.linear_cross_entropy``'s errors (``IndexError`` for a class out
-        of range, as torch), their ``TypeError`` / ``ValueError`` messages in this function's argument names
-        (``input``, ``linear_weight``, ``linear_bias``, ``weight``: ``_in_torch_terms``).
+        Torch's error types for what torch rejects (``_torch_errors``), ``NotImplementedError`` for a
+        K-dimensional ``linear_weight``, otherwise :func:`fusedce.linear_cross_entropy`'s errors named in
+        this function's argument names.
     """
     _torch_errors(input, linear_weight, target, linear_bias, ignore_index)
     chunk_size = _chunk_size(options)

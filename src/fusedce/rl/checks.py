@@ -1,7 +1,5 @@
-"""The one checked call of the RL log-prob ops: ``checked_log_probs`` (``token_log_probs`` and
-``distributed.vocab_parallel_token_log_probs``) and ``checked_linear_log_probs`` (``linear_token_log_probs`` and
-``distributed.vocab_parallel_linear_token_log_probs``), each op's argument checks in one walk down to
-``core/validation.py``, before any kernel, for the one-class ``(...)`` and the K-class ``(..., K)`` target alike."""
+"""The one checked call of the RL log-prob ops (``checked_log_probs``, ``checked_linear_log_probs``), for the
+one-class and the K-class target alike, before any kernel."""
 from __future__ import annotations
 
 import dataclasses
@@ -56,10 +54,8 @@ def _flags(kclass: bool, return_entropy, return_stats) -> None:
 def checked_log_probs(logits, target, *, temperature, softcap, logit_scale, ignore_index, return_entropy,
                       return_stats=False, name: str = "logits", sharded: bool = False, top_k=None,
                       top_p=None) -> LogProbsCall:
-    """The checks of an RL op on logits (``name``: ``"logits"``, or ``"logits_shard"`` with ``sharded``,
-    whose ``V_r`` may be 0): float logits of at least one dimension,
-    ``V > 0``, the options (``log_prob_options``: the one temperature check), the target (shape with
-    the class-dimension hint, dtype, device; widened to int64 when ``ignore_index`` needs it), the flags."""
+    """The checks of an RL op on logits (``sharded``: a vocabulary slice ``logits_shard``, possibly empty); the
+    target is widened to int64 when ``ignore_index`` needs it."""
     val.check_float(name, logits)
     if logits.dim() < 1:
         raise ValueError(f"{name} must have at least one dimension (the classes, last)")
@@ -82,10 +78,8 @@ def checked_log_probs(logits, target, *, temperature, softcap, logit_scale, igno
 def checked_linear_log_probs(hidden, weight, target, bias, *, temperature, softcap, logit_scale, ignore_index,
                              return_entropy, return_stats=False, chunk_size=None, method: Optional[str] = "auto",
                              deterministic=None, sharded: bool = False, top_k=None, top_p=None) -> LogProbsCall:
-    """The checks of an RL op on the LM head (``sharded``: the vocab-parallel one, tensors named
-    ``weight_shard`` / ``bias_shard``, ``V_r`` may be 0, no ``method``): the
-    options, ``deterministic``, the head and target (``check_linear``; for a ``(..., K)`` target K >= 1
-    first, then its shape), ``method`` with ``chunk_size``, the flags."""
+    """The checks of an RL op on the LM head (``sharded``: the vocab-parallel one, ``weight_shard`` /
+    ``bias_shard``, no ``method``)."""
     opts = log_prob_options(ignore_index, temperature, softcap, logit_scale)
     deterministic = deterministic_mode(deterministic)
     kclass = is_kclass(hidden, target)

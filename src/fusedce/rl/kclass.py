@@ -1,7 +1,5 @@
-"""The internal K-class op of the RL ops: ``token_log_probs`` / ``linear_token_log_probs`` with a ``target``
-of shape ``(..., K)`` (the log-probs of K given classes per token, as TRL's ``selective_log_softmax``
-gathers them), on arguments already checked (``rl/checks.py``; the top-k distillation calls it too);
-the math in ``rl/kclass_head.py``."""
+"""The internal K-class op of the RL ops (a ``(..., K)`` target) on arguments already checked; the top-k
+distillation calls it too."""
 from __future__ import annotations
 
 import torch
@@ -21,9 +19,8 @@ def result(log_probs, entropy, target_shape, return_entropy: bool):
 
 
 def log_probs_rows(impl, logits: torch.Tensor, classes: torch.Tensor, opts: LossOptions, return_entropy: bool):
-    """The internal K-class op on CHECKED arguments (no check, no entrance; the top-k distillation calls it):
-    ``logits`` ``(..., V)``, ``classes`` ``(..., K)`` int64-safe, in [0, V) or ``ignore_index``, ``impl`` the
-    backend (``backends.get(..., entropy=True)``)."""
+    """The K-class op on checked ``logits`` ``(..., V)`` and ``classes`` ``(..., K)`` (in [0, V) or
+    ``ignore_index``); ``impl`` the backend."""
     n_classes = logits.shape[-1]
     flat = logits.reshape(-1, n_classes)
     if flat.stride(-1) != 1 and n_classes > 1:
@@ -34,10 +31,8 @@ def log_probs_rows(impl, logits: torch.Tensor, classes: torch.Tensor, opts: Loss
 
 def linear_log_probs_rows(impl, hidden, weight, classes, bias, opts: LossOptions, return_entropy: bool, chunk_size,
                           method: str, deterministic: bool, logits: str = "float32", compact: bool = True):
-    """The internal K-class op of the LM head on CHECKED arguments (no check, no entrance; the top-k distillation calls
-    it): ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` ``(V,)`` or None, ``classes`` ``(..., K)`` as
-    :func:`log_probs_rows`, ``impl`` from ``backends.get(..., entropy=True, tiled=...)``, ``logits`` as
-    ``loop.logits_dtype``, ``compact`` as ``kclass_ops. linear_token_log_probs_kclass``'s."""
+    """The K-class op of the LM head on checked arguments: ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias``
+    ``(V,)`` or None, ``classes`` ``(..., K)``."""
     return kclass_ops.linear_token_log_probs_kclass(
         impl.CHUNK_CE, hidden.reshape(-1, hidden.shape[-1]), weight, classes.reshape(-1, classes.shape[-1]), bias,
         opts, return_entropy, None if chunk_size is None else int(chunk_size), method, tiled=impl.TILED_CE,

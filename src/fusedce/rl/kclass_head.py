@@ -18,10 +18,8 @@ from fusedce.backends.protocol import ChunkCE
 _SAME_CLASS_ELEMENTS = 1 << 22   # the (rows, K, K) class-equality temporary of ``class_sums``
 
 class Entries(NamedTuple):
-    """The K targets of n rows: ``valid`` (n, K) bool (not ``ignore_index`` and in [0, V)), ``safe`` (n, K) int64 (the
-    class, 0 where not valid), ``rep`` (n,) the representative target (the first valid entry's class,
-    ``ignore_index`` if none), ``first`` (n, 1) that entry's position (0 if none), ``any`` (n,) bool: some entry is
-    valid."""
+    """The K targets of n rows: ``valid`` / ``safe`` (n, K), the representative target ``rep`` (n,), the first
+    valid entry's position ``first`` (n, 1) and ``any`` (n,)."""
 
     valid: torch.Tensor
     safe: torch.Tensor

@@ -11,11 +11,8 @@ _ROWS = 32                   # rows per F.linear of the target logits (``target_
 
 
 def target_logits(hidden, weight, bias, safe: torch.Tensor) -> torch.Tensor:
-    """``x_ik = hidden_i . weight[t_ik] + bias[t_ik]`` (n, K) fp32 from the operands' values (the gathered
-    rows upcast, as the backends' fp32 logits are formed): per chunk of r rows, ``F.linear`` of the r hidden rows with
-    their r K gathered weight rows, of which the (r, K) diagonal blocks are kept. r ``_ROWS`` at most,
-    and the gather below ``_GATHER_ELEMENTS``: O(r) times the FLOPs of the K dots (r K / V of the
-    tiled matmuls'), no tensor with a V dimension."""
+    """``x_ik = hidden_i . weight[t_ik] + bias[t_ik]`` (n, K) fp32 from the operands' values, in row chunks of
+    gathered weight rows (no tensor with a V dimension)."""
     n, K = safe.shape
     x = torch.empty(n, K, dtype=torch.float32, device=hidden.device)
     rows = max(1, min(_ROWS, _GATHER_ELEMENTS // max(1, K * hidden.shape[1])))
@@ -43,9 +40,7 @@ def _add_rows_(acc: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, deter
 def sparse_grads_(grads, hidden, weight, d: torch.Tensor, safe: torch.Tensor, needs,
                   deterministic: bool = False) -> tuple:
     """Add the sparse term ``d`` ((n, K) fp32 dL/dx at the target columns) to the tiled gradients
-    ``(grad_hidden, grad_weight, grad_bias)``: ``grad_hidden_i += sum_k d_ik weight[t_ik]`` (formed in
-    fp32, rounded once more to its dtype), ``grad_weight[t_ik] += d_ik hidden_i``, ``grad_bias[t_ik] +=
-    d_ik`` (``_add_rows_``)."""
+    ``(grad_hidden, grad_weight, grad_bias)``."""
     g_h, g_w, g_b = grads
     n, K = safe.shape
     rows = max(1, _GATHER_ELEMENTS // max(1, K * hidden.shape[1]))

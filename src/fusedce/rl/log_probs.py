@@ -36,55 +36,33 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
                     ) -> Union[torch.Tensor, TokenLogProbs, TokenStats]:
     """Per-token ``log softmax(q)[target]`` (and the entropy of ``softmax(q)``) for policy-gradient RL.
 
-    ``z = softcap * tanh(s * logits / softcap)`` when ``softcap`` is given (else ``z = s * logits``;
-    ``s`` = ``logit_scale``, as in the losses), then
-    ``q = z / temperature``; ``log_probs[i] = q[i, t_i] - logsumexp(q[i])`` and ``entropy[i] =
-    logsumexp(q[i]) - sum_c softmax(q[i])_c q[i, c]`` (the Shannon entropy, in nats).
+    ``z = softcap * tanh(s * logits / softcap)`` (else ``z = s * logits``; ``s`` = ``logit_scale``),
+    ``q = z / temperature``; ``log_probs[i] = q[i, t_i] - logsumexp(q[i])``, ``entropy[i] = logsumexp(q[i]) -
+    sum_c softmax(q[i])_c q[i, c]`` (nats). Semantics: docs/contract.md, "RL".
 
     Args:
-        logits: ``(..., V)`` float32 / bfloat16 / float16; any row stride (last dim not stride 1: one
-            copy). Never modified.
-        target: ``(...)`` = ``logits.shape[:-1]``, int64 or int32; ``ignore_index`` marks rows (prompt,
-            padding) that get 0 in both outputs and exactly zero gradient. Or ``(..., K)`` (one more
-            dimension, K >= 1): the log-probs of K classes per token (TRL's ``selective_log_softmax``
-            with a ``(..., K)`` index; top-k distillation, ranking losses), ``log_probs[..., k] =
-            q[t_k] - logsumexp(q)`` from one pass of the row statistics; ``ignore_index`` entries give 0
-            and no gradient, a row whose K entries are all ignored is an ignored row (entropy 0);
-            duplicate classes in a row are allowed (their gradients add). Not with ``return_stats``.
-        temperature: > 0, finite (the sampling temperature of the rollout).
-        softcap: optional > 0, applied before the temperature (Gemma 2's final-logit softcapping).
-        logit_scale: > 0, multiplies the logits first (Cohere's ``logit_scale``, Granite's ``1 /
-            logits_scaling``; TRL's fused head applies it the same way).
-        ignore_index: default -100.
+        logits: ``(..., V)`` float32 / bfloat16 / float16; never modified.
+        target: ``(...)`` int64 / int32 (``ignore_index`` rows give 0 and no gradient), or ``(..., K)``: the
+            log-probs of K classes per token.
+        temperature: finite > 0.
+        softcap: None or > 0, applied before the temperature.
+        logit_scale: > 0, multiplies the logits first.
+        ignore_index: the ignored target value.
         return_entropy: also return the entropy.
-        return_stats: return ``TokenStats(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``
-            (TRL's per-token fields, defined in ``fusedce.TokenStats``; entropy None without
-            ``return_entropy``); the three statistics have no gradient and cost nothing unless asked.
+        return_stats: return :class:`fusedce.TokenStats` (TRL's per-token fields; no gradient).
         backend: ``"auto"`` / ``"torch"`` / ``"triton"``; None reads ``$FUSEDCE_BACKEND``.
-        batch_invariant: as in :func:`fusedce.cross_entropy` (log-probs, entropy, statistics and the
-            gradient's rows bitwise independent of the rest of the batch; free on logits; ``ValueError``
-            with a ``(..., K)`` target or ``backend="cute"``).
-        top_k, top_p: the sampler's truncation (``docs/contract.md``, "Top-k / top-p"): an int >= 0 / a
-            number in (0, 1], or per-row tensors of ``target.shape`` (integer / floating); 0 / 1.0 / None:
-            off. Then the log-probs and entropy are those of the renormalized kept set (temperature, then
-            top-k, then top-p), gradients through the kept classes only, ``-inf`` (zero gradient) for a
-            target outside its kept set. ``ValueError`` with a ``(..., K)`` target, ``return_stats`` or
-            ``batch_invariant``.
+        batch_invariant: bool; each row's results bitwise independent of the rest of the batch.
+        top_k, top_p: the sampler's truncation (docs/contract.md, "Top-k / top-p"); 0 / 1.0 / None: off.
 
     Returns:
-        fp32 ``log_probs`` of ``target.shape`` (with a ``(..., K)`` target: ``(..., K)``, and the entropy
-        ``(...)``), ``TokenLogProbs(log_probs, entropy)``, or (with
-        ``return_stats``) ``TokenStats``. Both are
-        differentiable with any upstream gradients (e.g. ``-(advantage * log_probs).sum() - beta *
-        entropy.mean()``); the gradient of ``logits`` has their dtype and shape. Memory: the forward
-        keeps O(BT) statistics; the backward writes one ``logits``-shaped gradient.
+        fp32 ``log_probs`` of ``target.shape``, ``TokenLogProbs(log_probs, entropy)``, or ``TokenStats``;
+        differentiable with any upstream gradients.
 
     Raises:
-        TypeError / ValueError / IndexError / RuntimeError: as :func:`fusedce.cross_entropy` (shapes,
-            dtypes, devices, a target neither ``ignore_index`` nor in [0, V), backends), plus
-            ``ValueError`` for a ``temperature`` that is not a finite number > 0 or whose inverse is
-            not a normal fp32 number, or a ``softcap / temperature`` beyond fp32's range, and
-            ``RuntimeError`` for ``backend="cute"`` (no entropy kernels yet).
+        TypeError / ValueError / IndexError: as :func:`fusedce.cross_entropy`, plus ``ValueError`` for a bad
+            ``temperature`` or ``softcap / temperature``, and for ``top_k`` / ``top_p`` with a ``(..., K)``
+            target, ``return_stats`` or ``batch_invariant``.
+        RuntimeError: ``backend="cute"`` (no entropy kernels).
     """
     call = rc.checked_log_probs(logits, target, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
                                 ignore_index=ignore_index, return_entropy=return_entropy, return_stats=return_stats,
@@ -120,41 +98,23 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
     """:func:`token_log_probs` of ``hidden @ weight.T + bias`` without ever allocating BT x V logits.
 
     Args:
-        hidden: ``(..., H)`` float32 / bfloat16 / float16; ``weight``: ``(V, H)`` and ``bias``
-            (optional) ``(V,)`` of the same dtype. The logits are fp32 (``logits_dtype``), the rest
-            fp32 too.
-        target, temperature, softcap, logit_scale, ignore_index, return_entropy, return_stats, backend:
-            as in :func:`token_log_probs` (the statistics come from the same pass as the log-probs with
-            ``"tiled"``, from each chunk's logits right after its loss with ``"chunked"``).
-        chunk_size, method: as in :func:`fusedce.linear_cross_entropy` (``"chunked"``: one chunk of
-            logits at a time; ``"tiled"``: no tensor of V or more elements besides ``weight``,
-            ``bias`` and their gradients). Ignored rows cost no matmul FLOPs (compacted first: one
-            host sync per call, skipped under torch.compile / CUDA-graph capture).
-        deterministic: as in :func:`fusedce.linear_cross_entropy` (None follows
-            ``torch.are_deterministic_algorithms_enabled()``; the tiled Triton backward then runs
-            without atomics; with a ``(..., K)`` target the tiled method then also adds the K classes'
-            weight-gradient terms by a sorted segment sum, one more host sync, instead of ``index_add_``).
-        logits_dtype: ``"float32"`` (default): the logits are formed in fp32 from the operands' values
-            (products of bf16 / fp16 values are exact in fp32, summed in fp32; no fp32 copy of the weight:
-            ``lm_head/fp32_linear.py``), so bf16 / fp16 results are within fp32 rounding of float64 of
-            the same values; ``"input"``: rounded to ``hidden``'s dtype first, as ``F.linear`` (the stock
-            composition's values, for exact parity with it). No effect on fp32 operands.
-        batch_invariant: as in :func:`fusedce.linear_cross_entropy` (log-probs, entropy, statistics and
-            ``hidden``'s gradient rows bitwise independent of the rest of the batch; either method, one
-            class per token: ``ValueError`` with a ``(..., K)`` target).
-        top_k, top_p: as in :func:`token_log_probs`; with ``method="chunked"`` (or ``"auto"``; ``"tiled"``:
-            ``ValueError``), one chunk of logits at a time, on every backend (PyTorch ops on each chunk).
-        A ``(..., K)`` target with ``"tiled"`` also computes the K target logits from gathered rows of
-            ``weight`` (fp32 products, at most 2^22 elements at a time, or one row's K x H) and rounds
-            the hidden gradient a second time in bf16 / fp16 (``rl/kclass_head.py``).
+        hidden: ``(..., H)`` float32 / bfloat16 / float16.
+        weight: ``(V, H)``, the hidden's dtype.
+        target: as :func:`token_log_probs`, and so are ``temperature``, ``softcap``, ``logit_scale``,
+            ``ignore_index``, ``return_entropy``, ``return_stats``, ``backend``, ``top_k``, ``top_p``.
+        bias: None or ``(V,)``, the hidden's dtype.
+        chunk_size, method, deterministic: as :func:`fusedce.linear_cross_entropy`; ``top_k`` / ``top_p``
+            need ``method="chunked"`` or ``"auto"``.
+        logits_dtype: ``"float32"`` (logits in fp32 from the operands' values) or ``"input"`` (rounded first,
+            as ``F.linear``).
+        batch_invariant: as :func:`fusedce.linear_cross_entropy`; one class per token only.
 
     Returns:
-        As :func:`token_log_probs`; gradients of ``hidden``, ``weight``, ``bias`` in their dtypes. The
-        backward recomputes the logits (chunk by chunk, or tile by tile).
+        As :func:`token_log_probs`; gradients of ``hidden``, ``weight``, ``bias`` in their dtypes.
 
     Raises:
-        The errors of :func:`token_log_probs` and of :func:`fusedce.linear_cross_entropy` for the
-        shapes, ``chunk_size``, ``method``, ``deterministic`` and ``logits_dtype``.
+        The errors of :func:`token_log_probs` and of :func:`fusedce.linear_cross_entropy` for the shapes,
+        ``chunk_size``, ``method``, ``deterministic`` and ``logits_dtype``.
     """
     call = rc.checked_linear_log_probs(hidden, weight, target, bias, temperature=temperature, softcap=softcap,
                                        logit_scale=logit_scale, ignore_index=ignore_index,

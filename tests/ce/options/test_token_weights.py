@@ -27,7 +27,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import fusedce
@@ -315,8 +314,8 @@ def _worker(rank, port, out_dir):
 def test_vocab_parallel(tmp_path):
     """Both vocab-parallel ops on 2 gloo ranks (V = 20 + 25), torch and triton (interpreter) backends,
     against the float64 formula on the concatenated vocabulary."""
-    from dist_harness import _free_port
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    from dist_harness import _free_port, start_ranks
+    start_ranks(_worker, (_free_port(), str(tmp_path)), 2)
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert set(results) == {"torch", "triton"}, results

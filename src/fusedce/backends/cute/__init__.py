@@ -1,22 +1,6 @@
-"""CuTe DSL backend (``backend="cute"``): the cross-entropy kernels written in NVIDIA's CuTe DSL
-(``pip install fusedce[cute]``, i.e. nvidia-cutlass-dsl), CUDA tensors only.
-
-Same interface and semantics as the Triton backend (``backends/__init__.py``):
-- ``cross_entropy_rows``: ``kernels/ce_forward.py`` then, in backward, ``kernels/ce_backward.py``;
-- ``CHUNK_CE`` (``linear.CuteChunkCE``) for the chunked LM head (``fusedce.lm_head``): per chunk the fused forward +
-  gradient, ``kernels/ce_chunk_onchip.py`` (each row read from HBM once into shared memory, split
-  over a thread-block cluster for large V) when ``tuning.onchip_cluster`` allows, else
-  ``kernels/ce_chunk.py`` (the row streamed twice, the second read hoped to hit L2);
-- ``slice_stats`` / ``slice_grad`` (vocab parallelism): delegated to the Triton backend's kernels
-  (same math, CUDA tensors too); no CuTe kernel of their own yet.
-
-Layering: kernels/*.py -> launch.py (compile once, launch into given buffers) -> custom_ops.py
-(``fusedce_cute::*`` torch custom ops with fake impls: ``torch.compile(fullgraph=True)`` traces them)
--> cross_entropy.py (autograd) / linear.py (the LM head's ChunkCE).
-Importing this package does not import ``cutlass``; the first launch does (``launch.py``).
-Status: compiled and statically checked for sm_90a / sm_100a (no spills); numerics not yet verified on
-a GPU, so ``backend="auto"`` never picks it (``tuning.AUTO_PICKS_CUTE``).
-"""
+"""CuTe DSL backend (``backend="cute"``, ``pip install fusedce[cute]``, CUDA tensors only): the Triton
+backend's interface in NVIDIA's CuTe DSL; ``"auto"`` never picks it until verified on a GPU (layout and
+status: ``docs/internals.md``, "``backends/cute/__init__.py``")."""
 from ..protocol import Capabilities
 
 NAME = "cute"

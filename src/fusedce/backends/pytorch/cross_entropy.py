@@ -41,12 +41,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                        opts: LossOptions, inplace_backward: bool = False, stats: bool = True):
-    """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against ``target`` ((BT,)).
-
-    Returns ``(loss (BT,) fp32, lse (BT,) fp32, lse_lo (BT,) fp32, predicted (BT,) int64)``: the
-    cross-entropy without z-loss and the lse (0 on ignored rows), both differentiable w.r.t. ``logits``,
-    and lse's rounding error (``core/row_math.py``; no gradient). With
-    ``inplace_backward`` the backward pass overwrites ``logits`` with the gradient (a second backward
-    then raises ``RuntimeError``). Without ``stats`` no argmax is computed and ``predicted`` is empty.
-    """
+    """Per-row ``(loss, lse, lse_lo, predicted)`` of ``logits`` (BT, V) against ``target`` (BT,): fp32 (BT,) each
+    (0 on ignored rows; loss and lse differentiable), predicted int64 or empty without ``stats``;
+    ``inplace_backward``: the gradient written into ``logits``' storage."""
     return _ChunkedCrossEntropy.apply(logits, target, weight, opts, inplace_backward, stats)

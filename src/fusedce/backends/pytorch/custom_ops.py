@@ -119,8 +119,8 @@ def rows_loss(logits, target, w, weight_sum, opts: LossOptions, stats: bool = Tr
     return out + (ent,) if entropy else out
 
 
-def rows_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions, out=None,
-               grad_entropy=None, entropy=None) -> Tensor:
+def rows_grad_(logits, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions, grad_entropy=None,
+               entropy=None, out=None) -> Tensor:
     """``cross_entropy.chunk_grad_`` as one op: the gradient written into ``out`` (default ``logits``),
     which is returned."""
     if grad_entropy is None:

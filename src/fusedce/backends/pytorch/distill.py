@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .block_threads import run
+from .launch import run
 from .tuning import cpu_block_rows
 
 # Rows per block of ``distill_rows`` off the CPU: about this many fp32 values per temporary (8 MiB), whatever
@@ -71,21 +71,10 @@ def chain(du: torch.Tensor, c: torch.Tensor, hard: Optional[torch.Tensor], tempe
 def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, target: Optional[torch.Tensor],
                  grad_factor: Optional[torch.Tensor], *, beta: float, temperature: float, hard_label_weight: float,
                  ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float]):
-    """Per-row distillation loss and, when ``grad_factor`` is given, the student logits' gradient.
-
-    Args:
-        student_logits, teacher_logits: ``(N, V)`` float tensors (dtypes may differ), stride 1 along V,
-            any row stride; never written.
-        target: ``(N,)`` int64 or None (no row ignored; ``hard_label_weight`` must then be 0).
-        grad_factor: ``(N,)`` fp32 per-row upstream gradient, or None (no gradient).
-        beta, temperature, hard_label_weight, ignore_index, student_softcap, teacher_softcap: the
-            checked options of :func:`fusedce.distillation_loss`.
-
-    Returns:
-        ``(loss_rows, grad)``: ``loss_rows`` ``(N,)`` fp32 (0 on ignored rows); ``grad`` ``(N, V)`` in
-        ``student_logits``' dtype = ``grad_factor[r] * d loss_rows[r] / d student_logits[r]`` (exactly 0
-        on ignored rows), or None. fp32 math on row blocks (above; no host sync).
-    """
+    """Per-row distillation loss and, with ``grad_factor`` ((N,) fp32), the student logits' gradient: logits (N, V)
+    of any float dtypes (never written), ``target`` (N,) int64 or None, the checked options of
+    :func:`fusedce.distillation_loss`. Returns ``(loss_rows (N,) fp32, grad (N, V) in the student's dtype or
+    None)``, 0 on ignored rows."""
     n, n_classes = student_logits.shape
     dev = student_logits.device
     loss = torch.empty(n, dtype=torch.float32, device=dev)

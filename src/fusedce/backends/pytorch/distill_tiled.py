@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from . import block_threads, tuning
+from . import launch, tuning
 from .distill import capped, chain, divergence, grad_u
 from .tiled import _block_logits, _target_columns
 
@@ -43,20 +43,10 @@ def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, 
                   target, grad_factor, *, beta: float, temperature: float, hard_label_weight: float,
                   ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float],
                   deterministic: bool = False, batch_invariant: bool = False):
-    """Per-row distillation loss of both heads' logits and, with ``grad_factor``, the student's gradients.
-
-    Args:
-        student_hidden ``(N, H)``, student_weight ``(V, H)``, student_bias ``(V,)`` or None (one dtype);
-        teacher_hidden ``(N, Ht)``, teacher_weight ``(V, Ht)``, teacher_bias ``(V,)`` or None (one dtype);
-        target ``(N,)`` int64 or None; grad_factor ``(N,)`` fp32 or None; the options as ``distill_rows``.
-
-    Returns:
-        ``(loss_rows, grad_hidden, grad_weight, grad_bias)``: ``loss_rows`` (N,) fp32 (0 on ignored rows);
-        with ``grad_factor``: the gradients of ``sum_r grad_factor[r] loss_rows[r]``, grad_hidden in
-        ``student_hidden``'s dtype, grad_weight (V, H) and grad_bias (V,) (None without a bias) in fp32
-        (the accumulation dtype, as ``tiled.py``); otherwise None, None, None. No tensor of V or more
-        elements besides those and the inputs; nothing is written in place.
-    """
+    """Per-row distillation loss of both heads' logits and, with ``grad_factor``, the student's gradients:
+    student ``(N, H)`` / ``(V, H)`` / ``(V,)`` or None, teacher ``(N, Ht)`` / ``(V, Ht)`` / ``(V,)`` or None,
+    ``target`` (N,) int64 or None. Returns ``(loss_rows (N,) fp32, grad_hidden, grad_weight, grad_bias)``
+    (fp32 weight / bias gradients; None without ``grad_factor``); no tensor of V or more elements."""
     hs, ws, bs = student_hidden, student_weight, student_bias
     n, n_classes = hs.shape[0], ws.shape[0]
     dev = hs.device
@@ -109,7 +99,7 @@ def tiled_distill(student_hidden, student_weight, student_bias, teacher_hidden, 
             if row_sum is not None:
                 row_sum[r] = rsum
 
-    block_threads.run(row_blocks, -(-n // tile_rows), dev)
+    launch.run(row_blocks, -(-n // tile_rows), dev)
     if grad_factor is None:
         return loss, None, None, None
     g_h, g_w, g_b = _gradients(hs, ws, bs, target, valid_all, grad_factor, lse_s, lse_t, lse_1, row_sum, blocks,
@@ -152,7 +142,7 @@ def _gradients(hs, ws, bs, target, valid_all, grad_factor, lse_s, lse_t, lse_1, 
                     g_b[cols] += dz.sum(dim=0)
         return acc_h
 
-    partial_h = block_threads.run(vocab_blocks, -(-n_classes // tile_vocab), dev)
+    partial_h = launch.run(vocab_blocks, -(-n_classes // tile_vocab), dev)
     for part in partial_h[1:]:   # the other shares' grad_h, added in a fixed order (deterministic)
         g_h += part
     return (g_h if fp32 else g_h.to(hs.dtype)), g_w, g_b

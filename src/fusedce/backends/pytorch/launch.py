@@ -1,15 +1,50 @@
-"""Chunked cross-entropy in PyTorch: forward saves only the per-row lse, backward recomputes."""
+"""The PyTorch backend's row loops: blocks of rows shared among threads of one intra-op thread each (``run``),
+and chunked cross-entropy on them (forward saves only the per-row lse, backward recomputes)."""
 from __future__ import annotations
 
-from typing import Optional
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, List, Optional
 
 import torch
 
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import rows_forward, rows_grad
 from .fused_rows import rows_loss_grad_
-from .block_threads import run
 from .tuning import chunk_rows, cpu_block_rows
+
+
+_LOCK = threading.Lock()
+
+
+def _no_grad(work: Callable, k: int, n: int, inference: bool = False):
+    """``work(k, n)`` with grad mode off and the caller's inference mode (both are per thread: the block
+    ops must never record a graph, and under ``torch.inference_mode`` they write into inference tensors,
+    which only code in inference mode may update in place)."""
+    with torch.inference_mode(inference), torch.no_grad():
+        return work(k, n)
+
+
+def run(work: Callable[[int, int], object], n_items: int, device: torch.device) -> List[object]:
+    """Call ``work(k, n)`` for ``k`` in ``range(n)`` on ``n = min(torch.get_num_threads(), n_items)`` threads (at least
+    1; ``k = 0`` in the calling thread), each with one intra-op thread, grad mode off and the caller's inference
+    mode; returns the ``n`` results in order."""
+    if device.type != "cpu":
+        return [_no_grad(work, 0, 1, torch.is_inference_mode_enabled())]
+    inference = torch.is_inference_mode_enabled()
+    with _LOCK:
+        threads = torch.get_num_threads()
+        n = max(1, min(threads, n_items))
+        torch.set_num_threads(1)
+        try:
+            if n == 1:
+                return [_no_grad(work, 0, 1, inference)]
+            with ThreadPoolExecutor(n - 1, thread_name_prefix="fusedce-blocks") as pool:
+                others = [pool.submit(_no_grad, work, k, n, inference) for k in range(1, n)]
+                first = _no_grad(work, 0, n, inference)
+                return [first] + [f.result() for f in others]
+        finally:
+            torch.set_num_threads(threads)
 
 
 def class_weights(weight: Optional[torch.Tensor]):
@@ -21,9 +56,8 @@ def class_weights(weight: Optional[torch.Tensor]):
 
 
 class Scratch:
-    """fp32 row-chunk buffers reused by every chunk of one call: on CPU a fresh 64 MiB tensor per chunk costs more in
-    page faults than the arithmetic on it (measured on the 2-core dev machine: allocating and filling 341 x 49152
-    fp32 took 26 ms, copying into a reused buffer 2 ms), since the allocator returns such blocks to the OS."""
+    """fp32 row-chunk buffers reused by every chunk of one call: on CPU a fresh large tensor per chunk costs more in
+    page faults than the arithmetic on it (the allocator returns such blocks to the OS)."""
 
     def __init__(self, step: int, n_classes: int, dtype: torch.dtype, device: torch.device, work: bool = True):
         shape = (step, n_classes)

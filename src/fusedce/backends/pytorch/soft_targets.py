@@ -65,14 +65,8 @@ register_rows_autograd("fusedce_torch", "soft_ce")   # the formula: backends/op_
 
 def soft_cross_entropy_rows(logits: Tensor, q: Tensor, weight: Opt, opts: LossOptions,
                             inplace_backward: bool = False, stats: bool = True):
-    """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against probability targets ``q`` ((BT, V)
-    any float dtype, last-dim stride 1; a constant: no gradient).
-
-    Returns ``(loss, lse, lse_lo, predicted)`` as ``cross_entropy_rows`` (no row is ignored; predicted
-    the argmax of ``logits``, (0,) without ``stats``); loss and lse differentiable w.r.t. ``logits``.
-    With ``inplace_backward`` the backward overwrites ``logits`` with the gradient (a second backward
-    then raises ``RuntimeError``).
-    """
+    """``cross_entropy_rows`` against probability targets ``q`` ((BT, V), any float dtype, a constant): no row
+    ignored, ``predicted`` the argmax of ``logits``."""
     loss, lse, lse_lo, _a, predicted = torch.ops.fusedce_torch.soft_ce_forward(logits, q, weight, *opts.op_args(),
                                                                                stats, inplace_backward)
     return loss, lse, lse_lo, predicted

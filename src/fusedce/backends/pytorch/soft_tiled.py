@@ -10,7 +10,7 @@ import torch
 
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform, two_sum
-from . import block_threads, tuning
+from . import launch, tuning
 from .block_accum import VocabBlockGrads
 from .tiled import _vocab_block
 
@@ -74,7 +74,7 @@ def soft_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q:
             if stats:
                 predicted[r] = best_idx
 
-    block_threads.run(row_blocks, -(-n // tile_rows), dev)
+    launch.run(row_blocks, -(-n // tile_rows), dev)
     return loss, lse, lse_lo, a_all, predicted
 
 
@@ -114,7 +114,7 @@ def soft_tiled_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q
             block.store()
         return acc_h
 
-    partial_h = block_threads.run(vocab_blocks, -(-n_classes // tile_vocab), dev)
+    partial_h = launch.run(vocab_blocks, -(-n_classes // tile_vocab), dev)
     for part in partial_h[1:]:   # the other shares' grad_h, added in a fixed order (deterministic)
         if part is not None:
             grad_h += part

@@ -12,7 +12,7 @@ from fusedce.core.bf16_products import exact_bf16_gemms
 from fusedce.core.options import LossOptions
 from ..protocol import TiledRows
 from fusedce.core.row_math import row_loss, rows_grad, transform, two_sum
-from . import block_threads, tuning
+from . import launch, tuning
 from .block_accum import VocabBlockGrads
 
 _NEG_INF = float("-inf")
@@ -148,7 +148,7 @@ class TorchTiledCE:
         # The backward's gradient GEMMs take fp32 dz: they keep the ieee mode.
         products = contextlib.nullcontext() if smoothing and w is not None else exact_bf16_gemms(hidden, weight)
         with products:
-            block_threads.run(row_blocks, -(-n // tile_rows), dev)
+            launch.run(row_blocks, -(-n // tile_rows), dev)
         return TiledRows(loss, lse, lse_lo, predicted, z_t, ent, tstats if token_stats else None)
 
     @staticmethod
@@ -190,7 +190,7 @@ class TorchTiledCE:
                 block.store()
             return acc_h
 
-        partial_h = block_threads.run(vocab_blocks, -(-n_classes // tile_vocab), dev)
+        partial_h = launch.run(vocab_blocks, -(-n_classes // tile_vocab), dev)
         for part in partial_h[1:]:   # the other shares' grad_h, added in a fixed order (deterministic)
             if part is not None:
                 grad_h += part

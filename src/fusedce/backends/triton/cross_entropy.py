@@ -20,13 +20,8 @@ def _weights(weight: Optional[torch.Tensor]):
 
 def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                        opts: LossOptions, inplace_backward: bool = False, stats: bool = True):
-    """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against ``target`` ((BT,)).
-
-    Returns ``(loss (BT,) fp32, lse (BT,) fp32, lse_lo (BT,) fp32, predicted (BT,) int64 or empty if not
-    stats)``: the cross-entropy without z-loss and the lse (0 on ignored rows), both differentiable
-    w.r.t. ``logits``, and lse's rounding error (no gradient).
-    With ``inplace_backward`` the backward pass writes the gradient into ``logits``' storage (a second
-    backward then raises ``RuntimeError``).
-    """
+    """Per-row ``(loss, lse, lse_lo, predicted)`` of ``logits`` (BT, V) against ``target`` (BT,): fp32 (BT,) each
+    (0 on ignored rows; loss and lse differentiable), predicted int64 or empty without ``stats``;
+    ``inplace_backward``: the gradient written into ``logits``' storage."""
     w, weight_sum = _weights(weight)
     return custom_ops.forward(logits, target, w, weight_sum, opts, stats, inplace_backward)

@@ -80,25 +80,10 @@ def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tar
                  beta: float, temperature: float, hard_label_weight: float, ignore_index: int,
                  student_softcap: Optional[float], teacher_softcap: Optional[float]
                  ) -> Tuple[torch.Tensor, Opt]:
-    """Per-row distillation loss and its student-logit gradient (the formulas: ``kernels/distill_math.py``,
-    oracle ``tests/support/reference64_distill.py``).
-
-    Args:
-        student_logits, teacher_logits: (N, V), any float dtypes (may differ), any row stride (a last dim
-            that is not stride 1 is copied once). Upcast to fp32 after loading.
-        target: (N,) int64 or None (no row ignored; ``hard_label_weight`` must then be 0). Targets out of
-            [0, V) on non-ignored rows are the caller's to reject (not checked here: no host sync).
-        grad_factor: (N,) float (any stride) or None (no gradient computed).
-        beta, temperature, hard_label_weight, ignore_index, student_softcap, teacher_softcap: as
-            ``fusedce.distillation_loss`` (softcap None: none).
-    Returns:
-        ``(loss_rows, grad_student_logits)``: (N,) fp32, 0 on ignored rows; (N, V) contiguous in the
-        student's dtype, ``grad_factor[r] * d loss_rows[r] / d student_logits[r, :]`` (exactly 0 on ignored
-        rows), or None without ``grad_factor``. New tensors; the inputs are not written.
-    Raises:
-        ValueError: shapes that do not match, ``beta`` outside [0, 1], ``temperature <= 0``, a softcap
-            <= 0, ``hard_label_weight != 0`` without a target.
-    """
+    """Per-row distillation loss and its student-logit gradient (formulas: ``kernels/distill_math.py``): logits
+    (N, V) of any float dtypes, ``target`` (N,) int64 or None, ``grad_factor`` (N,) or None, the options as
+    ``fusedce.distillation_loss``. Returns ``(loss_rows (N,) fp32, grad (N, V) in the student's dtype or
+    None)``; ``ValueError`` for mismatched shapes or options out of range. The inputs are never written."""
     if student_logits.dim() != 2 or teacher_logits.shape != student_logits.shape:
         raise ValueError(f"student and teacher logits must both be (N, V), got {tuple(student_logits.shape)} "
                          f"and {tuple(teacher_logits.shape)}")

@@ -65,28 +65,11 @@ def tiled_distill(student_hidden: torch.Tensor, student_weight: torch.Tensor, st
                   target: Opt, grad_factor: Opt, *, beta: float, temperature: float, hard_label_weight: float,
                   ignore_index: int, student_softcap: Optional[float], teacher_softcap: Optional[float],
                   deterministic: bool, batch_invariant: bool = False) -> Tuple[torch.Tensor, Opt, Opt, Opt]:
-    """Per-row distillation loss of two linear heads and the student head's gradients, with no logits of
-    either model in memory (tiles of both heads' logits formed on chip: ``kernels/distill_tiled_*.py``).
-
-    Args:
-        student_hidden: (N, H); student_weight: (V, H) in student_hidden's dtype; student_bias: (V,) or
-            None. teacher_hidden: (N, Ht); teacher_weight: (V, Ht) in teacher_hidden's dtype (H, Ht and the
-            two heads' dtypes may differ; V must match); teacher_bias: (V,) or None. fp32 / bf16 / fp16.
-        target, grad_factor, beta, temperature, hard_label_weight, ignore_index, student_softcap,
-            teacher_softcap: as ``distill_rows``.
-        deterministic: the gradient pass without atomics (bitwise identical run to run; one more
-            recompute of both heads' logits).
-        batch_invariant: ``deterministic`` (the tiles are fixed anyway; ``invariant_rows`` below).
-    Returns:
-        ``(loss_rows (N,) fp32, grad_hidden, grad_weight, grad_bias)``, the gradients already multiplied
-        by ``grad_factor`` per row: grad_hidden (N, H) in student_hidden's dtype, grad_weight (V, H) and
-        grad_bias (V,) in fp32 (the tiled cross-entropy op's default ``accum_dtype``), grad_bias None
-        without a student bias; all three None without ``grad_factor``. Besides these, only (N,)- and
-        (4, N)-sized fp32 buffers are allocated (the gradients' fp32 accumulators when N x H in fp32 is
-        not the result). Logits are fp32 from each head's values (never rounded to its dtype), then fp32 math.
-    Raises:
-        ValueError: mismatched shapes or dtypes (as listed), and the option errors of ``distill_rows``.
-    """
+    """Per-row distillation loss of two linear heads and the student head's gradients, no logits of either
+    model in memory (tiles formed on chip: ``kernels/distill_tiled_*.py``). Shapes as
+    ``backends/pytorch/distill_tiled.tiled_distill``; ``deterministic`` (or ``batch_invariant``): the gradient
+    pass without atomics. Returns ``(loss_rows (N,) fp32, grad_hidden, grad_weight, grad_bias)`` (fp32 weight /
+    bias gradients, times ``grad_factor`` per row; None without it); ``ValueError`` for mismatched shapes."""
     n, hs = student_hidden.shape if student_hidden.dim() == 2 else (None, None)
     if (student_hidden.dim() != 2 or student_weight.dim() != 2 or student_weight.shape[1] != hs
             or teacher_hidden.dim() != 2 or teacher_weight.dim() != 2 or teacher_hidden.shape[0] != n

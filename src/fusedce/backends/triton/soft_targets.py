@@ -72,13 +72,8 @@ register_rows_autograd("fusedce", "soft_ce")   # the formula: backends/op_autogr
 
 def soft_cross_entropy_rows(logits: Tensor, q: Tensor, weight: Opt, opts: LossOptions,
                             inplace_backward: bool = False, stats: bool = True):
-    """Per-row loss of ``logits`` ((BT, V), last-dim stride 1) against probability targets ``q`` ((BT, V),
-    any float dtype; a constant).
-
-    Returns ``(loss, lse, lse_lo, predicted)`` as ``cross_entropy_rows`` (no row is ignored; predicted
-    the argmax of ``logits``, (0,) without ``stats``); loss and lse are differentiable w.r.t. ``logits``.
-    With ``inplace_backward`` the backward writes the gradient into ``logits``' storage.
-    """
+    """``cross_entropy_rows`` against probability targets ``q`` ((BT, V), any float dtype, a constant): no row
+    ignored, ``predicted`` the argmax of ``logits``."""
     loss, lse, lse_lo, _a, predicted = torch.ops.fusedce.soft_ce_forward(
         logits, q, None if weight is None else weight, *opts.op_args(), stats, inplace_backward)
     return loss, lse, lse_lo, predicted

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from fusedce.core.options.checks import FP32_NORMAL, check_temperature, fp32_range, integer_option, real_option
+from fusedce.core.options.schema import FP32_NORMAL, check_temperature, fp32_range, integer_option, real_option
 from fusedce.core.options.schema import REDUCTIONS
 
 

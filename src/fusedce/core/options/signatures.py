@@ -46,11 +46,8 @@ def with_loss_options(obj):
 
 
 def keyword_hints(**hints: str):
-    """Decorator for a public function whose parameter name a caller may mean as another one (``weight``
-    of :func:`fusedce.linear_cross_entropy` is the LM head; its class weights are ``ce_weight``): a call
-    that fills a parameter of ``hints`` both by position and by keyword raises ``TypeError`` with the hint
-    (Python's own "got multiple values for argument" does not say what was meant). One length check per
-    call; the signature (``inspect.signature``) stays the function's."""
+    """Decorator: a call that fills a parameter of ``hints`` both by position and by keyword raises ``TypeError``
+    with the hint (``weight`` of :func:`fusedce.linear_cross_entropy` is the LM head, not ``ce_weight``)."""
     def decorate(fn):
         names = list(inspect.signature(fn).parameters)
         checks = tuple((names.index(name), name, hint) for name, hint in hints.items())

@@ -53,11 +53,8 @@ def _no_extra_arguments(args, kwargs, where: str) -> None:
 
 
 class HeadCall:
-    """Context manager: while active, calling ``head`` (as the family's forward does) computes ``compute(hidden (...,
-    H'), weight (V, H'), bias (V,) or None) -> loss`` inside the call (see the module docstring) and returns a
-    ``(..., len(PROBE_VALUES))`` placeholder (with ``verify``: one probe row of all V columns, ``probe_row(V)`` as
-    ``(1, ..., 1, V)``), or with ``keep_logits`` the real logits ``hidden @ weight.T + bias`` (same pieces, same
-    dropout mask as the loss)."""
+    """Context manager: while active, calling ``head`` computes ``compute(hidden, weight, bias) -> loss`` inside the
+    call and returns a placeholder (a probe row with ``verify``), or the real logits with ``keep_logits``."""
 
     def __init__(self, head: nn.Module, where: str, compute: Callable, keep_logits: bool, verify: bool):
         self.head, self.where, self.compute, self.keep_logits = head, where, compute, keep_logits

@@ -1,7 +1,5 @@
-"""The family's post-head transform read off its forward, when the config attributes ``hf_head.DECLARED`` names do not
-describe it (HyperCLOVA X multiplies by ``logits_scaling`` where Granite divides; Muse Glimmer and Muse Spark
-multiply by ``text_config.output_multiplier`` before the Gemma-style softcap; MiniCPM3 divides the hidden states,
-not the logits, so its head's output is the logits)."""
+"""The family's post-head transform read off its forward, when the config attributes ``hf_head.DECLARED``
+names do not describe it (docs/internals.md)."""
 from __future__ import annotations
 
 import math
@@ -69,10 +67,8 @@ def _close(got: torch.Tensor, expected: torch.Tensor, rtol: float) -> torch.Tens
 
 def fit_transform(logits_row: torch.Tensor, head_row: torch.Tensor, config, n_classes: Optional[int],
                   probe: bool):
-    """``(LogitTransform, description, settled)`` for the simplest candidate that maps ``head_row`` (what the head
-    returned, flattened) to ``logits_row`` (the family's logits at the same places, already checked to be
-    ``n_classes`` columns wide), or ``(None, why, False)``: why nothing matches, a sentence describing the transform
-    seen."""
+    """``(LogitTransform, description, settled)`` for the simplest candidate mapping ``head_row`` to
+    ``logits_row``, or ``(None, why, False)``."""
     rtol = verify_rtol(logits_row.dtype)
     y = logits_row.detach().double().cpu()
     x = head_row.detach().double().cpu()
@@ -128,10 +124,7 @@ def logit_rows(logits, head_shape: torch.Size, rows: torch.Tensor, model_name: s
 def choose_transform(logits, head_rows: torch.Tensor, rows: torch.Tensor, head_shape, transforms: tuple,
                      config, model_name: str, probe: bool):
     """What the family does to its head's output, from the first labelled call: ``(index, transform, settled)``,
-    ``index`` that of the first of ``transforms`` (``logit_transforms``, the config's declared ones, whose losses
-    that call computed) that the family applied, else None and the transform read off the forward
-    (``fit_transform``: a scale and softcap made of the config's numbers; ``settled`` False when real logits could
-    not tell it from another one, see the module docstring)."""
+    the first declared transform that matches, else the one read off the forward."""
     got = logit_rows(logits, head_shape, rows, model_name, probe)
     head_rows = head_rows.detach().to(got.device)
     reasons = []

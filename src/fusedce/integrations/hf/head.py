@@ -143,11 +143,8 @@ def _transform(found: dict) -> LogitTransform:
 
 
 def logit_transforms(config) -> tuple:
-    """The post-head transforms ``config`` declares (``DECLARED``, the scales multiplied together), as candidates for
-    ``hf_fit.choose_transform``: first the text config's (``hf_settings.text_config``, where multimodal models keep
-    them; an attribute it lacks is taken from the top level), then, if different, the top-level config's alone
-    (multimodal wrappers such as LLaVA-NeXT or Cohere 2 Vision ignore their text config's; Aya Vision did before
-    transformers 5.25, which applies ``text_config.logit_scale``)."""
+    """The post-head transforms ``config`` declares, as candidates for ``hf_fit.choose_transform``: the text
+    config's first, then the top-level config's alone if different."""
     configs = text_configs(config)
     if not configs:
         return (LogitTransform(),)

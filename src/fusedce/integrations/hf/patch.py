@@ -34,42 +34,24 @@ class _Patch:
 @public_op("integration")
 def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **loss_options) -> nn.Module:
     """Make ``model`` (a Hugging Face ``*ForCausalLM``) compute its training loss with the fused
-    :func:`fusedce.linear_cross_entropy`. Patches this instance only, in place; returns it.
+    :func:`fusedce.linear_cross_entropy`; patches this instance in place and returns it.
 
-    What the patched forward does (labels, logit transforms, MoE, ``token_weights``, autocast, the output, the
-    training stacks and heads it serves): ``docs/integrations.md`` (Hugging Face, the patched forward).
+    What the patched forward does: docs/integrations.md (Hugging Face, the patched forward). Patching again
+    replaces the options; :func:`unpatch_causal_lm` undoes it.
 
     Args:
-        model: a Hugging Face causal LM: ``get_output_embeddings()`` returns a linear head, a base model
-            (``.model`` / ``.transformer`` / ``.base_model``) returns the last hidden state, and its
-            forward calls the head once on it (every ``*ForCausalLM`` of transformers does).
-        keep_logits: also return the logits (computed by the original head): ``None`` (default) when
-            autograd is off (``torch.no_grad()`` / ``inference_mode``: ``Trainer.evaluate`` / ``predict``),
-            not in training; ``True`` always; ``False`` never (a fused-only evaluation: no ``(B, T, V)``
-            tensor, ``logits=None``). ``TypeError`` unless None or a bool.
-        **loss_options: passed to ``linear_cross_entropy``: ``ignore_index``, ``reduction``,
-            ``label_smoothing``, ``lse_square_scale``, ``softcap``, ``logit_scale``,
-            ``use_token_scaling``, ``ce_weight``, ``chunk_size``, ``method``, ``accum_dtype``,
-            ``backend``, ``deterministic`` (None: follow ``torch.are_deterministic_algorithms_enabled()``
-            at each call), ``logits_dtype`` (``"float32"``, the default: fp32 logits from the head's
-            values; ``"input"``: rounded to its dtype, as the stock forward), ``batch_invariant``
-            (each token's loss row and hidden-gradient row independent of the rest of the batch).
-            Validated here.
-
-    Patching again replaces the options (never wraps twice). Undo with :func:`unpatch_causal_lm`.
+        model: a causal LM whose ``get_output_embeddings()`` is a linear head called once on the base model's
+            last hidden state.
+        keep_logits: None (the logits only when autograd is off), True (always) or False (never).
+        **loss_options: the options of :func:`fusedce.linear_cross_entropy`, checked here.
 
     Raises:
-        TypeError: unknown loss option; the model has no output embedding module or no base model. At
-            call time: the head's weight is not 2-D inside its own forward, the head is called with
-            extra arguments or not exactly once.
-        ValueError: a bad option value (as ``linear_cross_entropy``), ``softcap`` contradicting the
-            config, a head / adapter on it that the patch cannot apply exactly (the message names the
-            module and why), an encoder-decoder or a family whose stock loss does not shift the labels.
-            At call time: the same for a head replaced after patching, labels that do not match the kept
-            positions, or (first call) a family whose logits go through a transform the patch cannot
-            reproduce (declared or read off the forward, see above).
-        IndexError: (call time) a label neither ``ignore_index`` nor in ``[0, V)``, named as the user's
-            ``labels[b, t]`` (or ``shift_labels[b, t]``).
+        TypeError: an unknown option or a bad ``keep_logits``; no output embedding or base model; at a call,
+            a head called with extra arguments or not exactly once.
+        ValueError: a bad option value, a ``softcap`` contradicting the config, a head or adapter the patch
+            cannot apply exactly, an encoder-decoder or unshifted family; at a call, the same for a replaced
+            head, labels that do not match the kept positions, a logit transform it cannot reproduce.
+        IndexError: (at a call) a label neither ``ignore_index`` nor in ``[0, V)``, named as ``labels[b, t]``.
     """
     head = output_head(model)
     head_kind(head, module_name(model, head))

@@ -62,10 +62,8 @@ _COEF_ATTRIBUTES = ("router_aux_loss_coef", "aux_loss_coef")
 
 
 def router_aux_coef(model: nn.Module) -> Optional[float]:
-    """The number the family's forward multiplies a returned ``aux_loss`` by before adding it to the loss: the model's
-    own attribute (``_COEF_ATTRIBUTES``) where its ``__init__`` keeps one, else ``router_aux_loss_coef`` of its text
-    config (the multimodal MoE wrappers read ``self.config.text_config.router_aux_loss_coef``), else of its
-    top-level config; None if none is set."""
+    """The factor the family's forward applies to a returned ``aux_loss``: the model's own attribute, else the text
+    config's ``router_aux_loss_coef``, else the top-level config's; None if none is set."""
     value = None
     for name in _COEF_ATTRIBUTES:
         found = model.__dict__.get(name, None)

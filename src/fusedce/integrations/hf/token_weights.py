@@ -7,10 +7,8 @@ import torch.nn.functional as F
 
 
 def flat_token_weights(token_weights, labels: torch.Tensor, given_shifted: bool, device):
-    """``token_weights`` ((B, T) float, the shape of ``labels``; None: None) as ``(B * T,)`` on ``device``, aligned
-    with the flattened shifted labels: shifted by one like the labels (``weights[b, t]`` weighs the prediction of
-    ``labels[b, t]``; the last position predicts nothing and gets 0), or as given when the caller passed
-    ``shift_labels`` (``given_shifted``), which ``labels`` then is."""
+    """``token_weights`` ((B, T) float or None) as ``(B * T,)`` on ``device``, shifted like the labels (the last
+    position 0), or as given with ``given_shifted``."""
     if token_weights is None:
         return None
     if not isinstance(token_weights, torch.Tensor) or not token_weights.is_floating_point():

@@ -1,12 +1,5 @@
-"""megatron-core 0.19's MTP acceptance count without logits: ``process_mtp_loss`` counts, on every training
-step, the positions where each MTP head's argmax over its ``[s, b, V/TP]`` logits equals the label
-(``_compute_mtp_acceptance_counts``: a vocabulary-parallel argmax). For a patched model those logits are
-``head.DeferredLogits``; its loss already found each token's global argmax (``return_stats``'s
-``predicted_tokens``, ties to the lowest index as ``torch.argmax``), so the count is taken from that.
-
-``install`` wraps the module function once, process-wide; the wrapper hands every call whose logits are
-real tensors (an unpatched model) to the stock function unchanged.
-"""
+"""megatron-core 0.19's MTP acceptance count without logits: taken from the fused loss's argmax
+(docs/megatron.md); real logits go to the stock function unchanged."""
 from __future__ import annotations
 
 import torch

@@ -14,11 +14,8 @@ from fusedce.distributed import vocab_parallel_linear_cross_entropy, vocab_paral
 
 @dataclasses.dataclass(frozen=True)
 class DeferredLogits:
-    """The output layer's operands in place of its output: ``hidden`` ``[s, b, H]`` (gathered under
-    sequence parallel), ``weight`` this rank's vocabulary rows ``(V/TP, H)`` (the output layer's or the
-    tied embedding's), ``bias`` ``(V/TP,)`` or None, ``group`` the tensor-parallel group the rows are split
-    over, ``scale`` the factor the logits carry (MuP's ``mup_output_mult``, from ``_scale_logits``);
-    ``outputs``: what the loss left for later readers (``"predicted"``: the ``[s, b]`` global argmax)."""
+    """The output layer's operands in place of its output: ``hidden`` ``[s, b, H]``, this rank's ``weight`` rows
+    ``(V/TP, H)``, ``bias``, the tensor-parallel ``group``, MuP's ``scale``, and ``outputs`` left for later readers."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -41,11 +38,8 @@ def _with_scale(options: dict, logits: DeferredLogits) -> dict:
 
 def loss(logits: DeferredLogits, labels: torch.Tensor, options: dict,
          token_weights: Optional[torch.Tensor], predictions: bool = False) -> torch.Tensor:
-    """``[b, s]`` fp32 per-token cross-entropy (contiguous, as Megatron's), ``labels`` ``[b, s]`` global
-    class ids, ``token_weights`` ``[b, s]`` or None; ``options``: ``vocab_parallel_linear_cross_entropy``'s
-    keywords (``logit_scale`` times ``logits.scale``). The op runs on the ``[s, b]`` layout of the hidden
-    states (no copy of them). ``predictions``: the op's argmax per token is left in
-    ``logits.outputs["predicted"]`` (``[s, b]`` int64, -1 where the label is ignored)."""
+    """``[b, s]`` fp32 per-token cross-entropy of ``labels`` ``[b, s]``; with ``predictions`` the argmax is left in
+    ``logits.outputs["predicted"]``."""
     weights = None if token_weights is None else token_weights.transpose(0, 1)
     out = vocab_parallel_linear_cross_entropy(logits.hidden, logits.weight, labels.transpose(0, 1), logits.bias,
                                               group=logits.group, reduction="none", token_weights=weights,

@@ -22,27 +22,26 @@ def megatron_token_log_probs(model: nn.Module, input_ids: torch.Tensor, position
                              deterministic: Optional[bool] = None, batch_invariant: bool = False,
                              **forward_kwargs,
                              ) -> Union[torch.Tensor, TokenLogProbs]:
-    """Run ``model(input_ids, position_ids, attention_mask, labels=target, **forward_kwargs)`` and return,
-    instead of its loss, ``log softmax(q)[target]`` per token (``q`` = the output layer's logits, softcapped,
-    times ``logit_scale``, over ``temperature``, on the global vocabulary), fp32 ``[b, s]`` and differentiable;
-    with ``return_entropy`` a ``fusedce.TokenLogProbs(log_probs, entropy)`` of two ``[b, s]`` tensors. Equal
-    to ``vocab_parallel_token_log_probs`` on the stock model's logits; those logits are never formed.
+    """Run ``model(input_ids, position_ids, attention_mask, labels=target, **forward_kwargs)`` and return, instead
+    of its loss, the per-token log-probs (and entropy) of ``target`` on the global vocabulary.
+
+    Equal to :func:`fusedce.distributed.vocab_parallel_token_log_probs` on the stock model's logits, which are
+    never formed (docs/megatron.md).
 
     Args:
-        model: a ``GPTModel`` (or a wrapper holding one as ``.module``) as :func:`fusedce.patch_megatron`
-            takes, patched or not (an unpatched one is patched for this call only), sequence parallel
-            or not, on the same releases. No multi-token prediction heads.
-        input_ids, position_ids, attention_mask, ``**forward_kwargs``: the model's forward arguments.
-        target: ``[b, s]`` int, the token each position's log-prob is taken of (Megatron's ``labels``:
-            already shifted), or ``[b, s, K]``: K classes per token (log-probs ``[b, s, K]``, entropy
-            ``[b, s]``); ``ignore_index`` entries get 0 (the entropy where all of a token's are ignored).
-        temperature, softcap, logit_scale, ignore_index, return_entropy: as in
+        model: as :func:`fusedce.patch_megatron` takes it, patched or not; no MTP heads.
+        input_ids, position_ids, attention_mask: the model's forward arguments, and so is ``**forward_kwargs``.
+        target: ``[b, s]`` int (Megatron's shifted ``labels``), or ``[b, s, K]``: K classes per token.
+        temperature, softcap, logit_scale, ignore_index, return_entropy: as
             :func:`fusedce.distributed.vocab_parallel_linear_token_log_probs`.
         chunk_size, backend, deterministic, batch_invariant: likewise.
 
+    Returns:
+        fp32 ``[b, s]`` (or ``[b, s, K]``) log-probs, or ``fusedce.TokenLogProbs(log_probs, entropy)``.
+
     Raises:
-        The errors of :func:`fusedce.patch_megatron` (model checks) and of
-        ``vocab_parallel_linear_token_log_probs`` (at the head); ``ValueError`` for a model with MTP heads.
+        The errors of :func:`fusedce.patch_megatron` and of ``vocab_parallel_linear_token_log_probs``;
+        ``ValueError`` for a model with MTP heads.
     """
     gpt = gpt_model(model)
     temporary = patched_state(gpt) is None

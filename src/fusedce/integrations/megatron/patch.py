@@ -179,46 +179,27 @@ def _check_call(gpt, state: _Patch, labels: Optional[torch.Tensor], weights) -> 
 
 @public_op("integration")
 def patch_megatron(model: nn.Module, **loss_options) -> nn.Module:
-    """Make a Megatron-core ``GPTModel`` compute its loss with the vocabulary-parallel fused linear
-    cross-entropy (:func:`fusedce.distributed.vocab_parallel_linear_cross_entropy`) over its output
-    layer's tensor-parallel group (``parallel_state.get_tensor_model_parallel_group()`` by default).
-    Patches this instance only, in place; returns ``model``.
+    """Make a Megatron-core ``GPTModel`` compute its loss with
+    :func:`fusedce.distributed.vocab_parallel_linear_cross_entropy` over its output layer's tensor-parallel group.
 
-    When ``forward`` receives ``labels`` (``[b, s]`` int, the next-token ids Megatron expects), it returns
-    what Megatron returns, the ``[b, s]`` fp32 per-token cross-entropy, with equal values and gradients
-    (hidden states, every parameter, the tied embedding or the untied output layer), but the ``[s, b,
-    V/TP]`` logits are never formed: ``output_layer`` does not multiply (its module call and hooks still
-    run). Multi-token prediction heads (``mtp_num_layers``) go through the same path. Without ``labels``
-    the stock forward runs and returns the logits. Megatron's loss mask and reduction are applied by the
-    caller, as before. ``sequence_parallel=True`` is served (the ``[s/TP, b, H]`` hidden states gathered at
-    the head, their gradient returned reduce-scattered), and MuP's ``mup_output_mult`` (0.17+) multiplies
-    ``logit_scale``. Releases: megatron-core 0.16.1, 0.17.0, 0.18.0, 0.19.2 (0.18+: through
-    ``GPTModel.forward``'s ``output_processor`` hook; a caller's own ``output_processor`` runs unchanged).
-    Precision: the logits are formed in fp32 from the operands' values (bf16 / fp16 models included; the
-    stock head rounds them to the model's dtype before its fp32 cross-entropy), so
-    fp32 models agree to fp32 rounding and bf16 ones to bf16 precision.
+    Patches this instance in place and returns it. With ``labels`` (``[b, s]`` int) ``forward`` returns
+    Megatron's ``[b, s]`` fp32 per-token loss, equal values and gradients, without forming the ``[s, b, V/TP]``
+    logits; without labels the stock forward runs. Releases, routes and what is refused: docs/megatron.md;
+    semantics: docs/contract.md, "Integrations".
 
     Args:
-        model: a ``GPTModel`` or a wrapper holding one as ``.module`` (Megatron's DDP, ``Float16Module``),
-            on the last pipeline stage (``post_process``), with megatron-core's ``ColumnParallelLinear``
-            head (the local layer spec). Not ``HybridModel``.
-        **loss_options: ``label_smoothing`` (torch's definition over the global V), ``lse_square_scale``
-            (z-loss), ``softcap``, ``logit_scale``, ``use_token_scaling``, ``ignore_index`` (default -100:
-            labels of that value get loss 0), ``deterministic``, ``chunk_size``, ``accum_dtype``, ``backend``:
-            as in :func:`fusedce.distributed.vocab_parallel_linear_cross_entropy`. The forward also takes
-            ``token_weights=`` (``[b, s]`` float, each token's loss multiplied by it, no gradient).
+        model: a ``GPTModel`` or a wrapper holding one as ``.module``, on the last pipeline stage, with
+            megatron-core's ``ColumnParallelLinear`` head.
+        **loss_options: the options of :func:`fusedce.distributed.vocab_parallel_linear_cross_entropy` but
+            ``reduction`` / ``num_items_in_batch``; ``forward`` also takes ``token_weights=`` (``[b, s]`` float).
 
     Raises:
         ImportError: megatron-core is not installed.
-        RuntimeError: the installed megatron-core is not 0.16 .. 0.19, or the source of the pieces the
-            patch relies on differs (``version.py``).
-        TypeError: ``model`` holds no ``GPTModel`` (a ``HybridModel`` named); its ``output_layer`` is not
-            ``ColumnParallelLinear`` (a Transformer Engine head); an unknown loss option (``reduction``,
-            ``num_items_in_batch`` included).
-        ValueError: no ``post_process`` (not the last pipeline stage); a bad option value. At a call:
-            ``token_weights`` of another shape than ``labels`` or without labels, or with MTP heads.
-        NotImplementedError: ``defer_embedding_wgrad_compute``, the config logger, a GTP-sharded output
-            weight (``gtp_remat_size > 1``, 0.19).
+        RuntimeError: an unsupported megatron-core release, or a changed source of the pieces relied on.
+        TypeError: no ``GPTModel`` in ``model``, a head that is not ``ColumnParallelLinear``, an unknown option.
+        ValueError: not the last pipeline stage; a bad option value; at a call, bad ``token_weights`` or MTP
+            heads with them.
+        NotImplementedError: ``defer_embedding_wgrad_compute``, the config logger, a GTP-sharded output weight.
     """
     release = check_megatron()
     gpt = gpt_model(model)

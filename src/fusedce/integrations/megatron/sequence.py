@@ -1,11 +1,5 @@
-"""Sequence parallel at the head: the output layer's ``[s/TP, b, H]`` hidden-state shard gathered to the
-``[s, b, H]`` the loss needs, as megatron-core's ``ColumnParallelLinear`` gathers it (``all_gather`` along
-the first dimension over the tensor-parallel group).
-
-Backward: the fused vocabulary-parallel ops already all-reduce the hidden-state gradient over the group
-(every rank then holds the sum of every rank's contribution for the whole sequence), so this rank's
-``[s/TP, b, H]`` slice of it is the stock layer's reduce-scattered gradient; no further collective.
-"""
+"""Sequence parallel at the head: the ``[s/TP, b, H]`` shard gathered to ``[s, b, H]``; backward returns this
+rank's rows of the already all-reduced gradient (docs/megatron.md)."""
 from __future__ import annotations
 
 import torch

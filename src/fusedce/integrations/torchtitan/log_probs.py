@@ -20,12 +20,16 @@ def compute_logprobs(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Ten
     """``torchtitan.components.loss.compute_logprobs(lm_head(hidden) / temperature, labels, ...)``.
 
     Args:
-        hidden: ``[B, L, H]`` normed hidden states; lm_head: a plain linear head (its weight full, a
-            ``Shard(0)`` DTensor, or this rank's rows under torchtitan's spmd_types TP); labels: ``[B, L]``
-            (``IGNORE_INDEX`` positions: log-prob 0; their entropy is computed, as torchtitan's).
+        hidden: ``[B, L, H]`` normed hidden states.
+        lm_head: a plain linear head (full weight, ``Shard(0)`` DTensor, or this rank's rows).
+        labels: ``[B, L]``; ``IGNORE_INDEX`` positions get log-prob 0.
+        return_entropy: also return the entropy.
+        temperature: > 0, divides the logits.
+        chunk_size: None (automatic) or tokens per chunk.
+
     Returns:
-        fp32 ``[B, L]`` log-probs (with gradient), or ``(log-probs, entropy)``; the entropy is a metric
-        (detached), as torchtitan's.
+        fp32 ``[B, L]`` log-probs, or ``(log-probs, entropy)`` with a detached entropy, as torchtitan's.
+
     Raises:
         TypeError: a head whose forward is not a plain linear layer.
     """

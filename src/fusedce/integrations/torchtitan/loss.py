@@ -33,17 +33,14 @@ def token_sum_loss(hidden, weight, bias, labels, chunk_size, backend):
 
 
 class FusedLinearCrossEntropy(ChunkedLossWrapper):
-    """torchtitan's ``ChunkedLossWrapper`` + ``CrossEntropyLoss`` (token-sum / ``global_valid_tokens``,
-    metrics ``{}``) computed by ``fusedce.linear_cross_entropy`` from the LM head's weight.
-
-    Select it as ``Trainer.Config(loss=FusedLinearCrossEntropy.Config(), ...)``. The head must be a plain
-    linear layer (``TypeError`` otherwise, at the first call). ``num_chunks`` (inherited) is unused.
+    """torchtitan's ``ChunkedLossWrapper`` + ``CrossEntropyLoss`` (token-sum / ``global_valid_tokens``) computed by
+    :func:`fusedce.linear_cross_entropy` from the LM head's weight; ``num_chunks`` is unused.
 
     Raises:
-        ValueError: ``loss_fn`` other than ``CrossEntropyLoss.Config``; ``pred`` sharded over its hidden
-            dimension or partial.
+        TypeError: a head that is not a plain linear layer (at the first call).
+        ValueError: ``loss_fn`` other than ``CrossEntropyLoss.Config``; ``pred`` sharded over H or partial.
         RuntimeError: called before ``set_lm_head``.
-        NotImplementedError: under torchtitan's SPMD type checking (``debug.spmd_typechecking``).
+        NotImplementedError: under torchtitan's SPMD type checking.
     """
 
     @dataclass(kw_only=True, slots=True)

@@ -79,25 +79,20 @@ def patch_distillation_trainer(trainer, *, method: str = "auto", chunk_size: Opt
                                backend: Optional[str] = None, deterministic: Optional[bool] = None,
                                entropy: bool = True):
     """Make ``trainer`` (a TRL 1.16 ``DistillationTrainer`` or ``experimental.gkd.GKDTrainer``) compute its
-    distillation loss with :func:`fusedce.linear_distillation_loss`: the same loss (TRL's ``beta``,
-    temperature, per-model logit scale and ``final_logit_softcapping``, completion / label masking,
-    ``num_items_in_batch`` normalization) and student gradients, without the student's or the teacher's
-    logits (mechanism and the one exception, GKD evaluation with outputs: the module docstring).
-    Call it once after building the trainer, before ``train()``; returns ``trainer``. Idempotent (a second
-    call replaces the options); undone by :func:`unpatch_distillation_trainer`.
+    distillation loss with :func:`fusedce.linear_distillation_loss`, without either model's logits.
+
+    Call it once before ``train()``; returns ``trainer``; idempotent; :func:`unpatch_distillation_trainer`
+    undoes it. Details: docs/integrations.md (Training stacks, TRL).
 
     Args:
-        trainer: the trainer object; only it is changed (an instance attribute), not its class or TRL.
-        method, chunk_size, backend, deterministic: as in :func:`fusedce.linear_distillation_loss`
-            (``"tiled"``: no logits at all; ``"chunked"``: one chunk of tokens' logits of each model).
-        entropy: ``DistillationTrainer`` logs the student's mean entropy; computing it costs one more
-            forward pass of the student head (no gradient). False skips it and logs NaN. GKD logs none.
+        trainer: the trainer object; only it is changed.
+        method, chunk_size, backend, deterministic: as :func:`fusedce.linear_distillation_loss`.
+        entropy: bool; False skips the student-entropy pass ``DistillationTrainer`` logs (NaN is logged).
 
     Raises:
         ImportError: TRL is not installed.
-        RuntimeError: the installed TRL is not 1.16.x, or the source of a TRL function fusedce reproduces
-            or rebinds differs from what it was written against.
-        TypeError: ``trainer`` is neither trainer, or its class overrides the method the patch replaces.
+        RuntimeError: the installed TRL is not 1.16.x, or the source of a function reproduced differs.
+        TypeError: ``trainer`` is neither trainer, or its class overrides the patched method.
     """
     trl, module = _trl()
     options = Options(method=method, chunk_size=chunk_size, backend=backend, deterministic=deterministic,

@@ -15,10 +15,7 @@ PLACEHOLDER_CLASS = 0   # target of the kept rows: only which rows are ignored m
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """fusedce's options of a patched trainer: ``method`` / ``chunk_size`` / ``backend`` /
-    ``deterministic`` as in :func:`fusedce.linear_distillation_loss`; ``entropy``: compute the student
-    entropy TRL's DistillationTrainer logs (one extra forward pass of the student head, no gradient);
-    False logs NaN instead."""
+    """fusedce's options of a patched trainer (as :func:`fusedce.patch_distillation_trainer` takes them)."""
 
     method: str = "auto"
     chunk_size: Optional[int] = None
@@ -155,10 +152,8 @@ def _verified_transform(model, head, role: str, wrapped, probe_ids):
 
 
 def gkd_loss(trainer, model, inputs: dict, num_items_in_batch, options: Options) -> torch.Tensor:
-    """TRL 1.16 ``GKDTrainer.compute_loss``'s loss without logits: ``generalized_jsd_loss`` of the student's and the
-    teacher's next-token distributions (``beta = trainer.beta``, temperature 1 as TRL calls it) on the positions
-    whose shifted label is not -100, summed and divided by ``num_items_in_batch`` if given, else by ``max(count,
-    1)``."""
+    """TRL 1.16 ``GKDTrainer.compute_loss``'s loss without logits: ``generalized_jsd_loss`` at temperature 1 on
+    the positions whose shifted label is not -100, over ``num_items_in_batch`` or ``max(count, 1)``."""
     from trl.models.utils import _ForwardRedirection
 
     from fusedce.distill.distillation import linear_distillation_loss

@@ -87,30 +87,20 @@ def _swap_closures(old: types.CodeType, new: types.CodeType) -> int:
 
 @public_op("integration")
 def patch_trl(*, batch_invariant: bool = False, logits_dtype: str = "float32") -> None:
-    """Make TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``: SFT, GRPO, RLOO, DPO, KTO)
-    compute through fusedce: the same outputs (``log_probs``, ``entropy``, ``log_sum_sq_probs``,
-    ``mean_logits``, ``is_top1``, ``loss`` with ``num_items_in_batch``, ``label_mask``, the MoE
-    ``aux_loss``) and semantics (temperature, ``final_logit_softcapping``, logit scale, shifted or given
-    ``shift_labels``, padding-free batches) as TRL's kernel, from :func:`fusedce.linear_token_log_probs`
-    run inside the LM head module's own call (as :func:`fusedce.patch_causal_lm`: ZeRO-3 / FSDP2 hooks
-    fire around it; a peft LoRA head is applied exactly, anything that cannot be is refused with
-    ``ValueError`` at the first fused call). Process-wide; works before or after a trainer is built
-    (mechanism: the module docstring). Idempotent; undone by :func:`unpatch_trl`.
+    """Make TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``: SFT, GRPO, RLOO, DPO, KTO) compute
+    through :func:`fusedce.linear_token_log_probs`, with TRL's outputs and semantics.
 
-    ``batch_invariant`` and ``logits_dtype`` are :func:`fusedce.linear_token_log_probs`'s (fp32 logits
-    from a bf16 head by default, no fp32 copy of its weight; ``batch_invariant=True``: each token's
-    log-prob, entropy and hidden-gradient row independent of the rest of the batch); checked here,
-    used by every fused call until the next ``patch_trl``.
+    Process-wide, before or after a trainer is built; idempotent; :func:`unpatch_trl` undoes it. Details:
+    docs/integrations.md (Training stacks, TRL).
 
-    Under ``cast_lm_head_to_fp32`` the head's weight is cast to fp32 once per call (a ``V x H`` fp32
-    copy; TRL casts per vocabulary chunk). Backend and method: fusedce's defaults
-    (``$FUSEDCE_BACKEND``; Triton on CUDA).
+    Args:
+        batch_invariant, logits_dtype: as :func:`fusedce.linear_token_log_probs`, for every fused call until
+            the next ``patch_trl``.
 
     Raises:
         TypeError / ValueError: a bad ``batch_invariant`` / ``logits_dtype``.
         ImportError: TRL is not installed.
-        RuntimeError: the installed TRL is not 1.16.x, or the source of the TRL pieces fusedce
-            reproduces differs from what it was written against.
+        RuntimeError: the installed TRL is not 1.16.x, or the source of the pieces reproduced differs.
     """
     global _state
     invariant.check(batch_invariant)

@@ -1,15 +1,6 @@
-"""Σπ² (``actor.calculate_sum_pi_squared``, the optimal-token-baseline's sum of squared probabilities)
-with fused kernels in verl's FSDP/HF engine (``FSDPEngineWithLMHead``), which raises
-``NotImplementedError`` for that combination (its fused kernels form no logits).
-
-``prepare_model_inputs`` (wrapped): when the micro-batch asks for both, the model's inputs get
-``fusedce_sum_pi_squared=True``, which the plugin's forward wrapper (``head.wrap_forward``) takes: the fused
-call computes Σπ² with the log-probs and the forward's output carries it. ``prepare_model_outputs``
-(wrapped): verl's own code runs on a shallow copy of the micro-batch that does not ask for Σπ² (so it
-does not raise), then Σπ² gets the log-probs' layout (packed: squeezed, gathered over the Ulysses group,
-unpadded, nested by the sequence offsets; padded: the valid positions, nested), as verl lays out the
-non-fused path's Σπ². The caller's micro-batch is not modified.
-"""
+"""Σπ² (``actor.calculate_sum_pi_squared``) with fused kernels in verl's FSDP/HF engine: the wrapped
+``prepare_model_inputs`` asks the fused call for it, the wrapped ``prepare_model_outputs`` lays it out as verl
+lays out the non-fused path's (docs/verl.md)."""
 from __future__ import annotations
 
 import functools

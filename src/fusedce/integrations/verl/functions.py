@@ -1,22 +1,6 @@
-"""verl's fused log-prob + entropy functions, computed by fusedce under verl 0.9.1's call contracts:
-
-- ``linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None)
-  -> (log_probs, entropy)``: ``verl.utils.kernel.linear_cross_entropy``'s (its Triton backend; the Megatron
-  engine's, with the tensor-parallel group): fp32 tensors of ``labels.numel()`` elements (flattened, as
-  verl's kernel returns them). With a group of more than one rank, ``weight`` is this rank's vocabulary
-  shard (``tensor_parallel.py``).
-- ``FusedLinearForPPO(chunk_size=512, impl_backend="torch")``, ``forward(hidden_states, vocab_weights,
-  input_ids, temperature=1.0) -> (log_probs, entropy)``: ``verl.utils.experimental.torch_functional``'s
-  module (its torch / liger backends): tensors of ``input_ids.shape``.
-
-Both: ``log_probs[i] = log softmax(q_i)[label_i]``, ``entropy[i]`` the entropy of ``softmax(q_i)``,
-``q = transform(hidden @ weight.T) / temperature`` with the running model's head transform
-(``head.current()``: softcap, logit scale) and the options of ``options.OPTIONS`` (fp32 logits by default,
-``batch_invariant``, ``method``, top-k / top-p). Differentiable through both outputs; entropy is fp32 (verl's
-torch backend returns it in the hidden states' dtype). When the running forward asked for it, the sum of
-squared probabilities ``sum_c softmax(q)_c ** 2`` is left in its frame (``exp`` of fusedce's
-``log_sum_sq_probs``).
-"""
+"""verl's fused log-prob + entropy functions (``linear_cross_entropy``, ``FusedLinearForPPO``) computed by
+fusedce under verl 0.9.1's call contracts, with the running model's head transform and the plugin's options
+(docs/verl.md)."""
 from __future__ import annotations
 
 import numbers
@@ -62,6 +46,10 @@ def compute(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, te
     frame = verl_head.current()
     transform = frame.transform if frame is not None else LogitTransform()
     want_sq = frame is not None and frame.sum_pi_squared
+    if want_sq and (OPTIONS["top_k"] is not None or OPTIONS["top_p"] is not None):
+        raise ValueError("fusedce.integrations.verl: calculate_sum_pi_squared with top_k / top_p set: the sum of "
+                         "squared probabilities is defined on the full softmax, the log-probs on the truncated "
+                         "one; unset one of them")
     flat_hidden, flat_labels = hidden.reshape(rows, hidden.shape[-1]), labels.reshape(rows)
     if group is not None and tensor_parallel.world_size(group) > 1:
         out = tensor_parallel.log_probs(flat_hidden, weight, flat_labels, temperature, transform, group, OPTIONS,
@@ -78,10 +66,6 @@ def _single(hidden, weight, labels, temperature: float, transform: LogitTransfor
     if transform.n_classes is not None:
         weight = weight[:transform.n_classes]
     truncated = OPTIONS["top_k"] is not None or OPTIONS["top_p"] is not None
-    if want_sq and truncated:
-        raise ValueError("fusedce.integrations.verl: calculate_sum_pi_squared with top_k / top_p set: the sum of "
-                         "squared probabilities is defined on the full softmax, the log-probs on the truncated "
-                         "one; unset one of them")
     kwargs = dict(temperature=temperature, softcap=transform.softcap, logit_scale=transform.scale,
                   return_entropy=True, method=OPTIONS["method"], chunk_size=OPTIONS["chunk_size"],
                   backend=OPTIONS["backend"], logits_dtype=OPTIONS["logits_dtype"],
@@ -94,12 +78,12 @@ def _single(hidden, weight, labels, temperature: float, transform: LogitTransfor
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature=1.0,
                          reduction: str = "none", dist_process_group=None):
-    """verl's ``linear_cross_entropy`` contract (module docstring): ``hidden`` ``(..., H)``, ``weight``
-    ``(V, H)`` (or this rank's ``(V/TP, H)`` shard with ``dist_process_group``), ``labels`` int with one
-    per row of ``hidden``; returns fp32 ``(log_probs, entropy)`` of ``(labels.numel(),)``.
+    """verl's ``linear_cross_entropy``: ``hidden`` ``(..., H)``, ``weight`` ``(V, H)`` (or this rank's ``(V/TP, H)``
+    with ``dist_process_group``), ``labels`` int, one per row -> fp32 ``(log_probs, entropy)`` of
+    ``(labels.numel(),)``.
 
     Raises:
-        ValueError: ``reduction`` other than ``"none"`` (verl's callers pass ``"none"``), mismatched shapes.
+        ValueError: ``reduction`` other than ``"none"``, mismatched shapes.
         TypeError: a temperature that is not a Python number.
     """
     if reduction != "none":
@@ -110,10 +94,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 
 class FusedLinearForPPO(nn.Module):
-    """verl's ``FusedLinearForPPO`` (module docstring): ``forward(hidden_states (..., H), vocab_weights
-    (V, H), input_ids (...), temperature=1.0) -> (log_probs, entropy)`` fp32 of ``input_ids.shape``.
-    ``chunk_size`` and ``impl_backend`` are accepted as verl's (checked as verl does) and unused: the
-    chunking is fusedce's (``options``)."""
+    """verl's ``FusedLinearForPPO``: ``forward(hidden_states, vocab_weights, input_ids, temperature=1.0) ->
+    (log_probs, entropy)`` fp32 of ``input_ids.shape``; ``chunk_size`` / ``impl_backend`` checked and unused."""
 
     def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
         super().__init__()

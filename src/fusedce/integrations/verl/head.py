@@ -1,10 +1,5 @@
-"""Which model a fused call of verl's belongs to: verl's HF forwards pass the LM head's weight alone
-(``self.lm_head.weight``) to the fused function, so the plugin wraps those forwards (``wrap_forward``): while
-one runs, ``current()`` holds the model's head transform (softcap, logit scale, a padded head's real
-classes: read from its config as ``fusedce.patch_causal_lm`` reads it, ``hf/head.py``) and whether the
-engine asked for the sum of squared probabilities. A fused call outside such a forward (verl's Megatron
-engine, a direct call) sees None: the identity transform, as verl's own kernels assume.
-"""
+"""Which model a fused call of verl's belongs to: the wrapped HF forwards (``wrap_forward``) publish the model's
+head transform while they run; outside one, ``current()`` is None (the identity, as verl's kernels assume)."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +28,15 @@ def _stack() -> list:
     if not hasattr(_local, "stack"):
         _local.stack = []
     return _local.stack
+
+
+def push(frame: Frame) -> None:
+    """Open ``frame`` (a forward the plugin wraps begins); ``pop`` closes it."""
+    _stack().append(frame)
+
+
+def pop() -> None:
+    _stack().pop()
 
 
 def current() -> Optional[Frame]:

@@ -1,11 +1,5 @@
-"""The plugin's options, from one place: ``$FUSEDCE_VERL`` (read when the plugin activates; verl's workers
-are separate processes, so an environment variable is what reaches them, e.g. through Ray's
-``runtime_env``) or :func:`configure` in the process that computes (it overrides the variable's values).
-
-``FUSEDCE_VERL="batch_invariant=1,logits_dtype=float32,method=chunked,top_p=0.95"``: comma-separated
-``name=value`` pairs of ``DEFAULTS``' names. Every value is checked when read: ``ValueError`` naming the
-option and what it takes.
-"""
+"""The plugin's options, from ``$FUSEDCE_VERL`` (comma-separated ``name=value`` pairs, read when the plugin
+activates) or :func:`configure`; every value checked when read (docs/verl.md)."""
 from __future__ import annotations
 
 import math
@@ -102,20 +96,14 @@ def load_env() -> None:
 
 
 def configure(**options) -> dict:
-    """Set the verl plugin's options for this process (the other ones keep their values); returns them all.
+    """Set the verl plugin's options for this process; returns them all (docs/verl.md, the options table).
 
-    Options (``$FUSEDCE_VERL`` takes the same names): ``batch_invariant`` (bool, default False: each
-    token's log-prob, entropy and hidden-gradient row bitwise independent of the rest of the batch),
-    ``logits_dtype`` (``"float32"``, the default: fp32 logits from a bf16 head; ``"input"``: rounded to
-    the hidden states' dtype), ``method`` (``"auto"`` / ``"chunked"`` / ``"tiled"``), ``chunk_size``
-    (int or None), ``backend`` (None: ``$FUSEDCE_BACKEND``), ``top_k`` (int >= 1; None, 0 or -1: off),
-    ``top_p`` (in (0, 1]; None or 1.0: off): the rollout's sampler truncation, to compute the log-probs
-    of the distribution the rollout sampled from (set them to ``actor_rollout_ref.rollout.top_k`` /
-    ``top_p``: verl 0.9.1 does not hand those to the actor). See docs/verl.md.
+    Args:
+        **options: ``batch_invariant``, ``logits_dtype``, ``method``, ``chunk_size``, ``backend``, ``top_k``,
+            ``top_p``, as ``$FUSEDCE_VERL`` takes them.
 
     Raises:
-        ValueError: an unknown option, a bad value (naming it), or options that cannot go together
-            (``top_k`` / ``top_p`` with ``batch_invariant`` or ``method="tiled"``).
+        ValueError: an unknown option, a bad value, or options that cannot go together.
     """
     checked = {name: _check(name, value) for name, value in options.items()}
     _check_together({**OPTIONS, **checked}, "fusedce.integrations.verl.configure")

@@ -1,25 +1,10 @@
-"""``patch_verl()`` / ``unpatch_verl()``: what the plugin replaces in verl 0.9.1 (``version.py`` checks it
-first), each a module or class attribute, restored by ``unpatch_verl``:
-
-- ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` and
-  ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy``: fusedce's (``functions.py``). verl's HF
-  forwards import them inside their bodies, so the module attributes are what they call.
-- ``verl.models.mcore.model_forward_fused.linear_cross_entropy`` (called by ``fused_output_processor``, the
-  Megatron hook route, and by ``_fused_GPTModel_forward``, the legacy forward route) and
-  ``verl.models.mcore.model_forward_1f1b_overlap.linear_cross_entropy``: the same function (those modules
-  imported it by name), over verl's tensor-parallel group (``tensor_parallel.py``). Only where they import
-  (megatron-core installed).
-- ``forward_with_torch_backend`` / ``forward_with_triton_backend`` of ``verl.models.transformers.dense_common``
-  and of the multimodal modules that import: wrapped (``head.wrap_forward``) so that the fused call knows
-  its model's head transform. ``patch_forward_with_backends`` imports them when a model is built, so a model
-  built before the plugin activated keeps verl's forwards (activate it first: ``external_lib`` does).
-- ``FSDPEngineWithLMHead.prepare_model_inputs`` / ``prepare_model_outputs``: wrapped for Σπ² (``engine.py``).
-"""
+"""``patch_verl()`` / ``unpatch_verl()``: the verl 0.9.1 module and class attributes the plugin replaces or
+wraps (the table in docs/verl.md), each restored by ``unpatch_verl``."""
 from __future__ import annotations
 
 import importlib
 
-from fusedce.integrations.verl import engine, functions, head, options, version
+from fusedce.integrations.verl import engine, functions, head, megatron_engine, options, version
 
 _VLM = ("verl.models.transformers.qwen2_vl", "verl.models.transformers.qwen3_vl", "verl.models.transformers.glm4v",
         "verl.models.transformers.qwen3_5")
@@ -40,13 +25,11 @@ def _module(name: str):
 
 
 def patch_verl() -> list:
-    """Activate the plugin (idempotent): check the installed verl (``version.check_verl``), read
-    ``$FUSEDCE_VERL`` (``options``), replace verl's fused log-prob + entropy functions (module docstring).
-    Returns the replaced attributes' names (``"module:attribute"``).
+    """Activate the plugin (idempotent); returns the replaced attributes' names (``"module:attribute"``).
 
     Raises:
         ImportError: verl is not installed.
-        RuntimeError: verl is not 0.9.1, or a piece's source differs from what the plugin was written against.
+        RuntimeError: verl is not 0.9.1, or a piece's source differs.
         ValueError: a bad ``$FUSEDCE_VERL``.
     """
     if _saved:
@@ -66,6 +49,11 @@ def patch_verl() -> list:
                     _set(module, name, head.wrap_forward(getattr(module, name)))
         for module in filter(None, map(_module, _MCORE)):
             _set(module, "linear_cross_entropy", functions.linear_cross_entropy)
+        fused, megatron = _module(_MCORE[0]), _module("verl.workers.engine.megatron.transformer_impl")
+        if fused is not None and megatron is not None:
+            _set(fused, "postprocess_thd_engine", megatron_engine.wrap_postprocess(fused.postprocess_thd_engine))
+            lm_head = megatron.MegatronEngineWithLMHead
+            _set(lm_head, "forward_step", megatron_engine.wrap_forward_step(lm_head.forward_step))
         _set(FSDPEngineWithLMHead, "prepare_model_inputs",
              engine.wrap_inputs(FSDPEngineWithLMHead.prepare_model_inputs))
         _set(FSDPEngineWithLMHead, "prepare_model_outputs",

@@ -1,13 +1,7 @@
-"""The Megatron engine's call (``dist_process_group`` = verl's tensor-parallel group, ``weight`` this rank's
-contiguous vocabulary shard ``(V/TP, H)``, ``hidden`` the same on every rank) through
-``fusedce.distributed.vocab_parallel_linear_token_log_probs`` (fp32 logits; row statistics exchanged, never
-logits).
-
-The hidden states' gradient. verl's kernel returns each rank's share of it (the gradient through this rank's
-shard); its callers reduce the shares over the group (the sequence-parallel gather's backward, a
-reduce-scatter). fusedce's op returns the complete gradient on every rank, so it is passed back divided by
-the group's size: the shares then add up to the complete gradient exactly as verl's do.
-"""
+"""The Megatron engine's call (``weight`` this rank's ``(V/TP, H)`` shard) through
+``vocab_parallel_linear_token_log_probs``; the hidden gradient is passed back divided by the group's size,
+this rank's share as verl's kernel returns it. ``method="tiled"`` and a head padded beyond the
+vocabulary are refused."""
 from __future__ import annotations
 
 import torch
@@ -33,29 +27,29 @@ class _Share(torch.autograd.Function):
         return grad / ctx.size, None
 
 
-def _refuse(what: str):
+def _refuse(what: str, instead: str):
     raise ValueError(f"fusedce.integrations.verl: {what} is not available on a tensor-parallel (vocabulary-"
-                     "sharded) LM head; unset it, or run with tensor_model_parallel_size=1")
+                     f"sharded) LM head; {instead}")
 
 
 def log_probs(hidden, weight_shard, labels, temperature: float, transform, group, options: dict, want_sq: bool):
-    """``(log_probs, entropy, None)`` fp32 ``(N,)`` for ``hidden`` ``(N, H)`` and global ``labels`` ``(N,)``."""
-    if options["top_k"] is not None or options["top_p"] is not None:
-        _refuse("top_k / top_p")
-    if options["logits_dtype"] != "float32":
-        _refuse(f"logits_dtype={options['logits_dtype']!r} (the vocabulary-parallel op forms fp32 logits)")
+    """``(log_probs, entropy, sum_pi_squared or None)`` fp32 ``(N,)`` for ``hidden`` ``(N, H)`` and global
+    ``labels`` ``(N,)``."""
     if options["method"] == "tiled":
-        _refuse("method='tiled' (the vocabulary-parallel op is chunked)")
-    if want_sq:
-        _refuse("calculate_sum_pi_squared")
+        _refuse("method='tiled'", "the vocabulary-parallel op has no tiled form (its chunk of logits is "
+                "rows x V/TP, already TP times smaller): set method='chunked' (or 'auto'), docs/verl.md")
     if transform.n_classes is not None:
-        _refuse("a head padded beyond the vocabulary (unpadded_vocab_size)")
+        _refuse("a head padded beyond the vocabulary (unpadded_vocab_size)", "run with "
+                "tensor_model_parallel_size=1, or without the padded rows")
+    if options["batch_invariant"] and (want_sq or options["logits_dtype"] == "input"):
+        _refuse("batch_invariant=1 with calculate_sum_pi_squared or logits_dtype='input'", "set one of them "
+                "(their vocabulary-parallel row path is not the batch-invariant one)")
     size = world_size(group)
     if hidden.requires_grad:
         hidden = _Share.apply(hidden, size)
     out = vocab_parallel_linear_token_log_probs(
         hidden, weight_shard, labels.long(), group=group, temperature=temperature, softcap=transform.softcap,
         logit_scale=transform.scale, return_entropy=True, backend=options["backend"],
-        batch_invariant=options["batch_invariant"],
-        chunk_size=options["chunk_size"])
-    return out.log_probs, out.entropy, None
+        batch_invariant=options["batch_invariant"], chunk_size=options["chunk_size"], return_stats=want_sq,
+        logits_dtype=options["logits_dtype"], top_k=options["top_k"], top_p=options["top_p"])
+    return out.log_probs, out.entropy, (out.log_sum_sq_probs.exp() if want_sq else None)

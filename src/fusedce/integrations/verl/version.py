@@ -1,9 +1,5 @@
-"""The installed verl is the one the plugin was written against (verl 0.9.1), or ``RuntimeError`` /
-``ImportError``: its version, and a SHA-256 fingerprint of the source of every piece whose contract the
-plugin keeps or whose code it wraps (as ``fusedce.patch_trl`` checks TRL's, ``integrations/sources.py``).
-Pieces of an engine whose dependencies are not installed (megatron-core for verl's Megatron engine) are
-not checked and not patched.
-"""
+"""The installed verl is 0.9.1 with the source the plugin was written against (a SHA-256 fingerprint per
+piece, ``integrations/sources.py``), or ``RuntimeError`` / ``ImportError``."""
 from __future__ import annotations
 
 import importlib
@@ -23,9 +19,14 @@ FINGERPRINTS = {
     "verl.models.mcore.model_forward_fused:fused_output_processor": "369cab7ebe251bd1",
     "verl.models.mcore.model_forward_fused:_fused_GPTModel_forward": "1a0e14f4ee93b934",
     "verl.models.mcore.model_forward_1f1b_overlap:gptmodel_forward_1f1b_overlap": "c1a60bbbc196c494",
+    # Σπ² on the Megatron engine (megatron_engine.py): the step it wraps, the fused forward whose layout
+    # step it repeats for Σπ², that layout step
+    "verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.forward_step": "06c4b5945bcbc00d",
+    "verl.models.mcore.model_forward_fused:fused_forward_model_engine": "87e023deafae3375",
+    "verl.models.mcore.util:postprocess_thd_engine": "1b3b7a4ac1240b57",
 }
 # the pieces a CPU-only verl install may lack (their engine needs megatron-core)
-OPTIONAL = ("verl.models.mcore.",)
+OPTIONAL = ("verl.models.mcore.", "verl.workers.engine.megatron.")
 
 
 def import_verl():

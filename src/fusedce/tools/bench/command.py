@@ -274,8 +274,7 @@ def _methods(rows, plan, args) -> dict:
     }
 
 
-# Why the bf16 rows are left out by default on a CPU without bf16 units (measured on an AVX2-only AMD EPYC,
-# torch 2.13: the backward's g @ W, (700 x 49152) @ (49152 x 576), took 58 CPU seconds in bf16, 0.55 in fp32).
+# Why the bf16 rows are left out by default on a CPU without bf16 units: benchmarks/README.md.
 NO_BF16_UNITS = ("bf16 rows not run by default: this CPU has no bf16 units (no AMX, no AVX512-BF16), so torch's "
                  "bf16 GEMMs are emulated, up to ~100x slower than fp32 (one backward GEMM at the real shape: 58 "
                  "CPU seconds against 0.55), minutes per row; --dtype float32,bfloat16 runs them")

@@ -161,11 +161,8 @@ def measure(spec: dict) -> dict:
 
 
 def measure_student(spec: dict, data: dict, forward_fn, tiny_data: dict) -> dict:
-    """The measurement shared by the distillation rows (``measure``, ``distill_soft.measure``): the student's
-    ``hidden`` and ``student_weight`` of ``data`` as leaves, ``forward_fn(path, leaves, data) -> loss``; a
-    warm-up on 16 rows of each leaf with ``tiny_data`` (imports, allocator: not counted), the first full
-    forward+backward's peak memory (and its time on CPU), ``repeats`` timed runs, parity against the
-    reference file (the loss's relative error, the gradients' ``||g - g64|| / ||g64||``)."""
+    """The measurement shared by the distillation rows: a warm-up, the first forward+backward's peak memory (and
+    time on CPU), ``repeats`` timed runs, and parity against the reference file."""
     from . import harness
     device = spec["device"]
     leaves = {k: data[k].clone().requires_grad_() for k in ("hidden", "student_weight")}

@@ -53,10 +53,8 @@ def describe(device: str) -> dict:
 
 
 def cpu_capabilities() -> dict:
-    """``fusedce.core.bf16_products.cpu_bf16_capabilities()`` (measured once per process): ``amx``,
-    ``avx512_bf16``, ``bf16_gemm_mode`` (whether oneDNN's bf16 mode really engages for fp32 GEMMs of bf16
-    values here), and ``avx2`` / ``avx512f`` from the CPU flags; on which the bf16 rows' times, the
-    ``x GEMMs`` column and the RL-precision figures depend."""
+    """``fusedce.core.bf16_products.cpu_bf16_capabilities()`` plus ``avx2`` / ``avx512f``: what the bf16 rows'
+    times and the RL-precision figures depend on."""
     from fusedce.core.bf16_products import cpu_bf16_capabilities
     facts = {k: v for k, v in cpu_bf16_capabilities().items() if k != "cpu"}
     flags = _cpu_flags()

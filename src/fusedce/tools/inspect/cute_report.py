@@ -1,7 +1,5 @@
-"""The CuTe DSL rows of ``fusedce inspect --cute``: every CuTe kernel variant compiled for sm_90a and sm_100a without a
-GPU (``cute_compile.py`` over ``backends/cute/compile.py``, one subprocess per arch because the DSL reads the target
-from ``$CUTE_DSL_ARCH`` at trace time), with registers, spills (ptxas' report), static shared and local memory
-(``cuobjdump -res-usage``) and the 128-bit global accesses counted in the PTX."""
+"""The CuTe DSL rows of ``fusedce inspect --cute``: every CuTe kernel variant compiled for sm_90a and sm_100a
+without a GPU (one subprocess per arch), with its resource usage and 128-bit accesses."""
 from __future__ import annotations
 
 import importlib.util

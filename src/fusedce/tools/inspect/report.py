@@ -1,24 +1,11 @@
 """``fusedce inspect``: what the Triton kernels compile to on Hopper / Blackwell, without a GPU.
 
-For each kernel at representative configurations (logits dtype x vocabulary x the constexpr flag
-combinations that change code) it builds the launch exactly as the launcher does
-(``backends/triton/launch.py``, which takes BLOCK_V / num_warps from ``tuning.py`` and ALIGN from the
-row strides), on meta tensors (a contiguous (BT, V) logits buffer, 16-byte aligned like any fresh CUDA
-allocation; the upstream gradient of a mean, an expanded stride-0 vector), compiles it for sm_90 (H100 /
-H200) and sm_100 (B200) when the installed Triton can, and prints registers, spills, shared memory and
-whether the streaming accesses are 128-bit.
-
-"128-bit" is checked by counting: one block of BLOCK_V logits over 32 * num_warps threads needs
-BLOCK_V * itemsize / (16 * threads) 128-bit loads per thread (plus the fp32 class-weight stream when
-smoothing with weights); the PTX must hold at least that many ``ld.global[.nc].v4.b32`` (``v4 got/need``
-below), and the backward the same count of ``st.global.v4``. ``narrow`` counts the other global loads
-(scalars: target, lse, the target logit, ...). Rows whose V is not a multiple of 16 bytes cannot be
-vectorized (row starts are unaligned) and are shown as such.
-
-The tiled kernels (``tiled_forward`` / ``tiled_backward``, ``method="tiled"``: hidden (BT, 4096) x weight
-(V, 4096), no logits) have no streaming rule (their operands are staged through shared memory); their
-``mma`` column says whether ``tl.dot`` lowered to tensor-core instructions in the PTX (``wgmma`` on
-sm_90, ``mma`` for mma.sync / tcgen05) or to FMA (``none``: fp32 IEEE dots). ``ALIGN`` is 0 for them.
+For each kernel at representative configurations (logits dtype x vocabulary x the constexpr flags that
+change code) it builds the launch as the launcher does, on meta tensors, compiles it for sm_90 (H100 / H200)
+and sm_100 (B200) when the installed Triton can, and prints registers, spills, shared memory and whether the
+streaming accesses are 128-bit (``v4 got/need``: the PTX's 128-bit loads, and stores in the backward, against
+those one block of logits needs; the tiled kernels' ``mma`` column: whether ``tl.dot`` lowered to tensor-core
+instructions).
 
 What it compiles: by default a quick set (32 rows, under a minute on 2 quiet CPU cores: 23 CPU
 seconds): sm_90, V = 128256, the ``plain`` variant of every kernel (a distillation kernel's first

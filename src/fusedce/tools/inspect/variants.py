@@ -44,11 +44,8 @@ ALL = frozenset(LOSS_FLAGS)
 
 @dataclass(frozen=True)
 class Variant:
-    """Loss options and outputs that select the kernels' constexpr flags: ``loss`` the short names of
-    the loss options' ``FLAGS`` that are on (``LOSS_FLAGS``; the options come from
-    ``LossOptions.selecting``, the flags from ``kernel_flags``, as the launchers build them), the others
-    per-launch flags (``stats``: COMPUTE_STATS; z-loss: the chunk's HAS_ZLOSS and the backward's
-    HAS_GRAD_LSE, its gradient arrives through the lse; ...)."""
+    """Loss options and outputs that select the kernels' constexpr flags: ``loss`` the short names of the options'
+    flags that are on, the others per-launch flags."""
 
     loss: frozenset = frozenset()
     stats: bool = False
