@@ -3,17 +3,16 @@ the log of the student's softmax mass OUTSIDE the teacher's K classes, computed 
 classes excluded, never as ``1 - sum_k s_k``."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from fusedce.backends.pytorch import launch as block_threads
 from fusedce.backends.pytorch import tuning as torch_tuning
 from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
-from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform
+from fusedce.lm_head import kinds
+from fusedce.lm_head.kinds import Args, loss_args, register
 
 
 Tensor = torch.Tensor
@@ -149,67 +148,56 @@ def _head_grads(hidden, weight, bias, ids, m, s, mt, st, g, opts: LossOptions, w
     return g_h, g_w, g_b
 
 
-# ---------------------------------------------------------------- the loops as ops (torch.compile)
-# Each block loop is one custom op (``core/opaque.py``; plain eager calls run the body directly), as the
-# other loops (``lm_head/loop.py``'s reason): traced, the loop's ``block_threads`` hit
-# ``torch.is_inference_mode_enabled`` (Dynamo refused the graph), and a loop over the token count would
-# specialize the graph on it. The fakes give the shapes from the inputs' (symbolic) ones.
+# ---------------------------------------------------------------- the loops as kinds (``lm_head/kinds.py``)
+# Traced, the loops' ``block_threads`` hit ``torch.is_inference_mode_enabled`` (Dynamo refused the graph), and a
+# loop over the token count would specialize the graph on it: each is a kind of the two loop ops.
 
-def _stats_fake(x):
-    return tuple(x.new_empty(x.shape[0], dtype=torch.float32) for _ in range(4))
+def _stats_fake(a: Args) -> list:
+    return [a.t[0].new_empty(a.t[0].shape[0], dtype=torch.float32) for _ in range(4)]
 
 
-@opaque_op("fusedce_distill::tail_logits_forward", mutates_args=(), observable=True)
-def _logits_forward_op(logits: Tensor, ids: Tensor, ignore_index: int, scalars: list[float]
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _forward(_logit_blocks(logits), ids, logits.shape[0], logits.shape[1],
-                    LossOptions.from_op_args(ignore_index, scalars), logits.device, True)
+@register("tail_logits")
+class _LogitsKind:
+    """Tensors ``logits, ids`` (the backward's then ``m, s, mt, st, g``); ints ``ignore_index``."""
+    forward_fake = staticmethod(_stats_fake)
+
+    @staticmethod
+    def forward(a: Args) -> list:
+        logits, ids = a.t
+        return list(_forward(_logit_blocks(logits), ids, logits.shape[0], logits.shape[1], a.opts(), logits.device,
+                             True))
+
+    @staticmethod
+    def backward(a: Args) -> list:
+        return [_logits_grad(*a.t, a.opts())]
+
+    @staticmethod
+    def backward_fake(a: Args) -> list:
+        return [torch.empty_like(a.t[0], memory_format=torch.contiguous_format)]
 
 
-@_logits_forward_op.register_fake
-def _(logits, ids, ignore_index, scalars):
-    return _stats_fake(logits)
+@register("tail_head")
+class _HeadKind:
+    """Tensors ``hidden, weight, bias, ids`` (the backward's then ``m, s, mt, st, g``); ints ``ignore_index,
+    wide`` (the backward's then ``needs`` x3); grads fp32."""
+    forward_fake = staticmethod(_stats_fake)
 
+    @staticmethod
+    def forward(a: Args) -> list:
+        hidden, weight, bias, ids = a.t
+        return list(_forward(_head_blocks(hidden, weight, bias), ids, hidden.shape[0], weight.shape[0], a.opts(),
+                             hidden.device, bool(a.i[1])))
 
-@opaque_op("fusedce_distill::tail_logits_backward", mutates_args=(), observable=True)
-def _logits_backward_op(logits: Tensor, ids: Tensor, m: Tensor, s: Tensor, mt: Tensor, st: Tensor, g: Tensor,
-                        ignore_index: int, scalars: list[float]) -> Tensor:
-    return _logits_grad(logits, ids, m, s, mt, st, g, LossOptions.from_op_args(ignore_index, scalars))
+    @staticmethod
+    def backward(a: Args) -> list:
+        grads = _head_grads(*a.t, a.opts(), bool(a.i[1]), tuple(map(bool, a.i[2:5])))
+        return [a.t[0].new_empty(0, dtype=torch.float32) if t is None else t for t in grads]
 
-
-@_logits_backward_op.register_fake
-def _(logits, ids, m, s, mt, st, g, ignore_index, scalars):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
-
-
-@opaque_op("fusedce_distill::tail_head_forward", mutates_args=(), observable=True)
-def _head_forward_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, ignore_index: int,
-                     scalars: list[float], wide: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _forward(_head_blocks(hidden, weight, bias), ids, hidden.shape[0], weight.shape[0],
-                    LossOptions.from_op_args(ignore_index, scalars), hidden.device, wide)
-
-
-@_head_forward_op.register_fake
-def _(hidden, weight, bias, ids, ignore_index, scalars, wide):
-    return _stats_fake(hidden)
-
-
-@opaque_op("fusedce_distill::tail_head_backward", mutates_args=(), observable=True)
-def _head_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, m: Tensor, s: Tensor,
-                      mt: Tensor, st: Tensor, g: Tensor, ignore_index: int, scalars: list[float], wide: bool,
-                      needs_hidden: bool, needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    grads = _head_grads(hidden, weight, bias, ids, m, s, mt, st, g, LossOptions.from_op_args(ignore_index, scalars),
-                        wide, (needs_hidden, needs_weight, needs_bias))
-    return tuple(hidden.new_empty(0, dtype=torch.float32) if t is None else t for t in grads)
-
-
-@_head_backward_op.register_fake
-def _(hidden, weight, bias, ids, m, s, mt, st, g, ignore_index, scalars, wide, needs_hidden, needs_weight,
-      needs_bias):
-    f32 = torch.float32
-    return (hidden.new_empty(hidden.shape if needs_hidden else (0,), dtype=f32),
-            hidden.new_empty(weight.shape if needs_weight else (0,), dtype=f32),
-            hidden.new_empty(weight.shape[0] if needs_bias else 0, dtype=f32))
+    @staticmethod
+    def backward_fake(a: Args) -> list:
+        hidden, weight = a.t[:2]
+        return [hidden.new_empty(s if need else (0,), dtype=torch.float32)
+                for s, need in zip((hidden.shape, weight.shape, weight.shape[:1]), a.i[2:5])]
 
 
 class _TailLogits(torch.autograd.Function):
@@ -217,7 +205,7 @@ class _TailLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, opts: LossOptions):
-        m, s, mt, st = _logits_forward_op(logits, ids, *opts.op_args())
+        m, s, mt, st = logits_stats(logits, ids, opts)
         ctx.save_for_backward(logits, ids, m, s, mt, st)
         ctx.opts = opts
         return _log_tail(m, s, mt, st)
@@ -227,7 +215,7 @@ class _TailLogits(torch.autograd.Function):
     def backward(ctx, g):
         check_backward_allowed(ctx, "fusedce.topk_distillation_loss(tail=True)")
         logits, ids, m, s, mt, st = ctx.saved_tensors
-        return _logits_backward_op(logits, ids, m, s, mt, st, g.contiguous(), *ctx.opts.op_args()), None, None
+        return logits_grad(logits, ids, (m, s, mt, st), g, ctx.opts), None, None
 
 
 class _TailLinear(torch.autograd.Function):
@@ -236,7 +224,7 @@ class _TailLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, opts: LossOptions, wide: bool):
-        m, s, mt, st = _head_forward_op(hidden, weight, bias, ids, *opts.op_args(), wide)
+        m, s, mt, st = head_stats(hidden, weight, bias, ids, opts, wide)
         ctx.save_for_backward(hidden, weight, bias, ids, m, s, mt, st)
         ctx.opts, ctx.wide = opts, wide
         return _log_tail(m, s, mt, st)
@@ -247,8 +235,7 @@ class _TailLinear(torch.autograd.Function):
         check_backward_allowed(ctx, "fusedce.linear_topk_distillation_loss(tail=True)")
         hidden, weight, bias, ids, m, s, mt, st = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[:3])
-        g_h, g_w, g_b = _head_backward_op(hidden, weight, bias, ids, m, s, mt, st, g.contiguous(),
-                                          *ctx.opts.op_args(), ctx.wide, *needs)
+        g_h, g_w, g_b = head_grads(hidden, weight, bias, ids, (m, s, mt, st), g, ctx.opts, ctx.wide, needs)
         return (g_h.to(hidden.dtype) if needs[0] else None, g_w.to(weight.dtype) if needs[1] else None,
                 g_b.to(bias.dtype) if needs[2] else None, None, None, None)
 
@@ -287,26 +274,27 @@ def log_tail_linear(hidden, weight, bias, ids: torch.Tensor, opts: LossOptions, 
 def logits_stats(logits: torch.Tensor, ids: torch.Tensor, opts: LossOptions) -> tuple:
     """Per row ``(m, s, mt, st)`` fp32 (n,) of ``logits`` (n, V) over all classes and over the classes not
     in ``ids`` (n, K) (``s = sum exp(q - m)``, ``q`` the transformed logits; an empty row: ``-inf, 0``)."""
-    return _logits_forward_op(logits, ids, *opts.op_args())
+    return tuple(kinds.forward("tail_logits", [logits, ids], *loss_args(opts)))
 
 
 def logits_grad(logits: torch.Tensor, ids: torch.Tensor, stats, g: torch.Tensor, opts: LossOptions):
     """dL/dlogits (logits' shape and dtype) of ``sum_r g[r] log s_tail[r]``, ``stats`` the row's
     ``(m, s, mt, st)`` over the whole vocabulary."""
-    return _logits_backward_op(logits, ids, *stats, g.contiguous(), *opts.op_args())
+    return kinds.backward("tail_logits", [logits, ids, *stats, g.contiguous()], *loss_args(opts))[0]
 
 
 def head_stats(hidden, weight, bias, ids: torch.Tensor, opts: LossOptions, wide: bool) -> tuple:
     """:func:`logits_stats` of ``hidden @ weight.T + bias`` (fp32 from the operands' values), in blocks
     (``wide``: whole rows; otherwise fewer than V logits a block)."""
-    return _head_forward_op(hidden, weight, bias, ids, *opts.op_args(), wide)
+    return tuple(kinds.forward("tail_head", [hidden, weight, bias, ids], *loss_args(opts, wide)))
 
 
 def head_grads(hidden, weight, bias, ids: torch.Tensor, stats, g: torch.Tensor, opts: LossOptions, wide: bool,
                needs) -> tuple:
     """``(grad_hidden, grad_weight, grad_bias)`` fp32 (None where ``needs`` says no) of ``sum_r g[r] log
     s_tail[r]``; ``grad_hidden`` the sum over this head's classes only."""
-    out = _head_backward_op(hidden, weight, bias, ids, *stats, g.contiguous(), *opts.op_args(), wide, *needs)
+    out = kinds.backward("tail_head", [hidden, weight, bias, ids, *stats, g.contiguous()],
+                         *loss_args(opts, wide, *needs))
     return tuple(t if need else None for t, need in zip(out, needs))
 
 

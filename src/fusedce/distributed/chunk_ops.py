@@ -1,29 +1,77 @@
-"""The vocab-parallel linear ops' chunk loops as one op each, so that a tracer sees one node per loop, as
-``lm_head/loop.py`` for the single-process ops."""
+"""The vocab-parallel linear ops' chunk loops as loop kinds (``lm_head/kinds.py``: one node per loop whatever the
+token count); the callers run the collectives on their outputs."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.distributed.layout import VocabLayout
 from fusedce.distributed.kclass_rows import gather_local, grad_of_slice, local_entries
 from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
 from fusedce.distributed.soft_rows import SoftPartials, SoftSlice
-from fusedce.lm_head.loop import backprop_chunks, chunk_buffer, logits_chunk, or_empty, rows_of
+from fusedce.lm_head import kinds
+from fusedce.lm_head.kinds import Args, loss_args, register
+from fusedce.lm_head.loop import backprop_chunks, chunk_buffer, f32, grads_fake, logits_chunk, or_empty, rows_of
 from fusedce.rl.kclass_head import entries
 
 Tensor = torch.Tensor
 Opts = list[Optional[Tensor]]
 
 
-def _f32(like: Tensor, *shape) -> Tensor:
-    return like.new_empty(shape, dtype=torch.float32)
+class _Slice:
+    """A kind on this rank's vocabulary slice. Tensors ``hidden, weight, bias``, then ``n`` row-wise tensors (sliced
+    with the chunk) and the shared ones; ints ``ignore_index, start, size, n_classes, chunk_size, n``, then
+    ``flag`` (forward) or ``needs`` x3 (backward); words the backend; the backward's dtype the accumulation's.
+    A subclass gives ``outputs``, ``state``, ``fill`` (forward) and ``grad`` (backward)."""
+
+    @classmethod
+    def _setup(cls, a: Args):
+        from fusedce import backends
+        hidden, weight, bias = a.t[:3]
+        n = a.i[5]
+        rowwise, shared = a.t[3:3 + n], a.t[3 + n:]
+        layout = VocabLayout(*a.i[1:4], None)   # the body runs no collective: no group
+        opts = LossOptions.from_op_args(a.i[0], a.f)
+        state = cls.state(backends.get(a.words, hidden.device), layout, opts)
+        return hidden, weight, bias, rowwise, shared, layout, opts, state, rows_of(a.i[4], hidden, weight)
+
+    @classmethod
+    def forward(cls, a: Args) -> list:
+        hidden, weight, bias, rowwise, shared, layout, opts, state, rows = cls._setup(a)
+        outs = cls.outputs(hidden, rowwise, shared, opts, bool(a.i[6]))
+        n = hidden.shape[0]
+        buffer = chunk_buffer(n, rows, weight, hidden.dtype)
+        for s in range(0, n, rows):
+            c = slice(s, s + rows)
+            x = logits_chunk(hidden[c], weight, bias, buffer)   # fp32 from the operands' values
+            cls.fill(state, x, c, outs, _sliced(rowwise, c), shared, layout, opts, bool(a.i[6]))
+            del x
+        return outs
+
+    @classmethod
+    def forward_fake(cls, a: Args) -> list:
+        n = a.i[5]
+        return cls.outputs(a.t[0], a.t[3:3 + n], a.t[3 + n:], a.opts(), bool(a.i[6]))
+
+    @classmethod
+    def backward(cls, a: Args) -> list:
+        hidden, weight, bias, rowwise, shared, layout, opts, state, rows = cls._setup(a)
+
+        def slice_grad(c, x):   # the logits' gradient of this rank's slice for the chunk's rows
+            return cls.grad(state, x, _sliced(rowwise, c), shared, layout, opts)
+
+        g_h, g_w, g_b = backprop_chunks(hidden, weight, bias, rows, tuple(map(bool, a.i[6:9])), a.dtype, slice_grad)
+        return [or_empty(g_h, hidden, hidden.dtype), or_empty(g_w, hidden, a.dtype), or_empty(g_b, hidden, a.dtype)]
+
+    @staticmethod
+    def backward_fake(a: Args) -> list:
+        return grads_fake(a.t[0], a.t[1], a.i[6:9], a.dtype)
 
 
-class _CE:
+@register("dist_ce")
+class _CE(_Slice):
     """Class-index targets. Forward rowwise ``[target]``, shared ``[w]``, ``flag`` = the entropy column; outputs
     ``key`` (n,) int64, ``zmax`` (n,) fp32, ``sums`` (n, k) fp32 (``shard_rows.shard_forward``)."""
 
@@ -34,8 +82,8 @@ class _CE:
     @classmethod
     def outputs(cls, hidden, rowwise: Opts, shared: Opts, opts, flag) -> list:
         n = hidden.shape[0]
-        return [hidden.new_empty(n, dtype=torch.int64), _f32(hidden, n),
-                _f32(hidden, n, cls.columns(shared, opts, flag).k)]
+        return [hidden.new_empty(n, dtype=torch.int64), f32(hidden, n),
+                f32(hidden, n, cls.columns(shared, opts, flag).k)]
 
     @staticmethod
     def state(impl, layout, opts):
@@ -54,6 +102,7 @@ class _CE:
                           opts, grad_entropy=grad_entropy, entropy=entropy)
 
 
+@register("dist_kclass")
 class _KClass(_CE):
     """K classes per token. Forward rowwise ``[target (n, K)]``, ``flag`` = the entropy column; outputs as ``_CE``'s
     plus ``x`` (n, K) fp32, the logits of the local entries (0 elsewhere)."""
@@ -77,7 +126,8 @@ class _KClass(_CE):
         return grad_of_slice(impl, x, e, local_entries(e, layout), g, G, lse, lse_lo, k, entropy, layout, opts)
 
 
-class _Soft:
+@register("dist_probs")
+class _Probs(_Slice):
     """Probability targets. Forward rowwise ``[q (n, V_r)]``, shared ``[w]``, ``flag`` = stats; outputs
     ``SoftPartials``' ``lse``, ``lo`` (n,) fp32, ``sums`` (n, 4) fp32 and ``keys`` (n, 2) int64 ((0,) without
     stats)."""
@@ -86,7 +136,7 @@ class _Soft:
     def outputs(hidden, rowwise: Opts, shared: Opts, opts, flag) -> list:
         n = hidden.shape[0]
         keys = hidden.new_empty((n, 2) if flag else (0,), dtype=torch.int64)
-        return [_f32(hidden, n), _f32(hidden, n), hidden.new_zeros(n, 4, dtype=torch.float32), keys]
+        return [f32(hidden, n), f32(hidden, n), hidden.new_zeros(n, 4, dtype=torch.float32), keys]
 
     @staticmethod
     def state(impl, layout, opts):
@@ -103,77 +153,21 @@ class _Soft:
         return part.grad_(x, q, shared[0], lse, lse_lo, mass, grad_row, grad_lse)
 
 
-KINDS = {"ce": _CE, "kclass": _KClass, "soft": _Soft}
-
-
-def _setup(kind, start, size, n_classes, ignore_index, scalars, backend, device):
-    from fusedce import backends
-    layout = VocabLayout(start, size, n_classes, None)   # the body runs no collective: no group
-    opts = LossOptions.from_op_args(ignore_index, scalars)
-    k = KINDS[kind]
-    return k, layout, opts, k.state(backends.get(backend, device), layout, opts)
-
-
 def _sliced(tensors: Opts, c: slice) -> Opts:
     return [None if t is None else t[c] for t in tensors]
 
 
-# ---------------------------------------------------------------- forward: the partial statistics
-
-@opaque_op("fusedce_dist::forward_chunks", mutates_args=(), observable=True)
-def _forward_op(kind: str, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], rowwise: Opts, shared: Opts,
-                start: int, size: int, n_classes: int, ignore_index: int, scalars: list[float], backend: str,
-                chunk_size: int, flag: bool) -> list[Tensor]:
-    k, layout, opts, state = _setup(kind, start, size, n_classes, ignore_index, scalars, backend, hidden.device)
-    outs = k.outputs(hidden, rowwise, shared, opts, flag)
-    n = hidden.shape[0]
-    rows = rows_of(chunk_size, hidden, weight)
-    buffer = chunk_buffer(n, rows, weight, hidden.dtype)
-    for s in range(0, n, rows):
-        c = slice(s, s + rows)
-        x = logits_chunk(hidden[c], weight, bias, buffer)   # fp32 from the operands' values
-        k.fill(state, x, c, outs, _sliced(rowwise, c), shared, layout, opts, flag)
-        del x
-    return outs
-
-
-@_forward_op.register_fake
-def _(kind, hidden, weight, bias, rowwise, shared, start, size, n_classes, ignore_index, scalars, backend,
-      chunk_size, flag):
-    return KINDS[kind].outputs(hidden, rowwise, shared, LossOptions.from_op_args(ignore_index, scalars), flag)
+def _args(kind: str, hidden, weight, bias, rowwise: Opts, shared: Opts, layout: VocabLayout, opts: LossOptions,
+          impl, chunk_size: Optional[int], *flags) -> tuple:
+    ints, floats = loss_args(opts, layout.start, layout.size, layout.n_classes, chunk_size or 0, len(rowwise), *flags)
+    return "dist_" + kind, [hidden, weight, bias, *rowwise, *shared], ints, floats, impl.NAME
 
 
 def forward(kind: str, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], rowwise: Opts, shared: Opts,
             layout: VocabLayout, opts: LossOptions, impl, chunk_size: Optional[int], flag: bool) -> list:
-    """The kind's per-row partial statistics of this rank's slice over every chunk (see ``KINDS``); the
-    caller runs the collectives on them."""
-    return _forward_op(kind, hidden, weight, bias, list(rowwise), list(shared), layout.start, layout.size,
-                       layout.n_classes, *opts.op_args(), impl.NAME, chunk_size or 0, flag)
-
-
-# ---------------------------------------------------------------- backward: through the slice and the head
-
-@opaque_op("fusedce_dist::backward_chunks", mutates_args=(), observable=True)
-def _backward_op(kind: str, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], rowwise: Opts, shared: Opts,
-                 start: int, size: int, n_classes: int, ignore_index: int, scalars: list[float], backend: str,
-                 chunk_size: int, needs_hidden: bool, needs_weight: bool, needs_bias: bool,
-                 accum_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    k, layout, opts, state = _setup(kind, start, size, n_classes, ignore_index, scalars, backend, hidden.device)
-
-    def slice_grad(c, x):   # the logits' gradient of this rank's slice for the chunk's rows
-        return k.grad(state, x, _sliced(rowwise, c), shared, layout, opts)
-
-    g_h, g_w, g_b = backprop_chunks(hidden, weight, bias, rows_of(chunk_size, hidden, weight),
-                                    (needs_hidden, needs_weight, needs_bias), accum_dtype, slice_grad)
-    return or_empty(g_h, hidden, hidden.dtype), or_empty(g_w, hidden, accum_dtype), or_empty(g_b, hidden, accum_dtype)
-
-
-@_backward_op.register_fake
-def _(kind, hidden, weight, bias, rowwise, shared, start, size, n_classes, ignore_index, scalars, backend,
-      chunk_size, needs_hidden, needs_weight, needs_bias, accum_dtype):
-    return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
-            weight.new_empty(weight.shape if needs_weight else (0,), dtype=accum_dtype),
-            weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=accum_dtype))
+    """The per-row partial statistics of this rank's slice over every chunk (``kind``: "ce", "kclass" or
+    "probs"); the caller runs the collectives on them."""
+    return kinds.forward(*_args(kind, hidden, weight, bias, rowwise, shared, layout, opts, impl, chunk_size, flag))
 
 
 def backward(kind: str, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], rowwise: Opts, shared: Opts,
@@ -181,6 +175,6 @@ def backward(kind: str, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
              accum_dtype: torch.dtype) -> tuple:
     """``(grad_hidden, grad_weight, grad_bias)`` of this rank's slice (None where ``needs`` says no;
     ``grad_hidden`` this slice's partial sum, the weight's and bias's in ``accum_dtype``)."""
-    g_h, g_w, g_b = _backward_op(kind, hidden, weight, bias, list(rowwise), list(shared), layout.start, layout.size,
-                                 layout.n_classes, *opts.op_args(), impl.NAME, chunk_size or 0, *needs, accum_dtype)
-    return tuple(t if need else None for t, need in zip((g_h, g_w, g_b), needs))
+    g = kinds.backward(*_args(kind, hidden, weight, bias, rowwise, shared, layout, opts, impl, chunk_size, *needs),
+                       accum_dtype)
+    return tuple(t if need else None for t, need in zip(g, needs))

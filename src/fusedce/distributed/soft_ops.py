@@ -58,7 +58,7 @@ class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, q, w, layout: VocabLayout, opts: LossOptions, rows, accum_dtype,
                 impl, stats: bool):
-        lse, lo, sums, keys = chunk_ops.forward("soft", hidden, weight, bias, [q], [w], layout, opts, impl, rows,
+        lse, lo, sums, keys = chunk_ops.forward("probs", hidden, weight, bias, [q], [w], layout, opts, impl, rows,
                                                 stats)   # the chunk loop, one op (chunk_ops.py)
         out = exchange_soft(SoftPartials(lse, lo, sums, keys if stats else None), layout)
         ctx.save_for_backward(hidden, weight, bias, q, w, out.lse, out.lse_lo, out.mass)
@@ -74,7 +74,7 @@ class _LinearSoftCE(torch.autograd.Function):
             grad_row = lse.new_zeros(()).expand(lse.shape)
         needs = ctx.needs_input_grad[:3]
         grad_h, grad_w, grad_b = chunk_ops.backward(
-            "soft", hidden, weight, bias, [q, lse, lse_lo, mass, grad_row, grad_lse], [w], ctx.layout, ctx.opts,
+            "probs", hidden, weight, bias, [q, lse, lse_lo, mass, grad_row, grad_lse], [w], ctx.layout, ctx.opts,
             ctx.impl, ctx.rows, needs, ctx.accum)
         if needs[0] and hidden.shape[0] > 0:
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.layout.group)   # partial sums over ranks

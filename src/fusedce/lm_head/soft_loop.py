@@ -1,19 +1,7 @@
-"""The LM head with probability ("soft") targets: the chunk loop over the backends' probability-target row
-ops and the tiled head over the PyTorch blocked loop, behind one small interface used by
-``ce/linear_soft.py`` (the shape of ``head.py``, with the target a (BT, V) tensor and no row ignored).
-
-- ``SoftChunkedHead`` (``method="chunked"``): per chunk of ``rows`` tokens, ``logits_c = h_c @ W.T (+ b)``
-  into one reused buffer (``loop.logits_chunk``), then the backend's ``soft_ce_forward`` op on
-  ``(logits_c, q[c])`` and, for mean / sum, its ``soft_ce_backward_inplace`` op writing dL/dlogits_c over
-  the chunk, then ``loop.backprop_chunk_`` (3 matmuls per token; the same ops ``cross_entropy`` runs
-  with a float target: ``backends/pytorch/soft_targets.py``, ``backends/triton/soft_targets.py``).
-- ``SoftTiledHead`` (``method="tiled"``): ``backends/pytorch/soft_tiled.py`` (blocks of tokens x a
-  vocabulary block, the target read block by block) on every backend; 4 matmuls per token.
-
-``forward(...) -> (loss, lse, lse_lo, a, predicted)`` (fp32 (n,) each, ``a = sum_c w_c q'_c``; loss
-without the z-loss; predicted int64 or None without stats); ``grads(...)`` -> the same five (None where
-recomputed from ``saved``) plus ``(grad_hidden, grad_weight, grad_bias)``.
-"""
+"""The LM head with probability targets (``ce/linear_soft.py``): ``SoftChunkedHead`` (the kind ``probs``, the
+backend's probability-target row ops per chunk; 3 matmuls per token) and ``SoftTiledHead``
+(``backends/pytorch/soft_tiled.py`` on every backend; 4). ``forward -> (loss, lse, lse_lo, a, predicted)``
+(``a = sum_c w_c q'_c``), ``grads`` -> the same five plus the three gradients. Design: ``docs/lm_head.md``."""
 from __future__ import annotations
 
 from typing import Optional
@@ -21,16 +9,14 @@ from typing import Optional
 import torch
 
 from fusedce.backends.pytorch.custom_ops import soft_tiled_backward, soft_tiled_forward
-from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import grad_lse
-from . import loop
-from .loop import f32, or_empty, rows_of
+from . import kinds, loop
+from .kinds import Args, loss_args, register
+from .loop import f32, grads_fake, or_empty, rows_of
 from .head import resolve_method
 
 _OP_NAMESPACES = {"torch": "fusedce_torch", "triton": "fusedce"}   # backends/*/soft_targets.py
-Opt = Optional[torch.Tensor]
-Tensor = torch.Tensor
 
 
 def soft_ops(impl):
@@ -40,105 +26,74 @@ def soft_ops(impl):
     return ns.soft_ce_forward, ns.soft_ce_backward_inplace
 
 
-class _SoftChunks:
-    """The chunk loop itself (eager), ``rows`` tokens a chunk, the backend named ``backend``'s row ops."""
+@register("probs")
+class _Probs:
+    """Probability targets: per chunk the backend's ``soft_ce_forward`` / ``soft_ce_backward_inplace`` ops on
+    ``(logits_c, q[c])``. Tensors ``hidden, weight, bias, q, w`` (the backward's then ``grad_row, z_grad_row,
+    lse, lse_lo, a``: ``lse`` None to run the forward too); ints ``ignore_index, chunk_size, stats`` (the
+    backward's then ``needs`` x3); words ``backend,logits``; the backward's dtype the accumulation's. Outputs
+    ``loss, lse, lse_lo, a, predicted`` (then the three gradients; (0,) where not made)."""
 
-    def __init__(self, backend: str, rows: int, logits: str = "float32"):
-        ns = getattr(torch.ops, _OP_NAMESPACES[backend])
-        self.forward_op, self.backward_op = ns.soft_ce_forward, ns.soft_ce_backward_inplace
-        self.rows, self.logits = rows, logits   # logits: chunked.logits_dtype's choice
+    @staticmethod
+    def _setup(a: Args):
+        ns = getattr(torch.ops, _OP_NAMESPACES[a.word(0)])
+        rows = rows_of(a.i[1], a.t[0], a.t[1])
+        return ns.soft_ce_forward, ns.soft_ce_backward_inplace, rows, a.word(1), a.opts(), bool(a.i[2])
 
-    def _chunks(self, hidden, weight, bias):
+    @staticmethod
+    def _rows(hidden, k: int, stats: bool) -> list:
+        return [*(torch.empty(k, dtype=torch.float32, device=hidden.device) for _ in range(4)),
+                torch.empty(k if stats else 0, dtype=torch.int64, device=hidden.device)]
+
+    @classmethod
+    def forward(cls, a: Args) -> list:
+        hidden, weight, bias, q, w = a.t
+        forward_op, _, rows, kind, opts, stats = cls._setup(a)
         n = hidden.shape[0]
-        buffer = loop.chunk_buffer(n, self.rows, weight, hidden.dtype, self.logits)
-        for s in range(0, n, self.rows):
-            c = slice(s, s + self.rows)
-            yield c, loop.logits_chunk(hidden[c], weight, bias, buffer, self.logits)
+        out = cls._rows(hidden, n, stats)
+        buffer = loop.chunk_buffer(n, rows, weight, hidden.dtype, kind)
+        for s in range(0, n, rows):
+            c = slice(s, s + rows)
+            for dst, src in zip(out, forward_op(loop.logits_chunk(hidden[c], weight, bias, buffer, kind), q[c], w,
+                                                *opts.op_args(), stats, False)):
+                if dst.numel():
+                    dst[c] = src
+        return out
 
-    def forward(self, hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
-        n = hidden.shape[0]
-        out = [torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4)]
-        predicted = torch.empty(n, dtype=torch.int64, device=hidden.device) if stats else None
-        for c, logits in self._chunks(hidden, weight, bias):
-            *rows, pred = self.forward_op(logits, q[c], w, *opts.op_args(), stats, False)
-            for dst, src in zip(out, rows):
-                dst[c] = src
-            if stats:
-                predicted[c] = pred
-        return (*out, predicted)
+    @staticmethod
+    def forward_fake(a: Args) -> list:
+        hidden, n = a.t[0], a.t[0].shape[0]
+        return [*(f32(hidden, n) for _ in range(4)), hidden.new_empty(n if a.i[2] else 0, dtype=torch.int64)]
 
-    def grads(self, hidden, weight, bias, q, w, opts: LossOptions, grad_row, z_grad_row, needs, accum_dtype,
-              saved=None, stats: bool = False):
-        if saved is not None:
-            lse, lse_lo, a = saved
-            g_lse = grad_lse(lse, z_grad_row, opts)
+    @classmethod
+    def backward(cls, a: Args) -> list:
+        hidden, weight, bias, q, w, grad_row, z_grad_row, lse, lse_lo, a_s = a.t
+        forward_op, backward_op, rows, kind, opts, stats = cls._setup(a)
+        forward = lse is None
+        out = cls._rows(hidden, hidden.shape[0] if forward else 0, stats)
+        if forward:
+            lse, lse_lo, a_s = out[1:4]
+        g_lse = None if forward else grad_lse(lse, z_grad_row, opts)
 
-            def grad_of_chunk(c, logits):
-                self.backward_op(logits, q[c], w, lse[c], lse_lo[c], a[c], grad_row[c],
-                                 None if g_lse is None else g_lse[c], *opts.op_args())
-                return logits
+        def grad_of_chunk(c, logits):
+            if forward:
+                for dst, src in zip(out, forward_op(logits, q[c], w, *opts.op_args(), stats, False)):
+                    if dst.numel():
+                        dst[c] = src
+            g = grad_lse(lse[c], z_grad_row[c], opts) if forward else None if g_lse is None else g_lse[c]
+            backward_op(logits, q[c], w, lse[c], lse_lo[c], a_s[c], grad_row[c], g, *opts.op_args())
+            return logits
 
-            grads = loop.backprop_chunks(hidden, weight, bias, self.rows, needs, accum_dtype, grad_of_chunk,
-                                         self.logits)
-            return (None, lse, lse_lo, a, None, *grads)
-        n = hidden.shape[0]
-        loss, lse, lse_lo, a = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4))
-        predicted = torch.empty(n, dtype=torch.int64, device=hidden.device) if stats else None
-        grad_h, grad_w, grad_b = loop.grad_buffers(hidden, weight, needs, accum_dtype)
-        for c, logits in self._chunks(hidden, weight, bias):
-            q_c = q[c]
-            loss_c, lse_c, lo_c, a_c, pred = self.forward_op(logits, q_c, w, *opts.op_args(), stats, False)
-            loss[c], lse[c], lse_lo[c], a[c] = loss_c, lse_c, lo_c, a_c
-            if stats:
-                predicted[c] = pred
-            self.backward_op(logits, q_c, w, lse_c, lo_c, a_c, grad_row[c], grad_lse(lse_c, z_grad_row[c], opts),
-                             *opts.op_args())
-            loop.backprop_chunk_(logits, hidden[c], weight, c, grad_h, grad_w, grad_b)
-            del logits
-        return loss, lse, lse_lo, a, predicted, grad_h, grad_w, grad_b
+        grads = loop.backprop_chunks(hidden, weight, bias, rows, tuple(map(bool, a.i[3:6])), a.dtype, grad_of_chunk,
+                                     kind)
+        return [*out, *(or_empty(g, hidden, d) for g, d in zip(grads, (hidden.dtype, a.dtype, a.dtype)))]
 
-
-@opaque_op("fusedce_lm::soft_chunked_forward", mutates_args=(), observable=True)
-def _forward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, ignore_index: int, scalars: list[float],
-                backend: str, chunk_size: int, logits: str, stats: bool
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    *rows, predicted = _SoftChunks(backend, rows_of(chunk_size, hidden, weight), logits).forward(
-        hidden, weight, bias, q, w, LossOptions.from_op_args(ignore_index, scalars), stats)
-    return (*rows, or_empty(predicted, hidden, torch.int64))
-
-
-@_forward_op.register_fake
-def _(hidden, weight, bias, q, w, ignore_index, scalars, backend, chunk_size, logits, stats):
-    n = hidden.shape[0]
-    return (*(f32(hidden, n) for _ in range(4)), hidden.new_empty(n if stats else 0, dtype=torch.int64))
-
-
-@opaque_op("fusedce_lm::soft_chunked_grads", mutates_args=(), observable=True)
-def _grads_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, ignore_index: int, scalars: list[float],
-              backend: str, chunk_size: int, logits: str, grad_row: Tensor, z_grad_row: Tensor, needs_hidden: bool,
-              needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype, stats: bool, lse: Opt, lse_lo: Opt,
-              a: Opt) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    saved = None if lse is None else (lse, lse_lo, a)
-    out = _SoftChunks(backend, rows_of(chunk_size, hidden, weight), logits).grads(
-        hidden, weight, bias, q, w, LossOptions.from_op_args(ignore_index, scalars), grad_row, z_grad_row,
-        (needs_hidden, needs_weight, needs_bias), accum_dtype, saved, stats)
-    loss, lse_out, lo_out, a_out, predicted, g_h, g_w, g_b = out
-    if saved is not None:   # never return an input (a custom op may not alias one): the entry point has them
-        lse_out = lo_out = a_out = None
-    return (or_empty(loss, hidden), or_empty(lse_out, hidden), or_empty(lo_out, hidden), or_empty(a_out, hidden),
-            or_empty(predicted, hidden, torch.int64), or_empty(g_h, hidden, hidden.dtype),
-            or_empty(g_w, hidden, accum_dtype), or_empty(g_b, hidden, accum_dtype))
-
-
-@_grads_op.register_fake
-def _(hidden, weight, bias, q, w, ignore_index, scalars, backend, chunk_size, logits, grad_row, z_grad_row,
-      needs_hidden, needs_weight, needs_bias, accum_dtype, stats, lse, lse_lo, a):
-    n = hidden.shape[0]
-    k = n if lse is None else 0
-    return (*(f32(hidden, k) for _ in range(4)), hidden.new_empty(k if stats else 0, dtype=torch.int64),
-            hidden.new_empty(hidden.shape if needs_hidden else (0,)),
-            weight.new_empty(weight.shape if needs_weight else (0,), dtype=accum_dtype),
-            weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=accum_dtype))
+    @staticmethod
+    def backward_fake(a: Args) -> list:
+        hidden, weight = a.t[0], a.t[1]
+        k = hidden.shape[0] if a.t[7] is None else 0
+        return [*(f32(hidden, k) for _ in range(4)), hidden.new_empty(k if a.i[2] else 0, dtype=torch.int64),
+                *grads_fake(hidden, weight, a.i[3:6], a.dtype)]
 
 
 class _ProbsRows:
@@ -156,17 +111,16 @@ class _ProbsRows:
 
 
 class SoftChunkedHead(_ProbsRows):
-    """``method="chunked"``: ``_SoftChunks`` through one op per loop (``fusedce_lm::soft_chunked_forward`` /
-    ``soft_chunked_grads``: a tracer sees one node whatever the token count, ``loop.py``'s reason; the
-    rows per chunk decided from the real count, ``chunk_size`` None for the rule)."""
+    """``method="chunked"``: the kind ``probs`` (``kinds.py``: one node per loop whatever
+    the token count; ``chunk_size`` None for the rule)."""
     grads_in_forward = True
 
     def __init__(self, impl, chunk_size: Optional[int], logits: str = "float32"):
-        self.backend, self.chunk_size, self.logits = impl.NAME, chunk_size or 0, logits
+        self.chunk_size, self.words = chunk_size or 0, f"{impl.NAME},{logits}"
 
     def forward(self, hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
-        *rows, predicted = _forward_op(hidden, weight, bias, q, w, *opts.op_args(), self.backend, self.chunk_size,
-                                       self.logits, stats)
+        *rows, predicted = kinds.forward("probs", [hidden, weight, bias, q, w],
+                                         *loss_args(opts, self.chunk_size, stats), self.words)
         return (*rows, predicted if stats else None)
 
     def grads(self, hidden, weight, bias, q, w, opts: LossOptions, grad_row, z_grad_row, needs, accum_dtype,
@@ -174,9 +128,9 @@ class SoftChunkedHead(_ProbsRows):
         """``saved = (lse, lse_lo, a)`` from a forward: only the backward (each chunk recomputed);
         None: the forward too, each chunk's gradient formed right after its loss."""
         lse, lse_lo, a = (None,) * 3 if saved is None else saved
-        loss, lse_o, lo_o, a_o, predicted, g_h, g_w, g_b = _grads_op(
-            hidden, weight, bias, q, w, *opts.op_args(), self.backend, self.chunk_size, self.logits, grad_row,
-            z_grad_row, *needs, accum_dtype, stats, lse, lse_lo, a)
+        loss, lse_o, lo_o, a_o, predicted, g_h, g_w, g_b = kinds.backward(
+            "probs", [hidden, weight, bias, q, w, grad_row, z_grad_row, lse, lse_lo, a],
+            *loss_args(opts, self.chunk_size, stats, *needs), self.words, accum_dtype)
         grads = tuple(g if need else None for g, need in zip((g_h, g_w, g_b), needs))
         if saved is not None:
             return (None, lse, lse_lo, a, None, *grads)

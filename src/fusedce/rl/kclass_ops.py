@@ -1,7 +1,5 @@
-"""The linear K-class log-probs (``linear_token_log_probs`` with a ``(..., K)`` target) through two ops, so that a
-tracer sees one node for the forward and one for the backward whatever the token count (the reason
-and the mechanism are ``lm_head/loop.py``'s: the chunk loops, the gathers and the sparse gradient loops all step
-over the rows)."""
+"""The linear K-class log-probs (``linear_token_log_probs`` with a ``(..., K)`` target) as the loop kind ``kclass``
+(``lm_head/kinds.py``: one node for the forward and one for the backward whatever the token count)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,58 +8,54 @@ import torch
 
 from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
-from fusedce.core.opaque import opaque_op
 from fusedce.core.options import LossOptions
 from fusedce.backends.protocol import ChunkCE, TiledCE
-from fusedce.lm_head import loop
+from fusedce.lm_head import kinds, loop
+from fusedce.lm_head.kinds import Args, loss_args, register
 from fusedce.lm_head.head import compact_rows, head_spec, make_head, rebuild_head, scatter_rows
 from fusedce.rl.kclass_head import entries, linear_forward, linear_grads, log_probs_at
 
-Opt = Optional[torch.Tensor]
-Tensor = torch.Tensor
+
+@register("kclass")
+class _KClass:
+    """K classes per token. Tensors ``hidden, weight, bias, target`` (the backward's then ``lse, lse_lo, entropy,
+    x, grad_log_probs, grad_entropy``); ints ``ignore_index, tiled, chunk_size, deterministic`` then
+    ``want_entropy`` (backward: ``needs`` x3); words ``backend,logits`` (``head.head_spec``)."""
+
+    @staticmethod
+    def _head(a: Args):
+        return rebuild_head(a.word(0), bool(a.i[1]), a.i[2], bool(a.i[3]), a.word(1), a.t[0].device)
+
+    @classmethod
+    def forward(cls, a: Args) -> list:
+        hidden, weight, bias, target = a.t
+        lse, lse_lo, entropy, x = linear_forward(cls._head(a), hidden, weight, bias, target, a.opts(), bool(a.i[4]))
+        return [lse, lse_lo, lse.new_empty(0) if entropy is None else entropy, x]
+
+    @staticmethod
+    def forward_fake(a: Args) -> list:
+        hidden, target, n, f32 = a.t[0], a.t[3], a.t[0].shape[0], torch.float32
+        x_dtype = f32 if a.i[1] else loop.logits_dtype(hidden.dtype, a.word(1))
+        return [hidden.new_empty(n, dtype=f32), hidden.new_empty(n, dtype=f32),
+                hidden.new_empty(n if a.i[4] else 0, dtype=f32), hidden.new_empty(target.shape, dtype=x_dtype)]
+
+    @classmethod
+    def backward(cls, a: Args) -> list:
+        hidden = a.t[0]
+        needs = tuple(map(bool, a.i[4:7]))
+        grads = linear_grads(cls._head(a), *a.t, a.opts(), needs)
+        dtypes = (hidden.dtype, torch.float32, torch.float32)
+        return [hidden.new_empty(0, dtype=d) if g is None or not need else g
+                for g, need, d in zip(grads, needs, dtypes)]
+
+    @staticmethod
+    def backward_fake(a: Args) -> list:
+        return loop.grads_fake(a.t[0], a.t[1], a.i[4:7], torch.float32)
 
 
-@opaque_op("fusedce_rl::k_forward", mutates_args=(), observable=True)
-def _forward_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, ignore_index: int, scalars: list[float],
-                backend: str, tiled: bool, chunk_size: int, deterministic: bool, logits: str, want_entropy: bool
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    head = rebuild_head(backend, tiled, chunk_size, deterministic, logits, hidden.device)
-    lse, lse_lo, entropy, x = linear_forward(head, hidden, weight, bias, target,
-                                             LossOptions.from_op_args(ignore_index, scalars), want_entropy)
-    return lse, lse_lo, lse.new_empty(0) if entropy is None else entropy, x
-
-
-@_forward_op.register_fake
-def _(hidden, weight, bias, target, ignore_index, scalars, backend, tiled, chunk_size, deterministic, logits,
-      want_entropy):
-    n = hidden.shape[0]
-    f32 = torch.float32
-    x_dtype = f32 if tiled else loop.logits_dtype(hidden.dtype, logits)
-    return (hidden.new_empty(n, dtype=f32), hidden.new_empty(n, dtype=f32),
-            hidden.new_empty(n if want_entropy else 0, dtype=f32), hidden.new_empty(target.shape, dtype=x_dtype))
-
-
-@opaque_op("fusedce_rl::k_backward", mutates_args=(), observable=True)
-def _backward_op(hidden: Tensor, weight: Tensor, bias: Opt, target: Tensor, lse: Tensor, lse_lo: Tensor,
-                 entropy: Opt, x: Tensor, grad_log_probs: Opt, grad_entropy: Opt, ignore_index: int,
-                 scalars: list[float], backend: str, tiled: bool, chunk_size: int, deterministic: bool, logits: str,
-                 needs_hidden: bool, needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    head = rebuild_head(backend, tiled, chunk_size, deterministic, logits, hidden.device)
-    needs = (needs_hidden, needs_weight, needs_bias)
-    grads = linear_grads(head, hidden, weight, bias, target, lse, lse_lo, entropy, x, grad_log_probs, grad_entropy,
-                         LossOptions.from_op_args(ignore_index, scalars), needs)
-    dtypes = (hidden.dtype, torch.float32, torch.float32)
-    return tuple(hidden.new_empty(0, dtype=d) if g is None or not need else g
-                 for g, need, d in zip(grads, needs, dtypes))
-
-
-@_backward_op.register_fake
-def _(hidden, weight, bias, target, lse, lse_lo, entropy, x, grad_log_probs, grad_entropy, ignore_index, scalars,
-      backend, tiled, chunk_size, deterministic, logits, needs_hidden, needs_weight, needs_bias):
-    f32 = torch.float32
-    return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
-            weight.new_empty(weight.shape if needs_weight else (0,), dtype=f32),
-            weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=f32))
+def _args(opts: LossOptions, spec: tuple, *flags) -> tuple:
+    backend, tiled, chunk_size, deterministic, logits = spec
+    return (*loss_args(opts, tiled, chunk_size, deterministic, *flags), f"{backend},{logits}")
 
 
 class _LinearLogProbsK(torch.autograd.Function):
@@ -69,7 +63,8 @@ class _LinearLogProbsK(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, spec: tuple, opts: LossOptions, want_entropy: bool, needs):
-        lse, lse_lo, entropy, x = _forward_op(hidden, weight, bias, target, *opts.op_args(), *spec, want_entropy)
+        lse, lse_lo, entropy, x = kinds.forward("kclass", [hidden, weight, bias, target],
+                                                *_args(opts, spec, want_entropy))
         log_probs = _log_probs(x, target, weight.shape[0], lse, lse_lo, opts)
         ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy, x)
         ctx.spec, ctx.opts, ctx.want_entropy, ctx.needs = spec, opts, want_entropy, needs
@@ -82,8 +77,9 @@ class _LinearLogProbsK(torch.autograd.Function):
         check_backward_allowed(ctx, "fusedce.linear_token_log_probs")
         hidden, weight, bias, target, lse, lse_lo, entropy, x = ctx.saved_tensors
         k = grad_entropy if ctx.want_entropy else None
-        g_h, g_w, g_b = _backward_op(hidden, weight, bias, target, lse, lse_lo, entropy if k is not None else None,
-                                     x, grad_log_probs, k, *ctx.opts.op_args(), *ctx.spec, *ctx.needs)
+        g_h, g_w, g_b = kinds.backward("kclass", [hidden, weight, bias, target, lse, lse_lo,
+                                                  entropy if k is not None else None, x, grad_log_probs, k],
+                                       *_args(ctx.opts, ctx.spec, *ctx.needs))
         g_h = g_h if ctx.needs[0] else None
         g_w = g_w.to(ctx.dtypes[0]) if ctx.needs[1] else None
         g_b = g_b.to(ctx.dtypes[1]) if ctx.needs[2] else None
