@@ -118,9 +118,6 @@ def host_readable(*tensors) -> bool:
     return True
 
 
-# The old name, still imported by lm_head/ (renamed there by the cross-entropy rebuild, issue 43 items 1-3).
-sync_allowed = host_readable
-
 
 class TargetOutOfRange(IndexError):
     """The ``IndexError`` of :func:`check_target_range`, with the fields a caller needs to name the user's own

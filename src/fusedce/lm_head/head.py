@@ -14,7 +14,7 @@ from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.core.reduction import MeanScales, reduce, times, token_scaled, z_rows
 from fusedce.core.row_math import grad_lse
-from fusedce.core.validation import sync_allowed
+from fusedce.core.validation import host_readable
 from . import invariant, loop
 from ..backends.protocol import ChunkCE, TiledCE
 
@@ -205,7 +205,7 @@ def compact_rows(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int):
     when no row is ignored, under torch.compile / CUDA-graph capture (no host sync allowed), with fake or
     meta tensors or under make_fx / export tracing (no values to count), or for an
     empty batch. The one documented host sync of the linear ops (the count of kept rows)."""
-    if hidden.shape[0] == 0 or not sync_allowed(hidden, target):
+    if hidden.shape[0] == 0 or not host_readable(hidden, target):
         return hidden, target, None
     index = (target != ignore_index).nonzero().squeeze(1)
     if index.shape[0] == hidden.shape[0]:

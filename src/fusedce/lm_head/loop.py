@@ -9,7 +9,7 @@ import torch
 from fusedce.core.bf16_products import exact_bf16_gemms, upcast_gemms
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import grad_lse, target_probability
-from fusedce.core.validation import sync_allowed
+from fusedce.core.validation import host_readable
 from . import kinds
 from .fp32_linear import grad_hidden_fp32_, linear_fp32_
 from .kinds import Args, loss_args, register
@@ -69,7 +69,7 @@ def chunk_buffer(n_rows: int, rows: int, weight: torch.Tensor, dtype: torch.dtyp
                  logits: str = "float32") -> Optional[torch.Tensor]:
     """One ``rows x V`` logits buffer for the whole loop, or None under torch.compile / CUDA-graph capture
     (each chunk then gets its own tensor)."""
-    if not sync_allowed(weight):
+    if not host_readable(weight):
         return None
     return torch.empty(min(rows, n_rows), weight.shape[0], dtype=logits_dtype(dtype, logits),
                        device=weight.device)
@@ -78,7 +78,7 @@ def chunk_buffer(n_rows: int, rows: int, weight: torch.Tensor, dtype: torch.dtyp
 def _mm_out_dtype_ok(acc: torch.Tensor) -> bool:
     """Whether ``torch.addmm`` / ``torch.mm`` with ``out_dtype=`` may write into ``acc`` (probed once per device
     type in eager; False while tracing, capturing or on non-plain tensors)."""
-    if not sync_allowed(acc) or type(acc) is not torch.Tensor:
+    if not host_readable(acc) or type(acc) is not torch.Tensor:
         return False
     key = acc.device.type
     if key not in _OUT_DTYPE_MM:
