@@ -2,7 +2,7 @@
 
 The stock composition (``F.linear`` + ``F.cross_entropy`` in bf16: one fp32-accumulated GEMM per gradient,
 rounded once) is the yardstick; every error is the max abs difference from float64 of the same bf16 values.
-Before, the PyTorch tiled loops (``backends/pytorch/tiled.py``, and ``soft_tiled.py``, which every backend's
+Before, the PyTorch tiled loops (``backends/pytorch/tiled.py``, and ``probs_tiled.py``, which every backend's
 probability-target tiled method runs) added each row block into the bf16 gradient, one rounding per block:
 4-17x stock's weight / bias gradient error at 200 tokens (the Triton class-index kernels accumulate in fp32,
 which is why class indices on a GPU looked fine). Now each vocabulary block is summed in fp32 and rounded

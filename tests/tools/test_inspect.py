@@ -136,11 +136,11 @@ def test_kernels_take_the_loss_options_as_two_arguments():
 
 
 def test_soft_target_kernels_sm90(tmp_path):
-    """The probability-target kernels (``soft_forward`` / ``soft_backward``; the target streamed next to
+    """The probability-target kernels (``probs_forward`` / ``probs_backward``; the target streamed next to
     the logits, in their dtype here): all 16 constexpr flag combinations of each compile for sm_90 in bf16
     without spills, every stream 128-bit (logits, target, class weights; the gradient's stores)."""
     rows = _inspect(tmp_path, "--arch", "90", "--dtype", "bf16", "--vocab", "32000", "--every-variant", "--strict",
-                    "--kernel", "soft_forward", "--kernel", "soft_backward")
+                    "--kernel", "probs_forward", "--kernel", "probs_backward")
     assert len(rows) == 16 + 16
     for row in rows:
         _assert_clean(row)

@@ -1,6 +1,6 @@
 """The autograd formula of a backend's row-loss custom ops, written once for every op family and backend whose ops
 follow the same schemas (``<op>`` = ``ce``: class-index targets, namespaces ``fusedce`` (Triton) and
-``fusedce_cute``; ``soft_ce``: probability targets, ``fusedce`` and ``fusedce_torch``)."""
+``fusedce_cute``; ``probs_ce``: probability targets, ``fusedce`` and ``fusedce_torch``)."""
 from __future__ import annotations
 
 import torch

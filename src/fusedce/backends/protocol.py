@@ -86,7 +86,7 @@ class Capabilities(NamedTuple):
     tiled: bool      # method="tiled": a TiledCE (``Backend.TILED_CE``)
     entropy: bool    # the RL ops: ChunkCE.loss(entropy=True), grad_(grad_entropy=), token_stats
     slices: bool     # vocabulary slices (``slice_stats`` / ``slice_grad``) for fusedce.distributed
-    soft_targets: bool   # probability targets: ``soft_cross_entropy_rows`` (``fusedce/ce/soft_targets.py``)
+    probs_targets: bool   # probability targets: ``probs_cross_entropy_rows`` (``fusedce/ce/probs_targets.py``)
     distill: bool    # distillation: ``distill_rows`` / ``tiled_distill`` (``fusedce/distill/distillation.py``)
 
 
@@ -105,10 +105,10 @@ class Backend(Protocol):
     exact; no gradient), int64 argmax (-1 on ignored rows, empty without ``stats``); no reduction (the
     z-loss is built from ``lse`` by ``core/reduction.py``, so its gradient reaches the backend as the
     upstream gradient of ``lse``)."""
-    soft_cross_entropy_rows: Optional[Callable]
-    """``soft_cross_entropy_rows(logits2d, q2d, weight, opts, inplace_backward, stats)``: the same four
+    probs_cross_entropy_rows: Optional[Callable]
+    """``probs_cross_entropy_rows(logits2d, q2d, weight, opts, inplace_backward, stats)``: the same four
     outputs for probability targets ``q2d`` ((BT, V), any float dtype; no row ignored); only with
-    ``CAPABILITIES.soft_targets`` (``fusedce/ce/soft_targets.py`` refuses the others)."""
+    ``CAPABILITIES.probs_targets`` (``fusedce/ce/probs_targets.py`` refuses the others)."""
     distill_rows: Optional[Callable]
     """The distillation loss of rows of student / teacher logits (``distill/linear_head.py`` drives it); only
     with ``CAPABILITIES.distill``."""

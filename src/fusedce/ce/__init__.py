@@ -1,3 +1,3 @@
 """Cross-entropy: ``cross_entropy`` and ``linear_cross_entropy`` (``ce/functional.py``), probability targets
-(``ce/soft_targets.py``), the linear cross-entropy's autograd Function (``linear_function.py``) and the
+(``ce/probs_targets.py``), the linear cross-entropy's autograd Function (``linear_function.py``) and the
 modules (``ce/modules.py``)."""

@@ -100,7 +100,7 @@ def check_probs(target: torch.Tensor, data: torch.Tensor, opts: LossOptions, n_c
 def probs_backend(impl, name) -> str:
     """``impl``'s name; ``NotImplementedError`` naming it (``name``: the caller's ``backend=``) when it has no
     probability targets (the CuTe DSL backend)."""
-    if not impl.CAPABILITIES.soft_targets:
+    if not impl.CAPABILITIES.probs_targets:
         raise NotImplementedError(f"probability (float) targets are not implemented on the "
                                   f"{impl.__name__.rsplit('.', 1)[-1]!r} backend package (backend={name!r}); "
                                   "use backend='triton' or 'torch'")

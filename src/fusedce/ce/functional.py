@@ -7,7 +7,7 @@ import torch
 
 from fusedce.core.entrance import public_op
 from fusedce import backends
-from fusedce.ce import linear_function, linear_soft, soft_targets as soft
+from fusedce.ce import linear_function, linear_probs, probs_targets as soft
 from fusedce.ce.checks import checked_cross_entropy, checked_linear_cross_entropy
 from fusedce.core import reduction as red
 from fusedce.core.row_math import target_probability
@@ -58,7 +58,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
                                  token_weights=token_weights, batch_invariant=batch_invariant, options=options)
     rows = rows_view(logits, inplace_backward)
     impl = backends.named(call.backend)
-    if call.probs:   # ce/soft_targets.py: F.cross_entropy's probability targets
+    if call.probs:   # ce/probs_targets.py: F.cross_entropy's probability targets
         return soft.cross_entropy(call, impl, rows)
     opts, flat_target = call.opts, call.target
     ce_rows, lse, lse_lo, predicted = impl.cross_entropy_rows(
@@ -111,8 +111,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         deterministic=deterministic, token_weights=token_weights, logits_dtype=logits_dtype,
         batch_invariant=batch_invariant, options=options)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    if call.probs:   # ce/linear_soft.py: probability targets
-        return linear_soft.linear_cross_entropy(call, flat_hidden, weight, bias)
+    if call.probs:   # ce/linear_probs.py: probability targets
+        return linear_probs.linear_cross_entropy(call, flat_hidden, weight, bias)
     loss, lse, predicted, token_weight = linear_function.linear_cross_entropy(call, flat_hidden, weight, bias)
     if reduction == "none":
         loss = loss.reshape(call.lead)

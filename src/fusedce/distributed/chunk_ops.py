@@ -10,7 +10,7 @@ from fusedce.core.options import LossOptions
 from fusedce.distributed.layout import VocabLayout
 from fusedce.distributed.kclass_rows import gather_local, grad_of_slice, local_entries
 from fusedce.distributed.shard_rows import Columns, shard_forward, shard_grad
-from fusedce.distributed.soft_rows import SoftPartials, SoftSlice
+from fusedce.distributed.probs_rows import ProbsPartials, ProbsSlice
 from fusedce.lm_head import kinds
 from fusedce.lm_head.kinds import Args, loss_args, register
 from fusedce.lm_head.loop import backprop_chunks, chunk_buffer, f32, grads_fake, logits_chunk, or_empty, rows_of
@@ -129,7 +129,7 @@ class _KClass(_CE):
 @register("dist_probs")
 class _Probs(_Slice):
     """Probability targets. Forward rowwise ``[q (n, V_r)]``, shared ``[w]``, ``flag`` = stats; outputs
-    ``SoftPartials``' ``lse``, ``lo`` (n,) fp32, ``sums`` (n, 4) fp32 and ``keys`` (n, 2) int64 ((0,) without
+    ``ProbsPartials``' ``lse``, ``lo`` (n,) fp32, ``sums`` (n, 4) fp32 and ``keys`` (n, 2) int64 ((0,) without
     stats)."""
 
     @staticmethod
@@ -140,12 +140,12 @@ class _Probs(_Slice):
 
     @staticmethod
     def state(impl, layout, opts):
-        return SoftSlice(impl, layout, opts)
+        return ProbsSlice(impl, layout, opts)
 
     @staticmethod
     def fill(part, x, c, outs, rows: Opts, shared: Opts, layout, opts, flag) -> None:
         lse, lo, sums, keys = outs
-        part.fill(SoftPartials(lse, lo, sums, keys if flag else None), c, x, rows[0], shared[0])
+        part.fill(ProbsPartials(lse, lo, sums, keys if flag else None), c, x, rows[0], shared[0])
 
     @staticmethod
     def grad(part, x, rows: Opts, shared: Opts, layout, opts) -> Tensor:

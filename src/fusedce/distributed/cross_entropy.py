@@ -16,7 +16,7 @@ from fusedce.core.options import LossOptions, LossOptionValues
 from fusedce.distributed.exchange import ce_outputs, exchange_ce
 from fusedce.distributed.layout import VocabLayout, vocab_layout
 from fusedce.ce.checks import check_range, checked_vocab_parallel
-from fusedce.distributed import soft_ops
+from fusedce.distributed import probs_ops
 from fusedce.distributed.output import finish
 from fusedce.distributed.shard_rows import shard_forward, shard_grad
 
@@ -89,8 +89,8 @@ def vocab_parallel_cross_entropy(
                                   num_items_in_batch=num_items_in_batch, return_stats=return_stats, backend=backend,
                                   token_weights=token_weights, options=options)
     impl = backends.named(call.backend)
-    if call.probs:   # soft_ops.py: this rank's slice of probability targets
-        return soft_ops.cross_entropy(call, impl, logits_shard, target, group, vocab_start_index)
+    if call.probs:   # probs_ops.py: this rank's slice of probability targets
+        return probs_ops.cross_entropy(call, impl, logits_shard, target, group, vocab_start_index)
     opts, shape, n_local = call.opts, call.lead, logits_shard.shape[-1]
     layout = vocab_layout(n_local, vocab_start_index, group, logits_shard.device)
     check_range(call, layout.n_classes)

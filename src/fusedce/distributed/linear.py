@@ -18,7 +18,7 @@ from fusedce.core.options import LossOptions, LossOptionValues
 from fusedce.distributed.exchange import ce_outputs, exchange_ce
 from fusedce.distributed.layout import VocabLayout, vocab_layout
 from fusedce.ce.checks import check_range, checked_vocab_parallel_linear
-from fusedce.distributed import soft_ops
+from fusedce.distributed import probs_ops
 from fusedce.distributed.output import finish
 from fusedce.distributed import chunk_ops
 
@@ -110,8 +110,8 @@ def vocab_parallel_linear_cross_entropy(
         return_stats=return_stats, backend=backend, deterministic=deterministic, token_weights=token_weights,
         options=options)
     impl = backends.named(call.backend)
-    if call.probs:   # soft_ops.py: this rank's slice of probability targets
-        return soft_ops.linear_cross_entropy(call, impl, hidden, weight_shard, target, bias_shard, group,
+    if call.probs:   # probs_ops.py: this rank's slice of probability targets
+        return probs_ops.linear_cross_entropy(call, impl, hidden, weight_shard, target, bias_shard, group,
                                              vocab_start_index)
     opts = call.opts
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device)

@@ -6,7 +6,7 @@ a concrete ``n`` for the ``range``: under ``torch.compile(dynamic=True)`` the ch
 K-class log-probs, the chunked distillation and the probability targets (whose tiled loop took 14
 compilations and 300 s for 4 lengths); with ``torch._dynamo.mark_dynamic`` it raised
 ``ConstraintViolationError``. Each loop is now one custom op (``lm_head/loop.py``, ``distill/chunk_op.py``,
-``rl/kclass_ops.py``, ``lm_head/soft_loop.py``, ``backends/pytorch/custom_ops.py``), decided inside from the real
+``rl/kclass_ops.py``, ``lm_head/probs_loop.py``, ``backends/pytorch/custom_ops.py``), decided inside from the real
 ``n``.
 
 Each case compiles a forward+backward step (``fullgraph=True``, ``dynamic=True``) and runs it on four token

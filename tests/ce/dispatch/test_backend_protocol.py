@@ -18,8 +18,8 @@ from fusedce.backends.protocol import Backend, Capabilities
 PACKAGES = {"torch": "fusedce.backends.pytorch", "triton": "fusedce.backends.triton", "cute": "fusedce.backends.cute"}
 # job -> file: the same name in every backend that has the job
 JOBS = {"cross_entropy.py", "custom_ops.py", "launch.py", "linear.py", "slices.py", "tuning.py", "__init__.py"}
-OPTIONAL = {"tiled.py", "token_stats.py", "soft_targets.py", "soft_launch.py", "variants.py",
-            "compile.py", "distill.py", "distill_launch.py", "distill_tiled.py", "soft_tiled.py", "fused_rows.py",
+OPTIONAL = {"tiled.py", "token_stats.py", "probs_targets.py", "probs_launch.py", "variants.py",
+            "compile.py", "distill.py", "distill_launch.py", "distill_tiled.py", "probs_tiled.py", "fused_rows.py",
             "block_accum.py"}
 
 

@@ -6,9 +6,9 @@ from ..protocol import Capabilities
 NAME = "cute"
 # No TiledCE, no entropy, probability-target or distillation kernels yet; vocabulary slices run the Triton backend's
 # kernels (slices.py).
-CAPABILITIES = Capabilities(tiled=False, entropy=False, slices=True, soft_targets=False, distill=False)
+CAPABILITIES = Capabilities(tiled=False, entropy=False, slices=True, probs_targets=False, distill=False)
 TILED_CE = None
-soft_cross_entropy_rows = distill_rows = tiled_distill = None   # not in CAPABILITIES
+probs_cross_entropy_rows = distill_rows = tiled_distill = None   # not in CAPABILITIES
 
 __all__ = ["CAPABILITIES", "CHUNK_CE", "NAME", "TILED_CE", "cross_entropy_rows", "slice_grad", "slice_stats"]
 

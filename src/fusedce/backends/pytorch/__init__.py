@@ -7,10 +7,10 @@ from .custom_ops import tiled_distill
 from .custom_ops import TORCH_TILED as TILED_CE
 from .custom_ops import slice_grad, slice_stats
 from .linear import TorchChunkCE as CHUNK_CE
-from .soft_targets import soft_cross_entropy_rows
+from .probs_targets import probs_cross_entropy_rows
 
 NAME = "torch"
-CAPABILITIES = Capabilities(tiled=True, entropy=True, slices=True, soft_targets=True, distill=True)
+CAPABILITIES = Capabilities(tiled=True, entropy=True, slices=True, probs_targets=True, distill=True)
 
 __all__ = ["CAPABILITIES", "CHUNK_CE", "NAME", "TILED_CE", "cross_entropy_rows", "distill_rows", "slice_grad",
-           "slice_stats", "soft_cross_entropy_rows", "tiled_distill"]
+           "slice_stats", "probs_cross_entropy_rows", "tiled_distill"]

@@ -1,4 +1,4 @@
-"""The weight and bias gradients of one vocabulary block of the PyTorch tiled loops (``tiled.py``, ``soft_tiled.py``),
+"""The weight and bias gradients of one vocabulary block of the PyTorch tiled loops (``tiled.py``, ``probs_tiled.py``),
 summed over every row block in at least fp32 and rounded to ``accum_dtype`` once."""
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from .launch import chunk_grad_, chunk_loss, chunk_loss_grad_
 from .slices import slice_grad as _slice_grad
 from .slices import slice_stats as _slice_stats
 from .distill_tiled import tiled_distill as _tiled_distill
-from . import soft_tiled as _soft_tiled
+from . import probs_tiled as _probs_tiled
 from .tiled import TorchTiledCE
 from .tiled import invariant_rows as tiled_invariant_rows
 from .token_stats import chunk_token_stats
@@ -322,38 +322,38 @@ tiled_distill.invariant_rows = tiled_invariant_rows   # its token blocks are ``t
 
 # ---------------------------------------------------------------- probability targets, method="tiled"
 
-@opaque_op("fusedce_torch::soft_tiled_forward", mutates_args=(), observable=True)
-def _soft_tiled_forward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, ignore_index: int,
+@opaque_op("fusedce_torch::probs_tiled_forward", mutates_args=(), observable=True)
+def _probs_tiled_forward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, ignore_index: int,
                            scalars: list[float], stats: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    *rows, predicted = _soft_tiled.soft_tiled_forward(hidden, weight, bias, q, w,
+    *rows, predicted = _probs_tiled.probs_tiled_forward(hidden, weight, bias, q, w,
                                                      LossOptions.from_op_args(ignore_index, scalars), stats)
     return (*rows, _or_empty(predicted, hidden, torch.int64))
 
 
-@_soft_tiled_forward_op.register_fake
+@_probs_tiled_forward_op.register_fake
 def _(hidden, weight, bias, q, w, ignore_index, scalars, stats):
     n = hidden.shape[0]
     return (*(_f32(hidden, n) for _ in range(4)), _i64(hidden, n if stats else 0))
 
 
-def soft_tiled_forward(hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
-    """``soft_tiled.soft_tiled_forward`` (same arguments and results) as one op."""
-    *rows, predicted = _soft_tiled_forward_op(hidden, weight, bias, q, w, *opts.op_args(), stats)
+def probs_tiled_forward(hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
+    """``probs_tiled.probs_tiled_forward`` (same arguments and results) as one op."""
+    *rows, predicted = _probs_tiled_forward_op(hidden, weight, bias, q, w, *opts.op_args(), stats)
     return (*rows, _none_if_empty(predicted, stats))
 
 
-@opaque_op("fusedce_torch::soft_tiled_backward", mutates_args=(), observable=True)
-def _soft_tiled_backward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, lse: Tensor, lse_lo: Tensor,
+@opaque_op("fusedce_torch::probs_tiled_backward", mutates_args=(), observable=True)
+def _probs_tiled_backward_op(hidden: Tensor, weight: Tensor, bias: Opt, q: Tensor, w: Opt, lse: Tensor, lse_lo: Tensor,
                             a: Tensor, grad_row: Tensor, grad_lse: Opt, ignore_index: int, scalars: list[float],
                             needs_hidden: bool, needs_weight: bool, needs_bias: bool, accum_dtype: torch.dtype
                             ) -> tuple[Tensor, Tensor, Tensor]:
     needs = (needs_hidden, needs_weight, needs_bias)
-    grads = _soft_tiled.soft_tiled_backward(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse,
+    grads = _probs_tiled.probs_tiled_backward(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse,
                                             LossOptions.from_op_args(ignore_index, scalars), needs, accum_dtype)
     return tuple(_or_empty(g, hidden, dtype) for g, dtype in zip(grads, (hidden.dtype, accum_dtype, accum_dtype)))
 
 
-@_soft_tiled_backward_op.register_fake
+@_probs_tiled_backward_op.register_fake
 def _(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse, ignore_index, scalars, needs_hidden,
       needs_weight, needs_bias, accum_dtype):
     return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
@@ -361,9 +361,9 @@ def _(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse, ignore_ind
             weight.new_empty(weight.shape[0] if needs_bias else 0, dtype=accum_dtype))
 
 
-def soft_tiled_backward(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse, opts: LossOptions, needs,
+def probs_tiled_backward(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse, opts: LossOptions, needs,
                         accum_dtype):
-    """``soft_tiled.soft_tiled_backward`` (same arguments and results) as one op."""
-    grads = _soft_tiled_backward_op(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse, *opts.op_args(),
+    """``probs_tiled.probs_tiled_backward`` (same arguments and results) as one op."""
+    grads = _probs_tiled_backward_op(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row, grad_lse, *opts.op_args(),
                                     *needs, accum_dtype)
     return tuple(_none_if_empty(g, need) for g, need in zip(grads, needs))

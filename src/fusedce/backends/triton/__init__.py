@@ -7,10 +7,10 @@ from .distill_tiled import tiled_distill
 from .linear import TritonChunkCE as CHUNK_CE
 from .slices import slice_grad, slice_stats
 from .linear import TRITON_TILED as TILED_CE
-from .soft_targets import soft_cross_entropy_rows
+from .probs_targets import probs_cross_entropy_rows
 
 NAME = "triton"
-CAPABILITIES = Capabilities(tiled=True, entropy=True, slices=True, soft_targets=True, distill=True)
+CAPABILITIES = Capabilities(tiled=True, entropy=True, slices=True, probs_targets=True, distill=True)
 
 __all__ = ["CAPABILITIES", "CHUNK_CE", "NAME", "TILED_CE", "cross_entropy_rows", "distill_rows", "slice_grad",
-           "slice_stats", "soft_cross_entropy_rows", "tiled_distill"]
+           "slice_stats", "probs_cross_entropy_rows", "tiled_distill"]

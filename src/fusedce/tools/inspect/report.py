@@ -92,7 +92,7 @@ def _needed(kernel: str, itemsize: int, meta: dict) -> tuple:
         loads += per_stream(itemsize) + (per_stream(4) if meta["FLAGS"].HAS_WEIGHT else 0)
     elif meta["FLAGS"].HAS_WEIGHT and meta["FLAGS"].HAS_SMOOTHING:
         loads += per_stream(4)                       # fp32 class weights, read blockwise
-    stores = per_stream(itemsize) if kernel in ("backward", "chunk", "soft_backward") else 0
+    stores = per_stream(itemsize) if kernel in ("backward", "chunk", "probs_backward") else 0
     return loads, stores
 
 

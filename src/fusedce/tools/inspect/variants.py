@@ -12,12 +12,12 @@ from . import distill_variants as DV
 # chunk: the fused loss + gradient of linear_cross_entropy; slice: the partial statistics of a vocabulary
 # slice (vocab parallelism; its gradient is the backward kernel with a column offset)
 # tiled_grad_hidden / tiled_grad_weight: the deterministic tiled backward (no atomics)
-# soft_forward / soft_backward: probability targets (``kernels/soft_*.py``; the target in the logits' dtype)
+# probs_forward / probs_backward: probability targets (``kernels/probs_*.py``; the target in the logits' dtype)
 KERNELS = ("forward", "backward", "chunk", "slice", "tiled_forward", "tiled_backward", "tiled_grad_hidden",
-           "tiled_grad_weight", "soft_forward", "soft_backward")   # the cross-entropy kernels (they take the
+           "tiled_grad_weight", "probs_forward", "probs_backward")   # the cross-entropy kernels (they take the
 # loss options: ``options.LossOptions``) with the distillation kernels (``distill_variants.py``: their own
 # options, variants and launches)
-SOFT = ("soft_forward", "soft_backward")
+SOFT = ("probs_forward", "probs_backward")
 ALL_KERNELS = KERNELS + DV.DISTILL_KERNELS
 TILED = ("tiled_forward", "tiled_backward", "tiled_grad_hidden", "tiled_grad_weight") + DV.DISTILL_TILED
 # the no-logits LM head (method="tiled", and tiled distillation): V is the head's rows
@@ -117,13 +117,13 @@ VARIANTS = {
         "all": Variant(ALL),
         "entropy+softcap": _v("softcap", entropy=True),   # the vocab-parallel RL ops' statistics
     },
-    "soft_forward": {
+    "probs_forward": {
         "plain": _v(),
         "stats": _v(stats=True),
         "smooth+weight": _v("weight", "smoothing"),
         "all": Variant(ALL, stats=True),
     },
-    "soft_backward": {
+    "probs_backward": {
         "plain": _v(),
         "softcap": _v("softcap"),
         "smooth+weight": _v("weight", "smoothing"),
@@ -142,8 +142,8 @@ _FEATURES = {"forward": ("stats",),
              "backward": ("zloss",),
              "chunk": ("stats", "zloss", "dft"),
              "slice": (),
-             "soft_forward": ("stats",),
-             "soft_backward": ("zloss",),
+             "probs_forward": ("stats",),
+             "probs_backward": ("zloss",),
              "tiled_forward": ("stats", "entropy", "bias"),
              "tiled_backward": ("zloss", "entropy", "bias"),
              "tiled_grad_hidden": ("zloss", "entropy", "bias"),
@@ -187,7 +187,7 @@ def _launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant, rows:
         return _tiled_launch(kernel, dtype, vocab, variant, rows, meta)
     logits = meta(rows, vocab, dt=dtype)
     if kernel in SOFT:
-        return _soft_launch(kernel, logits, meta(rows, vocab, dt=dtype), weight, opts, variant, rows, meta)
+        return _probs_launch(kernel, logits, meta(rows, vocab, dt=dtype), weight, opts, variant, rows, meta)
     if kernel == "forward":   # loss, lse, lse_lo, predicted, entropy
         return L.forward_launch(logits, target, weight, weight_sum, opts, *(meta(rows),) * 3, predicted, entropy)
     if kernel == "slice":     # xmax, argmax, zmax, sumexp, target_logit, zsum[, tsum]; a slice from column 4096
@@ -225,12 +225,12 @@ def _tiled_launch(kernel: str, dtype: torch.dtype, vocab: int, variant: Variant,
     return T.tiled_backward_launch(*common, meta(rows, TILED_HIDDEN), meta(vocab, TILED_HIDDEN), grad_bias)
 
 
-def _soft_launch(kernel: str, logits, q, weight, opts: LossOptions, variant: Variant, rows: int, meta):
+def _probs_launch(kernel: str, logits, q, weight, opts: LossOptions, variant: Variant, rows: int, meta):
     """The probability-target kernels' launch: ``q`` (BT, V) in the logits' dtype."""
-    from ...backends.triton import soft_launch as S
+    from ...backends.triton import probs_launch as S
 
-    if kernel == "soft_forward":   # loss, lse, lse_lo, a, predicted
-        return S.soft_forward_launch(logits, q, weight, opts, *(meta(rows),) * 4,
+    if kernel == "probs_forward":   # loss, lse, lse_lo, a, predicted
+        return S.probs_forward_launch(logits, q, weight, opts, *(meta(rows),) * 4,
                                      meta(rows, dt=torch.int64) if variant.stats else None)
-    return S.soft_backward_launch(logits, q, weight, meta(rows), meta(rows), meta(rows), meta(()).expand(rows),
+    return S.probs_backward_launch(logits, q, weight, meta(rows), meta(rows), meta(rows), meta(()).expand(rows),
                                   meta(rows) if variant.zloss else None, opts, meta(*logits.shape, dt=logits.dtype))

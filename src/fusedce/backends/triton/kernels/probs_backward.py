@@ -5,11 +5,11 @@ import triton.language as tl
 
 from .common import aligned
 from .row_math import logit_slope, logit_transform, store_grad
-from .soft_forward import soft_target_block
+from .probs_forward import probs_target_block
 
 
 @triton.jit
-def soft_backward_kernel(
+def probs_backward_kernel(
     # pointers
     logits_ptr,       # [n_rows, n_cols] fp32/bf16/fp16, last dim contiguous
     q_ptr,            # [n_rows, n_cols] fp32/bf16/fp16 target probabilities, last dim contiguous
@@ -41,7 +41,7 @@ def soft_backward_kernel(
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < n_cols
     x = tl.load(logits_ptr + row * stride_logits_row + cols, mask=mask, other=0.0).to(tl.float32)
-    u = soft_target_block(q_ptr + row * stride_q_row, weight_ptr, cols, mask, n_cols, scalars, FLAGS)
+    u = probs_target_block(q_ptr + row * stride_q_row, weight_ptr, cols, mask, n_cols, scalars, FLAGS)
     g = tl.load(grad_row_ptr + row * stride_grad_row_vec).to(tl.float32)
     z = logit_transform(x, scalars, FLAGS)
     p = tl.exp((z - tl.load(lse_ptr + row)) - tl.load(lse_lo_ptr + row))

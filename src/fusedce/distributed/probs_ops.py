@@ -13,7 +13,7 @@ from fusedce.core.autograd_checks import check_backward_allowed
 from fusedce.core.options import LossOptions
 from fusedce.distributed import chunk_ops
 from fusedce.distributed.layout import VocabLayout, vocab_layout
-from fusedce.distributed.soft_rows import SoftPartials, SoftSlice, exchange_soft
+from fusedce.distributed.probs_rows import ProbsPartials, ProbsSlice, exchange_soft
 
 
 def _outputs(ctx, out, stats: bool):
@@ -26,14 +26,14 @@ def _outputs(ctx, out, stats: bool):
     return out.loss, out.lse, predicted, expected
 
 
-class _SoftCE(torch.autograd.Function):
+class _ProbsCE(torch.autograd.Function):
     """(n, V_r) logits slice, (n, V_r) target slice -> per-row global loss (n,) fp32 and lse (both
     differentiable), the global argmax of the logits and of the target (stats only)."""
 
     @staticmethod
     def forward(ctx, logits, q, w, layout: VocabLayout, opts: LossOptions, impl, stats: bool):
         n = logits.shape[0]
-        part, p = SoftSlice(impl, layout, opts), SoftPartials.allocate(n, stats, logits.device)
+        part, p = ProbsSlice(impl, layout, opts), ProbsPartials.allocate(n, stats, logits.device)
         part.fill(p, slice(0, n), logits, q, w)
         out = exchange_soft(p, layout)
         ctx.save_for_backward(logits, q, w, out.lse, out.lse_lo, out.mass)
@@ -51,8 +51,8 @@ class _SoftCE(torch.autograd.Function):
         return (grad,) + (None,) * 6
 
 
-class _LinearSoftCE(torch.autograd.Function):
-    """hidden (n, H), weight slice (V_r, H), bias slice, target slice (n, V_r) -> as ``_SoftCE``; logits
+class _LinearProbsCE(torch.autograd.Function):
+    """hidden (n, H), weight slice (V_r, H), bias slice, target slice (n, V_r) -> as ``_ProbsCE``; logits
     ``rows`` tokens at a time."""
 
     @staticmethod
@@ -60,7 +60,7 @@ class _LinearSoftCE(torch.autograd.Function):
                 impl, stats: bool):
         lse, lo, sums, keys = chunk_ops.forward("probs", hidden, weight, bias, [q], [w], layout, opts, impl, rows,
                                                 stats)   # the chunk loop, one op (chunk_ops.py)
-        out = exchange_soft(SoftPartials(lse, lo, sums, keys if stats else None), layout)
+        out = exchange_soft(ProbsPartials(lse, lo, sums, keys if stats else None), layout)
         ctx.save_for_backward(hidden, weight, bias, q, w, out.lse, out.lse_lo, out.mass)
         ctx.impl, ctx.opts, ctx.layout, ctx.rows, ctx.accum = impl, opts, layout, rows, accum_dtype
         return _outputs(ctx, out, stats)
@@ -102,7 +102,7 @@ def cross_entropy(call, impl, logits_shard, target, group, vocab_start_index):
     rows = logits_shard.reshape(n, n_local)
     if rows.stride(-1) != 1 and n_local > 1:
         rows = rows.contiguous()
-    loss_rows, lse, predicted, expected = _SoftCE.apply(rows, call.target, call.class_weights, layout, call.opts,
+    loss_rows, lse, predicted, expected = _ProbsCE.apply(rows, call.target, call.class_weights, layout, call.opts,
                                                         impl, call.return_stats)
     return _finish(call, loss_rows, lse, predicted, expected)
 
@@ -112,7 +112,7 @@ def linear_cross_entropy(call, impl, hidden, weight_shard, target, bias_shard, g
     probabilities."""
     layout = vocab_layout(weight_shard.shape[0], vocab_start_index, group, hidden.device, probabilities=target)
     n = math.prod(call.lead)
-    loss_rows, lse, predicted, expected = _LinearSoftCE.apply(
+    loss_rows, lse, predicted, expected = _LinearProbsCE.apply(
         hidden.reshape(n, hidden.shape[-1]), weight_shard, bias_shard, call.target, call.class_weights, layout,
         call.opts, call.head.rows, call.head.accum_dtype, impl, call.return_stats)
     return _finish(call, loss_rows, lse, predicted, expected)

@@ -1,4 +1,4 @@
-"""``method="tiled"`` with probability ("soft") targets, in plain PyTorch: the LM head + the loss of ``soft_launch.py``
+"""``method="tiled"`` with probability ("soft") targets, in plain PyTorch: the LM head + the loss of ``probs_launch.py``
 on blocks of tokens x vocabulary (``tuning.tile_sizes``: fewer than V logits a block), the target read block by
 block alongside the weight; never a tensor of V or more elements besides the weight, its gradient, the bias and the
 target itself."""
@@ -26,7 +26,7 @@ def _mixed_block(q: torch.Tensor, w: Opt, opts: LossOptions, n_classes: int) -> 
     return u if w is None else u.mul_(w)
 
 
-def soft_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q: torch.Tensor, w: Opt,
+def probs_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q: torch.Tensor, w: Opt,
                        opts: LossOptions, stats: bool):
     """``(loss, lse, lse_lo, a, predicted)`` per token of ``hidden`` (n, H) against ``q`` (n, V): fp32 (n,) each (loss
     without the z-loss; ``a`` = A), predicted the first argmax of the raw logits (int64) or None without ``stats``."""
@@ -78,7 +78,7 @@ def soft_tiled_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q:
     return loss, lse, lse_lo, a_all, predicted
 
 
-def soft_tiled_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q: torch.Tensor, w: Opt,
+def probs_tiled_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, q: torch.Tensor, w: Opt,
                         lse: torch.Tensor, lse_lo: torch.Tensor, a: torch.Tensor, grad_row: torch.Tensor,
                         grad_lse: Opt, opts: LossOptions, needs, accum_dtype: torch.dtype):
     """``(grad_hidden, grad_weight, grad_bias)`` of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i`` (None

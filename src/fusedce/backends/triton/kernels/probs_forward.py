@@ -7,7 +7,7 @@ from .row_math import z_block
 
 
 @triton.jit
-def soft_target_block(q_ptr, weight_ptr, cols, mask, n_cols, scalars, FLAGS: tl.constexpr):
+def probs_target_block(q_ptr, weight_ptr, cols, mask, n_cols, scalars, FLAGS: tl.constexpr):
     """``u = w ((1 - eps) q + eps / V)`` of one block of target columns, fp32, exactly 0 on masked
     columns (shared with the backward)."""
     u = tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -20,7 +20,7 @@ def soft_target_block(q_ptr, weight_ptr, cols, mask, n_cols, scalars, FLAGS: tl.
 
 
 @triton.jit
-def soft_forward_kernel(
+def probs_forward_kernel(
     # pointers
     logits_ptr,       # [n_rows, n_cols] fp32/bf16/fp16, last dim contiguous
     q_ptr,            # [n_rows, n_cols] fp32/bf16/fp16 target probabilities, last dim contiguous
@@ -58,7 +58,7 @@ def soft_forward_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
         x, z = z_block(row_ptr, cols, mask, scalars, FLAGS)
-        u = soft_target_block(q_row_ptr, weight_ptr, cols, mask, n_cols, scalars, FLAGS)
+        u = probs_target_block(q_row_ptr, weight_ptr, cols, mask, n_cols, scalars, FLAGS)
         # while every logit so far is -inf the shift is 0: the sums hold only exact zeros or -inf
         # terms, which re-basing leaves as they are
         m_new, shift = softmax_shift(m, z, 0)

@@ -1,5 +1,5 @@
-"""Launchers of the probability-target kernels (``kernels/soft_forward.py``, ``kernels/soft_backward.py``): validate ->
-launch into caller-supplied buffers; no allocation, no sync."""
+"""Launchers of the probability-target kernels (``kernels/probs_forward.py``, ``kernels/probs_backward.py``):
+validate -> launch into caller-supplied buffers; no allocation, no sync."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,13 +8,13 @@ import torch
 import triton
 
 from fusedce.core.options import LossOptions
-from .kernels.soft_backward import soft_backward_kernel
-from .kernels.soft_forward import soft_forward_kernel
+from .kernels.probs_backward import probs_backward_kernel
+from .kernels.probs_forward import probs_forward_kernel
 from .launch import INTERPRETED, _align
 from .tuning import backward_config, forward_config
 
 
-def soft_forward_launch(logits: torch.Tensor, q: torch.Tensor, weight: Optional[torch.Tensor], opts: LossOptions,
+def probs_forward_launch(logits: torch.Tensor, q: torch.Tensor, weight: Optional[torch.Tensor], opts: LossOptions,
                         loss: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor, a: torch.Tensor,
                         predicted: Optional[torch.Tensor]):
     """``(kernel, grid, args, meta)`` of the forward: one program per row."""
@@ -25,10 +25,10 @@ def soft_forward_launch(logits: torch.Tensor, q: torch.Tensor, weight: Optional[
     align = _align(min(logits.element_size(), q.element_size()), n_cols, logits.stride(0), q.stride(0))
     meta = dict(BLOCK_V=cfg["BLOCK_V"], ALIGN=align, FLAGS=opts.kernel_flags(weight is not None),
                 COMPUTE_STATS=predicted is not None, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
-    return soft_forward_kernel, (n_rows,), args, meta
+    return probs_forward_kernel, (n_rows,), args, meta
 
 
-def soft_backward_launch(logits: torch.Tensor, q: torch.Tensor, weight: Optional[torch.Tensor], lse: torch.Tensor,
+def probs_backward_launch(logits: torch.Tensor, q: torch.Tensor, weight: Optional[torch.Tensor], lse: torch.Tensor,
                          lse_lo: torch.Tensor, a: torch.Tensor, grad_row: torch.Tensor,
                          grad_lse: Optional[torch.Tensor], opts: LossOptions, grad: torch.Tensor):
     """``(kernel, grid, args, meta)`` of the backward: a (row, vocabulary block) grid."""
@@ -45,10 +45,10 @@ def soft_backward_launch(logits: torch.Tensor, q: torch.Tensor, weight: Optional
                 HAS_GRAD_LSE=has_grad_lse, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     if INTERPRETED and grad.dtype == torch.bfloat16:
         meta["ROUND_BF16"] = True
-    return soft_backward_kernel, (n_rows, triton.cdiv(n_cols, cfg["BLOCK_V"])), args, meta
+    return probs_backward_kernel, (n_rows, triton.cdiv(n_cols, cfg["BLOCK_V"])), args, meta
 
 
-def soft_forward(logits: torch.Tensor, q: torch.Tensor, weight: Optional[torch.Tensor], opts: LossOptions,
+def probs_forward(logits: torch.Tensor, q: torch.Tensor, weight: Optional[torch.Tensor], opts: LossOptions,
                  loss: torch.Tensor, lse: torch.Tensor, lse_lo: torch.Tensor, a: torch.Tensor,
                  predicted: Optional[torch.Tensor]) -> None:
     """Fill ``loss`` (cross-entropy without z-loss), ``lse``, ``lse_lo``, ``a`` ((BT,) fp32 contiguous)
@@ -56,11 +56,11 @@ def soft_forward(logits: torch.Tensor, q: torch.Tensor, weight: Optional[torch.T
     stride 1 each; ``weight`` (V,) contiguous or None)."""
     if logits.shape[0] == 0:
         return
-    kernel, grid, args, meta = soft_forward_launch(logits, q, weight, opts, loss, lse, lse_lo, a, predicted)
+    kernel, grid, args, meta = probs_forward_launch(logits, q, weight, opts, loss, lse, lse_lo, a, predicted)
     kernel[grid](*args, **meta)
 
 
-def soft_backward(logits: torch.Tensor, q: torch.Tensor, weight: Optional[torch.Tensor], lse: torch.Tensor,
+def probs_backward(logits: torch.Tensor, q: torch.Tensor, weight: Optional[torch.Tensor], lse: torch.Tensor,
                   lse_lo: torch.Tensor, a: torch.Tensor, grad_row: torch.Tensor, grad_lse: Optional[torch.Tensor],
                   opts: LossOptions, grad: torch.Tensor) -> None:
     """Write d(sum_i grad_row[i] loss_i + grad_lse[i] lse_i)/d logits into ``grad`` ((BT, V), last dim
@@ -68,6 +68,6 @@ def soft_backward(logits: torch.Tensor, q: torch.Tensor, weight: Optional[torch.
     stride."""
     if logits.shape[0] == 0 or logits.shape[1] == 0:
         return
-    kernel, grid, args, meta = soft_backward_launch(logits, q, weight, lse, lse_lo, a, grad_row, grad_lse, opts,
+    kernel, grid, args, meta = probs_backward_launch(logits, q, weight, lse, lse_lo, a, grad_row, grad_lse, opts,
                                                     grad)
     kernel[grid](*args, **meta)

@@ -1,5 +1,5 @@
-"""``linear_cross_entropy`` with probability targets after ``ce/checks.py``: the soft heads (``lm_head/soft_loop.py``)
-through the heads' autograd skeleton (``docs/internals.md``, "``ce/linear_soft.py``")."""
+"""``linear_cross_entropy`` with probability targets after ``ce/checks.py``: the soft heads (``lm_head/probs_loop.py``)
+through the heads' autograd skeleton (``docs/internals.md``, "``ce/linear_probs.py``")."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +7,7 @@ import torch
 from fusedce import backends
 from fusedce.core import reduction as red
 from fusedce.lm_head.head import LinearHeadFunction
-from fusedce.lm_head.soft_loop import make_soft_head
+from fusedce.lm_head.probs_loop import make_probs_head
 
 
 def linear_cross_entropy(call, hidden, weight, bias):
@@ -21,7 +21,7 @@ def linear_cross_entropy(call, hidden, weight, bias):
     if scales is None:
         one = torch.ones((), device=hidden.device)
         scales = red.MeanScales(one, one)
-    head = make_soft_head(backends.named(call.backend), spec.method, n, hidden.shape[-1], weight.shape[0], spec.rows,
+    head = make_probs_head(backends.named(call.backend), spec.method, n, hidden.shape[-1], weight.shape[0], spec.rows,
                           hidden.device.type, spec.logits)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and any(needs):

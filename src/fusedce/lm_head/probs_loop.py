@@ -1,6 +1,6 @@
-"""The LM head with probability targets (``ce/linear_soft.py``): ``SoftChunkedHead`` (the kind ``probs``, the
-backend's probability-target row ops per chunk; 3 matmuls per token) and ``SoftTiledHead``
-(``backends/pytorch/soft_tiled.py`` on every backend; 4). ``forward -> (loss, lse, lse_lo, a, predicted)``
+"""The LM head with probability targets (``ce/linear_probs.py``): ``ProbsChunkedHead`` (the kind ``probs``, the
+backend's probability-target row ops per chunk; 3 matmuls per token) and ``ProbsTiledHead``
+(``backends/pytorch/probs_tiled.py`` on every backend; 4). ``forward -> (loss, lse, lse_lo, a, predicted)``
 (``a = sum_c w_c q'_c``), ``grads`` -> the same five plus the three gradients. Design: ``docs/lm_head.md``."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from fusedce.backends.pytorch.custom_ops import soft_tiled_backward, soft_tiled_forward
+from fusedce.backends.pytorch.custom_ops import probs_tiled_backward, probs_tiled_forward
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import grad_lse
 from . import kinds, loop
@@ -16,19 +16,19 @@ from .kinds import Args, loss_args, register
 from .loop import f32, grads_fake, or_empty, rows_of
 from .head import resolve_method
 
-_OP_NAMESPACES = {"torch": "fusedce_torch", "triton": "fusedce"}   # backends/*/soft_targets.py
+_OP_NAMESPACES = {"torch": "fusedce_torch", "triton": "fusedce"}   # backends/*/probs_targets.py
 
 
-def soft_ops(impl):
+def probs_ops(impl):
     """``(forward, backward_inplace)``: the backend's probability-target row ops (torch custom ops); ``impl``
     the backend package (its ``NAME``)."""
     ns = getattr(torch.ops, _OP_NAMESPACES[impl.NAME])
-    return ns.soft_ce_forward, ns.soft_ce_backward_inplace
+    return ns.probs_ce_forward, ns.probs_ce_backward_inplace
 
 
 @register("probs")
 class _Probs:
-    """Probability targets: per chunk the backend's ``soft_ce_forward`` / ``soft_ce_backward_inplace`` ops on
+    """Probability targets: per chunk the backend's ``probs_ce_forward`` / ``probs_ce_backward_inplace`` ops on
     ``(logits_c, q[c])``. Tensors ``hidden, weight, bias, q, w`` (the backward's then ``grad_row, z_grad_row,
     lse, lse_lo, a``: ``lse`` None to run the forward too); ints ``ignore_index, chunk_size, stats`` (the
     backward's then ``needs`` x3); words ``backend,logits``; the backward's dtype the accumulation's. Outputs
@@ -38,7 +38,7 @@ class _Probs:
     def _setup(a: Args):
         ns = getattr(torch.ops, _OP_NAMESPACES[a.word(0)])
         rows = rows_of(a.i[1], a.t[0], a.t[1])
-        return ns.soft_ce_forward, ns.soft_ce_backward_inplace, rows, a.word(1), a.opts(), bool(a.i[2])
+        return ns.probs_ce_forward, ns.probs_ce_backward_inplace, rows, a.word(1), a.opts(), bool(a.i[2])
 
     @staticmethod
     def _rows(hidden, k: int, stats: bool) -> list:
@@ -110,7 +110,7 @@ class _ProbsRows:
         return (loss, lse, lse_lo, predicted, None, a, *grads)
 
 
-class SoftChunkedHead(_ProbsRows):
+class ProbsChunkedHead(_ProbsRows):
     """``method="chunked"``: the kind ``probs`` (``kinds.py``: one node per loop whatever
     the token count; ``chunk_size`` None for the rule)."""
     grads_in_forward = True
@@ -137,25 +137,25 @@ class SoftChunkedHead(_ProbsRows):
         return (loss, lse_o, lo_o, a_o, predicted if stats else None, *grads)
 
 
-class SoftTiledHead(_ProbsRows):
+class ProbsTiledHead(_ProbsRows):
     grads_in_forward = False
 
     def forward(self, hidden, weight, bias, q, w, opts: LossOptions, stats: bool):
-        return soft_tiled_forward(hidden, weight, bias, q, w, opts, stats)
+        return probs_tiled_forward(hidden, weight, bias, q, w, opts, stats)
 
     def grads(self, hidden, weight, bias, q, w, opts: LossOptions, grad_row, z_grad_row, needs, accum_dtype,
               saved=None, stats: bool = False):
         if saved is None:
-            raise AssertionError("SoftTiledHead.grads recomputes from a forward's saved statistics")
+            raise AssertionError("ProbsTiledHead.grads recomputes from a forward's saved statistics")
         lse, lse_lo, a = saved
-        grads = soft_tiled_backward(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row,
+        grads = probs_tiled_backward(hidden, weight, bias, q, w, lse, lse_lo, a, grad_row,
                                                grad_lse(lse, z_grad_row, opts), opts, needs, accum_dtype)
         return (None, lse, lse_lo, a, None, *grads)
 
 
-def make_soft_head(impl, method: str, n_rows: int, hidden_size: int, vocab_size: int,
+def make_probs_head(impl, method: str, n_rows: int, hidden_size: int, vocab_size: int,
                    chunk_size: Optional[int], device_type: str, logits: str = "float32"):
     """The head for ``method`` ("auto" resolved by ``head.resolve_method``)."""
     if resolve_method(method) == "tiled":
-        return SoftTiledHead()
-    return SoftChunkedHead(impl, chunk_size, logits)   # rows decided inside the loop's op
+        return ProbsTiledHead()
+    return ProbsChunkedHead(impl, chunk_size, logits)   # rows decided inside the loop's op

@@ -14,17 +14,17 @@ from fusedce.core.options import LossOptions
 from fusedce.core.row_math import two_sum
 from fusedce.distributed.argmax_key import EMPTY_KEY, pack_max_key, unpack_max_key
 from fusedce.distributed.layout import VocabLayout
-from fusedce.lm_head.soft_loop import soft_ops
+from fusedce.lm_head.probs_loop import probs_ops
 
 LOSS, MASS, EXP, SHIFT = 0, 1, 2, 3   # the columns of the SUM
 
 
-class SoftSlice:
+class ProbsSlice:
     """The backend's probability-target ops on this rank's slice, with the slice's smoothing (module
     docstring): ``opts`` the slice's options, ``scale`` = s."""
 
     def __init__(self, impl, layout: VocabLayout, opts: LossOptions):
-        self.forward_op, self.backward_op = soft_ops(impl)
+        self.forward_op, self.backward_op = probs_ops(impl)
         self.layout, self.scale, self.opts = layout, 1.0, opts
         eps = opts.label_smoothing
         if eps > 0.0 and layout.size > 0:
@@ -32,7 +32,7 @@ class SoftSlice:
             self.scale = 1.0 / ((1.0 - eps) + eps * f)
             self.opts = dataclasses.replace(opts, label_smoothing=min(1.0, self.scale * eps * f))
 
-    def fill(self, p: "SoftPartials", rows: slice, x: torch.Tensor, q: torch.Tensor, w: Optional[torch.Tensor]):
+    def fill(self, p: "ProbsPartials", rows: slice, x: torch.Tensor, q: torch.Tensor, w: Optional[torch.Tensor]):
         """Write the partial statistics of the slice logits ``x`` ((n_c, V_r), before the logit transform)
         and targets ``q`` ((n_c, V_r)) into ``p``'s rows ``rows``."""
         if self.layout.size == 0:   # nothing to contribute: sums 0, lse -inf, keys lose the MAX
@@ -65,7 +65,7 @@ class SoftSlice:
 
 
 @dataclass
-class SoftPartials:
+class ProbsPartials:
     """This rank's per-row statistics: the slice's lse pair ``lse`` / ``lo``, ``sums`` (n, 4) fp32 and the argmax
     ``keys`` (n, 2) int64 (None without stats)."""
 
@@ -75,14 +75,14 @@ class SoftPartials:
     keys: Optional[torch.Tensor]
 
     @classmethod
-    def allocate(cls, n: int, stats: bool, device: torch.device) -> "SoftPartials":
+    def allocate(cls, n: int, stats: bool, device: torch.device) -> "ProbsPartials":
         f32 = dict(dtype=torch.float32, device=device)
         return cls(lse=torch.empty(n, **f32), lo=torch.empty(n, **f32), sums=torch.zeros(n, 4, **f32),
                    keys=torch.empty(n, 2, dtype=torch.int64, device=device) if stats else None)
 
 
 @dataclass
-class SoftRows:
+class ProbsRows:
     """Per-row results on the global vocabulary, the same on every rank: ``loss`` without z-loss, the lse pair,
     ``mass`` and the global argmaxes ``predicted`` / ``expected`` (None without stats)."""
 
@@ -94,7 +94,7 @@ class SoftRows:
     expected: Optional[torch.Tensor]
 
 
-def exchange_soft(p: SoftPartials, layout: VocabLayout) -> SoftRows:
+def exchange_soft(p: ProbsPartials, layout: VocabLayout) -> ProbsRows:
     """The collectives on ``p`` (modified in place) and the global per-row loss (module docstring)."""
     n = p.lse.shape[0]
     gmax = p.lse.clone()
@@ -115,5 +115,5 @@ def exchange_soft(p: SoftPartials, layout: VocabLayout) -> SoftRows:
     log_s = torch.log(s[:, EXP])
     lse, lse_lo = two_sum(gmax, log_s)
     loss = s[:, LOSS] + s[:, SHIFT] + s[:, MASS] * log_s
-    return SoftRows(loss=loss, lse=lse, lse_lo=lse_lo, mass=s[:, MASS].clone(), predicted=predicted,
+    return ProbsRows(loss=loss, lse=lse, lse_lo=lse_lo, mass=s[:, MASS].clone(), predicted=predicted,
                     expected=expected)
