@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedce.backends.pytorch import launch as block_threads
+from fusedce.backends.pytorch import launch
 from fusedce.backends.pytorch import tuning as torch_tuning
 from fusedce.core.autocast import backward_formula
 from fusedce.core.autograd_checks import check_backward_allowed
@@ -72,7 +72,7 @@ def _forward(block_logits, ids, n: int, n_classes: int, opts: LossOptions, devic
                 mtr, str_ = _merge(mtr, str_, qt)
             m[r], s[r], mt[r], st[r] = mr, sr, mtr, str_
 
-    block_threads.run(share, len(row_blocks), device)
+    launch.run(share, len(row_blocks), device)
     return m, s, mt, st
 
 
@@ -109,7 +109,7 @@ def _logits_grad(logits, ids, m, s, mt, st, g, opts: LossOptions):
             for v in vocab_blocks:
                 grad[r, v] = _block_grad(block, ids, r, v, g, lse, lse_t, opts).to(grad.dtype)
 
-    block_threads.run(share, len(row_blocks), logits.device)
+    launch.run(share, len(row_blocks), logits.device)
     return grad
 
 
@@ -141,15 +141,12 @@ def _head_grads(hidden, weight, bias, ids, m, s, mt, st, g, opts: LossOptions, w
                     g_b[v] += dx.sum(0)
         return acc_h
 
-    parts = block_threads.run(share, len(vocab_blocks), hidden.device)
-    for part in parts[1:]:   # the other shares' grad_hidden, added in a fixed order (deterministic)
-        if part is not None:
-            g_h += part
+    g_h = launch.add_shares(g_h, launch.run(share, len(vocab_blocks), hidden.device))
     return g_h, g_w, g_b
 
 
 # ---------------------------------------------------------------- the loops as kinds (``lm_head/kinds.py``)
-# Traced, the loops' ``block_threads`` hit ``torch.is_inference_mode_enabled`` (Dynamo refused the graph), and a
+# Traced, the loops' ``launch.run`` hits ``torch.is_inference_mode_enabled`` (Dynamo refused the graph), and a
 # loop over the token count would specialize the graph on it: each is a kind of the two loop ops.
 
 def _stats_fake(a: Args) -> list:

@@ -16,8 +16,9 @@ from fusedce.distributed import sampled_rows as sr
 from fusedce.distributed.exchange import sum_over_ranks_
 from fusedce.distributed.layout import VocabLayout
 from fusedce.lm_head import loop
-from fusedce.lm_head.head import compact_rows, scatter_rows
+from fusedce.lm_head.head import compact_rows
 from fusedce.rl import truncated_rows as tr
+from fusedce.rl.linear_head import scatter_outputs
 
 NAME = "fusedce.distributed.vocab_parallel_linear_token_log_probs"
 
@@ -109,9 +110,4 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     log_probs, entropy, *stats = _SampledLinearLogProbs.apply(
         hidden, weight, bias, target, top_k, top_p, layout, opts, max(1, _rows(chunk_size, hidden, layout)), logits,
         want_entropy, want_stats, needs)
-    log_probs = scatter_rows(log_probs, index, n, 0.0)
-    if want_entropy:
-        entropy = scatter_rows(entropy, index, n, 0.0)
-    if want_stats:
-        stats = [scatter_rows(v, index, n, fill) for v, fill in zip(stats, (0.0, 0.0, False))]
-    return (log_probs, entropy, *stats)
+    return scatter_outputs(log_probs, entropy, stats, index, n, want_entropy, want_stats)

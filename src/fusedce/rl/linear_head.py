@@ -127,6 +127,11 @@ def linear_token_log_probs(ce: ChunkCE, hidden, weight, target, bias, opts: Loss
     if batch_invariant:   # the padding rows dropped (a no-op slice without padding; no traced size test)
         log_probs, entropy = log_probs[:kept], entropy[:kept] if want_entropy else entropy
         stats = [v[:kept] for v in stats] if want_stats else stats
+    return scatter_outputs(log_probs, entropy, stats, index, n, want_entropy, want_stats)
+
+
+def scatter_outputs(log_probs, entropy, stats, index, n: int, want_entropy: bool, want_stats: bool) -> tuple:
+    """The compacted rows' ``(log_probs, entropy, *stats)`` back at their ``n`` rows (0 / False elsewhere)."""
     log_probs = scatter_rows(log_probs, index, n, 0.0)
     if want_entropy:
         entropy = scatter_rows(entropy, index, n, 0.0)

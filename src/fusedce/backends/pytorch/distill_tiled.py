@@ -138,7 +138,5 @@ def _gradients(hs, ws, bs, target, valid_all, grad_factor, lse_s, lse_t, lse_1, 
                     g_b[cols] += dz.sum(dim=0)
         return acc_h
 
-    partial_h = launch.run(vocab_blocks, -(-n_classes // tile_vocab), dev)
-    for part in partial_h[1:]:   # the other shares' grad_h, added in a fixed order (deterministic)
-        g_h += part
+    g_h = launch.add_shares(g_h, launch.run(vocab_blocks, -(-n_classes // tile_vocab), dev))
     return (g_h if fp32 else g_h.to(hs.dtype)), g_w, g_b

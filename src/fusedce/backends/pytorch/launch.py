@@ -16,6 +16,14 @@ from .tuning import chunk_rows, cpu_block_rows
 _LOCK = threading.Lock()
 
 
+def add_shares(total: Optional[torch.Tensor], shares: List) -> Optional[torch.Tensor]:
+    """``total`` (share 0's partial sum) plus every other share's, in share order: deterministic."""
+    for part in shares[1:]:
+        if part is not None:
+            total += part
+    return total
+
+
 def _no_grad(work: Callable, k: int, n: int, inference: bool = False):
     """``work(k, n)`` with grad mode off and the caller's inference mode (both per thread)."""
     with torch.inference_mode(inference), torch.no_grad():

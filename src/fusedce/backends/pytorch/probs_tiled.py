@@ -114,10 +114,7 @@ def probs_tiled_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, 
             block.store()
         return acc_h
 
-    partial_h = launch.run(vocab_blocks, -(-n_classes // tile_vocab), dev)
-    for part in partial_h[1:]:   # the other shares' grad_h, added in a fixed order (deterministic)
-        if part is not None:
-            grad_h += part
+    grad_h = launch.add_shares(grad_h, launch.run(vocab_blocks, -(-n_classes // tile_vocab), dev))
     if grad_h is not None and not fp32:
         grad_h = grad_h.to(hidden.dtype)
     return grad_h, grad_w, grad_b
