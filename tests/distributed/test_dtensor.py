@@ -126,25 +126,30 @@ def test_a_vocabulary_shard_without_a_vocab_parallel_form_raises(mesh):
                                          target, backend="torch")
 
 
-def test_top_k_top_p_with_a_vocabulary_shard_are_refused_by_name(mesh):
-    """``top_k`` / ``top_p`` on a vocabulary-sharded DTensor (logits ``Shard(-1)``, head ``Shard(0)``): the
-    sampler's kept set needs a global threshold the vocabulary-parallel ops do not compute, so a
-    ``ValueError`` naming the keyword and the way out (the full tensor), scalar or per-row; the "off" values
-    (``top_k=0``, ``top_p=1.0``, None) run the vocabulary-parallel form with the plain op's values. Before:
-    a bare ``TypeError`` (the forms have no such keyword)."""
+def test_top_k_top_p_with_a_vocabulary_shard(mesh):
+    """``top_k`` / ``top_p`` on a vocabulary-sharded DTensor: a ``Shard(0)`` head runs the vocabulary-parallel
+    LM-head form, which computes the global threshold (equal to the op on the full head, scalar or per-row, with
+    ``logits_dtype`` and the statistics); ``Shard(-1)`` logits, whose form has no threshold, are a
+    ``ValueError`` naming the keyword and the way out; the "off" values (``top_k=0``, ``top_p=1.0``, None) run
+    the vocabulary-parallel form with the plain op's values."""
     hidden, weight, target = torch.randn(BT, H), torch.randn(V, H) * 0.5, _target()
     logits = dt.distribute_tensor(hidden @ weight.t(), mesh, [dt.Shard(1)])
     head = dt.distribute_tensor(weight, mesh, [dt.Shard(0)])
     per_row_k, per_row_p = torch.full((BT,), 5), torch.full((BT,), 0.9)
-    calls = {"top_k": (lambda: fusedce.token_log_probs(logits, target, top_k=5),
-                       lambda: fusedce.linear_token_log_probs(hidden, head, target, top_k=per_row_k)),
-             "top_p": (lambda: fusedce.token_log_probs(logits, target, top_p=per_row_p, return_entropy=True),
-                       lambda: fusedce.linear_token_log_probs(hidden, head, target, top_k=0, top_p=0.5))}
-    for name, pair in calls.items():
-        for call in pair:
-            with pytest.raises(ValueError, match=rf"{name}.*vocabulary-sharded DTensor") as info:
-                call()
-            assert "full_tensor()" in str(info.value) and "global threshold" in str(info.value)
+    for name, call in {"top_k": lambda: fusedce.token_log_probs(logits, target, top_k=5),
+                       "top_p": lambda: fusedce.token_log_probs(logits, target, top_p=per_row_p,
+                                                                return_entropy=True)}.items():
+        with pytest.raises(ValueError, match=rf"{name}.*vocabulary-sharded DTensor") as info:
+            call()
+        assert "full_tensor()" in str(info.value) and "global threshold" in str(info.value)
+    for kw in (dict(top_k=per_row_k), dict(top_k=0, top_p=0.5), dict(top_k=3, return_entropy=True),
+               dict(top_p=0.9, logits_dtype="input", return_entropy=True), dict(return_stats=True)):
+        got = fusedce.linear_token_log_probs(hidden, head, target, backend="torch", **kw)
+        want = fusedce.linear_token_log_probs(hidden, weight, target, backend="torch", **kw)
+        for g, w in zip(got if isinstance(want, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert (g is None) == (w is None)
+            if w is not None:
+                torch.testing.assert_close(g.to_local(), w, rtol=0, atol=2e-5, equal_nan=True)
     plain = fusedce.token_log_probs(hidden @ weight.t(), target, backend="torch")
     for off in (dict(top_k=0), dict(top_p=1.0), dict(top_k=None, top_p=None)):
         out = fusedce.token_log_probs(logits, target, backend="torch", **off)

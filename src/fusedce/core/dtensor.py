@@ -73,7 +73,7 @@ def _vocab_parallel_call(fn, named: dict, dtensor):
             raise ValueError(f"fusedce.{fn.__name__}: the LM head is sharded over the vocabulary, so {name} must be "
                              f"sharded the same way (a DTensor placed Shard({vocab_dim}) on mesh dimension "
                              f"{next(iter(dims))}), or None")
-    _pop_unsupported(named, fn.__name__)
+    _pop_unsupported(named, fn.__name__, set(inspect.signature(form).parameters))
     dim = next(iter(dims))
     local = {shards[k][0] if k in shards else k: (v.to_local() if isinstance(v, dtensor) else v)
              for k, v in named.items()}
@@ -83,16 +83,17 @@ def _vocab_parallel_call(fn, named: dict, dtensor):
     return _wrap(out, mesh, dtensor)
 
 
-def _pop_unsupported(named: dict, op: str) -> None:
-    """Drop the single-process keywords the vocabulary-parallel forms honour by default; other values:
-    ``ValueError`` naming the keyword."""
+def _pop_unsupported(named: dict, op: str, takes: set) -> None:
+    """Drop the single-process keywords the vocabulary-parallel form (its parameters ``takes``) does not take
+    when they hold their defaults; other values: ``ValueError`` naming the keyword."""
     refused = {"method": (("auto", "chunked"), "the vocabulary-parallel linear ops are chunked"),
                "logits_dtype": (("float32",), "the vocabulary-parallel linear ops form fp32 logits"),
                "batch_invariant": ((False,), "the vocabulary-parallel ops do not make a row's results "
                                    "independent of the batch (their chunks and collectives depend on it)")}
-    _pop_truncation(named, op)
+    if "top_k" not in takes:
+        _pop_truncation(named, op)
     for name, (accepted, why) in refused.items():
-        if name in named:
+        if name in named and name not in takes:
             value = named.pop(name)
             if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
                 raise ValueError(f"fusedce.{op}: {name}={value!r} with a vocabulary-sharded DTensor: {why}; pass "
@@ -109,9 +110,10 @@ def _pop_truncation(named: dict, op: str) -> None:
             continue
         shown = f"a per-row tensor {name}" if isinstance(value, torch.Tensor) else f"{name}={value!r}"
         raise ValueError(f"fusedce.{op}: {shown} with a vocabulary-sharded DTensor: the sampler's kept set needs a "
-                         f"global threshold over the whole vocabulary, which the vocabulary-parallel ops do not "
-                         f"compute; pass the full logits or head for {name} (x.full_tensor(), or "
-                         f"x.redistribute(mesh, [Replicate()])), or omit {name} (None: the full softmax)")
+                         f"global threshold over the whole vocabulary, which only the LM-head form computes "
+                         f"(linear_token_log_probs with a Shard(0) head); pass the full logits for {name} "
+                         f"(x.full_tensor(), or x.redistribute(mesh, [Replicate()])), or omit {name} (None: the "
+                         f"full softmax)")
 
 
 def _local_columns(target, sharded: dict, shards: dict, mesh, dim: int, dtensor):
