@@ -341,3 +341,11 @@ def test_unpatch_names_itself_for_a_model_that_is_not_a_gpt_model():
     """Fresh-user finding: ``unpatch_megatron`` on another module said "fusedce.patch_megatron expects"."""
     with pytest.raises(TypeError, match=r"^fusedce\.unpatch_megatron expects a megatron\.core GPTModel"):
         fusedce.unpatch_megatron(torch.nn.Linear(2, 2))
+
+
+def test_token_log_probs_names_itself_for_a_model_that_is_not_a_gpt_model():
+    """Fresh-user finding: ``megatron_token_log_probs`` on another module said "fusedce.patch_megatron expects"."""
+    from fusedce.integrations.megatron import megatron_token_log_probs
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"^fusedce\.integrations\.megatron\.megatron_token_log_probs expects a "):
+        megatron_token_log_probs(torch.nn.Linear(2, 2), ids, None, None, ids)

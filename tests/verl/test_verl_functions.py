@@ -182,8 +182,11 @@ def test_options_from_the_environment(plugin, monkeypatch):
                         ("batch_invariant=maybe", "batch_invariant must be"), ("colour=red", "unknown option 'colour'"),
                         ("top_p", "not name=value"), ("chunk_size=0", "chunk_size must be")]:
         monkeypatch.setenv("FUSEDCE_VERL", text)
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=match) as info:
             plugin.options.load_env()
+        assert "$FUSEDCE_VERL" in str(info.value), info.value   # where the value came from
+    with pytest.raises(ValueError, match=r"chunk_size must be an int >= 1 \(or None\), got 0"):
+        plugin.options.configure(chunk_size=0)   # its own words only (it named top_k's "off" values)
     with pytest.raises(ValueError, match="logits_dtype must be"):
         plugin.options.configure(logits_dtype="bf16")
 

@@ -43,7 +43,7 @@ def megatron_token_log_probs(model: nn.Module, input_ids: torch.Tensor, position
         The errors of :func:`fusedce.patch_megatron` and of ``vocab_parallel_linear_token_log_probs``;
         ``ValueError`` for a model with MTP heads.
     """
-    gpt = gpt_model(model)
+    gpt = gpt_model(model, caller="fusedce.integrations.megatron.megatron_token_log_probs")
     temporary = patched_state(gpt) is None
     if temporary:
         patch_megatron(gpt)

@@ -38,8 +38,8 @@ def _check(name: str, value):
         if name == "top_k" and value is not None and value in (-1, 0):
             value = None
         if value is not None and value < 1:
-            raise ValueError(f"fusedce.integrations.verl: {name} must be an int >= 1 (or None; top_k also -1 / 0 "
-                             f"for off, as verl's rollout config), got {value!r}")
+            off = " or -1 / 0 for off, as verl's rollout config" if name == "top_k" else ""
+            raise ValueError(f"fusedce.integrations.verl: {name} must be an int >= 1 (or None{off}), got {value!r}")
     elif name == "top_p":
         value = _number(name, value, float)
         if value is not None and not (0.0 < value <= 1.0 and math.isfinite(value)):
@@ -73,7 +73,10 @@ def parse(text: str) -> dict:
         name, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"${ENV}: {item!r} is not name=value (e.g. {ENV}='batch_invariant=1,top_p=0.9')")
-        found[name.strip()] = _check(name.strip(), value.strip())
+        try:
+            found[name.strip()] = _check(name.strip(), value.strip())
+        except ValueError as err:   # say where the value came from
+            raise ValueError(f"{err} (in ${ENV})") from None
     return found
 
 
