@@ -255,3 +255,14 @@ def test_fullgraph_compile_before_the_first_labelled_call_says_how():
     finally:
         torch._dynamo.reset()
     assert_close(fused, stock(input_ids=ids, attention_mask=mask, labels=labels).loss, "loss")
+
+
+def test_float_labels_are_named_as_the_caller_gave_them():
+    """Fresh-user finding: float ``labels`` reached ``linear_cross_entropy`` and its message named its flattened
+    ``target``; now a TypeError naming ``labels``, their dtype and the caller's shape, before anything runs."""
+    model = patch_causal_lm(build("llama"))
+    ids, _mask, labels = batch()
+    for bad in (labels.float(), labels.bool()):
+        with pytest.raises(TypeError, match=rf"labels must be integer token ids .*{bad.dtype} of shape "
+                                            rf"\({ids.shape[0]}, {ids.shape[1]}\).*labels\.long\(\)"):
+            model(input_ids=ids, labels=bad)

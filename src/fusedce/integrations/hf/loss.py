@@ -21,6 +21,11 @@ def causal_loss(model: nn.Module, loss_options: dict, transform: LogitTransform,
     """``linear_cross_entropy`` (with the patch's ``loss_options``) of the head's pieces: ``hidden`` (..., H),
     ``weight`` (V, H), ``bias``, for the family's post-head ``transform``; the targets are ``labels`` shifted by one
     as Hugging Face's ``ForCausalLMLoss`` does, or ``shift_labels`` as given."""
+    for name, given in (("labels", labels), ("shift_labels", shift_labels)):
+        if isinstance(given, torch.Tensor) and (given.is_floating_point() or given.is_complex()
+                                                or given.dtype == torch.bool):
+            raise TypeError(f"{type(model).__name__}: {name} must be integer token ids (int64 / int32), got "
+                            f"{given.dtype} of shape {tuple(given.shape)}; pass {name}.long() if they hold ids")
     options = dict(loss_options)
     if transform.softcap is not None:
         options["softcap"] = transform.softcap
