@@ -136,6 +136,10 @@ def _index_scales(call_reduction, flat_target, class_weights, opts, num_items):
 def checked_cross_entropy(logits, target, weight, *, reduction, num_items_in_batch, inplace_backward, return_stats,
                           backend, token_weights, batch_invariant, options) -> CECall:
     """``cross_entropy``'s checks (class indices or probabilities) and the target-range check's sync."""
+    if (isinstance(logits, torch.Tensor) and not logits.is_floating_point() and isinstance(target, torch.Tensor)
+            and target.is_floating_point()):
+        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}, and target is "
+                        f"{target.dtype}: logits and target swapped? cross_entropy(logits, target)")
     val.check_float("logits", logits)
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (the classes, last)")

@@ -436,3 +436,14 @@ def test_module_names_torchs_positional_size_average():
         fusedce.CrossEntropyLoss(None, True)
     with pytest.raises(TypeError, match="ignore_index must be an integer"):
         fusedce.CrossEntropyLoss(ignore_index=2.5)
+
+
+def test_swapped_logits_and_target_are_named():
+    """Fresh-user finding: ``cross_entropy(target, logits)`` said only "logits must be float"; the linear ops
+    already hinted at swapped arguments."""
+    logits, target = make_logits((4, 5), torch.float32), make_target((4,), 5)
+    with pytest.raises(TypeError, match=r"got torch\.int64, and target is torch\.float32: logits and target "
+                                        r"swapped\?"):
+        fusedce.cross_entropy(target, logits)
+    with pytest.raises(TypeError, match=r"logits must be float32, bfloat16 or float16, got torch\.int64$"):
+        fusedce.cross_entropy(target, target)   # no float target: no swap suggested
