@@ -7,7 +7,7 @@ streaming accesses are 128-bit (``v4 got/need``: the PTX's 128-bit loads, and st
 those one block of logits needs; the tiled kernels' ``mma`` column: whether ``tl.dot`` lowered to tensor-core
 instructions).
 
-What it compiles: by default a quick set (32 rows, under a minute on 2 quiet CPU cores: 23 CPU
+What it compiles: by default a quick set (32 configurations, under a minute on 2 quiet CPU cores: 23 CPU
 seconds): sm_90, V = 128256, the ``plain`` variant of every kernel (a distillation kernel's first
 divergence), bf16 and fp32. ``--all`` compiles every default arch (90, 100), vocabulary and
 representative variant (about 10 min, some 1,500 lines); ``--arch`` / ``--vocab`` / ``--kernel`` /
