@@ -106,6 +106,15 @@ def test_refusals():
         loss = fused_loss()
         loss.set_lm_head(Capped(4, V))
         loss(torch.randn(1, 8, 4), torch.zeros(1, 8, dtype=torch.long))
+    # fresh-user findings: a chunk_size of the wrong type failed only at the first call; float labels were named
+    # by the fused op's flattened target
+    for chunk in ("4", 0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"chunk_size must be an int >= 1 or None, got {chunk!r}"):
+            tt.FusedLinearCrossEntropy.Config(chunk_size=chunk).build()
+    loss = fused_loss()
+    loss.set_lm_head(torch.nn.Linear(4, V, bias=False))
+    with pytest.raises(TypeError, match=r"labels must be integer token ids .*torch\.float32 of shape \(1, 8\)"):
+        loss(torch.randn(1, 8, 4), torch.zeros(1, 8))
 
 
 def test_spmd_type_checking_is_refused():

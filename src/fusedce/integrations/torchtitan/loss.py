@@ -55,6 +55,9 @@ class FusedLinearCrossEntropy(ChunkedLossWrapper):
         if type(config.loss_fn) is not CrossEntropyLoss.Config:
             raise ValueError(f"{_WHERE}: loss_fn must be CrossEntropyLoss.Config (the fused loss is the "
                              f"cross-entropy), got {type(config.loss_fn).__name__}; use ChunkedLossWrapper for it")
+        chunk = config.chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"{_WHERE}: chunk_size must be an int >= 1 or None, got {chunk!r}")
         super().__init__(config, compile_config=compile_config)
         self.chunk_size = config.chunk_size
         self.backend = config.backend
@@ -75,6 +78,9 @@ class FusedLinearCrossEntropy(ChunkedLossWrapper):
         head_params(lm_head, _WHERE)   # its checks, before FSDP gathers anything
         hidden, hidden_dt = local_view(pred, "pred", _WHERE)
         labels_local, _ = local_view(labels, "labels", _WHERE)
+        if labels_local.is_floating_point() or labels_local.is_complex() or labels_local.dtype == torch.bool:
+            raise TypeError(f"{_WHERE}: labels must be integer token ids (int64 / int32), got {labels_local.dtype} of "
+                            f"shape {tuple(labels.shape)}; pass labels.long() if they hold ids")
         requires_grad = pred.requires_grad
         fsdp = isinstance(lm_head, FSDPModule)
         if fsdp:   # the head's parameters unsharded as FSDP hands them to its forward
