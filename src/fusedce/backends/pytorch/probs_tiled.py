@@ -11,8 +11,7 @@ import torch
 from fusedce.core.options import LossOptions
 from fusedce.core.row_math import mul_slope_, transform, two_sum
 from . import launch, tuning
-from .block_accum import VocabBlockGrads
-from .tiled import _vocab_block
+from .tiled import _vocab_block, vocab_block_backward
 
 _NEG_INF = float("-inf")
 Opt = Optional[torch.Tensor]
@@ -83,38 +82,14 @@ def probs_tiled_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt, 
                         grad_lse: Opt, opts: LossOptions, needs, accum_dtype: torch.dtype):
     """``(grad_hidden, grad_weight, grad_bias)`` of ``sum_i grad_row[i] loss_i + grad_lse[i] lse_i`` (None
     where ``needs`` says no): grad_hidden in hidden's dtype, the others in ``accum_dtype``."""
-    n, n_classes = hidden.shape[0], weight.shape[0]
-    dev = hidden.device
-    fp32 = hidden.dtype == torch.float32
-    grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if needs[0] else None
-    grad_w = torch.zeros(weight.shape, dtype=accum_dtype, device=dev) if needs[1] else None
-    grad_b = torch.zeros(n_classes, dtype=accum_dtype, device=dev) if needs[2] else None
+    n_classes = weight.shape[0]
     g_all = grad_row.float()
     factor_all = g_all * a if grad_lse is None else g_all * a + grad_lse.float()
-    tile_rows, tile_vocab = tuning.tile_sizes(n_classes)
 
-    def vocab_blocks(k, workers):   # share k: vocabulary blocks k, k + workers, ... of every row block
-        acc_h = grad_h if k == 0 or grad_h is None else torch.zeros_like(grad_h)
-        for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):   # vocabulary outer (``tiled.py``)
-            cols = slice(v0, v0 + tile_vocab)
-            w32, b32 = _vocab_block(weight, bias, cols)
-            block = VocabBlockGrads(grad_w, grad_b, cols)   # rounded to accum_dtype once (block_accum.py)
-            for r0 in range(0, n, tile_rows):
-                r = slice(r0, r0 + tile_rows)
-                h, q_r = hidden[r], q[r]
-                h32 = h if fp32 else h.float()
-                x = torch.nn.functional.linear(h32, w32, b32)
-                z = transform(x, opts)
-                u = _mixed_block(q_r[:, cols], None if w is None else w[cols], opts, n_classes)
-                p = torch.sub(z, lse[r, None]).sub_(lse_lo[r, None]).exp_()
-                dz = mul_slope_(p.mul_(factor_all[r, None]).sub_(u.mul_(g_all[r, None])), z, opts)
-                if acc_h is not None:
-                    acc_h[r].addmm_(dz, w32)
-                block.add(dz, h32)
-            block.store()
-        return acc_h
+    def dz_of(x, r, cols, v0):
+        z = transform(x, opts)
+        u = _mixed_block(q[r][:, cols], None if w is None else w[cols], opts, n_classes)
+        p = torch.sub(z, lse[r, None]).sub_(lse_lo[r, None]).exp_()
+        return mul_slope_(p.mul_(factor_all[r, None]).sub_(u.mul_(g_all[r, None])), z, opts)
 
-    grad_h = launch.add_shares(grad_h, launch.run(vocab_blocks, -(-n_classes // tile_vocab), dev))
-    if grad_h is not None and not fp32:
-        grad_h = grad_h.to(hidden.dtype)
-    return grad_h, grad_w, grad_b
+    return vocab_block_backward(hidden, weight, bias, needs, accum_dtype, tuning.tile_sizes(n_classes), dz_of)

@@ -147,42 +147,52 @@ class TorchTiledCE:
     def backward(hidden, weight, bias, target, w, weight_sum, lse, lse_lo, grad_row, grad_lse, opts: LossOptions,
                  needs, accum_dtype, grad_entropy=None, entropy=None, deterministic=False, batch_invariant=False):
         # deterministic: nothing to select, this loop has no atomics (a fixed order of torch ops)
-        n, n_classes = hidden.shape[0], weight.shape[0]
-        dev = hidden.device
-        fp32 = hidden.dtype == torch.float32
-        grad_h = None
-        if needs[0]:
-            grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)
-        grad_w = torch.zeros(weight.shape, dtype=accum_dtype, device=dev) if needs[1] else None
-        grad_b = torch.zeros(n_classes, dtype=accum_dtype, device=dev) if needs[2] else None
+        n_classes = weight.shape[0]
         valid_all = opts.kept(target)
         safe_all = torch.where(valid_all & (target >= 0) & (target < n_classes), target, 0).long()
         w_t_all = None if w is None else w[safe_all]
-        tile_rows, tile_vocab = tuning.tile_sizes(n_classes, batch_invariant)
 
-        def vocab_blocks(k, workers):   # share k: vocabulary blocks k, k + workers, ... of every row block
-            acc_h = grad_h if k == 0 or grad_h is None else torch.zeros_like(grad_h)
-            for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):   # vocabulary outer, as forward
-                cols = slice(v0, v0 + tile_vocab)
-                w32, b32 = _vocab_block(weight, bias, cols)
-                block = VocabBlockGrads(grad_w, grad_b, cols)   # rounded to accum_dtype once (block_accum.py)
-                for r0 in range(0, n, tile_rows):   # grad_h[r] still gains its blocks in order, grad_W[cols] its rows
-                    r = slice(r0, r0 + tile_rows)
-                    h, t = hidden[r], target[r]
-                    h32 = h if fp32 else h.float()
-                    x = torch.nn.functional.linear(h32, w32, b32)
-                    dz = rows_grad(x, t, None if w is None else w[cols], weight_sum, lse[r], lse_lo[r], grad_row[r],
-                                   None if grad_lse is None else grad_lse[r], opts, out=x, n_classes=n_classes,
-                                   col_start=v0, target_weight=None if w_t_all is None else w_t_all[r],
-                                   grad_entropy=None if grad_entropy is None else grad_entropy[r],
-                                   entropy=None if entropy is None else entropy[r])
-                    if acc_h is not None:
-                        acc_h[r].addmm_(dz, w32)
-                    block.add(dz, h32)
-                block.store()
-            return acc_h
+        def dz_of(x, r, cols, v0):
+            return rows_grad(x, target[r], None if w is None else w[cols], weight_sum, lse[r], lse_lo[r], grad_row[r],
+                             None if grad_lse is None else grad_lse[r], opts, out=x, n_classes=n_classes,
+                             col_start=v0, target_weight=None if w_t_all is None else w_t_all[r],
+                             grad_entropy=None if grad_entropy is None else grad_entropy[r],
+                             entropy=None if entropy is None else entropy[r])
 
-        grad_h = launch.add_shares(grad_h, launch.run(vocab_blocks, -(-n_classes // tile_vocab), dev))
-        if grad_h is not None and not fp32:
-            grad_h = grad_h.to(hidden.dtype)
-        return grad_h, grad_w, grad_b
+        return vocab_block_backward(hidden, weight, bias, needs, accum_dtype,
+                                    tuning.tile_sizes(n_classes, batch_invariant), dz_of)
+
+
+def vocab_block_backward(hidden, weight, bias, needs, accum_dtype, tiles, dz_of):
+    """``(grad_hidden, grad_weight, grad_bias)`` (None where ``needs`` says no) through the head, for the logits'
+    gradient ``dz_of(x, rows, cols, v0)`` of each block of fp32 logits ``x``: vocabulary blocks outer (shared
+    over threads, their partial hidden gradients added in a fixed order), row tiles inner; ``grad_hidden`` in
+    ``hidden``'s dtype, the others in ``accum_dtype`` (rounded once per block: ``block_accum.py``)."""
+    n, n_classes = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    fp32 = hidden.dtype == torch.float32
+    grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if needs[0] else None
+    grad_w = torch.zeros(weight.shape, dtype=accum_dtype, device=dev) if needs[1] else None
+    grad_b = torch.zeros(n_classes, dtype=accum_dtype, device=dev) if needs[2] else None
+    tile_rows, tile_vocab = tiles
+
+    def vocab_blocks(k, workers):   # share k: vocabulary blocks k, k + workers, ... of every row block
+        acc_h = grad_h if k == 0 or grad_h is None else torch.zeros_like(grad_h)
+        for v0 in range(k * tile_vocab, n_classes, workers * tile_vocab):   # vocabulary outer, as forward
+            cols = slice(v0, v0 + tile_vocab)
+            w32, b32 = _vocab_block(weight, bias, cols)
+            block = VocabBlockGrads(grad_w, grad_b, cols)
+            for r0 in range(0, n, tile_rows):   # grad_h[r] still gains its blocks in order, grad_W[cols] its rows
+                r = slice(r0, r0 + tile_rows)
+                h32 = hidden[r] if fp32 else hidden[r].float()
+                dz = dz_of(torch.nn.functional.linear(h32, w32, b32), r, cols, v0)
+                if acc_h is not None:
+                    acc_h[r].addmm_(dz, w32)
+                block.add(dz, h32)
+            block.store()
+        return acc_h
+
+    grad_h = launch.add_shares(grad_h, launch.run(vocab_blocks, -(-n_classes // tile_vocab), dev))
+    if grad_h is not None and not fp32:
+        grad_h = grad_h.to(hidden.dtype)
+    return grad_h, grad_w, grad_b
