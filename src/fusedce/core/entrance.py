@@ -13,7 +13,7 @@ import torch.autograd.forward_ad as _fwad
 
 from fusedce.core.autocast import fp32_op, linear_op
 from fusedce.core.dtensor import dtensor_op
-from fusedce.core.options.signatures import keyword_hints, with_loss_options
+from fusedce.core.options.signatures import with_loss_options
 from fusedce.core.transforms import no_forward_ad
 
 KINDS = ("logits", "linear", "integration")
@@ -35,10 +35,34 @@ def _plain(values) -> bool:
     return all(type(v) in _PLAIN or not isinstance(v, torch.Tensor) for v in values)
 
 
+def _hint_checks(fn, hints: Optional[dict]) -> tuple:
+    """``(position, name, hint)`` of each parameter of ``hints``."""
+    names = list(inspect.signature(fn).parameters)
+    return tuple((names.index(name), name, hint) for name, hint in (hints or {}).items())
+
+
+def _check_hints(fn, checks: tuple, args, kwargs) -> None:
+    """``TypeError`` with the hint when a parameter of ``checks`` is filled both by position and by keyword
+    (``weight`` of :func:`fusedce.linear_cross_entropy` is the LM head, not ``ce_weight``)."""
+    for position, name, hint in checks:
+        if len(args) > position and name in kwargs:
+            raise TypeError(f"{fn.__name__}() got multiple values for argument {name!r}: {hint}")
+
+
+def keyword_hints(fn, hints: dict):
+    """``fn`` with the keyword-hint check (``_check_hints``) in front."""
+    checks = _hint_checks(fn, hints)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        _check_hints(fn, checks, args, kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 def _fast(fn, chain, hints: Optional[dict]):
     """``chain`` (the layered op) with a shortcut to ``fn`` for plain calls, which every layer passes through."""
-    names = list(inspect.signature(fn).parameters)
-    checks = tuple((names.index(name), name, hint) for name, hint in (hints or {}).items())
+    checks = _hint_checks(fn, hints)
 
     @functools.wraps(chain)
     def op(*args, **kwargs):
@@ -46,9 +70,7 @@ def _fast(fn, chain, hints: Optional[dict]):
                 or torch._C._is_any_autocast_enabled()
                 or not (_plain(args) and _plain(kwargs.values()))):
             return chain(*args, **kwargs)
-        for position, name, hint in checks:
-            if len(args) > position and name in kwargs:
-                raise TypeError(f"{fn.__name__}() got multiple values for argument {name!r}: {hint}")
+        _check_hints(fn, checks, args, kwargs)
         return fn(*args, **kwargs)
 
     return op
@@ -65,7 +87,7 @@ def public_op(kind: str, *, linear: Optional[Sequence[Sequence[str]]] = None, hi
         params = list(inspect.signature(fn).parameters.values())
         if params and params[-1].kind is inspect.Parameter.VAR_KEYWORD and params[-1].name == "options":
             fn = with_loss_options(fn)
-        op = keyword_hints(**hints)(fn) if hints else fn
+        op = keyword_hints(fn, hints) if hints else fn
         if kind == "logits":
             op = fp32_op(op)
         elif kind == "linear":

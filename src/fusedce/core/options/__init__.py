@@ -5,9 +5,8 @@ from fusedce.core.options.schema import (check_accum_dtype, check_chunk_size, ch
                                          deterministic_mode)
 from fusedce.core.options.schema import (LOSS_OPTION_NAMES, REDUCTIONS, LossFlags, LossOptions, LossOptionValues,
                                          LossScalars, log_prob_options, loss_options)
-from fusedce.core.options.signatures import keyword_hints, with_loss_options
+from fusedce.core.options.signatures import with_loss_options
 
 __all__ = ["LOSS_OPTION_NAMES", "REDUCTIONS", "LossFlags", "LossOptionValues", "LossOptions", "LossScalars",
            "check_accum_dtype", "check_chunk_size", "check_flag", "check_temperature", "deterministic_mode",
-           "keyword_hints",
            "log_prob_options", "loss_options", "with_loss_options"]

@@ -1,7 +1,6 @@
 """The public signatures' loss options, derived from ``schema.LossOptions`` (the one description)."""
 from __future__ import annotations
 
-import functools
 import inspect
 import textwrap
 from dataclasses import fields
@@ -43,20 +42,3 @@ def with_loss_options(obj):
     fn.__signature__ = sig.replace(parameters=params[:-1] + added)
     obj.__doc__ = inspect.cleandoc(obj.__doc__ or "") + "\n\n" + loss_options_doc(indent="")
     return obj
-
-
-def keyword_hints(**hints: str):
-    """Decorator: a call that fills a parameter of ``hints`` both by position and by keyword raises ``TypeError``
-    with the hint (``weight`` of :func:`fusedce.linear_cross_entropy` is the LM head, not ``ce_weight``)."""
-    def decorate(fn):
-        names = list(inspect.signature(fn).parameters)
-        checks = tuple((names.index(name), name, hint) for name, hint in hints.items())
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            for position, name, hint in checks:
-                if len(args) > position and name in kwargs:
-                    raise TypeError(f"{fn.__name__}() got multiple values for argument {name!r}: {hint}")
-            return fn(*args, **kwargs)
-        return wrapper
-    return decorate
