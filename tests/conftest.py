@@ -15,6 +15,10 @@ import torch
 if not torch.cuda.is_available():   # torch imports no triton; this must precede every `import triton`
     os.environ["TRITON_INTERPRET"] = "1"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# the Pythons the tests start install interpreter_speed too (support/subprocess_site/sitecustomize.py)
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "subprocess_site")
+if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
 
 import pytest  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  (import before any test patches torch.empty; see test_compile.py)

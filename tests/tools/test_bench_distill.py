@@ -1,7 +1,7 @@
 """``fusedce bench``'s distillation row (``bench/distill.py``) at a tiny shape standing in for the real
 input file (48 tokens, H=16, V=300: not a power of two; a third of the rows ignored as SFT prompts):
-its float64 reference equals the tests' formula oracle, each path's worker result (in process and in a
-fresh process through the command's plumbing) agrees with it, and the table and JSON section render."""
+its float64 reference equals the tests' formula oracle, each path's worker result (in process; two of them also
+in fresh processes through the command's plumbing) agrees with it, and the table and JSON section render."""
 from argparse import Namespace
 
 import pytest
@@ -67,9 +67,14 @@ def test_command_runs_the_row_in_fresh_processes_and_renders(real_file, monkeypa
     assert command._distillation(args, console, {}) is None          # no real input: no row
     other = Namespace(device="cpu", timeout=300, paths="linear-fusedce-torch")
     assert command._distillation(other, console, {"real": {"cache_file": real_file}}) is None   # not asked for
-    section = command._distillation(args, console, {"real": {"cache_file": real_file}})
+    # Two paths through the plumbing (stock, the ratios' base, and one fusedce path): every path's numbers are
+    # test_each_path_matches_the_reference's, the soft-target rows test_bench_distill_soft's.
+    asked = Namespace(device="cpu", timeout=300, paths="distill-stock,distill-fusedce-tiled")
+    section = command._distillation(asked, console, {"real": {"cache_file": real_file}})
+    assert "soft_ce" not in section                                   # no soft-target path asked for
     rows = section["results"]
-    assert [r["path"] for r in rows] == list(distill.PATHS) and all(r["status"] == "ok" for r in rows), rows
+    assert [r["path"] for r in rows] == ["distill-stock", "distill-fusedce-tiled"], rows
+    assert all(r["status"] == "ok" for r in rows), rows
     assert rows[0]["stock_over_path_time"] == 1.0 and all("stock_over_path_memory" in r for r in rows)
     assert section["input"]["tokens"] == 40 and section["input"]["vocab_size"] == V
     print_table(section, console)

@@ -6,7 +6,11 @@ from typing import Optional
 
 
 def class_dim_hint(logits_shape: tuple, target_shape: tuple) -> str:
-    """The hint for a target in ``F.cross_entropy``'s ``(N, C, d1, ...)`` layout, or ``""``."""
+    """The hint for logits in ``F.cross_entropy``'s ``(N, C, d1, ...)`` layout or transposed ``(V, BT)``, or ``""``."""
+    if len(logits_shape) == 2 and len(target_shape) == 1 and target_shape[0] == logits_shape[1] != logits_shape[0]:
+        return (f" (logits.shape[:-1]): the class dimension is LAST, logits (BT, V); these logits "
+                f"{tuple(logits_shape)} with a target of {target_shape[0]} tokens look transposed, (V, BT) with "
+                f"V = {logits_shape[0]}: pass logits.t()")
     if len(logits_shape) < 3:
         return ""
     if target_shape != tuple(logits_shape[:1]) + tuple(logits_shape[2:]):

@@ -80,6 +80,17 @@ def test_class_dimension_one_layout_is_named(backend):
     assert "movedim" not in _raises(ValueError, backend, x, torch.zeros(4, 2, dtype=torch.int64))
 
 
+def test_transposed_logits_are_named(backend):
+    """(V, BT) logits with a target of BT tokens: the message says the classes go last and to transpose;
+    a square (V, V) pair or a target of another length gets no such hint."""
+    x = make_logits((V, 6), torch.float32)
+    msg = _raises(ValueError, backend, x, torch.zeros(6, dtype=torch.int64))
+    assert "look transposed" in msg and "logits.t()" in msg and f"V = {V}" in msg, msg
+    assert "transposed" not in _raises(ValueError, backend, x, torch.zeros(5, dtype=torch.int64))
+    assert "transposed" not in _raises(ValueError, backend, make_logits((6, 6), torch.float32),
+                                       torch.zeros(5, dtype=torch.int64))
+
+
 def test_zero_dim_logits(backend):
     _raises(ValueError, backend, torch.tensor(1.0, requires_grad=True), torch.tensor(0))
 
