@@ -53,6 +53,7 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
             head, labels that do not match the kept positions, a logit transform it cannot reproduce.
         IndexError: (at a call) a label neither ``ignore_index`` nor in ``[0, V)``, named as ``labels[b, t]``.
     """
+    _make_verifying_forward()
     head = output_head(model)
     head_kind(head, module_name(model, head))
     base_model(model)
@@ -186,7 +187,13 @@ def _forward(model, *args, **kwargs):
 _REASON = ("fusedce.patch_causal_lm checks the family's logit transform on the first labelled call, outside the "
            "graph: make one labelled forward call of the patched model before compiling it with fullgraph=True, "
            "or compile without fullgraph")
-try:
-    _verifying_forward = torch.compiler.disable(_forward, reason=_REASON)
-except TypeError:   # a torch whose disable takes no reason (before 2.8): the same graph break, torch's message
-    _verifying_forward = torch.compiler.disable(_forward)
+_verifying_forward = None   # made by patch_causal_lm (eagerly: torch.compiler.disable imports Dynamo, ~1.3 s)
+
+
+def _make_verifying_forward() -> None:
+    global _verifying_forward
+    if _verifying_forward is None:
+        try:
+            _verifying_forward = torch.compiler.disable(_forward, reason=_REASON)
+        except TypeError:   # a torch whose disable takes no reason (before 2.8): the same graph break, torch's message
+            _verifying_forward = torch.compiler.disable(_forward)
