@@ -10,7 +10,13 @@ import os
 import re
 import zlib
 
-import torch
+# OpenMP threads that wait for work sleep instead of spinning: the suite runs 2 workers (and their rank and bench
+# processes) on 2 cores, where spinning threads starve the busy ones (small CPU ops were ~2x slower with two
+# other busy processes; no slower alone). Read by the OpenMP runtime when torch loads it: the xdist workers and
+# every Python the tests start inherit it from here.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():   # torch imports no triton; this must precede every `import triton`
     os.environ["TRITON_INTERPRET"] = "1"

@@ -3,8 +3,9 @@ GPU, and ``fusedce inspect --cute`` reports them.
 
 There is no CPU emulation of CuTe DSL kernels, so on this machine the kernels are only compiled (fake
 tensors with dynamic BT and V, ``backends/cute/compile.py``) and their PTX / ptxas report checked; the
-numerics are checked on a GPU by tests/cute/test_cute_gpu.py. One subprocess per arch: the DSL reads the
-target from ``$CUTE_DSL_ARCH`` at trace time, and this process has ``TRITON_INTERPRET=1``.
+numerics are checked on a GPU by tests/cute/test_cute_gpu.py. ``fusedce inspect --cute`` compiles them in one
+fresh process per arch (the DSL reads the target from ``$CUTE_DSL_ARCH`` at trace time); the command itself
+runs in ``inspect_cli``'s child Python, since this process has ``TRITON_INTERPRET=1``.
 
 Variants: per kernel plain, each constexpr flag alone and all flags in bf16 with 128-bit vectors (V and
 row strides multiples of 8, e.g. Llama-3's 128256), plus plain / all in fp32 and fp16, and the scalar
@@ -15,10 +16,10 @@ spills and local memory.
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from inspect_cli import inspect_command
 
 pytest.importorskip("cutlass", reason="the cute extra (nvidia-cutlass-dsl) is not installed: "
                                       "pip install -e '.[cute]' or make test-cute")
@@ -28,15 +29,12 @@ FULL_VEC = {"fp32": 4, "bf16": 8, "fp16": 8}
 
 
 def _inspect(tmp_path, arch: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUTE_DSL_ARCH")}
     out = tmp_path / "inspect.json"
-    argv = [sys.executable, "-m", "fusedce.tools.inspect", "--arch", arch, "--kernel", "forward", "--variant", "plain",
-            "--dtype", "bf16", "--vocab", "32000", "--cute", "--json", str(out)] \
-        + (["--every-variant"] if EVERY else [])
-    # timeout < make test's pytest limit (900 s): its output is kept
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=780)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "CuTe DSL kernels" in proc.stdout and "CuTe variants" in proc.stdout, proc.stdout
+    argv = ["--arch", arch, "--kernel", "forward", "--variant", "plain", "--dtype", "bf16", "--vocab", "32000",
+            "--cute", "--json", str(out)] + (["--every-variant"] if EVERY else [])
+    rc, stdout, stderr = inspect_command(*argv)   # the CuTe half runs in a fresh process per arch (cute_report.py)
+    assert rc == 0, stdout + stderr
+    assert "CuTe DSL kernels" in stdout and "CuTe variants" in stdout, stdout
     return json.loads(out.read_text())
 
 

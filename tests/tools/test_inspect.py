@@ -4,9 +4,9 @@ The interpreter (which every other Triton test uses) never runs Triton's GPU cod
 can pass every CPU test and still fail to compile for a GPU (it happened: two ``return`` statements of
 different types in ``softcap_slope``), spill registers, or read the logits one 16-bit element at a time.
 These tests compile the launches offline for sm_90 (H100 / H200) and sm_100 (B200) with Triton's bundled
-ptxas. They run ``python -m fusedce.tools.inspect`` in a subprocess because this test process has
-``TRITON_INTERPRET=1`` (conftest.py), under which ``@triton.jit`` gives interpreted functions that
-cannot be compiled.
+ptxas. They run the command in a child Python (``support/inspect_cli.py``, one per test process) because
+this test process has ``TRITON_INTERPRET=1`` (conftest.py), under which ``@triton.jit`` gives interpreted
+functions that cannot be compiled.
 
 Shapes: V = 32000 (Llama-2, a multiple of 16: Triton's own specialization applies); V = 128256
 (Llama-3); V = 1000 (a 32-way vocabulary shard of 32000: V % 16 == 8, so 128-bit bf16 accesses rely on
