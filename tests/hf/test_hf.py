@@ -192,6 +192,8 @@ def test_option_and_model_errors():
     assert "num_items_in_batch" not in LOSS_OPTIONS and "label_smoothing" in LOSS_OPTIONS
     with pytest.raises(TypeError, match="get_output_embeddings"):
         patch_causal_lm(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"instance, got the class LlamaForCausalLM: pass LlamaForCausalLM\(config\)"):
+        patch_causal_lm(transformers.LlamaForCausalLM)
     with pytest.raises(TypeError, match="not a module"):
         patch_causal_lm(transformers.LlamaModel(model.config))  # a base model: no LM head
     with pytest.raises(TypeError, match="no base model"):

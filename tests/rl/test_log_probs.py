@@ -186,6 +186,16 @@ def test_errors():
         fusedce.linear_token_log_probs(hidden, weight, target[:2])
 
 
+def test_swapped_logits_and_target_are_named():
+    """Fresh-user finding: ``token_log_probs(target, logits)`` said only "logits must be float32"."""
+    logits, target = torch.randn(3, 10), torch.randint(0, 10, (3,))
+    with pytest.raises(TypeError, match=r"got torch\.int64, and target is torch\.float32: logits and target swapped\? "
+                                        r"pass \(logits, target\)"):
+        fusedce.token_log_probs(target, logits)
+    with pytest.raises(TypeError, match=r"logits must be float32, bfloat16 or float16, got torch\.int64$"):
+        fusedce.token_log_probs(target, target)   # no float target: no swap suggested
+
+
 def test_target_shape_error_names_the_k_class_form():
     """A target of the wrong shape: the message names both accepted forms, ``(...)`` and ``(..., K)``."""
     with pytest.raises(ValueError, match=r"must equal \(10,\); or a \(\.\.\., K\) target of 2 dimensions"):

@@ -98,3 +98,12 @@ def test_inspect_without_options_compiles_a_quick_set():
     # the quick set: one configuration per kernel and dtype (32 table rows, not ~1,500)
     per_kernel = [list(variants.VARIANTS[k])[:1] for k in variants.ALL_KERNELS]
     assert all(len(names) == 1 for names in per_kernel) and len(per_kernel) * len(variants.DTYPES) == 32
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "x"])
+def test_inspect_refuses_a_vocabulary_below_one(value, capsys):
+    """A fresh user's ``--vocab -5`` ended in a traceback from the launch builder and ``--vocab 0`` compiled and
+    reported a false "not 128-bit" problem: argparse now names the option."""
+    with pytest.raises(SystemExit):
+        _subparser("inspect").parse_args(["--vocab", value])
+    assert "argument --vocab: V must be" in capsys.readouterr().err

@@ -111,10 +111,14 @@ def test_refusals():
     for chunk in ("4", 0, 2.5, True):
         with pytest.raises(ValueError, match=rf"chunk_size must be an int >= 1 or None, got {chunk!r}"):
             tt.FusedLinearCrossEntropy.Config(chunk_size=chunk).build()
+    with pytest.raises(ValueError, match=r"unknown backend 'bogus'; valid names are"):   # at build, not the first step
+        tt.FusedLinearCrossEntropy.Config(backend="bogus").build()
     loss = fused_loss()
     loss.set_lm_head(torch.nn.Linear(4, V, bias=False))
     with pytest.raises(TypeError, match=r"labels must be integer token ids .*torch\.float32 of shape \(1, 8\)"):
         loss(torch.randn(1, 8, 4), torch.zeros(1, 8))
+    with pytest.raises(TypeError, match=r"pred and labels swapped\?"):
+        loss(torch.zeros(1, 8, dtype=torch.long), torch.randn(1, 8, 4))
 
 
 def test_spmd_type_checking_is_refused():

@@ -136,10 +136,7 @@ def _index_scales(call_reduction, flat_target, class_weights, opts, num_items):
 def checked_cross_entropy(logits, target, weight, *, reduction, num_items_in_batch, inplace_backward, return_stats,
                           backend, token_weights, batch_invariant, options) -> CECall:
     """``cross_entropy``'s checks (class indices or probabilities) and the target-range check's sync."""
-    if (isinstance(logits, torch.Tensor) and not logits.is_floating_point() and isinstance(target, torch.Tensor)
-            and target.is_floating_point()):
-        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}, and target is "
-                        f"{target.dtype}: logits and target swapped? cross_entropy(logits, target)")
+    val.check_not_swapped("logits", logits, target, "cross_entropy(logits, target)")
     val.check_float("logits", logits)
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (the classes, last)")
@@ -151,7 +148,7 @@ def checked_cross_entropy(logits, target, weight, *, reduction, num_items_in_bat
         check_probs(target, logits, opts, values=False)   # values below, with token_weights
     else:
         val.check_target(target, shape, logits.device, lambda t: val.class_dim_hint(tuple(logits.shape), t),
-                         probabilities=True)
+                         probabilities=True, data="logits")
         target = val.widen_target(target, opts.ignore_index)   # int32 vs an ignore_index beyond int32
     val.check_vector("weight", weight, n_classes, logits.device, constant=True, position="third")
     val.check_num_items(num_items_in_batch, logits.device)

@@ -32,9 +32,10 @@ def check_nonzero(name: str, shape, dim: int, what: str) -> None:
 
 
 def check_target(target: torch.Tensor, expected_shape, device: torch.device,
-                 hint: Optional[Callable[[tuple], str]] = None, probabilities: bool = False) -> None:
-    """``target``: an int32/int64 tensor of ``expected_shape`` on ``device``; ``hint(target.shape)`` names the
-    likely mistake of a wrong shape."""
+                 hint: Optional[Callable[[tuple], str]] = None, probabilities: bool = False,
+                 data: str = "the data") -> None:
+    """``target``: an int32/int64 tensor of ``expected_shape`` on ``device`` (``data``'s, the argument named in a
+    device mismatch); ``hint(target.shape)`` names the likely mistake of a wrong shape."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor, got {type(target).__name__}")
     if target.dtype not in INDEX_DTYPES:
@@ -53,7 +54,15 @@ def check_target(target: torch.Tensor, expected_shape, device: torch.device,
         extra = extra or ("" if soft else reshape_hint(tuple(target.shape), tuple(expected_shape)))
         raise ValueError(f"target shape {tuple(target.shape)} must equal {tuple(expected_shape)}{soft}{extra}")
     if target.device != device:
-        raise ValueError(f"target is on {target.device} but the data is on {device}")
+        raise ValueError(f"target is on {target.device} but {data} is on {device}: move one to the other's device")
+
+
+def check_not_swapped(name: str, logits, target, call: str) -> None:
+    """``TypeError`` for integer ``logits`` beside a floating-point ``target``: the two passed in each other's place."""
+    if (isinstance(logits, torch.Tensor) and not logits.is_floating_point() and isinstance(target, torch.Tensor)
+            and target.is_floating_point()):
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {logits.dtype}, and target is "
+                        f"{target.dtype}: {name} and target swapped? {call}")
 
 
 def check_float(name: str, t: torch.Tensor) -> None:
@@ -241,10 +250,11 @@ def check_linear(hidden, weight, target, bias, ce_weight, chunk_size, accum_dtyp
         raise ValueError(f"{w_name} is on {weight.device} but hidden is on {hidden.device}")
     if probs:   # a probability target's dtype and shape: ce/checks.check_probs
         if target.device != hidden.device:
-            raise ValueError(f"target is on {target.device} but the data is on {hidden.device}")
+            raise ValueError(f"target is on {target.device} but hidden is on {hidden.device}")
     else:
         check_target(target, hidden.shape[:-1], hidden.device,
-                     lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape), probabilities)
+                     lambda shape: swapped_hint(tuple(hidden.shape), tuple(weight.shape), shape), probabilities,
+                     data="hidden")
     check_vector(b_name, bias, weight.shape[0], hidden.device, position="fourth" if b_name == "bias" else "")
     check_vector(cw_name, ce_weight, weight.shape[0], hidden.device, constant=True)
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):

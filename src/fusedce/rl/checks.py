@@ -56,6 +56,7 @@ def checked_log_probs(logits, target, *, temperature, softcap, logit_scale, igno
                       top_p=None) -> LogProbsCall:
     """The checks of an RL op on logits (``sharded``: a vocabulary slice ``logits_shard``, possibly empty); the
     target is widened to int64 when ``ignore_index`` needs it."""
+    val.check_not_swapped(name, logits, target, f"pass ({name}, target)")
     val.check_float(name, logits)
     if logits.dim() < 1:
         raise ValueError(f"{name} must have at least one dimension (the classes, last)")
@@ -68,7 +69,7 @@ def checked_log_probs(logits, target, *, temperature, softcap, logit_scale, igno
         _check_kclass(target, lead, logits.device, return_stats)
     else:
         val.check_target(target, lead, logits.device, lambda t: f"{val.class_dim_hint(tuple(logits.shape), t)}"
-                         f"; or a (..., K) target of {len(lead) + 1} dimensions, K target ids per token")
+                         f"; or a (..., K) target of {len(lead) + 1} dimensions, K target ids per token", data=name)
     target = val.widen_target(target, opts.ignore_index)
     _flags(kclass, return_entropy, return_stats)
     top_k, top_p = checked_truncation(top_k, top_p, target, kclass, return_stats)

@@ -458,3 +458,14 @@ def test_swapped_logits_and_target_are_named():
         fusedce.cross_entropy(target, logits)
     with pytest.raises(TypeError, match=r"logits must be float32, bfloat16 or float16, got torch\.int64$"):
         fusedce.cross_entropy(target, target)   # no float target: no swap suggested
+
+
+def test_device_mismatch_names_the_argument():
+    """Fresh-user finding: "target is on cpu but the data is on meta" named no argument."""
+    x, t = torch.randn(6, 16, device="meta"), torch.randint(0, 16, (6,))
+    with pytest.raises(ValueError, match=r"target is on cpu but logits is on meta"):
+        fusedce.cross_entropy(x, t)
+    with pytest.raises(ValueError, match=r"target is on cpu but logits is on meta"):
+        fusedce.token_log_probs(x, t)
+    with pytest.raises(ValueError, match=r"target is on cpu but hidden is on meta"):
+        fusedce.linear_cross_entropy(torch.randn(6, 4, device="meta"), torch.randn(16, 4, device="meta"), t)

@@ -53,6 +53,9 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
             head, labels that do not match the kept positions, a logit transform it cannot reproduce.
         IndexError: (at a call) a label neither ``ignore_index`` nor in ``[0, V)``, named as ``labels[b, t]``.
     """
+    if isinstance(model, type):
+        raise TypeError(f"patch_causal_lm patches a model instance, got the class {model.__name__}: pass "
+                        f"{model.__name__}(config) or {model.__name__}.from_pretrained(...)")
     _make_verifying_forward()
     head = output_head(model)
     head_kind(head, module_name(model, head))

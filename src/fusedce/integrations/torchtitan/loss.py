@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.config import CompileConfig
 
+from fusedce.backends import BACKENDS
 from fusedce.ce.functional import linear_cross_entropy
 from fusedce.distributed import vocab_parallel_linear_cross_entropy
 from fusedce.integrations.torchtitan.head import head_params, local_view, spmd_tp_group, to_partial
@@ -58,6 +59,8 @@ class FusedLinearCrossEntropy(ChunkedLossWrapper):
         chunk = config.chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"{_WHERE}: chunk_size must be an int >= 1 or None, got {chunk!r}")
+        if config.backend is not None and config.backend not in BACKENDS:
+            raise ValueError(f"{_WHERE}: unknown backend {config.backend!r}; valid names are {BACKENDS} or None")
         super().__init__(config, compile_config=compile_config)
         self.chunk_size = config.chunk_size
         self.backend = config.backend
@@ -79,8 +82,10 @@ class FusedLinearCrossEntropy(ChunkedLossWrapper):
         hidden, hidden_dt = local_view(pred, "pred", _WHERE)
         labels_local, _ = local_view(labels, "labels", _WHERE)
         if labels_local.is_floating_point() or labels_local.is_complex() or labels_local.dtype == torch.bool:
+            swapped = labels.is_floating_point() and not pred.is_floating_point()
             raise TypeError(f"{_WHERE}: labels must be integer token ids (int64 / int32), got {labels_local.dtype} of "
-                            f"shape {tuple(labels.shape)}; pass labels.long() if they hold ids")
+                            f"shape {tuple(labels.shape)}; " + ("pred and labels swapped? pass (pred [B, L, H], labels "
+                            "[B, L])" if swapped else "pass labels.long() if they hold ids"))
         requires_grad = pred.requires_grad
         fsdp = isinstance(lm_head, FSDPModule)
         if fsdp:   # the head's parameters unsharded as FSDP hands them to its forward
