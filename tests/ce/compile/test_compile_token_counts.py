@@ -9,11 +9,12 @@ compilations and 300 s for 4 lengths); with ``torch._dynamo.mark_dynamic`` it ra
 ``rl/kclass_ops.py``, ``lm_head/probs_loop.py``, ``backends/pytorch/custom_ops.py``), decided inside from the real
 ``n``.
 
-Each case compiles a forward+backward step (``fullgraph=True``, ``dynamic=True``) and runs it on four token
+Each case compiles a forward+backward step (``fullgraph=True``, ``dynamic=True``) and runs it on three token
 counts, every one larger than any chunk, so that each takes a different number of chunks: at most one
-compilation beyond the first (the 0/1 specialisation of a size Dynamo may meet), the values and gradients
-equal to eager's. ``aot_eager`` (Dynamo + AOTAutograd, where the specialisation happened) keeps it fast; the
-default op also runs once with Inductor. The Triton backend (under the interpreter) runs the default op.
+compilation beyond the first (the 0/1 specialisation of a size Dynamo may meet; a graph specialized on the
+count compiles three times), the values and gradients equal to eager's. ``aot_eager`` (Dynamo + AOTAutograd,
+where the specialisation happened) keeps it fast; the default op also runs once with Inductor. The Triton
+backend (under the interpreter) runs the default op.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import fusedce
 
 H, V, K = 16, 96, 3
-CHUNK = 4                       # rows per chunk: 2 to 9 chunks over the counts below
-COUNTS = (9, 14, 23, 35)
+CHUNK = 4                       # rows per chunk: 3 to 6 chunks over the counts below
+COUNTS = (9, 14, 23)
 
 
 def _lce(method, chunk, backend):
