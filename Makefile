@@ -2,7 +2,7 @@
 #   make bench          the main job: fused vs stock cross-entropy on SmolLM2-135M over KJV text, the peers,
 #                       accuracy, RL precision, distillation (README "Two commands": the measured durations)
 #   make test           the test suite on CPU; Triton kernels run under TRITON_INTERPRET=1
-#                       (12-13 min on 2 quiet cores, 2026-12-06; more when other jobs share them)
+#                       (12-16 min on 2 quiet cores, 2026-12-06; more when other jobs share them)
 #   make lint           ruff (everything) and mypy (core/ and the public faces), < 1 min
 # Also: make install (the set-up alone), make bench-sweep (the CPU memory sweep alone, ~10-20 min),
 #       make test-cute (~5 min), make docs, make check-package,
