@@ -46,8 +46,8 @@ def patch_causal_lm(model: nn.Module, *, keep_logits: Optional[bool] = None, **l
         **loss_options: the options of :func:`fusedce.linear_cross_entropy`, checked here.
 
     Raises:
-        TypeError: an unknown option or a bad ``keep_logits``; no output embedding or base model; at a call,
-            a head called with extra arguments or not exactly once.
+        TypeError: the model's class instead of an instance; an unknown option or a bad ``keep_logits``; no output
+            embedding or base model; at a call, a head called with extra arguments or not exactly once.
         ValueError: a bad option value, a ``softcap`` contradicting the config, a head or adapter the patch
             cannot apply exactly, an encoder-decoder or unshifted family; at a call, the same for a replaced
             head, labels that do not match the kept positions, a logit transform it cannot reproduce.

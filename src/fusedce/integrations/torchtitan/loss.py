@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.config import CompileConfig
 
-from fusedce.backends import BACKENDS
+from fusedce.backends import check_name
 from fusedce.ce.functional import linear_cross_entropy
 from fusedce.distributed import vocab_parallel_linear_cross_entropy
 from fusedce.integrations.torchtitan.head import head_params, local_view, spmd_tp_group, to_partial
@@ -59,8 +59,8 @@ class FusedLinearCrossEntropy(ChunkedLossWrapper):
         chunk = config.chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"{_WHERE}: chunk_size must be an int >= 1 or None, got {chunk!r}")
-        if config.backend is not None and config.backend not in BACKENDS:
-            raise ValueError(f"{_WHERE}: unknown backend {config.backend!r}; valid names are {BACKENDS} or None")
+        if config.backend is not None:
+            check_name(config.backend)   # the name only: the device is known at the first call
         super().__init__(config, compile_config=compile_config)
         self.chunk_size = config.chunk_size
         self.backend = config.backend
